@@ -1,0 +1,47 @@
+"""Install armor_megatron.
+
+On a CPU machine install torch==2.13.0 first (see README): the open range below would
+otherwise let pip pick a multi-GB CUDA build.
+"""
+
+import re
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+version = re.search(r'__version__ = "([^"]+)"', Path("armor_megatron/__init__.py").read_text()).group(1)
+
+setup(
+    name="armor_megatron",
+    version=version,
+    description="ARMOR (Anchor Rollout and Mixed Optimization for RL) post-training on Megatron-core",
+    long_description=Path("README.md").read_text(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["armor_megatron", "armor_megatron.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.6",
+        # 0.17+ needs Python 3.12; 0.16.1 is the newest release for 3.11.
+        "megatron-core>=0.16.1,<0.18",
+        # megatron-core's checkpoint writer needs psutil but does not declare it.
+        "psutil",
+        "numpy",
+        "pyyaml>=6",
+        "safetensors>=0.4",
+        "transformers>=4.51",
+        "math-verify>=0.7",
+    ],
+    extras_require={
+        # NVIDIA Apex is not on the package index; README explains the source build.
+        "gpu": ["transformer-engine[pytorch]>=2.4"],
+        "sglang": ["sglang==0.5.23", "sglang-router"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+    },
+    entry_points={
+        "console_scripts": [
+            "armor-train=armor_megatron.cli.train:main",
+            "armor-convert=armor_megatron.cli.convert:main",
+            "armor-eval=armor_megatron.cli.eval:main",
+        ]
+    },
+)
