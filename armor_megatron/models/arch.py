@@ -40,6 +40,14 @@ class UnsupportedModelError(ValueError):
     """The HF config names an architecture or a feature this project does not convert."""
 
 
+class ParallelismError(ValueError):
+    """A model size does not divide by a parallel size; ``axis`` names it ("tp", "pp" or "ep")."""
+
+    def __init__(self, axis: str, message: str):
+        super().__init__(message)
+        self.axis = axis
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelArch:
     """Shape-deciding facts of a decoder-only transformer, in HF terms.
@@ -81,7 +89,7 @@ class ModelArch:
         return self.num_attention_heads // self.num_key_value_heads
 
     def validate_parallelism(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
-        """Raise ValueError naming the first size that does not divide as Megatron needs."""
+        """Raise ParallelismError naming the first size that does not divide as Megatron needs."""
         checks = [
             ("num_attention_heads", self.num_attention_heads, "tp", tp),
             ("num_key_value_heads", self.num_key_value_heads, "tp", tp),
@@ -90,10 +98,10 @@ class ModelArch:
         if self.is_moe:
             checks.append(("num_experts", self.num_experts, "ep", ep))
         elif ep != 1:
-            raise ValueError(f"ep={ep} needs a MoE model; {self.family} is dense")
+            raise ParallelismError("ep", f"ep={ep} needs a MoE model; {self.family} is dense")
         for what, size, axis, n in checks:
             if n < 1 or size % n:
-                raise ValueError(f"{what}={size} is not divisible by {axis}={n}")
+                raise ParallelismError(axis, f"{what}={size} is not divisible by {axis}={n}")
 
     # ------------------------------------------------------------------ HF config I/O
     @classmethod

@@ -1,0 +1,90 @@
+"""Load a run config: YAML file (optionally ``extends:`` another) + dotted overrides -> RunConfig.
+
+    cfg = load_config("configs/qwen25_math_7b_armor.yaml", ["algorithm.alpha=0.875", "parallelism.tp=4"])
+
+Override values are parsed as YAML scalars/lists (``x=0.5``, ``x=true``, ``x=[1,2]``, ``x=null``).
+Every problem raises ``ConfigError`` with one line naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any, Iterable
+
+import yaml
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.typed import ConfigError, from_dict
+from armor_megatron.config.validate import validate_run_config
+
+
+def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+    data = read_yaml_tree(path)
+    for item in overrides:
+        key, value = parse_override(item)
+        set_dotted(data, key, value)
+    cfg = from_dict(RunConfig, data)
+    validate_run_config(cfg)
+    return cfg
+
+
+def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
+    """Read ``path``; a top-level ``extends: other.yaml`` (relative to it) is read first and deep-merged under it."""
+    real = os.path.realpath(path)
+    if real in _seen:
+        raise ConfigError("extends", f"circular extends through {path}")
+    if not os.path.isfile(path):
+        raise ConfigError("", f"config file not found: {path}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError("", f"{path}{where}: invalid YAML ({getattr(err, 'problem', None) or err})") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError("", f"{path}: top level must be a mapping of sections")
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError("extends", "must be a path to another YAML file")
+    parent = read_yaml_tree(os.path.join(os.path.dirname(path), base), _seen + (real,))
+    return deep_merge(parent, data)
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError(item, "override must look like section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(key, f"cannot parse override value {raw!r}") from None
+    return key, value
+
+
+def set_dotted(data: dict, key: str, value: Any) -> None:
+    node = data
+    parts = key.split(".")
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(".".join(parts[: i + 1]), "is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    """``top`` over ``base``; nested mappings merge, everything else is replaced."""
+    out = copy.deepcopy(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out

@@ -1,0 +1,237 @@
+"""The run configuration: one dataclass per YAML section.
+
+Defaults are the paper's DAPO + ARMOR settings where the paper gives one (G=16,
+α=0.9375, τ=160, anchor tries 4, ε 0.2/0.28, no KL term). Each field states its check next
+to it; checks that involve several fields live in ``armor_megatron.config.validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive
+
+Estimator = Literal["dapo", "grpo", "drgrpo", "qae", "rloo", "reinforce++", "gae"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = checked(check=non_empty, help="HF model directory (config.json, safetensors, tokenizer)")
+    mcore_path: Optional[str] = checked(None, help="converted torch_dist checkpoint; converted at start when unset")
+    arch: dict[str, Any] = checked(
+        factory=dict, help="HF config.json fields used for checks when `path` is not on this machine"
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    spec: Literal["auto", "local", "te"] = checked("auto", help="Megatron layer spec; auto = TE when importable")
+
+
+@dataclasses.dataclass
+class ParallelismConfig:
+    tp: int = checked(1, check=at_least(1), help="tensor parallel size")
+    pp: int = checked(1, check=at_least(1), help="pipeline parallel size")
+    ep: int = checked(1, check=at_least(1), help="expert parallel size (MoE)")
+    vpp: Optional[int] = checked(None, check=at_least(1), help="virtual pipeline chunks per stage")
+    cp: int = checked(1, check=at_least(1), help="context parallel size")
+    sp: bool = checked(False, help="sequence parallelism (needs tp > 1)")
+
+
+@dataclasses.dataclass
+class SGLangConfig:
+    urls: list[str] = checked(factory=list, help="attach to running servers instead of launching")
+    num_engines: int = checked(1, check=at_least(1))
+    tp_per_engine: int = checked(1, check=at_least(1))
+    host: str = "127.0.0.1"
+    base_port: int = checked(30000, check=in_range(1024, 65535))
+    api_key: Optional[str] = None
+    mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
+    placement: Literal["colocated", "disaggregated"] = "colocated"
+    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    bucket_mb: int = checked(512, check=at_least(1))
+    request_timeout_s: float = checked(600.0, check=positive)
+    max_retries: int = checked(5, check=at_least(0))
+    max_concurrency: int = checked(256, check=at_least(1))
+
+
+@dataclasses.dataclass
+class RolloutConfig:
+    engine: Literal["local", "sglang"] = "sglang"
+    prompts_per_step: int = checked(128, check=at_least(1), help="prompts per RL step (before oversampling)")
+    group_size: int = checked(16, check=at_least(2), help="G: responses per prompt, the anchor included")
+    temperature: float = checked(1.0, check=positive)
+    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True))
+    top_k: int = checked(-1, check=lambda k: None if k == -1 or k >= 1 else f"{k!r} must be -1 (off) or >= 1")
+    max_prompt_len: int = checked(1024, check=at_least(1))
+    max_response_len: int = checked(8192, check=at_least(1))
+    seed: int = 0
+    sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+
+
+@dataclasses.dataclass
+class AnchorConfig:
+    enabled: bool = True
+    max_tries: int = checked(4, check=at_least(1), help="reference samples drawn per prompt before giving up")
+    tries_per_request: int = checked(4, check=at_least(1), help="tries asked for at once (keep the first correct)")
+    source: Literal["separate", "swap"] = checked("separate", help="frozen engine group, or swap weights in place")
+    cache: bool = checked(True, help="reuse verified anchors while the reference is frozen")
+    cache_size_per_prompt: int = checked(4, check=at_least(1))
+    pregenerate: bool = checked(False, help="sample next batch's anchors while the trainer updates")
+    temperature: Optional[float] = checked(None, check=positive, help="defaults to rollout.temperature")
+
+
+@dataclasses.dataclass
+class DynamicSamplingConfig:
+    enabled: bool = True
+    max_oversample_rounds: int = checked(3, check=at_least(0), help="extra rollout rounds to refill dropped groups")
+
+
+@dataclasses.dataclass
+class OverlongConfig:
+    enabled: bool = True
+    buffer_len: int = checked(4096, check=at_least(1), help="soft-penalty zone before max_response_len")
+    penalty: float = checked(1.0, check=in_range(0, None), help="penalty at the hard limit")
+
+
+@dataclasses.dataclass
+class AlgorithmConfig:
+    estimator: Estimator = "dapo"
+    alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
+    eps_low: float = checked(0.2, check=in_range(0, 1, lo_open=True, hi_open=True))
+    eps_high: float = checked(0.28, check=positive)
+    dual_clip_c: Optional[float] = checked(None, check=in_range(1, None, lo_open=True))
+    loss_agg: LossAgg = "token-mean"
+    qae_quantile: float = checked(0.4, check=in_range(0, 1), help="K of the QAE quantile baseline")
+    std_eps: float = checked(1e-6, check=positive)
+    gamma: float = checked(1.0, check=in_range(0, 1))
+    lam: float = checked(1.0, check=in_range(0, 1))
+    dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
+    overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+
+
+@dataclasses.dataclass
+class ReferenceConfig:
+    reset: Literal["every", "two_stage", "never", "best_validation"] = "every"
+    tau: int = checked(160, check=at_least(1), help="steps between resets (every) or of stage one (two_stage: 1)")
+    stage_one_steps: int = checked(180, check=at_least(0), help="two_stage: reset every step for this many steps")
+    offload: bool = checked(False, help="keep reference weights on CPU between uses")
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+    lr: float = checked(1e-6, check=positive)
+    min_lr: float = checked(0.0, check=in_range(0, None))
+    weight_decay: float = checked(0.1, check=in_range(0, None))
+    adam_beta1: float = checked(0.9, check=in_range(0, 1, hi_open=True))
+    adam_beta2: float = checked(0.999, check=in_range(0, 1, hi_open=True))
+    adam_eps: float = checked(1e-8, check=positive)
+    clip_grad: float = checked(1.0, check=positive)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    warmup_steps: int = checked(0, check=at_least(0))
+    skip_grad_norm_ratio: float = checked(
+        10.0, check=in_range(1, None, lo_open=True), help="skip a step whose grad norm exceeds this × running median"
+    )
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    steps: int = checked(500, check=at_least(1))
+    mini_batches_per_step: int = checked(1, check=at_least(1), help="optimizer steps per rollout batch")
+    epochs_per_step: int = checked(1, check=at_least(1))
+    micro_batch_size: int = checked(1, check=at_least(1), help="sequences per forward pass")
+    seed: int = 1234
+    deterministic: bool = False
+
+
+@dataclasses.dataclass
+class DataConfig:
+    train_path: str = checked(check=non_empty, help="JSONL or Parquet with prompt/answer columns")
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    type_key: str = checked("type", help="optional per-row verifier name")
+    apply_chat_template: bool = True
+    prompt_template: Optional[str] = checked(None, help="python format string with {prompt}")
+    shuffle: bool = True
+
+
+@dataclasses.dataclass
+class RewardConfig:
+    verifier: str = checked("math", check=non_empty, help="registered name or module:function")
+    format_weight: float = checked(0.0, check=in_range(0, 1))
+    timeout_s: float = checked(5.0, check=positive)
+    workers: int = checked(4, check=at_least(1))
+
+
+@dataclasses.dataclass
+class EvalDataset:
+    name: str = checked(check=non_empty)
+    path: str = checked(check=non_empty)
+    k: int = checked(1, check=at_least(1), help="samples per prompt for avg@k / pass@k")
+
+
+@dataclasses.dataclass
+class EvalConfig:
+    every_steps: int = checked(10, check=at_least(0), help="0 disables periodic evaluation")
+    datasets: list[EvalDataset] = checked(factory=list)
+    temperature: float = checked(0.6, check=in_range(0, None))
+    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True))
+    max_response_len: int = checked(8192, check=at_least(1))
+    pass_k: list[int] = checked(factory=lambda: [1], check=lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None))
+
+
+@dataclasses.dataclass
+class CheckpointConfig:
+    dir: str = checked("checkpoints", check=non_empty)
+    every_steps: int = checked(20, check=at_least(0), help="0 saves only at the end and on preemption")
+    keep_last: int = checked(3, check=at_least(1))
+    resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")
+    save_anchor_cache: bool = True
+
+
+@dataclasses.dataclass
+class WandbConfig:
+    project: Optional[str] = None
+    entity: Optional[str] = None
+    name: Optional[str] = None
+
+
+@dataclasses.dataclass
+class LoggingConfig:
+    dir: str = checked("runs", check=non_empty)
+    every_steps: int = checked(1, check=at_least(1))
+    jsonl: bool = True
+    tensorboard: bool = False
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    progress_bar: bool = True
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    nodes: int = checked(1, check=at_least(1))
+    gpus_per_node: int = checked(8, check=at_least(0), help="0 = CPU run")
+    engine_gpus: int = checked(0, check=at_least(0), help="GPUs reserved for rollout engines (disaggregated)")
+    partition: Optional[str] = None
+    account: Optional[str] = None
+    time: str = "48:00:00"
+    requeue_exit_code: int = checked(85, check=in_range(1, 255))
+
+
+@dataclasses.dataclass
+class RunConfig:
+    """A whole run; YAML top-level keys are these section names."""
+
+    model: ModelConfig
+    data: DataConfig
+    name: str = checked("armor", check=non_empty)
+    parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)
+    algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
+    reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+    reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
+    eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)

@@ -1,0 +1,176 @@
+"""Build typed dataclass configs from plain dicts, with errors that name the key.
+
+Every problem becomes one ``ConfigError`` whose message starts with the dotted key, e.g.
+``algorithm.alpha: 1.5 is out of range, must be in (0, 1]``. Field checks are declared next
+to the field (``field(metadata={"check": ...})``) with the small check builders below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from typing import Any, Callable, Optional
+
+
+class ConfigError(ValueError):
+    """A configuration problem; ``str(err)`` is one line that starts with the key."""
+
+    def __init__(self, key: str, problem: str):
+        super().__init__(f"{key}: {problem}" if key else problem)
+        self.key = key
+
+
+Check = Callable[[Any], Optional[str]]
+
+
+def checked(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory=None, help: str = ""):
+    """A dataclass field with an optional value check (returns an error text or None) and a help text."""
+    meta = {"check": check, "help": help}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def in_range(lo: float | None = None, hi: float | None = None, *, lo_open=False, hi_open=False) -> Check:
+    """Check ``lo (<|<=) x (<|<=) hi``; the message shows the interval in math notation."""
+    text = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"
+
+    def check(x):
+        if x is None:
+            return None
+        bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
+        bad_hi = hi is not None and (x >= hi if hi_open else x > hi)
+        return f"{x!r} is out of range, must be in {text}" if bad_lo or bad_hi else None
+
+    return check
+
+
+def positive(x) -> Optional[str]:
+    return None if x is None or x > 0 else f"{x!r} must be > 0"
+
+
+def at_least(n: int) -> Check:
+    return lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}"
+
+
+def non_empty(x) -> Optional[str]:
+    return None if x else "must not be empty"
+
+
+# ---------------------------------------------------------------------------- building
+
+
+def from_dict(cls: type, data: Any, key: str = "") -> Any:
+    """Instantiate dataclass ``cls`` from ``data``, recursively, type- and range-checked."""
+    if not isinstance(data, dict):
+        raise ConfigError(key, f"expected a mapping (section), got {_type_name(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    for name in data:
+        if name not in fields:
+            raise ConfigError(_join(key, str(name)), "unknown key" + _suggest(str(name), fields))
+    values = {}
+    for name, f in fields.items():
+        sub = _join(key, name)
+        if name in data:
+            value = _coerce(hints[name], data[name], sub)
+        elif f.default is not dataclasses.MISSING:
+            value = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            value = f.default_factory()
+        else:
+            raise ConfigError(sub, "required key is missing")
+        check = f.metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(sub, problem)
+        values[name] = value
+    return cls(**values)
+
+
+def to_dict(obj: Any) -> Any:
+    """The plain-data form of a config (for printing and saving beside checkpoints)."""
+    if dataclasses.is_dataclass(obj):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def _coerce(tp: Any, value: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        options = [a for a in args if a is not type(None)]
+        errors = []
+        for option in options:
+            try:
+                return _coerce(option, value, key)
+            except ConfigError as err:
+                errors.append(err)
+        if len(options) == 1:
+            raise errors[0]
+        raise ConfigError(key, f"{value!r} does not match any of {', '.join(_type_name_of(o) for o in options)}")
+    if origin is typing.Literal:
+        if value not in args:
+            raise ConfigError(key, f"{value!r} is not one of {', '.join(repr(a) for a in args)}" + _suggest(str(value), [str(a) for a in args]))
+        return value
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, {} if value is None else value, key)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(key, f"expected a list, got {_type_name(value)}")
+        (item,) = args or (Any,)
+        return [_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {_type_name(value)}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(key, f"expected true or false, got {_type_name(value)} {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(key, f"expected an integer, got {_type_name(value)} {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, f"expected a number, got {_type_name(value)} {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(key, f"expected a string, got {_type_name(value)} {value!r}")
+        return value
+    raise TypeError(f"config field {key} has an unsupported type {tp!r}")
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _suggest(name: str, choices) -> str:
+    close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _type_name_of(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))

@@ -1,0 +1,94 @@
+"""Checks that span several fields of a RunConfig (single-field checks sit on the fields)."""
+
+from __future__ import annotations
+
+import os
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.typed import ConfigError
+from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
+
+
+def validate_run_config(cfg: RunConfig) -> None:
+    _check_parallelism(cfg)
+    _check_model_fits_parallelism(cfg)
+    _check_rollout(cfg)
+    _check_eval(cfg)
+
+
+def model_arch_of(cfg: RunConfig) -> ModelArch | None:
+    """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None."""
+    try:
+        if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+            return ModelArch.from_hf_config(load_hf_config(cfg.model.path))
+        if cfg.model.arch:
+            return ModelArch.from_hf_config(cfg.model.arch)
+    except UnsupportedModelError as err:
+        raise ConfigError("model", str(err)) from None
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError("model.arch", f"incomplete or invalid HF config ({err})") from None
+    return None
+
+
+def _check_parallelism(cfg: RunConfig) -> None:
+    par = cfg.parallelism
+    if par.sp and par.tp == 1:
+        raise ConfigError("parallelism.sp", "sequence parallelism needs tp > 1")
+    if par.vpp is not None and par.pp == 1:
+        raise ConfigError("parallelism.vpp", "virtual pipeline chunks need pp > 1")
+    launch = cfg.launch
+    if launch.gpus_per_node:
+        total = launch.nodes * launch.gpus_per_node
+        if launch.engine_gpus >= total:
+            raise ConfigError("launch.engine_gpus", f"{launch.engine_gpus} leaves no GPU for training out of {total}")
+        trainer_gpus = total - launch.engine_gpus
+        model_parallel = par.tp * par.pp * par.cp
+        if trainer_gpus % model_parallel:
+            raise ConfigError(
+                "parallelism.tp",
+                f"tp·pp·cp={model_parallel} does not divide the {trainer_gpus} trainer GPUs",
+            )
+        dp = trainer_gpus // model_parallel
+        if (dp * par.tp) % par.ep:
+            raise ConfigError("parallelism.ep", f"ep={par.ep} does not divide dp·tp={dp * par.tp}")
+
+
+def _check_model_fits_parallelism(cfg: RunConfig) -> None:
+    arch = model_arch_of(cfg)
+    if arch is None:
+        return
+    par = cfg.parallelism
+    try:
+        arch.validate_parallelism(tp=par.tp, pp=par.pp * (par.vpp or 1), ep=par.ep)
+    except ParallelismError as err:
+        raise ConfigError(f"parallelism.{err.axis}", f"{err} (model {cfg.model.path})") from None
+    if arch.is_moe and par.tp > 1 and not par.sp:
+        raise ConfigError("parallelism.sp", "MoE training with tp > 1 needs sequence parallelism (sp: true)")
+
+
+def _check_rollout(cfg: RunConfig) -> None:
+    ro, anchor, algo = cfg.rollout, cfg.anchor, cfg.algorithm
+    if anchor.enabled and anchor.tries_per_request > anchor.max_tries:
+        raise ConfigError("anchor.tries_per_request", f"{anchor.tries_per_request} exceeds anchor.max_tries={anchor.max_tries}")
+    if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:
+        raise ConfigError(
+            "algorithm.overlong.buffer_len",
+            f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}",
+        )
+    if algo.eps_high < algo.eps_low:
+        raise ConfigError("algorithm.eps_high", f"{algo.eps_high} is below eps_low={algo.eps_low} (clip-higher needs eps_high >= eps_low)")
+    samples = ro.prompts_per_step * ro.group_size
+    if samples % cfg.train.mini_batches_per_step:
+        raise ConfigError(
+            "train.mini_batches_per_step",
+            f"{cfg.train.mini_batches_per_step} does not divide the {samples} samples of a step",
+        )
+    if ro.engine == "local" and ro.sglang.urls:
+        raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
+
+
+def _check_eval(cfg: RunConfig) -> None:
+    largest_k = max(cfg.eval.pass_k, default=1)
+    for i, ds in enumerate(cfg.eval.datasets):
+        if ds.k < largest_k:
+            raise ConfigError(f"eval.datasets[{i}].k", f"{ds.k} samples cannot give pass@{largest_k}")

@@ -1,0 +1,135 @@
+"""``armor-train --check``: every malformed config gives exit 2 and one stderr line naming the key."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from armor_megatron.cli.train import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+SEVEN_B = os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml")
+MOE = os.path.join(ROOT, "configs", "qwen3_30b_a3b_moe_armor.yaml")
+
+# (config, overrides, text the single error line must contain — always the offending key)
+MALFORMED = [
+    (TINY, ["algorithm.alpha=1.5"], "algorithm.alpha: 1.5 is out of range, must be in (0, 1]"),
+    (TINY, ["algorithm.alpha=0"], "algorithm.alpha: 0.0 is out of range"),
+    (TINY, ["algorithm.alpha=-0.1"], "algorithm.alpha"),
+    (TINY, ["algorithm.alpha=high"], "algorithm.alpha: expected a number"),
+    (TINY, ["algorithm.eps_low=0"], "algorithm.eps_low"),
+    (TINY, ["algorithm.eps_low=-0.2"], "algorithm.eps_low"),
+    (TINY, ["algorithm.eps_high=0"], "algorithm.eps_high"),
+    (TINY, ["algorithm.eps_high=0.1"], "algorithm.eps_high: 0.1 is below eps_low=0.2"),
+    (TINY, ["algorithm.dual_clip_c=1.0"], "algorithm.dual_clip_c"),
+    (TINY, ["algorithm.estimator=ppo2"], "algorithm.estimator: 'ppo2' is not one of"),
+    (TINY, ["algorithm.loss_agg=token_mean"], "did you mean 'token-mean'?"),
+    (TINY, ["algorithm.qae_quantile=1.2"], "algorithm.qae_quantile"),
+    (TINY, ["algorithm.alpah=0.9"], "algorithm.alpah: unknown key (did you mean 'alpha'?)"),
+    (TINY, ["algorithm.overlong.buffer_len=0"], "algorithm.overlong.buffer_len"),
+    (TINY, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64"], "algorithm.overlong.buffer_len: 64 must be smaller"),
+    (TINY, ["rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
+    (TINY, ["rollout.group_size=4.5"], "rollout.group_size: expected an integer"),
+    (TINY, ["rollout.group_size=true"], "rollout.group_size: expected an integer"),
+    (TINY, ["rollout.temperature=0"], "rollout.temperature"),
+    (TINY, ["rollout.top_p=1.5"], "rollout.top_p"),
+    (TINY, ["rollout.top_k=0"], "rollout.top_k"),
+    (TINY, ["rollout.engine=vllm"], "rollout.engine: 'vllm' is not one of"),
+    (TINY, ["rollout.sglang.weight_sync=nccl"], "rollout.sglang.weight_sync"),
+    (TINY, ["rollout.sglang.urls=[http://h:1]"], "rollout.sglang.urls: set, but rollout.engine is 'local'"),
+    (TINY, ["rollout.sglang.urls=http://h:1"], "rollout.sglang.urls: expected a list"),
+    (TINY, ["rollout.tempreature=0.7"], "did you mean 'temperature'?"),
+    (TINY, ["anchor.max_tries=0"], "anchor.max_tries"),
+    (TINY, ["anchor.tries_per_request=8"], "anchor.tries_per_request: 8 exceeds anchor.max_tries=4"),
+    (TINY, ["anchor.enabled=yes please"], "anchor.enabled: expected true or false"),
+    (TINY, ["anchor.source=shared"], "anchor.source"),
+    (TINY, ["reference.tau=0"], "reference.tau"),
+    (TINY, ["reference.reset=sometimes"], "reference.reset"),
+    (TINY, ["parallelism.tp=0"], "parallelism.tp: 0 must be >= 1"),
+    (TINY, ["parallelism.tp=3"], "parallelism.tp: num_attention_heads=4 is not divisible by tp=3"),
+    (TINY, ["parallelism.tp=4"], "parallelism.tp: num_key_value_heads=2 is not divisible by tp=4"),
+    (TINY, ["parallelism.pp=3"], "parallelism.pp: num_layers=2 is not divisible by pp=3"),
+    (TINY, ["parallelism.ep=2"], "parallelism.ep: ep=2 needs a MoE model"),
+    (TINY, ["parallelism.sp=true", "parallelism.tp=1"], "parallelism.sp: sequence parallelism needs tp > 1"),
+    (TINY, ["parallelism.vpp=2"], "parallelism.vpp: virtual pipeline chunks need pp > 1"),
+    (SEVEN_B, ["parallelism.tp=7", "launch.gpus_per_node=7"], "parallelism.tp: num_key_value_heads=4 is not divisible by tp=7"),
+    (SEVEN_B, ["parallelism.tp=8", "parallelism.pp=2", "launch.gpus_per_node=4"], "parallelism.tp: tp·pp·cp=16 does not divide the 4 trainer GPUs"),
+    (MOE, ["parallelism.sp=false"], "parallelism.sp: MoE training with tp > 1 needs sequence parallelism"),
+    (MOE, ["parallelism.ep=3"], "parallelism.ep"),
+    (TINY, ["optimizer.lr=0"], "optimizer.lr: 0.0 must be > 0"),
+    (TINY, ["optimizer.lr=fast"], "optimizer.lr: expected a number"),
+    (TINY, ["optimizer.lr_schedule=step"], "optimizer.lr_schedule"),
+    (TINY, ["optimizer.skip_grad_norm_ratio=1"], "optimizer.skip_grad_norm_ratio"),
+    (TINY, ["train.steps=0"], "train.steps"),
+    (TINY, ["train.mini_batches_per_step=5"], "train.mini_batches_per_step: 5 does not divide the 32 samples"),
+    (TINY, ["train.micro_batch_size=0"], "train.micro_batch_size"),
+    (TINY, ["eval.pass_k=[1,4]"], "eval.datasets[0].k: 1 samples cannot give pass@4"),
+    (TINY, ["eval.datasets=[{name: x}]"], "eval.datasets[0].path: required key is missing"),
+    (TINY, ["eval.datasets=oops"], "eval.datasets: expected a list"),
+    (TINY, ["checkpoint.keep_last=0"], "checkpoint.keep_last"),
+    (TINY, ["logging=3"], "logging: expected a mapping"),
+    (TINY, ["model.path="], "model.path: must not be empty"),
+    (TINY, ["model.dtype=fp8"], "model.dtype"),
+    (TINY, ["model.arch.model_type=gpt2"], "model: unsupported architecture 'gpt2'"),
+    (TINY, ["launch.engine_gpus=8", "launch.gpus_per_node=8"], "launch.engine_gpus: 8 leaves no GPU"),
+    (TINY, ["reward.format_weight=2"], "reward.format_weight"),
+    (TINY, ["algorithm.alpha.value=1"], "algorithm.alpha: is a value, not a section"),
+    (TINY, ["no_equals_sign"], "no_equals_sign: override must look like section.key=value"),
+    (TINY, ["rollout_cfg.x=1"], "rollout_cfg: unknown key (did you mean 'rollout'?)"),
+]
+
+
+@pytest.mark.parametrize("config, overrides, expected", MALFORMED, ids=[" ".join(m[1]) for m in MALFORMED])
+def test_malformed_config_exits_2_with_one_line_naming_the_key(config, overrides, expected, capsys):
+    assert main(["--config", config, "--check", *overrides]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert expected in lines[0]
+
+
+def test_malformed_files(tmp_path, capsys):
+    cases = {
+        "missing.yaml": None,
+        "bad_yaml.yaml": "model: {path: x\n",
+        "list.yaml": "- 1\n- 2\n",
+        "no_model.yaml": "data: {train_path: d}\n",
+        "no_data.yaml": "model: {path: m}\n",
+        "loop.yaml": "extends: loop.yaml\n",
+    }
+    expected = {
+        "missing.yaml": "config file not found",
+        "bad_yaml.yaml": "invalid YAML",
+        "list.yaml": "top level must be a mapping",
+        "no_model.yaml": "model: required key is missing",
+        "no_data.yaml": "data: required key is missing",
+        "loop.yaml": "extends: circular extends",
+    }
+    for name, text in cases.items():
+        path = tmp_path / name
+        if text is not None:
+            path.write_text(text)
+        assert main(["--config", str(path), "--check"]) == 2, name
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and expected[name] in err[0], (name, err)
+
+
+def test_check_prints_resolved_config(capsys):
+    assert main(["--config", TINY, "--check", "algorithm.alpha=0.875"]) == 0
+    out = capsys.readouterr().out
+    assert "alpha: 0.875" in out and "group_size: 4" in out
+
+
+def test_console_process_has_no_traceback(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "armor_megatron.cli.train", "--config", TINY, "--check", "algorithm.alpha=2"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == "armor-train: error: config: algorithm.alpha: 2.0 is out of range, must be in (0, 1]"
+    proc = subprocess.run([sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--config" in proc.stderr

@@ -1,0 +1,71 @@
+import glob
+import os
+
+import pytest
+
+from armor_megatron.config import ConfigError, load_config
+from armor_megatron.config.load import deep_merge, parse_override
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHIPPED = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_all_shipped_configs_validate():
+    assert len(SHIPPED) >= 5
+    for path in SHIPPED:
+        load_config(path)
+
+
+def test_paper_settings_of_the_7b_recipe():
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml"))
+    assert cfg.rollout.group_size == 16 and cfg.algorithm.alpha == 0.9375
+    assert cfg.reference.reset == "every" and cfg.reference.tau == 160
+    assert cfg.anchor.max_tries == 4
+    assert (cfg.algorithm.eps_low, cfg.algorithm.eps_high) == (0.2, 0.28)
+
+
+def test_two_stage_recipe():
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen3_8b_base_two_stage.yaml"))
+    assert (cfg.reference.reset, cfg.reference.tau, cfg.reference.stage_one_steps) == ("two_stage", 1, 180)
+
+
+def test_overrides_are_typed_and_nested():
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+        ["algorithm.alpha=0.875", "anchor.enabled=false", "eval.pass_k=[1]", "rollout.sglang.api_key=secret"],
+    )
+    assert cfg.algorithm.alpha == 0.875 and cfg.anchor.enabled is False
+    assert cfg.rollout.sglang.api_key == "secret"
+    assert isinstance(cfg.optimizer.lr, float)
+
+
+def test_override_parsing():
+    assert parse_override("a.b=1") == ("a.b", 1)
+    assert parse_override("a=null") == ("a", None)
+    assert parse_override("a=x=y") == ("a", "x=y")
+    with pytest.raises(ConfigError, match="override must look like"):
+        parse_override("alpha")
+
+
+def test_extends_deep_merges(tmp_path):
+    (tmp_path / "base.yaml").write_text("algorithm: {alpha: 0.5, eps_low: 0.1}\nmodel: {path: m}\ndata: {train_path: d}\n")
+    (tmp_path / "run.yaml").write_text("extends: base.yaml\nalgorithm: {alpha: 0.75}\n")
+    cfg = load_config(str(tmp_path / "run.yaml"))
+    assert (cfg.algorithm.alpha, cfg.algorithm.eps_low) == (0.75, 0.1)
+    assert deep_merge({"a": {"b": 1, "c": 2}}, {"a": {"b": 3}}) == {"a": {"b": 3, "c": 2}}
+
+
+def test_model_dir_config_json_is_used_for_checks(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"model_type": "llama", "vocab_size": 32, "hidden_size": 48, "intermediate_size": 64,'
+        ' "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3}'
+    )
+    run = tmp_path / "run.yaml"
+    run.write_text(f"model: {{path: {model}}}\ndata: {{train_path: d}}\nlaunch: {{gpus_per_node: 0}}\n")
+    load_config(str(run), ["parallelism.tp=3"])
+    with pytest.raises(ConfigError, match=r"^parallelism\.tp: num_attention_heads=6 is not divisible by tp=4"):
+        load_config(str(run), ["parallelism.tp=4"])
+    with pytest.raises(ConfigError, match=r"^parallelism\.pp: num_layers=3 is not divisible by pp=2"):
+        load_config(str(run), ["parallelism.pp=2"])
