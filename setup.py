@@ -27,6 +27,7 @@ setup(
         "psutil",
         "numpy",
         "pyyaml>=6",
+        "pyarrow>=14",  # Parquet prompt datasets (DAPO-Math-17k and friends ship as Parquet)
         "safetensors>=0.4",
         "transformers>=4.51",
         "math-verify>=0.7",

@@ -1,0 +1,116 @@
+"""Prompt datasets (JSONL or Parquet) and a resumable, seeded prompt loader.
+
+A row is ``{prompt_key: str | chat messages, answer_key: Any, type_key: optional verifier name}``;
+extra columns are kept in ``PromptRow.extra``. The loader walks a seeded permutation per epoch
+and its ``state_dict()`` (epoch, position) is saved in checkpoints so a resumed run sees
+exactly the prompts the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, Iterator, Optional
+
+import torch
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptRow:
+    index: int
+    prompt: Any
+    answer: Any
+    verifier: Optional[str] = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+
+def read_rows(path: str) -> list[dict]:
+    """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts; one-line errors on bad input."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset not found: {path}")
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:  # pragma: no cover - pyarrow is a core dependency
+            raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".json"):
+        with open(path) as f:
+            rows = json.load(f)
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must hold a list of rows")
+        return rows
+    rows = []
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+    return rows
+
+
+class PromptDataset:
+    """Rows of one dataset file, with the prompt / answer / type columns picked by name."""
+
+    def __init__(self, path: str, prompt_key: str = "prompt", answer_key: str = "answer", type_key: str = "type"):
+        rows = read_rows(path)
+        if not rows:
+            raise ValueError(f"{path}: dataset is empty")
+        self.path = path
+        self.rows = []
+        for i, row in enumerate(rows):
+            for key in (prompt_key, answer_key):
+                if key not in row:
+                    raise ValueError(f"{path}: row {i} has no {key!r} column (columns: {', '.join(sorted(row))})")
+            extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, type_key)}
+            self.rows.append(PromptRow(i, row[prompt_key], row[answer_key], row.get(type_key), extra))
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, i: int) -> PromptRow:
+        return self.rows[i]
+
+
+class PromptLoader:
+    """Endless batches of ``batch_size`` rows: a fresh seeded permutation per epoch, resumable."""
+
+    def __init__(self, dataset: PromptDataset, batch_size: int, *, shuffle: bool = True, seed: int = 0):
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.epoch, self.position = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        if not self.shuffle:
+            return list(range(len(self.dataset)))
+        gen = torch.Generator().manual_seed(self.seed + epoch)
+        return torch.randperm(len(self.dataset), generator=gen).tolist()
+
+    def next_batch(self) -> list[PromptRow]:
+        """The next ``batch_size`` rows, crossing into the next epoch when this one runs out."""
+        out: list[PromptRow] = []
+        while len(out) < self.batch_size:
+            order = self._order(self.epoch)
+            take = order[self.position : self.position + self.batch_size - len(out)]
+            out.extend(self.dataset[i] for i in take)
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return out
+
+    def __iter__(self) -> Iterator[list[PromptRow]]:
+        while True:
+            yield self.next_batch()
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("seed", self.seed) != self.seed:
+            raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -1,0 +1,56 @@
+import json
+
+import pytest
+
+from armor_megatron.data.prompts import PromptDataset, PromptLoader, read_rows
+
+
+def _write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_jsonl_and_parquet_read_the_same_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1), "type": "math", "level": i % 3} for i in range(5)]
+    _write_jsonl(tmp_path / "d.jsonl", rows)
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    assert read_rows(str(tmp_path / "d.jsonl")) == read_rows(str(tmp_path / "d.parquet")) == rows
+    ds = PromptDataset(str(tmp_path / "d.parquet"))
+    assert (ds[2].prompt, ds[2].answer, ds[2].verifier, ds[2].extra) == ("2+1=", "3", "math", {"level": 2})
+
+
+def test_bad_datasets_give_one_line_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="dataset not found"):
+        read_rows(str(tmp_path / "nope.jsonl"))
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "x", "answer": 1}\n{oops\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        read_rows(str(tmp_path / "bad.jsonl"))
+    _write_jsonl(tmp_path / "cols.jsonl", [{"question": "x", "answer": 1}])
+    with pytest.raises(ValueError, match="row 0 has no 'prompt' column"):
+        PromptDataset(str(tmp_path / "cols.jsonl"))
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(ValueError, match="dataset is empty"):
+        PromptDataset(str(tmp_path / "empty.jsonl"))
+
+
+def test_loader_covers_each_epoch_once_and_resumes_exactly(tmp_path):
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "answer": i} for i in range(7)])
+    ds = PromptDataset(str(tmp_path / "d.jsonl"))
+    loader = PromptLoader(ds, batch_size=3, seed=5)
+    first_epoch = [r.index for _ in range(2) for r in loader.next_batch()] + [loader.next_batch()[0].index]
+    assert sorted(first_epoch) == list(range(7))  # 7 rows: batches of 3, 3, then 1 + 2 from epoch 1
+    state = loader.state_dict()
+    expected = [[r.index for r in loader.next_batch()] for _ in range(4)]
+    resumed = PromptLoader(ds, batch_size=3, seed=5)
+    resumed.load_state_dict(state)
+    assert [[r.index for r in resumed.next_batch()] for _ in range(4)] == expected
+    with pytest.raises(ValueError, match="seed 5"):
+        PromptLoader(ds, batch_size=3, seed=6).load_state_dict(state)
+
+
+def test_unshuffled_loader_keeps_file_order(tmp_path):
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "answer": i} for i in range(3)])
+    loader = PromptLoader(PromptDataset(str(tmp_path / "d.jsonl")), batch_size=2, shuffle=False)
+    assert [r.index for r in loader.next_batch() + loader.next_batch()] == [0, 1, 2, 0]
