@@ -1,0 +1,1 @@
+"""Synthetic verifiable tasks for tiny CPU runs and tests."""

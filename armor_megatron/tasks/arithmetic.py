@@ -1,0 +1,59 @@
+"""A synthetic verifiable task for tiny CPU runs: integer addition answered in ``\\boxed{}``.
+
+Prompt ``"17+25="``, answer ``"42"``; a correct response is ``"\\boxed{42}"`` followed by EOS,
+so the product's own math verifier scores it. The tokenizer is built locally (no downloads):
+one token per character of a small alphabet plus ``\\boxed{`` as a single token, which keeps
+responses 4–5 tokens long.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+BOXED = "\\boxed{"
+ALPHABET = "0123456789+-*=}? "
+
+
+def build_tokenizer():
+    """A ``PreTrainedTokenizerFast``: ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab[BOXED] = len(vocab)
+    for ch in ALPHABET:
+        vocab.setdefault(ch, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False
+    )
+
+
+def make_problems(n: int, *, seed: int, max_operand: int = 30) -> list[dict]:
+    """``n`` addition problems ``{"prompt": "a+b=", "answer": "a+b", "type": "math"}``, seeded."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(0, max_operand), rng.randint(0, max_operand)
+        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b), "type": "math"})
+    return rows
+
+
+def solution(row: dict) -> str:
+    """The reference solution text of a problem (what supervised warm-up teaches)."""
+    return f"{BOXED}{row['answer']}}}"
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """Write rows atomically (temporary file, then rename)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
