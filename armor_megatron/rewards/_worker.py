@@ -6,7 +6,6 @@ Run as ``python -m armor_megatron.rewards._worker MEMORY_LIMIT_MB``.
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 import pickle
 import signal
@@ -56,7 +55,6 @@ def main() -> None:
 
         limit = memory_limit_mb * 1024 * 1024
         resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
     _send(replies, ("ready", None))
     while True:
         header = _read_exact(requests, _HEADER.size)

@@ -27,6 +27,7 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
+_EQUIVALENT = "armor_megatron.rewards.math_equivalence:equivalent"  # runs in worker processes only
 
 
 def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fallback: bool = True) -> Verifier:
@@ -58,7 +59,7 @@ def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fall
                 correct = True
                 break
             try:
-                correct = run_isolated(f"{__name__}:equivalent", answer, gold, timeout_s=timeout_s)
+                correct = run_isolated(_EQUIVALENT, answer, gold, timeout_s=timeout_s)
             except IsolatedTimeout:
                 timed_out = True
                 logger.warning("math verifier: comparing %.80r with %.80r timed out after %gs", answer, gold, timeout_s)
@@ -89,17 +90,6 @@ def gold_answers(ground_truth: Any) -> list[str]:
             raise ValueError(f"math ground truth {item!r} is empty")
         golds.append(text)
     return golds
-
-
-def equivalent(answer: str, gold: str) -> bool:
-    """math-verify equivalence of two answer strings (runs inside a worker process; the
-    caller enforces the timeout, so math-verify's signal-based one is switched off)."""
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
-
-    config = [LatexExtractionConfig(), ExprExtractionConfig()]
-    gold_parsed = parse("\\boxed{" + gold + "}", extraction_config=config, parsing_timeout=None)
-    answer_parsed = parse("\\boxed{" + answer + "}", extraction_config=config, parsing_timeout=None)
-    return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
 
 
 register_verifier("math")(make_math_verifier())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -30,12 +31,9 @@ class RewardResult:
 
 
 def _finite_float(value: Any, what: str) -> float:
-    if isinstance(value, bool):
-        return float(value)
-    try:
-        out = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"RewardResult.{what} must be a number, got {type(value).__name__}") from None
+    if not isinstance(value, numbers.Real):
+        raise TypeError(f"RewardResult.{what} must be a number, got {type(value).__name__}")
+    out = float(value)
     if not math.isfinite(out):
         raise ValueError(f"RewardResult.{what} must be finite, got {out}")
     return out
