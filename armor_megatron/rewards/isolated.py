@@ -100,7 +100,10 @@ class _Worker:
                 raise IsolatedTimeout("reward worker did not answer in time")
             chunk = os.read(fd, remaining)
             if not chunk:
-                code = self.proc.poll()
+                try:
+                    code = self.proc.wait(timeout=5)  # it closed stdout: it is exiting
+                except subprocess.TimeoutExpired:
+                    code = None
                 raise _WorkerDied(f"reward worker process died (exit code {code})")
             chunks.append(chunk)
             remaining -= len(chunk)
