@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from armor_megatron.rewards.isolated import default_workers
 from armor_megatron.rewards.registry import load_verifier
 from armor_megatron.rewards.result import RewardResult
 
@@ -23,7 +23,7 @@ def score_batch(
     responses: Sequence[str], ground_truths: Sequence[Any], verifier: str = "math", max_workers: int | None = None
 ) -> list[RewardResult]:
     """``[compute_score(r, g, verifier) for r, g in zip(responses, ground_truths)]``, in order,
-    on ``max_workers`` threads (default: the CPU count).
+    on ``max_workers`` threads (default: this process's CPUs, at most 32).
 
     Threads suffice: the math verifier's heavy part runs in worker processes (one per
     thread at most, see :mod:`armor_megatron.rewards.isolated`), and I/O-bound user verifiers
@@ -35,7 +35,7 @@ def score_batch(
     for response in responses:
         if not isinstance(response, str):
             raise TypeError(f"response must be a str, got {type(response).__name__}")
-    workers = max_workers if max_workers is not None else (os.cpu_count() or 1)
+    workers = max_workers if max_workers is not None else default_workers()
     if workers < 1:
         raise ValueError(f"max_workers must be >= 1, got {workers}")
     if workers == 1 or len(responses) <= 1:

@@ -44,8 +44,8 @@ class IsolatedCallError(RuntimeError):
     """The function raised inside the worker (message ``Type: text``), or the worker died."""
 
 
-class _WorkerDied(IsolatedCallError):
-    pass
+class WorkerDied(IsolatedCallError):
+    """The worker process died during the call (killed by the OS, crashed)."""
 
 
 class _Worker:
@@ -81,7 +81,7 @@ class _Worker:
             self.proc.stdin.write(_HEADER.pack(len(data)) + data)
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
-            raise _WorkerDied(f"reward worker process died ({exc})") from None
+            raise WorkerDied(f"reward worker process died ({exc})") from None
         status, value = self._receive(deadline)
         if status == "error":
             raise IsolatedCallError(value)
@@ -104,7 +104,7 @@ class _Worker:
                     code = self.proc.wait(timeout=5)  # it closed stdout: it is exiting
                 except subprocess.TimeoutExpired:
                     code = None
-                raise _WorkerDied(f"reward worker process died (exit code {code})")
+                raise WorkerDied(f"reward worker process died (exit code {code})")
             chunks.append(chunk)
             remaining -= len(chunk)
         return b"".join(chunks)
@@ -148,7 +148,7 @@ class WorkerPool:
         worker = self._acquire()
         try:
             result = worker.call(target, args, timeout_s)
-        except (IsolatedTimeout, _WorkerDied):
+        except (IsolatedTimeout, WorkerDied):
             self._discard(worker)
             raise
         except BaseException:
@@ -168,18 +168,24 @@ class WorkerPool:
 
     def _acquire(self) -> _Worker:
         with self._cond:
-            while not self._idle and self._started >= self.max_workers:
-                self._cond.wait()
-            if self._idle:
-                return self._idle.pop()
-            self._started += 1
+            while True:
+                while not self._idle and self._started >= self.max_workers:
+                    self._cond.wait()
+                if not self._idle:
+                    self._started += 1
+                    break
+                worker = self._idle.pop()
+                if worker.proc.poll() is None:
+                    return worker
+                self._started -= 1  # died while idle (e.g. the OOM killer): replace it
+                worker.close_pipes()
         try:
             return _Worker(self.memory_limit_mb)
         except BaseException as exc:
             with self._cond:
                 self._started -= 1
                 self._cond.notify()
-            if isinstance(exc, (IsolatedTimeout, _WorkerDied)):
+            if isinstance(exc, (IsolatedTimeout, WorkerDied)):
                 raise IsolatedCallError(f"reward worker failed to start: {exc}") from None
             raise
 
@@ -204,7 +210,16 @@ class WorkerPool:
         self._cond = threading.Condition()
 
 
-_POOL = WorkerPool(max_workers=max(1, os.cpu_count() or 1))
+def default_workers() -> int:
+    """CPUs this process may run on (the SLURM/cgroup allotment, not the node's), at most 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus))
+
+
+_POOL = WorkerPool(max_workers=default_workers())
 os.register_at_fork(after_in_child=lambda: _POOL._forget_after_fork())
 atexit.register(lambda: _POOL.shutdown())
 

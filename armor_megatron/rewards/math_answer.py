@@ -9,7 +9,8 @@ rounding to 6 decimals, so ``0.333`` is not ``1/3``.
 Each comparison runs in a pooled worker process under a hard timeout
 (:mod:`armor_megatron.rewards.isolated`): a pathological answer such as ``9^{9^{9^{9}}}``
 scores 0 with ``timed_out = 1`` after ``timeout_s`` seconds, from any thread or process,
-and the parent never imports sympy.
+and the parent never imports sympy. A worker that dies mid-comparison also scores 0 (logged
+as an error); an exception inside the worker (a bug, math-verify missing) is raised.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from armor_megatron.rewards.extract import last_answer_line, last_boxed
-from armor_megatron.rewards.isolated import IsolatedTimeout, run_isolated
+from armor_megatron.rewards.isolated import IsolatedTimeout, WorkerDied, run_isolated
 from armor_megatron.rewards.registry import register_verifier
 from armor_megatron.rewards.result import RewardResult, Verifier
 
@@ -63,6 +64,8 @@ def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fall
             except IsolatedTimeout:
                 timed_out = True
                 logger.warning("math verifier: comparing %.80r with %.80r timed out after %gs", answer, gold, timeout_s)
+            except WorkerDied as exc:  # input-driven (e.g. the OS killed it): score 0, do not stop training
+                logger.error("math verifier: comparing %.80r with %.80r killed its worker (%s)", answer, gold, exc)
             if correct:
                 break
         score = float(correct)

@@ -1,5 +1,6 @@
 import multiprocessing
 import os
+import signal
 import threading
 import time
 
@@ -54,6 +55,22 @@ def test_dead_worker_is_reported_and_replaced(pool):
     with pytest.raises(IsolatedCallError, match=r"died \(exit code 3\)"):
         pool.run(f"{T}:die", (), timeout_s=30)
     assert pool.run(f"{T}:pid", (), timeout_s=30) > 0
+
+
+def test_worker_that_died_while_idle_is_replaced_silently(pool):
+    old = pool.run(f"{T}:pid", (), timeout_s=30)
+    os.kill(old, signal.SIGKILL)
+    while _alive_unreaped(old):
+        time.sleep(0.05)
+    assert pool.run(f"{T}:pid", (), timeout_s=30) not in (old, os.getpid())
+
+
+def _alive_unreaped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 def test_stray_prints_do_not_break_the_protocol(pool):

@@ -139,6 +139,19 @@ def test_timeout_works_off_the_main_thread():
     assert results["normal"].score == 1.0
 
 
+def test_worker_death_scores_zero_but_worker_errors_raise(monkeypatch):
+    from armor_megatron.rewards import math_answer
+    from armor_megatron.rewards.isolated import IsolatedCallError
+
+    verify = make_math_verifier(timeout_s=30.0)
+    monkeypatch.setattr(math_answer, "_EQUIVALENT", "tests.rewards.worker_targets:die_comparing")
+    result = verify(r"\boxed{2}", "3")
+    assert result.score == 0.0 and result.breakdown == {"answer_found": 1.0, "correct": 0.0, "timed_out": 0.0}
+    monkeypatch.setattr(math_answer, "_EQUIVALENT", "tests.rewards.worker_targets:raise_comparing")
+    with pytest.raises(IsolatedCallError, match="ModuleNotFoundError: No module named 'math_verify'"):
+        verify(r"\boxed{2}", "3")
+
+
 def test_gold_answers_normalisation():
     assert gold_answers(r"$\frac{1}{2}$") == [r"\frac{1}{2}"]
     assert gold_answers(r"... hence \boxed{12}.") == ["12"]

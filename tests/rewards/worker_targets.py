@@ -32,3 +32,11 @@ def chatty(value):
 
 def unpicklable():
     return lambda: None
+
+
+def die_comparing(answer, gold):
+    os._exit(9)
+
+
+def raise_comparing(answer, gold):
+    raise ModuleNotFoundError("No module named 'math_verify'")
