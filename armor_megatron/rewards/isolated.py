@@ -93,10 +93,12 @@ class _Worker:
 
     def _read_exact(self, size: int, deadline: float) -> bytes:
         fd = self.proc.stdout.fileno()
+        poller = select.poll()  # not select.select: trainers hold fds above FD_SETSIZE (1024)
+        poller.register(fd, select.POLLIN)
         chunks, remaining = [], size
         while remaining:
             left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
                 raise IsolatedTimeout("reward worker did not answer in time")
             chunk = os.read(fd, remaining)
             if not chunk:

@@ -1,5 +1,6 @@
 import multiprocessing
 import os
+import resource
 import signal
 import threading
 import time
@@ -111,6 +112,19 @@ def test_concurrent_callers_get_separate_workers_up_to_the_cap(pool):
     pool.run(f"{T}:pid", (), timeout_s=30)
     pids = _concurrent_pids(pool, 4)
     assert len(pids) == 4 and len(set(pids)) == 2  # max_workers=2: two processes shared by four threads
+
+
+def test_works_when_the_caller_holds_more_than_1024_fds(pool):
+    # large trainers hold thousands of sockets and files; select.select would fail above 1024
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"open-file limit {soft} is too low for this test")
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert pool.run(f"{T}:chatty", (7,), timeout_s=30) == 7
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_bad_arguments():
