@@ -1,0 +1,44 @@
+"""Score one response or a batch of them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from armor_megatron.rewards.isolated import default_workers
+from armor_megatron.rewards.registry import load_verifier
+from armor_megatron.rewards.result import RewardResult
+
+
+def compute_score(response: str, ground_truth: Any, verifier: str = "math") -> RewardResult:
+    """Score ``response`` against ``ground_truth`` with the verifier named by ``verifier``
+    (a registered name or ``"package.module:function"``)."""
+    if not isinstance(response, str):
+        raise TypeError(f"response must be a str, got {type(response).__name__}")
+    return load_verifier(verifier)(response, ground_truth)
+
+
+def score_batch(
+    responses: Sequence[str], ground_truths: Sequence[Any], verifier: str = "math", max_workers: int | None = None
+) -> list[RewardResult]:
+    """``[compute_score(r, g, verifier) for r, g in zip(responses, ground_truths)]``, in order,
+    on ``max_workers`` threads (default: this process's CPUs, at most 32).
+
+    Threads suffice: the math verifier's heavy part runs in worker processes (one per
+    thread at most, see :mod:`armor_megatron.rewards.isolated`), and I/O-bound user verifiers
+    (sandboxes, HTTP judges) overlap. The first exception a verifier raises is re-raised.
+    """
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"score_batch got {len(responses)} responses but {len(ground_truths)} ground truths")
+    fn = load_verifier(verifier)
+    for response in responses:
+        if not isinstance(response, str):
+            raise TypeError(f"response must be a str, got {type(response).__name__}")
+    workers = max_workers if max_workers is not None else default_workers()
+    if workers < 1:
+        raise ValueError(f"max_workers must be >= 1, got {workers}")
+    if workers == 1 or len(responses) <= 1:
+        return [fn(r, g) for r, g in zip(responses, ground_truths)]
+    with ThreadPoolExecutor(max_workers=min(workers, len(responses)), thread_name_prefix="reward") as pool:
+        return list(pool.map(fn, responses, ground_truths))

@@ -1,0 +1,249 @@
+"""Run a function in a separate, killable Python process under a hard wall-clock timeout.
+
+Why a process: math-verify's own timeout is ``signal.alarm``, which (a) raises ValueError
+off the main thread (reward workers, Ray actors, thread pools) and (b) cannot interrupt a
+long C call such as a big-integer power ``9^{9^{9^9}}``, since Python handles signals only
+between bytecodes. A worker process can always be killed. Workers are started with
+``subprocess`` (not ``multiprocessing``), so they can also be started from inside daemonic
+multiprocessing workers, and they outlive nothing: each exits when its stdin closes.
+
+Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickle of
+``(kind, payload)``; kinds ``import`` (load a module before the clock starts) and ``call``
+(``("module:function", args)``); replies ``("ok", value)`` or ``("error", "Type: message")``.
+
+Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
+each call checks one worker out. A worker whose call times out or that dies is killed and
+replaced on the next call. After ``os.fork`` the child gets a fresh, empty pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import pickle
+import select
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+_HEADER = struct.Struct("!Q")
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+STARTUP_TIMEOUT_S = 120.0
+"""Seconds a new worker (or a module import in it) may take before it counts as broken."""
+
+
+class IsolatedTimeout(TimeoutError):
+    """The call did not finish within its timeout; its worker was killed."""
+
+
+class IsolatedCallError(RuntimeError):
+    """The function raised inside the worker (message ``Type: text``), or the worker died."""
+
+
+class WorkerDied(IsolatedCallError):
+    """The worker process died during the call (killed by the OS, crashed)."""
+
+
+class _Worker:
+    """One worker process and the modules it has imported."""
+
+    def __init__(self, memory_limit_mb: int) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "armor_megatron.rewards._worker", str(memory_limit_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=env,
+        )
+        self.imported: set[str] = set()
+        try:
+            self._receive(time.monotonic() + STARTUP_TIMEOUT_S)  # the worker's "ready"
+        except BaseException:
+            self.kill()
+            raise
+
+    def call(self, target: str, args: tuple, timeout_s: float) -> Any:
+        module = target.split(":", 1)[0]
+        if module not in self.imported:
+            self._request(("import", module), STARTUP_TIMEOUT_S)
+            self.imported.add(module)
+        return self._request(("call", (target, args)), timeout_s)
+
+    def _request(self, message: tuple, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError) as exc:
+            raise WorkerDied(f"reward worker process died ({exc})") from None
+        status, value = self._receive(deadline)
+        if status == "error":
+            raise IsolatedCallError(value)
+        return value
+
+    def _receive(self, deadline: float) -> tuple[str, Any]:
+        header = self._read_exact(_HEADER.size, deadline)
+        return pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+
+    def _read_exact(self, size: int, deadline: float) -> bytes:
+        fd = self.proc.stdout.fileno()
+        poller = select.poll()  # not select.select: trainers hold fds above FD_SETSIZE (1024)
+        poller.register(fd, select.POLLIN)
+        chunks, remaining = [], size
+        while remaining:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+                raise IsolatedTimeout("reward worker did not answer in time")
+            chunk = os.read(fd, remaining)
+            if not chunk:
+                try:
+                    code = self.proc.wait(timeout=5)  # it closed stdout: it is exiting
+                except subprocess.TimeoutExpired:
+                    code = None
+                raise WorkerDied(f"reward worker process died (exit code {code})")
+            chunks.append(chunk)
+            remaining -= len(chunk)
+        return b"".join(chunks)
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.close_pipes()
+
+    def close_pipes(self) -> None:
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
+
+
+class WorkerPool:
+    """Thread-safe pool of at most ``max_workers`` worker processes, started on demand.
+
+    ``memory_limit_mb`` caps each worker's address space (``RLIMIT_AS``) so that an answer
+    that makes sympy build a gigantic number fails with MemoryError instead of eating the
+    node's memory; 0 disables the cap.
+    """
+
+    def __init__(self, max_workers: int, memory_limit_mb: int = 4096) -> None:
+        if max_workers < 1:
+            raise ValueError(f"WorkerPool max_workers must be >= 1, got {max_workers}")
+        self.max_workers = max_workers
+        self.memory_limit_mb = memory_limit_mb
+        self._idle: list[_Worker] = []
+        self._started = 0
+        self._cond = threading.Condition()
+
+    def run(self, target: str, args: tuple, timeout_s: float) -> Any:
+        """``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
+        (worker start-up and module import are not counted)."""
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        worker = self._acquire()
+        try:
+            result = worker.call(target, args, timeout_s)
+        except (IsolatedTimeout, WorkerDied):
+            self._discard(worker)
+            raise
+        except BaseException:
+            self._release(worker)
+            raise
+        self._release(worker)
+        return result
+
+    def shutdown(self) -> None:
+        """Stop all idle workers (busy ones stop when their call returns and they are released)."""
+        with self._cond:
+            idle, self._idle = self._idle, []
+            self._started -= len(idle)
+            self._cond.notify_all()
+        for worker in idle:
+            worker.kill()
+
+    def _acquire(self) -> _Worker:
+        with self._cond:
+            while True:
+                while not self._idle and self._started >= self.max_workers:
+                    self._cond.wait()
+                if not self._idle:
+                    self._started += 1
+                    break
+                worker = self._idle.pop()
+                if worker.proc.poll() is None:
+                    return worker
+                self._started -= 1  # died while idle (e.g. the OOM killer): replace it
+                worker.close_pipes()
+        try:
+            return _Worker(self.memory_limit_mb)
+        except BaseException as exc:
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            if isinstance(exc, (IsolatedTimeout, WorkerDied)):
+                raise IsolatedCallError(f"reward worker failed to start: {exc}") from None
+            raise
+
+    def _release(self, worker: _Worker) -> None:
+        with self._cond:
+            self._idle.append(worker)
+            self._cond.notify()
+
+    def _discard(self, worker: _Worker) -> None:
+        worker.kill()
+        with self._cond:
+            self._started -= 1
+            self._cond.notify()
+
+    def _forget_after_fork(self) -> None:
+        # In a forked child the workers belong to the parent: drop our copies of the pipes
+        # without signalling the processes, and start afresh.
+        for worker in self._idle:
+            worker.close_pipes()
+        self._idle = []
+        self._started = 0
+        self._cond = threading.Condition()
+
+
+def default_workers() -> int:
+    """CPUs this process may run on (the SLURM/cgroup allotment, not the node's), at most 32."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cpus = os.cpu_count() or 1
+    return max(1, min(32, cpus))
+
+
+_POOL = WorkerPool(max_workers=default_workers())
+os.register_at_fork(after_in_child=lambda: _POOL._forget_after_fork())
+atexit.register(lambda: _POOL.shutdown())
+
+
+def run_isolated(target: str, *args: Any, timeout_s: float) -> Any:
+    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared
+    worker pool; raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds."""
+    return _POOL.run(target, args, timeout_s)
+
+
+def configure_pool(max_workers: int | None = None, memory_limit_mb: int | None = None) -> None:
+    """Resize the shared pool or change its memory cap (applies to workers started later)."""
+    if max_workers is not None:
+        if max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {max_workers}")
+        with _POOL._cond:
+            _POOL.max_workers = max_workers
+            _POOL._cond.notify_all()
+    if memory_limit_mb is not None:
+        _POOL.memory_limit_mb = memory_limit_mb
+
+
+def shutdown_workers() -> None:
+    """Stop the shared pool's idle workers (they restart on the next call)."""
+    _POOL.shutdown()

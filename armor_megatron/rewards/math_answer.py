@@ -1,0 +1,98 @@
+"""Math final-answer verifier: last ``\\boxed{}`` vs the ground truth, equivalence by math-verify.
+
+score = 1 if the response's final answer equals the ground truth mathematically, else 0.
+"Equal" is math-verify's judgement (``verify(parse(gold), parse(answer))``): ``\\frac{1}{2}``,
+``\\dfrac12``, ``0.5`` and ``1/2`` agree; so do ``50\\%`` and ``0.5``, ``x=3`` and ``3``, sets in any
+order, and intervals written with or without ``\\left``/``\\right``. Floats are compared after
+rounding to 6 decimals, so ``0.333`` is not ``1/3``.
+
+Each comparison runs in a pooled worker process under a hard timeout
+(:mod:`armor_megatron.rewards.isolated`): a pathological answer such as ``9^{9^{9^{9}}}``
+scores 0 with ``timed_out = 1`` after ``timeout_s`` seconds, from any thread or process,
+and the parent never imports sympy. A worker that dies mid-comparison also scores 0 (logged
+as an error); an exception inside the worker (a bug, math-verify missing) is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+from armor_megatron.rewards.extract import last_answer_line, last_boxed
+from armor_megatron.rewards.isolated import IsolatedTimeout, WorkerDied, run_isolated
+from armor_megatron.rewards.registry import register_verifier
+from armor_megatron.rewards.result import RewardResult, Verifier
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 5.0
+_EQUIVALENT = "armor_megatron.rewards.math_equivalence:equivalent"  # runs in worker processes only
+
+
+def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fallback: bool = True) -> Verifier:
+    """Build a math verifier.
+
+    The answer is the content of the LAST ``\\boxed{...}``/``\\fbox{...}`` in the response; if
+    there is none and ``answer_line_fallback`` is set, the text after the last ``Answer:``
+    (the DAPO-Math prompt format). No answer -> score 0.
+
+    ground_truth: a string (plain ``1/2``, LaTeX ``\\frac{1}{2}``, optionally ``$``-wrapped, or a
+    whole reference solution, whose last ``\\boxed{}`` is then used), a number, or a list of
+    acceptable answers (correct if any matches; each gets its own ``timeout_s``).
+
+    breakdown: ``answer_found``, ``correct``, ``timed_out`` (each 0 or 1).
+    """
+    if not timeout_s > 0:
+        raise ValueError(f"math verifier timeout_s must be > 0, got {timeout_s}")
+
+    def verify_math(response: str, ground_truth: Any) -> RewardResult:
+        golds = gold_answers(ground_truth)
+        answer = last_boxed(response)
+        if answer is None and answer_line_fallback:
+            answer = last_answer_line(response)
+        if not answer:
+            return RewardResult(0.0, {"answer_found": 0.0, "correct": 0.0, "timed_out": 0.0}, None)
+        correct = timed_out = False
+        for gold in golds:
+            if answer == gold:
+                correct = True
+                break
+            try:
+                correct = run_isolated(_EQUIVALENT, answer, gold, timeout_s=timeout_s)
+            except IsolatedTimeout:
+                timed_out = True
+                logger.warning("math verifier: comparing %.80r with %.80r timed out after %gs", answer, gold, timeout_s)
+            except WorkerDied as exc:  # input-driven (e.g. the OS killed it): score 0, do not stop training
+                logger.error("math verifier: comparing %.80r with %.80r killed its worker (%s)", answer, gold, exc)
+            if correct:
+                break
+        score = float(correct)
+        return RewardResult(score, {"answer_found": 1.0, "correct": score, "timed_out": float(timed_out)}, answer)
+
+    return verify_math
+
+
+def gold_answers(ground_truth: Any) -> list[str]:
+    """Normalise a math ground truth into a non-empty list of answer strings."""
+    items = list(ground_truth) if isinstance(ground_truth, Sequence) and not isinstance(ground_truth, str) else [ground_truth]
+    if not items:
+        raise ValueError("math ground truth is an empty list")
+    golds = []
+    for item in items:
+        if isinstance(item, bool) or not isinstance(item, (str, numbers.Real)):
+            raise TypeError(f"math ground truth must be a string or number, got {type(item).__name__}")
+        text = str(item).strip()
+        boxed = last_boxed(text)
+        if boxed is not None:
+            text = boxed
+        elif len(text) >= 2 and text[0] == "$" and text[-1] == "$":
+            text = text.strip("$").strip()
+        if not text:
+            raise ValueError(f"math ground truth {item!r} is empty")
+        golds.append(text)
+    return golds
+
+
+register_verifier("math")(make_math_verifier())

@@ -1,0 +1,119 @@
+"""Name -> verifier registry, ``module:function`` loading, and result coercion.
+
+A verifier is any callable ``(response: str, ground_truth) -> RewardResult``. Registered and
+user verifiers may also return a bool/number (the score) or a dict with a ``"score"`` key
+(other numeric entries become the breakdown, an ``"extracted"`` string is kept); the
+callable handed out by :func:`get_verifier` / :func:`load_verifier` always returns a
+:class:`RewardResult`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import functools
+import inspect
+import numbers
+from collections.abc import Mapping
+from typing import Any, Callable
+
+from armor_megatron.rewards.result import RewardResult, Verifier
+from armor_megatron.rewards.spec import VerifierSpecError, import_callable
+
+_REGISTRY: dict[str, Verifier] = {}
+
+
+def register_verifier(name: str, *, replace: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator registering ``fn(response, ground_truth)`` under ``name``; returns ``fn`` unchanged.
+
+    Registering a taken name raises unless ``replace=True`` (e.g. to swap in a ``math``
+    verifier built with another timeout).
+    """
+    if not isinstance(name, str) or not name or ":" in name or name != name.strip():
+        raise VerifierSpecError(f"verifier name {name!r} must be a non-empty string without ':' or surrounding spaces")
+
+    def decorator(fn: Callable) -> Callable:
+        if name in _REGISTRY and not replace:
+            raise VerifierSpecError(f"verifier {name!r} is already registered (pass replace=True to replace it)")
+        _check_signature(fn, name)
+        _REGISTRY[name] = _coercing(fn, name)
+        return fn
+
+    return decorator
+
+
+def registered_verifiers() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def get_verifier(name: str) -> Verifier:
+    """The registered verifier called ``name`` (e.g. ``"math"``, ``"multiple_choice"``, ``"format"``)."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        pass
+    close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise VerifierSpecError(
+        f"unknown verifier {name!r}{hint} (registered: {', '.join(registered_verifiers())}; "
+        "a user verifier is given as 'package.module:function')"
+    )
+
+
+def load_verifier(spec: str) -> Verifier:
+    """A registered name (``"math"``) or a user verifier ``"package.module:function"``.
+
+    Raises VerifierSpecError with one line naming the spec and the problem: unknown name,
+    module not importable, no such function, not callable, or a signature that cannot take
+    ``(response, ground_truth)``.
+    """
+    if isinstance(spec, str) and ":" in spec:
+        return _load_user_verifier(spec)
+    return get_verifier(spec)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_user_verifier(spec: str) -> Verifier:
+    fn = import_callable(spec)
+    _check_signature(fn, spec)
+    return _coercing(fn, spec)
+
+
+def _check_signature(fn: Callable, name: str) -> None:
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # some builtins have no introspectable signature; trust them
+    try:
+        signature.bind("response", "ground_truth")
+    except TypeError:
+        raise VerifierSpecError(
+            f"verifier {name!r} must accept (response, ground_truth) but its signature is {signature}"
+        ) from None
+
+
+def _coercing(fn: Callable, name: str) -> Verifier:
+    @functools.wraps(fn)
+    def verifier(response: str, ground_truth: Any) -> RewardResult:
+        return as_reward_result(fn(response, ground_truth), name)
+
+    return verifier
+
+
+def as_reward_result(value: Any, name: str) -> RewardResult:
+    """Turn what a verifier returned into a RewardResult (see module docstring)."""
+    if isinstance(value, RewardResult):
+        return value
+    if isinstance(value, numbers.Real):
+        return RewardResult(float(value))
+    if isinstance(value, Mapping) and "score" in value:
+        breakdown = {
+            str(k): float(v)
+            for k, v in value.items()
+            if k not in ("score", "extracted") and isinstance(v, numbers.Real)
+        }
+        extracted = value.get("extracted")
+        return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
+    raise TypeError(
+        f"verifier {name!r} returned {type(value).__name__}; expected RewardResult, a number, "
+        "or a dict with a 'score' key"
+    )

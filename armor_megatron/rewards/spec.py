@@ -1,0 +1,38 @@
+"""Resolve ``"package.module:function"`` strings to callables, with one-line errors."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any, Callable
+
+_SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+
+
+class VerifierSpecError(ValueError):
+    """A verifier name or ``module:function`` spec that cannot be used."""
+
+
+def import_callable(spec: str) -> Callable[..., Any]:
+    """Import ``module:attr`` (``attr`` may be dotted, e.g. ``mod:Class.method``) and return it.
+
+    Raises VerifierSpecError naming the spec and the problem: malformed spec, module not
+    importable, attribute missing, or not callable.
+    """
+    if not isinstance(spec, str) or not _SPEC.fullmatch(spec):
+        raise VerifierSpecError(f"verifier spec {spec!r} is not of the form 'package.module:function'")
+    module_name, attr_path = spec.split(":", 1)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # ImportError, or anything the module raises while importing
+        raise VerifierSpecError(
+            f"verifier spec {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from None
+    obj: Any = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise VerifierSpecError(f"verifier spec {spec!r}: module {module_name!r} has no attribute {attr_path!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise VerifierSpecError(f"verifier spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
+    return obj

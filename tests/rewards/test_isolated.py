@@ -1,0 +1,148 @@
+import multiprocessing
+import os
+import resource
+import signal
+import threading
+import time
+
+import pytest
+
+from armor_megatron.rewards import compute_score
+from armor_megatron.rewards.isolated import IsolatedCallError, IsolatedTimeout, WorkerPool
+
+T = "tests.rewards.worker_targets"
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def pool():
+    pool = WorkerPool(max_workers=2, memory_limit_mb=1024)
+    yield pool
+    pool.shutdown()
+
+
+def _alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_worker_is_reused(pool):
+    first = pool.run(f"{T}:pid", (), timeout_s=30)
+    assert first != os.getpid()
+    assert pool.run(f"{T}:pid", (), timeout_s=30) == first
+
+
+def test_timeout_kills_the_worker_and_a_new_one_takes_over(pool):
+    old = pool.run(f"{T}:pid", (), timeout_s=30)
+    start = time.monotonic()
+    with pytest.raises(IsolatedTimeout):
+        pool.run(f"{T}:sleep_then_pid", (60,), timeout_s=0.5)
+    assert time.monotonic() - start < 10
+    assert not _alive(old)
+    assert pool.run(f"{T}:pid", (), timeout_s=30) != old
+
+
+def test_exception_in_target_is_reported_and_worker_survives(pool):
+    before = pool.run(f"{T}:pid", (), timeout_s=30)
+    with pytest.raises(IsolatedCallError, match="^ValueError: boom$"):
+        pool.run(f"{T}:boom", (), timeout_s=30)
+    assert pool.run(f"{T}:pid", (), timeout_s=30) == before
+
+
+def test_dead_worker_is_reported_and_replaced(pool):
+    with pytest.raises(IsolatedCallError, match=r"died \(exit code 3\)"):
+        pool.run(f"{T}:die", (), timeout_s=30)
+    assert pool.run(f"{T}:pid", (), timeout_s=30) > 0
+
+
+def test_worker_that_died_while_idle_is_replaced_silently(pool):
+    old = pool.run(f"{T}:pid", (), timeout_s=30)
+    os.kill(old, signal.SIGKILL)
+    while _alive_unreaped(old):
+        time.sleep(0.05)
+    assert pool.run(f"{T}:pid", (), timeout_s=30) not in (old, os.getpid())
+
+
+def _alive_unreaped(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_stray_prints_do_not_break_the_protocol(pool):
+    assert pool.run(f"{T}:chatty", ({"a": [1, 2]},), timeout_s=30) == {"a": [1, 2]}
+
+
+def test_unpicklable_result_and_bad_target(pool):
+    with pytest.raises(IsolatedCallError, match="result is not picklable"):
+        pool.run(f"{T}:unpicklable", (), timeout_s=30)
+    with pytest.raises(IsolatedCallError, match="has no attribute 'nope'"):
+        pool.run(f"{T}:nope", (), timeout_s=30)
+
+
+def test_memory_cap_turns_huge_allocations_into_memory_error(pool):
+    with pytest.raises(IsolatedCallError, match="^MemoryError"):
+        pool.run(f"{T}:allocate", (2048,), timeout_s=30)  # 2 GiB > the 1 GiB cap
+    assert pool.run(f"{T}:allocate", (16,), timeout_s=30) == 16 * 1024 * 1024
+
+
+def _concurrent_pids(pool, n):
+    pids = []
+    lock = threading.Lock()
+
+    def call():
+        pid = pool.run(f"{T}:sleep_then_pid", (0.3,), timeout_s=30)
+        with lock:
+            pids.append(pid)
+
+    threads = [threading.Thread(target=call) for _ in range(n)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    return pids
+
+
+def test_concurrent_callers_get_separate_workers_up_to_the_cap(pool):
+    pool.run(f"{T}:pid", (), timeout_s=30)
+    pids = _concurrent_pids(pool, 4)
+    assert len(pids) == 4 and len(set(pids)) == 2  # max_workers=2: two processes shared by four threads
+
+
+def test_works_when_the_caller_holds_more_than_1024_fds(pool):
+    # large trainers hold thousands of sockets and files; select.select would fail above 1024
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < 1200:
+        pytest.skip(f"open-file limit {soft} is too low for this test")
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        assert pool.run(f"{T}:chatty", (7,), timeout_s=30) == 7
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="max_workers must be >= 1"):
+        WorkerPool(max_workers=0)
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        WorkerPool(max_workers=1).run(f"{T}:pid", (), timeout_s=0)
+
+
+def _score_in_pool_worker(_):
+    return compute_score(r"\boxed{\dfrac{2}{4}}", "0.5").score
+
+
+@pytest.mark.slow
+def test_math_reward_inside_a_daemonic_forked_pool_worker():
+    # multiprocessing.Pool workers are daemonic (they may not start multiprocessing children)
+    # and forked (they inherit this process's reward pool): both must be handled.
+    compute_score(r"\boxed{1}", "2")  # the parent's shared pool now holds a live worker
+    with multiprocessing.get_context("fork").Pool(1) as mp_pool:
+        assert mp_pool.map(_score_in_pool_worker, [0], chunksize=1) == [1.0]
+    assert compute_score(r"\boxed{1/2}", "0.5").score == 1.0  # the parent's worker is untouched

@@ -1,0 +1,177 @@
+import threading
+import time
+
+import pytest
+
+from armor_megatron.rewards import compute_score, make_math_verifier
+from armor_megatron.rewards.math_answer import gold_answers
+
+# (response, ground truth, expected score). Equivalence is math-verify's; the extraction
+# (last \boxed / \fbox, balanced braces, DAPO "Answer:" fallback) is ours.
+ACCEPTED = [
+    (r"so \boxed{\frac{1}{2}}", "0.5"),
+    (r"\boxed{0.5}", r"\frac{1}{2}"),
+    (r"\boxed{1/2}", r"\frac12"),
+    (r"\boxed{\dfrac{1}{2}}", "1/2"),
+    (r"\boxed{\tfrac{1}{2}}", "0.5"),
+    (r"The answer is \boxed{ 204 }.", "204"),
+    (r"\boxed{204}", 204),  # numeric ground truth
+    (r"\boxed{0.25}", 0.25),
+    (r"\boxed{\frac{\sqrt{2}}{2}}", r"\frac{1}{\sqrt{2}}"),
+    (r"\boxed{50\%}", "0.5"),  # a percentage equals its fraction...
+    (r"\boxed{50\%}", "50"),  # ...and math-verify also accepts it for a gold written without %
+    (r"\boxed{\{1, 2\}}", r"\{2,1\}"),  # sets in any order
+    (r"\boxed{(1,2]}", r"\left(1, 2\right]"),  # intervals
+    (r"\boxed{x=3}", "3"),
+    (r"\boxed{1,000}", "1000"),
+    (r"\boxed{\frac{\frac{1}{2}}{2}}", "1/4"),  # nested braces
+    (r"\fbox{7}", "7"),
+    (r"First \boxed{3}; no wait, \boxed{4}", "4"),  # the last box counts
+    (r"\boxed{10^{3}}", "1000"),
+    (r"\boxed{(x+1)^2}", "x^2+2x+1"),
+    (r"\boxed{5.0}", "5"),
+    (r"\boxed{-\frac{3}{4}}", "-0.75"),
+    (r"\boxed{\infty}", r"\infty"),
+    (r"\boxed{3\sqrt{2}}", r"\sqrt{18}"),
+    (r"\boxed{\pi/2}", r"\frac{\pi}{2}"),
+    (r"$\boxed{2}$", "$2$"),  # $-wrapped ground truth
+    (r"\boxed {7}", "7"),
+    (r"\boxed 7", "7"),  # brace-less form
+    ("The total is 42.\nAnswer: 42", "42"),  # DAPO answer line when there is no box
+    ("Answer: $\\frac{3}{5}$", "0.6"),
+    (r"\boxed{12}", r"Adding up, the total is \boxed{12}."),  # reference solution as ground truth
+    (r"\boxed{6}", ["5", "6"]),  # any of several accepted answers
+    (r"\boxed{(1, \infty)}", r"(1,\infty)"),
+]
+REJECTED = [
+    (r"\boxed{2}", "3"),
+    (r"\boxed{-3}", "3"),
+    (r"\boxed{0.333}", r"\frac{1}{3}"),  # floats are compared to 6 decimals
+    (r"\boxed{\pi}", "3.14159"),
+    ("No box here, it is 42", "42"),  # missing answer
+    (r"\boxed{}", "0"),  # empty box
+    (r"\boxed{42} and then, cut off: \boxed{4", "42"),  # unterminated last box: no answer
+    (r"\boxed{3} then \boxed{4}", "3"),  # only the last box counts
+    (r"\boxed{\{1,2\}}", r"\{1,2,3\}"),
+    (r"\boxed{[1,2]}", "(1,2]"),
+    (r"\boxed{x=4}", "3"),
+    (r"\boxed{12}", ["5", "6"]),
+    (r"\boxed{\frac{1}{3}}", "0.3"),
+]
+
+
+@pytest.fixture(scope="module")
+def verify():
+    return make_math_verifier(timeout_s=10.0)
+
+
+@pytest.mark.parametrize("response, gold", ACCEPTED)
+def test_accepts_equivalent_answers(verify, response, gold):
+    result = verify(response, gold)
+    assert result.score == 1.0, result
+    assert result.breakdown == {"answer_found": 1.0, "correct": 1.0, "timed_out": 0.0}
+
+
+@pytest.mark.parametrize("response, gold", REJECTED)
+def test_rejects_wrong_or_missing_answers(verify, response, gold):
+    result = verify(response, gold)
+    assert result.score == 0.0, result
+    assert result.breakdown["correct"] == 0.0 and result.breakdown["timed_out"] == 0.0
+
+
+def test_breakdown_and_extracted_answer(verify):
+    assert verify(r"so \boxed{ \frac{1}{2} }.", "0.5").extracted == r"\frac{1}{2}"
+    missing = verify("I do not know", "1")
+    assert missing.extracted is None
+    assert missing.breakdown == {"answer_found": 0.0, "correct": 0.0, "timed_out": 0.0}
+    wrong = verify(r"\boxed{2}", "3")
+    assert wrong.breakdown == {"answer_found": 1.0, "correct": 0.0, "timed_out": 0.0}
+
+
+def test_answer_line_fallback_can_be_disabled():
+    strict = make_math_verifier(answer_line_fallback=False)
+    assert strict("Answer: 42", "42").score == 0.0
+    assert strict(r"Answer: \boxed{42}", "42").score == 1.0
+
+
+def test_compute_score_defaults_to_math():
+    assert compute_score(r"\boxed{\dfrac{1}{2}}", "0.5").score == 1.0
+    assert compute_score(r"\boxed{1}", "0.5").score == 0.0
+
+
+PATHOLOGICAL = r"\boxed{9^{9^{9^{9}}}}"  # math-verify tries to evaluate the power tower
+
+
+def _timed(verify, response, gold):
+    start = time.monotonic()
+    result = verify(response, gold)
+    return result, time.monotonic() - start
+
+
+@pytest.mark.timeout(120)
+def test_pathological_answer_times_out_with_score_zero():
+    verify = make_math_verifier(timeout_s=2.0)
+    verify(r"\boxed{2}", "3")  # warm a worker: start-up is not part of the timeout
+    result, elapsed = _timed(verify, PATHOLOGICAL, "5")
+    assert result.score == 0.0
+    assert result.breakdown == {"answer_found": 1.0, "correct": 0.0, "timed_out": 1.0}
+    assert 2.0 <= elapsed < 5.0
+    # the killed worker is replaced: the next comparison works
+    assert verify(r"\boxed{\frac{1}{2}}", "0.5").score == 1.0
+
+
+@pytest.mark.timeout(120)
+def test_timeout_works_off_the_main_thread():
+    # math-verify's own signal.alarm timeout raises ValueError in a thread; ours must not.
+    verify = make_math_verifier(timeout_s=2.0)
+    verify(r"\boxed{2}", "3")
+    results = {}
+
+    def score():
+        results["pathological"] = _timed(verify, PATHOLOGICAL, "5")
+        results["normal"] = verify(r"\boxed{0.5}", "1/2")
+
+    thread = threading.Thread(target=score)
+    thread.start()
+    thread.join(60)
+    result, elapsed = results["pathological"]
+    assert result.breakdown["timed_out"] == 1.0 and elapsed < 5.0
+    assert results["normal"].score == 1.0
+
+
+def test_worker_death_scores_zero_but_worker_errors_raise(monkeypatch):
+    from armor_megatron.rewards import math_answer
+    from armor_megatron.rewards.isolated import IsolatedCallError
+
+    verify = make_math_verifier(timeout_s=30.0)
+    monkeypatch.setattr(math_answer, "_EQUIVALENT", "tests.rewards.worker_targets:die_comparing")
+    result = verify(r"\boxed{2}", "3")
+    assert result.score == 0.0 and result.breakdown == {"answer_found": 1.0, "correct": 0.0, "timed_out": 0.0}
+    monkeypatch.setattr(math_answer, "_EQUIVALENT", "tests.rewards.worker_targets:raise_comparing")
+    with pytest.raises(IsolatedCallError, match="ModuleNotFoundError: No module named 'math_verify'"):
+        verify(r"\boxed{2}", "3")
+
+
+def test_gold_answers_normalisation():
+    assert gold_answers(r"$\frac{1}{2}$") == [r"\frac{1}{2}"]
+    assert gold_answers(r"... hence \boxed{12}.") == ["12"]
+    assert gold_answers([3, "4"]) == ["3", "4"]
+
+
+@pytest.mark.parametrize(
+    "gold, error, match",
+    [
+        ("", ValueError, "is empty"),
+        ([], ValueError, "empty list"),
+        (None, TypeError, "string or number, got NoneType"),
+        (True, TypeError, "string or number, got bool"),
+    ],
+)
+def test_bad_ground_truth_is_one_clear_error(verify, gold, error, match):
+    with pytest.raises(error, match=match):
+        verify(r"\boxed{1}", gold)
+
+
+def test_bad_timeout_rejected():
+    with pytest.raises(ValueError, match="timeout_s must be > 0"):
+        make_math_verifier(timeout_s=0)

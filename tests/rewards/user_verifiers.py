@@ -1,0 +1,35 @@
+"""User verifiers loaded by spec string in test_registry.py ("tests.rewards.user_verifiers:...")."""
+
+from armor_megatron.rewards import RewardResult
+
+NOT_CALLABLE = 3
+
+
+def exact_match(response, ground_truth):
+    return response.strip() == str(ground_truth)
+
+
+def with_breakdown(response, ground_truth, *, scale=1.0):
+    return {"score": scale * len(response), "length": len(response), "extracted": response[:3], "note": "dropped"}
+
+
+def full_result(response, ground_truth):
+    return RewardResult(0.5, {"half": 1.0}, "x")
+
+
+def takes_one(response):
+    return 1.0
+
+
+def returns_list(response, ground_truth):
+    return [1.0]
+
+
+def returns_nan(response, ground_truth):
+    return float("nan")
+
+
+class Judge:
+    @staticmethod
+    def score(response, ground_truth):
+        return 1.0

@@ -1,0 +1,42 @@
+"""Functions that test_isolated.py runs inside worker processes ("tests.rewards.worker_targets:...")."""
+
+import os
+import time
+
+
+def pid():
+    return os.getpid()
+
+
+def sleep_then_pid(seconds):
+    time.sleep(seconds)
+    return os.getpid()
+
+
+def boom():
+    raise ValueError("boom")
+
+
+def die():
+    os._exit(3)
+
+
+def allocate(megabytes):
+    return len(bytearray(megabytes * 1024 * 1024))
+
+
+def chatty(value):
+    print("stray output that must not corrupt the reply pipe")
+    return value
+
+
+def unpicklable():
+    return lambda: None
+
+
+def die_comparing(answer, gold):
+    os._exit(9)
+
+
+def raise_comparing(answer, gold):
+    raise ModuleNotFoundError("No module named 'math_verify'")
