@@ -29,8 +29,8 @@ class DynamicSampler:
 
     Each ``add`` takes a group-major batch of num_groups·G rows (group g = rows g·G … g·G+G−1)
     and the [num_groups, G] rewards to filter on (DAPO filters on the verifier accuracy).
-    ``take`` returns the first ``target_groups`` kept groups; more than ``max_rounds``
-    rounds without reaching the target raises (DAPO's max_num_gen_batches).
+    ``take`` returns the first ``target_groups`` kept groups; a round beyond ``max_rounds``
+    raises (DAPO's max_num_gen_batches) unless the caller stops adding and takes a partial batch.
     """
 
     def __init__(self, target_groups: int, max_rounds: int | None = None, pad_values: dict | None = None):
@@ -67,11 +67,14 @@ class DynamicSampler:
             self._kept.append(batch.select(keep.cpu().repeat_interleave(g)))
         return kept
 
-    def take(self) -> RolloutBatch:
-        """The first ``target_groups`` kept groups (target_groups·G rows); raises before ``done``."""
-        if not self.done:
+    def take(self, allow_partial: bool = False) -> RolloutBatch | None:
+        """The first ``target_groups`` kept groups (target_groups·G rows). Before ``done`` it
+        raises, unless ``allow_partial``: then it returns what was kept (None if nothing)."""
+        if not self.done and not allow_partial:
             raise RuntimeError(f"dynamic sampling: only {self.groups_kept} of {self.target_groups} groups kept "
                                f"so far; keep calling add()")
+        if not self._kept:
+            return None
         return RolloutBatch.concat(self._kept, self.pad_values).slice(0, self.target_groups * self.group_size)
 
     def stats(self) -> dict[str, float]:

@@ -41,7 +41,12 @@ def test_sampler_takes_only_the_target_and_fails_loudly():
     with pytest.raises(RuntimeError, match="only 0 of 2 groups kept"):
         sampler.take()
     sampler.add(*_round([[1, 1]], 0, length=2))
+    assert sampler.take(allow_partial=True) is None
     with pytest.raises(RuntimeError, match="0 of 2 groups with mixed rewards after max_rounds=1"):
         sampler.add(*_round([[0, 1]], 2, length=2))
+    assert sampler.take(allow_partial=True) is None
+    sampler = DynamicSampler(target_groups=2)
+    sampler.add(*_round([[0, 1], [1, 1]], 0, length=2))
+    assert sampler.take(allow_partial=True)["row_id"].tolist() == [0, 1]
     with pytest.raises(ValueError, match="batch has 4 rows"):
         DynamicSampler(1).add(_round([[0, 1], [1, 0]], 0, 2)[0], torch.ones(3, 2))
