@@ -30,7 +30,7 @@ class RowSource:
     index: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AnchorGroups:
     """num_groups = number of prompts; rows are prompt-major, G per prompt, the anchor last.
 

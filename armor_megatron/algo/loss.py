@@ -133,11 +133,11 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     loss = total / normalizer
 
     with torch.no_grad():
-        metrics = _metrics(log_ratio, ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
+        metrics = _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
     return loss, metrics
 
 
-def _metrics(log_ratio, ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
+def _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
     n = valid.sum()
     denom = n.clamp(min=1).float()
     has_tokens = n > 0
