@@ -2,8 +2,9 @@
 
 The task: prompts "a+b" (a, b in 0..9); a response is the decimal digits of the sum followed
 by EOS, at most MAX_LEN tokens; the verifier gives reward 1 for exactly the right answer.
-The policy is a small autoregressive MLP. A short supervised warm-up makes the "base model"
-(about a quarter right); both runs then start from it with the same seed:
+The policy is a small autoregressive MLP. A short supervised warm-up on all 100 sums makes
+the "base model" (about a quarter right). RL trains on 70 of the sums; both runs start from
+the base model with the same seed:
 
   dapo   G on-policy samples per prompt, group-normalised advantages, clip-higher surrogate
          with token-mean, dynamic sampling, soft overlong punishment.
@@ -19,7 +20,8 @@ Columns: train@8 / val@8 are avg@8 accuracies on the 70 training sums and the 30
 ones (the base model saw all 100 in its warm-up, so val@8 shows what RL on the training
 sums does to skills it does not train); clip_lo / clip_hi, entropy and kl_ref (k3 estimate
 of KL(π_θ‖π_ref); for dapo π_ref is the base model, used for this metric only) are from the
-step's last micro-batch; anchor is the anchor found rate; kept the dynamic-sampling keep rate.
+step's last update; anchor is the anchor found rate; anc_A=0 the share of anchors with zero
+advantage (QAE's zero mask: try --estimator qae); kept the dynamic-sampling keep rate.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from armor_megatron.algo import (DynamicSampler, PolicyLossConfig, apply_overlong_shaping, assemble_anchor_groups,
-                                 build_reset_schedule, compute_advantages, loss_normalizer, policy_loss)
+from armor_megatron.algo import (DynamicSampler, PolicyLossConfig, anchor_zero_advantage_rate,
+                                 apply_overlong_shaping, assemble_anchor_groups, build_reset_schedule,
+                                 compute_advantages, loss_normalizer, policy_loss, reduce_loss_metrics)
 from armor_megatron.data import RolloutBatch
 
 EOS, BOS, VOCAB = 10, 11, 11  # tokens 0-9 are digits; BOS only ever appears as input
@@ -130,21 +133,23 @@ def rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen) ->
         return metrics
 
     adv = compute_advantages(args.estimator, rewards=batch["shaped_reward"].view(-1, args.group_size)).reshape(-1)
+    metrics["anchor_zero_adv"] = float(anchor_zero_advantage_rate(adv, batch["is_anchor"]))
     with torch.no_grad():
         old_logp, _ = policy.logprobs(batch["prompts"], batch["tokens"])  # π_old, recomputed by the "trainer"
         ref_logp, _ = reference.logprobs(batch["prompts"], batch["tokens"])
     normalizer = loss_normalizer(batch["mask"], loss_cfg.loss_agg)  # global token count of the step
     for _ in range(args.updates_per_step):  # several updates on one batch: off-policy, clipping matters
         optimizer.zero_grad()
+        calls = []
         for idx in torch.randperm(len(batch), generator=gen).chunk(args.micro_batches):
             mb = batch.index(idx)
             logp, entropy = policy.logprobs(mb["prompts"], mb["tokens"])
             loss, m = policy_loss(logp, old_logp[idx], ref_logp[idx], adv[idx], mb["mask"], loss_cfg,
                                   normalizer=normalizer, entropy=entropy)
             loss.backward()
+            calls.append(m)
         optimizer.step()
-    metrics.update({k: float(m[k]) for k in ("clip_frac_low", "clip_frac_high", "entropy", "approx_kl_ref")})
-    return metrics
+    return {**metrics, **reduce_loss_metrics(calls)}  # the last update's metrics
 
 
 @torch.no_grad()
@@ -177,7 +182,7 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
     print(f"\n{name}: alpha={loss_cfg.alpha} anchors={'on' if args.armor else 'off'} "
           f"reset={'every %d' % args.tau if args.armor else 'never'}")
     print(f"{'step':>5} {'train@8':>8} {'val@8':>7} {'entropy':>8} {'clip_lo':>8} {'clip_hi':>8} "
-          f"{'kl_ref':>7} {'anchor':>7} {'kept':>5} {'reset':>5}")
+          f"{'kl_ref':>7} {'anchor':>7} {'anc_A=0':>7} {'kept':>5} {'reset':>5}")
     for step in range(1, args.steps + 1):
         m = rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen)
         did_reset = reset.should_reset(step, m)
@@ -188,7 +193,7 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
                                                                                                 eval_gen)
             print(f"{step:>5} {m['train_acc']:>8.3f} {m['val_acc']:>7.3f} {m.get('entropy', 0):>8.3f} "
                   f"{m.get('clip_frac_low', 0):>8.4f} {m.get('clip_frac_high', 0):>8.4f} "
-                  f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} "
+                  f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} {m.get('anchor_zero_adv', 0):>7.2f} "
                   f"{m['dynamic_sampling_keep_rate']:>5.2f} {'yes' if did_reset else '':>5}")
     return m
 
