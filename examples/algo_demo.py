@@ -189,8 +189,8 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
         if did_reset:
             reference.load_state_dict(policy.state_dict())  # θ_ref ← θ: the anchor sampler follows too
         if step % args.log_every == 0 or step == args.steps:
-            m["train_acc"], m["val_acc"] = accuracy(policy, train_prompts, eval_gen), accuracy(policy, val_prompts,
-                                                                                                eval_gen)
+            m["train_acc"] = accuracy(policy, train_prompts, eval_gen)
+            m["val_acc"] = accuracy(policy, val_prompts, eval_gen)
             print(f"{step:>5} {m['train_acc']:>8.3f} {m['val_acc']:>7.3f} {m.get('entropy', 0):>8.3f} "
                   f"{m.get('clip_frac_low', 0):>8.4f} {m.get('clip_frac_high', 0):>8.4f} "
                   f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} {m.get('anchor_zero_adv', 0):>7.2f} "
