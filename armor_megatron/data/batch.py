@@ -77,7 +77,8 @@ class RolloutBatch:
     def _derive(self, tensors: dict[str, torch.Tensor], objects: dict[str, list[Any]]) -> "RolloutBatch":
         out = RolloutBatch(meta=self.meta)
         out.tensors, out.objects = tensors, objects
-        out._size = next(iter([*(t.shape[0] for t in tensors.values()), *(len(o) for o in objects.values())]), 0)
+        sizes = [t.shape[0] for t in tensors.values()] + [len(o) for o in objects.values()]
+        out._size = sizes[0] if sizes else 0
         return out
 
     def slice(self, start: int, stop: int | None = None) -> "RolloutBatch":
