@@ -1,0 +1,154 @@
+"""Advantage estimators.
+
+Group estimators take ``rewards`` of shape [num_groups, G]: row g holds the scalar rewards of
+the G responses to prompt g, the ARMOR anchor (if any) included as an ordinary member. They
+return advantages of the same shape, one per response, which the loss broadcasts over the
+response's tokens. Statistics per group (over the G entries of a row):
+
+    mean_g = (1/G) Σ_j r_gj,   std_g = sqrt(Σ_j (r_gj − mean_g)² / (G − 1))   (Bessel, as torch.std)
+
+GAE works on per-token values and rewards of a critic instead.
+
+``ESTIMATORS`` maps config names to functions; ``compute_advantages(name, ...)`` dispatches.
+"""
+
+from __future__ import annotations
+
+import difflib
+from typing import Callable
+
+import torch
+
+DEFAULT_EPS = 1e-6
+
+
+def _check_groups(rewards: torch.Tensor) -> torch.Tensor:
+    if rewards.dim() != 2 or rewards.shape[1] < 2:
+        raise ValueError(f"rewards must be [num_groups, G] with G >= 2, got shape {tuple(rewards.shape)}")
+    return rewards.float()
+
+
+def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """GRPO / DAPO group normalisation:  A_gi = (r_gi − mean_g) / (std_g + ε).
+
+    A group whose rewards are all equal gets A = 0 (DAPO's dynamic sampling drops such groups).
+    """
+    r = _check_groups(rewards)
+    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
+
+
+def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """Dr. GRPO (GRPO done right): the mean baseline without the std division,
+    A_gi = r_gi − mean_g, which removes the question-difficulty bias of 1/std_g."""
+    r = _check_groups(rewards)
+    return r - r.mean(dim=1, keepdim=True)
+
+
+def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """QAE (Quantile Advantage Estimation, arXiv 2509.22611): GRPO/DAPO with the group mean
+    replaced by the group's K-quantile,
+
+        A_gi = (r_gi − Q_K(r_g)) / (std_g + ε),
+
+    Q_K = ``torch.quantile(r_g, K)`` with its default linear interpolation (authors' K = 0.4).
+    With binary rewards and success rate p: if p ≤ 1−K, Q_K = 0 (hard prompt: only the rare
+    successes get a non-zero, positive advantage); if p > 1−K, Q_K = 1 (easy prompt: only the
+    failures get a negative one). Most responses get A = 0 — anchors included, see
+    ``anchors.anchor_zero_advantage_rate``.
+    """
+    if not 0.0 <= k <= 1.0:
+        raise ValueError(f"QAE quantile k must be in [0, 1], got {k!r}")
+    r = _check_groups(rewards)
+    baseline = torch.quantile(r, k, dim=1, keepdim=True)
+    return (r - baseline) / (r.std(dim=1, keepdim=True) + eps)
+
+
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """RLOO (REINFORCE leave-one-out): the baseline of each response is the mean of the
+    other G−1 responses of its group,
+
+        A_gi = r_gi − (1/(G−1)) Σ_{j≠i} r_gj = G/(G−1) · (r_gi − mean_g).
+    """
+    r = _check_groups(rewards)
+    g = r.shape[1]
+    return (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))
+
+
+def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """REINFORCE++ with outcome rewards and no per-token KL: the return of every response is
+    its reward, normalised over the whole batch (all groups together, each response once):
+
+        A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
+    """
+    r = _check_groups(rewards)
+    return (r - r.mean()) / (r.std() + eps)
+
+
+def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """REINFORCE++-baseline: subtract the group mean, then divide by the std of those centred
+    values over the whole batch:  c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε)."""
+    centred = drgrpo_advantages(rewards)
+    return centred / (centred.std() + eps)
+
+
+def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+                   lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised Advantage Estimation over response tokens.
+
+    Args:
+        values: [B, T] critic values V_t; rewards: [B, T] per-token rewards r_t (an outcome
+            reward sits on the last valid token); mask: [B, T], 1 on valid tokens.
+        gamma: discount γ; lam: GAE λ.
+
+    With t+1 the next *valid* token of the same sequence (V = 0 after the last one):
+
+        δ_t = r_t + γ·V_{t+1} − V_t,    A_t = δ_t + γλ·A_{t+1},    R_t = A_t + V_t.
+
+    Returns (advantages, returns), [B, T] fp32, zero on invalid positions. Not whitened.
+    """
+    if not (values.shape == rewards.shape == mask.shape) or values.dim() != 2:
+        raise ValueError(f"values {tuple(values.shape)}, rewards {tuple(rewards.shape)} and mask "
+                         f"{tuple(mask.shape)} must share one [B, T] shape")
+    if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
+        raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma!r}, lam={lam!r}")
+    v, r, m = values.float(), rewards.float(), mask.float()
+    next_value = torch.zeros_like(v[:, 0])
+    next_adv = torch.zeros_like(v[:, 0])
+    adv = torch.zeros_like(v)
+    for t in range(v.shape[1] - 1, -1, -1):
+        a_t = r[:, t] + gamma * next_value - v[:, t] + gamma * lam * next_adv
+        adv[:, t] = a_t * m[:, t]
+        # An invalid position passes the next valid token's value and advantage through.
+        next_value = torch.where(m[:, t] > 0, v[:, t], next_value)
+        next_adv = torch.where(m[:, t] > 0, a_t, next_adv)
+    return adv, (adv + v) * m
+
+
+ESTIMATORS: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {
+    "grpo": grpo_advantages,
+    "dapo": grpo_advantages,
+    "drgrpo": drgrpo_advantages,
+    "qae": qae_advantages,
+    "rloo": rloo_advantages,
+    "reinforce++": reinforce_pp_advantages,
+    "reinforce++-baseline": reinforce_pp_baseline_advantages,
+    "gae": gae_advantages,
+}
+GROUP_ESTIMATORS = tuple(name for name in ESTIMATORS if name != "gae")
+
+
+def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
+    """The estimator registered under ``name``; unknown names raise with the closest match."""
+    try:
+        return ESTIMATORS[name]
+    except KeyError:
+        close = difflib.get_close_matches(str(name), ESTIMATORS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown advantage estimator {name!r}{hint}; choose one of {', '.join(ESTIMATORS)}") \
+            from None
+
+
+def compute_advantages(name: str, **inputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch by config name: ``compute_advantages("qae", rewards=r, k=0.4)``,
+    ``compute_advantages("gae", values=v, rewards=r, mask=m, gamma=1.0, lam=0.95)``."""
+    return get_estimator(name)(**inputs)

@@ -1,0 +1,169 @@
+"""DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
+aggregation modes of the RL frameworks.
+
+Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantage A:
+
+    ℓ_it = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))            (PPO/DAPO, clip-higher)
+    ℓ_it = min(ℓ_it, −A·c)   where A < 0                          (dual-clip, c > 1, optional)
+
+No KL term. Aggregation over the global batch (N is the ``normalizer``):
+
+    token-mean            L = Σ_i Σ_t ℓ_it / N,  N = number of valid tokens
+    seq-mean-token-mean   L = Σ_i (Σ_t ℓ_it / T_i) / N,  N = number of sequences (T_i ≥ 1)
+    seq-mean-token-sum    L = Σ_i Σ_t ℓ_it / N,  N = number of sequences (T_i ≥ 1)
+
+token-mean (DAPO) weights every token equally, so long responses count in proportion to
+their length. Passing the GLOBAL N (all micro-batches, all data-parallel ranks) to every call
+makes the per-micro-batch losses sum to exactly the global L; ``loss_normalizer`` gives the
+local count to all-reduce.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from armor_megatron.algo.ratio import check_alpha, mixed_log_ratio, mixture_weight
+
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+# exp(±20) ≈ 4.9e8: far outside any clip range, but finite in fp32 even for garbage inputs.
+MAX_ABS_LOG_RATIO = 20.0
+
+
+@dataclass(frozen=True)
+class PolicyLossConfig:
+    """Hyper-parameters of the clipped surrogate (paper: α 0.875–0.9375, ε 0.2 / 0.28)."""
+
+    alpha: float = 1.0
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    dual_clip_c: float | None = None  # e.g. 3.0; bounds the loss of negative advantages
+    loss_agg: str = "token-mean"
+
+    def __post_init__(self):
+        check_alpha(self.alpha)
+        if not 0.0 < self.eps_low < 1.0:
+            raise ValueError(f"eps_low must be in (0, 1), got {self.eps_low!r}")
+        if not self.eps_high > 0.0:
+            raise ValueError(f"eps_high must be > 0, got {self.eps_high!r}")
+        if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
+            raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
+        if self.loss_agg not in LOSS_AGG_MODES:
+            raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg!r}")
+
+    def replace(self, **changes) -> "PolicyLossConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
+    """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
+    sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
+    data-parallel ranks to get the global ``normalizer`` of ``policy_loss``."""
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
+    valid = mask.bool()
+    if loss_agg == "token-mean":
+        return valid.sum()
+    return valid.any(dim=-1).sum()
+
+
+def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy) -> None:
+    if logp.dim() != 2:
+        raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
+    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("entropy", entropy)):
+        if t is not None and t.shape != logp.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
+    if advantages.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(logp.shape[:1])} "
+                         f"or [B, T]={tuple(logp.shape)}")
+
+
+def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
+                advantages: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, *,
+                normalizer: torch.Tensor | float | None = None,
+                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """ARMOR/DAPO policy loss of one micro-batch.
+
+    Args:
+        logp, old_logp, ref_logp: [B, T] log-probs of the response tokens under π_θ (with grad),
+            π_old and π_ref (ref_logp may be None when ``cfg.alpha`` == 1).
+        advantages: [B] (one per sequence) or [B, T] (per token).
+        mask: [B, T], 1/True on real response tokens.
+        cfg: the loss hyper-parameters.
+        normalizer: the GLOBAL count of aggregation units (see module doc); None: this call's.
+        entropy: optional [B, T] per-token entropy of π_θ, only reported.
+
+    Returns:
+        (loss, metrics): loss is an fp32 scalar with grad; metrics are detached fp32 scalars,
+        token-weighted over this call's valid tokens (0 when there are none):
+        clip_frac_low (A<0 and r<1−ε_low: clipped, no gradient), clip_frac_high (A>0 and
+        r>1+ε_high), dual_clip_frac (A<0 and r>c), ratio_mean/min/max (of r_mix),
+        approx_kl_old = mean(ρ−1−log ρ), ρ = π_θ/π_old (k3 estimate of KL(π_old‖π_θ)),
+        approx_kl_ref = mean(ρ−1−log ρ), ρ = π_ref/π_θ (k3 estimate of KL(π_θ‖π_ref)),
+        mixture_weight_mean = mean α·π_θ/(α·π_θ+(1−α)·π_ref) (both when ref_logp is given),
+        entropy (when given) and num_tokens.
+    """
+    _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy)
+    if cfg.alpha < 1.0 and ref_logp is None:
+        raise ValueError(f"ref_logp is required when alpha < 1 (alpha={cfg.alpha})")
+    if isinstance(normalizer, (int, float)) and normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
+    valid = mask.bool()
+    adv = advantages.float()
+    if adv.dim() == 1:
+        adv = adv.unsqueeze(-1).expand_as(logp)
+
+    log_ratio = mixed_log_ratio(logp, old_logp, ref_logp, cfg.alpha)
+    ratio = torch.exp(log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
+    token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
+    if cfg.dual_clip_c is not None:
+        token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.dual_clip_c), token_loss)
+    # where(), not a product: a non-finite value on a padding position must not leak in.
+    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
+
+    if cfg.loss_agg == "seq-mean-token-mean":
+        total = (token_loss.sum(-1) / valid.sum(-1).clamp(min=1)).sum()
+    else:
+        total = token_loss.sum()
+    if normalizer is None:
+        normalizer = loss_normalizer(valid, cfg.loss_agg).clamp(min=1)
+    loss = total / normalizer
+
+    with torch.no_grad():
+        metrics = _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
+    return loss, metrics
+
+
+def _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
+    n = valid.sum()
+    denom = n.clamp(min=1).float()
+    has_tokens = n > 0
+
+    def mean(x: torch.Tensor) -> torch.Tensor:
+        return torch.where(valid, x.float(), 0.0).sum() / denom
+
+    def k3(log_rho: torch.Tensor) -> torch.Tensor:
+        log_rho = log_rho.float().clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
+        return mean(torch.expm1(log_rho) - log_rho)
+
+    inf = torch.tensor(float("inf"), device=ratio.device)
+    out = {
+        "clip_frac_low": mean((adv < 0) & (ratio < 1.0 - cfg.eps_low)),
+        "clip_frac_high": mean((adv > 0) & (ratio > 1.0 + cfg.eps_high)),
+        "dual_clip_frac": (mean((adv < 0) & (ratio > cfg.dual_clip_c)) if cfg.dual_clip_c is not None
+                           else torch.zeros((), device=ratio.device)),
+        "ratio_mean": mean(ratio),
+        "ratio_min": torch.where(has_tokens, torch.where(valid, ratio, inf).min(), 0.0),
+        "ratio_max": torch.where(has_tokens, torch.where(valid, ratio, -inf).max(), 0.0),
+        "approx_kl_old": k3(logp.detach().float() - old_logp.float()),
+        "num_tokens": n.float(),
+    }
+    if ref_logp is not None:
+        out["approx_kl_ref"] = k3(ref_logp.float() - logp.detach().float())
+        out["mixture_weight_mean"] = mean(mixture_weight(logp.detach(), ref_logp, cfg.alpha))
+    if entropy is not None:
+        out["entropy"] = mean(entropy.detach())
+    return out

@@ -1,0 +1,151 @@
+"""Reference reset schedules: when to copy the policy into the reference (θ_ref ← θ).
+
+The trainer asks ``schedule.should_reset(step, metrics)`` once after every optimizer step,
+``step`` counting completed steps from 1, ``metrics`` holding that step's logged values
+(validation results included on steps that ran validation). On True it refreshes the
+trainer's reference model AND the weights the rollout samples anchors from.
+
+    every τ        reset after steps τ, 2τ, 3τ, ...            (paper, 7B: τ = 160)
+    two-stage      every τ₁ (default 1) up to step N, then frozen  (paper, 8B: N = 180)
+    never          static reference
+    validation     a user hook, or reset when a validation metric reaches a new best
+                   (the reference then tracks the best checkpoint so far)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+
+Metrics = Mapping[str, float] | None
+
+
+@runtime_checkable
+class ResetSchedule(Protocol):
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool: ...
+
+
+def _check_step(step: int) -> None:
+    if step < 1:
+        raise ValueError(f"reset schedules count completed steps from 1, got step={step!r}")
+
+
+@dataclass(frozen=True)
+class EveryTau:
+    """Reset after every ``tau``-th step."""
+
+    tau: int
+
+    def __post_init__(self):
+        if self.tau < 1:
+            raise ValueError(f"reset tau must be >= 1, got {self.tau!r}")
+
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
+        _check_step(step)
+        return step % self.tau == 0
+
+
+@dataclass(frozen=True)
+class TwoStage:
+    """Reset every ``tau`` steps for the first ``first_stage_steps`` steps, then never."""
+
+    first_stage_steps: int
+    tau: int = 1
+
+    def __post_init__(self):
+        if self.first_stage_steps < 0 or self.tau < 1:
+            raise ValueError(f"two-stage reset needs first_stage_steps >= 0 and tau >= 1, got "
+                             f"{self.first_stage_steps!r}, {self.tau!r}")
+
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
+        _check_step(step)
+        return step <= self.first_stage_steps and step % self.tau == 0
+
+
+@dataclass(frozen=True)
+class Never:
+    """A static reference."""
+
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
+        _check_step(step)
+        return False
+
+
+@dataclass
+class ValidationHook:
+    """Delegates to ``hook(step, metrics) -> bool``, a callable or a ``"module:function"`` path."""
+
+    hook: Callable[[int, Metrics], bool] | str
+
+    def __post_init__(self):
+        if isinstance(self.hook, str):
+            self.hook = load_callable(self.hook)
+
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
+        _check_step(step)
+        return bool(self.hook(step, metrics))
+
+
+@dataclass
+class OnValidationBest:
+    """Reset when ``metrics[metric]`` (present on validation steps) beats the best so far by
+    more than ``min_delta`` (``mode`` "max" or "min"). Stateful: save ``state_dict()`` with the
+    trainer checkpoint."""
+
+    metric: str
+    mode: str = "max"
+    min_delta: float = 0.0
+    best: float = field(default=math.nan)
+
+    def __post_init__(self):
+        if self.mode not in ("max", "min"):
+            raise ValueError(f"validation reset mode must be 'max' or 'min', got {self.mode!r}")
+
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
+        _check_step(step)
+        if not metrics or self.metric not in metrics:
+            return False
+        value = float(metrics[self.metric])
+        sign = 1.0 if self.mode == "max" else -1.0
+        if math.isnan(self.best) or sign * (value - self.best) > self.min_delta:
+            self.best = value
+            return True
+        return False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.best = float(state["best"])
+
+
+def load_callable(path: str) -> Callable:
+    """Import ``"package.module:function"``; raises ValueError naming the path on failure."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"expected 'module:function', got {path!r}")
+    try:
+        obj = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"cannot load {path!r}: {exc}") from None
+    if not callable(obj):
+        raise ValueError(f"{path!r} is not callable")
+    return obj
+
+
+RESET_SCHEDULES = {"every": EveryTau, "two_stage": TwoStage, "never": Never, "validation_hook": ValidationHook,
+                   "validation_best": OnValidationBest}
+
+
+def build_reset_schedule(kind: str, **params) -> ResetSchedule:
+    """``build_reset_schedule("every", tau=160)``, ``("two_stage", first_stage_steps=180)``,
+    ``("never")``, ``("validation_hook", hook="pkg.mod:fn")``,
+    ``("validation_best", metric="val/acc")``."""
+    if kind not in RESET_SCHEDULES:
+        raise ValueError(f"unknown reset schedule {kind!r}; choose one of {', '.join(RESET_SCHEDULES)}")
+    try:
+        return RESET_SCHEDULES[kind](**params)
+    except TypeError as exc:
+        raise ValueError(f"reset schedule {kind!r}: {exc}") from None

@@ -1,0 +1,108 @@
+import math
+
+import pytest
+import torch
+
+from armor_megatron.algo.advantages import (ESTIMATORS, compute_advantages, drgrpo_advantages, gae_advantages,
+                                            get_estimator, grpo_advantages, qae_advantages,
+                                            reinforce_pp_advantages, reinforce_pp_baseline_advantages,
+                                            rloo_advantages)
+
+ONE_OF_FOUR = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, Bessel std sqrt(0.75/3) = 0.5
+
+
+def test_grpo_hand_example():
+    # (1 − 0.25)/0.5 = 1.5, (0 − 0.25)/0.5 = −0.5
+    torch.testing.assert_close(grpo_advantages(ONE_OF_FOUR, eps=0.0), torch.tensor([[1.5, -0.5, -0.5, -0.5]]))
+    # All-equal groups get exactly zero; the anchor is an ordinary member.
+    assert torch.equal(grpo_advantages(torch.ones(2, 4)), torch.zeros(2, 4))
+    assert get_estimator("dapo") is grpo_advantages
+
+
+def test_drgrpo_hand_example():
+    torch.testing.assert_close(drgrpo_advantages(ONE_OF_FOUR), torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
+
+
+def test_qae_binary_two_regimes():
+    # K = 0.4 over G = 4 sorted rewards: position 0.4·3 = 1.2, between the 2nd and 3rd values.
+    # hard prompt [1,0,0,0]: sorted [0,0,0,1] -> Q = 0: only the success moves, (1−0)/0.5 = 2
+    # easy prompt [1,1,1,0]: sorted [0,1,1,1] -> Q = 1: only the failure moves, (0−1)/0.5 = −2
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
+    torch.testing.assert_close(qae_advantages(rewards, k=0.4, eps=0.0),
+                               torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -2.0]]))
+
+
+def test_qae_linear_interpolation():
+    # G = 5 rewards [0, 0.5, 1, 2, 3]: position 0.4·4 = 1.6 -> Q = 0.5 + 0.6·(1 − 0.5) = 0.8;
+    # mean 1.3, Bessel std = sqrt((1.3² + 0.8² + 0.3² + 0.7² + 1.7²)/4) = sqrt(5.8/4)
+    rewards = torch.tensor([[0.0, 0.5, 1.0, 2.0, 3.0]])
+    std = math.sqrt(5.8 / 4)
+    expected = (rewards - 0.8) / std
+    torch.testing.assert_close(qae_advantages(rewards, k=0.4, eps=0.0), expected)
+    # G = 2 [0, 1]: Q_0.4 = 0.4, std = sqrt(0.5)
+    torch.testing.assert_close(qae_advantages(torch.tensor([[0.0, 1.0]]), eps=0.0),
+                               torch.tensor([[-0.4, 0.6]]) / math.sqrt(0.5))
+    with pytest.raises(ValueError, match="quantile k"):
+        qae_advantages(rewards, k=1.5)
+
+
+def test_rloo_hand_example():
+    # success: 1 − mean(0,0,0) = 1;  failure: 0 − mean(1,0,0) = −1/3
+    torch.testing.assert_close(rloo_advantages(ONE_OF_FOUR), torch.tensor([[1.0, -1 / 3, -1 / 3, -1 / 3]]))
+
+
+def test_reinforce_pp_normalises_over_the_whole_batch():
+    # batch [1,0,1,1]: mean 0.75, Bessel std sqrt((3·0.0625 + 0.5625)/3) = 0.5
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    torch.testing.assert_close(reinforce_pp_advantages(rewards, eps=0.0), torch.tensor([[0.5, -1.5], [0.5, 0.5]]))
+
+
+def test_reinforce_pp_baseline_hand_example():
+    # centred by group: [[0.5, −0.5], [0, 0]]; batch std sqrt((0.25+0.25)/3) = sqrt(1/6)
+    rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
+    s = math.sqrt(1 / 6)
+    torch.testing.assert_close(reinforce_pp_baseline_advantages(rewards, eps=0.0),
+                               torch.tensor([[0.5 / s, -0.5 / s], [0.0, 0.0]]))
+
+
+def test_gae_hand_example_with_padding():
+    # γ = 0.9, λ = 0.8 (γλ = 0.72)
+    # row 0, V = [1, 2, 3], r = [0, 0, 1], all valid:
+    #   t2: δ = 1 − 3 = −2                 A = −2
+    #   t1: δ = 0.9·3 − 2 = 0.7            A = 0.7 + 0.72·(−2) = −0.74
+    #   t0: δ = 0.9·2 − 1 = 0.8            A = 0.8 + 0.72·(−0.74) = 0.2672
+    # row 1, V = [1, 2, 99], r = [0, 1, 0], last position padding (its V ignored):
+    #   t1: δ = 1 − 2 = −1                 A = −1
+    #   t0: δ = 0.9·2 − 1 = 0.8            A = 0.8 − 0.72 = 0.08
+    values = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 99.0]])
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, ret = gae_advantages(values, rewards, mask, gamma=0.9, lam=0.8)
+    torch.testing.assert_close(adv, torch.tensor([[0.2672, -0.74, -2.0], [0.08, -1.0, 0.0]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.2672, 1.26, 1.0], [1.08, 1.0, 0.0]]))
+
+
+def test_gae_with_gamma_lambda_one_is_monte_carlo_return_minus_value():
+    g = torch.Generator().manual_seed(0)
+    values, rewards = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    mask = torch.ones(3, 5)
+    adv, ret = gae_advantages(values, rewards, mask, gamma=1.0, lam=1.0)
+    mc = rewards.flip(1).cumsum(1).flip(1)  # Σ_{t' ≥ t} r_t'
+    torch.testing.assert_close(ret, mc)
+    torch.testing.assert_close(adv, mc - values)
+
+
+def test_registry_dispatch_and_errors():
+    assert set(ESTIMATORS) >= {"grpo", "dapo", "drgrpo", "qae", "rloo", "reinforce++", "gae"}
+    torch.testing.assert_close(compute_advantages("qae", rewards=ONE_OF_FOUR, k=0.4),
+                               qae_advantages(ONE_OF_FOUR, k=0.4))
+    adv, _ = compute_advantages("gae", values=torch.zeros(1, 2), rewards=torch.ones(1, 2), mask=torch.ones(1, 2))
+    torch.testing.assert_close(adv, torch.tensor([[2.0, 1.0]]))
+    with pytest.raises(ValueError, match="did you mean 'grpo'"):
+        get_estimator("grp")
+    with pytest.raises(ValueError, match=r"\[num_groups, G\] with G >= 2"):
+        grpo_advantages(torch.ones(4))
+    with pytest.raises(ValueError, match=r"\[num_groups, G\] with G >= 2"):
+        rloo_advantages(torch.ones(4, 1))
+    with pytest.raises(ValueError, match="gamma and lam"):
+        gae_advantages(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), gamma=1.5)
