@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional
 
 from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive
 
-Estimator = Literal["dapo", "grpo", "drgrpo", "qae", "rloo", "reinforce++", "gae"]
+Estimator = Literal["dapo", "grpo", "drgrpo", "qae", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
@@ -111,9 +111,13 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class ReferenceConfig:
-    reset: Literal["every", "two_stage", "never", "best_validation"] = "every"
+    reset: Literal["every", "two_stage", "never", "validation_best", "validation_hook"] = "every"
     tau: int = checked(160, check=at_least(1), help="steps between resets (every) or of stage one (two_stage: 1)")
     stage_one_steps: int = checked(180, check=at_least(0), help="two_stage: reset every step for this many steps")
+    validation_metric: str = checked(
+        "eval/mean/pass@1", check=non_empty, help="validation_best: reset to the policy that improves this metric"
+    )
+    validation_hook: Optional[str] = checked(None, help="validation_hook: module:function(step, metrics) -> bool")
     offload: bool = checked(False, help="keep reference weights on CPU between uses")
 
 

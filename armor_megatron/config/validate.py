@@ -13,6 +13,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
     _check_rollout(cfg)
+    _check_reference(cfg)
     _check_eval(cfg)
 
 
@@ -85,6 +86,14 @@ def _check_rollout(cfg: RunConfig) -> None:
         )
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
+
+
+def _check_reference(cfg: RunConfig) -> None:
+    ref = cfg.reference
+    if ref.reset == "validation_hook" and not ref.validation_hook:
+        raise ConfigError("reference.validation_hook", "required when reference.reset is 'validation_hook'")
+    if ref.reset == "validation_best" and cfg.eval.every_steps == 0:
+        raise ConfigError("reference.reset", "'validation_best' needs periodic evaluation (eval.every_steps > 0)")
 
 
 def _check_eval(cfg: RunConfig) -> None:

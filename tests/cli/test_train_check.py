@@ -47,6 +47,8 @@ MALFORMED = [
     (TINY, ["anchor.source=shared"], "anchor.source"),
     (TINY, ["reference.tau=0"], "reference.tau"),
     (TINY, ["reference.reset=sometimes"], "reference.reset"),
+    (TINY, ["reference.reset=validation_hook"], "reference.validation_hook: required"),
+    (TINY, ["reference.reset=validation_best", "eval.every_steps=0"], "reference.reset: 'validation_best' needs periodic evaluation"),
     (TINY, ["parallelism.tp=0"], "parallelism.tp: 0 must be >= 1"),
     (TINY, ["parallelism.tp=3"], "parallelism.tp: num_attention_heads=4 is not divisible by tp=3"),
     (TINY, ["parallelism.tp=4"], "parallelism.tp: num_key_value_heads=2 is not divisible by tp=4"),
