@@ -34,7 +34,7 @@ def wait_for_engines(
     timeout_s: float,
     pids: Sequence[int] = (),
     api_key: Optional[str] = None,
-    poll_s: float = 5.0,
+    poll_s: float = 2.0,
 ) -> float:
     """Block until every URL is healthy; return the seconds waited. Raises EngineStartError."""
     start = time.monotonic()

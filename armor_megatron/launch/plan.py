@@ -326,3 +326,11 @@ def _master_port(job_id: int, taken: set[int]) -> int:
     while port in taken:
         port += 1
     return port
+
+
+def preview_allocation(cfg: RunConfig) -> SlurmEnv:
+    """The allocation the config asks for, on placeholder hosts node01..nodeN (job id 0): checks and previews."""
+    launch = cfg.launch
+    width = max(2, len(str(launch.nodes)))
+    nodes = tuple(f"node{i:0{width}d}" for i in range(1, launch.nodes + 1))
+    return SlurmEnv(job_id="0", nodes=nodes, gpus_per_node=launch.gpus_per_node)

@@ -15,19 +15,16 @@ Exit codes: 0 ok, 1 engines failed to start, 2 bad config or allocation.
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import subprocess
 import sys
 from typing import Mapping, Optional, Sequence
 
-from armor_megatron.cli.common import EXIT_BAD_INPUT, EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
-from armor_megatron.config import ConfigError, RunConfig, load_config
+from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
 from armor_megatron.launch.nodelist import NodeListError
-from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job
+from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.render import render_shell, render_text
-from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
+from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, run_or_print, sbatch_command
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 
 PROG = "armor-slurm"
@@ -93,7 +90,7 @@ def _plan(args, env: Mapping[str, str]) -> int:
         raise SlurmEnvError("SLURM_JOB_ID is not set: --shell runs inside an allocation (use --dry-run to preview)")
     config_path = _array_config_path(args.config, env)
     cfg = load_config(config_path, args.overrides)
-    slurm = _preview_allocation(cfg) if preview else SlurmEnv.from_environ(env)
+    slurm = preview_allocation(cfg) if preview else SlurmEnv.from_environ(env)
     options = LaunchOptions.from_environ(env, launcher=args.launcher)
     plan = plan_job(cfg, slurm, train_args=["--config", config_path, *args.overrides], options=options)
     if args.shell:
@@ -108,7 +105,7 @@ def _plan(args, env: Mapping[str, str]) -> int:
 def _submit(args, env: Mapping[str, str]) -> int:
     cfg = load_config(args.config, args.overrides)
     options = LaunchOptions.from_environ(env, launcher=args.launcher)
-    plan_job(cfg, _preview_allocation(cfg), train_args=[], options=options)  # refuse a layout that cannot start
+    plan_job(cfg, preview_allocation(cfg), train_args=[], options=options)  # refuse a layout that cannot start
     cmd = sbatch_command(
         cfg,
         ["--config", args.config, *args.overrides],
@@ -118,19 +115,7 @@ def _submit(args, env: Mapping[str, str]) -> int:
         signal_grace_s=args.signal_grace,
         extra=args.sbatch_arg,
     )
-    return run_or_print(cmd, dry_run=args.dry_run, make_dirs=[args.log_dir])
-
-
-def run_or_print(cmd: list[str], *, dry_run: bool, make_dirs: Sequence[str] = ()) -> int:
-    """Print ``cmd`` (dry run) or create ``make_dirs`` and run it; a missing sbatch is one clear line."""
-    if dry_run:
-        print(shlex.join(cmd))
-        return EXIT_OK
-    if shutil.which(cmd[0]) is None:
-        return fail(PROG, f"{cmd[0]} not found on PATH: run this on a SLURM login node, or add --dry-run to print the command")
-    for d in make_dirs:
-        os.makedirs(d, exist_ok=True)  # SLURM does not create the directory of --output
-    return subprocess.call(cmd)
+    return run_or_print(PROG, cmd, dry_run=args.dry_run, make_dirs=[args.log_dir])
 
 
 def _array_config_path(path: str, env: Mapping[str, str]) -> str:
@@ -140,13 +125,6 @@ def _array_config_path(path: str, env: Mapping[str, str]) -> str:
     if task is None:
         raise SlurmEnvError(f"config path {path!r} uses %a but SLURM_ARRAY_TASK_ID is not set (not a job array task)")
     return path.replace("%a", task)
-
-
-def _preview_allocation(cfg: RunConfig) -> SlurmEnv:
-    launch = cfg.launch
-    width = max(2, len(str(launch.nodes)))
-    nodes = tuple(f"node{i:0{width}d}" for i in range(1, launch.nodes + 1))
-    return SlurmEnv(job_id="0", nodes=nodes, gpus_per_node=launch.gpus_per_node)
 
 
 if __name__ == "__main__":
