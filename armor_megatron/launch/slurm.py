@@ -1,0 +1,131 @@
+"""``python -m armor_megatron.launch.slurm``: plan, submit and start SLURM jobs from a run config.
+
+    # inside the allocation (tools/slurm/armor.sbatch evaluates --shell):
+    python -m armor_megatron.launch.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell)
+    # on the login node: the sbatch command for the config's resources (run it, or print it):
+    python -m armor_megatron.launch.slurm submit --config FILE [key=value ...] [--dry-run]
+    # the batch script waits for its engine steps:
+    python -m armor_megatron.launch.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
+
+Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
+A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).
+Exit codes: 0 ok, 1 engines failed to start, 2 bad config or allocation.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Mapping, Optional, Sequence
+
+from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.config import ConfigError, load_config
+from armor_megatron.launch.health import EngineStartError, wait_for_engines
+from armor_megatron.launch.nodelist import NodeListError
+from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.render import render_shell, render_text
+from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, run_or_print, sbatch_command
+from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
+
+PROG = "armor-slurm"
+COMMANDS = ("plan", "submit", "wait-engines")
+_BAD_INPUT = (ConfigError, LaunchPlanError, SlurmEnvError, NodeListError)
+
+
+def build_parser() -> OneLineArgumentParser:
+    parser = OneLineArgumentParser(prog=PROG, description="Plan, submit and start ARMOR SLURM jobs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser("plan", help="print the job's commands for this allocation")
+    _config_args(plan)
+    mode = plan.add_mutually_exclusive_group()
+    mode.add_argument("--dry-run", action="store_true", help="print the plan for people (the default)")
+    mode.add_argument("--shell", action="store_true", help="print bash assignments for tools/slurm/armor.sbatch")
+
+    submit = sub.add_parser("submit", help="sbatch the template with the config's resources")
+    _config_args(submit)
+    submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
+    submit.add_argument("--template", default=TEMPLATE, help=f"batch script (default {TEMPLATE})")
+    submit.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help=f"SLURM output files (default {DEFAULT_LOG_DIR})")
+    submit.add_argument("--signal-grace", type=int, default=120, help="seconds of warning (SIGUSR1) before the time limit")
+    submit.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch option, repeatable")
+
+    wait = sub.add_parser("wait-engines", help="wait until SGLang servers are healthy")
+    wait.add_argument("urls", nargs="+")
+    wait.add_argument("--timeout", type=float, default=1800.0, help="seconds (default 1800)")
+    wait.add_argument("--pid", type=int, action="append", default=[], help="engine step process; its exit is a failure")
+    wait.add_argument("--api-key", default=None)
+    return parser
+
+
+def _config_args(parser) -> None:
+    parser.add_argument("--config", required=True, help="YAML run config; %%a = SLURM_ARRAY_TASK_ID")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    parser.add_argument("--launcher", choices=LAUNCHERS, default=None, help="srun: one task per GPU (default); torchrun: one per node")
+
+
+def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    if args_in and args_in[0] not in COMMANDS and args_in[0] not in ("-h", "--help"):
+        args_in.insert(0, "plan")  # `slurm --config X --dry-run` is `slurm plan --config X --dry-run`
+    args = build_parser().parse_args(args_in)
+    env = os.environ if environ is None else environ
+    try:
+        if args.command == "plan":
+            return _plan(args, env)
+        if args.command == "submit":
+            return _submit(args, env)
+        waited = wait_for_engines(args.urls, timeout_s=args.timeout, pids=args.pid, api_key=args.api_key)
+        print(f"{PROG}: {len(args.urls)} engine(s) healthy after {waited:.0f}s", file=sys.stderr)
+        return EXIT_OK
+    except _BAD_INPUT as err:
+        return fail(PROG, str(err))
+    except EngineStartError as err:
+        return fail(PROG, str(err), EXIT_FAILED)
+
+
+def _plan(args, env: Mapping[str, str]) -> int:
+    preview = "SLURM_JOB_ID" not in env
+    if preview and args.shell:
+        raise SlurmEnvError("SLURM_JOB_ID is not set: --shell runs inside an allocation (use --dry-run to preview)")
+    config_path = _array_config_path(args.config, env)
+    cfg = load_config(config_path, args.overrides)
+    slurm = preview_allocation(cfg) if preview else SlurmEnv.from_environ(env)
+    options = LaunchOptions.from_environ(env, launcher=args.launcher)
+    plan = plan_job(cfg, slurm, train_args=["--config", config_path, *args.overrides], options=options)
+    if args.shell:
+        sys.stdout.write(render_shell(plan))
+    else:
+        if preview:
+            print("# preview outside SLURM: job id 0, host names are placeholders")
+        sys.stdout.write(render_text(plan))
+    return EXIT_OK
+
+
+def _submit(args, env: Mapping[str, str]) -> int:
+    cfg = load_config(args.config, args.overrides)
+    options = LaunchOptions.from_environ(env, launcher=args.launcher)
+    plan_job(cfg, preview_allocation(cfg), train_args=[], options=options)  # refuse a layout that cannot start
+    cmd = sbatch_command(
+        cfg,
+        ["--config", args.config, *args.overrides],
+        launcher=options.launcher,
+        template=args.template,
+        log_dir=args.log_dir,
+        signal_grace_s=args.signal_grace,
+        extra=args.sbatch_arg,
+    )
+    return run_or_print(PROG, cmd, dry_run=args.dry_run, make_dirs=[args.log_dir])
+
+
+def _array_config_path(path: str, env: Mapping[str, str]) -> str:
+    if "%a" not in path:
+        return path
+    task = env.get("SLURM_ARRAY_TASK_ID")
+    if task is None:
+        raise SlurmEnvError(f"config path {path!r} uses %a but SLURM_ARRAY_TASK_ID is not set (not a job array task)")
+    return path.replace("%a", task)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

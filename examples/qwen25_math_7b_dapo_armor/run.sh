@@ -1,0 +1,11 @@
+#!/bin/bash
+# Qwen2.5-Math-7B, DAPO + ARMOR with the paper's settings, on 1 node x 8 GPUs (see README.md here).
+#   HF_DIR=/models/Qwen2.5-Math-7B DATA=/data/dapo-math-17k.parquet examples/qwen25_math_7b_dapo_armor/run.sh [key=value ...]
+#   DRY_RUN=1 examples/qwen25_math_7b_dapo_armor/run.sh      # print what would run
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+CONFIG=configs/qwen25_math_7b_dapo_armor.yaml
+HF_DIR=${HF_DIR:-/models/Qwen2.5-Math-7B}
+MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
+# Trainer TP=2 x DP=4 on all 8 GPUs; 4 SGLang engines of TP=2 share them (colocated, memory released while training).
+# The trainer's weights, gradients and optimizer stay on the GPUs during rollout: engines get 40 % of each GPU.
+armor_example rollout.sglang.num_engines=4 rollout.sglang.tp_per_engine=2 rollout.sglang.mem_fraction_static=0.4 "$@"

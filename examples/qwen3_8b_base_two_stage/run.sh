@@ -1,0 +1,13 @@
+#!/bin/bash
+# Qwen3-8B-Base, DAPO + ARMOR with the two-stage reference reset (tau=1 for 180 steps, then frozen),
+# on 2 nodes x 8 GPUs (see README.md here).
+#   HF_DIR=/models/Qwen3-8B-Base DATA=/data/dapo-math-17k.parquet examples/qwen3_8b_base_two_stage/run.sh [key=value ...]
+#   DRY_RUN=1 examples/qwen3_8b_base_two_stage/run.sh
+source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
+CONFIG=configs/qwen3_8b_base_two_stage.yaml
+HF_DIR=${HF_DIR:-/models/Qwen3-8B-Base}
+MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
+# Trainer TP=2 x DP=8 on 16 GPUs; 8 colocated engines of TP=2. Engines listen on all interfaces
+# because trainer ranks on the other node talk to them (add rollout.sglang.api_key=... on shared clusters).
+armor_example rollout.sglang.host=0.0.0.0 rollout.sglang.num_engines=8 rollout.sglang.tp_per_engine=2 \
+  rollout.sglang.mem_fraction_static=0.4 "$@"

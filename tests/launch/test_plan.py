@@ -1,0 +1,188 @@
+import json
+import shlex
+import subprocess
+
+import pytest
+
+from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.render import render_shell, render_text
+from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
+
+TWO_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}
+ARGS = ["--config", "c.yaml"]
+
+
+def env_of(nodes, gpus=8, job_id="4242"):
+    return SlurmEnv(job_id=job_id, nodes=tuple(nodes), gpus_per_node=gpus)
+
+
+# ---------------------------------------------------------------------------- the allocation
+
+
+def test_slurm_env_reads_the_allocation():
+    env = SlurmEnv.from_environ({**TWO_NODES, "SLURM_ARRAY_TASK_ID": "3", "SLURM_RESTART_COUNT": "1"})
+    assert env.nodes == ("node01", "node02") and env.gpus_per_node == 8
+    assert (env.job_id, env.array_task_id, env.restart_count) == ("4242", 3, 1)
+    # the batch script's scontrol expansion wins over ours; typed GPU counts are understood
+    env = SlurmEnv.from_environ({"SLURM_JOB_ID": "1", "ARMOR_NODES": "a b", "SLURM_JOB_NODELIST": "zzz", "SLURM_GPUS_PER_NODE": "h100:4"})
+    assert env.nodes == ("a", "b") and env.gpus_per_node == 4
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"SLURM_JOB_NODELIST": "n1"}, "SLURM_JOB_ID is not set"),
+        ({"SLURM_JOB_ID": "7"}, "SLURM_JOB_NODELIST is not set"),
+        ({**TWO_NODES, "SLURM_JOB_NUM_NODES": "3"}, "SLURM_JOB_NUM_NODES=3 but the node list names 2 hosts"),
+        ({**TWO_NODES, "SLURM_GPUS_ON_NODE": "eight"}, "SLURM_GPUS_ON_NODE='eight' is not an integer"),
+        ({**TWO_NODES, "SLURM_JOB_NODELIST": "node[1-"}, "SLURM_JOB_NODELIST: cannot parse"),
+    ],
+)
+def test_slurm_env_errors_name_the_variable(env, message):
+    with pytest.raises(SlurmEnvError, match=message.replace("[", r"\[")):
+        SlurmEnv.from_environ(env)
+
+
+# ---------------------------------------------------------------------------- layouts
+
+
+def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
+    cfg = load("qwen3_30b_a3b_moe_armor", "rollout.sglang.host=0.0.0.0", "rollout.sglang.num_engines=4")
+    plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
+    # 4 engines of tp 4 on 2 x 8 GPUs: node01 GPUs 0-3, 4-7, then node02 GPUs 0-3, 4-7
+    assert [(e.node, e.gpus) for e in plan.engines] == [
+        ("node01", (0, 1, 2, 3)), ("node01", (4, 5, 6, 7)), ("node02", (0, 1, 2, 3)), ("node02", (4, 5, 6, 7))
+    ]
+    assert plan.engine_urls == ("http://node01:30000", "http://node01:30001", "http://node02:30002", "http://node02:30003")
+    assert plan.trainer_nodes == ("node01", "node02") and plan.world_size == 16
+    assert (plan.master_addr, plan.master_port) == ("node01", 24242)  # 20000 + 4242 mod 10000
+    assert shlex.join(plan.engines[3].command) == (
+        "srun --overlap --nodes=1 --ntasks=1 --nodelist=node02 python -m sglang.launch_server "
+        "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id 4 --host 0.0.0.0 --port 30003 "
+        "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed 3 --enable-memory-saver"
+    )
+    urls = json.dumps(list(plan.engine_urls), separators=(",", ":"))
+    assert plan.trainer_command == (
+        "srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--nodelist=node01,node02", "--kill-on-bad-exit=1",
+        "--overlap", "python", "-m", "armor_megatron.cli.train", "--config", "c.yaml", f"rollout.sglang.urls={urls}",
+    )
+
+
+def test_disaggregated_engines_get_the_last_whole_nodes(load):
+    cfg = load("llama3_70b_armor", "rollout.sglang.host=0.0.0.0")  # 8 nodes, 32 engine GPUs, 4 engines of tp 8
+    plan = plan_job(cfg, env_of([f"gpu{i}" for i in range(1, 9)], job_id="17"), train_args=ARGS)
+    assert plan.trainer_nodes == ("gpu1", "gpu2", "gpu3", "gpu4") and plan.world_size == 32
+    assert [(e.node, e.gpus[0], len(e.gpus)) for e in plan.engines] == [(f"gpu{i}", 0, 8) for i in (5, 6, 7, 8)]
+    assert "--enable-memory-saver" not in plan.engines[0].command  # only colocated engines release memory
+    assert "--overlap" not in plan.trainer_command  # the trainer's nodes are its own
+    assert plan.master_port == 20017
+
+
+def test_disaggregated_engines_share_each_node_when_gpus_do_not_make_whole_nodes(load):
+    cfg = load(
+        "qwen3_8b_base_two_stage", "rollout.sglang.host=0.0.0.0", "rollout.sglang.placement=disaggregated",
+        "launch.engine_gpus=4", "rollout.sglang.num_engines=2", "rollout.sglang.tp_per_engine=2",
+    )
+    plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
+    # each node keeps its last 4 / 2 = 2 GPUs for one engine and gives GPUs 0-5 to the trainer
+    assert [(e.node, e.gpus) for e in plan.engines] == [("node01", (6, 7)), ("node02", (6, 7))]
+    assert plan.trainer_procs_per_node == 6 and "--overlap" in plan.trainer_command
+
+
+def test_cpu_job_runs_one_replica_of_tp_pp_processes(load):
+    plan = plan_job(load("tiny_cpu"), env_of(["cpu1"], gpus=None), train_args=ARGS)
+    assert plan.engines == () and plan.world_size == 2
+    plan = plan_job(load("tiny_cpu", "launch.nodes=2"), env_of(["cpu1", "cpu2"], gpus=None), train_args=ARGS)
+    assert plan.trainer_procs_per_node == 1 and plan.world_size == 2
+
+
+def test_attached_servers_are_not_launched(load):
+    cfg = load("qwen25_math_7b_dapo_armor", 'rollout.sglang.urls=["http://infer:30000"]')
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    assert plan.engines == () and plan.trainer_command[-2:] == ("--config", "c.yaml")
+
+
+def test_torchrun_launcher_runs_one_agent_per_node(load):
+    cfg = load("tiny_cpu", "launch.nodes=2", "launch.gpus_per_node=4")
+    plan = plan_job(cfg, env_of(["a", "b"], gpus=4, job_id="9"), train_args=ARGS, options=LaunchOptions(launcher="torchrun"))
+    assert shlex.join(plan.trainer_command) == (
+        "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=a,b --kill-on-bad-exit=1 "
+        "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=a:20009 --rdzv-id=9 "
+        "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout=120 "
+        "-m armor_megatron.cli.train --config c.yaml"
+    )
+    # a trainer entry that is not a python interpreter is started as a program
+    opts = LaunchOptions.from_environ({"ARMOR_TRAIN_ENTRY": "./train.sh --fast", "ARMOR_SRUN_ARGS": "--mpi=pmix"}, launcher="torchrun")
+    cmd = plan_job(cfg, env_of(["a", "b"], gpus=4), train_args=ARGS, options=opts).trainer_command
+    assert cmd[cmd.index("--shutdown-timeout=120") + 1 :] == ("--no-python", "./train.sh", "--fast", "--config", "c.yaml")
+    assert "--mpi=pmix" in cmd[: cmd.index("torchrun")]
+
+
+def test_container_and_site_flags_reach_every_srun(load):
+    opts = LaunchOptions.from_environ(
+        {"ARMOR_CONTAINER_IMAGE": "nvcr.io/x:1", "ARMOR_CONTAINER_MOUNTS": "/data:/data", "ARMOR_PYTHON": "/opt/py/bin/python"}
+    )
+    plan = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS, options=opts)
+    for cmd in [plan.trainer_command, plan.engines[0].command]:
+        assert "--container-image=nvcr.io/x:1" in cmd and "--container-mounts=/data:/data" in cmd
+        assert "/opt/py/bin/python" in cmd
+
+
+def test_master_port_steps_over_engine_ports(load):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.base_port=20042", "rollout.sglang.num_engines=2")
+    plan = plan_job(cfg, env_of(["n1"], job_id="42"), train_args=ARGS)
+    assert [e.port for e in plan.engines] == [20042, 20043] and plan.master_port == 20044
+
+
+@pytest.mark.parametrize(
+    "name, overrides, env, message",
+    [
+        ("qwen25_math_7b_dapo_armor", [], env_of(["a", "b"]), "launch.nodes=1 but the allocation holds 2 node"),
+        ("qwen25_math_7b_dapo_armor", [], env_of(["a"], gpus=4), "launch.gpus_per_node=8 but SLURM gives 4"),
+        ("qwen3_8b_base_two_stage", [], env_of(["a", "b"]), "rollout.sglang.host=127.0.0.1: in a multi-node job"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.tp_per_engine=3"], env_of(["a"]), "tp_per_engine=3 does not divide"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9"], env_of(["a"]), "9 engines x tp 1 need 9 GPUs"),
+        ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=2"], env_of(["a"]),
+         "engines need rollout.sglang.num_engines x tp_per_engine = 1 x 1 = 1"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.engine=local", "launch.engine_gpus=2"], env_of(["a"]), "none are launched"),
+        ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
+        ("tiny_cpu", ["launch.nodes=3"], env_of(["a", "b", "c"], gpus=None), "do not spread evenly over 3 nodes"),
+        ("llama3_70b_armor", ["rollout.sglang.host=0.0.0.0", "launch.engine_gpus=12", "rollout.sglang.num_engines=3",
+                              "rollout.sglang.tp_per_engine=4", "parallelism.tp=4", "parallelism.pp=1", "parallelism.vpp=null"],
+         env_of([f"n{i}" for i in range(8)]), "fits neither whole nodes"),
+    ],
+)
+def test_layout_errors_name_the_setting(load, name, overrides, env, message):
+    with pytest.raises(LaunchPlanError) as err:
+        plan_job(load(name, *overrides), env, train_args=ARGS)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_every_shipped_recipe_plans_on_its_own_allocation(load):
+    for name in ["qwen25_math_7b_dapo_armor", "qwen3_8b_base_two_stage", "llama3_70b_armor", "qwen3_30b_a3b_moe_armor", "tiny_cpu"]:
+        cfg = load(name, "rollout.sglang.host=0.0.0.0")
+        plan = plan_job(cfg, preview_allocation(cfg), train_args=ARGS)
+        assert plan.world_size % (cfg.parallelism.tp * cfg.parallelism.pp) == 0
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=2", "rollout.sglang.api_key=s3 cr'et")
+    plan = plan_job(cfg, env_of(["n1"]), train_args=["--config", "my configs/x.yaml"])
+    script = render_shell(plan) + 'printf "%s\\n" "$ARMOR_TRAINER_CMD" "${ARMOR_ENGINE_CMDS[@]}" "$NCCL_DEBUG" "$CUDA_DEVICE_MAX_CONNECTIONS" "$ARMOR_ENGINE_API_KEY"'
+    out = subprocess.run(["bash", "-c", script], env={"NCCL_DEBUG": "INFO", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[:3] == [shlex.join(plan.trainer_command)] + [shlex.join(e.command) for e in plan.engines]
+    assert lines[3:] == ["INFO", "1", "s3 cr'et"]  # the user's NCCL_DEBUG wins over the default
+    assert shlex.split(lines[0])[-2] == "my configs/x.yaml"
+
+
+def test_text_rendering_lists_layout_and_commands(load):
+    plan = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS)
+    text = render_text(plan)
+    assert "# engine 0: n1 GPUs 0 -> http://127.0.0.1:30000" in text
+    assert text.splitlines()[-1] == shlex.join(plan.trainer_command)

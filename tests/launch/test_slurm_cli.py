@@ -1,0 +1,113 @@
+import http.server
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+
+from armor_megatron.launch.health import EngineStartError, wait_for_engines
+from armor_megatron.launch.slurm import main
+
+TINY = os.path.join("configs", "tiny_cpu.yaml")
+QWEN7B = os.path.join("configs", "qwen25_math_7b_dapo_armor.yaml")
+
+
+@pytest.fixture(autouse=True)
+def repo_root(monkeypatch):
+    from tests.launch.conftest import ROOT
+
+    monkeypatch.chdir(ROOT)
+
+
+def test_dry_run_outside_slurm_previews_placeholder_hosts(capsys):
+    assert main(["--config", "configs/llama3_70b_armor.yaml", "rollout.sglang.host=0.0.0.0", "--dry-run"], environ={}) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "# preview outside SLURM: job id 0, host names are placeholders"
+    assert "# trainer: 4 node(s) x 8 process(es) = 32 ranks via srun; requeue exit code 85" in out
+    assert "# engine 3: node08 GPUs 0,1,2,3,4,5,6,7 -> http://node08:30003" in out
+
+
+def test_shell_mode_needs_an_allocation(capsys):
+    assert main(["plan", "--config", TINY, "--shell"], environ={}) == 2
+    assert "SLURM_JOB_ID is not set" in capsys.readouterr().err
+
+
+def test_array_task_picks_its_config(tmp_path, capsys):
+    (tmp_path / "3.yaml").write_text(open(TINY).read().replace("name: tiny-cpu-armor", "name: task-three"))
+    env = {"SLURM_JOB_ID": "5", "SLURM_JOB_NODELIST": "c1", "SLURM_ARRAY_TASK_ID": "3"}
+    assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ=env) == 0
+    out = capsys.readouterr().out
+    assert "ARMOR_RUN_NAME=task-three" in out and f"--config {tmp_path}/3.yaml" in out
+    assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ={**env, "SLURM_ARRAY_TASK_ID": ""}) == 2
+    env.pop("SLURM_ARRAY_TASK_ID")
+    assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ=env) == 2
+    assert "uses %a but SLURM_ARRAY_TASK_ID is not set" in capsys.readouterr().err
+
+
+def test_submit_dry_run_prints_the_sbatch_command(capsys):
+    env = {}
+    args = ["submit", "--config", QWEN7B, "launch.partition=gpu", "launch.account=rl", 'launch.time="12:00:00"', "--dry-run"]
+    assert main(args + ["--launcher", "torchrun", "--sbatch-arg=--qos=high", "--signal-grace", "300"], environ=env) == 0
+    assert capsys.readouterr().out.strip() == (
+        "sbatch --job-name=qwen25-math-7b-dapo-armor --nodes=1 --gpus-per-node=8 --exclusive --time=12:00:00 "
+        "--partition=gpu --account=rl --requeue --signal=B:USR1@300 --open-mode=append "
+        "--output=runs/slurm/%x-%j.out --qos=high tools/slurm/armor.sbatch --launcher=torchrun "
+        f"--config {QWEN7B} launch.partition=gpu launch.account=rl 'launch.time=\"12:00:00\"'"
+    )
+
+
+def test_submit_refuses_a_layout_that_cannot_start(capsys):
+    assert main(["submit", "--config", "configs/qwen3_8b_base_two_stage.yaml", "--dry-run"], environ={}) == 2
+    assert capsys.readouterr().err.startswith("armor-slurm: error: rollout.sglang.host=127.0.0.1: in a multi-node job")
+
+
+def test_submit_without_sbatch_is_one_clear_line(capsys):
+    assert main(["submit", "--config", QWEN7B], environ={}) == 2
+    assert "sbatch not found on PATH" in capsys.readouterr().err
+
+
+def test_module_runs_as_a_program():
+    out = subprocess.run(
+        [sys.executable, "-m", "armor_megatron.launch.slurm", "--config", TINY, "--dry-run"],
+        env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True, timeout=60,
+    )
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("srun --nodes=1 --ntasks=2 --ntasks-per-node=2")
+
+
+# ---------------------------------------------------------------------------- engine health
+
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    calls = 0
+
+    def do_GET(self):
+        type(self).calls += 1
+        ok = self.path == "/health_generate" and type(self).calls >= 2 and self.headers.get("Authorization") == "Bearer k"
+        self.send_response(200 if ok else 503)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.timeout(30)
+def test_wait_for_engines_polls_until_healthy():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        waited = wait_for_engines([url], timeout_s=20, api_key="k", poll_s=0.05)
+        assert _Health.calls == 2 and waited < 20  # first answer 503, second 200
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_wait_for_engines_fails_fast_on_a_dead_engine_and_on_timeout():
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with pytest.raises(EngineStartError, match=f"engine step\\(s\\) {dead.pid} exited before http://127.0.0.1:9"):
+        wait_for_engines(["http://127.0.0.1:9"], timeout_s=20, pids=[dead.pid], poll_s=0.05)
+    with pytest.raises(EngineStartError, match="1 engine\\(s\\) not healthy after"):
+        wait_for_engines(["http://127.0.0.1:9"], timeout_s=0.2, poll_s=0.05)
