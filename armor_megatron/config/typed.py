@@ -152,7 +152,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            raise ConfigError(key, f"expected a string, got {_type_name(value)} {value!r}")
+            hint = " (quote it in YAML: values like 24:00:00 read as numbers)" if isinstance(value, (int, float)) else ""
+            raise ConfigError(key, f"expected a string, got {_type_name(value)} {value!r}{hint}")
         return value
     raise TypeError(f"config field {key} has an unsupported type {tp!r}")
 

@@ -9,4 +9,4 @@ HF_DIR=${HF_DIR:-/models/Llama-3.1-70B-Instruct}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
 # 140 GB of bf16 weights stream through the converter: run it on a CPU node, not the login node.
 export ARMOR_CONVERT_LAUNCH=${ARMOR_CONVERT_LAUNCH:-srun --nodes=1 --ntasks=1 --cpus-per-task=8 --mem=32G --time=06:00:00}
-armor_example rollout.sglang.host=0.0.0.0 "$@"
+armor_example "$@"

@@ -8,4 +8,4 @@ HF_DIR=${HF_DIR:-/models/Qwen2.5-Math-7B}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
 # Trainer TP=2 x DP=4 on all 8 GPUs; 4 SGLang engines of TP=2 share them (colocated, memory released while training).
 # The trainer's weights, gradients and optimizer stay on the GPUs during rollout: engines get 40 % of each GPU.
-armor_example rollout.sglang.num_engines=4 rollout.sglang.tp_per_engine=2 rollout.sglang.mem_fraction_static=0.4 "$@"
+armor_example "$@"

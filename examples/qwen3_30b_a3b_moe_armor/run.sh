@@ -8,4 +8,4 @@ CONFIG=configs/qwen3_30b_a3b_moe_armor.yaml
 HF_DIR=${HF_DIR:-/models/Qwen3-30B-A3B-Base}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
 # Engines listen on all interfaces (trainer ranks on both nodes reach them) and share the GPUs: 40 % each.
-armor_example rollout.sglang.host=0.0.0.0 rollout.sglang.num_engines=4 rollout.sglang.mem_fraction_static=0.4 "$@"
+armor_example "$@"

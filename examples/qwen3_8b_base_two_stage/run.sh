@@ -7,7 +7,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 CONFIG=configs/qwen3_8b_base_two_stage.yaml
 HF_DIR=${HF_DIR:-/models/Qwen3-8B-Base}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
-# Trainer TP=2 x DP=8 on 16 GPUs; 8 colocated engines of TP=2. Engines listen on all interfaces
-# because trainer ranks on the other node talk to them (add rollout.sglang.api_key=... on shared clusters).
-armor_example rollout.sglang.host=0.0.0.0 rollout.sglang.num_engines=8 rollout.sglang.tp_per_engine=2 \
-  rollout.sglang.mem_fraction_static=0.4 "$@"
+# Trainer TP=2 x DP=8 on 16 GPUs; 8 colocated engines of TP=2 (set in the config).
+armor_example "$@"

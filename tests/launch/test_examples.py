@@ -65,7 +65,7 @@ def test_example_run_converts_once_then_submits(tmp_path):
     calls = (tmp_path / "stub.log").read_text().splitlines()
     assert calls[0] == f"armor-convert hf-to-mcore /models/hf {tmp_path / 'mcore'}"
     assert [c.split()[0] for c in calls] == ["armor-convert", "sbatch", "sbatch"]  # the second run skips conversion
-    assert calls[1].endswith("rollout.sglang.mem_fraction_static=0.4 algorithm.alpha=0.875")
+    assert calls[1].endswith(f"model.mcore_path={tmp_path / 'mcore'} algorithm.alpha=0.875")
 
 
 def test_example_refuses_a_bad_override_before_converting(tmp_path):

@@ -47,7 +47,7 @@ def test_slurm_env_errors_name_the_variable(env, message):
 
 
 def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
-    cfg = load("qwen3_30b_a3b_moe_armor", "rollout.sglang.host=0.0.0.0", "rollout.sglang.num_engines=4")
+    cfg = load("qwen3_30b_a3b_moe_armor", "rollout.sglang.mem_fraction_static=0.7")
     plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
     # 4 engines of tp 4 on 2 x 8 GPUs: node01 GPUs 0-3, 4-7, then node02 GPUs 0-3, 4-7
     assert [(e.node, e.gpus) for e in plan.engines] == [
@@ -139,11 +139,11 @@ def test_master_port_steps_over_engine_ports(load):
     [
         ("qwen25_math_7b_dapo_armor", [], env_of(["a", "b"]), "launch.nodes=1 but the allocation holds 2 node"),
         ("qwen25_math_7b_dapo_armor", [], env_of(["a"], gpus=4), "launch.gpus_per_node=8 but SLURM gives 4"),
-        ("qwen3_8b_base_two_stage", [], env_of(["a", "b"]), "rollout.sglang.host=127.0.0.1: in a multi-node job"),
+        ("qwen3_8b_base_two_stage", ["rollout.sglang.host=127.0.0.1"], env_of(["a", "b"]), "rollout.sglang.host=127.0.0.1: in a multi-node job"),
         ("qwen25_math_7b_dapo_armor", ["rollout.sglang.tp_per_engine=3"], env_of(["a"]), "tp_per_engine=3 does not divide"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9"], env_of(["a"]), "9 engines x tp 1 need 9 GPUs"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"], env_of(["a"]), "9 engines x tp 1 need 9 GPUs"),
         ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=2"], env_of(["a"]),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=2", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"], env_of(["a"]),
          "engines need rollout.sglang.num_engines x tp_per_engine = 1 x 1 = 1"),
         ("qwen25_math_7b_dapo_armor", ["rollout.engine=local", "launch.engine_gpus=2"], env_of(["a"]), "none are launched"),
         ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
@@ -182,7 +182,7 @@ def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load)
 
 
 def test_text_rendering_lists_layout_and_commands(load):
-    plan = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS)
+    plan = plan_job(load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"), env_of(["n1"]), train_args=ARGS)
     text = render_text(plan)
     assert "# engine 0: n1 GPUs 0 -> http://127.0.0.1:30000" in text
     assert text.splitlines()[-1] == shlex.join(plan.trainer_command)

@@ -130,7 +130,7 @@ TWO_NODES = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "S
 
 
 def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
-    args = ["--dry-run", "--config", "configs/qwen3_30b_a3b_moe_armor.yaml", "rollout.sglang.host=0.0.0.0", "rollout.sglang.num_engines=2"]
+    args = ["--dry-run", "--config", "configs/qwen3_30b_a3b_moe_armor.yaml", "rollout.sglang.num_engines=2", "rollout.sglang.mem_fraction_static=0.7"]
     out = job.run(args, with_stubs=False, ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train", ARMOR_PYTHON="python", **TWO_NODES)
     assert out.returncode == 0, out.stderr
     engine = (
@@ -145,8 +145,8 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
         engine.format(node="node01", gpu=4, port=30001, seed=1),
         "python -m armor_megatron.launch.slurm wait-engines --timeout 1800 --pid <engine steps> http://node01:30000 http://node01:30001",
         "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap "
-        "python -m armor_megatron.cli.train --config configs/qwen3_30b_a3b_moe_armor.yaml rollout.sglang.host=0.0.0.0 "
-        "rollout.sglang.num_engines=2 'rollout.sglang.urls=[\"http://node01:30000\",\"http://node01:30001\"]'",
+        "python -m armor_megatron.cli.train --config configs/qwen3_30b_a3b_moe_armor.yaml "
+        "rollout.sglang.num_engines=2 rollout.sglang.mem_fraction_static=0.7 'rollout.sglang.urls=[\"http://node01:30000\",\"http://node01:30001\"]'",
         "# on exit 85 (or a failure after SIGUSR1): scontrol requeue 4242",
     ]
 
@@ -222,7 +222,7 @@ def _free_port():
 @pytest.mark.timeout(90)
 def test_engines_start_before_the_trainer_and_stop_after_it(job):
     port = _free_port()
-    args = ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={port}"]
+    args = ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={port}", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"]
     out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8")
     assert out.returncode == 0, out.stderr
     argv = job.trainer_log.read_text().splitlines()[0]

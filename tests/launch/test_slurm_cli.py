@@ -58,7 +58,7 @@ def test_submit_dry_run_prints_the_sbatch_command(capsys):
 
 
 def test_submit_refuses_a_layout_that_cannot_start(capsys):
-    assert main(["submit", "--config", "configs/qwen3_8b_base_two_stage.yaml", "--dry-run"], environ={}) == 2
+    assert main(["submit", "--config", "configs/qwen3_8b_base_two_stage.yaml", "rollout.sglang.host=127.0.0.1", "--dry-run"], environ={}) == 2
     assert capsys.readouterr().err.startswith("armor-slurm: error: rollout.sglang.host=127.0.0.1: in a multi-node job")
 
 
