@@ -154,7 +154,9 @@ class AnchorCache:
             self.version = self.sampler.version if version is None else str(version)
             self.stats.invalidations += 1
 
-    def __len__(self) -> int:
+    @property
+    def num_anchors(self) -> int:
+        """Anchors held in all pools."""
         with self._lock:
             return sum(len(p) for p in self._pools.values())
 

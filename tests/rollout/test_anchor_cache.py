@@ -48,14 +48,14 @@ def test_reference_reset_empties_the_cache(setup, ref):
     cfg, _, _, prompts, truths = setup
     cache = make_cache(ref)
     cache.get(prompts, truths)
-    assert len(cache) > 0
+    assert cache.num_anchors > 0
     cache.sampler.source.reset(tiny_weights(cfg, seed=4, sharpen=100.0), version="ref-1")
     after = cache.get(prompts, truths)
     assert not any(r.cached for r in after)  # pools of ref-0 are gone
     assert cache.version == "ref-1" and cache.stats.invalidations == 1
     assert all(r.anchor.weight_version == "ref-1" for r in after if r.found)
     cache.reset()
-    assert len(cache) == 0
+    assert cache.num_anchors == 0
 
 
 def test_max_uses_limits_reuse(setup, ref):
@@ -89,6 +89,6 @@ def test_state_dict_round_trip(setup, ref):
     cache.get(prompts, truths)
     restored = make_cache(ref)
     restored.load_state_dict(cache.state_dict())
-    assert len(restored) == len(cache)
+    assert restored.num_anchors == cache.num_anchors
     a, b = cache.get(prompts, truths), restored.get(prompts, truths)
     assert [r.anchor for r in a if r.cached] == [r.anchor for r in b if r.cached]

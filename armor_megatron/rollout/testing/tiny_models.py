@@ -9,7 +9,6 @@ property in anchor tests.
 
 from __future__ import annotations
 
-import os
 from typing import Tuple
 
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
@@ -31,7 +30,7 @@ def build_char_tokenizer(alphabet: str = ALPHABET):
 
 
 def tiny_config(vocab_size: int, family: str = "qwen2", hidden_size: int = 32, num_layers: int = 2) -> dict:
-    """HF ``config.json`` dict of a tiny decoder (2 heads of 16, 2 KV heads... see values)."""
+    """HF ``config.json`` dict of a tiny decoder: 4 query heads, 2 KV heads, head_dim = hidden_size / 4."""
     cfg = {
         "model_type": family,
         "architectures": ["Qwen2ForCausalLM" if family == "qwen2" else "LlamaForCausalLM"],
@@ -68,12 +67,14 @@ def tiny_weights(cfg: dict, seed: int = 0, sharpen: float = 1.0):
     return [(n, t * sharpen if n == "lm_head.weight" else t) for n, t in named]
 
 
-def make_tiny_checkpoint(directory: str, seed: int = 0, sharpen: float = 1.0, family: str = "qwen2") -> Tuple[dict, object]:
+def make_tiny_checkpoint(
+    directory: str, seed: int = 0, sharpen: float = 1.0, family: str = "qwen2", hidden_size: int = 32
+) -> Tuple[dict, object]:
     """Write a tiny HF checkpoint (config, safetensors, tokenizer) to ``directory``; returns (config, tokenizer)."""
     from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
 
     tokenizer = build_char_tokenizer()
-    cfg = tiny_config(len(tokenizer), family=family)
+    cfg = tiny_config(len(tokenizer), family=family, hidden_size=hidden_size)
     write_hf_checkpoint(directory, tiny_weights(cfg, seed=seed, sharpen=sharpen), cfg)
     tokenizer.save_pretrained(directory)
     return cfg, tokenizer
@@ -83,5 +84,20 @@ def encode(tokenizer, text: str) -> list:
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def exists(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "config.json"))
+def main(argv=None) -> None:
+    """``python -m armor_megatron.rollout.testing.tiny_models --out DIR``: write a tiny checkpoint (used by gpu_smoke.sh)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--family", default="qwen2", choices=("qwen2", "llama"))
+    ap.add_argument("--hidden-size", type=int, default=256, help="256 gives head_dim 64, which GPU attention kernels support")
+    ap.add_argument("--sharpen", type=float, default=8.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    make_tiny_checkpoint(args.out, seed=args.seed, sharpen=args.sharpen, family=args.family, hidden_size=args.hidden_size)
+    print(args.out)
+
+
+if __name__ == "__main__":
+    main()

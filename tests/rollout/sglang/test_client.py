@@ -1,12 +1,13 @@
 """The SGLang client and engine over real HTTP on loopback (test double by default, see conftest)."""
 
+import os
 import threading
 import time
 
 import pytest
 
-from armor_megatron.rollout.engine import EngineUnavailableError, SamplingParams, StaleWeightsError
-from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError, error_message
+from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError, SamplingParams, StaleWeightsError
+from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError, error_message, parse_output
 from armor_megatron.rollout.sglang.engine import SGLangEngine
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 from armor_megatron.rollout.testing.tiny_models import encode
@@ -54,11 +55,17 @@ def test_logprobs_are_parsed_from_output_token_logprobs(server, tiny_ckpt):
     _, _, tok = tiny_ckpt
     client = SGLangClient(server.url, retry=FAST_RETRY)
     raw = client.generate(encode(tok, "12"), {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 1})
-    engine = make_engine(server)
-    s = engine.generate([encode(tok, "12")], 1, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))[0][0]
+    s = parse_output(raw[0], prompt_index=0, return_logprob=True)
     rows = raw[0]["meta_info"]["output_token_logprobs"]
     assert list(s.token_ids) == [r[1] for r in rows] == raw[0]["output_ids"]
-    assert list(s.logprobs) == pytest.approx([r[0] for r in rows], abs=1e-6)
+    assert list(s.logprobs) == [r[0] for r in rows]
+    assert s.weight_version == raw[0]["meta_info"]["weight_version"]
+
+
+def test_logprob_rows_must_name_the_output_tokens():
+    out = {"output_ids": [5, 6], "text": "ab", "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 7, None]]}}
+    with pytest.raises(RolloutError, match="prompt 3: output_token_logprobs tokens differ from output_ids"):
+        parse_output(out, prompt_index=3, return_logprob=True)
 
 
 def test_stop_and_length_finish_reasons(server, tiny_ckpt):
@@ -155,6 +162,23 @@ def test_weight_update_from_disk(server, tiny_ckpt, tmp_path):
     assert (tmp_path / "sync" / "config.json").exists()
 
 
+def test_weight_update_by_tensor(server, tiny_ckpt):
+    import torch
+
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    # Tensors travel as handles: CUDA IPC to a real (colocated) server, shared memory to the double.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    new = [(n, t.to(device)) for n, t in tiny_weights(cfg, seed=13, sharpen=8.0)]
+    engine = make_engine(server, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=64 << 10))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    before = engine.generate([encode(tok, "42")], 1, greedy)[0][0]
+    engine.update_weights(iter(new), version="step-2")
+    after = engine.generate([encode(tok, "42")], 1, greedy)[0][0]
+    assert after.weight_version == "step-2" and after.logprobs != before.logprobs
+
+
 @pytest.mark.double_only
 def test_weight_update_by_tensor_matches_local_engine(server, tiny_ckpt):
     from armor_megatron.rollout.local import LocalEngine
@@ -211,6 +235,7 @@ def test_distributed_weight_update_over_gloo(server, tiny_ckpt):
     engine.shutdown()
 
 
+@pytest.mark.skipif(os.environ.get("ARMOR_SGLANG_NO_MEMORY_SAVER") == "1", reason="server runs without --enable-memory-saver")
 def test_release_and_resume_memory(server, tiny_ckpt):
     _, _, tok = tiny_ckpt
     engine = make_engine(server)
