@@ -20,6 +20,13 @@ Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
   failed updates are 400; ``/generate`` waits while a session is open or generation is paused;
 * ``--api-key``: every endpoint but the health checks wants ``Authorization: Bearer <key>``.
 
+``/update_weights_from_tensor`` payloads carry tensor *handles* (see
+:mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
+file descriptors handed over by the sender's ``multiprocessing`` resource sharer, which only
+serves its own process and its children; so ``tensor`` sync with CPU tensors works against a
+double running in the trainer's process (as in the tests), not against one in an unrelated
+process. Real SGLang gets CUDA IPC handles, which have no such limit on one node.
+
 Test hooks (not in SGLang): :meth:`SGLangTestServer.inject_failures` (answer the next
 requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
 aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
