@@ -138,11 +138,3 @@ def read_hf_checkpoint(directory: str) -> Iterator[Tuple[str, Any]]:
         with safe_open(os.path.join(directory, fname), framework="pt") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-
-
-def read_hf_config(directory: str) -> dict:
-    path = os.path.join(directory, "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"no config.json in {directory}")
-    with open(path) as f:
-        return json.load(f)

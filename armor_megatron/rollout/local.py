@@ -24,6 +24,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional, Sequence
 
+from armor_megatron.models.arch import load_hf_config
 from armor_megatron.rollout import hf_checkpoint
 from armor_megatron.rollout.engine import (
     RolloutEngine,
@@ -97,7 +98,7 @@ class LocalEngine(RolloutEngine):
             import transformers
 
             tokenizer = transformers.AutoTokenizer.from_pretrained(path)
-        return cls(hf_checkpoint.read_hf_config(path), path, tokenizer=tokenizer, weight_version=weight_version, **kwargs)
+        return cls(load_hf_config(path), path, tokenizer=tokenizer, weight_version=weight_version, **kwargs)
 
     # ---- weights -----------------------------------------------------------------------
 

@@ -18,9 +18,9 @@ def tiny_ckpt(tmp_path_factory):
     if model:
         import transformers
 
-        from armor_megatron.rollout.hf_checkpoint import read_hf_config
+        from armor_megatron.models.arch import load_hf_config
 
-        return model, read_hf_config(model), transformers.AutoTokenizer.from_pretrained(model)
+        return model, load_hf_config(model), transformers.AutoTokenizer.from_pretrained(model)
     path = str(tmp_path_factory.mktemp("tiny") / "policy")
     cfg, tok = make_tiny_checkpoint(path, seed=0, sharpen=8.0)
     return path, cfg, tok
