@@ -55,7 +55,10 @@ class SwapReference:
     """π_ref swapped into the policy ``engine`` around each anchor request.
 
     ``reference_weights`` / ``policy_weights``: directories, lists of ``(name, tensor)`` or
-    callables returning fresh iterators. After :meth:`generate` the engine holds the policy
+    callables returning fresh iterators. The engine is taken to hold the reference exactly
+    when its ``weight_version`` equals ``reference_version``, so reference and policy
+    versions must be distinct strings (e.g. ``ref-3`` and ``step-480``). After
+    :meth:`generate` the engine holds the policy
     again, at the version it had before, unless ``swap_back=False`` (the trainer pushes new
     policy weights next anyway).
     """

@@ -36,8 +36,9 @@ MEMORY_TAGS = ("weights", "kv_cache")
 class SGLangEngine(RolloutEngine):
     """Engines at ``worker_urls`` (optionally fronted by ``router_url``).
 
-    ``weight_version``: the version the engines hold now; read from the first engine if not given,
-    and every engine must report the same. ``launcher``: stopped by :meth:`shutdown` if given.
+    ``weight_sync``: how :meth:`update_weights` pushes tensors (default: ``tensor`` mode).
+    ``weight_version``: the version the engines hold now; read from the engines if not given
+    (they must all report the same). ``launcher``: stopped by :meth:`shutdown` if given.
     """
 
     def __init__(
@@ -45,7 +46,7 @@ class SGLangEngine(RolloutEngine):
         worker_urls: Sequence[str],
         router_url: Optional[str] = None,
         api_key: Optional[str] = None,
-        weight_sync: WeightSyncConfig = WeightSyncConfig(),
+        weight_sync: Optional[WeightSyncConfig] = None,
         retry: RetryPolicy = RetryPolicy(),
         request_timeout: float = 600.0,
         max_concurrency: int = 256,
@@ -57,8 +58,7 @@ class SGLangEngine(RolloutEngine):
         make = lambda url: SGLangClient(url, api_key=api_key, request_timeout=request_timeout, retry=retry)  # noqa: E731
         self.workers = [make(u) for u in worker_urls]
         self.router = make(router_url) if router_url else None
-        self.weight_sync_config = weight_sync
-        self.sync = make_weight_sync(self.workers, weight_sync)
+        self.sync = make_weight_sync(self.workers, weight_sync or WeightSyncConfig())
         self.launcher = launcher
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-generate")
         self._next = itertools.count()

@@ -181,7 +181,8 @@ class SGLangTestServer:
     # ---- request handling --------------------------------------------------------------
 
     def handle(self, method: str, path: str, headers, body: Any):
-        self.requests[path] = self.requests.get(path, 0) + 1
+        with self._cond:
+            self.requests[path] = self.requests.get(path, 0) + 1
         if self.api_key and path not in HEALTH_PATHS and headers.get("Authorization") != f"Bearer {self.api_key}":
             raise _HTTPError(401, {"error": "Unauthorized"})
         with self._cond:
