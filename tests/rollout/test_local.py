@@ -123,3 +123,9 @@ def test_bad_input_is_one_clear_error(engine):
         engine.generate([[3], []], 1, SamplingParams())
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+
+
+def test_generation_past_its_timeout_raises(engine, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    with pytest.raises(TimeoutError, match="passed its timeout"):
+        engine.generate([encode(tok, "1")], 2, SamplingParams(max_new_tokens=64, ignore_eos=True), timeout=0.0)

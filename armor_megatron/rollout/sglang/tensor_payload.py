@@ -71,11 +71,9 @@ def buckets(named_tensors: Iterable[Tuple[str, Any]], bucket_bytes: int) -> Iter
         yield bucket
 
 
-def serialize(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLATTENED_BUCKET) -> str:
-    """One ``serialized_named_tensors`` entry for ``named_tensors`` (see module docstring)."""
+def pack(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLATTENED_BUCKET) -> Any:
+    """The object a payload pickles: the flattened bucket dict, or the ``(name, tensor)`` list."""
     import torch
-    import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
-    from multiprocessing.reduction import ForkingPickler
 
     if not named_tensors:
         raise ValueError("cannot serialize an empty bucket")
@@ -87,14 +85,29 @@ def serialize(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] =
         for name, t in named_tensors:
             metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + t.numel(), numel=t.numel()))
             start += t.numel()
-        obj = {"flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named_tensors]), "metadata": metadata}
-    elif load_format is None:
-        obj = [(name, t.detach()) for name, t in named_tensors]
-    else:
-        raise ValueError(f"unknown load_format {load_format!r} (None or {FLATTENED_BUCKET!r})")
+        return {"flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named_tensors]), "metadata": metadata}
+    if load_format is None:
+        return [(name, t.detach()) for name, t in named_tensors]
+    raise ValueError(f"unknown load_format {load_format!r} (None or {FLATTENED_BUCKET!r})")
+
+
+def dumps(packed: Any) -> str:
+    """One ``serialized_named_tensors`` entry: ``base64(ForkingPickler.dumps(packed))``.
+
+    Every call makes new handles; a receiver consumes its entry's handles, so each receiver
+    (each engine, each TP rank) needs an entry of its own.
+    """
+    import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
+    from multiprocessing.reduction import ForkingPickler
+
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(obj)
+    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
     return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLATTENED_BUCKET) -> str:
+    """``dumps(pack(named_tensors, load_format))``: one entry for one receiver."""
+    return dumps(pack(named_tensors, load_format))
 
 
 def deserialize(payload: str, load_format: Optional[str]) -> List[Tuple[str, Any]]:

@@ -7,7 +7,9 @@ Modes (``WeightSyncConfig.mode``):
     ``flattened_bucket`` payload (:mod:`.tensor_payload`), sent with
     ``/update_weights_from_tensor`` inside a ``/begin_weight_update`` ... ``/end_weight_update``
     session (SGLang 0.5.23 refuses tensor updates outside one). Tensors travel as handles
-    (CUDA IPC), so engines must share the trainer's node: the colocated setup.
+    (CUDA IPC), so engines must share the trainer's node: the colocated setup. Each TP rank
+    gets its own entry, all pointing at the trainer's copy (peers that place one copy per
+    GPU instead gather per-rank copies first).
 ``distributed``
     ``/init_weights_update_group`` once (trainer = rank 0, engine e's TP ranks follow), then per
     bucket ``/update_weights_from_distributed`` {names, dtypes, shapes} while the trainer
@@ -166,15 +168,20 @@ class TensorWeightSync(WeightSync):
         sent = 0
         with self._session():
             for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
-                payload = tensor_payload.serialize(bucket, load_format)
-                body = {
-                    "serialized_named_tensors": [payload] * cfg.tp_size,
-                    "load_format": load_format,
-                    "flush_cache": last,
-                }
-                if last:
-                    body["weight_version"] = version
-                self._on_all(lambda c: _post(c, "/update_weights_from_tensor", body, cfg.timeout))
+                packed = tensor_payload.pack(bucket, load_format)
+
+                def send(client):
+                    body = {
+                        # Handles are consumed by their receiver: one fresh entry per TP rank.
+                        "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
+                        "load_format": load_format,
+                        "flush_cache": last,
+                    }
+                    if last:
+                        body["weight_version"] = version
+                    return _post(client, "/update_weights_from_tensor", body, cfg.timeout)
+
+                self._on_all(send)
                 sent += len(bucket)
         if not sent:
             raise WeightUpdateError("no weights to push")

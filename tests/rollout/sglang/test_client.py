@@ -243,3 +243,36 @@ def test_release_and_resume_memory(server, tiny_ckpt):
     engine.resume_memory()
     assert engine.health(timeout=30)
     assert engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))[0][0].num_tokens == 2
+
+
+@pytest.mark.double_only
+def test_generate_timeout_is_an_error_not_a_hang(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    engine.pause()  # generation now blocks on the server
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="1 prompts passed its 1.0s timeout"):
+            engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2), timeout=1.0)
+        assert time.monotonic() - start < 5
+    finally:
+        engine.resume()
+
+
+@pytest.mark.double_only
+def test_two_engines_share_generation_and_all_get_the_weights(tiny_ckpt):
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    path, cfg, tok = tiny_ckpt
+    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as a, SGLangTestServer(
+        LocalEngine.from_pretrained(path, weight_version="default"), model_path=path
+    ) as b:
+        engine = SGLangEngine([a.url, b.url], retry=FAST_RETRY, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=32 << 10))
+        engine.generate([encode(tok, str(i)) for i in range(6)], 2, SamplingParams(max_new_tokens=2))
+        assert a.requests["/generate"] == b.requests["/generate"] == 3  # round-robin
+        engine.update_weights(tiny_weights(cfg, seed=21), version="step-5")
+        assert a.engine.weight_version == b.engine.weight_version == "step-5"
+        groups = engine.generate([encode(tok, str(i)) for i in range(4)], 1, SamplingParams(max_new_tokens=2))
+        assert {s.weight_version for g in groups for s in g} == {"step-5"}
