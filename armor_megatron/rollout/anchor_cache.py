@@ -13,7 +13,8 @@ Options: ``max_pool`` anchors kept per prompt; ``max_uses`` times an anchor may 
 after which a prompt gets no anchor until the next reset (None: always try again; using it
 biases anchors towards prompts the reference solved early, in exchange for cost).
 :meth:`prefetch` fills the pools of an upcoming batch in a background thread while the
-trainer updates (needs a reference that allows background use: ``separate``).
+trainer updates (needs a reference that allows background use: ``separate``); a prompt the prefetch
+found no anchor for gets none at its next lookup either (its tries were spent ahead).
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ class AnchorCache:
         self.stats = CacheStats()
         self._pools: Dict[Hashable, List[_Entry]] = {}
         self._failures: Dict[Hashable, int] = {}
+        self._prefetch_failed: set = set()  # failed in a prefetch, not looked up since: no second try
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._prefetch: Optional[threading.Thread] = None
@@ -92,11 +94,15 @@ class AnchorCache:
             for i, key in enumerate(keys):
                 self.stats.lookups += 1
                 sample = self._draw(key)
+                prefetch_failed = key in self._prefetch_failed
+                self._prefetch_failed.discard(key)
                 if sample is not None:
                     self.stats.hits += 1
                     results[i] = AnchorResult(i, dataclasses.replace(sample, prompt_index=i), 0, 0, cached=True)
                 elif self._given_up(key):
                     self.stats.skipped += 1
+                    results[i] = AnchorResult(i, None, 0, 0)
+                elif prefetch_failed:  # its tries for this step were spent ahead
                     results[i] = AnchorResult(i, None, 0, 0)
                 else:
                     misses.append(i)
@@ -127,6 +133,8 @@ class AnchorCache:
                 with self._lock:
                     for i, r in zip(todo, fresh):
                         self._store(keys[i], r)
+                        if not r.found:
+                            self._prefetch_failed.add(keys[i])
             except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread by wait()
                 self._prefetch_error = e
 
@@ -149,8 +157,7 @@ class AnchorCache:
         """Drop every pool (reference reset); ``version`` defaults to the source's current one."""
         self.wait()
         with self._lock:
-            self._pools.clear()
-            self._failures.clear()
+            self._clear()
             self.version = self.sampler.version if version is None else str(version)
             self.stats.invalidations += 1
 
@@ -169,6 +176,7 @@ class AnchorCache:
                 "version": self.version,
                 "pools": [[list(k) if isinstance(k, tuple) else k, [[dataclasses.asdict(e.sample), e.uses] for e in p]] for k, p in self._pools.items()],
                 "failures": [[list(k) if isinstance(k, tuple) else k, n] for k, n in self._failures.items()],
+                "prefetch_failed": [list(k) if isinstance(k, tuple) else k for k in self._prefetch_failed],
                 "stats": dataclasses.asdict(self.stats),
                 "rng": self._rng.getstate(),
             }
@@ -185,6 +193,7 @@ class AnchorCache:
             self.version = state["version"]
             self._pools = {key(k): [_Entry(sample(s), uses) for s, uses in p] for k, p in state["pools"]}
             self._failures = {key(k): n for k, n in state["failures"]}
+            self._prefetch_failed = {key(k) for k in state.get("prefetch_failed", [])}
             self.stats = CacheStats(**state["stats"])
             rng = state["rng"]
             self._rng.setstate((rng[0], tuple(rng[1]), rng[2]))
@@ -204,9 +213,13 @@ class AnchorCache:
         if self.version != current:
             if self.version is not None:
                 self.stats.invalidations += 1
-            self._pools.clear()
-            self._failures.clear()
+            self._clear()
             self.version = current
+
+    def _clear(self) -> None:
+        self._pools.clear()
+        self._failures.clear()
+        self._prefetch_failed.clear()
 
     def _given_up(self, key) -> bool:
         return self.give_up_after is not None and self._failures.get(key, 0) >= self.give_up_after

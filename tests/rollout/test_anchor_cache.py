@@ -73,6 +73,9 @@ def test_prefetch_in_background_then_hits(setup, ref):
     cache.prefetch(prompts, truths)
     results = cache.get(prompts, truths)  # waits for the prefetch
     assert [r.cached for r in results] == [t != UNSOLVABLE for t in truths]
+    # The prefetch spent the unsolvable prompts' tries: the lookup does not try them again.
+    assert all(r.generated_tokens == 0 and not r.found for r, t in zip(results, truths) if t == UNSOLVABLE)
+    assert cache.sampler.stats.tries == 4 * 2 + 2 * 4
 
 
 def test_prefetch_refuses_a_swap_reference(setup, ref):
