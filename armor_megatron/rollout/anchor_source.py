@@ -98,3 +98,28 @@ class SwapReference:
         with self._lock:
             self._reference = _provider(weights)
             self.version = str(version)
+
+
+ANCHOR_SOURCES = ("separate", "swap")
+
+
+def make_anchor_source(
+    kind: str,
+    policy_engine: Optional[RolloutEngine] = None,
+    reference_engine: Optional[RolloutEngine] = None,
+    reference_weights: Optional[WeightProvider] = None,
+    reference_version: Optional[str] = None,
+    policy_weights: Optional[WeightProvider] = None,
+):
+    """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
+    if kind == "separate":
+        if reference_engine is None:
+            raise ValueError("anchor_source 'separate' needs a reference engine")
+        return SeparateReference(reference_engine)
+    if kind == "swap":
+        missing = [n for n, v in (("policy_engine", policy_engine), ("reference_weights", reference_weights),
+                                  ("reference_version", reference_version), ("policy_weights", policy_weights)) if v is None]
+        if missing:
+            raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
+        return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)
+    raise ValueError(f"anchor_source must be one of {ANCHOR_SOURCES}, got {kind!r}")

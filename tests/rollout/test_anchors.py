@@ -10,7 +10,7 @@ that no response can contain.
 import pytest
 import torch
 
-from armor_megatron.rollout.anchor_source import SeparateReference, SwapReference
+from armor_megatron.rollout.anchor_source import SeparateReference, SwapReference, make_anchor_source
 from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
@@ -85,3 +85,12 @@ def test_swap_reference_pushes_reference_in_and_policy_back(setup):
     assert all(r.anchor.weight_version == "ref-0" for r in results if r.found)
     assert engine.weight_version == "policy-7"
     assert engine.generate(prompts, 1, greedy) == before
+
+
+def test_anchor_source_switch(setup):
+    _, _, ref, _, _ = setup
+    assert isinstance(make_anchor_source("separate", reference_engine=ref), SeparateReference)
+    with pytest.raises(ValueError, match="'swap' needs reference_weights, reference_version, policy_weights"):
+        make_anchor_source("swap", policy_engine=ref)
+    with pytest.raises(ValueError, match="must be one of"):
+        make_anchor_source("colocated")

@@ -14,6 +14,7 @@ training phase and :meth:`resume_memory` after it, then push weights. Disaggrega
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import itertools
 import os
 import threading
@@ -134,6 +135,15 @@ class SGLangEngine(RolloutEngine):
 
     def resume_memory(self, timeout: Optional[float] = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
+
+    @contextlib.contextmanager
+    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: Optional[float] = None):
+        """Colocated training phase: ``with engine.released(): train()`` frees, then takes back, GPU memory."""
+        self.release_memory(timeout=timeout, tags=tags)
+        try:
+            yield self
+        finally:
+            self.resume_memory(timeout=timeout, tags=tags)
 
     def pause(self, timeout: Optional[float] = None) -> None:
         self._post_all("/pause_generation", {}, timeout)
