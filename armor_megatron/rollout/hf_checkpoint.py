@@ -35,28 +35,60 @@ def build_causal_lm(hf_config: Mapping[str, Any], dtype=None):
 def load_named_tensors(model, named_tensors: Iterable[Tuple[str, Any]], strict: bool = True) -> int:
     """Copy HF-named tensors into ``model`` in place; returns how many were loaded.
 
-    With ``strict`` every parameter must be given once (a tied ``lm_head`` may be omitted, as
-    in HF checkpoints). Unknown names and shape mismatches always raise ``KeyError``/``ValueError``.
+    All or nothing: names and shapes are checked before anything is copied. Unknown names and
+    shape mismatches raise ``KeyError``/``ValueError``; with ``strict`` every parameter must be
+    given (a tied ``lm_head`` may be omitted, as in HF checkpoints).
     """
     import torch
 
     state = model.state_dict()
-    seen = set()
-    with torch.no_grad():
-        for name, tensor in named_tensors:
-            if name not in state:
-                raise KeyError(f"weight {name!r} does not exist in {type(model).__name__}")
-            target = state[name]
-            if tuple(target.shape) != tuple(tensor.shape):
-                raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != model's {tuple(target.shape)}")
-            target.copy_(tensor.to(device=target.device, dtype=target.dtype))
-            seen.add(name)
+    named = list(named_tensors)
+    for name, tensor in named:
+        if name not in state:
+            raise KeyError(f"weight {name!r} does not exist in {type(model).__name__}")
+        if tuple(state[name].shape) != tuple(tensor.shape):
+            raise ValueError(f"weight {name!r}: shape {tuple(tensor.shape)} != model's {tuple(state[name].shape)}")
+    seen = {name for name, _ in named}
+    if len(seen) != len(named):
+        raise ValueError("a weight is given twice in one update")
     if strict:
         loaded_storage = {state[n].data_ptr() for n in seen}
         missing = sorted(n for n, p in model.named_parameters() if n not in seen and p.data_ptr() not in loaded_storage)
         if missing:
             raise KeyError(f"{len(missing)} weights missing from the update, first: {missing[0]!r}")
-    return len(seen)
+    with torch.no_grad():
+        for name, tensor in named:
+            state[name].copy_(tensor.to(device=state[name].device, dtype=state[name].dtype))
+    return len(named)
+
+
+def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> int:
+    """Load a full set of HF checkpoint tensors via ``from_pretrained`` and copy them into ``model``.
+
+    For names the in-memory model does not have: transformers 5 fuses MoE experts in memory
+    (``mlp.experts.gate_up_proj``) while checkpoints keep ``mlp.experts.{e}.gate_proj``; its
+    loader converts. ``weights``: a checkpoint directory or ``(name, tensor)`` pairs.
+    Returns the number of model tensors set; raises ``KeyError`` if any stayed uninitialised.
+    """
+    import transformers
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = weights if isinstance(weights, (str, os.PathLike)) else write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
+        try:
+            loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+                os.fspath(path), dtype=next(model.parameters()).dtype, output_loading_info=True
+            )
+        except RuntimeError as e:
+            raise ValueError(f"transformers could not load the update (incomplete or mis-shaped weights): {e}") from e
+    unexpected = sorted(info.get("unexpected_keys") or ())
+    if unexpected:
+        raise KeyError(f"weight {unexpected[0]!r} does not exist in {type(model).__name__}")
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        raise KeyError(f"{len(missing)} weights missing from the update, first: {missing[0]!r}")
+    state = loaded.state_dict()
+    model.load_state_dict(state, strict=True)
+    return len(state)
 
 
 def write_hf_checkpoint(
@@ -127,14 +159,19 @@ def _replace_dir(src: str, dst: str) -> None:
         os.rename(src, dst)
 
 
-def read_hf_checkpoint(directory: str) -> Iterator[Tuple[str, Any]]:
-    """Yield ``(name, tensor)`` from every ``*.safetensors`` file in ``directory``, one tensor at a time."""
+def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[Tuple[str, Any]]:
+    """Yield ``(name, tensor)`` from every ``*.safetensors`` file in ``directory``, one tensor at a time.
+
+    ``keys_only``: yield ``(name, None)`` without reading any tensor data.
+    """
     from safetensors import safe_open
 
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
     for fname in files:
         with safe_open(os.path.join(directory, fname), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                yield name, None if keys_only else f.get_tensor(name)

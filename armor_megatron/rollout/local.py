@@ -103,14 +103,26 @@ class LocalEngine(RolloutEngine):
     # ---- weights -----------------------------------------------------------------------
 
     def load_weights(self, weights: WeightSource, strict: bool = True) -> int:
-        """Copy weights in without touching ``weight_version`` (``strict=False`` for one bucket of many)."""
+        """Copy weights in without touching ``weight_version`` (``strict=False`` for one bucket of many).
+
+        Checkpoint names the in-memory model lacks (transformers 5 fuses MoE experts) go
+        through transformers' own loader, which needs the full set (``strict``).
+        """
         if isinstance(weights, (str, os.PathLike)):
-            weights = hf_checkpoint.read_hf_checkpoint(os.fspath(weights))
+            weights = os.fspath(weights)
+            names = [n for n, _ in hf_checkpoint.read_hf_checkpoint(weights, keys_only=True)]
+        else:
+            weights = list(weights)
+            names = [n for n, _ in weights]
         with self._lock:
             try:
+                if strict and not set(names) <= set(self.model.state_dict()):
+                    return hf_checkpoint.load_through_transformers(self.model, weights, self.hf_config)
+                if isinstance(weights, str):
+                    weights = hf_checkpoint.read_hf_checkpoint(weights)
                 return hf_checkpoint.load_named_tensors(self.model, weights, strict=strict)
-            except (KeyError, ValueError) as e:
-                raise WeightUpdateError(str(e.args[0] if e.args else e)) from e
+            except (KeyError, ValueError, FileNotFoundError) as e:
+                raise WeightUpdateError(str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from e
 
     def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
         with self._lock:

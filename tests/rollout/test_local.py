@@ -97,7 +97,9 @@ def test_update_weights_changes_outputs_and_version(tiny_ckpt):
     after = engine.generate(prompt, 1, greedy)[0][0]
     assert after.weight_version == "v1" and after.logprobs != before.logprobs
     with pytest.raises(WeightUpdateError, match="missing"):
-        engine.update_weights(tiny_weights(cfg, seed=1)[:-1], version="v2")
+        engine.update_weights(tiny_weights(cfg, seed=2)[:-1], version="v2")
+    # All or nothing: the refused update changed no weight.
+    assert engine.generate(prompt, 1, greedy)[0][0] == after
     with pytest.raises(WeightUpdateError, match="does not exist"):
         engine.update_weights([("model.nope.weight", torch.zeros(1))], version="v2")
 
@@ -129,3 +131,42 @@ def test_generation_past_its_timeout_raises(engine, tiny_ckpt):
     _, _, tok = tiny_ckpt
     with pytest.raises(TimeoutError, match="passed its timeout"):
         engine.generate([encode(tok, "1")], 2, SamplingParams(max_new_tokens=64, ignore_eos=True), timeout=0.0)
+
+
+def tiny_moe():
+    """A 1-layer Qwen3-MoE (2 experts) as HF checkpoint tensors: experts named per expert."""
+    cfg = {
+        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 40, "hidden_size": 32,
+        "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 8, "num_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 64,
+        "tie_word_embeddings": False, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+    }
+    shapes = {
+        "model.embed_tokens.weight": (40, 32), "lm_head.weight": (40, 32), "model.norm.weight": (32,),
+        "model.layers.0.input_layernorm.weight": (32,), "model.layers.0.post_attention_layernorm.weight": (32,),
+        "model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.k_proj.weight": (16, 32),
+        "model.layers.0.self_attn.v_proj.weight": (16, 32), "model.layers.0.self_attn.o_proj.weight": (32, 32),
+        "model.layers.0.self_attn.q_norm.weight": (8,), "model.layers.0.self_attn.k_norm.weight": (8,),
+        "model.layers.0.mlp.gate.weight": (2, 32),
+    }
+    for e in range(2):
+        shapes[f"model.layers.0.mlp.experts.{e}.gate_proj.weight"] = (16, 32)
+        shapes[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = (16, 32)
+        shapes[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = (32, 16)
+    g = torch.Generator().manual_seed(0)
+    return cfg, [(n, torch.randn(s, generator=g) * 0.1) for n, s in shapes.items()]
+
+
+def test_moe_checkpoint_names_load_through_transformers():
+    # transformers 5 holds experts fused ([E, 2f, h] gate_up_proj); checkpoints name them per expert.
+    cfg, named = tiny_moe()
+    engine = LocalEngine(cfg, named, weight_version="moe-0")
+    fused = engine.model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    given = dict(named)
+    assert torch.equal(fused[1, :16], given["model.layers.0.mlp.experts.1.gate_proj.weight"])
+    assert torch.equal(fused[1, 16:], given["model.layers.0.mlp.experts.1.up_proj.weight"])
+    s = engine.generate([[3, 4, 5]], 1, SamplingParams(max_new_tokens=3, ignore_eos=True))[0][0]
+    torch.testing.assert_close(torch.tensor(s.logprobs), teacher_forced_logprobs(engine.model, [3, 4, 5], s.token_ids), atol=1e-5, rtol=0)
+    with pytest.raises(WeightUpdateError, match="could not load the update"):
+        engine.update_weights(named[:-1], version="moe-1")  # expert 1 lacks down_proj
+    assert engine.weight_version == "moe-0"
