@@ -277,3 +277,21 @@ def test_two_engines_share_generation_and_all_get_the_weights(tiny_ckpt):
         assert a.engine.weight_version == b.engine.weight_version == "step-5"
         groups = engine.generate([encode(tok, str(i)) for i in range(4)], 1, SamplingParams(max_new_tokens=2))
         assert {s.weight_version for g in groups for s in g} == {"step-5"}
+
+
+@pytest.mark.double_only
+def test_generation_goes_through_the_router_when_there_is_one(tiny_ckpt):
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    path, _, tok = tiny_ckpt
+    # Stand-in: a second double plays the router's part (sglang-router forwards /generate to workers).
+    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default")) as worker, SGLangTestServer(
+        LocalEngine.from_pretrained(path, weight_version="default")
+    ) as router:
+        engine = SGLangEngine([worker.url], router_url=router.url, retry=FAST_RETRY)
+        engine.generate([encode(tok, str(i)) for i in range(3)], 1, SamplingParams(max_new_tokens=1))
+        assert router.requests["/generate"] == 3 and "/generate" not in worker.requests
+        engine.pause()
+        assert "/pause_generation" in worker.requests and "/pause_generation" not in router.requests
+        engine.resume()
