@@ -227,8 +227,6 @@ class DistributedWeightSync(WeightSync):
         self.group = group
 
     def push(self, named_tensors, version):
-        import torch
-
         cfg = self.config
         if self.group is None:
             self._init_group()
