@@ -57,11 +57,10 @@ logger = logging.getLogger(__name__)
 # sampling_params keys SGLang 0.5.x accepts; the double implements the first group and
 # rejects the rest unless they hold their no-op default.
 SUPPORTED_SAMPLING_KEYS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n",
-    "ignore_eos", "no_stop_trim", "skip_special_tokens", "sampling_seed",
+    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "ignore_eos", "sampling_seed",
 }
 NOOP_SAMPLING_DEFAULTS = {
-    "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "no_stop_trim": False, "skip_special_tokens": True, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
     "min_new_tokens": 0, "spaces_between_special_tokens": True, "json_schema": None, "regex": None,
     "ebnf": None, "structural_tag": None, "custom_params": None, "stop_regex": None, "logit_bias": None,
 }
