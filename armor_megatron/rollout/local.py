@@ -146,6 +146,8 @@ class LocalEngine(RolloutEngine):
         import torch
 
         check_prompts(prompts_token_ids, n)
+        if self.model is None:
+            raise RuntimeError("LocalEngine.generate after shutdown()")
         deadline = None if timeout is None else time.monotonic() + timeout
         rows = [(i, list(map(int, p))) for i, p in enumerate(prompts_token_ids) for _ in range(n)]
         seed = sampling.seed if sampling.seed is not None else self._seed + next(self._calls)
