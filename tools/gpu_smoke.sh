@@ -40,7 +40,7 @@ if [[ -z "${ARMOR_SGLANG_URL:-}" ]]; then
   fi
   # shellcheck disable=SC2206
   FLAGS+=(${SGLANG_ARGS:-})
-  setsid "$PY" -m sglang.launch_server "${FLAGS[@]}" >"$WORK/server.log" 2>&1 &
+  SGLANG_RETURN_ORIGINAL_LOGPROB=1 setsid "$PY" -m sglang.launch_server "${FLAGS[@]}" >"$WORK/server.log" 2>&1 &
   SERVER_PID=$!
   export ARMOR_SGLANG_URL="http://127.0.0.1:$PORT"
   echo "gpu_smoke: waiting for SGLang at $ARMOR_SGLANG_URL (log $WORK/server.log)"

@@ -5,6 +5,11 @@ one engine and shares its prefix cache), at most ``max_concurrency`` in flight, 
 router if there is one, else round-robin over the engines. Admin calls (weight updates,
 memory release, pause) go to every engine directly.
 
+Log-probs: SGLang reports ``log_softmax(logits / temperature)`` of the sampled tokens unless
+the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, then the model's own log-probs at
+temperature 1 (what the local engine returns and a trainer recomputes). The launcher sets
+it by default; set it yourself on servers you attach to.
+
 Colocated mode (engines share the trainer's GPUs): call :meth:`release_memory` before the
 training phase and :meth:`resume_memory` after it, then push weights. Disaggregated mode
 (engines on their own GPUs or nodes): never release; push weights with ``distributed`` or

@@ -45,6 +45,9 @@ class LauncherConfig:
     use_router: bool = False
     router_port: int = 0
     colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
+    # SGLang reports log_softmax(logits / temperature) unless SGLANG_RETURN_ORIGINAL_LOGPROB=1;
+    # True asks for the model's own (temperature-1) log-probs, as the local engine returns.
+    original_logprobs: bool = True
     mem_fraction_static: Optional[float] = None
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
@@ -143,6 +146,8 @@ class SGLangLauncher:
 
     def _spawn(self, cmd: List[str], log_path: str) -> None:
         env = {**os.environ, **self.config.env}
+        if self.config.original_logprobs:
+            env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with self._lock:

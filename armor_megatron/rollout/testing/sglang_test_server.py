@@ -11,7 +11,8 @@ Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
 * ``/generate`` with ``input_ids`` (one prompt or a list) or ``text``; n > 1 returns a flat
   list, prompt by prompt; ``meta_info`` carries ``finish_reason`` {type: stop|length|abort},
   ``prompt_tokens``, ``completion_tokens``, ``weight_version`` and, with ``return_logprob``,
-  ``output_token_logprobs`` = [[logprob, token_id, None], ...];
+  ``output_token_logprobs`` = [[logprob, token_id, None], ...] — the model's temperature-1
+  log-probs, as SGLang reports them under ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``;
 * unknown ``sampling_params`` keys -> HTTP 400 ``{"error": "..."}``; bad values -> 400
   ``{"error": {"message": ...}}``; malformed requests -> 400 OpenAI-style
   ``{"object": "error", "message", "type", "param", "code"}``;
