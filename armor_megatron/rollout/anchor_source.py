@@ -1,0 +1,125 @@
+"""Where anchors are sampled from: the frozen reference policy π_ref.
+
+``separate``: a second engine (group) that holds π_ref and nothing else. Costs its own
+GPUs, but anchors can be sampled (and pre-generated) while the policy engines work.
+
+``swap``: the policy engines themselves; for each anchor request the reference weights are
+pushed in, anchors sampled, and the policy weights pushed back. No extra GPUs, two weight
+pushes per request, and nothing else may use the engines meanwhile (no background
+pre-generation).
+
+Either way :meth:`reset` is the reference reset θ_ref ← θ: it installs new reference weights
+under a new ``version``; anchor caches keyed by that version drop their pools.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Callable, Optional, Sequence, Union
+
+from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
+
+WeightProvider = Union[WeightSource, Callable[[], WeightSource]]
+
+
+def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
+    """A zero-argument callable giving fresh weights each call (iterators can be read only once)."""
+    if callable(weights):
+        return weights
+    if isinstance(weights, (str, os.PathLike, list, tuple)):
+        return lambda: weights
+    raise TypeError("reference weights must be a checkpoint directory, a list of (name, tensor) or a callable returning one")
+
+
+class SeparateReference:
+    """π_ref on its own engine; ``supports_background`` because nothing else uses it."""
+
+    supports_background = True
+
+    def __init__(self, engine: RolloutEngine):
+        self.engine = engine
+
+    @property
+    def version(self) -> str:
+        return self.engine.weight_version
+
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, timeout: Optional[float] = None):
+        return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
+
+    def reset(self, weights: WeightSource, version: str) -> None:
+        self.engine.update_weights(weights, version)
+
+
+class SwapReference:
+    """π_ref swapped into the policy ``engine`` around each anchor request.
+
+    ``reference_weights`` / ``policy_weights``: directories, lists of ``(name, tensor)`` or
+    callables returning fresh iterators. The engine is taken to hold the reference exactly
+    when its ``weight_version`` equals ``reference_version``, so reference and policy
+    versions must be distinct strings (e.g. ``ref-3`` and ``step-480``). After
+    :meth:`generate` the engine holds the policy
+    again, at the version it had before, unless ``swap_back=False`` (the trainer pushes new
+    policy weights next anyway).
+    """
+
+    supports_background = False
+
+    def __init__(
+        self,
+        engine: RolloutEngine,
+        reference_weights: WeightProvider,
+        reference_version: str,
+        policy_weights: WeightProvider,
+        swap_back: bool = True,
+    ):
+        self.engine = engine
+        self._reference = _provider(reference_weights)
+        self._policy = _provider(policy_weights)
+        self.version = str(reference_version)
+        self.swap_back = swap_back
+        self._lock = threading.Lock()
+
+    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, timeout: Optional[float] = None):
+        with self._lock:
+            policy_version = self.engine.weight_version
+            if policy_version != self.version:
+                self.engine.update_weights(self._reference(), self.version)
+            try:
+                return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
+            finally:
+                if self.swap_back and policy_version != self.version:
+                    self.engine.update_weights(self._policy(), policy_version)
+
+    def set_policy_weights(self, policy_weights: WeightProvider) -> None:
+        self._policy = _provider(policy_weights)
+
+    def reset(self, weights: WeightProvider, version: str) -> None:
+        with self._lock:
+            self._reference = _provider(weights)
+            self.version = str(version)
+
+
+ANCHOR_SOURCES = ("separate", "swap")
+
+
+def make_anchor_source(
+    kind: str,
+    policy_engine: Optional[RolloutEngine] = None,
+    reference_engine: Optional[RolloutEngine] = None,
+    reference_weights: Optional[WeightProvider] = None,
+    reference_version: Optional[str] = None,
+    policy_weights: Optional[WeightProvider] = None,
+):
+    """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
+    if kind == "separate":
+        if reference_engine is None:
+            raise ValueError("anchor_source 'separate' needs a reference engine")
+        return SeparateReference(reference_engine)
+    if kind == "swap":
+        missing = [n for n, v in (("policy_engine", policy_engine), ("reference_weights", reference_weights),
+                                  ("reference_version", reference_version), ("policy_weights", policy_weights)) if v is None]
+        if missing:
+            raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
+        return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)
+    raise ValueError(f"anchor_source must be one of {ANCHOR_SOURCES}, got {kind!r}")

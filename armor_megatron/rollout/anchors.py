@@ -1,0 +1,130 @@
+"""ARMOR anchor rollout: rejection sampling of one verified response per prompt from π_ref.
+
+For each prompt draw up to ``max_tries`` responses from the reference, ``tries_per_round`` at
+once (one request with ``n = tries_per_round``), and keep the first whose reward is at
+least ``threshold`` (positive anchors only). A prompt whose tries all fail gets no anchor;
+the trainer fills that group slot with one more on-policy sample.
+
+``reward_fn(response_text, ground_truth) -> float`` is any verifier, e.g.
+``lambda text, gt: compute_score(text, gt, verifier).score`` from the rewards package.
+
+Every generated token counts in the cost, also those of failed tries and of the other
+samples of a round after the first correct one (they were paid for; an anchor cache can
+keep the correct ones, see :mod:`armor_megatron.rollout.anchor_cache`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable, List, Optional, Sequence
+
+from armor_megatron.rollout.engine import Sample, SamplingParams
+
+RewardFn = Callable[[str, Any], float]
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorConfig:
+    max_tries: int = 4
+    tries_per_round: int = 4
+    threshold: float = 1.0
+    sampling: SamplingParams = SamplingParams()
+
+    def __post_init__(self):
+        if self.max_tries < 1 or self.tries_per_round < 1:
+            raise ValueError(f"max_tries and tries_per_round must be >= 1, got {self.max_tries} and {self.tries_per_round}")
+
+
+@dataclasses.dataclass
+class AnchorResult:
+    """The outcome for one prompt: ``anchor`` (or None), the tries and tokens it cost.
+
+    ``extra``: further verified samples from the same rounds (candidates for a cache).
+    ``cached``: the anchor came from an anchor cache at no generation cost.
+    """
+
+    prompt_index: int
+    anchor: Optional[Sample]
+    tries: int
+    generated_tokens: int
+    extra: List[Sample] = dataclasses.field(default_factory=list)
+    cached: bool = False
+
+    @property
+    def found(self) -> bool:
+        return self.anchor is not None
+
+
+@dataclasses.dataclass
+class AnchorStats:
+    prompts: int = 0
+    found: int = 0
+    tries: int = 0
+    generated_tokens: int = 0
+
+    def add(self, results: Sequence[AnchorResult]) -> None:
+        self.prompts += len(results)
+        self.found += sum(r.found for r in results)
+        self.tries += sum(r.tries for r in results)
+        self.generated_tokens += sum(r.generated_tokens for r in results)
+
+    @property
+    def found_rate(self) -> float:
+        return self.found / self.prompts if self.prompts else 0.0
+
+    @property
+    def tries_per_prompt(self) -> float:
+        return self.tries / self.prompts if self.prompts else 0.0
+
+    def as_dict(self, prefix: str = "anchor/") -> dict:
+        return {
+            f"{prefix}found_rate": self.found_rate,
+            f"{prefix}tries_per_prompt": self.tries_per_prompt,
+            f"{prefix}generated_tokens": self.generated_tokens,
+            f"{prefix}prompts": self.prompts,
+        }
+
+
+class AnchorSampler:
+    """Rejection sampling from ``source`` (a reference policy with ``generate`` and ``version``)."""
+
+    def __init__(self, source, reward_fn: RewardFn, config: AnchorConfig = AnchorConfig()):
+        self.source = source
+        self.reward_fn = reward_fn
+        self.config = config
+        self.stats = AnchorStats()
+        self._stats_lock = threading.Lock()
+
+    @property
+    def version(self) -> str:
+        return self.source.version
+
+    def is_correct(self, sample: Sample, ground_truth: Any) -> bool:
+        return float(self.reward_fn(sample.text, ground_truth)) >= self.config.threshold
+
+    def sample(self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], timeout: Optional[float] = None) -> List[AnchorResult]:
+        """One :class:`AnchorResult` per prompt, in order."""
+        if len(prompts_token_ids) != len(ground_truths):
+            raise ValueError(f"{len(prompts_token_ids)} prompts but {len(ground_truths)} ground truths")
+        cfg = self.config
+        results = [AnchorResult(i, None, 0, 0) for i in range(len(prompts_token_ids))]
+        pending = list(range(len(prompts_token_ids)))
+        tries_done = 0
+        while pending and tries_done < cfg.max_tries:
+            k = min(cfg.tries_per_round, cfg.max_tries - tries_done)
+            groups = self.source.generate([prompts_token_ids[i] for i in pending], k, cfg.sampling, timeout=timeout)
+            still = []
+            for i, group in zip(pending, groups):
+                r = results[i]
+                r.tries += k
+                r.generated_tokens += sum(s.num_tokens for s in group)
+                correct = [dataclasses.replace(s, prompt_index=i) for s in group if self.is_correct(s, ground_truths[i])]
+                if correct:
+                    r.anchor, r.extra = correct[0], correct[1:]
+                else:
+                    still.append(i)
+            pending, tries_done = still, tries_done + k
+        with self._stats_lock:
+            self.stats.add(results)
+        return results

@@ -1,0 +1,191 @@
+"""The rollout engine interface: token ids in, sampled responses with log-probs out.
+
+Every engine (the in-process :class:`~armor_megatron.rollout.local.LocalEngine`, the HTTP
+:class:`~armor_megatron.rollout.sglang.engine.SGLangEngine`) implements
+:class:`RolloutEngine`. Weights are always HF-named tensors (``model.layers.0.mlp.up_proj.weight``)
+or an HF checkpoint directory; an engine never sees Megatron names.
+
+Every update is tagged with a ``weight_version`` string and every sample carries the version
+of the weights that produced it, so a trainer can prove that its rollouts come from the policy
+it thinks they come from (:class:`StaleWeightsError` otherwise).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import os
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+
+FINISH_REASONS = ("stop", "length", "abort")
+
+NamedTensors = Iterable[Tuple[str, Any]]  # (HF name, torch.Tensor)
+WeightSource = Union[NamedTensors, str, os.PathLike]
+
+
+class RolloutError(RuntimeError):
+    """Base class of rollout failures."""
+
+
+class EngineUnavailableError(RolloutError):
+    """An engine stayed unreachable (or kept failing) past its retry budget."""
+
+
+class StaleWeightsError(RolloutError):
+    """A response was produced by other weights than the version the caller expects."""
+
+
+class WeightUpdateError(RolloutError):
+    """An engine refused or failed a weight update."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample; field names and meaning follow SGLang's ``sampling_params``.
+
+    ``temperature == 0`` means greedy. ``top_k <= 0`` and ``top_p == 1`` disable those filters.
+    Generation stops at ``max_new_tokens`` (finish reason ``length``), at a token in
+    ``stop_token_ids`` or the model's EOS (``stop``; the stop token is kept in ``token_ids``
+    but not in ``text``), or at a ``stop`` string (``stop``; the text is cut before it).
+    ``ignore_eos`` disables EOS *and* ``stop_token_ids``, as in SGLang 0.5.x.
+    ``seed`` makes sampling reproducible (SGLang's ``sampling_seed``).
+    """
+
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop_token_ids: Tuple[int, ...] = ()
+    stop: Tuple[str, ...] = ()
+    ignore_eos: bool = False
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop", tuple(str(s) for s in self.stop))
+
+    def to_sglang(self, n: int = 1) -> dict:
+        """The ``sampling_params`` body of an SGLang ``/generate`` request."""
+        params = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+            "n": n,
+        }
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """One sampled response.
+
+    ``token_ids``: the generated tokens only (no prompt), length T.
+    ``logprobs``: length T, ``log softmax(logits)[token]`` of each generated token under the
+    engine's model at temperature 1 (see the engine's docs for exactly which logits), or
+    ``None`` if not requested.
+    ``finish_reason``: ``stop`` | ``length`` | ``abort``.
+    """
+
+    prompt_index: int
+    token_ids: Tuple[int, ...]
+    text: str
+    logprobs: Optional[Tuple[float, ...]]
+    finish_reason: str
+    weight_version: str
+
+    def __post_init__(self):
+        if self.finish_reason not in FINISH_REASONS:
+            raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+        if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
+            raise ValueError(
+                f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens in sample of prompt {self.prompt_index}"
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def check_versions(groups: Sequence[Sequence[Sample]], expected: Optional[str]) -> None:
+    """Raise :class:`StaleWeightsError` if any sample was produced by other weights than ``expected``."""
+    if expected is None:
+        return
+    for group in groups:
+        for s in group:
+            if s.weight_version != expected:
+                raise StaleWeightsError(
+                    f"sample of prompt {s.prompt_index} came from weight_version {s.weight_version!r}, "
+                    f"expected {expected!r}"
+                )
+
+
+def check_prompts(prompts_token_ids: Sequence[Sequence[int]], n: int) -> None:
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    for i, p in enumerate(prompts_token_ids):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+
+
+class RolloutEngine(abc.ABC):
+    """A policy that samples responses and can load new weights.
+
+    ``weight_version`` is the version of the weights the engine holds (set by
+    :meth:`update_weights`); :meth:`generate` checks every sample against it.
+    """
+
+    weight_version: str
+
+    @abc.abstractmethod
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: Optional[float] = None,
+        return_logprob: bool = True,
+    ) -> list:
+        """Sample ``n`` responses for each prompt.
+
+        Returns ``list[list[Sample]]``: one list of ``n`` samples per prompt, in prompt order.
+        Raises :class:`StaleWeightsError` if a sample's weight_version is not ``self.weight_version``,
+        ``TimeoutError`` past ``timeout`` seconds.
+        """
+
+    @abc.abstractmethod
+    def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
+        """Load new weights: HF-named tensors ``(name, tensor)`` or an HF checkpoint directory."""
+
+    @abc.abstractmethod
+    def health(self, timeout: Optional[float] = None) -> bool:
+        """True if the engine can generate now."""
+
+    def release_memory(self, timeout: Optional[float] = None) -> None:
+        """Free accelerator memory (weights, KV cache) while a colocated trainer runs; default no-op."""
+
+    def resume_memory(self, timeout: Optional[float] = None) -> None:
+        """Take the memory back after :meth:`release_memory`; default no-op."""
+
+    @abc.abstractmethod
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        """Stop the engine and free what it holds."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,163 @@
+"""SGLang as a :class:`~armor_megatron.rollout.engine.RolloutEngine`: one or more servers over HTTP.
+
+Generation sends one ``/generate`` request per prompt (with ``n`` samples, so a group stays on
+one engine and shares its prefix cache), at most ``max_concurrency`` in flight, to the
+router if there is one, else round-robin over the engines. Admin calls (weight updates,
+memory release, pause) go to every engine directly.
+
+Log-probs: SGLang reports ``log_softmax(logits / temperature)`` of the sampled tokens unless
+the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, then the model's own log-probs at
+temperature 1 (what the local engine returns and a trainer recomputes). The launcher sets
+it by default; set it yourself on servers you attach to.
+
+Colocated mode (engines share the trainer's GPUs): call :meth:`release_memory` before the
+training phase and :meth:`resume_memory` after it, then push weights. Disaggregated mode
+(engines on their own GPUs or nodes): never release; push weights with ``distributed`` or
+``disk`` sync.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import itertools
+import os
+import threading
+import time
+from typing import Optional, Sequence
+
+from armor_megatron.rollout.engine import (
+    RolloutEngine,
+    SamplingParams,
+    WeightSource,
+    check_prompts,
+    check_versions,
+)
+from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, parse_output
+from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
+
+MEMORY_TAGS = ("weights", "kv_cache")
+
+
+class SGLangEngine(RolloutEngine):
+    """Engines at ``worker_urls`` (optionally fronted by ``router_url``).
+
+    ``weight_sync``: how :meth:`update_weights` pushes tensors (default: ``tensor`` mode).
+    ``weight_version``: the version the engines hold now; read from the engines if not given
+    (they must all report the same). ``launcher``: stopped by :meth:`shutdown` if given.
+    """
+
+    def __init__(
+        self,
+        worker_urls: Sequence[str],
+        router_url: Optional[str] = None,
+        api_key: Optional[str] = None,
+        weight_sync: Optional[WeightSyncConfig] = None,
+        retry: RetryPolicy = RetryPolicy(),
+        request_timeout: float = 600.0,
+        max_concurrency: int = 256,
+        weight_version: Optional[str] = None,
+        launcher=None,
+    ):
+        if not worker_urls:
+            raise ValueError("SGLangEngine needs at least one worker URL")
+        make = lambda url: SGLangClient(url, api_key=api_key, request_timeout=request_timeout, retry=retry)  # noqa: E731
+        self.workers = [make(u) for u in worker_urls]
+        self.router = make(router_url) if router_url else None
+        self.sync = make_weight_sync(self.workers, weight_sync or WeightSyncConfig())
+        self.launcher = launcher
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-generate")
+        self._next = itertools.count()
+        self._lock = threading.Lock()
+        if weight_version is None:
+            versions = {c.url: c.weight_version(timeout=request_timeout) for c in self.workers}
+            if len(set(versions.values())) != 1:
+                raise RuntimeError(f"engines hold different weight versions: {versions}")
+            weight_version = next(iter(versions.values()))
+        self.weight_version = str(weight_version)
+
+    @classmethod
+    def launch(cls, launcher, **kwargs) -> "SGLangEngine":
+        """Start ``launcher`` (:class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`) and attach to it."""
+        launcher.start()
+        return cls(launcher.worker_urls, router_url=launcher.router_url, api_key=launcher.config.api_key, launcher=launcher, **kwargs)
+
+    def _generation_client(self) -> SGLangClient:
+        if self.router is not None:
+            return self.router
+        return self.workers[next(self._next) % len(self.workers)]
+
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: Optional[float] = None,
+        return_logprob: bool = True,
+    ) -> list:
+        check_prompts(prompts_token_ids, n)
+        params = sampling.to_sglang(n)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        futures = [
+            self._pool.submit(self._generation_client().generate, list(p), params, return_logprob, timeout)
+            for p in prompts_token_ids
+        ]
+        try:
+            groups = []
+            for i, f in enumerate(futures):
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                outputs = f.result(timeout=left)
+                if len(outputs) != n:
+                    raise RuntimeError(f"prompt {i}: engine returned {len(outputs)} samples, asked for {n}")
+                groups.append([parse_output(o, i, return_logprob) for o in outputs])
+        except concurrent.futures.TimeoutError:
+            raise TimeoutError(f"generation of {len(futures)} prompts passed its {timeout}s timeout") from None
+        finally:
+            for f in futures:
+                f.cancel()
+        check_versions(groups, self.weight_version)
+        return groups
+
+    def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
+        """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory."""
+        with self._lock:
+            if isinstance(weights, (str, os.PathLike)):
+                self.sync.load_from_disk(os.fspath(weights), str(version))
+            else:
+                self.sync.push(weights, str(version))
+            self.weight_version = str(version)
+
+    def health(self, timeout: Optional[float] = None) -> bool:
+        return all(c.health(generate=True, timeout=timeout or 30.0) for c in self.workers)
+
+    def _post_all(self, path: str, body: dict, timeout: Optional[float]) -> None:
+        for c in self.workers:
+            c.post(path, body, timeout=timeout)
+
+    def release_memory(self, timeout: Optional[float] = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Colocated mode: free weights and KV cache before the trainer runs."""
+        self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
+
+    def resume_memory(self, timeout: Optional[float] = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
+
+    @contextlib.contextmanager
+    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: Optional[float] = None):
+        """Colocated training phase: ``with engine.released(): train()`` frees, then takes back, GPU memory."""
+        self.release_memory(timeout=timeout, tags=tags)
+        try:
+            yield self
+        finally:
+            self.resume_memory(timeout=timeout, tags=tags)
+
+    def pause(self, timeout: Optional[float] = None) -> None:
+        self._post_all("/pause_generation", {}, timeout)
+
+    def resume(self, timeout: Optional[float] = None) -> None:
+        self._post_all("/continue_generation", {}, timeout)
+
+    def shutdown(self, timeout: Optional[float] = None) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.sync.close()
+        if self.launcher is not None:
+            self.launcher.stop(timeout=timeout or 30.0)

@@ -1,0 +1,231 @@
+"""Start and stop SGLang server processes (``python -m sglang.launch_server``).
+
+One process per engine, tensor parallelism inside it (``--tp-size``, GPUs
+``base_gpu_id + e·tp_size ...``), ports ``base_port + e``, bound to 127.0.0.1 unless
+``host`` says otherwise, optional ``--api-key``. Several engines are used round-robin by
+:class:`~armor_megatron.rollout.sglang.engine.SGLangEngine` or put behind ``sglang-router``
+(``use_router``). :meth:`SGLangLauncher.start` returns once every engine answers
+``/health_generate``; a process that exits first is an error carrying its log tail.
+Processes run in their own sessions and are stopped (SIGTERM, then SIGKILL after a grace
+period) by :meth:`SGLangLauncher.stop`, at interpreter exit and on SIGTERM.
+
+To use servers started elsewhere, skip the launcher: ``SGLangEngine(worker_urls=[...])``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+from armor_megatron.rollout.engine import EngineUnavailableError
+from armor_megatron.rollout.sglang.client import SGLangClient
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class LauncherConfig:
+    model_path: str
+    num_engines: int = 1
+    tp_size: int = 1
+    host: str = "127.0.0.1"
+    base_port: int = 0  # 0: free ports chosen at start
+    base_gpu_id: int = 0
+    api_key: Optional[str] = None
+    use_router: bool = False
+    router_port: int = 0
+    colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
+    # SGLang reports log_softmax(logits / temperature) unless SGLANG_RETURN_ORIGINAL_LOGPROB=1;
+    # True asks for the model's own (temperature-1) log-probs, as the local engine returns.
+    original_logprobs: bool = True
+    mem_fraction_static: Optional[float] = None
+    extra_args: Sequence[str] = ()
+    server_module: str = "sglang.launch_server"
+    router_module: str = "sglang_router.launch_router"
+    python: str = sys.executable
+    env: Dict[str, str] = dataclasses.field(default_factory=dict)
+    log_dir: Optional[str] = None
+    startup_timeout: float = 900.0
+    stop_grace: float = 30.0
+
+    def __post_init__(self):
+        if self.num_engines < 1 or self.tp_size < 1:
+            raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {self.num_engines} and {self.tp_size}")
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _url(host: str, port: int) -> str:
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+
+class SGLangLauncher:
+    def __init__(self, config: LauncherConfig):
+        self.config = config
+        self.ports: List[int] = []
+        self.router_port: Optional[int] = None
+        self._procs: List[subprocess.Popen] = []
+        self._logs: List[str] = []
+        self._lock = threading.Lock()
+        self._prev_sigterm = None
+
+    # ---- commands ------------------------------------------------------------------------
+
+    def server_command(self, engine_index: int, port: int) -> List[str]:
+        c = self.config
+        cmd = [
+            c.python, "-m", c.server_module,
+            "--model-path", c.model_path,
+            "--host", c.host,
+            "--port", str(port),
+            "--tp-size", str(c.tp_size),
+            "--base-gpu-id", str(c.base_gpu_id + engine_index * c.tp_size),
+        ]
+        if c.api_key:
+            cmd += ["--api-key", c.api_key]
+        if c.colocated:
+            cmd += ["--enable-memory-saver"]
+        if c.mem_fraction_static is not None:
+            cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        return cmd + list(c.extra_args)
+
+    def router_command(self, port: int) -> List[str]:
+        c = self.config
+        cmd = [c.python, "-m", c.router_module, "--host", c.host, "--port", str(port), "--worker-urls", *self.worker_urls]
+        if c.api_key:
+            cmd += ["--api-key", c.api_key]
+        return cmd
+
+    @property
+    def worker_urls(self) -> List[str]:
+        return [_url(self.config.host, p) for p in self.ports]
+
+    @property
+    def router_url(self) -> Optional[str]:
+        return None if self.router_port is None else _url(self.config.host, self.router_port)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> "SGLangLauncher":
+        c = self.config
+        if self._procs:
+            raise RuntimeError("SGLang servers already started")
+        self._install_exit_handlers()
+        log_dir = c.log_dir or tempfile.mkdtemp(prefix="armor-sglang-")
+        os.makedirs(log_dir, exist_ok=True)
+        self.ports = [c.base_port + e if c.base_port else _free_port(c.host) for e in range(c.num_engines)]
+        try:
+            for e, port in enumerate(self.ports):
+                self._spawn(self.server_command(e, port), os.path.join(log_dir, f"engine-{e}.log"))
+            deadline = time.monotonic() + c.startup_timeout
+            for e, url in enumerate(self.worker_urls):
+                self._wait_healthy(e, url, deadline)
+            if c.use_router:
+                self.router_port = c.router_port or _free_port(c.host)
+                self._spawn(self.router_command(self.router_port), os.path.join(log_dir, "router.log"))
+                self._wait_healthy(len(self.ports), self.router_url, deadline, path_generate=False)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("SGLang engines up: %s%s", self.worker_urls, f" behind router {self.router_url}" if self.router_url else "")
+        return self
+
+    def _spawn(self, cmd: List[str], log_path: str) -> None:
+        env = {**os.environ, **self.config.env}
+        if self.config.original_logprobs:
+            env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        with self._lock:
+            self._procs.append(proc)
+            self._logs.append(log_path)
+
+    def _wait_healthy(self, index: int, url: str, deadline: float, path_generate: bool = True) -> None:
+        client = SGLangClient(url, api_key=self.config.api_key)
+        proc = self._procs[index]
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise EngineUnavailableError(
+                    f"SGLang process {' '.join(proc.args[:3])} for {url} exited with code {proc.returncode}; "
+                    f"log tail ({self._logs[index]}):\n{_tail(self._logs[index])}"
+                )
+            if client.health(generate=path_generate, timeout=5.0):
+                return
+            time.sleep(0.5)
+        raise EngineUnavailableError(
+            f"SGLang server {url} not healthy after {self.config.startup_timeout:.0f}s; log tail:\n{_tail(self._logs[index])}"
+        )
+
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """SIGTERM every process group, SIGKILL what is still alive after the grace period."""
+        with self._lock:
+            procs, self._procs = self._procs, []
+        grace = self.config.stop_grace if timeout is None else timeout
+        for p in reversed(procs):  # router first
+            _signal_group(p, signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("SGLang process %d ignored SIGTERM for %.0fs; killing it", p.pid, grace)
+                _signal_group(p, signal.SIGKILL)
+                p.wait(timeout=10)
+        self.router_port = None
+
+    @property
+    def running(self) -> bool:
+        return any(p.poll() is None for p in self._procs)
+
+    def _install_exit_handlers(self) -> None:
+        atexit.register(self.stop)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        self._prev_sigterm = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            self.stop()
+            prev = self._prev_sigterm
+            if callable(prev):
+                prev(signum, frame)
+            else:
+                raise SystemExit(128 + signum)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, sig)  # the server's own children (TP workers, detokenizer) too
+    except ProcessLookupError:
+        pass
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, "rb") as f:
+            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,273 @@
+"""Push trainer weights (HF-named tensors) into SGLang engines, tagged with a ``weight_version``.
+
+Modes (``WeightSyncConfig.mode``):
+
+``tensor``
+    Buckets of at most ``bucket_bytes`` (one dtype each) flattened and serialized as SGLang's
+    ``flattened_bucket`` payload (:mod:`.tensor_payload`), sent with
+    ``/update_weights_from_tensor`` inside a ``/begin_weight_update`` ... ``/end_weight_update``
+    session (SGLang 0.5.23 refuses tensor updates outside one). Tensors travel as handles
+    (CUDA IPC), so engines must share the trainer's node: the colocated setup. Each TP rank
+    gets its own entry, all pointing at the trainer's copy (peers that place one copy per
+    GPU instead gather per-rank copies first).
+``distributed``
+    ``/init_weights_update_group`` once (trainer = rank 0, engine e's TP ranks follow), then per
+    bucket ``/update_weights_from_distributed`` {names, dtypes, shapes} while the trainer
+    broadcasts each tensor in that order; also inside a weight-update session. For engines
+    on other GPUs or nodes (disaggregated).
+``disk``
+    Write an HF checkpoint (safetensors + config.json, atomically) to ``disk_dir`` on a file
+    system the engines see, then ``/update_weights_from_disk``.
+
+Only the last request of an update carries ``weight_version``, so an engine reports the new
+version only once all weights are in; afterwards every engine's reported version is read
+back and must equal the one pushed (:class:`WeightUpdateError` otherwise).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from armor_megatron.rollout.engine import WeightUpdateError
+from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
+from armor_megatron.rollout.sglang import tensor_payload
+from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
+
+SYNC_MODES = ("tensor", "distributed", "disk")
+
+
+@dataclasses.dataclass
+class WeightSyncConfig:
+    mode: str = "tensor"
+    bucket_bytes: int = 512 << 20
+    tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
+    flatten: bool = True  # tensor mode: flattened_bucket payloads (else plain (name, tensor) lists)
+    disk_dir: Optional[str] = None  # disk mode: where checkpoints are written
+    hf_config: Optional[Mapping[str, Any]] = None  # disk mode: the config.json written beside the weights
+    master_address: str = "127.0.0.1"  # distributed mode: the trainer's address seen from the engines
+    master_port: int = 0  # distributed mode; 0 picks a free port
+    backend: str = "nccl"  # distributed mode: nccl on GPUs, gloo on CPU
+    group_name: str = "armor_weight_sync"
+    timeout: float = 600.0
+
+    def __post_init__(self):
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"weight sync mode must be one of {SYNC_MODES}, got {self.mode!r}")
+        if self.mode == "disk" and not self.disk_dir:
+            raise ValueError("weight sync mode 'disk' needs disk_dir")
+        if self.mode == "disk" and self.hf_config is None:
+            raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
+
+
+def _check_success(client: SGLangClient, path: str, result: Any) -> None:
+    if isinstance(result, dict) and result.get("success") is False:
+        raise WeightUpdateError(f"{client.url}{path} failed: {result.get('message', result)}")
+
+
+def _post(client: SGLangClient, path: str, body: dict, timeout: float) -> Any:
+    """A weight-update request: failures (HTTP 400 + success false in 0.5.x) become WeightUpdateError."""
+    try:
+        result = client.post(path, body, timeout=timeout, retry=False)
+    except SGLangHTTPError as e:
+        raise WeightUpdateError(f"{client.url}{path} failed: HTTP {e.status}: {e.message}") from None
+    _check_success(client, path, result)
+    return result
+
+
+class WeightSync:
+    """Base: sessions and version checks shared by the three modes."""
+
+    def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig):
+        if not clients:
+            raise ValueError("weight sync needs at least one engine")
+        self.clients = list(clients)
+        self.config = config
+
+    def push(self, named_tensors: Iterable[Tuple[str, Any]], version: str) -> None:
+        raise NotImplementedError
+
+    def load_from_disk(self, path: str, version: str) -> None:
+        """``/update_weights_from_disk`` of an existing HF checkpoint on every engine."""
+        body = {"model_path": os.path.abspath(path), "load_format": "auto", "weight_version": version, "flush_cache": True}
+        self._on_all(lambda c: _post(c, "/update_weights_from_disk", body, self.config.timeout))
+        self.verify(version)
+
+    def verify(self, version: str) -> None:
+        for c in self.clients:
+            reported = c.weight_version(timeout=self.config.timeout)
+            if reported != version:
+                raise WeightUpdateError(f"{c.url} reports weight_version {reported!r} after pushing {version!r}")
+
+    def _on_all(self, fn) -> list:
+        """Run ``fn(client)`` on every engine concurrently; the first failure is raised."""
+        if len(self.clients) == 1:
+            return [fn(self.clients[0])]
+        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
+            return [f.result() for f in [pool.submit(fn, c) for c in self.clients]]
+
+    def _session(self):
+        return _UpdateSession(self)
+
+    def close(self) -> None:
+        pass
+
+
+class _UpdateSession:
+    """``/begin_weight_update`` on every engine; ``/end_weight_update`` on exit, also after a failure.
+
+    Servers older than 0.5.23 have no session endpoints (404): then updates go without one.
+    """
+
+    def __init__(self, sync: WeightSync):
+        self.sync = sync
+        self.opened: List[SGLangClient] = []
+
+    def __enter__(self):
+        timeout = self.sync.config.timeout
+        for c in self.sync.clients:
+            try:
+                _post(c, "/begin_weight_update", {}, timeout)
+                self.opened.append(c)
+            except WeightUpdateError as e:
+                if "HTTP 404" not in str(e):
+                    self.__exit__(None, None, None)
+                    raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        errors = []
+        for c in self.opened:
+            try:
+                _post(c, "/end_weight_update", {}, self.sync.config.timeout)
+            except Exception as e:  # noqa: BLE001 - close every session, report the first failure
+                errors.append(e)
+        if errors and exc_type is None:
+            raise errors[0]
+
+
+def _mark_last(iterable):
+    """Yield ``(item, is_last)``."""
+    it = iter(iterable)
+    try:
+        prev = next(it)
+    except StopIteration:
+        return
+    for item in it:
+        yield prev, False
+        prev = item
+    yield prev, True
+
+
+class TensorWeightSync(WeightSync):
+    def push(self, named_tensors, version):
+        cfg = self.config
+        load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
+        sent = 0
+        with self._session():
+            for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
+                packed = tensor_payload.pack(bucket, load_format)
+
+                def send(client):
+                    body = {
+                        # Handles are consumed by their receiver: one fresh entry per TP rank.
+                        "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
+                        "load_format": load_format,
+                        "flush_cache": last,
+                    }
+                    if last:
+                        body["weight_version"] = version
+                    return _post(client, "/update_weights_from_tensor", body, cfg.timeout)
+
+                self._on_all(send)
+                sent += len(bucket)
+        if not sent:
+            raise WeightUpdateError("no weights to push")
+        self.verify(version)
+
+
+class DiskWeightSync(WeightSync):
+    def push(self, named_tensors, version):
+        path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
+        self.load_from_disk(path, version)
+
+
+class DistributedWeightSync(WeightSync):
+    """Broadcast over a group of 1 + Σ tp_size ranks; the trainer (this process) is rank 0."""
+
+    def __init__(self, clients, config):
+        super().__init__(clients, config)
+        self.group = None
+
+    def _init_group(self):
+        from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup
+
+        cfg = self.config
+        port = cfg.master_port or _free_port(cfg.master_address)
+        world = 1 + cfg.tp_size * len(self.clients)
+        bodies = [
+            {
+                "master_address": cfg.master_address,
+                "master_port": port,
+                "rank_offset": 1 + i * cfg.tp_size,
+                "world_size": world,
+                "group_name": cfg.group_name,
+                "backend": cfg.backend,
+            }
+            for i in range(len(self.clients))
+        ]
+        # The engines join while the trainer joins: run their requests beside our rendezvous.
+        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
+            futures = [pool.submit(_post, c, "/init_weights_update_group", b, cfg.timeout) for c, b in zip(self.clients, bodies)]
+            group = WeightUpdateGroup(cfg.master_address, port, 0, world, cfg.group_name, cfg.backend, cfg.timeout)
+            for f in futures:
+                f.result()
+        self.group = group
+
+    def push(self, named_tensors, version):
+        cfg = self.config
+        if self.group is None:
+            self._init_group()
+        device = "cuda" if cfg.backend == "nccl" else "cpu"
+        with self._session():
+            for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
+                body = {
+                    "names": [n for n, _ in bucket],
+                    "dtypes": [str(t.dtype).replace("torch.", "") for _, t in bucket],
+                    "shapes": [list(t.shape) for _, t in bucket],
+                    "group_name": cfg.group_name,
+                    "flush_cache": last,
+                }
+                if last:
+                    body["weight_version"] = version
+                with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
+                    futures = [pool.submit(_post, c, "/update_weights_from_distributed", body, cfg.timeout) for c in self.clients]
+                    for _, t in bucket:
+                        self.group.broadcast(t.detach().to(device).contiguous(), src=0)
+                    for f in futures:
+                        f.result()
+        self.verify(version)
+
+    def close(self):
+        if self.group is not None:
+            for c in self.clients:
+                try:
+                    c.post("/destroy_weights_update_group", {"group_name": self.config.group_name}, timeout=30, retry=False)
+                except Exception:  # noqa: BLE001 - best effort at shutdown
+                    pass
+            self.group.destroy()
+            self.group = None
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
+    return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](clients, config)

@@ -1,0 +1,1 @@
+"""Test doubles and tiny fixtures for the rollout package (CPU, no downloads)."""

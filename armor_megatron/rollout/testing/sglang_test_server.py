@@ -1,0 +1,514 @@
+"""TEST DOUBLE — NOT SGLang. A protocol-compatible SGLang 0.5.x HTTP server on loopback.
+
+It answers the endpoints :mod:`armor_megatron.rollout.sglang` uses, with SGLang's field
+names and status codes, and generates with a :class:`~armor_megatron.rollout.local.LocalEngine`
+(a tiny transformers model on CPU). It exists so the SGLang client, weight sync and engine
+are tested over real HTTP on machines where SGLang cannot run; ``tools/gpu_smoke.sh`` runs
+the same client tests against a real SGLang server.
+
+Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
+
+* ``/generate`` with ``input_ids`` (one prompt or a list) or ``text``; n > 1 returns a flat
+  list, prompt by prompt; ``meta_info`` carries ``finish_reason`` {type: stop|length|abort},
+  ``prompt_tokens``, ``completion_tokens``, ``weight_version`` and, with ``return_logprob``,
+  ``output_token_logprobs`` = [[logprob, token_id, None], ...] — the model's temperature-1
+  log-probs, as SGLang reports them under ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``;
+* unknown ``sampling_params`` keys -> HTTP 400 ``{"error": "..."}``; bad values -> 400
+  ``{"error": {"message": ...}}``; malformed requests -> 400 OpenAI-style
+  ``{"object": "error", "message", "type", "param", "code"}``;
+* ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` only inside a
+  ``/begin_weight_update`` ... ``/end_weight_update`` session, else 400 ``success: false``;
+  failed updates are 400; ``/generate`` waits while a session is open or generation is paused;
+* ``--api-key``: every endpoint but the health checks wants ``Authorization: Bearer <key>``.
+
+``/update_weights_from_tensor`` payloads carry tensor *handles* (see
+:mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
+file descriptors handed over by the sender's ``multiprocessing`` resource sharer, which only
+serves its own process and its children; so ``tensor`` sync with CPU tensors works against a
+double running in the trainer's process (as in the tests), not against one in an unrelated
+process. Real SGLang gets CUDA IPC handles, which have no such limit on one node.
+
+Test hooks (not in SGLang): :meth:`SGLangTestServer.inject_failures` (answer the next
+requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
+aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
+answer) and :meth:`restart` (come back on the same port with the checkpoint's weights).
+
+Run as a process with ``python -m armor_megatron.rollout.testing.sglang_test_server
+--model-path DIR --port P`` (the flags of ``sglang.launch_server`` that matter here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Optional
+
+from armor_megatron.rollout.engine import SamplingParams, WeightUpdateError
+from armor_megatron.rollout.local import LocalEngine
+
+logger = logging.getLogger(__name__)
+
+# sampling_params keys SGLang 0.5.x accepts; the double implements the first group and
+# rejects the rest unless they hold their no-op default.
+SUPPORTED_SAMPLING_KEYS = {
+    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "ignore_eos", "sampling_seed",
+}
+NOOP_SAMPLING_DEFAULTS = {
+    "no_stop_trim": False, "skip_special_tokens": True, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
+    "min_new_tokens": 0, "spaces_between_special_tokens": True, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "custom_params": None, "stop_regex": None, "logit_bias": None,
+}
+HEALTH_PATHS = ("/health", "/health_generate")
+
+
+class _HTTPError(Exception):
+    def __init__(self, status: int, body: Any):
+        super().__init__(body)
+        self.status, self.body = status, body
+
+
+def _bad_value(message: str) -> _HTTPError:
+    return _HTTPError(400, {"error": {"message": message}})
+
+
+def _invalid_request(message: str, param: Optional[str] = None) -> _HTTPError:
+    return _HTTPError(400, {"object": "error", "message": message, "type": "BadRequestError", "param": param, "code": 400})
+
+
+def _failed_update(message: str) -> _HTTPError:
+    return _HTTPError(400, {"success": False, "message": message})
+
+
+class SGLangTestServer:
+    """The test double. ``engine`` serves generation; ``model_path`` (optional) is what a restart reloads."""
+
+    def __init__(
+        self,
+        engine: LocalEngine,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: Optional[str] = None,
+        model_path: Optional[str] = None,
+    ):
+        self.engine = engine
+        self.host, self.port = host, port
+        self.api_key = api_key
+        self.model_path = model_path
+        self.initial_version = engine.weight_version
+        self._cond = threading.Condition()
+        self._session_open = False
+        self._paused = False
+        self._memory_released = False
+        self._groups = {}
+        self._failures = {}  # path -> [remaining, status]
+        self._aborts = 0
+        self._httpd: Optional[ThreadingHTTPServer] = None
+        self._thread: Optional[threading.Thread] = None
+        self._connections = set()
+        self.requests = {}  # path -> count, for tests
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> "SGLangTestServer":
+        server = self
+
+        class Handler(_Handler):
+            owner = server
+
+        self._httpd = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._httpd.daemon_threads = True
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._thread.join(timeout=10)
+            self._httpd = None
+
+    def crash(self) -> None:
+        """Die like a killed process: stop listening and cut every open connection unanswered."""
+        self.stop()
+        with self._cond:
+            for conn in list(self._connections):
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._cond.notify_all()
+
+    def restart(self) -> "SGLangTestServer":
+        """Come back on the same port; with ``model_path`` the weights (and version) are the checkpoint's."""
+        self.stop()
+        if self.model_path is not None:
+            self.engine = LocalEngine.from_pretrained(self.model_path, weight_version=self.initial_version)
+        self._session_open = self._paused = self._memory_released = False
+        return self.start()
+
+    def __enter__(self):
+        return self.start() if self._httpd is None else self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+    # ---- test hooks --------------------------------------------------------------------
+
+    def inject_failures(self, path: str, count: int, status: int = 503) -> None:
+        """Answer the next ``count`` requests to ``path`` with HTTP ``status``."""
+        with self._cond:
+            self._failures[path] = [count, status]
+
+    def inject_aborts(self, count: int) -> None:
+        """The next ``count`` generations come back with finish_reason ``abort``."""
+        with self._cond:
+            self._aborts = count
+
+    # ---- request handling --------------------------------------------------------------
+
+    def handle(self, method: str, path: str, headers, body: Any):
+        with self._cond:
+            self.requests[path] = self.requests.get(path, 0) + 1
+        if self.api_key and path not in HEALTH_PATHS and headers.get("Authorization") != f"Bearer {self.api_key}":
+            raise _HTTPError(401, {"error": "Unauthorized"})
+        with self._cond:
+            failure = self._failures.get(path)
+            if failure and failure[0] > 0:
+                failure[0] -= 1
+                raise _HTTPError(failure[1], {"error": {"message": f"injected failure on {path}"}})
+        route = ROUTES.get((method, path))
+        if route is None:
+            raise _HTTPError(404, {"detail": "Not Found"})
+        return route(self, body)
+
+    def _wait_until_serving(self):
+        with self._cond:
+            while (self._session_open or self._paused) and self._httpd is not None:
+                self._cond.wait(timeout=0.1)
+            if self._httpd is None:
+                raise ConnectionAbortedError("server is going down")
+
+    # -- generation
+
+    def generate(self, body):
+        if not isinstance(body, dict):
+            raise _invalid_request("request body must be a JSON object")
+        prompts, single = self._prompts(body)
+        params = body.get("sampling_params") or {}
+        if not isinstance(params, dict):
+            raise _HTTPError(400, {"error": "sampling_params must be a JSON object"})
+        unknown = sorted(set(params) - SUPPORTED_SAMPLING_KEYS - set(NOOP_SAMPLING_DEFAULTS))
+        if unknown:
+            raise _HTTPError(400, {"error": f"Unknown sampling parameter(s): {', '.join(unknown)}"})
+        for key, default in NOOP_SAMPLING_DEFAULTS.items():
+            if key in params and params[key] != default:
+                raise _bad_value(f"sampling parameter {key}={params[key]!r} is not supported by the test server")
+        n = params.get("n", 1)
+        if not isinstance(n, int) or n < 1:
+            raise _bad_value(f"n must be a positive integer, got {n!r}")
+        try:
+            sampling = SamplingParams(
+                max_new_tokens=params.get("max_new_tokens", 128),
+                temperature=params.get("temperature", 1.0),
+                top_p=params.get("top_p", 1.0),
+                top_k=params.get("top_k", -1),
+                stop_token_ids=tuple(params.get("stop_token_ids") or ()),
+                stop=tuple([params["stop"]] if isinstance(params.get("stop"), str) else params.get("stop") or ()),
+                ignore_eos=bool(params.get("ignore_eos", False)),
+                seed=params.get("sampling_seed"),
+            )
+        except (TypeError, ValueError) as e:
+            raise _bad_value(str(e)) from None
+        if self._memory_released:
+            raise _bad_value("memory occupation is released; call /resume_memory_occupation first")
+        self._wait_until_serving()
+        return_logprob = bool(body.get("return_logprob", False))
+        groups = self.engine.generate(prompts, n, sampling, return_logprob=return_logprob)
+        outputs = [self._output(s, len(prompts[i]), sampling, return_logprob) for i, group in enumerate(groups) for s in group]
+        return outputs[0] if single and n == 1 else outputs
+
+    def _prompts(self, body):
+        if "input_ids" in body:
+            ids = body["input_ids"]
+            single = bool(ids) and all(isinstance(t, int) for t in ids)
+            prompts = [ids] if single else ids
+            if not isinstance(prompts, list) or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
+                raise _invalid_request("input_ids must be a non-empty list of token ids or a list of such lists", "input_ids")
+            return prompts, single
+        if "text" in body:
+            if self.engine.tokenizer is None:
+                raise _invalid_request("text input needs a tokenizer", "text")
+            texts = body["text"]
+            single = isinstance(texts, str)
+            texts = [texts] if single else texts
+            return [self.engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], single
+        raise _invalid_request("Either text or input_ids should be provided.")
+
+    def _output(self, sample, prompt_len, sampling, return_logprob):
+        with self._cond:
+            aborted = self._aborts > 0
+            self._aborts -= aborted
+        if aborted:
+            reason = {"type": "abort", "message": "injected abort"}
+        elif sample.finish_reason == "length":
+            reason = {"type": "length", "length": sampling.max_new_tokens}
+        else:
+            last = sample.token_ids[-1]
+            matched = last if last in set(sampling.stop_token_ids) | set(self.engine.eos_token_ids) else next(
+                (s for s in sampling.stop if s), None
+            )
+            reason = {"type": "stop", "matched": matched}
+        meta = {
+            "id": os.urandom(8).hex(),
+            "finish_reason": reason,
+            "prompt_tokens": prompt_len,
+            "completion_tokens": len(sample.token_ids),
+            "cached_tokens": 0,
+            "weight_version": sample.weight_version,
+        }
+        if return_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.logprobs, sample.token_ids)]
+        return {"text": sample.text, "output_ids": list(sample.token_ids), "meta_info": meta}
+
+    # -- weights
+
+    def begin_weight_update(self, body):
+        with self._cond:
+            if self._session_open:
+                raise _failed_update("a weight update session is already open")
+            self._session_open = True
+        return {"success": True, "message": "weight update session opened"}
+
+    def end_weight_update(self, body):
+        with self._cond:
+            if not self._session_open:
+                raise _failed_update("no weight update session is open")
+            self._session_open = False
+            self._cond.notify_all()
+        return {"success": True, "message": "weight update session closed"}
+
+    def _require_session(self, what):
+        if not self._session_open:
+            raise _failed_update(f"{what} is only allowed inside a weight update session (call /begin_weight_update first)")
+
+    def _apply(self, named, version, strict):
+        try:
+            self.engine.load_weights(named, strict=strict)
+        except WeightUpdateError as e:
+            raise _failed_update(f"Failed to update weights: {e}") from None
+        if version is not None:
+            self.engine.weight_version = str(version)
+
+    def update_weights_from_disk(self, body):
+        path = body.get("model_path")
+        if not path or not os.path.isdir(path):
+            raise _failed_update(f"Failed to update weights: model_path {path!r} is not a directory")
+        self._apply(path, body.get("weight_version"), strict=True)
+        return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+
+    def update_weights_from_tensor(self, body):
+        from armor_megatron.rollout.sglang import tensor_payload
+
+        self._require_session("update_weights_from_tensor")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            raise _invalid_request("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+        try:
+            named = tensor_payload.deserialize(entries[0], body.get("load_format"))
+        except Exception as e:  # noqa: BLE001 - any decode failure is the caller's bad payload
+            raise _failed_update(f"Failed to deserialize tensors: {type(e).__name__}: {e}") from None
+        self._apply(named, body.get("weight_version"), strict=False)
+        return {"success": True, "message": "Succeeded to update model weights."}
+
+    def init_weights_update_group(self, body):
+        from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup
+
+        try:
+            group = WeightUpdateGroup(
+                body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
+                body["group_name"], body.get("backend", "nccl"), timeout=60,
+            )
+        except Exception as e:  # noqa: BLE001
+            raise _failed_update(f"Failed to init weights update group: {e}") from None
+        self._groups[body["group_name"]] = group
+        return {"success": True, "message": "Succeeded to initialize custom process group."}
+
+    def update_weights_from_distributed(self, body):
+        import torch
+
+        self._require_session("update_weights_from_distributed")
+        group = self._groups.get(body.get("group_name"))
+        if group is None:
+            raise _failed_update(f"no weights update group named {body.get('group_name')!r}")
+        named = []
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+            t = torch.empty(shape, dtype=getattr(torch, dtype))
+            named.append((name, group.broadcast(t, src=0)))
+        self._apply(named, body.get("weight_version"), strict=False)
+        return {"success": True, "message": "Succeeded to update parameter online from distributed."}
+
+    def destroy_weights_update_group(self, body):
+        group = self._groups.pop(body.get("group_name"), None)
+        if group is not None:
+            group.destroy()
+        return {"success": True, "message": "Succeeded to destroy custom process group."}
+
+    # -- memory, pause, misc
+
+    def release_memory_occupation(self, body):
+        self._memory_released = True
+        return {"success": True, "message": "released"}
+
+    def resume_memory_occupation(self, body):
+        self._memory_released = False
+        return {"success": True, "message": "resumed"}
+
+    def pause_generation(self, body):
+        if not isinstance(body, dict):
+            raise _invalid_request("pause_generation needs a JSON body")
+        with self._cond:
+            self._paused = True
+        return {"success": True, "message": "Generation paused."}
+
+    def continue_generation(self, body):
+        with self._cond:
+            self._paused = False
+            self._cond.notify_all()
+        return {"success": True, "message": "Generation continued."}
+
+    def health_generate(self, body):
+        if self._paused or self._memory_released:
+            raise _HTTPError(503, {"error": "server is paused"})
+        return None
+
+    def model_info(self, body):
+        return {
+            "model_path": self.model_path,
+            "tokenizer_path": self.model_path,
+            "is_generation": True,
+            "weight_version": self.engine.weight_version,
+        }
+
+    def weight_version(self, body):
+        return {"weight_version": self.engine.weight_version}
+
+
+ROUTES = {
+    ("GET", "/health"): lambda s, b: None,
+    ("GET", "/health_generate"): SGLangTestServer.health_generate,
+    ("GET", "/model_info"): SGLangTestServer.model_info,
+    ("GET", "/get_model_info"): SGLangTestServer.model_info,
+    ("GET", "/get_weight_version"): SGLangTestServer.weight_version,
+    ("POST", "/generate"): SGLangTestServer.generate,
+    ("POST", "/flush_cache"): lambda s, b: "Cache flushed.",
+    ("GET", "/flush_cache"): lambda s, b: "Cache flushed.",
+    ("POST", "/abort_request"): lambda s, b: None,
+    ("POST", "/begin_weight_update"): SGLangTestServer.begin_weight_update,
+    ("POST", "/end_weight_update"): SGLangTestServer.end_weight_update,
+    ("POST", "/update_weights_from_disk"): SGLangTestServer.update_weights_from_disk,
+    ("POST", "/update_weights_from_tensor"): SGLangTestServer.update_weights_from_tensor,
+    ("POST", "/init_weights_update_group"): SGLangTestServer.init_weights_update_group,
+    ("POST", "/update_weights_from_distributed"): SGLangTestServer.update_weights_from_distributed,
+    ("POST", "/destroy_weights_update_group"): SGLangTestServer.destroy_weights_update_group,
+    ("POST", "/release_memory_occupation"): SGLangTestServer.release_memory_occupation,
+    ("POST", "/resume_memory_occupation"): SGLangTestServer.resume_memory_occupation,
+    ("POST", "/pause_generation"): SGLangTestServer.pause_generation,
+    ("POST", "/continue_generation"): SGLangTestServer.continue_generation,
+}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    owner: SGLangTestServer
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, fmt, *args):  # keep test output quiet
+        logger.debug("%s " + fmt, self.address_string(), *args)
+
+    def setup(self):
+        super().setup()
+        with self.owner._cond:
+            self.owner._connections.add(self.connection)
+
+    def finish(self):
+        with self.owner._cond:
+            self.owner._connections.discard(self.connection)
+        try:
+            super().finish()
+        except OSError:
+            pass
+
+    def _serve(self, method):
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        try:
+            try:
+                body = json.loads(raw) if raw else None
+            except ValueError:
+                raise _invalid_request("request body is not valid JSON") from None
+            status, result = 200, self.owner.handle(method, path, self.headers, body)
+        except _HTTPError as e:
+            status, result = e.status, e.body
+        except ConnectionAbortedError:
+            self.close_connection = True
+            return
+        except Exception as e:  # noqa: BLE001 - a server bug is a 500, as in SGLang
+            logger.exception("test server error on %s", path)
+            status, result = 500, {"error": {"message": f"{type(e).__name__}: {e}"}}
+        if self.owner._httpd is None:  # crashed while we worked: no answer
+            self.close_connection = True
+            return
+        payload = (result if isinstance(result, str) else json.dumps(result)).encode() if result is not None else b""
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain" if isinstance(result, str) else "application/json")
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+        except OSError:
+            self.close_connection = True
+
+    def do_GET(self):
+        self._serve("GET")
+
+    def do_POST(self):
+        self._serve("POST")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine")
+    parser.add_argument("--model-path", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--seed", type=int, default=0)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        logger.warning("test server ignores SGLang flags %s", unknown)
+    engine = LocalEngine.from_pretrained(args.model_path, weight_version=args.weight_version, seed=args.seed)
+    server = SGLangTestServer(engine, args.host, args.port, args.api_key, model_path=args.model_path).start()
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *a: stop.set())
+    signal.signal(signal.SIGINT, lambda *a: stop.set())
+    print(f"sglang test server listening on {server.url}", flush=True)
+    while not stop.is_set():
+        time.sleep(0.1)
+    server.stop()
+
+
+if __name__ == "__main__":
+    main()

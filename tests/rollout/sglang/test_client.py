@@ -1,0 +1,297 @@
+"""The SGLang client and engine over real HTTP on loopback (test double by default, see conftest)."""
+
+import os
+import threading
+import time
+
+import pytest
+
+from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError, SamplingParams, StaleWeightsError
+from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError, error_message, parse_output
+from armor_megatron.rollout.sglang.engine import SGLangEngine
+from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
+from armor_megatron.rollout.testing.tiny_models import encode
+
+from .conftest import FAST_RETRY
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def make_engine(server, **kw):
+    kw.setdefault("retry", FAST_RETRY)
+    kw.setdefault("request_timeout", 60.0)
+    return SGLangEngine([server.url], **kw)
+
+
+def test_n_samples_per_prompt_with_logprobs(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    prompts = [encode(tok, "1+2="), encode(tok, "hello world"), encode(tok, "7")]
+    groups = engine.generate(prompts, n=3, sampling=SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert [len(g) for g in groups] == [3, 3, 3]
+    for i, group in enumerate(groups):
+        for s in group:
+            assert s.prompt_index == i
+            assert len(s.token_ids) == 5 and len(s.logprobs) == 5
+            assert all(lp <= 0 for lp in s.logprobs)
+            assert s.finish_reason == "length"
+            assert s.weight_version == engine.weight_version
+
+
+def test_raw_batch_with_n_is_flat_prompt_by_prompt(server, tiny_ckpt):
+    # SGLang answers a batch with n > 1 as one flat list: prompt 0's n samples, then prompt 1's.
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(server.url, retry=FAST_RETRY)
+    p0, p1 = encode(tok, "ab"), encode(tok, "cd")
+    greedy = {"max_new_tokens": 3, "temperature": 0, "n": 2, "ignore_eos": True}
+    flat = client.post("/generate", {"input_ids": [p0, p1], "sampling_params": greedy})
+    single0 = client.post("/generate", {"input_ids": p0, "sampling_params": {**greedy, "n": 1}})
+    single1 = client.post("/generate", {"input_ids": p1, "sampling_params": {**greedy, "n": 1}})
+    assert isinstance(flat, list) and len(flat) == 4
+    assert [o["output_ids"] for o in flat] == [single0["output_ids"]] * 2 + [single1["output_ids"]] * 2
+
+
+def test_logprobs_are_parsed_from_output_token_logprobs(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(server.url, retry=FAST_RETRY)
+    raw = client.generate(encode(tok, "12"), {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True, "n": 1})
+    s = parse_output(raw[0], prompt_index=0, return_logprob=True)
+    rows = raw[0]["meta_info"]["output_token_logprobs"]
+    assert list(s.token_ids) == [r[1] for r in rows] == raw[0]["output_ids"]
+    assert list(s.logprobs) == [r[0] for r in rows]
+    assert s.weight_version == raw[0]["meta_info"]["weight_version"]
+
+
+def test_logprob_rows_must_name_the_output_tokens():
+    out = {"output_ids": [5, 6], "text": "ab", "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 7, None]]}}
+    with pytest.raises(RolloutError, match="prompt 3: output_token_logprobs tokens differ from output_ids"):
+        parse_output(out, prompt_index=3, return_logprob=True)
+
+
+def test_stop_and_length_finish_reasons(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    prompt = encode(tok, "9-4=")
+    free = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))[0][0]
+    assert free.finish_reason == "length" and len(free.token_ids) == 4
+    stop_tok = free.token_ids[1]
+    s = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(stop_tok,)))[0][0]
+    assert s.finish_reason == "stop"
+    assert s.token_ids[-1] == stop_tok  # the matched stop token stays in output_ids
+
+
+@pytest.mark.double_only
+def test_unknown_sampling_param_is_a_clear_400(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(server.url, retry=FAST_RETRY)
+    with pytest.raises(SGLangHTTPError, match="HTTP 400.*bogus_knob") as err:
+        client.generate(encode(tok, "1"), {"max_new_tokens": 2, "bogus_knob": 1})
+    assert err.value.status == 400
+    assert server.requests["/generate"] == 1  # a 4xx is not retried
+
+
+def test_error_message_reads_all_three_sglang_shapes():
+    assert error_message(b'{"error": "Unknown sampling parameter: x"}') == "Unknown sampling parameter: x"
+    assert error_message({"error": {"message": "temperature must be >= 0"}}) == "temperature must be >= 0"
+    openai = {"object": "error", "message": "input_ids: field required", "type": "BadRequestError", "param": None, "code": 400}
+    assert error_message(openai) == "input_ids: field required"
+    assert error_message(b"Internal Server Error") == "Internal Server Error"
+
+
+@pytest.mark.double_only
+def test_5xx_and_aborts_are_retried(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    server.inject_failures("/generate", 2, status=503)
+    groups = engine.generate([encode(tok, "1")], 2, SamplingParams(max_new_tokens=2))
+    assert server.requests["/generate"] == 3 and len(groups[0]) == 2
+    server.inject_aborts(1)
+    groups = engine.generate([encode(tok, "1")], 2, SamplingParams(max_new_tokens=2))
+    assert server.requests["/generate"] == 5  # the aborted answer was asked again
+    assert all(s.finish_reason != "abort" for s in groups[0])
+
+
+@pytest.mark.double_only
+def test_retries_after_a_server_restart_mid_batch(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    retry = RetryPolicy(max_attempts=30, initial_backoff=0.05, multiplier=1.5, max_backoff=0.3)
+    engine = make_engine(server, retry=retry, max_concurrency=2)
+    prompts = [encode(tok, f"{i}+{i}=") for i in range(8)]
+    result = {}
+
+    def run():
+        result["groups"] = engine.generate(prompts, 2, SamplingParams(max_new_tokens=24, ignore_eos=True), timeout=100)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    while server.requests.get("/generate", 0) < 2:  # the batch is under way
+        time.sleep(0.01)
+    server.crash()
+    time.sleep(0.5)  # requests now fail with connection errors and back off
+    server.restart()
+    worker.join(timeout=100)
+    groups = result["groups"]
+    assert [len(g) for g in groups] == [2] * 8
+    assert all(len(s.token_ids) == 24 for g in groups for s in g)
+    assert server.requests["/generate"] > len(prompts)  # some prompts were sent again
+
+
+@pytest.mark.double_only
+def test_a_dead_server_is_a_clear_error_not_a_hang(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    server.crash()
+    start = time.monotonic()
+    with pytest.raises(EngineUnavailableError, match=r"SGLang server http://127\.0\.0\.1:\d+ failed /generate: 4 attempt"):
+        engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))
+    assert time.monotonic() - start < 10
+
+
+def test_weight_update_from_disk(server, tiny_ckpt, tmp_path):
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    sync = WeightSyncConfig(mode="disk", disk_dir=str(tmp_path / "sync"), hf_config=cfg)
+    engine = make_engine(server, weight_sync=sync)
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    before = engine.generate([encode(tok, "3*3")], 1, greedy)[0][0]
+    engine.update_weights(tiny_weights(cfg, seed=5, sharpen=8.0), version="step-1")
+    after = engine.generate([encode(tok, "3*3")], 1, greedy)[0][0]
+    assert after.weight_version == "step-1" and engine.weight_version == "step-1"
+    assert after.logprobs != before.logprobs
+    assert (tmp_path / "sync" / "config.json").exists()
+
+
+def test_weight_update_by_tensor(server, tiny_ckpt):
+    import torch
+
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    # Tensors travel as handles: CUDA IPC to a real (colocated) server, shared memory to the double.
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    new = [(n, t.to(device)) for n, t in tiny_weights(cfg, seed=13, sharpen=8.0)]
+    engine = make_engine(server, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=64 << 10))
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    before = engine.generate([encode(tok, "42")], 1, greedy)[0][0]
+    engine.update_weights(iter(new), version="step-2")
+    after = engine.generate([encode(tok, "42")], 1, greedy)[0][0]
+    assert after.weight_version == "step-2" and after.logprobs != before.logprobs
+
+
+@pytest.mark.double_only
+def test_weight_update_by_tensor_matches_local_engine(server, tiny_ckpt):
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    # Tiny buckets: several /update_weights_from_tensor calls inside one session.
+    engine = make_engine(server, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=8 << 10))
+    new = tiny_weights(cfg, seed=7, sharpen=8.0)
+    engine.update_weights(iter(new), version="step-2")
+    assert server.requests["/update_weights_from_tensor"] > 2
+    assert server.requests["/begin_weight_update"] == server.requests["/end_weight_update"] == 1
+    greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
+    remote = engine.generate([encode(tok, "42")], 1, greedy)[0][0]
+    local = LocalEngine(cfg, new, tokenizer=tok, weight_version="step-2").generate([encode(tok, "42")], 1, greedy)[0][0]
+    assert remote.token_ids == local.token_ids and remote.weight_version == "step-2"
+    assert list(remote.logprobs) == pytest.approx(list(local.logprobs), abs=1e-5)
+
+
+@pytest.mark.double_only
+def test_tensor_update_outside_a_session_is_refused(server):
+    client = SGLangClient(server.url, retry=FAST_RETRY)
+    with pytest.raises(SGLangHTTPError, match="HTTP 400.*weight update session"):
+        client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": None}, retry=False)
+
+
+@pytest.mark.double_only
+def test_response_from_stale_weights_is_caught(server, tiny_ckpt, tmp_path):
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    engine = make_engine(server, weight_sync=WeightSyncConfig(mode="tensor"))
+    engine.update_weights(tiny_weights(cfg, seed=9), version="step-3")
+    # The server dies and comes back from its checkpoint: it answers, but with old weights.
+    server.crash()
+    server.restart()
+    with pytest.raises(StaleWeightsError, match="'default', expected 'step-3'"):
+        engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))
+
+
+@pytest.mark.double_only
+def test_distributed_weight_update_over_gloo(server, tiny_ckpt):
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    _, cfg, tok = tiny_ckpt
+    sync = WeightSyncConfig(mode="distributed", backend="gloo", bucket_bytes=16 << 10, timeout=60)
+    engine = make_engine(server, weight_sync=sync)
+    new = tiny_weights(cfg, seed=11, sharpen=8.0)
+    engine.update_weights(new, version="step-4")
+    assert server.requests["/update_weights_from_distributed"] > 1
+    got = dict(server.engine.model.named_parameters())
+    for name, t in new:
+        assert (got[name].detach() == t).all(), name
+    engine.shutdown()
+
+
+@pytest.mark.skipif(os.environ.get("ARMOR_SGLANG_NO_MEMORY_SAVER") == "1", reason="server runs without --enable-memory-saver")
+def test_release_and_resume_memory(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    with engine.released():
+        if not os.environ.get("ARMOR_SGLANG_URL"):
+            assert not engine.health(timeout=30)  # the double refuses to generate while released
+    assert engine.health(timeout=30)
+    assert engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))[0][0].num_tokens == 2
+
+
+@pytest.mark.double_only
+def test_generate_timeout_is_an_error_not_a_hang(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = make_engine(server)
+    engine.pause()  # generation now blocks on the server
+    start = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match="1 prompts passed its 1.0s timeout"):
+            engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2), timeout=1.0)
+        assert time.monotonic() - start < 5
+    finally:
+        engine.resume()
+
+
+@pytest.mark.double_only
+def test_two_engines_share_generation_and_all_get_the_weights(tiny_ckpt):
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+
+    path, cfg, tok = tiny_ckpt
+    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as a, SGLangTestServer(
+        LocalEngine.from_pretrained(path, weight_version="default"), model_path=path
+    ) as b:
+        engine = SGLangEngine([a.url, b.url], retry=FAST_RETRY, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=32 << 10))
+        engine.generate([encode(tok, str(i)) for i in range(6)], 2, SamplingParams(max_new_tokens=2))
+        assert a.requests["/generate"] == b.requests["/generate"] == 3  # round-robin
+        engine.update_weights(tiny_weights(cfg, seed=21), version="step-5")
+        assert a.engine.weight_version == b.engine.weight_version == "step-5"
+        groups = engine.generate([encode(tok, str(i)) for i in range(4)], 1, SamplingParams(max_new_tokens=2))
+        assert {s.weight_version for g in groups for s in g} == {"step-5"}
+
+
+@pytest.mark.double_only
+def test_generation_goes_through_the_router_when_there_is_one(tiny_ckpt):
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    path, _, tok = tiny_ckpt
+    # Stand-in: a second double plays the router's part (sglang-router forwards /generate to workers).
+    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default")) as worker, SGLangTestServer(
+        LocalEngine.from_pretrained(path, weight_version="default")
+    ) as router:
+        engine = SGLangEngine([worker.url], router_url=router.url, retry=FAST_RETRY)
+        engine.generate([encode(tok, str(i)) for i in range(3)], 1, SamplingParams(max_new_tokens=1))
+        assert router.requests["/generate"] == 3 and "/generate" not in worker.requests
+        engine.pause()
+        assert "/pause_generation" in worker.requests and "/pause_generation" not in router.requests
+        engine.resume()

@@ -1,0 +1,92 @@
+"""The launcher starting real server processes: the SGLang TEST DOUBLE stands in for sglang.launch_server."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from armor_megatron.rollout.engine import EngineUnavailableError, SamplingParams
+from armor_megatron.rollout.sglang.engine import SGLangEngine
+from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
+from armor_megatron.rollout.testing.tiny_models import encode
+
+from .conftest import FAST_RETRY
+
+TEST_SERVER = "armor_megatron.rollout.testing.sglang_test_server"
+
+
+def test_commands_follow_sglang_flags():
+    cfg = LauncherConfig(model_path="/m", num_engines=2, tp_size=4, base_port=30000, api_key="k", colocated=True, use_router=True)
+    launcher = SGLangLauncher(cfg)
+    cmd = launcher.server_command(1, 30001)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags["--tp-size"] == "4" and flags["--base-gpu-id"] == "4" and flags["--host"] == "127.0.0.1"
+    assert flags["--api-key"] == "k" and "--enable-memory-saver" in cmd
+    launcher.ports = [30000, 30001]
+    router = launcher.router_command(31000)
+    assert router[2] == "sglang_router.launch_router"
+    assert router[router.index("--worker-urls") + 1 :][:2] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_engines_round_robin_with_api_key_then_clean_stop(tiny_ckpt, tmp_path):
+    path, _, tok = tiny_ckpt
+    cfg = LauncherConfig(model_path=path, num_engines=2, api_key="secret", server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=120)
+    launcher = SGLangLauncher(cfg)
+    engine = SGLangEngine.launch(launcher, retry=FAST_RETRY)
+    try:
+        assert engine.weight_version == "default" and len(engine.workers) == 2
+        groups = engine.generate([encode(tok, f"{i}") for i in range(4)], 2, SamplingParams(max_new_tokens=3))
+        assert [len(g) for g in groups] == [2] * 4
+        procs = list(launcher._procs)
+    finally:
+        engine.shutdown()
+    assert all(p.poll() is not None for p in procs)
+    assert not launcher.running
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_server_that_dies_at_startup_is_a_clear_error(tmp_path):
+    cfg = LauncherConfig(model_path=str(tmp_path / "missing"), server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=100)
+    with pytest.raises(EngineUnavailableError, match="exited with code 1; log tail"):
+        SGLangLauncher(cfg).start()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_sigterm_stops_the_servers(tiny_ckpt, tmp_path):
+    # A trainer process that launches a server and is then SIGTERMed must take the server down with it.
+    path, _, _ = tiny_ckpt
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
+        launcher = SGLangLauncher(LauncherConfig(model_path={path!r}, server_module={TEST_SERVER!r}, startup_timeout=120))
+        launcher.start()
+        print(launcher._procs[0].pid, flush=True)
+        time.sleep(120)
+        """
+    )
+    trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    server_pid = int(trainer.stdout.readline())
+    trainer.send_signal(signal.SIGTERM)
+    assert trainer.wait(timeout=60) == 128 + signal.SIGTERM
+    assert _gone(server_pid, within=10.0)
+
+
+def _gone(pid, within):
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
