@@ -114,3 +114,24 @@ class PromptLoader:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+
+def encode_prompt(tokenizer, prompt: Any, *, apply_chat_template: bool = True, template: Optional[str] = None) -> list[int]:
+    """Token ids of one prompt.
+
+    A list of chat messages, or a string when ``apply_chat_template`` is set and the tokenizer
+    has a chat template, goes through ``apply_chat_template(add_generation_prompt=True)``;
+    otherwise the string (``template.format(prompt=...)`` when given) is tokenized as is.
+    """
+    if isinstance(prompt, str) and template:
+        prompt = template.format(prompt=prompt)
+    has_chat = bool(getattr(tokenizer, "chat_template", None))
+    if isinstance(prompt, list) or (apply_chat_template and has_chat):
+        if not has_chat:
+            raise ValueError("prompt is a list of chat messages but the tokenizer has no chat template")
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    if not isinstance(prompt, str):
+        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+    return list(tokenizer(prompt)["input_ids"])

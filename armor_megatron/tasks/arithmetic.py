@@ -12,26 +12,15 @@ import json
 import os
 import random
 
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+from armor_megatron.tasks.tokenizer import build_char_tokenizer
+
 BOXED = "\\boxed{"
 ALPHABET = "0123456789+-*=}? "
 
 
 def build_tokenizer():
-    """A ``PreTrainedTokenizerFast``: ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab[BOXED] = len(vocab)
-    for ch in ALPHABET:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"\\boxed\{|."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False
-    )
+    """Ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character of ``ALPHABET``."""
+    return build_char_tokenizer(ALPHABET, multi_char_tokens=(BOXED,))
 
 
 def make_problems(n: int, *, seed: int, max_operand: int = 30) -> list[dict]:

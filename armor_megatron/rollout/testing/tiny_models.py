@@ -11,22 +11,14 @@ from __future__ import annotations
 
 from typing import Tuple
 
-SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+from armor_megatron.tasks import tokenizer as _char_tokenizer
+
 ALPHABET = "0123456789+-=? abcdefghijklmnopqrstuvwxyz"
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET):
     """A ``PreTrainedTokenizerFast``: ids 0..2 are <pad>, <eos>, <unk>, then one id per character."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    for ch in alphabet:
-        vocab.setdefault(ch, len(vocab))
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return _char_tokenizer.build_char_tokenizer(alphabet)
 
 
 def tiny_config(vocab_size: int, family: str = "qwen2", hidden_size: int = 32, num_layers: int = 2) -> dict:

@@ -1,0 +1,111 @@
+"""``armor-eval``: avg@k and pass@k of a model on JSONL / Parquet datasets.
+
+    armor-eval --model HF_DIR --dataset aime24=/data/aime24.jsonl --dataset math500=/data/math500.parquet \
+               --k 16 --pass-k 1 16 --temperature 0.6 --output results.json
+    armor-eval --config configs/qwen25_math_7b_dapo_armor.yaml [--model CKPT_HF_DIR]   # the config's eval section
+
+Local engine (transformers, in process) by default; ``--url`` evaluates through a running
+SGLang server instead. Prints a table; ``--output`` writes metrics and every sample as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from armor_megatron.cli.common import EXIT_OK, OneLineArgumentParser, fail
+
+PROG = "armor-eval"
+
+
+def build_parser() -> OneLineArgumentParser:
+    p = OneLineArgumentParser(prog=PROG, description="Evaluate a model: avg@k and unbiased pass@k per dataset.")
+    p.add_argument("--config", help="run config; its eval section and model are the defaults")
+    p.add_argument("--model", help="HF model directory (weights and tokenizer)")
+    p.add_argument("--dataset", action="append", default=[], metavar="NAME=PATH", help="repeatable")
+    p.add_argument("--k", type=int, default=None, help="samples per prompt")
+    p.add_argument("--pass-k", type=int, nargs="+", default=None)
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--verifier", default=None, help="registered name or module:function")
+    p.add_argument("--url", help="evaluate through a running SGLang server at this URL")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", help="write metrics and samples as JSON here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from armor_megatron.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config) if args.config else None
+    except ConfigError as err:
+        return fail(PROG, f"config: {err}")
+    ev = cfg.eval if cfg else None
+    model = args.model or (cfg.model.path if cfg else None)
+    if not model:
+        return fail(PROG, "--model (or --config) is required")
+    sets = [tuple(d.split("=", 1)) for d in args.dataset] or ([(d.name, d.path) for d in ev.datasets] if ev else [])
+    if not sets or any(len(s) != 2 or not all(s) for s in sets):
+        return fail(PROG, "give at least one --dataset NAME=PATH (or a config with eval.datasets)")
+    k = args.k or (max(d.k for d in ev.datasets) if ev and ev.datasets else 1)
+    pass_k = args.pass_k or (ev.pass_k if ev else [1])
+    if any(j < 1 or j > k for j in pass_k):
+        return fail(PROG, f"--pass-k values must be in [1, k={k}]")
+    try:
+        from armor_megatron.data.prompts import PromptDataset, encode_prompt
+        from armor_megatron.rollout.engine import SamplingParams
+        from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
+
+        eval_sets = [EvalSet(name, PromptDataset(path), k) for name, path in sets]
+        sampling = SamplingParams(
+            max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),
+            temperature=args.temperature if args.temperature is not None else (ev.temperature if ev else 0.0),
+            top_p=args.top_p or (ev.top_p if ev else 1.0),
+            seed=args.seed,
+        )
+        engine, tokenizer = _engine(model, args.url)
+    except (OSError, ValueError) as err:
+        return fail(PROG, str(err))
+    data = cfg.data if cfg else None
+    encode = lambda prompt: encode_prompt(  # noqa: E731
+        tokenizer, prompt,
+        apply_chat_template=data.apply_chat_template if data else True,
+        template=data.prompt_template if data else None,
+    )
+    verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
+    with engine:
+        result = evaluate(engine, encode, eval_sets, sampling, verifier=verifier, pass_k=pass_k)
+    print(format_table(result.metrics))
+    if args.output:
+        _write_json(args.output, {"model": model, "k": k, "metrics": result.metrics, "samples": result.records})
+    return EXIT_OK
+
+
+def _engine(model: str, url: str | None):
+    from transformers import AutoTokenizer
+
+    if not os.path.isdir(model):
+        raise OSError(f"model directory not found: {model}")
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if url:
+        from armor_megatron.rollout.sglang.engine import SGLangEngine
+
+        return SGLangEngine(worker_urls=[url]), tokenizer
+    from armor_megatron.rollout.local import LocalEngine
+
+    return LocalEngine.from_pretrained(model), tokenizer
+
+
+def _write_json(path: str, payload: dict) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(payload, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

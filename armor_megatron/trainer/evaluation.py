@@ -1,0 +1,82 @@
+"""Evaluation: sample k responses per prompt, verify them, report avg@k and unbiased pass@k.
+
+Used periodically by the trainer and by ``armor-eval``. Every dataset row may name its own
+verifier (``type`` column); otherwise the default verifier scores it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional, Sequence
+
+from armor_megatron.data.prompts import PromptDataset
+from armor_megatron.rewards import metrics_by_dataset, score_batch
+from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+
+
+@dataclasses.dataclass
+class EvalSet:
+    name: str
+    dataset: PromptDataset
+    k: int = 1
+
+
+@dataclasses.dataclass
+class EvalResult:
+    metrics: dict  # {dataset: {"num_prompts", "avg@k", "pass@j", ...}}
+    records: list  # one dict per sample: dataset, index, prompt, answer, response, score, finish_reason
+
+
+def evaluate(
+    engine: RolloutEngine,
+    encode: Callable[[object], list[int]],
+    eval_sets: Sequence[EvalSet],
+    sampling: SamplingParams,
+    *,
+    verifier: str = "math",
+    pass_k: Sequence[int] = (1,),
+    reward_workers: Optional[int] = None,
+    timeout: Optional[float] = None,
+) -> EvalResult:
+    """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``."""
+    metrics, records = {}, []
+    for es in eval_sets:
+        rows = list(es.dataset.rows)
+        groups = engine.generate([encode(r.prompt) for r in rows], n=es.k, sampling=sampling, timeout=timeout)
+        texts, answers, verifiers, meta = [], [], [], []
+        for row, group in zip(rows, groups):
+            for sample in group:
+                texts.append(sample.text)
+                answers.append(row.answer)
+                verifiers.append(row.verifier or verifier)
+                meta.append((row, sample))
+        scores = _score_by_verifier(texts, answers, verifiers, reward_workers)
+        ks = [k for k in pass_k if k <= es.k]
+        metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
+        records.extend(
+            {"dataset": es.name, "index": row.index, "prompt": row.prompt, "answer": row.answer,
+             "response": sample.text, "score": score, "finish_reason": sample.finish_reason}
+            for (row, sample), score in zip(meta, scores)
+        )
+    return EvalResult(metrics, records)
+
+
+def _score_by_verifier(texts, answers, verifiers, workers) -> list[float]:
+    """Scores in input order, batching the responses of each verifier together."""
+    scores = [0.0] * len(texts)
+    for name in dict.fromkeys(verifiers):
+        idx = [i for i, v in enumerate(verifiers) if v == name]
+        results = score_batch([texts[i] for i in idx], [answers[i] for i in idx], verifier=name, max_workers=workers)
+        for i, result in zip(idx, results):
+            scores[i] = result.score
+    return scores
+
+
+def format_table(metrics: dict) -> str:
+    """A plain-text table: one row per dataset, one column per metric."""
+    columns = sorted({name for values in metrics.values() for name in values if name != "num_prompts"})
+    header = ["dataset", "prompts", *columns]
+    rows = [[ds, f"{int(v['num_prompts'])}", *(f"{v[c]:.4f}" if c in v else "-" for c in columns)] for ds, v in metrics.items()]
+    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])

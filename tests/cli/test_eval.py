@@ -1,0 +1,33 @@
+"""``armor-eval`` end to end: a tiny HF checkpoint on disk, the local engine, JSON output."""
+
+import json
+
+from armor_megatron.cli.eval import main
+from armor_megatron.rollout.testing.tiny_models import make_tiny_checkpoint
+
+
+def test_eval_cli_writes_table_and_json(tmp_path, capsys):
+    make_tiny_checkpoint(str(tmp_path / "model"), seed=0)
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+5=", "answer": "7"}]
+    (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "res.json"
+    code = main(["--model", str(tmp_path / "model"), "--dataset", f"val={tmp_path / 'val.jsonl'}", "--k", "2",
+                 "--pass-k", "1", "2", "--temperature", "1.0", "--max-new-tokens", "3", "--output", str(out)])
+    assert code == 0
+    assert capsys.readouterr().out.splitlines()[0].split() == ["dataset", "prompts", "avg@2", "pass@1", "pass@2"]
+    result = json.loads(out.read_text())
+    assert result["metrics"]["val"]["num_prompts"] == 2.0 and len(result["samples"]) == 4
+
+
+def test_eval_cli_bad_input_is_one_line(tmp_path, capsys):
+    assert main(["--dataset", "x=y"]) == 2
+    assert capsys.readouterr().err.strip() == "armor-eval: error: --model (or --config) is required"
+    assert main(["--model", str(tmp_path), "--dataset", "nonsense"]) == 2
+    assert "NAME=PATH" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path / "none"), "--dataset", f"v={tmp_path / 'none.jsonl'}"]) == 2
+    assert "dataset not found" in capsys.readouterr().err
+    (tmp_path / "v.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')
+    assert main(["--model", str(tmp_path / "none"), "--dataset", f"v={tmp_path / 'v.jsonl'}"]) == 2
+    assert "model directory not found" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path), "--dataset", f"v={tmp_path / 'v.jsonl'}", "--k", "1", "--pass-k", "4"]) == 2
+    assert "--pass-k values must be in [1, k=1]" in capsys.readouterr().err

@@ -1,0 +1,52 @@
+"""Evaluation through the real local engine and the real verifier registry."""
+
+import json
+
+import pytest
+
+from armor_megatron.data.prompts import PromptDataset, encode_prompt
+from armor_megatron.rewards import RewardResult, register_verifier
+from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, tiny_config, tiny_weights
+from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
+
+
+@register_verifier("test_exact_text", replace=True)
+def _exact(response, ground_truth):
+    return RewardResult(float(response == ground_truth), {})
+
+
+@pytest.fixture(scope="module")
+def engine_and_tokenizer():
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok))
+    return LocalEngine(cfg, tiny_weights(cfg, seed=0, sharpen=4.0), tokenizer=tok), tok
+
+
+def test_greedy_eval_scores_exactly_the_rows_whose_answer_is_the_models_output(tmp_path, engine_and_tokenizer):
+    engine, tok = engine_and_tokenizer
+    encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompts = ["1+1=", "2+2=", "3+3=", "4+4="]
+    outputs = [g[0].text for g in engine.generate([encode(p) for p in prompts], n=1, sampling=greedy)]
+    # rows 0 and 2 get the model's own greedy output as their answer, rows 1 and 3 a string it never writes
+    rows = [{"prompt": p, "answer": out if i % 2 == 0 else "<never>"} for i, (p, out) in enumerate(zip(prompts, outputs))]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    sets = [EvalSet("toy", PromptDataset(str(tmp_path / "d.jsonl")), k=3)]
+    result = evaluate(engine, encode, sets, greedy, verifier="test_exact_text", pass_k=(1, 3, 8))
+    # greedy: all 3 samples of a prompt agree, so avg@3 = pass@1 = pass@3 = 2/4; pass@8 > k is left out
+    assert result.metrics == {"toy": {"num_prompts": 4.0, "avg@3": 0.5, "pass@1": 0.5, "pass@3": 0.5}}
+    assert len(result.records) == 12 and {r["score"] for r in result.records if r["index"] == 0} == {1.0}
+    table = format_table(result.metrics)
+    assert table.splitlines()[0].split() == ["dataset", "prompts", "avg@3", "pass@1", "pass@3"]
+    assert table.splitlines()[2].split() == ["toy", "4", "0.5000", "0.5000", "0.5000"]
+
+
+def test_row_verifier_overrides_the_default(tmp_path, engine_and_tokenizer):
+    engine, tok = engine_and_tokenizer
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2", "type": "math"}) + "\n")
+    sets = [EvalSet("m", PromptDataset(str(tmp_path / "d.jsonl")), k=2)]
+    encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
+    result = evaluate(engine, encode, sets, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), verifier="test_exact_text")
+    assert result.metrics["m"]["pass@1"] == 0.0  # a random tiny model never writes \boxed{2}
