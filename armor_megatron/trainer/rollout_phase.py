@@ -1,0 +1,180 @@
+"""The rollout half of an ARMOR step (Algorithm 1, lines 3–6), on the rank that drives the engines.
+
+For a batch of P prompts:
+
+1. anchors: one verified reference response per prompt (rejection sampling, or the anchor
+   cache while the reference is frozen); none when every try failed;
+2. on-policy: G−1 samples from π_old per prompt with an anchor, G without (the anchor slot is
+   filled by one more on-policy sample);
+3. rewards from the verifiers; accuracy = the verifier score, the training reward adds DAPO's
+   overlong shaping;
+4. groups of G (anchor last) -> DAPO dynamic sampling filters groups with all-equal accuracy
+   (the caller refills from more prompts) -> advantages over the whole group, anchor included.
+
+The result is a ``RolloutBatch`` of P·G rows (prompt-major):
+
+    input_ids      [N, L] int64   prompt + response, right-padded with pad_id
+    lengths        [N]    int64   prompt + response tokens
+    response_mask  [N, L] fp32    1 at positions t holding a response token (predicted from < t)
+    advantages     [N]    fp32    sequence-level advantage, broadcast over its tokens by the loss
+    rewards        [N]    fp32    shaped training reward;  accuracy [N] fp32 verifier score
+    is_anchor      [N]    bool
+    engine_logprobs[N, L] fp32    the engine's log-probs of the response tokens (0 elsewhere)
+objects: prompt_index (dataset row), response_text, finish_reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from armor_megatron.algo import (
+    anchor_zero_advantage_rate,
+    apply_overlong_shaping,
+    assemble_anchor_groups,
+    compute_advantages,
+)
+from armor_megatron.data.batch import RolloutBatch
+from armor_megatron.data.prompts import PromptRow
+from armor_megatron.rewards import score_batch
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSettings:
+    group_size: int
+    sampling: SamplingParams
+    estimator: str = "dapo"
+    estimator_kwargs: dict = dataclasses.field(default_factory=dict)
+    verifier: str = "math"
+    overlong_buffer: Optional[int] = None  # tokens; None disables overlong shaping
+    overlong_penalty: float = 1.0
+    reward_workers: Optional[int] = None
+    timeout: Optional[float] = None
+
+
+def collect_groups(
+    rows: Sequence[PromptRow],
+    encode: Callable[[Any], list[int]],
+    engine: RolloutEngine,
+    settings: RolloutSettings,
+    anchors=None,
+    pad_id: int = 0,
+) -> tuple[RolloutBatch, dict[str, float]]:
+    """Sample, verify and group one batch of prompts; returns (batch of P·G rows, metrics).
+
+    ``anchors``: an ``AnchorCache`` (or anything with its ``get(prompt_ids, answers, keys,
+    timeout) -> [AnchorResult]``), None for on-policy groups only.
+    """
+    G = settings.group_size
+    prompt_ids = [encode(r.prompt) for r in rows]
+    answers = [r.answer for r in rows]
+    anchor_results = (
+        anchors.get(prompt_ids, answers, keys=[r.index for r in rows], timeout=settings.timeout) if anchors else None
+    )
+    found = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
+    policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
+
+    verifiers = [r.verifier or settings.verifier for r in rows]
+    policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
+    anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    anchor_scores = _score([[s.text for s in group] for group in anchor_samples], answers, verifiers, settings.reward_workers)
+    # The anchor side already did the rejection sampling: every anchor it returns is taken.
+    groups = assemble_anchor_groups(
+        policy_scores, anchor_scores if anchors else None, G, max_tries=1, success_reward=float("-inf")
+    )
+    samples: list[Sample] = groups.gather(policy, anchor_samples)
+    accuracy = groups.rewards
+    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32).view_as(accuracy)
+    rewards = accuracy
+    if settings.overlong_buffer:
+        rewards = apply_overlong_shaping(
+            accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
+        )
+    advantages = compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs)
+
+    prompt_of_row = [rows[src.prompt] for src in groups.rows]
+    batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id)
+    batch["advantages"] = advantages.reshape(-1).float()
+    batch["rewards"] = rewards.reshape(-1).float()
+    batch["accuracy"] = accuracy.reshape(-1).float()
+    batch["is_anchor"] = groups.is_anchor.reshape(-1)
+    batch["prompt_index"] = [r.index for r in prompt_of_row]
+
+    metrics = {
+        "rollout/accuracy": accuracy.mean().item(),
+        "rollout/reward": rewards.mean().item(),
+        "rollout/response_len": lengths.mean().item(),
+        "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
+        "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
+    }
+    if anchors:
+        on_policy = ~groups.is_anchor
+        metrics.update({
+            "anchor/found_rate": sum(found) / len(found),
+            "anchor/tries": float(sum(a.tries for a in anchor_results)),
+            "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
+            "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
+            "anchor/zero_advantage_rate": anchor_zero_advantage_rate(advantages, groups.is_anchor).item(),
+            "rollout/on_policy_accuracy": accuracy[on_policy].mean().item(),
+        })
+    return batch, metrics
+
+
+def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:
+    """G−1 samples for prompts with an anchor and G for the rest (two requests at most)."""
+    out: list[Optional[list[Sample]]] = [None] * len(prompt_ids)
+    for n in (G - 1, G):
+        idx = [i for i, f in enumerate(found) if (n == G - 1) == f]
+        if not idx:
+            continue
+        groups = engine.generate([prompt_ids[i] for i in idx], n=n, sampling=settings.sampling, timeout=settings.timeout)
+        for i, group in zip(idx, groups):
+            out[i] = list(group)
+    return out
+
+
+def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:
+    """Per-prompt score lists, scoring all responses of one verifier in one batch."""
+    flat = [(p, t) for p, group in enumerate(texts) for t in group]
+    scores: list[list[float]] = [[] for _ in texts]
+    for name in dict.fromkeys(verifiers):
+        todo = [(p, t) for p, t in flat if verifiers[p] == name]
+        if not todo:
+            continue
+        results = score_batch([t for _, t in todo], [answers[p] for p, _ in todo], verifier=name, max_workers=workers)
+        by_prompt = iter(results)
+        for p, _ in todo:
+            scores[p].append(next(by_prompt).score)
+    return scores
+
+
+def _to_batch(samples: Sequence[Sample], prompts: Sequence[Sequence[int]], pad_id: int) -> RolloutBatch:
+    lengths = [len(p) + s.num_tokens for p, s in zip(prompts, samples)]
+    width = max(lengths)
+    n = len(samples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    response_mask = torch.zeros(n, width, dtype=torch.float32)
+    engine_logprobs = torch.zeros(n, width, dtype=torch.float32)
+    for i, (p, s) in enumerate(zip(prompts, samples)):
+        start, end = len(p), len(p) + s.num_tokens
+        input_ids[i, :start] = torch.tensor(p, dtype=torch.long)
+        input_ids[i, start:end] = torch.tensor(s.token_ids, dtype=torch.long)
+        response_mask[i, start:end] = 1.0
+        if s.logprobs is not None:
+            engine_logprobs[i, start:end] = torch.tensor(s.logprobs, dtype=torch.float32)
+    return RolloutBatch(
+        tensors={
+            "input_ids": input_ids,
+            "lengths": torch.tensor(lengths, dtype=torch.long),
+            "response_mask": response_mask,
+            "engine_logprobs": engine_logprobs,
+        },
+        objects={
+            "response_text": [s.text for s in samples],
+            "finish_reason": [s.finish_reason for s in samples],
+            "weight_version": [s.weight_version for s in samples],
+        },
+    )

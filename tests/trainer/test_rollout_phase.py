@@ -1,0 +1,86 @@
+"""The rollout half of a step with real local engines: a random policy and a confident reference.
+
+The reference is sharpened (lm_head × 100) so its first response character is near-certain;
+a prompt is *solvable* when the ground truth is that character (verifier: the response starts
+with the ground truth) and unsolvable when the ground truth is '#', which no response contains.
+"""
+
+import pytest
+import torch
+
+from armor_megatron.algo import compute_advantages
+from armor_megatron.data.prompts import PromptRow
+from armor_megatron.rewards import RewardResult, register_verifier
+from armor_megatron.rollout.anchor_cache import AnchorCache
+from armor_megatron.rollout.anchor_source import SeparateReference
+from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
+from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
+
+SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
+G = 4
+
+
+@register_verifier("test_starts_with", replace=True)
+def _starts_with(response, ground_truth):
+    return RewardResult(float(response.startswith(ground_truth)), {})
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok))
+    policy = LocalEngine(cfg, tiny_weights(cfg, seed=1), tokenizer=tok, weight_version="step-0", seed=2)
+    ref = LocalEngine(cfg, tiny_weights(cfg, seed=0, sharpen=100.0), tokenizer=tok, weight_version="ref-0", seed=1)
+    rows = []
+    for text in ("1+1=", "2+3=", "what", "9*9", "7-2=", "xyz", "abc", "12"):
+        with torch.no_grad():
+            probs = torch.softmax(ref.model(input_ids=torch.tensor([encode(tok, text)])).logits[0, -1].float(), -1)
+        if probs.max() >= 0.85:
+            rows.append(PromptRow(len(rows), text, tok.decode([int(probs.argmax())])))
+    assert len(rows) >= 3
+    rows = rows[:3] + [PromptRow(3, "5+5=", "#"), PromptRow(4, "hi", "#")]
+    sampler = AnchorSampler(SeparateReference(ref), lambda t, gt: float(t.startswith(gt)),
+                            AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING))
+    return tok, policy, sampler, rows
+
+
+def _collect(setup, anchors, **kw):
+    tok, policy, sampler, rows = setup
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", **kw)
+    return collect_groups(rows, lambda p: encode(tok, p), policy, settings, anchors=anchors, pad_id=tok.pad_token_id)
+
+
+def test_groups_hold_one_verified_anchor_exactly_where_the_reference_solves(setup):
+    tok, _, sampler, rows = setup
+    batch, metrics = _collect(setup, AnchorCache(sampler))
+    assert len(batch) == len(rows) * G
+    is_anchor = batch["is_anchor"].view(len(rows), G)
+    assert is_anchor[:, :-1].sum() == 0  # anchors sit last
+    assert is_anchor[:, -1].tolist() == [True, True, True, False, False]
+    assert batch["accuracy"].view(len(rows), G)[:3, -1].tolist() == [1.0, 1.0, 1.0]
+    assert metrics["anchor/found_rate"] == pytest.approx(3 / 5)
+    assert batch["prompt_index"] == [r.index for r in rows for _ in range(G)]
+    # every row: prompt tokens, then its response tokens marked by the mask
+    for i in range(len(batch)):
+        prompt = encode(tok, rows[i // G].prompt)
+        n_resp = int(batch["response_mask"][i].sum())
+        assert batch["lengths"][i] == len(prompt) + n_resp == len(prompt) + 4
+        assert batch["input_ids"][i, : len(prompt)].tolist() == prompt
+        response = batch["input_ids"][i, len(prompt) : len(prompt) + n_resp].tolist()
+        assert tok.decode(response, skip_special_tokens=True) == batch["response_text"][i]
+        assert (batch["engine_logprobs"][i] != 0).sum() == n_resp
+    # advantages: DAPO group normalisation of the rewards, anchor included
+    expected = compute_advantages("dapo", rewards=batch["rewards"].view(len(rows), G)).reshape(-1)
+    assert torch.equal(batch["advantages"], expected)
+
+
+def test_without_anchors_every_group_is_on_policy_and_overlong_shaping_applies(setup):
+    batch, metrics = _collect(setup, None, overlong_buffer=2)
+    assert len(batch) == 5 * G and not batch["is_anchor"].any() and "anchor/found_rate" not in metrics
+    assert set(batch["weight_version"]) == {"step-0"}
+    # every response is 4 tokens (ignore_eos) against max 4 with a buffer of 2: penalty (4 - 2) / 2 = 1
+    assert torch.equal(batch["rewards"], batch["accuracy"] - 1.0)
+    assert metrics["rollout/truncated_rate"] == 1.0
