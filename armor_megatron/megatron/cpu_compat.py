@@ -15,14 +15,19 @@ Work-arounds (megatron-core behaviour covered -> what we do):
 * `cuda_literal_devices_on_cpu`: ``device="cuda"`` literals in the pipeline schedules' token
   counter and in the default / sliding-window causal masks -> those functions run under a
   torch-function mode that places factory calls naming ``cuda`` on the CPU.
+* `tied_embedding_sync_on_cpu`: with tied embeddings and PP, ``LanguageModule.
+  setup_embeddings_and_output_layer`` moves the last stage's copy of the embedding with
+  ``Tensor.cuda()`` before all-reducing it from the first stage -> inside that method
+  ``Tensor.cuda()`` leaves CPU tensors where they are.
 * `cpu_rng_tracker`: the model-parallel RNG tracker (``model_parallel_cuda_manual_seed``, the
   tracker's ``add``/``fork``) reads and writes CUDA generator states -> a tracker with the same
   semantics on the CPU generator.
 * `moe_router_gemm_without_te`: ``RouterGatingLinearFunction`` tests ``te_general_gemm`` which is
   only defined when Transformer Engine imports -> defined as None so the torch path is taken.
-* `moe_alltoall_streams_on_cpu`: the alltoall token dispatcher creates a ``torch.cuda.Stream``
-  and moves split sizes to the host on it -> a stand-in stream object whose context and events
-  are no-ops.
+* `moe_alltoall_dispatcher_on_cpu`: the alltoall token dispatcher creates a ``torch.cuda.Stream``,
+  moves split sizes to the host on it and converts them to numpy only for CUDA tensors (so
+  ``all_to_all_single`` gets tensors as split sizes and refuses them) -> a stand-in stream whose
+  context and events are no-ops, and the host copy converts CPU tensors to numpy too.
 
 Version guard: the work-arounds patch internals, so `apply()` raises for a megatron-core
 minor release other than the one they were checked against and warns for another patch
@@ -110,7 +115,7 @@ def _replace(module, name: str, make) -> None:
     """Replace ``module.name`` by ``make(old)`` once; a missing name means megatron-core moved."""
     old = getattr(module, name, None)
     if old is None:
-        raise RuntimeError(f"cpu_compat: {module.__name__}.{name} not found; megatron-core internals changed")
+        raise RuntimeError(f"cpu_compat: {getattr(module, '__module__', '')}.{module.__name__}.{name} not found; megatron-core internals changed")
     if not getattr(old, "__armor_cpu_compat__", False):
         setattr(module, name, make(old))
 
@@ -130,6 +135,32 @@ def cuda_literal_devices_on_cpu() -> None:
     for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
         _replace(utils, name, _on_cpu)
         setattr(fused_softmax, name, getattr(utils, name))
+
+
+@contextlib.contextmanager
+def _tensor_cuda_is_identity():
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original
+
+
+def tied_embedding_sync_on_cpu() -> None:
+    """``setup_embeddings_and_output_layer`` calls ``weight.data.cuda()`` before its all-reduce."""
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    def make(method):
+        @functools.wraps(method)
+        def wrapper(*args, **kwargs):
+            with _tensor_cuda_is_identity():
+                return method(*args, **kwargs)
+
+        wrapper.__armor_cpu_compat__ = True
+        return wrapper
+
+    _replace(LanguageModule, "setup_embeddings_and_output_layer", make)
 
 
 class CpuRNGStatesTracker:
@@ -230,12 +261,21 @@ class _HostEvent:
         pass
 
 
-def moe_alltoall_streams_on_cpu() -> None:
-    """The alltoall dispatcher moves split sizes to the host on a ``torch.cuda.Stream``."""
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
+
+_host_copy.__armor_cpu_compat__ = True
+
+
+def moe_alltoall_dispatcher_on_cpu() -> None:
+    """The alltoall dispatcher moves split sizes to the host (as numpy) on a ``torch.cuda.Stream``."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    _replace(token_dispatcher, "maybe_move_tensor_to_cpu", lambda old: _host_copy)
     host = _HostStream()
-    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
+    token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
     torch.cuda.current_stream = lambda device=None: host
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
@@ -244,7 +284,8 @@ WORKAROUNDS = (
     cuda_current_device_on_cpu,
     cuda_synchronize_on_cpu,
     cuda_literal_devices_on_cpu,
+    tied_embedding_sync_on_cpu,
     cpu_rng_tracker,
     moe_router_gemm_without_te,
-    moe_alltoall_streams_on_cpu,
+    moe_alltoall_dispatcher_on_cpu,
 )

@@ -5,6 +5,7 @@ Public interface::
     env = DistEnv.from_environ()                 # rank / world / local rank / master address
     par = ParallelConfig(tp=2, pp=2, ep=1, cp=1, vpp=None)
     ctx = initialize(par, arch=None, seed=1234, deterministic=False)   # -> DistContext
+    set_model_parallel(other_par, arch=None, seed=1234)   # switch layout in a running job
     ...
     shutdown()                                    # destroys model-parallel groups and the process group
 
@@ -214,8 +215,6 @@ def initialize(
     group is created, so a bad layout fails at once on every rank with the same message.
     Seeds megatron's RNG tracker with `seed` (tensor-parallel ranks get distinct streams).
     """
-    from megatron.core import parallel_state, tensor_parallel
-
     env = DistEnv.from_environ(environ)
     parallel.validate(env.world_size, arch)
     if torch.cuda.is_available():
@@ -241,6 +240,23 @@ def initialize(
         )
     elif torch.distributed.get_world_size() != env.world_size:
         raise RuntimeError(f"process group already started with world size {torch.distributed.get_world_size()}, environment says {env.world_size}")
+    set_model_parallel(parallel, arch, seed=seed, timeout_minutes=timeout_minutes)
+    return DistContext(env=env, parallel=parallel, device=device, backend=backend)
+
+
+def set_model_parallel(
+    parallel: ParallelConfig, arch: Optional[ModelArch] = None, *, seed: int = 1234, timeout_minutes: int = 30
+) -> None:
+    """(Re)build megatron-core's model-parallel groups for `parallel` on the running process group.
+
+    Any previous layout is destroyed first, so one job can switch layouts (tests comparing
+    TP/PP/EP against TP=1, single-process tools). Seeds the RNG tracker as `initialize` does.
+    """
+    from megatron.core import parallel_state, tensor_parallel
+
+    parallel.validate(torch.distributed.get_world_size(), arch)
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,
         pipeline_model_parallel_size=parallel.pp,
@@ -252,7 +268,6 @@ def initialize(
     )
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
-    return DistContext(env=env, parallel=parallel, device=device, backend=backend)
 
 
 def set_deterministic() -> None:

@@ -7,7 +7,7 @@ Public interface::
                                           moe_token_dispatcher="alltoall")
     model  = build_gpt_model(arch, parallel, dtype=..., vp_stage=None, ...)   # this rank's stage
     chunks = build_model_chunks(arch, parallel, dtype=..., ...)               # list, one per VPP chunk
-    padded_vocab_size(arch, tp)     # rows of embedding / output layer (vocab padded to a multiple of tp)
+    padded_vocab_size(arch, tp)     # rows of embedding / output layer (vocab padded to a multiple of 128)
 
 Call after `dist.initialize(parallel)`. Every layer follows the HF model it stands for: RMSNorm
 with the HF ε, SwiGLU MLP without biases, GQA with ``num_key_value_heads`` query groups, RoPE
@@ -21,7 +21,8 @@ The local spec's torch norms refuse sequence parallelism, and megatron-core need
 parallelism for MoE with tp > 1, so that combination needs TE.
 
 Vocabulary: the embedding and output layer have `padded_vocab_size(arch, tp)` rows, the HF
-vocabulary rounded up to a multiple of tp. Rows beyond ``arch.vocab_size`` are padding;
+vocabulary rounded up to a multiple of 128 (of lcm(128, tp) for other tp), the same at every
+power-of-two tp so checkpoints reshard. Rows beyond ``arch.vocab_size`` are padding;
 `logprobs` masks them out of the softmax, so their contents never matter.
 
 ``model.sharded_state_dict()`` keys (no prefix; what a torch_dist checkpoint holds). Every
@@ -96,9 +97,14 @@ def resolve_dtype(dtype) -> torch.dtype:
     raise ValueError(f"dtype {dtype!r} is not supported (float32 or bfloat16)")
 
 
-def padded_vocab_size(arch: ModelArch, tp: int) -> int:
-    """HF vocabulary rounded up to a multiple of ``tp`` (VocabParallelEmbedding splits rows evenly)."""
-    return -(-arch.vocab_size // tp) * tp
+def padded_vocab_size(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> int:
+    """HF vocabulary rounded up to a multiple of lcm(divisible_by, tp).
+
+    VocabParallelEmbedding splits rows evenly over TP; rounding to 128 (megatron's default)
+    makes the padded size the same for every power-of-two tp ≤ 128, so checkpoints reshard.
+    """
+    multiple = math.lcm(divisible_by, tp)
+    return -(-arch.vocab_size // multiple) * multiple
 
 
 def transformer_config_from_arch(
