@@ -16,7 +16,8 @@ The vocabulary is split across the tensor-parallel group (rank r holds columns
 from the rank that holds it. Columns at or beyond `vocab_size` (TP padding) are left out.
 
 Memory: `vocab_parallel_logprobs` walks the tokens in chunks of ``chunk_elements // V_local``
-rows, so the fp32 work tensors are [chunk, V_local], never [tokens, V_local]; it saves only the
+rows, so its fp32 work tensors are two [chunk, V_local] buffers reused for every chunk, never
+[tokens, V_local]; it saves only the
 input logits (not a copy) and [tokens] statistics for backward, which recomputes the softmax
 chunk by chunk and writes the gradient straight into one buffer shaped like the logits.
 Gradients: ∂log p(y)/∂z_v = 1[v=y] − p_v and ∂H/∂z_v = −p_v (log p_v + H), both divided by
@@ -56,19 +57,19 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
         local = labels - vocab_start
         owned = (local >= 0) & (local < valid)
         local = torch.where(owned, local, 0)
+        work = _workspace(logits, chunk, valid)  # two fp32 [chunk, valid] buffers, reused per chunk
         for a in range(0, n, chunk):
             b = min(a + chunk, n)
-            z = _scaled_fp32(logits[a:b, :valid], temperature)  # [c, valid], our own copy
+            z = _scaled_fp32(work[0, : b - a], logits[a:b, :valid], temperature)
             m = z.max(dim=-1).values if valid else z.new_full((b - a,), -torch.inf)
             _all_reduce(m, dist.ReduceOp.MAX, group)
             z.sub_(m[:, None])  # z − m ≤ 0
             target = z.gather(1, local[a:b, None]).squeeze(1) if valid else z.new_zeros(b - a)
-            e = torch.exp(z)
+            e = torch.exp(z, out=work[1, : b - a])
             sums = [e.sum(dim=-1), torch.where(owned[a:b], target, 0.0)]
             if with_entropy:
                 sums.append(torch.linalg.vecdot(e, z))  # Σ exp(z−m)·(z−m)
             sums = torch.stack(sums)
-            del e, z
             _all_reduce(sums, dist.ReduceOp.SUM, group)
             log_s = sums[0].log()
             logprobs[a:b] = sums[1] - log_s
@@ -85,25 +86,35 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
         valid, temperature, chunk, with_entropy = ctx.args
         grad = torch.zeros_like(logits)
         use_entropy = with_entropy and grad_entropy is not None
+        work = _workspace(logits, chunk, valid)
         for a in range(0, logits.shape[0], chunk):
             b = min(a + chunk, logits.shape[0])
-            logp = _scaled_fp32(logits[a:b, :valid], temperature).sub_(lse[a:b, None])
-            p = torch.exp(logp)
-            g = p.mul(-grad_logprobs[a:b, None]) if grad_logprobs is not None else torch.zeros_like(p)
-            if grad_logprobs is not None:
+            logp = _scaled_fp32(work[0, : b - a], logits[a:b, :valid], temperature).sub_(lse[a:b, None])
+            g = torch.exp(logp, out=work[1, : b - a])  # p
+            if use_entropy:  # logp := g_H · p · (log p + H)
+                logp.add_(entropy[a:b, None]).mul_(g).mul_(grad_entropy[a:b, None])
+            if grad_logprobs is None:
+                g.zero_()
+            else:  # g_lp · (1[v = y] − p)
+                g.mul_(-grad_logprobs[a:b, None])
                 rows = owned[a:b].nonzero().squeeze(1)
                 g[rows, local[a:b][rows]] += grad_logprobs[a:b][rows]
-            if use_entropy:  # −g_H · p · (log p + H)
-                g.sub_(p.mul_(logp.add_(entropy[a:b, None])).mul_(grad_entropy[a:b, None]))
+            if use_entropy:
+                g.sub_(logp)
             if temperature != 1.0:
                 g.div_(temperature)
-            grad[a:b, :valid] = g
+            grad[a:b, :valid].copy_(g)
         return grad, None, None, None, None, None, None, None
 
 
-def _scaled_fp32(x: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = x.to(torch.float32, copy=True)
-    return z.div_(temperature) if temperature != 1.0 else z
+def _workspace(logits: torch.Tensor, chunk: int, valid: int) -> torch.Tensor:
+    return torch.empty(2, min(chunk, logits.shape[0]), valid, dtype=torch.float32, device=logits.device)
+
+
+def _scaled_fp32(out: torch.Tensor, x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``out`` := fp32 x / temperature (a copy: the caller's logits are never modified)."""
+    out.copy_(x)
+    return out.div_(temperature) if temperature != 1.0 else out
 
 
 def _all_reduce(t: torch.Tensor, op, group) -> None:

@@ -88,3 +88,42 @@ def test_microbatches_trim_to_their_longest_sequence():
     assert mbs[1].position_ids.tolist() == [[0]]
     with pytest.raises(ValueError, match=r"lengths must lie in \[1, 5\]"):
         split_microbatches(ids, torch.tensor([0, 1, 1, 1]), 2)
+
+
+def tp_split_worker(rank, logits, labels, weights, vocab):
+    """Rank r holds columns [r·V/2, (r+1)·V/2) of the logits; returns values and its grad shard."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        width = logits.shape[-1] // 2
+        shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs(shard, labels, vocab_size=vocab, temperature=0.9, with_entropy=True,
+                                          chunk_elements=2 * width, group=dist.group.WORLD)
+        (lp * weights[0] + ent * weights[1]).sum().backward()
+        return lp.detach(), ent.detach(), shard.grad
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_tensor_parallel_split_matches_naive():
+    from tests.megatron.spawn import run_ranks
+
+    torch.manual_seed(3)
+    vocab = 13  # 16 columns over 2 ranks: rank 1 holds 5 real columns and 3 of padding
+    logits = 2 * torch.randn(3, 4, 16, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (3, 4))
+    labels[0, :2] = torch.tensor([0, 12])  # first and last real token
+    weights = torch.randn(2, 3, 4)
+    results = run_ranks(tp_split_worker, 2, logits.float(), labels, weights, vocab, timeout=100)
+
+    ref = logits.clone().requires_grad_()
+    ref_lp, ref_ent = naive(ref, labels, vocab, temperature=0.9)
+    (ref_lp * weights[0] + ref_ent * weights[1]).sum().backward()
+    for lp, ent, _ in results:
+        torch.testing.assert_close(lp.double(), ref_lp.detach(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
+    grad = torch.cat([g for _, _, g in results], dim=-1)
+    torch.testing.assert_close(grad.double(), ref.grad, atol=1e-5, rtol=0)
