@@ -218,7 +218,9 @@ def build_gpt_model(
 
     Embedding lives on the first stage, final norm and output layer on the last; with tied
     embeddings megatron keeps a copy of the embedding on the last stage and all-reduces its
-    gradient. Returns a ``GPTModel`` in eval mode with fp32 or bf16 parameters on this rank's device.
+    gradient. Returns a ``GPTModel`` in eval mode with all parameters in `dtype` (fp32 or bf16) on
+    this rank's device. A bf16 model returns bf16 logits; `logprobs` reads them without an fp32
+    copy of the whole [tokens, vocab] tensor (which megatron's Float16Module output cast would make).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -245,6 +247,8 @@ def build_gpt_model(
     )
     if scaling:  # megatron hard-codes Llama-3.1's low/high factors and context; use the config's
         model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
+    if config.bf16:  # as megatron's Float16Module does (norms are built in fp32), minus its fp32 output cast
+        model.bfloat16()
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model.eval()
