@@ -101,14 +101,19 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _on_cpu(fn):
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        with _CudaFactoriesOnCpu():
-            return fn(*args, **kwargs)
+def _run_inside(context):
+    """Decorator factory: run the wrapped megatron function inside ``context()``; marks it patched."""
 
-    wrapper.__armor_cpu_compat__ = True
-    return wrapper
+    def make(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            with context():
+                return fn(*args, **kwargs)
+
+        wrapper.__armor_cpu_compat__ = True
+        return wrapper
+
+    return make
 
 
 def _replace(module, name: str, make) -> None:
@@ -131,9 +136,9 @@ def cuda_literal_devices_on_cpu() -> None:
         "forward_backward_pipelining_without_interleaving",
         "forward_backward_pipelining_with_interleaving",
     ):
-        _replace(schedules, name, _on_cpu)
+        _replace(schedules, name, _run_inside(_CudaFactoriesOnCpu))
     for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
-        _replace(utils, name, _on_cpu)
+        _replace(utils, name, _run_inside(_CudaFactoriesOnCpu))
         setattr(fused_softmax, name, getattr(utils, name))
 
 
@@ -151,16 +156,7 @@ def tied_embedding_sync_on_cpu() -> None:
     """``setup_embeddings_and_output_layer`` calls ``weight.data.cuda()`` before its all-reduce."""
     from megatron.core.models.common.language_module.language_module import LanguageModule
 
-    def make(method):
-        @functools.wraps(method)
-        def wrapper(*args, **kwargs):
-            with _tensor_cuda_is_identity():
-                return method(*args, **kwargs)
-
-        wrapper.__armor_cpu_compat__ = True
-        return wrapper
-
-    _replace(LanguageModule, "setup_embeddings_and_output_layer", make)
+    _replace(LanguageModule, "setup_embeddings_and_output_layer", _run_inside(_tensor_cuda_is_identity))
 
 
 class CpuRNGStatesTracker:

@@ -164,6 +164,17 @@ class ParallelConfig:
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
 
+    def megatron_sizes(self) -> dict:
+        """The sizes under the names shared by ``initialize_model_parallel`` and ``TransformerConfig``."""
+        return dict(
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            virtual_pipeline_model_parallel_size=self.vpp,
+            context_parallel_size=self.cp,
+            expert_model_parallel_size=self.ep,
+            expert_tensor_parallel_size=self.expert_tp,
+        )
+
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
@@ -257,15 +268,7 @@ def set_model_parallel(
     parallel.validate(torch.distributed.get_world_size(), arch)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=parallel.tp,
-        pipeline_model_parallel_size=parallel.pp,
-        virtual_pipeline_model_parallel_size=parallel.vpp,
-        context_parallel_size=parallel.cp,
-        expert_model_parallel_size=parallel.ep,
-        expert_tensor_parallel_size=parallel.expert_tp,
-        distributed_timeout_minutes=timeout_minutes,
-    )
+    parallel_state.initialize_model_parallel(**parallel.megatron_sizes(), distributed_timeout_minutes=timeout_minutes)
     torch.manual_seed(seed)
     tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
