@@ -213,17 +213,19 @@ def model_forward(model, mb: MicroBatch) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Log-probs [b, s] of a micro-batch from its logits [b, s, V_local]; column 0 and padding are 0.
 
-    Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1.
+    Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
+    are read whole (slicing off the last position would force a copy of [b, s−1, V_local]); the
+    last position gets a placeholder label and its value is dropped.
     """
     from megatron.core import parallel_state
 
-    labels = mb.tokens[:, 1:].to(logits.device)
-    lp, ent = vocab_parallel_logprobs(
-        logits[:, :-1], labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs
-    )
-    valid = torch.arange(1, mb.tokens.shape[1], device=logits.device)[None, :] < mb.lengths.to(logits.device)[:, None]
-    pad = lambda x: torch.nn.functional.pad(torch.where(valid, x, 0.0), (1, 0))  # noqa: E731
-    return pad(lp), (pad(ent) if ent is not None else None)
+    tokens = mb.tokens.to(logits.device)
+    labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # [b, s]
+    lp, ent = vocab_parallel_logprobs(logits, labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
+    # value at t predicts token t + 1: keep it when t + 1 < length, then shift right by one
+    keep = torch.arange(1, tokens.shape[1] + 1, device=logits.device)[None, :] < mb.lengths.to(logits.device)[:, None]
+    shift = lambda x: torch.nn.functional.pad(torch.where(keep, x, 0.0)[:, :-1], (1, 0))  # noqa: E731
+    return shift(lp), (shift(ent) if ent is not None else None)
 
 
 def compute_logprobs(

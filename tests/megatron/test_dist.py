@@ -92,3 +92,38 @@ def test_valid_layouts():
     ParallelConfig(ep=2).validate(2, MOE)
     ParallelConfig(pp=2, vpp=2).validate(2, DENSE)
     assert ParallelConfig(tp=2, pp=2).data_parallel_size(8) == 2
+
+
+def slurm_worker(rank, port):
+    import torch
+    import torch.distributed as tdist
+    from megatron.core import parallel_state
+
+    from armor_megatron.megatron import dist
+
+    slurm = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
+             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    try:
+        dist.initialize(ParallelConfig(tp=2), DENSE, environ={**slurm, "SLURM_NTASKS": "3"})
+    except ValueError as e:  # checked before any process group exists
+        layout_error = str(e)
+    ctx = dist.initialize(ParallelConfig(tp=2), DENSE, environ=slurm, deterministic=True)
+    try:
+        total = torch.tensor([rank + 1.0])
+        tdist.all_reduce(total)
+        return (layout_error, ctx.env.launcher, ctx.backend, str(ctx.device), total.item(),
+                parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_world_size(),
+                torch.are_deterministic_algorithms_enabled())
+    finally:
+        dist.shutdown()
+        assert not tdist.is_initialized() and not parallel_state.model_parallel_is_initialized()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_initialize_from_slurm_variables():
+    from tests.megatron.spawn import free_port, run_ranks
+
+    results = run_ranks(slurm_worker, 2, free_port(), timeout=100)
+    error = "world size 3 is not divisible by tp·pp·cp = 2·1·1 = 2"
+    assert results == [(error, "slurm", "gloo", "cpu", 3.0, 0, 1, True), (error, "slurm", "gloo", "cpu", 3.0, 1, 1, True)]
