@@ -229,9 +229,7 @@ def initialize(
     env = DistEnv.from_environ(environ)
     parallel.validate(env.world_size, arch)
     if torch.cuda.is_available():
-        if env.local_rank >= torch.cuda.device_count():
-            raise ValueError(f"local rank {env.local_rank} has no GPU ({torch.cuda.device_count()} visible)")
-        device, backend = torch.device("cuda", env.local_rank), "nccl"
+        device, backend = torch.device("cuda", _gpu_index(env.local_rank, torch.cuda.device_count())), "nccl"
         torch.cuda.set_device(device)
     else:
         device, backend = torch.device("cpu"), "gloo"
@@ -253,6 +251,16 @@ def initialize(
         raise RuntimeError(f"process group already started with world size {torch.distributed.get_world_size()}, environment says {env.world_size}")
     set_model_parallel(parallel, arch, seed=seed, timeout_minutes=timeout_minutes)
     return DistContext(env=env, parallel=parallel, device=device, backend=backend)
+
+
+def _gpu_index(local_rank: int, visible: int) -> int:
+    """GPU of this process: ``cuda:LOCAL_RANK``, or the only visible one when the launcher
+    already bound one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES)."""
+    if local_rank < visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise ValueError(f"local rank {local_rank} has no GPU ({visible} visible)")
 
 
 def set_model_parallel(

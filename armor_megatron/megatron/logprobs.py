@@ -177,9 +177,13 @@ class MicroBatch:
 
 
 def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
-    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence."""
-    if input_ids.dim() != 2 or lengths.shape != input_ids.shape[:1]:
-        raise ValueError(f"input_ids must be [B, T] and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}")
+    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence.
+
+    Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
+    so any pad id (even -100) is safe for the embedding and the labels.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or lengths.shape != input_ids.shape[:1]:
+        raise ValueError(f"input_ids must be [B, T] with B >= 1 and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}")
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
     if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > input_ids.shape[1]):
@@ -188,7 +192,8 @@ def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_bat
     for a in range(0, input_ids.shape[0], micro_batch_size):
         index = torch.arange(a, min(a + micro_batch_size, input_ids.shape[0]))
         s = int(lengths[index].max())
-        out.append(MicroBatch(index, input_ids[index, :s], lengths[index]))
+        pad = torch.arange(s)[None, :] >= lengths[index][:, None]
+        out.append(MicroBatch(index, input_ids[index, :s].masked_fill(pad, 0), lengths[index]))
     return out
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from armor_megatron.megatron.dist import DistEnv, ParallelConfig, expand_nodelist
+from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index, expand_nodelist
 from armor_megatron.models.arch import ModelArch
 
 DENSE = ModelArch(family="llama", vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4,
@@ -85,6 +85,13 @@ def test_bad_environment(environ, message):
 def test_layout_errors(parallel, world, arch, message):
     with pytest.raises(ValueError, match=message):
         parallel.validate(world, arch)
+
+
+def test_gpu_binding():
+    assert _gpu_index(3, 8) == 3
+    assert _gpu_index(3, 1) == 0  # one GPU per task already bound by the launcher
+    with pytest.raises(ValueError, match="local rank 3 has no GPU \\(2 visible\\)"):
+        _gpu_index(3, 2)
 
 
 def test_valid_layouts():

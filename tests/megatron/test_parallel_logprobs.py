@@ -32,7 +32,7 @@ LENGTHS = torch.tensor([12, 7, 3, 12, 9])
 def _batch(arch):
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, arch.vocab_size, (len(LENGTHS), int(LENGTHS.max())), generator=g)
-    return ids.masked_fill(torch.arange(ids.shape[1]) >= LENGTHS[:, None], 0)
+    return ids.masked_fill(torch.arange(ids.shape[1]) >= LENGTHS[:, None], -100)  # any pad id is fine
 
 
 def _load_chunks(arch, parallel, ckpt_dir):
