@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 import warnings
 
 import torch
@@ -120,7 +121,8 @@ def _replace(module, name: str, make) -> None:
     """Replace ``module.name`` by ``make(old)`` once; a missing name means megatron-core moved."""
     old = getattr(module, name, None)
     if old is None:
-        raise RuntimeError(f"cpu_compat: {getattr(module, '__module__', '')}.{module.__name__}.{name} not found; megatron-core internals changed")
+        owner = module.__name__ if isinstance(module, types.ModuleType) else f"{module.__module__}.{module.__qualname__}"
+        raise RuntimeError(f"cpu_compat: {owner}.{name} not found; megatron-core internals changed")
     if not getattr(old, "__armor_cpu_compat__", False):
         setattr(module, name, make(old))
 
