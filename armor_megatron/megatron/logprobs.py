@@ -1,0 +1,305 @@
+"""Per-token log-probs (and entropy) of sequences under a TP/PP/EP Megatron GPT model.
+
+Public interface::
+
+    lp, ent = vocab_parallel_logprobs(logits, labels, vocab_size=None, temperature=1.0,
+                                      with_entropy=False, chunk_elements=2**26, group=None)
+    out = compute_logprobs(model_chunks, input_ids, lengths, micro_batch_size=...,
+                           vocab_size=..., temperature=1.0, with_entropy=False)
+    out.logprobs  # [B, T] fp32, on every rank
+    out.entropy   # [B, T] fp32 or None
+
+Math (per token, with z = logits / temperature over the global vocabulary, V true entries):
+    lse = log Σ_v exp z_v,   log p(y) = z_y − lse,   H = lse − Σ_v p_v z_v.
+The vocabulary is split across the tensor-parallel group (rank r holds columns
+[r·V_local, (r+1)·V_local)); max, Σ exp and Σ p·z are all-reduced, the target logit comes
+from the rank that holds it. Columns at or beyond `vocab_size` (TP padding) are left out.
+
+Memory: `vocab_parallel_logprobs` walks the tokens in chunks of ``chunk_elements // V_local``
+rows, so its fp32 work tensors are two [chunk, V_local] buffers reused for every chunk, never
+[tokens, V_local]; it saves only the
+input logits (not a copy) and [tokens] statistics for backward, which recomputes the softmax
+chunk by chunk and writes the gradient straight into one buffer shaped like the logits.
+Gradients: ∂log p(y)/∂z_v = 1[v=y] − p_v and ∂H/∂z_v = −p_v (log p_v + H), both divided by
+the temperature for the logits.
+
+`compute_logprobs` runs the model through megatron-core's pipeline schedule
+(`get_forward_backward_func`, forward only, no grad): the batch is cut into micro-batches of
+`micro_batch_size` sequences, each right-padded only to its own longest sequence (stages
+exchange shapes; ``variable_seq_lengths``). ``logprobs[b, t] = log π(input_ids[b, t] |
+input_ids[b, :t])`` for 1 ≤ t < lengths[b] and 0 elsewhere (t = 0 has no prediction); callers
+select response tokens with their own mask. The last pipeline stage computes the values and
+broadcasts them to every rank of its pipeline group, so every rank returns them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_CHUNK_ELEMENTS = 2**26  # 64 Mi fp32 elements = 256 MiB per work tensor
+
+
+# ----------------------------------------------------------------------------- vocab-parallel math
+class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
+    """logits [N, V_local] (any float dtype), labels [N] -> log p [N], entropy [N] (fp32)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, vocab_start, valid, temperature, chunk, with_entropy, group):
+        n = logits.shape[0]
+        logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(logprobs)
+        entropy = torch.empty_like(logprobs) if with_entropy else None
+        local = labels - vocab_start
+        owned = (local >= 0) & (local < valid)
+        local = torch.where(owned, local, 0)
+        work = _workspace(logits, chunk, valid)  # two fp32 [chunk, valid] buffers, reused per chunk
+        for a in range(0, n, chunk):
+            b = min(a + chunk, n)
+            z = _scaled_fp32(work[0, : b - a], logits[a:b, :valid], temperature)
+            m = z.max(dim=-1).values if valid else z.new_full((b - a,), -torch.inf)
+            _all_reduce(m, dist.ReduceOp.MAX, group)
+            z.sub_(m[:, None])  # z − m ≤ 0
+            target = z.gather(1, local[a:b, None]).squeeze(1) if valid else z.new_zeros(b - a)
+            e = torch.exp(z, out=work[1, : b - a])
+            sums = [e.sum(dim=-1), torch.where(owned[a:b], target, 0.0)]
+            if with_entropy:
+                sums.append(torch.linalg.vecdot(e, z))  # Σ exp(z−m)·(z−m)
+            sums = torch.stack(sums)
+            _all_reduce(sums, dist.ReduceOp.SUM, group)
+            log_s = sums[0].log()
+            logprobs[a:b] = sums[1] - log_s
+            lse[a:b] = m + log_s
+            if with_entropy:  # H = log s − Σ p·(z−m)
+                entropy[a:b] = log_s - sums[2] / sums[0]
+        ctx.save_for_backward(logits, local, owned, lse, entropy if with_entropy else lse)
+        ctx.args = (valid, temperature, chunk, with_entropy)
+        return logprobs, (entropy if with_entropy else lse.new_zeros(0))
+
+    @staticmethod
+    def backward(ctx, grad_logprobs, grad_entropy):
+        logits, local, owned, lse, entropy = ctx.saved_tensors
+        valid, temperature, chunk, with_entropy = ctx.args
+        grad = torch.zeros_like(logits)
+        use_entropy = with_entropy and grad_entropy is not None
+        work = _workspace(logits, chunk, valid)
+        for a in range(0, logits.shape[0], chunk):
+            b = min(a + chunk, logits.shape[0])
+            logp = _scaled_fp32(work[0, : b - a], logits[a:b, :valid], temperature).sub_(lse[a:b, None])
+            g = torch.exp(logp, out=work[1, : b - a])  # p
+            if use_entropy:  # logp := g_H · p · (log p + H)
+                logp.add_(entropy[a:b, None]).mul_(g).mul_(grad_entropy[a:b, None])
+            if grad_logprobs is None:
+                g.zero_()
+            else:  # g_lp · (1[v = y] − p)
+                g.mul_(-grad_logprobs[a:b, None])
+                rows = owned[a:b].nonzero().squeeze(1)
+                g[rows, local[a:b][rows]] += grad_logprobs[a:b][rows]
+            if use_entropy:
+                g.sub_(logp)
+            if temperature != 1.0:
+                g.div_(temperature)
+            grad[a:b, :valid].copy_(g)
+        return grad, None, None, None, None, None, None, None
+
+
+def _workspace(logits: torch.Tensor, chunk: int, valid: int) -> torch.Tensor:
+    return torch.empty(2, min(chunk, logits.shape[0]), valid, dtype=torch.float32, device=logits.device)
+
+
+def _scaled_fp32(out: torch.Tensor, x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``out`` := fp32 x / temperature (a copy: the caller's logits are never modified)."""
+    out.copy_(x)
+    return out.div_(temperature) if temperature != 1.0 else out
+
+
+def _all_reduce(t: torch.Tensor, op, group) -> None:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(t, op=op, group=group)
+
+
+def vocab_parallel_logprobs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    vocab_size: Optional[int] = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    group=None,
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log p(labels) and optionally the entropy under softmax(logits / temperature).
+
+    logits: [..., V_local], this rank's vocabulary shard (rank r of `group` holds columns
+    [r·V_local, (r+1)·V_local) of the padded vocabulary); labels: [...] global token ids.
+    `vocab_size` is the true vocabulary (default: all columns); `group` the tensor-parallel
+    group (None: no split). Returns fp32 tensors shaped like `labels`; differentiable w.r.t.
+    logits (log-probs and entropy) with memory bounded as described in the module docstring.
+    """
+    if logits.shape[:-1] != labels.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    rank = dist.get_rank(group) if group is not None else 0
+    world = dist.get_world_size(group) if group is not None else 1
+    v_local = logits.shape[-1]
+    vocab_size = v_local * world if vocab_size is None else vocab_size
+    if not 0 < vocab_size <= v_local * world:
+        raise ValueError(f"vocab_size={vocab_size} does not fit {world} shards of {v_local} columns")
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab_size):
+        raise ValueError(f"labels must lie in [0, {vocab_size}); got [{int(labels.min())}, {int(labels.max())}]")
+    vocab_start = rank * v_local
+    valid = max(0, min(v_local, vocab_size - vocab_start))
+    chunk = max(1, chunk_elements // max(v_local, 1))
+    flat_logits = logits.reshape(-1, v_local)
+    lp, ent = _ChunkedVocabParallelLogProbs.apply(
+        flat_logits, labels.reshape(-1), vocab_start, valid, float(temperature), chunk, with_entropy, group
+    )
+    return lp.view(labels.shape), (ent.view(labels.shape) if with_entropy else None)
+
+
+# ----------------------------------------------------------------------------- micro-batches
+@dataclasses.dataclass
+class MicroBatch:
+    """Sequences ``index`` of the batch, right-padded to their longest: tokens [b, s], lengths [b]."""
+
+    index: torch.Tensor
+    tokens: torch.Tensor
+    lengths: torch.Tensor
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
+
+
+def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence.
+
+    Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
+    so any pad id (even -100) is safe for the embedding and the labels.
+    """
+    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or lengths.shape != input_ids.shape[:1]:
+        raise ValueError(f"input_ids must be [B, T] with B >= 1 and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}")
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > input_ids.shape[1]):
+        raise ValueError(f"lengths must lie in [1, {input_ids.shape[1]}]")
+    out = []
+    for a in range(0, input_ids.shape[0], micro_batch_size):
+        index = torch.arange(a, min(a + micro_batch_size, input_ids.shape[0]))
+        s = int(lengths[index].max())
+        pad = torch.arange(s)[None, :] >= lengths[index][:, None]
+        out.append(MicroBatch(index, input_ids[index, :s].masked_fill(pad, 0), lengths[index]))
+    return out
+
+
+def _filler_microbatch(input_ids: torch.Tensor) -> MicroBatch:
+    """A one-token sequence standing for no batch row (``index`` is empty); its output is dropped."""
+    return MicroBatch(torch.zeros(0, dtype=torch.long), input_ids[:1, :1].cpu(), torch.ones(1, dtype=torch.long))
+
+
+# ----------------------------------------------------------------------------- pipeline forward
+@dataclasses.dataclass
+class LogProbs:
+    logprobs: torch.Tensor  # [B, T] fp32
+    entropy: Optional[torch.Tensor]  # [B, T] fp32 or None
+
+
+def model_forward(model, mb: MicroBatch) -> torch.Tensor:
+    """One stage's forward: logits [b, s, V_local] on the last stage, hidden states elsewhere."""
+    device = _device_of(model)
+    return model(mb.tokens.to(device), mb.position_ids.to(device), None)
+
+
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Log-probs [b, s] of a micro-batch from its logits [b, s, V_local]; column 0 and padding are 0.
+
+    Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
+    are read whole (slicing off the last position would force a copy of [b, s−1, V_local]); the
+    last position gets a placeholder label and its value is dropped.
+    """
+    from megatron.core import parallel_state
+
+    tokens = mb.tokens.to(logits.device)
+    labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # [b, s]
+    lp, ent = vocab_parallel_logprobs(logits, labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
+    # value at t predicts token t + 1: keep it when t + 1 < length, then shift right by one
+    keep = torch.arange(1, tokens.shape[1] + 1, device=logits.device)[None, :] < mb.lengths.to(logits.device)[:, None]
+    shift = lambda x: torch.nn.functional.pad(torch.where(keep, x, 0.0)[:, :-1], (1, 0))  # noqa: E731
+    return shift(lp), (shift(ent) if ent is not None else None)
+
+
+def compute_logprobs(
+    model_chunks: Sequence[torch.nn.Module],
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    vocab_size: int,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+) -> LogProbs:
+    """Per-token log-probs (and entropy) of `input_ids` [B, T] with true `lengths` [B].
+
+    `model_chunks`: this rank's model (a list of VPP chunks, or one model). `vocab_size`: the
+    HF vocabulary (padding columns are excluded). Same result on every rank.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    mbs = split_microbatches(input_ids.cpu(), lengths.cpu(), micro_batch_size)
+    if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        mbs += [_filler_microbatch(input_ids)] * (-len(mbs) % pp)
+    device = _device_of(chunks[0])
+    B, T = input_ids.shape
+    logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)
+    entropy = torch.zeros_like(logprobs) if with_entropy else None
+    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements)
+
+    def loss_func(mb, logits):
+        lp, ent = token_logprobs(logits, mb, **kwargs)
+        rows, s = len(mb.index), mb.tokens.shape[1]
+        logprobs[mb.index, :s] = lp[:rows]
+        if ent is not None:
+            entropy[mb.index, :s] = ent[:rows]
+        return logits.new_zeros(()), {}
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        return model_forward(model, mb), functools.partial(loss_func, mb)
+
+    was_training = [m.training for m in chunks]
+    for m in chunks:
+        m.eval()
+    try:
+        with torch.no_grad():
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(mbs) for _ in chunks] if len(chunks) > 1 else iter(mbs),
+                model=chunks if len(chunks) > 1 else chunks[0],
+                num_microbatches=len(mbs),
+                seq_length=max(mb.tokens.shape[1] for mb in mbs),
+                micro_batch_size=micro_batch_size,
+                forward_only=True,
+            )
+    finally:
+        for m, training in zip(chunks, was_training):
+            m.train(training)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        group = parallel_state.get_pipeline_model_parallel_group()
+        for t in (logprobs, entropy):
+            if t is not None:
+                dist.broadcast(t, src=src, group=group)
+    return LogProbs(logprobs, entropy)
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
