@@ -28,64 +28,16 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import itertools
 import os
-import re
 from typing import Mapping, Optional
 
 import torch
 
+from armor_megatron.launch.nodelist import expand_nodelist
 from armor_megatron.models.arch import ModelArch
 
 
 # ----------------------------------------------------------------------------- environment
-def expand_nodelist(nodelist: str) -> list[str]:
-    """Expand a SLURM compressed host list: ``"n[01-03,07],login"`` -> n01 n02 n03 n07 login.
-
-    Zero padding of a range is kept (``[08-10]`` -> 08 09 10); several bracket groups in one
-    name expand as a product (``r[1-2]n[1-2]`` -> r1n1 r1n2 r2n1 r2n2).
-    """
-    hosts: list[str] = []
-    for name in _split_top_level(nodelist.strip()):
-        pieces = re.split(r"(\[[^\]]*\])", name)
-        choices = [_expand_brackets(p) if p.startswith("[") else [p] for p in pieces]
-        hosts.extend("".join(parts) for parts in itertools.product(*choices))
-    if not hosts or any(not h or "[" in h or "]" in h for h in hosts):
-        raise ValueError(f"cannot parse SLURM node list {nodelist!r}")
-    return hosts
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split on commas that are not inside brackets."""
-    parts, depth, start = [], 0, 0
-    for i, ch in enumerate(text):
-        depth += (ch == "[") - (ch == "]")
-        if depth < 0 or depth > 1:
-            raise ValueError(f"cannot parse SLURM node list {text!r}")
-        if ch == "," and depth == 0:
-            parts.append(text[start:i])
-            start = i + 1
-    if depth:
-        raise ValueError(f"cannot parse SLURM node list {text!r}")
-    parts.append(text[start:])
-    return [p for p in parts if p]
-
-
-def _expand_brackets(group: str) -> list[str]:
-    out = []
-    for item in group[1:-1].split(","):
-        lo, sep, hi = item.partition("-")
-        if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"cannot parse SLURM node range [{group[1:-1]}]")
-        if not sep:
-            out.append(lo)
-            continue
-        if int(hi) < int(lo):
-            raise ValueError(f"SLURM node range {item!r} runs backwards")
-        out.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
-    return out
-
-
 @dataclasses.dataclass(frozen=True)
 class DistEnv:
     """Where this process sits in the job; read from the launcher's environment."""

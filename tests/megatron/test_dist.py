@@ -1,6 +1,6 @@
 import pytest
 
-from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index, expand_nodelist
+from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index
 from armor_megatron.models.arch import ModelArch
 
 DENSE = ModelArch(family="llama", vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4,
@@ -10,26 +10,6 @@ MOE = ModelArch(family="mixtral", vocab_size=128, hidden_size=32, num_layers=2, 
                 num_key_value_heads=2, head_dim=8, ffn_hidden_size=64, rms_norm_eps=1e-5,
                 rope_theta=10000.0, max_position_embeddings=64, num_experts=4, moe_router_topk=2,
                 moe_ffn_hidden_size=16)
-
-
-@pytest.mark.parametrize(
-    "nodelist, hosts",
-    [
-        ("node07", ["node07"]),
-        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-        ("gpu-[8-10],login1", ["gpu-8", "gpu-9", "gpu-10", "login1"]),
-        ("a[08-10]", ["a08", "a09", "a10"]),  # zero padding kept
-        ("r[1-2]n[3,5]", ["r1n3", "r1n5", "r2n3", "r2n5"]),  # several groups: product
-    ],
-)
-def test_expand_nodelist(nodelist, hosts):
-    assert expand_nodelist(nodelist) == hosts
-
-
-@pytest.mark.parametrize("bad", ["node[01-03", "node[a-b]", "node[5-3]", "", "n]1["])
-def test_expand_nodelist_rejects_garbage(bad):
-    with pytest.raises(ValueError):
-        expand_nodelist(bad)
 
 
 def test_torchrun_env():
