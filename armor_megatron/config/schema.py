@@ -74,6 +74,9 @@ class AnchorConfig:
     max_tries: int = checked(4, check=at_least(1), help="reference samples drawn per prompt before giving up")
     tries_per_request: int = checked(4, check=at_least(1), help="tries asked for at once (keep the first correct)")
     source: Literal["separate", "swap"] = checked("separate", help="frozen engine group, or swap weights in place")
+    reference_urls: list[str] = checked(
+        factory=list, help="SGLang servers of the frozen reference group (source: separate, engine: sglang)"
+    )
     cache: bool = checked(True, help="reuse verified anchors while the reference is frozen")
     cache_size_per_prompt: int = checked(4, check=at_least(1))
     pregenerate: bool = checked(False, help="sample next batch's anchors while the trainer updates")

@@ -84,6 +84,8 @@ def _check_rollout(cfg: RunConfig) -> None:
             "train.mini_batches_per_step",
             f"{cfg.train.mini_batches_per_step} does not divide the {samples} samples of a step",
         )
+    if algo.estimator == "gae":
+        raise ConfigError("algorithm.estimator", "'gae' needs a critic model, which this trainer does not build yet")
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
 

@@ -25,6 +25,7 @@ MALFORMED = [
     (TINY, ["algorithm.eps_high=0.1"], "algorithm.eps_high: 0.1 is below eps_low=0.2"),
     (TINY, ["algorithm.dual_clip_c=1.0"], "algorithm.dual_clip_c"),
     (TINY, ["algorithm.estimator=ppo2"], "algorithm.estimator: 'ppo2' is not one of"),
+    (TINY, ["algorithm.estimator=gae"], "algorithm.estimator: 'gae' needs a critic model"),
     (TINY, ["algorithm.loss_agg=token_mean"], "did you mean 'token-mean'?"),
     (TINY, ["algorithm.qae_quantile=1.2"], "algorithm.qae_quantile"),
     (TINY, ["algorithm.alpah=0.9"], "algorithm.alpah: unknown key (did you mean 'alpha'?)"),
