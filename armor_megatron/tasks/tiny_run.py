@@ -1,0 +1,64 @@
+"""Prepare the tiny CPU run: tokenizer, a warmed-up tiny HF model and the arithmetic data.
+
+The architecture is the config's ``model.arch`` (an HF config dict), so ``configs/tiny_cpu.yaml``
+alone describes the model that the trainer then converts and trains. Warm-up is short
+supervised training on correct solutions, enough for the reference policy to solve part of
+the task — anchors need a reference that sometimes succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Callable, Optional
+
+import torch
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.tasks.arithmetic import build_tokenizer, solution, split_problems, write_jsonl
+from armor_megatron.tasks.warmup import supervised_warmup
+
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+
+
+def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
+    hf = dict(cfg.model.arch)
+    if len(tokenizer) > hf["vocab_size"]:
+        raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
+    hf.setdefault("architectures", [_ARCHITECTURES[hf["model_type"]]])
+    hf.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+              bos_token_id=tokenizer.eos_token_id, torch_dtype="float32", use_cache=True)
+    return hf
+
+
+def prepare_tiny_run(cfg: RunConfig, *, num_val: int = 64, max_operand: int = 30,
+                     warmup_steps: int = 400, seed: int = 0, log: Optional[Callable[[str], None]] = print) -> dict:
+    """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
+    config, unless they exist. Returns {"train": rows, "val": rows}."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    val_path = cfg.eval.datasets[0].path if cfg.eval.datasets else None
+    train_rows, val_rows = split_problems(num_val, seed=seed, max_operand=max_operand)
+    write_jsonl(cfg.data.train_path, train_rows)
+    if val_path:
+        write_jsonl(val_path, val_rows)
+    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        return {"train": train_rows, "val": val_rows}
+
+    tokenizer = build_tokenizer()
+    hf = tiny_hf_config(cfg, tokenizer)
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(**hf)
+    model = AutoModelForCausalLM.from_config(config)
+    # Warm up on train prompts only (validation prompts stay unseen).
+    supervised_warmup(model, tokenizer, [r["prompt"] for r in train_rows], [solution(r) for r in train_rows],
+                      steps=warmup_steps, seed=seed, log=log)
+    tmp = f"{cfg.model.path}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    with open(os.path.join(tmp, "armor_tiny_run.json"), "w") as f:
+        json.dump({"warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand}, f)
+    os.replace(tmp, cfg.model.path)
+    return {"train": train_rows, "val": val_rows}

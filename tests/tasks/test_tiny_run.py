@@ -1,0 +1,32 @@
+import json
+import os
+
+from armor_megatron.config import load_config
+from armor_megatron.models import ModelArch, load_hf_config
+from armor_megatron.tasks.arithmetic import split_problems
+from armor_megatron.tasks.tiny_run import prepare_tiny_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def test_split_is_disjoint_and_complete():
+    train, val = split_problems(10, seed=0, max_operand=5)
+    assert len(train) + len(val) == 36 and len(val) == 10
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
+
+
+def test_prepare_writes_a_loadable_model_of_the_configs_arch_and_the_data(tmp_path):
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), [
+        f"model.path={tmp_path}/hf", f"data.train_path={tmp_path}/train.jsonl",
+        f"eval.datasets=[{{name: val, path: {tmp_path}/val.jsonl, k: 1}}]",
+    ])
+    rows = prepare_tiny_run(cfg, num_val=8, warmup_steps=2, log=None)
+    arch = ModelArch.from_hf_config(load_hf_config(str(tmp_path / "hf")))
+    assert arch == ModelArch.from_hf_config({**cfg.model.arch, "torch_dtype": "float32"})
+    assert os.path.isfile(tmp_path / "hf" / "model.safetensors") and os.path.isfile(tmp_path / "hf" / "tokenizer.json")
+    val = [json.loads(line) for line in (tmp_path / "val.jsonl").read_text().splitlines()]
+    assert val == rows["val"] and len(val) == 8
+    # a second call keeps the existing model (it is only rewritten when missing)
+    mtime = os.path.getmtime(tmp_path / "hf" / "model.safetensors")
+    prepare_tiny_run(cfg, num_val=8, warmup_steps=2, log=None)
+    assert os.path.getmtime(tmp_path / "hf" / "model.safetensors") == mtime
