@@ -147,6 +147,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected an integer, got {_type_name(value)} {value!r}")
         return value
     if tp is float:
+        if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, f"expected a number, got {_type_name(value)} {value!r}")
         return float(value)
