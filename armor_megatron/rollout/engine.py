@@ -174,6 +174,13 @@ class RolloutEngine(abc.ABC):
     def health(self, timeout: Optional[float] = None) -> bool:
         """True if the engine can generate now."""
 
+    def reseed(self, seed: int) -> None:
+        """Restart the seeds of requests that bring none of their own at ``seed``.
+
+        A trainer calls it at every step, so a run resumed from a checkpoint samples exactly
+        what the uninterrupted run sampled. Engines without seeded sampling ignore it.
+        """
+
     def release_memory(self, timeout: Optional[float] = None) -> None:
         """Free accelerator memory (weights, KV cache) while a colocated trainer runs; default no-op."""
 

@@ -124,6 +124,11 @@ class LocalEngine(RolloutEngine):
             except (KeyError, ValueError, FileNotFoundError) as e:
                 raise WeightUpdateError(str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from e
 
+    def reseed(self, seed: int) -> None:
+        with self._lock:
+            self._seed = int(seed)
+            self._calls = itertools.count()
+
     def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
         with self._lock:
             self.load_weights(weights, strict=True)

@@ -170,3 +170,24 @@ def test_moe_checkpoint_names_load_through_transformers():
     with pytest.raises(WeightUpdateError, match="could not load the update"):
         engine.update_weights(named[:-1], version="moe-1")  # expert 1 lacks down_proj
     assert engine.weight_version == "moe-0"
+
+
+def test_reseed_restarts_the_sample_sequence():
+    from armor_megatron.rollout.engine import SamplingParams
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
+
+    tok = build_char_tokenizer()
+    cfg = tiny_config(len(tok))
+    engine = LocalEngine(cfg, tiny_weights(cfg, seed=0), tokenizer=tok, seed=5)
+    sampling = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    prompt = [encode(tok, "1+2=")]
+
+    def draw():
+        return [engine.generate(prompt, n=2, sampling=sampling)[0][0].token_ids for _ in range(2)]
+
+    engine.reseed(11)
+    first = draw()
+    assert first[0] != first[1]  # consecutive requests get fresh seeds
+    engine.reseed(11)
+    assert draw() == first
