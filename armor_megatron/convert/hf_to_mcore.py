@@ -1,0 +1,82 @@
+"""HF safetensors directory -> Megatron torch_dist checkpoint, one tensor at a time.
+
+Output layout::
+
+    OUT_DIR/                      torch_dist checkpoint (.metadata, __0_0.distcp, metadata.json, common.pt)
+    OUT_DIR/armor_convert.json    family, HF config, converter version, source checksum
+    OUT_DIR/hf_config/            config.json, tokenizer and generation files of the source
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Optional, TextIO
+import sys
+
+import torch
+
+from armor_megatron.convert import torch_dist
+from armor_megatron.convert.errors import CheckpointError
+from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
+from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata
+from armor_megatron.convert.progress import Progress, Summary
+from armor_megatron.convert.rules import TensorRule, hf_shapes, hf_to_mcore, tensor_rules
+from armor_megatron.models import ModelArch
+
+# HF tensors that carry no weights of their own.
+_IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
+
+
+def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
+    """Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
+    no weight would be dropped; return the dtype of each rule."""
+    arch, dtypes, used = hf.arch, {}, set()
+    for rule in tensor_rules(arch):
+        for layer, expert in rule.indices(arch):
+            for name, shape in zip(rule.hf(layer, expert), hf_shapes(arch, rule)):
+                info = hf.check(name, shape)
+                if dtypes.setdefault(rule, info.dtype) != info.dtype:
+                    raise CheckpointError(f"{hf.path}: tensor {name} is {info.dtype}, other parts of "
+                                          f"{rule.ckpt_key} are {dtypes[rule]}")
+                used.add(name)
+    if arch.tie_word_embeddings:
+        used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    unexpected = sorted(n for n in hf.tensors if n not in used and not _IGNORED.match(n))
+    if unexpected:
+        raise CheckpointError(f"{hf.path}: tensor {unexpected[0]} is not part of a {arch.family} model "
+                              f"({len(unexpected)} unexpected tensors)")
+    return dtypes
+
+
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, spec: str = "local",
+                        overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
+    """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``.
+
+    ``tp``/``pp``/``ep`` are only checked (the checkpoint itself loads at any parallelism),
+    so that a model that cannot run at the intended sizes fails here, before any work.
+    """
+    hf = HFCheckpoint(hf_dir)
+    arch: ModelArch = hf.arch
+    arch.validate_parallelism(tp, pp, ep)
+    dtypes = plan_hf_tensors(hf)
+    chunks = torch_dist.chunks(arch)
+    names = {c: c.rule.hf(c.layer, c.expert) for c in chunks}
+    total = sum(hf.info(n).nbytes for c in chunks for n in names[c])
+    progress = Progress("hf-to-mcore", len(chunks), total, progress_stream)
+    digest = TensorDigest()
+
+    def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
+        parts = [hf.read(name) for name in names[chunk]]
+        for name, part in zip(names[chunk], parts):
+            digest.update(name, part)
+        progress.advance(sum(p.nbytes for p in parts))
+        return hf_to_mcore(arch, chunk.rule, parts)
+
+    with staged_dir(out_dir, overwrite) as tmp:
+        torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce, spec=spec)
+        copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
+        write_metadata(tmp, family=arch.family, spec=spec, hf_config=hf.config,
+                       source={"path": os.path.abspath(hf_dir), "tensors_sha256": digest.hexdigest(),
+                               "tensors": sum(len(v) for v in names.values()), "bytes": total})
+    return progress.summary(os.path.abspath(out_dir))

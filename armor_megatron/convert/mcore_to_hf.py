@@ -1,0 +1,102 @@
+"""Megatron torch_dist checkpoint (any training parallelism) -> HF safetensors directory.
+
+The HF config comes from ``hf_config_dir`` or, for checkpoints this converter wrote, from
+``MCORE_DIR/hf_config``. Tensors are read in buckets of about ``bucket_bytes`` and written
+layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + index, or one
+``model.safetensors``), with config.json and the tokenizer files copied alongside.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Iterator, Optional, Sequence, TextIO
+
+from armor_megatron.convert import torch_dist
+from armor_megatron.convert.errors import CheckpointError
+from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter, TensorDigest
+from armor_megatron.convert.output import HF_FILES_DIR, METADATA_FILE, copy_side_files, staged_dir
+from armor_megatron.convert.progress import Progress, Summary
+from armor_megatron.convert.rules import hf_shapes, mcore_to_hf
+from armor_megatron.models import ModelArch, load_hf_config
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+
+
+def hf_config_dir_of(mcore_dir: str, hf_config_dir: Optional[str] = None) -> str:
+    path = hf_config_dir or os.path.join(mcore_dir, HF_FILES_DIR)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{mcore_dir}: no {HF_FILES_DIR}/config.json; pass --hf-config DIR with the HF config")
+    return path
+
+
+def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:
+    """HF order: embedding, then layer by layer, then the final norm and output layer."""
+    def order(c: torch_dist.Chunk):
+        if c.layer is not None:
+            return (1, c.layer)
+        return (0, 0) if c.rule.ckpt_key.startswith("embedding") else (2, 0)
+    return sorted(chunks, key=order)  # stable: keeps rule and expert order inside a layer
+
+
+def buckets(chunks: Sequence[torch_dist.Chunk], nbytes, limit: int) -> Iterator[list[torch_dist.Chunk]]:
+    bucket, size = [], 0
+    for chunk in chunks:
+        if bucket and size + nbytes(chunk) > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(chunk)
+        size += nbytes(chunk)
+    if bucket:
+        yield bucket
+
+
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional[str] = None,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
+    """Convert the torch_dist checkpoint ``mcore_dir`` into an HF model directory ``out_dir``."""
+    if not os.path.isdir(mcore_dir):
+        raise CheckpointError(f"{mcore_dir}: not a directory")
+    config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
+    arch = ModelArch.from_hf_config(load_hf_config(config_dir))
+    with staged_dir(out_dir, overwrite) as tmp, torch_dist.single_process_group():
+        reader = torch_dist.TorchDistReader(mcore_dir, arch)
+        chunks = layer_major(torch_dist.chunks(arch))
+        planned = [PlannedTensor(name, shape, reader.dtypes[c.rule]) for c in chunks
+                   for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
+        writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
+        progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
+        digest = TensorDigest()
+        chunk_bytes = lambda c: reader.dtypes[c.rule].itemsize * _numel(c.rule.shape)  # noqa: E731
+        for bucket in buckets(chunks, chunk_bytes, bucket_bytes):
+            for chunk, tensor in zip(bucket, reader.read(bucket)):
+                for name, part in zip(chunk.rule.hf(chunk.layer, chunk.expert), mcore_to_hf(arch, chunk.rule, tensor)):
+                    writer.write(name, part)
+                    digest.update(name, part)
+                    progress.advance(part.nbytes)
+        writer.close()
+        copy_side_files(config_dir, tmp)
+        _check_source_digest(mcore_dir, digest.hexdigest())
+    return progress.summary(os.path.abspath(out_dir))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _check_source_digest(mcore_dir: str, digest: str) -> None:
+    """For checkpoints this converter wrote and nobody trained since: same tensors as the source?
+
+    Only informative: a trained checkpoint legitimately differs, so a mismatch is not an error."""
+    path = os.path.join(mcore_dir, METADATA_FILE)
+    if os.path.isfile(path):
+        with open(path) as f:
+            source = json.load(f).get("source", {})
+        if source.get("tensors_sha256") == digest:
+            print(f"mcore-to-hf: tensors are bit-identical to the converted source {source.get('path')}",
+                  file=sys.stderr)
