@@ -1,0 +1,250 @@
+"""Make megatron-core 0.16.1 run on a CPU-only torch build with the gloo backend.
+
+megatron-core assumes CUDA in a handful of places even when every tensor it touches is on
+the CPU. `apply()` installs one named work-around per assumption; it is a no-op when CUDA
+is available (GPU runs use megatron-core untouched) and idempotent. `dist.initialize()` calls
+it for CPU processes; tests and single-process tools may call it directly.
+
+Work-arounds (megatron-core behaviour covered -> what we do):
+
+* `cuda_current_device_on_cpu`: ``torch.cuda.current_device()`` is used as the device of new
+  tensors (rotary embedding, TP layers and mappings, p2p shape exchange, MoE router, checkpoint
+  saver) -> on a CPU-only build it returns the CPU device.
+* `cuda_synchronize_on_cpu`: ``torch.cuda.synchronize()`` in p2p communication and the async
+  checkpoint writer -> a no-op (CPU ops are synchronous).
+* `cuda_literal_devices_on_cpu`: ``device="cuda"`` literals in the pipeline schedules' token
+  counter and in the default / sliding-window causal masks -> those functions run under a
+  torch-function mode that places factory calls naming ``cuda`` on the CPU.
+* `cpu_rng_tracker`: the model-parallel RNG tracker (``model_parallel_cuda_manual_seed``, the
+  tracker's ``add``/``fork``) reads and writes CUDA generator states -> a tracker with the same
+  semantics on the CPU generator.
+* `moe_router_gemm_without_te`: ``RouterGatingLinearFunction`` tests ``te_general_gemm`` which is
+  only defined when Transformer Engine imports -> defined as None so the torch path is taken.
+* `moe_alltoall_streams_on_cpu`: the alltoall token dispatcher creates a ``torch.cuda.Stream``
+  and moves split sizes to the host on it -> a stand-in stream object whose context and events
+  are no-ops.
+
+Version guard: the work-arounds patch internals, so `apply()` raises for a megatron-core
+minor release other than the one they were checked against and warns for another patch
+release of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+CHECKED_MCORE_VERSIONS = ("0.16.1",)
+
+_applied = False
+
+
+def apply() -> bool:
+    """Install every work-around if CUDA is unavailable. Returns True when they are active."""
+    global _applied
+    if torch.cuda.is_available():
+        return False
+    if _applied:
+        return True
+    check_mcore_version()
+    for workaround in WORKAROUNDS:
+        workaround()
+    _applied = True
+    return True
+
+
+def check_mcore_version(version: str | None = None) -> None:
+    """Raise for an unchecked megatron-core minor release; warn for an unchecked patch release."""
+    if version is None:
+        import megatron.core
+
+        version = megatron.core.__version__
+    if version in CHECKED_MCORE_VERSIONS:
+        return
+    minor = lambda v: tuple(v.split(".")[:2])  # noqa: E731
+    if all(minor(version) != minor(v) for v in CHECKED_MCORE_VERSIONS):
+        raise RuntimeError(
+            f"armor_megatron.megatron.cpu_compat was checked against megatron-core {', '.join(CHECKED_MCORE_VERSIONS)}, "
+            f"not {version}: its CPU work-arounds patch internals that may have moved"
+        )
+    warnings.warn(f"megatron-core {version} is not one cpu_compat was checked against ({', '.join(CHECKED_MCORE_VERSIONS)})")
+
+
+# ----------------------------------------------------------------------------- work-arounds
+def cuda_current_device_on_cpu() -> None:
+    """``torch.cuda.current_device()`` names the device of new tensors throughout megatron-core."""
+    torch.cuda.current_device = lambda: torch.device("cpu")
+
+
+def cuda_synchronize_on_cpu() -> None:
+    """``torch.cuda.synchronize()`` after p2p sends and in the async checkpoint writer."""
+    torch.cuda.synchronize = lambda device=None: None
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Rewrites a ``device`` argument naming CUDA to the CPU for every torch call inside it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+def _on_cpu(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with _CudaFactoriesOnCpu():
+            return fn(*args, **kwargs)
+
+    wrapper.__armor_cpu_compat__ = True
+    return wrapper
+
+
+def _replace(module, name: str, make) -> None:
+    """Replace ``module.name`` by ``make(old)`` once; a missing name means megatron-core moved."""
+    old = getattr(module, name, None)
+    if old is None:
+        raise RuntimeError(f"cpu_compat: {module.__name__}.{name} not found; megatron-core internals changed")
+    if not getattr(old, "__armor_cpu_compat__", False):
+        setattr(module, name, make(old))
+
+
+def cuda_literal_devices_on_cpu() -> None:
+    """``device="cuda"`` literals: schedules' ``total_num_tokens`` and the causal-mask helpers."""
+    from megatron.core.fusions import fused_softmax
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.transformer import utils
+
+    for name in (
+        "forward_backward_no_pipelining",
+        "forward_backward_pipelining_without_interleaving",
+        "forward_backward_pipelining_with_interleaving",
+    ):
+        _replace(schedules, name, _on_cpu)
+    for name in ("get_default_causal_mask", "get_sliding_window_causal_mask"):
+        _replace(utils, name, _on_cpu)
+        setattr(fused_softmax, name, getattr(utils, name))
+
+
+class CpuRNGStatesTracker:
+    """megatron's ``CudaRNGStatesTracker`` semantics on the CPU generator.
+
+    Named streams (data-parallel, model-parallel, expert-parallel) are seeded by ``add`` and
+    entered with ``fork``; leaving a fork saves the stream's advanced state and restores the
+    caller's state, exactly as the CUDA tracker does for the CUDA generator.
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = kwargs.get("is_inference_rng_tracker", False)
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states) -> None:
+        self._is_initialized = True
+        self.states_ = dict(states)
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"rng seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        outer = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(outer)
+
+
+def cpu_rng_tracker() -> None:
+    """``model_parallel_cuda_manual_seed`` and ``get_cuda_rng_tracker().fork()`` use CUDA generators."""
+    from megatron.core.tensor_parallel import random
+
+    if not hasattr(random, "_CUDA_RNG_STATE_TRACKER") or not hasattr(random, "CudaRNGStatesTracker"):
+        raise RuntimeError("cpu_compat: megatron.core.tensor_parallel.random has no RNG tracker; internals changed")
+    random.CudaRNGStatesTracker = CpuRNGStatesTracker
+    random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Checkpointed activations restore generator states through these two helpers.
+    random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+
+
+def moe_router_gemm_without_te() -> None:
+    """``RouterGatingLinearFunction`` reads ``te_general_gemm``, defined only when TE imports."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+class _HostStream:
+    """Stands in for ``torch.cuda.Stream`` where megatron-core only orders host copies."""
+
+    def wait_stream(self, other) -> None:
+        pass
+
+    def record_event(self, event=None):
+        return _HostEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _HostStream)
+
+    __hash__ = object.__hash__
+
+
+class _HostEvent:
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+def moe_alltoall_streams_on_cpu() -> None:
+    """The alltoall dispatcher moves split sizes to the host on a ``torch.cuda.Stream``."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    host = _HostStream()
+    MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
+    torch.cuda.current_stream = lambda device=None: host
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+
+
+WORKAROUNDS = (
+    cuda_current_device_on_cpu,
+    cuda_synchronize_on_cpu,
+    cuda_literal_devices_on_cpu,
+    cpu_rng_tracker,
+    moe_router_gemm_without_te,
+    moe_alltoall_streams_on_cpu,
+)

@@ -1,0 +1,271 @@
+"""Megatron ``GPTModel`` for the supported HF families, built from a `ModelArch`.
+
+Public interface::
+
+    config = transformer_config_from_arch(arch, parallel, dtype=torch.float32, use_te=None,
+                                          sequence_parallel=None, moe_aux_loss_coeff=0.0,
+                                          moe_token_dispatcher="alltoall")
+    model  = build_gpt_model(arch, parallel, dtype=..., vp_stage=None, ...)   # this rank's stage
+    chunks = build_model_chunks(arch, parallel, dtype=..., ...)               # list, one per VPP chunk
+    padded_vocab_size(arch, tp)     # rows of embedding / output layer (vocab padded to a multiple of tp)
+
+Call after `dist.initialize(parallel)`. Every layer follows the HF model it stands for: RMSNorm
+with the HF ε, SwiGLU MLP without biases, GQA with ``num_key_value_heads`` query groups, RoPE
+with the HF θ (Llama-3 ``rope_scaling`` applied with the HF config's own factors), q/k bias for
+qwen2, per-head q/k RMSNorm for qwen3(_moe), tied embeddings when the HF config ties them,
+MoE with top-k routing (``norm_topk_prob`` -> softmax over the top-k logits; otherwise softmax
+over all experts before top-k, without renormalising) and no shared experts. Dropout is 0.
+
+Layer spec: Transformer Engine's when it imports (GPU), megatron-core's local spec otherwise.
+The local spec's torch norms refuse sequence parallelism, and megatron-core needs sequence
+parallelism for MoE with tp > 1, so that combination needs TE.
+
+Vocabulary: the embedding and output layer have `padded_vocab_size(arch, tp)` rows, the HF
+vocabulary rounded up to a multiple of tp. Rows beyond ``arch.vocab_size`` are padding;
+`logprobs` masks them out of the softmax, so their contents never matter.
+
+``model.sharded_state_dict()`` keys (no prefix; what a torch_dist checkpoint holds). Every
+tensor is stored at its global shape: decoder layers stacked on a leading axis L (the layer
+index is not in the key), MoE experts stacked on a second axis E, TP/EP/PP shards recorded as
+offsets. h = hidden, d = head_dim, nq/nkv = heads/query groups, f / fe = dense / expert FFN size.
+
+==========================================================  ===================  ==========================
+key                                                         global shape         HF tensor(s)
+==========================================================  ===================  ==========================
+embedding.word_embeddings.weight                            [V_pad, h]           model.embed_tokens.weight
+decoder.layers.self_attention.linear_qkv.layer_norm_weight  [L, h]               input_layernorm.weight
+decoder.layers.self_attention.linear_qkv.weight             [L, (nq+2nkv)·d, h]  q/k/v_proj, per query group
+decoder.layers.self_attention.linear_qkv.bias               [L, (nq+2nkv)·d]     q/k/v_proj.bias (qwen2)
+decoder.layers.self_attention.q_layernorm.weight            [L, d]               self_attn.q_norm (qwen3*)
+decoder.layers.self_attention.k_layernorm.weight            [L, d]               self_attn.k_norm (qwen3*)
+decoder.layers.self_attention.linear_proj.weight            [L, h, nq·d]         self_attn.o_proj.weight
+decoder.layers.mlp.linear_fc1.layer_norm_weight             [L, h]               post_attention_layernorm (dense)
+decoder.layers.mlp.linear_fc1.weight                        [L, 2f, h]           [gate_proj; up_proj] (dense)
+decoder.layers.mlp.linear_fc2.weight                        [L, h, f]            down_proj (dense)
+decoder.layers.pre_mlp_layernorm.weight                     [L, h]               post_attention_layernorm (MoE)
+decoder.layers.mlp.router.weight                            [L, E, h]            mlp.gate / block_sparse_moe.gate
+decoder.layers.mlp.experts.experts.linear_fc1.weight        [L, E, 2fe, h]       experts.{e}.[gate; up] (w1; w3)
+decoder.layers.mlp.experts.experts.linear_fc2.weight        [L, E, h, fe]        experts.{e}.down (w2)
+decoder.final_layernorm.weight                              [h]                  model.norm.weight
+output_layer.weight                                         [V_pad, h]           lm_head.weight (untied only)
+==========================================================  ===================  ==========================
+
+Besides these, every linear layer has a ``<same prefix>._extra_state`` entry (TE's fp8
+metadata; None under the local spec). The fused QKV rows are ordered per query group g:
+its q heads, then k head g, then v head g. fc1 is stored globally as [gate; up] (megatron's
+swiglu factory splits each half across TP ranks on load).
+
+The keys are identical for the local and the TE spec, dense and MoE: the local spec maps its
+separate norms onto TE's fused-norm names, SequentialMLP and TEGroupedMLP write the same expert
+keys, and for MoE we drop the local spec's ``pre_mlp_layernorm`` -> ``mlp.linear_fc1.layer_norm_``
+mapping (MoE has no fused fc1 norm, so TE files it as ``pre_mlp_layernorm.weight``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.models.arch import ModelArch
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def te_available() -> bool:
+    """True when Transformer Engine's torch extension can be imported (GPU installs only)."""
+    if importlib.util.find_spec("transformer_engine") is None:
+        return False
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE without CUDA libraries raises at import; treat as absent
+        return False
+    return True
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype in (torch.float32, torch.bfloat16):
+            return dtype
+    elif str(dtype) in _DTYPES:
+        return _DTYPES[str(dtype)]
+    raise ValueError(f"dtype {dtype!r} is not supported (float32 or bfloat16)")
+
+
+def padded_vocab_size(arch: ModelArch, tp: int) -> int:
+    """HF vocabulary rounded up to a multiple of ``tp`` (VocabParallelEmbedding splits rows evenly)."""
+    return -(-arch.vocab_size // tp) * tp
+
+
+def transformer_config_from_arch(
+    arch: ModelArch,
+    parallel: ParallelConfig = ParallelConfig(),
+    *,
+    dtype=torch.float32,
+    use_te: Optional[bool] = None,
+    sequence_parallel: Optional[bool] = None,
+    moe_aux_loss_coeff: float = 0.0,
+    moe_token_dispatcher: str = "alltoall",
+    init_method_std: float = 0.02,
+    **overrides,
+):
+    """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last."""
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = resolve_dtype(dtype)
+    use_te = te_available() if use_te is None else use_te
+    if sequence_parallel is None:
+        sequence_parallel = use_te and parallel.tp > 1
+    if sequence_parallel and not use_te:
+        raise ValueError("sequence parallelism needs the Transformer Engine spec (the local spec's torch norms refuse it)")
+    if arch.is_moe and parallel.tp > 1 and not sequence_parallel:
+        raise ValueError(f"MoE with tp={parallel.tp} needs sequence parallelism, which needs Transformer Engine; use tp=1 with ep")
+    on_cpu = not torch.cuda.is_available()
+    kwargs = dict(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_key_value_heads,
+        kv_channels=arch.head_dim,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=arch.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.qkv_bias,
+        qk_layernorm=arch.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=init_method_std,
+        tensor_model_parallel_size=parallel.tp,
+        pipeline_model_parallel_size=parallel.pp,
+        virtual_pipeline_model_parallel_size=parallel.vpp,
+        context_parallel_size=parallel.cp,
+        expert_model_parallel_size=parallel.ep,
+        expert_tensor_parallel_size=parallel.expert_tp,
+        sequence_parallel=sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=on_cpu,
+        # Fused kernels need CUDA (and TE / apex); the torch paths compute the same values.
+        gradient_accumulation_fusion=False,
+        bias_activation_fusion=use_te,
+        bias_dropout_fusion=use_te,
+        masked_softmax_fusion=use_te,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        # Micro-batches are padded to their own longest sequence, so PP stages exchange shapes.
+        variable_seq_lengths=True,
+        moe_token_dispatcher_type=moe_token_dispatcher,
+    )
+    if arch.is_moe:
+        kwargs.update(
+            num_moe_experts=arch.num_experts,
+            moe_router_topk=arch.moe_router_topk,
+            moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
+            moe_router_pre_softmax=not arch.moe_norm_topk_prob,
+            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
+            moe_aux_loss_coeff=moe_aux_loss_coeff,
+            moe_grouped_gemm=use_te,
+            moe_permute_fusion=False,
+        )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(arch: ModelArch, use_te: bool):
+    """Transformer layer spec: TE fused modules on GPU, megatron-core local modules otherwise."""
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    experts = arch.num_experts or None
+    if use_te:
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=arch.qk_norm
+        )
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+    )
+    if arch.is_moe:  # keep the MoE pre-MLP norm under the TE spec's key (see module docstring)
+        keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
+        keys_map.pop("pre_mlp_layernorm.", None)
+        spec.submodules.sharded_state_dict_keys_map = keys_map
+    return spec
+
+
+def build_gpt_model(
+    arch: ModelArch,
+    parallel: ParallelConfig = ParallelConfig(),
+    *,
+    dtype=torch.float32,
+    vp_stage: Optional[int] = None,
+    use_te: Optional[bool] = None,
+    config=None,
+    **config_kwargs,
+):
+    """This rank's pipeline stage (or VPP chunk `vp_stage`) of the GPT model for `arch`.
+
+    Embedding lives on the first stage, final norm and output layer on the last; with tied
+    embeddings megatron keeps a copy of the embedding on the last stage and all-reduces its
+    gradient. Returns a ``GPTModel`` in eval mode with fp32 or bf16 parameters on this rank's device.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    use_te = te_available() if use_te is None else use_te
+    if config is None:
+        config = transformer_config_from_arch(arch, parallel, dtype=dtype, use_te=use_te, **config_kwargs)
+    scaling = arch.rope_scaling or {}
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(arch, use_te),
+        vocab_size=padded_vocab_size(arch, parallel.tp),
+        max_sequence_length=arch.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+        parallel_output=True,
+        share_embeddings_and_output_weights=arch.tie_word_embeddings,
+        position_embedding_type="rope",
+        rotary_percent=1.0,
+        rotary_base=arch.rope_theta,
+        rope_scaling=bool(scaling),
+        rope_scaling_factor=float(scaling.get("factor", 8.0)),
+        vp_stage=vp_stage,
+    )
+    if scaling:  # megatron hard-codes Llama-3.1's low/high factors and context; use the config's
+        model.rotary_pos_emb.inv_freq = llama3_inv_freq(arch).to(model.rotary_pos_emb.inv_freq.device)
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model.eval()
+
+
+def build_model_chunks(arch: ModelArch, parallel: ParallelConfig = ParallelConfig(), **kwargs) -> list:
+    """All model chunks of this rank: one, or ``parallel.vpp`` with interleaved pipelining."""
+    if parallel.vpp is None:
+        return [build_gpt_model(arch, parallel, **kwargs)]
+    return [build_gpt_model(arch, parallel, vp_stage=i, **kwargs) for i in range(parallel.vpp)]
+
+
+def llama3_inv_freq(arch: ModelArch) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim/2] with Llama-3 scaling, as HF computes them.
+
+    inv = θ^(-2i/d); wavelength λ = 2π/inv; with L = original_max_position_embeddings,
+    λ > L/low: inv/factor; λ < L/high: inv; between: (1-s)·inv/factor + s·inv with
+    s = (L/λ - low) / (high - low).
+    """
+    s = arch.rope_scaling or {}
+    factor = float(s["factor"])
+    low, high = float(s.get("low_freq_factor", 1.0)), float(s.get("high_freq_factor", 4.0))
+    context = float(s.get("original_max_position_embeddings", 8192))
+    d = arch.head_dim
+    inv = 1.0 / (arch.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    wavelen = 2 * math.pi / inv
+    smooth = (context / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > context / low, inv / factor, inv)
+    medium = (wavelen >= context / high) & (wavelen <= context / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)

@@ -1,0 +1,94 @@
+import pytest
+
+from armor_megatron.megatron.dist import DistEnv, ParallelConfig, expand_nodelist
+from armor_megatron.models.arch import ModelArch
+
+DENSE = ModelArch(family="llama", vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, ffn_hidden_size=64, rms_norm_eps=1e-5,
+                  rope_theta=10000.0, max_position_embeddings=64)
+MOE = ModelArch(family="mixtral", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, ffn_hidden_size=64, rms_norm_eps=1e-5,
+                rope_theta=10000.0, max_position_embeddings=64, num_experts=4, moe_router_topk=2,
+                moe_ffn_hidden_size=16)
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node07", ["node07"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("gpu-[8-10],login1", ["gpu-8", "gpu-9", "gpu-10", "login1"]),
+        ("a[08-10]", ["a08", "a09", "a10"]),  # zero padding kept
+        ("r[1-2]n[3,5]", ["r1n3", "r1n5", "r2n3", "r2n5"]),  # several groups: product
+    ],
+)
+def test_expand_nodelist(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+@pytest.mark.parametrize("bad", ["node[01-03", "node[a-b]", "node[5-3]", "", "n]1["])
+def test_expand_nodelist_rejects_garbage(bad):
+    with pytest.raises(ValueError):
+        expand_nodelist(bad)
+
+
+def test_torchrun_env():
+    env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert env == DistEnv(3, 8, 1, "10.0.0.1", 1234, "torchrun")
+
+
+def test_slurm_env_takes_master_from_first_node_and_port_from_job_id():
+    env = DistEnv.from_environ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
+                                "SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "123456"})
+    # 20000 + 123456 % 20000 = 23456
+    assert env == DistEnv(5, 16, 5, "gpu12", 23456, "slurm")
+
+
+def test_torchrun_variables_win_over_slurm_ones():
+    env = DistEnv.from_environ({"RANK": "0", "WORLD_SIZE": "2", "SLURM_PROCID": "1", "SLURM_NTASKS": "4"})
+    assert env.launcher == "torchrun" and env.world_size == 2
+
+
+def test_single_process_without_launcher():
+    assert DistEnv.from_environ({}) == DistEnv(0, 1, 0, "127.0.0.1", 29500, "single")
+
+
+@pytest.mark.parametrize(
+    "environ, message",
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "rank 4 is outside world size 4"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, "RANK='x' is not an integer"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, "cannot find the master host"),
+    ],
+)
+def test_bad_environment(environ, message):
+    with pytest.raises(ValueError, match=message):
+        DistEnv.from_environ(environ)
+
+
+@pytest.mark.parametrize(
+    "parallel, world, arch, message",
+    [
+        (ParallelConfig(tp=2, pp=2), 6, None, r"world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4"),
+        (ParallelConfig(tp=1, cp=4), 6, None, r"not divisible by tp·pp·cp = 1·1·4 = 4"),
+        (ParallelConfig(tp=8), 8, DENSE, "num_attention_heads=4 is not divisible by tp=8"),
+        (ParallelConfig(tp=4), 4, ModelArch(**{**DENSE.__dict__, "num_key_value_heads": 2}), "num_key_value_heads=2 is not divisible by tp=4"),
+        (ParallelConfig(pp=3), 3, DENSE, "num_layers=4 is not divisible by pp=3"),
+        (ParallelConfig(pp=2, vpp=4), 2, DENSE, r"num_layers=4 is not divisible by pp·vpp = 8"),
+        (ParallelConfig(ep=3), 3, MOE, "num_experts=4 is not divisible by ep=3"),
+        (ParallelConfig(ep=2), 2, DENSE, "ep=2 needs a MoE model"),
+        (ParallelConfig(ep=4, pp=2), 4, None, r"world size 4 is not divisible by etp·ep·pp = 1·4·2 = 8"),
+        (ParallelConfig(tp=0), 4, None, "tp=0 must be >= 1"),
+    ],
+)
+def test_layout_errors(parallel, world, arch, message):
+    with pytest.raises(ValueError, match=message):
+        parallel.validate(world, arch)
+
+
+def test_valid_layouts():
+    ParallelConfig(tp=2, pp=2).validate(8, DENSE)
+    ParallelConfig(ep=2).validate(2, MOE)
+    ParallelConfig(pp=2, vpp=2).validate(2, DENSE)
+    assert ParallelConfig(tp=2, pp=2).data_parallel_size(8) == 2
