@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Optional, TextIO
 import sys
+from typing import Optional, TextIO
 
 import torch
 
@@ -49,7 +49,7 @@ def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
     return dtypes
 
 
-def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1, spec: str = "local",
+def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1,
                         overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
     """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``.
 
@@ -62,21 +62,22 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     dtypes = plan_hf_tensors(hf)
     chunks = torch_dist.chunks(arch)
     names = {c: c.rule.hf(c.layer, c.expert) for c in chunks}
+    count = sum(len(n) for n in names.values())
     total = sum(hf.info(n).nbytes for c in chunks for n in names[c])
-    progress = Progress("hf-to-mcore", len(chunks), total, progress_stream)
+    progress = Progress("hf-to-mcore", count, total, progress_stream)
     digest = TensorDigest()
 
     def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
         parts = [hf.read(name) for name in names[chunk]]
         for name, part in zip(names[chunk], parts):
             digest.update(name, part)
-        progress.advance(sum(p.nbytes for p in parts))
+        progress.advance(sum(p.nbytes for p in parts), tensors=len(parts))
         return hf_to_mcore(arch, chunk.rule, parts)
 
     with staged_dir(out_dir, overwrite) as tmp:
-        torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce, spec=spec)
+        torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
-        write_metadata(tmp, family=arch.family, spec=spec, hf_config=hf.config,
+        write_metadata(tmp, family=arch.family, hf_config=hf.config,
                        source={"path": os.path.abspath(hf_dir), "tensors_sha256": digest.hexdigest(),
-                               "tensors": sum(len(v) for v in names.values()), "bytes": total})
+                               "tensors": count, "bytes": total})
     return progress.summary(os.path.abspath(out_dir))

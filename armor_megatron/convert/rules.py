@@ -41,7 +41,8 @@ _HF_LAYER = "model.layers.{layer}."
 class TensorRule:
     """One Megatron tensor and the HF tensors it is made of.
 
-    ckpt_key: torch_dist sharded key (layers/experts stacked on leading axes).
+    ckpt_key: torch_dist sharded key (layers/experts stacked on leading axes); the same for
+        the local and TE specs. alt_ckpt_keys: other keys older checkpoints use (read only).
     local_name / te_name: parameter names of the local and TE layer specs.
     grouped_name: parameter name of grouped-GEMM experts (expert rules only).
     hf_names: HF tensor names, in the order ``layout`` concatenates them.
@@ -60,7 +61,7 @@ class TensorRule:
     tp: str
     shape: tuple[int, ...]
     grouped_name: Optional[str] = None
-    te_ckpt_key: Optional[str] = None
+    alt_ckpt_keys: tuple[str, ...] = ()
 
     @property
     def per_layer(self) -> bool:
@@ -69,10 +70,6 @@ class TensorRule:
     @property
     def per_expert(self) -> bool:
         return "{expert}" in self.local_name
-
-    def key(self, spec: str = "local") -> str:
-        """torch_dist sharded key for the layer spec ``spec``."""
-        return self.te_ckpt_key if spec == "te" and self.te_ckpt_key else self.ckpt_key
 
     def hf(self, layer: Optional[int] = None, expert: Optional[int] = None) -> list[str]:
         return [n.format(layer=layer, expert=expert) for n in self.hf_names]
@@ -97,9 +94,9 @@ class TensorRule:
                 yield layer, expert
 
 
-def _rule(ckpt_key, local, hf, layout, tp, shape, te=None, grouped=None, te_ckpt_key=None) -> TensorRule:
+def _rule(ckpt_key, local, hf, layout, tp, shape, te=None, grouped=None, alt_ckpt_keys=()) -> TensorRule:
     hf = (hf,) if isinstance(hf, str) else tuple(hf)
-    return TensorRule(ckpt_key, local, te or local, hf, layout, tp, tuple(shape), grouped, te_ckpt_key)
+    return TensorRule(ckpt_key, local, te or local, hf, layout, tp, tuple(shape), grouped, tuple(alt_ckpt_keys))
 
 
 @functools.lru_cache(maxsize=None)
@@ -160,11 +157,11 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
     expert = moe + "experts.{expert}."
     L = _DECODER + "mlp."
     return [
-        # The local spec maps its pre_mlp_layernorm to the TE dense key even for MoE layers;
-        # the TE MoE spec keeps a separate pre_mlp_layernorm module.
-        _rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", _DECODER + "pre_mlp_layernorm.weight",
+        # The project's builder keeps the MoE pre-MLP norm under the TE key for both specs;
+        # megatron's stock local spec files it under the dense fused-norm key (accepted on read).
+        _rule("decoder.layers.pre_mlp_layernorm.weight", _DECODER + "pre_mlp_layernorm.weight",
               _HF_LAYER + "post_attention_layernorm.weight", "copy", "replicated", (h,),
-              te_ckpt_key="decoder.layers.pre_mlp_layernorm.weight"),
+              alt_ckpt_keys=("decoder.layers.mlp.linear_fc1.layer_norm_weight",)),
         _rule("decoder.layers.mlp.router.weight", L + "router.weight", moe + "gate.weight", "copy", "replicated",
               (arch.num_experts, h)),
         _rule("decoder.layers.mlp.experts.experts.linear_fc1.weight", L + "experts.local_experts.{expert}.linear_fc1.weight",

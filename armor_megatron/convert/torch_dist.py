@@ -52,11 +52,11 @@ class Chunk:
             offsets.append((len(offsets), self.expert, arch.num_experts))
         return offsets
 
-    def sharded_tensor(self, arch: ModelArch, data: torch.Tensor, spec: str = "local", key: Optional[str] = None):
+    def sharded_tensor(self, arch: ModelArch, data: torch.Tensor, key: Optional[str] = None):
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         offsets = self.rank_offsets(arch)
-        return ShardedTensor.from_rank_offsets(key or self.rule.key(spec), data, *offsets,
+        return ShardedTensor.from_rank_offsets(key or self.rule.ckpt_key, data, *offsets,
                                                prepend_axis_num=len(offsets))
 
 
@@ -65,7 +65,7 @@ def chunks(arch: ModelArch) -> list[Chunk]:
     return [Chunk(rule, layer, expert) for rule in tensor_rules(arch) for layer, expert in rule.indices(arch)]
 
 
-def extra_state_objects(arch: ModelArch, spec: str = "local") -> list:
+def extra_state_objects(arch: ModelArch) -> list:
     """The ``_extra_state`` ShardedObjects (value None) Megatron's linear layers put in the state dict."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -73,7 +73,7 @@ def extra_state_objects(arch: ModelArch, spec: str = "local") -> list:
     for rule in tensor_rules(arch):
         if not rule.ckpt_key.endswith(_LINEAR_MODULES) or not rule.per_layer:
             continue
-        key = rule.key(spec).removesuffix("weight") + "_extra_state"
+        key = rule.ckpt_key.removesuffix("weight") + "_extra_state"
         shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
         for layer, expert in rule.indices(arch):
             offset = (layer, expert) if rule.per_expert else (layer,)
@@ -115,7 +115,7 @@ def _streaming_planner(items: dict, objects: dict, produce: Callable[[object], t
 
 
 def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRule], torch.dtype],
-                     produce: Callable[[Chunk], torch.Tensor], spec: str = "local") -> None:
+                     produce: Callable[[Chunk], torch.Tensor]) -> None:
     """Write a torch_dist checkpoint of ``arch`` into the existing empty directory ``out_dir``.
 
     ``produce(chunk)`` returns the chunk's tensor (shape ``chunk.rule.shape``, dtype
@@ -130,7 +130,7 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     items = {}
     for chunk in chunks(arch):
         meta = torch.empty(chunk.rule.shape, dtype=dtype_of(chunk.rule), device="meta")
-        sh = chunk.sharded_tensor(arch, meta, spec)
+        sh = chunk.sharded_tensor(arch, meta)
         offset = torch.Size(sh.global_offset)
         sizes = torch.Size([1] * sh.prepend_axis_num + list(sh.local_shape))  # stacked axes stored as size 1
         item = WriteItem(
@@ -144,9 +144,9 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
         )
         items[(sh.key, tuple(offset))] = (item, chunk)
     none_bytes = io.BytesIO()
-    torch.save(None, none_bytes)
+    torch.save([None], none_bytes)  # megatron stores a list of the objects' data per unique key
     objects = {}
-    for obj in extra_state_objects(arch, spec):
+    for obj in extra_state_objects(arch):
         objects[(obj.unique_key, ())] = (WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO),
                                          io.BytesIO(none_bytes.getvalue()))
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
@@ -191,7 +191,7 @@ class TorchDistReader:
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}
         for rule in tensor_rules(arch):
-            key = next((k for k in (rule.ckpt_key, rule.te_ckpt_key) if k in stored), None)
+            key = next((k for k in (rule.ckpt_key, *rule.alt_ckpt_keys) if k in stored), None)
             if key is None:
                 raise CheckpointError(f"{ckpt_dir}: tensor {rule.ckpt_key} is missing")
             if tuple(stored[key].global_shape) != rule.stacked_shape(arch):
