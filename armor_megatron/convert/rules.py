@@ -99,9 +99,18 @@ def _rule(ckpt_key, local, hf, layout, tp, shape, te=None, grouped=None, alt_ckp
     return TensorRule(ckpt_key, local, te or local, hf, layout, tp, tuple(shape), grouped, tuple(alt_ckpt_keys))
 
 
-@functools.lru_cache(maxsize=None)
 def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     """All tensors of ``arch`` in checkpoint order: embedding, layer tensors, final norm, output."""
+    return _tensor_rules(_hashable(arch))
+
+
+def _hashable(arch: ModelArch) -> ModelArch:
+    """``arch`` without its rope-scaling dict (which decides no name or shape), as a cache key."""
+    return dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch
+
+
+@functools.lru_cache(maxsize=None)
+def _tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
     L, A = _DECODER, _HF_LAYER
@@ -230,8 +239,12 @@ def _pattern(template: str) -> re.Pattern:
     return re.compile(escaped + r"\Z")
 
 
-@functools.lru_cache(maxsize=None)
 def _name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]:
+    return _cached_name_patterns(_hashable(arch))
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]:
     out = []
     for rule in tensor_rules(arch):
         for template in {rule.local_name, rule.te_name, rule.grouped_name} - {None}:
