@@ -64,7 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run(args: argparse.Namespace) -> int:
     from armor_megatron.convert import convert_hf_to_mcore, convert_mcore_to_hf
+    from armor_megatron.convert.progress import release_large_frees_to_os
 
+    release_large_frees_to_os()
     progress = None if getattr(args, "quiet", False) else sys.stderr
     if args.command == "hf-to-mcore":
         summary = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
@@ -81,21 +83,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from armor_megatron.convert.torch_dist import single_process_group
-    from armor_megatron.convert.verify import verify
+    import contextlib
 
-    with single_process_group():
-        if not args.no_logits:
-            from armor_megatron.megatron import dist
+    from armor_megatron.convert.verify import single_process_megatron, verify
 
-            dist.initialize(dist.ParallelConfig())
-        try:
-            report = verify(args.hf_dir, args.mcore_dir, logits=not args.no_logits, atol=args.atol)
-        finally:
-            if not args.no_logits:
-                from megatron.core import parallel_state
-
-                parallel_state.destroy_model_parallel()
+    with contextlib.nullcontext() if args.no_logits else single_process_megatron():
+        report = verify(args.hf_dir, args.mcore_dir, logits=not args.no_logits, atol=args.atol)
     print("\n".join(report.lines()))
     return 0 if report.ok else 1
 

@@ -13,8 +13,8 @@ only when they run).
 """
 
 from armor_megatron.convert.errors import CheckpointError
-from armor_megatron.convert.hf_to_mcore import convert_hf_to_mcore
-from armor_megatron.convert.mcore_to_hf import convert_mcore_to_hf
+from armor_megatron.convert.to_mcore import convert_hf_to_mcore
+from armor_megatron.convert.to_hf import convert_mcore_to_hf
 from armor_megatron.convert.rules import (
     ParamRef,
     TensorRule,

@@ -1,8 +1,11 @@
 """Streaming reads and writes of Hugging Face safetensors checkpoints.
 
-Reading: every shard header is read up front (names, dtypes, shapes; safetensors rejects a
-truncated file here), tensors are read one at a time through a fresh ``safe_open`` mmap, so
-nothing stays resident once the caller drops the tensor.
+Reading: every shard is opened once with ``safe_open`` up front (names, dtypes, shapes; the
+library rejects a truncated or malformed file here) and its header's data offsets are kept.
+Tensors are then read with ``os.preadv`` straight into the caller's buffer, rows at a time if
+wanted: a fused Megatron tensor is assembled in place without a second copy. (Measured on a
+2 GB checkpoint: reading through the mmap's page faults was ~4x slower than pread, and the
+mapped pages count in the process's RSS.)
 
 Writing: the caller declares every tensor (name, shape, dtype) in the order it will produce
 them; shards are cut at ``max_shard_bytes``, each shard's header is written first and then
@@ -41,10 +44,26 @@ class TensorInfo:
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # of the first data byte in the file
 
     @property
     def nbytes(self) -> int:
         return _numel(self.shape) * self.dtype.itemsize
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview, without copying.
+
+    Built from the data pointer rather than ``tensor.numpy()``, which would mark the storage
+    non-resizable (see ``to_mcore.ReusedBuffer``). Valid only while ``tensor`` is alive.
+    """
+    import ctypes
+
+    if not tensor.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor")
+    if tensor.nbytes == 0:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -64,8 +83,27 @@ class HFCheckpoint:
         self.config = load_hf_config(path)
         self.arch = ModelArch.from_hf_config(self.config)
         self.tensors: dict[str, TensorInfo] = {}
-        for shard in self._shard_files():
-            self._index_shard(shard)
+        self._fds: dict[str, int] = {}
+        try:
+            for shard in self._shard_files():
+                self._index_shard(shard)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
 
     def _shard_files(self) -> list[str]:
         index_path = os.path.join(self.path, INDEX_FILE)
@@ -85,15 +123,21 @@ class HFCheckpoint:
     def _index_shard(self, shard: str) -> None:
         path = os.path.join(self.path, shard)
         try:
-            with safe_open(path, framework="pt") as f:
-                for name in f.keys():
-                    sl = f.get_slice(name)
-                    dtype = _CODE_DTYPES.get(sl.get_dtype())
-                    if dtype is None:
-                        raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {sl.get_dtype()}")
-                    self.tensors[name] = TensorInfo(shard, dtype, tuple(sl.get_shape()))
+            with safe_open(path, framework="pt"):
+                pass  # validates header, offsets and file size
         except SafetensorError as e:
             raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = _CODE_DTYPES.get(entry["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
+            self.tensors[name] = TensorInfo(shard, dtype, tuple(entry["shape"]), 8 + header_len + entry["data_offsets"][0])
+        self._fds[shard] = os.open(path, os.O_RDONLY)
 
     def info(self, name: str) -> TensorInfo:
         try:
@@ -109,10 +153,25 @@ class HFCheckpoint:
         return info
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, backed by an mmap that is released when the tensor is freed."""
+        """One tensor, read into fresh memory."""
         info = self.info(name)
-        with safe_open(os.path.join(self.path, info.file), framework="pt") as f:
-            return f.get_tensor(name)
+        out = torch.empty(info.shape, dtype=info.dtype)
+        self.read_rows_into(name, 0, info.shape[0] if info.shape else 1, out)
+        return out
+
+    def read_rows_into(self, name: str, first_row: int, rows: int, out: torch.Tensor) -> None:
+        """Read rows ``first_row:first_row+rows`` (dim 0) of tensor ``name`` into the contiguous ``out``."""
+        info = self.info(name)
+        row_bytes = info.nbytes // info.shape[0] if info.shape and info.shape[0] else info.nbytes
+        if out.dtype != info.dtype or out.nbytes != rows * row_bytes or not out.is_contiguous():
+            raise ValueError(f"{name}: cannot read {rows} rows into a {tuple(out.shape)} {out.dtype} buffer")
+        buffer = byte_view(out)
+        offset, done = info.offset + first_row * row_bytes, 0
+        while done < len(buffer):
+            n = os.preadv(self._fds[info.file], [buffer[done:]], offset + done)
+            if n <= 0:
+                raise CheckpointError(f"{self.path}: {info.file} ended while reading {name}")
+            done += n
 
 
 # ---------------------------------------------------------------------- writing
@@ -166,19 +225,27 @@ class SafetensorsWriter:
         self._stream = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        self.write_blocks(name, tuple(tensor.shape), [tensor])
+
+    def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Sequence[torch.Tensor]) -> None:
+        """Write tensor ``name`` of ``shape`` whose data is the concatenation of ``blocks``' bytes."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"{name}: more tensors written than declared")
         shard, planned = self._queue[self._pos]
-        if (name, tuple(tensor.shape), tensor.dtype) != (planned.name, planned.shape, planned.dtype):
-            raise RuntimeError(f"wrote {name} {tuple(tensor.shape)} {tensor.dtype}, expected "
-                               f"{planned.name} {planned.shape} {planned.dtype}")
+        dtypes = {b.dtype for b in blocks}
+        nbytes = sum(b.nbytes for b in blocks)
+        if (name, tuple(shape), dtypes, nbytes) != (planned.name, planned.shape, {planned.dtype}, planned.nbytes):
+            raise RuntimeError(f"wrote {name} {tuple(shape)} {dtypes} ({nbytes} bytes), expected "
+                               f"{planned.name} {planned.shape} {planned.dtype} ({planned.nbytes} bytes)")
         if shard != self._open_shard:
             self._close_stream()
             self._stream = open(os.path.join(self.out_dir, self.files[shard]), "wb")
             self._stream.write(_header(self.shards[shard]))
             self._open_shard = shard
-        if tensor.numel():
-            self._stream.write(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        for block in blocks:
+            if block.numel():
+                block = block.contiguous()
+                self._stream.write(byte_view(block))
         self._pos += 1
 
     def _close_stream(self) -> None:
@@ -200,20 +267,48 @@ class SafetensorsWriter:
 
 class TensorDigest:
     """Content checksum of a set of named tensors, independent of order and file layout:
-    sha256 over the sorted lines ``name dtype shape sha256(bytes)``."""
+    xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory
+    speed -- ~5x sha256 on the development machines -- and only has to catch corruption).
+
+    ``update(named)`` hashes a batch of (name, tensor) pairs -- or the pairs a callable returns,
+    evaluated on the worker -- on a worker thread (hashlib releases the GIL) while the caller
+    goes on; it first waits for the previous batch, so at most one batch is kept alive for hashing.
+    """
 
     def __init__(self):
+        from concurrent.futures import ThreadPoolExecutor
+
         self._lines: list[str] = []
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor-digest")
+        self._pending = None
 
-    def update(self, name: str, tensor: torch.Tensor) -> None:
-        import hashlib
+    ALGORITHM = "xxh3_128"
 
-        data = hashlib.sha256()
-        if tensor.numel():
-            data.update(tensor.contiguous().reshape(-1).view(torch.uint8).numpy().data)
-        self._lines.append(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} {data.hexdigest()}")
+    @staticmethod
+    def _lines_of(named) -> list[str]:
+        import xxhash
+
+        lines = []
+        for name, tensor in named() if callable(named) else named:
+            data = xxhash.xxh3_128()
+            tensor = tensor.contiguous()
+            data.update(byte_view(tensor))
+            lines.append(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} {data.hexdigest()}")
+        return lines
+
+    def wait(self) -> None:
+        """Block until the previous batch is hashed (its tensors may then be reused)."""
+        if self._pending is not None:
+            self._lines += self._pending.result()
+            self._pending = None
+
+    def update(self, named) -> None:
+        self.wait()
+        self._pending = self._pool.submit(self._lines_of, named if callable(named) else list(named))
 
     def hexdigest(self) -> str:
-        import hashlib
+        import xxhash
 
-        return hashlib.sha256("\n".join(sorted(self._lines)).encode()).hexdigest()
+        self.wait()
+        self._pool.shutdown()
+        return xxhash.xxh3_128("\n".join(sorted(self._lines)).encode()).hexdigest()

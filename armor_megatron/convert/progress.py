@@ -9,9 +9,42 @@ import time
 from typing import Optional, TextIO
 
 
+def release_large_frees_to_os(threshold: int = 1 << 20) -> bool:
+    """Make glibc serve allocations >= ``threshold`` with their own mmap, returned on free.
+
+    By default glibc raises its mmap threshold to the size of the largest block freed so far,
+    so after one big tensor every later tensor comes from the heap and stays resident when
+    freed: a streaming conversion's RSS then grows with every distinct tensor size (measured:
+    1.2 GiB instead of ~0.6 GiB for a 2 GB checkpoint). A fixed threshold turns that off.
+    Process-wide, so only the command-line tools call it. Returns False where it does not apply.
+    """
+    import ctypes
+    import ctypes.util
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, threshold))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far (Linux reports KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process so far.
+
+    Linux: ``VmHWM`` of /proc/self/status -- ``ru_maxrss`` would also count the parent's peak,
+    which a child inherits across fork and exec. Elsewhere ``ru_maxrss`` (KiB on Linux, bytes on macOS).
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 @dataclasses.dataclass

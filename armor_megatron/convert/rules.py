@@ -193,31 +193,55 @@ def hf_shapes(arch: ModelArch, rule: TensorRule) -> list[tuple[int, ...]]:
     return [rule.shape]
 
 
+def row_blocks(arch: ModelArch, rule: TensorRule) -> list[tuple[int, int, int, int]]:
+    """How the HF tensors tile the Megatron tensor along dim 0 (every layout is a row permutation).
+
+    Returns ``(hf_index, hf_row, mcore_row, rows)`` blocks: rows ``hf_row:hf_row+rows`` of HF
+    tensor ``hf_index`` are rows ``mcore_row:mcore_row+rows`` of the Megatron tensor. For the
+    fused QKV, group j's block is [q rows j·p·d.. | k rows j·d.. | v rows j·d..].
+    """
+    if rule.layout == "copy":
+        return [(0, 0, 0, rule.shape[0] if rule.shape else 1)]
+    if rule.layout == "glu":
+        half = rule.shape[0] // 2
+        return [(0, 0, 0, half), (1, 0, half, half)]
+    p, d = arch.queries_per_group, arch.head_dim
+    blocks = []
+    for j in range(arch.num_key_value_heads):
+        base = j * (p + 2) * d
+        blocks += [(0, j * p * d, base, p * d), (1, j * d, base + p * d, d), (2, j * d, base + (p + 1) * d, d)]
+    return blocks
+
+
 def hf_to_mcore(arch: ModelArch, rule: TensorRule, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Merge the HF tensors of one layer/expert into the Megatron tensor (shape ``rule.shape``)."""
     if rule.layout == "copy":
         (tensor,) = hf_tensors
         return tensor
-    if rule.layout == "glu":
-        return torch.cat(list(hf_tensors), dim=0)
-    q, k, v = hf_tensors
-    g, rest = arch.num_key_value_heads, q.shape[1:]
-    groups = [q.reshape(g, -1, *rest), k.reshape(g, -1, *rest), v.reshape(g, -1, *rest)]
-    return torch.cat(groups, dim=1).reshape(rule.shape)
+    out = torch.empty(rule.shape, dtype=hf_tensors[0].dtype)
+    for i, hf_row, row, rows in row_blocks(arch, rule):
+        out[row:row + rows] = hf_tensors[i][hf_row:hf_row + rows]
+    return out
+
+
+def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Per HF tensor (``rule.hf_names`` order), the views of ``tensor`` whose rows, concatenated
+    in order, are that HF tensor: a writer can stream them without assembling a copy."""
+    if tuple(tensor.shape) != rule.shape:
+        raise ValueError(f"{rule.ckpt_key}: shape {tuple(tensor.shape)} != expected {rule.shape}")
+    blocks: list[list[torch.Tensor]] = [[] for _ in rule.hf_names]
+    for i, _, row, rows in row_blocks(arch, rule):  # blocks come in HF row order per tensor
+        blocks[i].append(tensor[row:row + rows] if tensor.dim() else tensor)
+    return blocks
 
 
 def mcore_to_hf(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Split one Megatron tensor into its HF tensors (contiguous), in ``rule.hf_names`` order."""
-    if tuple(tensor.shape) != rule.shape:
-        raise ValueError(f"{rule.ckpt_key}: shape {tuple(tensor.shape)} != expected {rule.shape}")
-    if rule.layout == "copy":
-        return [tensor]
-    if rule.layout == "glu":
-        return [t.contiguous() for t in tensor.chunk(2, dim=0)]
-    g, p, d = arch.num_key_value_heads, arch.queries_per_group, arch.head_dim
-    grouped = tensor.reshape(g, (p + 2) * d, *rule.shape[1:])
-    q, k, v = grouped.split([p * d, d, d], dim=1)
-    return [x.reshape(shape).contiguous() for x, shape in zip((q, k, v), hf_shapes(arch, rule))]
+    """Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
+    are), in ``rule.hf_names`` order."""
+    out = []
+    for blocks, shape in zip(mcore_to_hf_blocks(arch, rule, tensor), hf_shapes(arch, rule)):
+        out.append(blocks[0].reshape(shape) if len(blocks) == 1 else torch.cat(blocks).reshape(shape))
+    return out
 
 
 # ---------------------------------------------------------------------- names (weight sync)

@@ -4,27 +4,30 @@ A torch_dist checkpoint is a torch.distributed.checkpoint (DCP) directory (``.me
 ``__0_0.distcp``) plus Megatron's ``metadata.json`` and ``common.pt``. Every tensor is stored
 at its global shape; decoder tensors are stacked on a leading layer axis (and an expert axis
 for MoE experts) exactly as ``GPTModel.sharded_state_dict()`` describes them, so Megatron
-loads the result at any TP/PP/EP.
+loads the result at any TP/PP/EP (tests/convert pin the keys, shapes and object names against
+a real GPTModel and load the result with ``megatron.core.dist_checkpointing``).
 
-Writing streams: the chunks are described with Megatron's own ``ShardedTensor`` /
-``ShardedObject`` (for the keys, offsets and global shapes), and handed to DCP's
-``FileSystemWriter`` through a planner whose ``resolve_data`` produces each chunk only when the
-writer asks for it. The writer serialises one item at a time, so memory holds one tensor (the
-whole-state-dict path of ``dist_checkpointing.save`` would hold the model at once).
+Writing streams: every chunk (one layer / expert of a stacked tensor, as Megatron's
+``ShardedTensor`` with ``prepend_axis_num`` describes it) becomes one DCP write item, and a
+save planner produces its tensor only when DCP's ``FileSystemWriter`` asks for it; the writer
+serialises one item at a time, so memory holds one tensor. (``dist_checkpointing.save``
+would need the whole state dict in memory, and its writer assumes CUDA.)
 
-Reading goes through ``megatron.core.dist_checkpointing.load`` with small sharded state dicts
-(one bucket of chunks at a time), in a world-size-1 gloo group.
+Reading mirrors writing: a DCP load planner asks for chunks at their global offsets and DCP's
+resharding reads assemble each from whatever pieces are stored, so a checkpoint saved at any
+TP/PP/EP reads back at global shapes, bucket by bucket, without a process group.
 
-This is the only module of ``armor_megatron.convert`` that imports megatron (lazily).
+Neither direction imports megatron-core.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import io
+import json
 import os
-import tempfile
 from typing import Callable, Iterator, Optional, Sequence
 
 import torch
@@ -34,6 +37,9 @@ from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.models import ModelArch
 
 _LINEAR_MODULES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+# megatron.core.dist_checkpointing.core.CheckpointingConfig, as metadata.json
+MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                   "common_backend": "torch", "common_backend_version": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,20 +50,17 @@ class Chunk:
     layer: Optional[int] = None
     expert: Optional[int] = None
 
-    def rank_offsets(self, arch: ModelArch) -> list[tuple[int, int, int]]:
-        offsets = []
-        if self.layer is not None:
-            offsets.append((0, self.layer, arch.num_layers))
-        if self.expert is not None:
-            offsets.append((len(offsets), self.expert, arch.num_experts))
-        return offsets
+    @property
+    def stacked_index(self) -> tuple[int, ...]:
+        return tuple(i for i in (self.layer, self.expert) if i is not None)
 
-    def sharded_tensor(self, arch: ModelArch, data: torch.Tensor, key: Optional[str] = None):
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    def global_offset(self) -> tuple[int, ...]:
+        """Offset in the stacked global tensor: (layer, [expert,] 0, ...)."""
+        return self.stacked_index + (0,) * len(self.rule.shape)
 
-        offsets = self.rank_offsets(arch)
-        return ShardedTensor.from_rank_offsets(key or self.rule.ckpt_key, data, *offsets,
-                                               prepend_axis_num=len(offsets))
+    def stored_shape(self) -> tuple[int, ...]:
+        """The chunk as stored: size-1 stacked axes, then the tensor's own shape."""
+        return (1,) * len(self.stacked_index) + self.rule.shape
 
 
 def chunks(arch: ModelArch) -> list[Chunk]:
@@ -65,24 +68,34 @@ def chunks(arch: ModelArch) -> list[Chunk]:
     return [Chunk(rule, layer, expert) for rule in tensor_rules(arch) for layer, expert in rule.indices(arch)]
 
 
-def extra_state_objects(arch: ModelArch) -> list:
-    """The ``_extra_state`` ShardedObjects (value None) Megatron's linear layers put in the state dict."""
-    from megatron.core.dist_checkpointing.mapping import ShardedObject
-
-    objects = []
+def extra_state_keys(arch: ModelArch) -> list[str]:
+    """Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
+    linear layers put in the sharded state dict: ``<key>/shard_<offset>_<global shape>``, dims
+    joined by '.', as ``ShardedObject.unique_key`` spells them."""
+    keys = []
     for rule in tensor_rules(arch):
-        if not rule.ckpt_key.endswith(_LINEAR_MODULES) or not rule.per_layer:
-            continue
-        key = rule.ckpt_key.removesuffix("weight") + "_extra_state"
-        shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
-        for layer, expert in rule.indices(arch):
-            offset = (layer, expert) if rule.per_expert else (layer,)
-            objects.append(ShardedObject(key, None, shape, offset, replica_id=0))
-    return objects
+        if rule.per_layer and rule.ckpt_key.endswith(_LINEAR_MODULES):
+            key = rule.ckpt_key.removesuffix("weight") + "_extra_state"
+            shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
+            for layer, expert in rule.indices(arch):
+                offset = (layer, expert) if rule.per_expert else (layer,)
+                keys.append(f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
+    return keys
 
 
 # ---------------------------------------------------------------------- writing
-def _streaming_planner(items: dict, objects: dict, produce: Callable[[object], torch.Tensor]):
+@contextlib.contextmanager
+def _torch_save_without_crc32() -> Iterator[None]:
+    """torch.save skips the zip CRC-32 (half its time on big tensors); torch.load does not check it."""
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(before)
+
+
+def _streaming_planner(items: dict, objects: dict, produce: Callable[[Chunk], torch.Tensor]):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 
@@ -102,14 +115,14 @@ def _streaming_planner(items: dict, objects: dict, produce: Callable[[object], t
         def resolve_data(self, write_item):
             index = (write_item.index.fqn, tuple(write_item.index.offset or ()))
             if write_item.type == WriteItemType.BYTE_IO:
-                return objects[index][1]
-            _, what = items[index]
-            tensor = produce(what)
-            planned = write_item.tensor_data
-            if tuple(tensor.shape) != what.rule.shape or tensor.dtype != planned.properties.dtype:
+                return io.BytesIO(objects[index][1])
+            chunk = items[index][1]
+            tensor = produce(chunk)
+            dtype = write_item.tensor_data.properties.dtype
+            if tuple(tensor.shape) != chunk.rule.shape or tensor.dtype != dtype:
                 raise RuntimeError(f"{write_item.index.fqn}: produced {tuple(tensor.shape)} {tensor.dtype}, "
-                                   f"planned {what.rule.shape} {planned.properties.dtype}")
-            return tensor.reshape(planned.chunk.sizes)
+                                   f"planned {chunk.rule.shape} {dtype}")
+            return tensor.reshape(chunk.stored_shape())
 
     return StreamingSavePlanner()
 
@@ -121,7 +134,6 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     ``produce(chunk)`` returns the chunk's tensor (shape ``chunk.rule.shape``, dtype
     ``dtype_of(chunk.rule)``); it is called once per chunk, in ``chunks(arch)`` order.
     """
-    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
@@ -129,83 +141,127 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
 
     items = {}
     for chunk in chunks(arch):
-        meta = torch.empty(chunk.rule.shape, dtype=dtype_of(chunk.rule), device="meta")
-        sh = chunk.sharded_tensor(arch, meta)
-        offset = torch.Size(sh.global_offset)
-        sizes = torch.Size([1] * sh.prepend_axis_num + list(sh.local_shape))  # stacked axes stored as size 1
+        offset = torch.Size(chunk.global_offset())
         item = WriteItem(
-            index=MetadataIndex(sh.key, offset),
+            index=MetadataIndex(chunk.rule.ckpt_key, offset),
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offset, sizes=sizes),
-                properties=TensorProperties(dtype=sh.dtype),
-                size=torch.Size(sh.global_shape),
+                chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size(chunk.stored_shape())),
+                properties=TensorProperties(dtype=dtype_of(chunk.rule)),
+                size=torch.Size(chunk.rule.stacked_shape(arch)),
             ),
         )
-        items[(sh.key, tuple(offset))] = (item, chunk)
-    none_bytes = io.BytesIO()
-    torch.save([None], none_bytes)  # megatron stores a list of the objects' data per unique key
-    objects = {}
-    for obj in extra_state_objects(arch):
-        objects[(obj.unique_key, ())] = (WriteItem(index=MetadataIndex(obj.unique_key), type=WriteItemType.BYTE_IO),
-                                         io.BytesIO(none_bytes.getvalue()))
+        items[(chunk.rule.ckpt_key, tuple(offset))] = (item, chunk)
+    none_list = io.BytesIO()
+    torch.save([None], none_list)  # megatron stores each object key as the list of its shards' data
+    objects = {(key, ()): (WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), none_list.getvalue())
+               for key in extra_state_keys(arch)}
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
-    dcp_save({}, storage_writer=writer, planner=_streaming_planner(items, objects, produce), no_dist=True)
+    with _torch_save_without_crc32():
+        dcp_save({}, storage_writer=writer, planner=_streaming_planner(items, objects, produce), no_dist=True)
     torch.save({}, os.path.join(out_dir, "common.pt"))
-    save_config(CheckpointingConfig(sharded_backend="torch_dist"), out_dir)
+    with open(os.path.join(out_dir, "metadata.json"), "w") as f:
+        json.dump(MEGATRON_CONFIG, f)
 
 
 # ---------------------------------------------------------------------- reading
-@contextlib.contextmanager
-def single_process_group() -> Iterator[None]:
-    """A world-size-1 gloo group for Megatron's checkpoint code, unless one already exists."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    with tempfile.TemporaryDirectory(prefix="armor_convert_pg_") as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
-        try:
-            yield
-        finally:
-            dist.destroy_process_group()
-
-
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
 
-    Use inside :func:`single_process_group` (or an existing process group).
+    Each requested chunk (one layer / expert of a stacked tensor) is assembled from whatever
+    pieces the checkpoint stores (TP / EP / PP fragments of a training run, or whole layers
+    from this converter) by DCP's resharding reads, without a process group.
     """
 
     def __init__(self, ckpt_dir: str, arch: ModelArch):
-        from megatron.core import dist_checkpointing
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        if not os.path.isfile(os.path.join(ckpt_dir, "metadata.json")):
-            raise CheckpointError(f"{ckpt_dir}: not a Megatron dist checkpoint (no metadata.json)")
+        _check_megatron_config(ckpt_dir)
         self.ckpt_dir, self.arch = ckpt_dir, arch
+        self._storage = FileSystemReader(ckpt_dir)
         try:
-            stored = dist_checkpointing.load_tensors_metadata(ckpt_dir)
-        except Exception as e:  # megatron raises several types for unreadable metadata
+            self.metadata = self._storage.read_metadata()
+        except Exception as e:  # missing / corrupt .metadata: torch raises several types
             raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({e})") from None
+        self._storage.read_metadata = lambda *args, **kwargs: self.metadata  # parse the pickle once
+        stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}
         for rule in tensor_rules(arch):
             key = next((k for k in (rule.ckpt_key, *rule.alt_ckpt_keys) if k in stored), None)
             if key is None:
                 raise CheckpointError(f"{ckpt_dir}: tensor {rule.ckpt_key} is missing")
-            if tuple(stored[key].global_shape) != rule.stacked_shape(arch):
-                raise CheckpointError(f"{ckpt_dir}: tensor {key} has shape {list(stored[key].global_shape)}, "
+            if tuple(stored[key].size) != rule.stacked_shape(arch):
+                raise CheckpointError(f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
                                       f"expected {list(rule.stacked_shape(arch))}")
-            self.keys[rule], self.dtypes[rule] = key, stored[key].dtype
+            self.keys[rule], self.dtypes[rule] = key, stored[key].properties.dtype
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
-        """Load the given chunks (one DCP read) and return their tensors in order."""
-        from megatron.core import dist_checkpointing
+        """Load the given chunks (one pass over the files) and return their tensors in order."""
+        from torch.distributed.checkpoint import load as dcp_load
 
-        request = {}
-        for i, chunk in enumerate(wanted):
-            data = torch.empty(chunk.rule.shape, dtype=self.dtypes[chunk.rule])
-            request[str(i)] = chunk.sharded_tensor(self.arch, data, key=self.keys[chunk.rule])
-        loaded = dist_checkpointing.load(request, self.ckpt_dir, validate_access_integrity=False)
-        return [loaded[str(i)] for i in range(len(wanted))]
+        targets = {(self.keys[c.rule], c.global_offset()): torch.empty(c.stored_shape(), dtype=self.dtypes[c.rule])
+                   for c in wanted}
+        dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+        return [t.reshape(c.rule.shape) for c, t in zip(wanted, targets.values())]
+
+
+def _check_megatron_config(ckpt_dir: str) -> None:
+    path = os.path.join(ckpt_dir, "metadata.json")
+    try:
+        with open(path) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError):
+        raise CheckpointError(f"{ckpt_dir}: not a Megatron dist checkpoint (no readable metadata.json)") from None
+    if backend != "torch_dist":
+        raise CheckpointError(f"{ckpt_dir}: sharded backend {backend!r} is not supported (only torch_dist)")
+
+
+@functools.cache
+def _chunk_load_planner_class():
+    """A DCP load planner filling ``targets`` {(key, global offsets): tensor} from any stored pieces.
+
+    Defined once (DCP is imported lazily): a class created per call sits in a reference cycle
+    and would keep every bucket's tensors alive until the cyclic garbage collector runs."""
+    from torch.distributed._shard._utils import narrow_tensor_by_index
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+    class ChunkLoadPlanner(DefaultLoadPlanner):
+        def __init__(self, targets: dict):
+            super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+            self.targets = targets
+
+        def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+            self.state_dict, self.metadata, self.is_coordinator = {}, metadata, is_coordinator
+
+        def create_local_plan(self) -> LoadPlan:
+            items = []
+            for (key, offsets), tensor in self.targets.items():
+                want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
+                reads = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [want])
+                covered = sum(_numel(r.lengths) for r in reads)
+                if covered != tensor.numel():
+                    raise CheckpointError(f"{key} at {list(offsets)}: the checkpoint stores {covered} of "
+                                          f"{tensor.numel()} elements")
+                items += reads
+            return LoadPlan(items)
+
+        def resolve_tensor(self, read_item):
+            target = self.targets[(read_item.dest_index.fqn, tuple(read_item.dest_index.offset))]
+            return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+
+        def commit_tensor(self, read_item, tensor) -> None:
+            pass
+
+    return ChunkLoadPlanner
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

@@ -11,15 +11,16 @@ Logits run the whole model on this machine: meant for tiny and mid-sized models 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import tempfile
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
 from armor_megatron.convert.hf_io import HFCheckpoint
-from armor_megatron.convert.mcore_to_hf import convert_mcore_to_hf
+from armor_megatron.convert.to_hf import convert_mcore_to_hf
 from armor_megatron.models import ModelArch
 
 DEFAULT_ATOL = 1e-4
@@ -118,10 +119,28 @@ def megatron_logits(model, arch: ModelArch, tokens: torch.Tensor) -> Optional[to
         return gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size].float()
 
 
-def verify(hf_dir: str, mcore_dir: str, *, logits: bool = True, atol: float = DEFAULT_ATOL) -> VerifyReport:
-    """Round trip + (optionally) logits parity at TP=PP=EP=1 in this process.
+@contextlib.contextmanager
+def single_process_megatron() -> Iterator[None]:
+    """Megatron at world size 1 (gloo, file rendezvous: no port to collide on), torn down after."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
 
-    With ``logits`` the caller must have started a world-size-1 group (``dist.initialize()``).
+    from armor_megatron.megatron import dist as mdist
+
+    with tempfile.TemporaryDirectory(prefix="armor_verify_pg_") as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{os.path.join(tmp, 'store')}", rank=0, world_size=1)
+        try:
+            mdist.initialize(mdist.ParallelConfig())
+            yield
+        finally:
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+
+
+def verify(hf_dir: str, mcore_dir: str, *, logits: bool = True, atol: float = DEFAULT_ATOL) -> VerifyReport:
+    """Round trip + (optionally) logits parity at TP=PP=EP=1.
+
+    With ``logits`` Megatron must be initialised at world size 1 (:func:`single_process_megatron`).
     """
     hf = HFCheckpoint(hf_dir)
     compared, mismatched = round_trip(hf_dir, mcore_dir)

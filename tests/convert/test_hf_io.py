@@ -51,9 +51,9 @@ def test_writer_refuses_undeclared_order_and_missing_tensors(tmp_path):
 def test_digest_ignores_order_but_not_content():
     a, b = torch.ones(3), torch.zeros(2)
     d1, d2, d3 = TensorDigest(), TensorDigest(), TensorDigest()
-    d1.update("a", a), d1.update("b", b)
-    d2.update("b", b), d2.update("a", a)
-    d3.update("a", a), d3.update("b", torch.tensor([0.0, -0.0]))  # -0.0 differs in bits
+    d1.update([("a", a), ("b", b)])
+    d2.update([("b", b)]), d2.update([("a", a)])
+    d3.update([("a", a)]), d3.update([("b", torch.tensor([0.0, -0.0]))])  # -0.0 differs in bits
     assert d1.hexdigest() == d2.hexdigest() != d3.hexdigest()
 
 

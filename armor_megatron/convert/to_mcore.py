@@ -9,6 +9,7 @@ Output layout::
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import sys
@@ -21,11 +22,37 @@ from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata
 from armor_megatron.convert.progress import Progress, Summary
-from armor_megatron.convert.rules import TensorRule, hf_shapes, hf_to_mcore, tensor_rules
+from armor_megatron.convert.rules import TensorRule, hf_shapes, mcore_to_hf, row_blocks, tensor_rules
 from armor_megatron.models import ModelArch
 
 # HF tensors that carry no weights of their own.
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
+
+
+class ReusedBuffer:
+    """One tensor's memory, reused while consecutive requests have the same size (checkpoint
+    order keeps a rule's chunks together), so each new size is faulted in once.
+
+    When the size changes the old memory is freed by shrinking its storage to zero bytes:
+    DCP's file writer keeps a reference to the last tensor it wrote of every key until the
+    whole file is written (torch 2.13, ``_write_files_from_queue``), which would otherwise pin
+    one chunk per key -- a whole layer plus embedding and output layer. Callers only ask for
+    a new tensor once the previous one is written and hashed.
+    """
+
+    def __init__(self):
+        self._storage = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        nbytes = dtype.itemsize * math.prod(shape)
+        if self._storage.numel() != nbytes:  # exact size: DCP's writer clones views of larger storage
+            self.release()
+            self._storage = torch.empty(nbytes, dtype=torch.uint8)
+        return self._storage.view(dtype).view(shape)
+
+    def release(self) -> None:
+        self._storage.untyped_storage().resize_(0)
+        self._storage = torch.empty(0, dtype=torch.uint8)
 
 
 def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
@@ -67,17 +94,28 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     progress = Progress("hf-to-mcore", count, total, progress_stream)
     digest = TensorDigest()
 
-    def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
-        parts = [hf.read(name) for name in names[chunk]]
-        for name, part in zip(names[chunk], parts):
-            digest.update(name, part)
-        progress.advance(sum(p.nbytes for p in parts), tensors=len(parts))
-        return hf_to_mcore(arch, chunk.rule, parts)
+    buffer = ReusedBuffer()
 
-    with staged_dir(out_dir, overwrite) as tmp:
+    def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
+        """Read the chunk's HF rows straight into place in the Megatron tensor.
+
+        The DCP writer has written the previous chunk when it asks for the next one, so the
+        same memory is reused once the digest of the previous chunk is done."""
+        digest.wait()
+        tensor = buffer.get(chunk.rule.shape, dtypes[chunk.rule])
+        for i, hf_row, row, rows in row_blocks(arch, chunk.rule):
+            hf.read_rows_into(names[chunk][i], hf_row, rows, tensor[row:row + rows])
+        digest.update(lambda: zip(names[chunk], mcore_to_hf(arch, chunk.rule, tensor)))
+        progress.advance(tensor.nbytes, tensors=len(names[chunk]))
+        return tensor
+
+    with hf, staged_dir(out_dir, overwrite) as tmp:
         torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)
+        digest.wait()
+        buffer.release()
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
         write_metadata(tmp, family=arch.family, hf_config=hf.config,
-                       source={"path": os.path.abspath(hf_dir), "tensors_sha256": digest.hexdigest(),
+                       source={"path": os.path.abspath(hf_dir), "tensors_checksum": digest.hexdigest(),
+                               "checksum": f"{TensorDigest.ALGORITHM} of sorted 'name dtype shape {TensorDigest.ALGORITHM}(bytes)' lines",
                                "tensors": count, "bytes": total})
     return progress.summary(os.path.abspath(out_dir))

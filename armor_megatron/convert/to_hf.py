@@ -8,21 +8,20 @@ layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + i
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from typing import Iterator, Optional, Sequence, TextIO
 
 from armor_megatron.convert import torch_dist
 from armor_megatron.convert.errors import CheckpointError
-from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter, TensorDigest
-from armor_megatron.convert.output import HF_FILES_DIR, METADATA_FILE, copy_side_files, staged_dir
+from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
+from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir
 from armor_megatron.convert.progress import Progress, Summary
-from armor_megatron.convert.rules import hf_shapes, mcore_to_hf
+from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks
 from armor_megatron.models import ModelArch, load_hf_config
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
-DEFAULT_BUCKET_BYTES = 256 * 2**20
+DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def hf_config_dir_of(mcore_dir: str, hf_config_dir: Optional[str] = None) -> str:
@@ -42,6 +41,7 @@ def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:
 
 
 def buckets(chunks: Sequence[torch_dist.Chunk], nbytes, limit: int) -> Iterator[list[torch_dist.Chunk]]:
+    """Consecutive chunks, about ``limit`` bytes per bucket (a bigger chunk goes alone)."""
     bucket, size = [], 0
     for chunk in chunks:
         if bucket and size + nbytes(chunk) > limit:
@@ -61,24 +61,23 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
         raise CheckpointError(f"{mcore_dir}: not a directory")
     config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
     arch = ModelArch.from_hf_config(load_hf_config(config_dir))
-    with staged_dir(out_dir, overwrite) as tmp, torch_dist.single_process_group():
+    with staged_dir(out_dir, overwrite) as tmp:
         reader = torch_dist.TorchDistReader(mcore_dir, arch)
         chunks = layer_major(torch_dist.chunks(arch))
         planned = [PlannedTensor(name, shape, reader.dtypes[c.rule]) for c in chunks
                    for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
         writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
         progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
-        digest = TensorDigest()
         chunk_bytes = lambda c: reader.dtypes[c.rule].itemsize * _numel(c.rule.shape)  # noqa: E731
         for bucket in buckets(chunks, chunk_bytes, bucket_bytes):
             for chunk, tensor in zip(bucket, reader.read(bucket)):
-                for name, part in zip(chunk.rule.hf(chunk.layer, chunk.expert), mcore_to_hf(arch, chunk.rule, tensor)):
-                    writer.write(name, part)
-                    digest.update(name, part)
-                    progress.advance(part.nbytes)
+                hf_blocks = mcore_to_hf_blocks(arch, chunk.rule, tensor)
+                names = chunk.rule.hf(chunk.layer, chunk.expert)
+                for name, shape, blocks in zip(names, hf_shapes(arch, chunk.rule), hf_blocks):
+                    writer.write_blocks(name, shape, blocks)
+                    progress.advance(sum(b.nbytes for b in blocks))
         writer.close()
         copy_side_files(config_dir, tmp)
-        _check_source_digest(mcore_dir, digest.hexdigest())
     return progress.summary(os.path.abspath(out_dir))
 
 
@@ -87,16 +86,3 @@ def _numel(shape) -> int:
     for s in shape:
         n *= s
     return n
-
-
-def _check_source_digest(mcore_dir: str, digest: str) -> None:
-    """For checkpoints this converter wrote and nobody trained since: same tensors as the source?
-
-    Only informative: a trained checkpoint legitimately differs, so a mismatch is not an error."""
-    path = os.path.join(mcore_dir, METADATA_FILE)
-    if os.path.isfile(path):
-        with open(path) as f:
-            source = json.load(f).get("source", {})
-        if source.get("tensors_sha256") == digest:
-            print(f"mcore-to-hf: tensors are bit-identical to the converted source {source.get('path')}",
-                  file=sys.stderr)
