@@ -9,12 +9,15 @@ local-spec GPTModel stage (fp32) at the given parallelism and checks that:
   ``model.sharded_state_dict()``: same keys, same global shapes;
 * every rank-local parameter equals ``tp_split`` of the HF tensors merged by the rules, at the
   parameter's global layer / expert index (the weight-sync direction of the same rules);
-* the last stage's logits match transformers' (EXPECTED_LOGITS) within 1e-4.
+* the last stage's logits match transformers' (EXPECTED_LOGITS) within 1e-4;
+* (``--save-dir DIR``) then saves the model with Megatron's own ``dist_checkpointing.save`` at
+  this parallelism into DIR/<family>, for the test to convert back to HF.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -104,6 +107,14 @@ def check_case(args, hf_dir: str, mcore_dir: str, expected_path: str) -> str:
         diff = (logits - torch.load(expected_path)).abs().max().item()
         assert diff <= 1e-4, f"{arch.family}: logits differ from transformers by {diff}"
         result += f", logits max diff {diff:.2e}"
+    if args.save_dir:
+        out = os.path.join(args.save_dir, arch.family)
+        if torch.distributed.get_rank() == 0:
+            os.makedirs(out)
+        torch.distributed.barrier()
+        dist_checkpointing.save(model.sharded_state_dict(), out)
+        torch.distributed.barrier()
+        result += f", saved by megatron to {out}"
     ps.destroy_model_parallel()
     return result
 
@@ -113,6 +124,7 @@ def main() -> int:
     for axis in ("tp", "pp", "ep"):
         parser.add_argument(f"--{axis}", type=int, default=1)
     parser.add_argument("--check-keys", action="store_true")
+    parser.add_argument("--save-dir")
     parser.add_argument("cases", nargs="+")
     args = parser.parse_args()
     for case in args.cases:

@@ -1,4 +1,5 @@
-"""Converted checkpoints load into the project's Megatron GPTModel and match transformers.
+"""Converted checkpoints load into the project's Megatron GPTModel and match transformers,
+and checkpoints Megatron saves at TP=2 / PP=2 / EP=2 convert back to the source tensors.
 
 Each test runs ``megatron_worker.py`` under torchrun (gloo, CPU) over several families; see the
 worker's docstring for what every rank checks (exact checkpoint keys at world size 1,
@@ -14,9 +15,9 @@ import sys
 import pytest
 import torch
 
-from armor_megatron.convert import convert_hf_to_mcore
+from armor_megatron.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from armor_megatron.convert.hf_io import HFCheckpoint
-from armor_megatron.convert.verify import hf_logits, prompts
+from armor_megatron.convert.verify import compare_tensors, hf_logits, prompts
 from tests.convert.conftest import FAMILIES, MOE_FAMILIES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -55,11 +56,22 @@ def test_tp1_exact_keys_and_logits(converted):
     assert out.count("logits max diff") == len(FAMILIES)
 
 
+def assert_megatron_saves_convert_back(saved_root, families, tiny_models, tmp_path):
+    """Checkpoints Megatron itself saved at some parallelism convert back to the source HF tensors."""
+    for family in families:
+        out = tmp_path / f"{family}-hf"
+        convert_mcore_to_hf(os.path.join(saved_root, family), str(out), hf_config_dir=tiny_models[family],
+                            progress_stream=None)
+        compared, mismatched = compare_tensors(HFCheckpoint(tiny_models[family]), HFCheckpoint(str(out)))
+        assert mismatched == [] and compared > 0, family
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(450)
-def test_tp2_dense(converted):
-    out = run_worker(2, DENSE, converted, "--tp", "2")
+def test_tp2_dense(converted, tiny_models, tmp_path):
+    out = run_worker(2, DENSE, converted, "--tp", "2", "--save-dir", str(tmp_path / "saved"))
     assert out.count("logits max diff") == 2 * len(DENSE)  # both TP ranks are last-stage ranks
+    assert_megatron_saves_convert_back(tmp_path / "saved", DENSE, tiny_models, tmp_path)
 
 
 # Tied embeddings (qwen2) at pp > 1: megatron-core 0.16.1 moves the last stage's embedding copy
@@ -70,13 +82,15 @@ PP_FAMILIES = [f for f in FAMILIES if f != "qwen2"]
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
-def test_pp2(converted):
-    out = run_worker(2, PP_FAMILIES, converted, "--pp", "2")
+def test_pp2(converted, tiny_models, tmp_path):
+    out = run_worker(2, PP_FAMILIES, converted, "--pp", "2", "--save-dir", str(tmp_path / "saved"))
     assert out.count("logits max diff") == len(PP_FAMILIES)
+    assert_megatron_saves_convert_back(tmp_path / "saved", PP_FAMILIES, tiny_models, tmp_path)
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(450)
-def test_ep2_moe(converted):
-    out = run_worker(2, list(MOE_FAMILIES), converted, "--ep", "2")
+def test_ep2_moe(converted, tiny_models, tmp_path):
+    out = run_worker(2, list(MOE_FAMILIES), converted, "--ep", "2", "--save-dir", str(tmp_path / "saved"))
     assert out.count("logits max diff") == 2 * len(MOE_FAMILIES)
+    assert_megatron_saves_convert_back(tmp_path / "saved", MOE_FAMILIES, tiny_models, tmp_path)
