@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+import warnings
 from typing import Optional, Sequence
 
 # What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
@@ -95,6 +96,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
+    # megatron-core and torch.distributed.checkpoint warn about GPU extras and single-process
+    # saving on every run; they say nothing about the conversion.
+    for module in ("megatron", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
     try:
         return _run(args)
     except BAD_INPUT as e:

@@ -17,6 +17,7 @@ format is safetensors': 8-byte little-endian header length, JSON header
 from __future__ import annotations
 
 import dataclasses
+import math
 import json
 import os
 import struct
@@ -48,7 +49,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
@@ -65,12 +66,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 class HFCheckpoint:
@@ -183,7 +178,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        return _numel(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def shard_plan(tensors: Sequence[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:

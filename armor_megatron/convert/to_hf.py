@@ -8,6 +8,7 @@ layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + i
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Iterator, Optional, Sequence, TextIO
@@ -68,7 +69,9 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
                    for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
         writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
         progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
-        chunk_bytes = lambda c: reader.dtypes[c.rule].itemsize * _numel(c.rule.shape)  # noqa: E731
+        def chunk_bytes(c: torch_dist.Chunk) -> int:
+            return reader.dtypes[c.rule].itemsize * math.prod(c.rule.shape)
+
         for bucket in buckets(chunks, chunk_bytes, bucket_bytes):
             for chunk, tensor in zip(bucket, reader.read(bucket)):
                 hf_blocks = mcore_to_hf_blocks(arch, chunk.rule, tensor)
@@ -80,9 +83,3 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
         copy_side_files(config_dir, tmp)
     return progress.summary(os.path.abspath(out_dir))
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

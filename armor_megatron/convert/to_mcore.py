@@ -80,12 +80,16 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
                         overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
     """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``.
 
-    ``tp``/``pp``/``ep`` are only checked (the checkpoint itself loads at any parallelism),
-    so that a model that cannot run at the intended sizes fails here, before any work.
+    ``tp``/``pp``/``ep`` are only checked (the checkpoint loads at any parallelism whose sizes
+    divide the model), so that a model that cannot run at the intended sizes fails here,
+    before any work.
     """
     hf = HFCheckpoint(hf_dir)
     arch: ModelArch = hf.arch
     arch.validate_parallelism(tp, pp, ep)
+    if arch.vocab_size % tp:  # megatron pads the vocabulary to a multiple of tp; this writes it unpadded
+        raise CheckpointError(f"vocab_size={arch.vocab_size} is not divisible by tp={tp}: the model would pad "
+                              f"its embedding and this checkpoint (unpadded) would not load")
     dtypes = plan_hf_tensors(hf)
     chunks = torch_dist.chunks(arch)
     names = {c: c.rule.hf(c.layer, c.expert) for c in chunks}

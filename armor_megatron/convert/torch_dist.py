@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import functools
 import io
 import json
@@ -243,7 +244,7 @@ def _chunk_load_planner_class():
             for (key, offsets), tensor in self.targets.items():
                 want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
                 reads = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [want])
-                covered = sum(_numel(r.lengths) for r in reads)
+                covered = sum(math.prod(r.lengths) for r in reads)
                 if covered != tensor.numel():
                     raise CheckpointError(f"{key} at {list(offsets)}: the checkpoint stores {covered} of "
                                           f"{tensor.numel()} elements")
@@ -259,9 +260,3 @@ def _chunk_load_planner_class():
 
     return ChunkLoadPlanner
 
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n

@@ -155,3 +155,8 @@ def test_progress_lines(capsys):
     progress = Progress("hf-to-mcore", total_tensors=4, total_bytes=2**30, stream=sys.stderr, every_s=0)
     progress.advance(2**29, tensors=2)
     assert "[hf-to-mcore] 2/4 tensors, 0.50/1.00 GiB" in capsys.readouterr().err
+
+
+def test_vocab_not_divisible_by_tp(capsys, tmp_path):
+    hf = save_tiny_model("llama", str(tmp_path / "hf"), vocab_size=255)
+    assert_bad_input(capsys, tmp_path, "vocab_size=255 is not divisible by tp=2", "hf-to-mcore", hf, "--tp", 2)
