@@ -199,13 +199,71 @@ class TorchDistReader:
             self.keys[rule], self.dtypes[rule] = key, stored[key].properties.dtype
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
-        """Load the given chunks (one pass over the files) and return their tensors in order."""
+        """Load the given chunks and return their tensors (shape ``rule.shape``) in order.
+
+        A chunk stored as one item (this converter's output, or a layer saved at TP=1) is
+        deserialised straight from its byte range; the others are assembled by DCP's
+        resharding read, which costs one more copy.
+        """
         from torch.distributed.checkpoint import load as dcp_load
 
+        out = {i: self._read_stored_item(c) for i, c in enumerate(wanted)}
         targets = {(self.keys[c.rule], c.global_offset()): torch.empty(c.stored_shape(), dtype=self.dtypes[c.rule])
-                   for c in wanted}
-        dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
-        return [t.reshape(c.rule.shape) for c, t in zip(wanted, targets.values())]
+                   for i, c in enumerate(wanted) if out[i] is None}
+        if targets:
+            dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+        return [(out[i] if out[i] is not None else targets[(self.keys[c.rule], c.global_offset())]).reshape(c.rule.shape)
+                for i, c in enumerate(wanted)]
+
+    def _read_stored_item(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The chunk if the checkpoint stores exactly it as one plain item, else None."""
+        from torch.distributed.checkpoint.metadata import MetadataIndex
+
+        key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
+        stored = self.metadata.state_dict_metadata[key].chunks
+        if not any(c.offsets == offset and tuple(c.sizes) == shape for c in stored):
+            return None
+        info = self.metadata.storage_data.get(MetadataIndex(key, offset))
+        if info is None or getattr(info, "transform_descriptors", None):
+            return None
+        with open(os.path.join(self.ckpt_dir, info.relative_path), "rb") as f:
+            tensor = torch.load(_FileRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
+        if tuple(tensor.shape) != shape or tensor.dtype != self.dtypes[chunk.rule]:
+            raise CheckpointError(f"{self.ckpt_dir}: {key} at {list(offset)} holds {tuple(tensor.shape)} "
+                                  f"{tensor.dtype}, its metadata says {shape} {self.dtypes[chunk.rule]}")
+        return tensor
+
+
+class _FileRange(io.RawIOBase):
+    """A read-only, seekable window ``[offset, offset + length)`` of an open binary file."""
+
+    def __init__(self, file, offset: int, length: int):
+        super().__init__()
+        self._file, self._start, self._length, self._pos = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
+        self._pos = min(max(base + pos, 0), self._length)
+        return self._pos
+
+    def readinto(self, buffer) -> int:
+        view = memoryview(buffer).cast("B")
+        n = min(len(view), self._length - self._pos)
+        if n <= 0:
+            return 0
+        self._file.seek(self._start + self._pos)
+        got = self._file.readinto(view[:n])
+        self._pos += got
+        return got
 
 
 def _check_megatron_config(ckpt_dir: str) -> None:
