@@ -27,6 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from armor_megatron.convert.errors import CheckpointError
+from armor_megatron.convert.raw_io import byte_view, open_sliced
 from armor_megatron.models import ModelArch, load_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -50,21 +51,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
-
-def byte_view(tensor: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable memoryview, without copying.
-
-    Built from the data pointer rather than ``tensor.numpy()``, which would mark the storage
-    non-resizable (see ``to_mcore.ReusedBuffer``). Valid only while ``tensor`` is alive.
-    """
-    import ctypes
-
-    if not tensor.is_contiguous():
-        raise ValueError("byte_view needs a contiguous tensor")
-    if tensor.nbytes == 0:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * tensor.nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 
@@ -234,7 +220,7 @@ class SafetensorsWriter:
                                f"{planned.name} {planned.shape} {planned.dtype} ({planned.nbytes} bytes)")
         if shard != self._open_shard:
             self._close_stream()
-            self._stream = open(os.path.join(self.out_dir, self.files[shard]), "wb")
+            self._stream = open_sliced(os.path.join(self.out_dir, self.files[shard]))
             self._stream.write(_header(self.shards[shard]))
             self._open_shard = shard
         for block in blocks:

@@ -9,6 +9,7 @@ Output layout::
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import re
@@ -29,30 +30,27 @@ from armor_megatron.models import ModelArch
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
 
 
-class ReusedBuffer:
-    """One tensor's memory, reused while consecutive requests have the same size (checkpoint
-    order keeps a rule's chunks together), so each new size is faulted in once.
+class ChunkBuffer:
+    """One allocation, faulted in once, that every chunk is read into in turn.
 
-    When the size changes the old memory is freed by shrinking its storage to zero bytes:
-    DCP's file writer keeps a reference to the last tensor it wrote of every key until the
-    whole file is written (torch 2.13, ``_write_files_from_queue``), which would otherwise pin
-    one chunk per key -- a whole layer plus embedding and output layer. Callers only ask for
-    a new tensor once the previous one is written and hashed.
+    Each request gets a tensor whose storage is exactly its bytes (DCP's writer clones a
+    tensor whose storage is larger) over the start of the shared memory. Faulting in fresh
+    memory for every tensor cost more than reading it (measured: 1.7 s vs 0.4 s for 2 GB).
+    The caller asks for the next chunk only once the previous one is written and hashed;
+    the memory lives as long as this object.
     """
 
-    def __init__(self):
-        self._storage = torch.empty(0, dtype=torch.uint8)
+    def __init__(self, nbytes: int):
+        self._memory = torch.empty(nbytes, dtype=torch.uint8)
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = dtype.itemsize * math.prod(shape)
-        if self._storage.numel() != nbytes:  # exact size: DCP's writer clones views of larger storage
-            self.release()
-            self._storage = torch.empty(nbytes, dtype=torch.uint8)
-        return self._storage.view(dtype).view(shape)
-
-    def release(self) -> None:
-        self._storage.untyped_storage().resize_(0)
-        self._storage = torch.empty(0, dtype=torch.uint8)
+        if nbytes > self._memory.numel():
+            raise ValueError(f"chunk of {nbytes} bytes does not fit the {self._memory.numel()}-byte buffer")
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        region = (ctypes.c_char * nbytes).from_address(self._memory.data_ptr())
+        return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
@@ -98,13 +96,13 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     progress = Progress("hf-to-mcore", count, total, progress_stream)
     digest = TensorDigest()
 
-    buffer = ReusedBuffer()
+    buffer = ChunkBuffer(max(math.prod(c.rule.shape) * dtypes[c.rule].itemsize for c in chunks))
 
     def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
         """Read the chunk's HF rows straight into place in the Megatron tensor.
 
         The DCP writer has written the previous chunk when it asks for the next one, so the
-        same memory is reused once the digest of the previous chunk is done."""
+        buffer is reused once the digest of the previous chunk is done."""
         digest.wait()
         tensor = buffer.get(chunk.rule.shape, dtypes[chunk.rule])
         for i, hf_row, row, rows in row_blocks(arch, chunk.rule):
@@ -116,7 +114,6 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     with hf, staged_dir(out_dir, overwrite) as tmp:
         torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)
         digest.wait()
-        buffer.release()
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
         write_metadata(tmp, family=arch.family, hf_config=hf.config,
                        source={"path": os.path.abspath(hf_dir), "tensors_checksum": digest.hexdigest(),

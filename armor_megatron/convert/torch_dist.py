@@ -34,6 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from armor_megatron.convert.errors import CheckpointError
+from armor_megatron.convert.raw_io import open_sliced
 from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.models import ModelArch
 
@@ -158,6 +159,7 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     objects = {(key, ()): (WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), none_list.getvalue())
                for key in extra_state_keys(arch)}
     writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
+    writer.fs = _sliced_writes_filesystem_class()()
     with _torch_save_without_crc32():
         dcp_save({}, storage_writer=writer, planner=_streaming_planner(items, objects, produce), no_dist=True)
     torch.save({}, os.path.join(out_dir, "common.pt"))
@@ -275,6 +277,24 @@ def _check_megatron_config(ckpt_dir: str) -> None:
         raise CheckpointError(f"{ckpt_dir}: not a Megatron dist checkpoint (no readable metadata.json)") from None
     if backend != "torch_dist":
         raise CheckpointError(f"{ckpt_dir}: sharded backend {backend!r} is not supported (only torch_dist)")
+
+
+@functools.cache
+def _sliced_writes_filesystem_class():
+    """DCP's local file system with big writes issued in slices (see ``raw_io``)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    class SlicedWritesFileSystem(FileSystem):
+        @contextlib.contextmanager
+        def create_stream(self, path, mode: str):
+            if mode != "wb":
+                with super().create_stream(path, mode) as stream:
+                    yield stream
+                return
+            with open_sliced(path, mode) as stream:
+                yield stream
+
+    return SlicedWritesFileSystem
 
 
 @functools.cache
