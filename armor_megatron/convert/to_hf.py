@@ -8,7 +8,6 @@ layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + i
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 from typing import Iterator, Optional, Sequence, TextIO
@@ -63,16 +62,13 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
     config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
     arch = ModelArch.from_hf_config(load_hf_config(config_dir))
     with staged_dir(out_dir, overwrite) as tmp:
-        reader = torch_dist.TorchDistReader(mcore_dir, arch)
+        reader = torch_dist.TorchDistReader(mcore_dir, arch, buffer_bytes=bucket_bytes)
         chunks = layer_major(torch_dist.chunks(arch))
         planned = [PlannedTensor(name, shape, reader.dtypes[c.rule]) for c in chunks
                    for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
         writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
         progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
-        def chunk_bytes(c: torch_dist.Chunk) -> int:
-            return reader.dtypes[c.rule].itemsize * math.prod(c.rule.shape)
-
-        for bucket in buckets(chunks, chunk_bytes, bucket_bytes):
+        for bucket in buckets(chunks, reader.chunk_bytes, bucket_bytes):
             for chunk, tensor in zip(bucket, reader.read(bucket)):
                 hf_blocks = mcore_to_hf_blocks(arch, chunk.rule, tensor)
                 names = chunk.rule.hf(chunk.layer, chunk.expert)
@@ -80,6 +76,7 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
                     writer.write_blocks(name, shape, blocks)
                     progress.advance(sum(b.nbytes for b in blocks))
         writer.close()
+        reader.close()
         copy_side_files(config_dir, tmp)
     return progress.summary(os.path.abspath(out_dir))
 

@@ -9,7 +9,6 @@ Output layout::
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import re
@@ -23,34 +22,12 @@ from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata
 from armor_megatron.convert.progress import Progress, Summary
+from armor_megatron.convert.raw_io import ChunkBuffer
 from armor_megatron.convert.rules import TensorRule, hf_shapes, mcore_to_hf, row_blocks, tensor_rules
 from armor_megatron.models import ModelArch
 
 # HF tensors that carry no weights of their own.
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
-
-
-class ChunkBuffer:
-    """One allocation, faulted in once, that every chunk is read into in turn.
-
-    Each request gets a tensor whose storage is exactly its bytes (DCP's writer clones a
-    tensor whose storage is larger) over the start of the shared memory. Faulting in fresh
-    memory for every tensor cost more than reading it (measured: 1.7 s vs 0.4 s for 2 GB).
-    The caller asks for the next chunk only once the previous one is written and hashed;
-    the memory lives as long as this object.
-    """
-
-    def __init__(self, nbytes: int):
-        self._memory = torch.empty(nbytes, dtype=torch.uint8)
-
-    def get(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        nbytes = dtype.itemsize * math.prod(shape)
-        if nbytes > self._memory.numel():
-            raise ValueError(f"chunk of {nbytes} bytes does not fit the {self._memory.numel()}-byte buffer")
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        region = (ctypes.c_char * nbytes).from_address(self._memory.data_ptr())
-        return torch.frombuffer(region, dtype=torch.uint8).view(dtype).view(shape)
 
 
 def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:

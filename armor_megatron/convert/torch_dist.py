@@ -34,7 +34,7 @@ from typing import Callable, Iterator, Optional, Sequence
 import torch
 
 from armor_megatron.convert.errors import CheckpointError
-from armor_megatron.convert.raw_io import open_sliced
+from armor_megatron.convert.raw_io import ChunkBuffer, open_sliced, pread_into, torch_save_storage_offset
 from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.models import ModelArch
 
@@ -171,12 +171,13 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
 
-    Each requested chunk (one layer / expert of a stacked tensor) is assembled from whatever
-    pieces the checkpoint stores (TP / EP / PP fragments of a training run, or whole layers
-    from this converter) by DCP's resharding reads, without a process group.
+    A chunk the checkpoint stores as one item (this converter's output; a layer saved at TP=1)
+    is read straight from the file into a reused buffer of ``buffer_bytes`` (at least the
+    largest chunk). Other chunks (TP / EP fragments of a training run) are assembled by DCP's
+    resharding read into fresh memory. No process group is needed.
     """
 
-    def __init__(self, ckpt_dir: str, arch: ModelArch):
+    def __init__(self, ckpt_dir: str, arch: ModelArch, buffer_bytes: int = 0):
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -199,26 +200,33 @@ class TorchDistReader:
                 raise CheckpointError(f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
                                       f"expected {list(rule.stacked_shape(arch))}")
             self.keys[rule], self.dtypes[rule] = key, stored[key].properties.dtype
+        largest = max(self.chunk_bytes(c) for c in chunks(arch))
+        self._buffer = ChunkBuffer(max(buffer_bytes, largest))
+        self._files: dict[str, int] = {}
+
+    def chunk_bytes(self, chunk: Chunk) -> int:
+        return self.dtypes[chunk.rule].itemsize * math.prod(chunk.rule.shape)
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
-        """Load the given chunks and return their tensors (shape ``rule.shape``) in order.
-
-        A chunk stored as one item (this converter's output, or a layer saved at TP=1) is
-        deserialised straight from its byte range; the others are assembled by DCP's
-        resharding read, which costs one more copy.
-        """
+        """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
+        chunk) per call; the tensors are valid until the next call."""
         from torch.distributed.checkpoint import load as dcp_load
 
-        out = {i: self._read_stored_item(c) for i, c in enumerate(wanted)}
+        out, used = {}, 0
+        for i, chunk in enumerate(wanted):
+            tensor = self._read_stored_item(chunk, used)
+            if tensor is not None:
+                out[i], used = tensor, used + tensor.nbytes
         targets = {(self.keys[c.rule], c.global_offset()): torch.empty(c.stored_shape(), dtype=self.dtypes[c.rule])
-                   for i, c in enumerate(wanted) if out[i] is None}
+                   for i, c in enumerate(wanted) if i not in out}
         if targets:
             dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
-        return [(out[i] if out[i] is not None else targets[(self.keys[c.rule], c.global_offset())]).reshape(c.rule.shape)
-                for i, c in enumerate(wanted)]
+        return [out[i].reshape(c.rule.shape) if i in out else targets[(self.keys[c.rule], c.global_offset())].reshape(
+            c.rule.shape) for i, c in enumerate(wanted)]
 
-    def _read_stored_item(self, chunk: Chunk) -> Optional[torch.Tensor]:
-        """The chunk if the checkpoint stores exactly it as one plain item, else None."""
+    def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> Optional[torch.Tensor]:
+        """The chunk read into the buffer at ``buffer_offset`` if the checkpoint stores exactly
+        it as one plain item, else None."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
@@ -226,46 +234,33 @@ class TorchDistReader:
         if not any(c.offsets == offset and tuple(c.sizes) == shape for c in stored):
             return None
         info = self.metadata.storage_data.get(MetadataIndex(key, offset))
-        if info is None or getattr(info, "transform_descriptors", None):
+        nbytes = self.chunk_bytes(chunk)
+        if info is None or getattr(info, "transform_descriptors", None) or buffer_offset + nbytes > self._buffer.nbytes:
             return None
-        with open(os.path.join(self.ckpt_dir, info.relative_path), "rb") as f:
-            tensor = torch.load(_FileRange(f, info.offset, info.length), map_location="cpu", weights_only=True)
-        if tuple(tensor.shape) != shape or tensor.dtype != self.dtypes[chunk.rule]:
-            raise CheckpointError(f"{self.ckpt_dir}: {key} at {list(offset)} holds {tuple(tensor.shape)} "
-                                  f"{tensor.dtype}, its metadata says {shape} {self.dtypes[chunk.rule]}")
+        fd = self._fd(info.relative_path)
+        with open(fd, "rb", closefd=False) as f:
+            start = torch_save_storage_offset(f, info.offset, info.length, nbytes)
+        if start is None:
+            return None
+        tensor = self._buffer.get(shape, self.dtypes[chunk.rule], buffer_offset)
+        try:
+            pread_into(fd, tensor, start)
+        except EOFError as e:
+            raise CheckpointError(f"{self.ckpt_dir}: {info.relative_path} is truncated ({e})") from None
         return tensor
 
+    def _fd(self, relative_path: str) -> int:
+        if relative_path not in self._files:
+            self._files[relative_path] = os.open(os.path.join(self.ckpt_dir, relative_path), os.O_RDONLY)
+        return self._files[relative_path]
 
-class _FileRange(io.RawIOBase):
-    """A read-only, seekable window ``[offset, offset + length)`` of an open binary file."""
+    def close(self) -> None:
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
-    def __init__(self, file, offset: int, length: int):
-        super().__init__()
-        self._file, self._start, self._length, self._pos = file, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
-        self._pos = min(max(base + pos, 0), self._length)
-        return self._pos
-
-    def readinto(self, buffer) -> int:
-        view = memoryview(buffer).cast("B")
-        n = min(len(view), self._length - self._pos)
-        if n <= 0:
-            return 0
-        self._file.seek(self._start + self._pos)
-        got = self._file.readinto(view[:n])
-        self._pos += got
-        return got
+    def __del__(self) -> None:
+        self.close()
 
 
 def _check_megatron_config(ckpt_dir: str) -> None:
