@@ -92,8 +92,9 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
         torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)
         digest.wait()
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
+        algorithm = TensorDigest.ALGORITHM
         write_metadata(tmp, family=arch.family, hf_config=hf.config,
                        source={"path": os.path.abspath(hf_dir), "tensors_checksum": digest.hexdigest(),
-                               "checksum": f"{TensorDigest.ALGORITHM} of sorted 'name dtype shape {TensorDigest.ALGORITHM}(bytes)' lines",
+                               "checksum": f"{algorithm} of sorted 'name dtype shape {algorithm}(bytes)' lines",
                                "tensors": count, "bytes": total})
     return progress.summary(os.path.abspath(out_dir))

@@ -13,9 +13,10 @@ save planner produces its tensor only when DCP's ``FileSystemWriter`` asks for i
 serialises one item at a time, so memory holds one tensor. (``dist_checkpointing.save``
 would need the whole state dict in memory, and its writer assumes CUDA.)
 
-Reading mirrors writing: a DCP load planner asks for chunks at their global offsets and DCP's
-resharding reads assemble each from whatever pieces are stored, so a checkpoint saved at any
-TP/PP/EP reads back at global shapes, bucket by bucket, without a process group.
+Reading: a chunk stored as one item (this converter's output, a layer saved without TP) is
+read straight from its bytes into a reused buffer; any other chunk is assembled by DCP's
+resharding read (a load planner asking for it at its global offsets) from whatever pieces a
+training run stored at its TP/PP/EP. Bucket by bucket, without a process group.
 
 Neither direction imports megatron-core.
 """
@@ -137,6 +138,7 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     ``dtype_of(chunk.rule)``); it is called once per chunk, in ``chunks(arch)`` order.
     """
     from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
@@ -158,7 +160,10 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     torch.save([None], none_list)  # megatron stores each object key as the list of its shards' data
     objects = {(key, ()): (WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), none_list.getvalue())
                for key in extra_state_keys(arch)}
-    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
+    # TORCH_SAVE writes each item as it comes (the safetensors format would keep every
+    # produced tensor until the end of the file, and ours share one buffer).
+    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False,
+                              serialization_format=SerializationFormat.TORCH_SAVE)
     writer.fs = _sliced_writes_filesystem_class()()
     with _torch_save_without_crc32():
         dcp_save({}, storage_writer=writer, planner=_streaming_planner(items, objects, produce), no_dist=True)
