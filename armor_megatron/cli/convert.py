@@ -1,0 +1,112 @@
+"""``armor-convert``: HF safetensors <-> Megatron torch_dist checkpoints, streaming on CPU.
+
+    armor-convert hf-to-mcore HF_DIR OUT_DIR [--tp N --pp N --ep N] [--overwrite]
+    armor-convert mcore-to-hf MCORE_DIR OUT_DIR [--hf-config DIR] [--max-shard-size 5GB] [--overwrite]
+    armor-convert verify HF_DIR MCORE_DIR [--no-logits] [--atol 1e-4]
+
+Exit status: 0 success, 2 bad input (one line on stderr, nothing written), 1 failed
+verification. Conversions print progress on long runs and a summary line at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import warnings
+from typing import Optional, Sequence
+
+# What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
+# parallel sizes that do not divide, an existing output directory.
+BAD_INPUT = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'5GB' -> 5·10⁹, '512MiB' -> 512·2²⁰, '1000' -> 1000 bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 5GB, 512MiB, 1000000)")
+    number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    base = 1024 if "I" in unit else 1000
+    power = "BKMGT".index(unit[0]) if unit != "B" else 0
+    return int(number * base**power)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="armor-convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron torch_dist checkpoint")
+    p.add_argument("hf_dir")
+    p.add_argument("out_dir")
+    for axis in ("tp", "pp", "ep"):
+        p.add_argument(f"--{axis}", type=int, default=1,
+                       help=f"check that the model divides for this {axis.upper()} size (the checkpoint loads at any)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    p = sub.add_parser("mcore-to-hf", help="Megatron torch_dist checkpoint -> HF safetensors directory")
+    p.add_argument("mcore_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--hf-config", help="HF directory with config.json/tokenizer (default: MCORE_DIR/hf_config)")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest safetensors shard (default 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
+
+    p = sub.add_parser("verify", help="round trip bit-for-bit and Megatron vs transformers logits")
+    p.add_argument("hf_dir")
+    p.add_argument("mcore_dir")
+    p.add_argument("--no-logits", action="store_true", help="only the round trip (no model forward)")
+    p.add_argument("--atol", type=float, default=1e-4, help="largest allowed logit difference (fp32)")
+    return parser
+
+
+def _run(args: argparse.Namespace) -> int:
+    from armor_megatron.convert import convert_hf_to_mcore, convert_mcore_to_hf
+    from armor_megatron.convert.progress import release_large_frees_to_os
+
+    release_large_frees_to_os()
+    progress = None if getattr(args, "quiet", False) else sys.stderr
+    if args.command == "hf-to-mcore":
+        summary = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
+                                      overwrite=args.overwrite, progress_stream=progress)
+        print(summary.line())
+        return 0
+    if args.command == "mcore-to-hf":
+        summary = convert_mcore_to_hf(args.mcore_dir, args.out_dir, hf_config_dir=args.hf_config,
+                                      max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
+                                      progress_stream=progress)
+        print(summary.line())
+        return 0
+    return _verify(args)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    import contextlib
+
+    from armor_megatron.convert.verify import single_process_megatron, verify
+
+    with contextlib.nullcontext() if args.no_logits else single_process_megatron():
+        report = verify(args.hf_dir, args.mcore_dir, logits=not args.no_logits, atol=args.atol)
+    print("\n".join(report.lines()))
+    return 0 if report.ok else 1
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    # megatron-core and torch.distributed.checkpoint warn about GPU extras and single-process
+    # saving on every run; they say nothing about the conversion.
+    for module in ("megatron", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    try:
+        return _run(args)
+    except BAD_INPUT as e:
+        print(f"armor-convert: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

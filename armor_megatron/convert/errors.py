@@ -1,0 +1,5 @@
+"""Errors of the converter; the CLI turns these into exit code 2 and one line."""
+
+
+class CheckpointError(ValueError):
+    """A checkpoint on disk is missing, incomplete or does not match the model description."""

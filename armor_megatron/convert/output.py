@@ -1,0 +1,66 @@
+"""Output directories written atomically, the converter's metadata file and the copied HF side files."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+import armor_megatron
+from armor_megatron.convert.hf_io import INDEX_FILE
+
+METADATA_FILE = "armor_convert.json"
+HF_FILES_DIR = "hf_config"
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
+    """Yield a fresh temporary directory next to ``out_dir``; rename it to ``out_dir`` on success.
+
+    An existing ``out_dir`` raises FileExistsError unless ``overwrite``; on any error the
+    temporary directory is removed and ``out_dir`` is left as it was.
+    """
+    out_dir = os.path.abspath(out_dir)
+    if os.path.lexists(out_dir) and not overwrite:
+        raise FileExistsError(f"{out_dir}: output directory already exists (pass --overwrite to replace it)")
+    parent = os.path.dirname(out_dir)
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"{parent}: parent of the output directory does not exist")
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    try:
+        yield tmp
+        if os.path.lexists(out_dir):
+            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            os.rename(out_dir, os.path.join(old, "x"))
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:
+    """Copy config, generation config and tokenizer files (everything but the weights)."""
+    os.makedirs(dst_dir, exist_ok=True)
+    copied = []
+    for name in sorted(os.listdir(src_dir)):
+        path = os.path.join(src_dir, name)
+        if os.path.isfile(path) and not name.endswith((".safetensors", ".bin", ".pt", ".pth")) and name not in (
+                INDEX_FILE, METADATA_FILE):
+            shutil.copy2(path, os.path.join(dst_dir, name))
+            copied.append(name)
+    return copied
+
+
+def write_metadata(out_dir: str, **fields) -> None:
+    meta = {"converter": "armor_megatron.convert", "converter_version": armor_megatron.__version__,
+            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **fields}
+    with open(os.path.join(out_dir, METADATA_FILE), "w") as f:
+        json.dump(meta, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -1,0 +1,82 @@
+"""Megatron torch_dist checkpoint (any training parallelism) -> HF safetensors directory.
+
+The HF config comes from ``hf_config_dir`` or, for checkpoints this converter wrote, from
+``MCORE_DIR/hf_config``. Tensors are read in buckets of about ``bucket_bytes`` and written
+layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + index, or one
+``model.safetensors``), with config.json and the tokenizer files copied alongside.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Iterator, Optional, Sequence, TextIO
+
+from armor_megatron.convert import torch_dist
+from armor_megatron.convert.errors import CheckpointError
+from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
+from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir
+from armor_megatron.convert.progress import Progress, Summary
+from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks
+from armor_megatron.models import ModelArch, load_hf_config
+
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+DEFAULT_BUCKET_BYTES = 64 * 2**20
+
+
+def hf_config_dir_of(mcore_dir: str, hf_config_dir: Optional[str] = None) -> str:
+    path = hf_config_dir or os.path.join(mcore_dir, HF_FILES_DIR)
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{mcore_dir}: no {HF_FILES_DIR}/config.json; pass --hf-config DIR with the HF config")
+    return path
+
+
+def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:
+    """HF order: embedding, then layer by layer, then the final norm and output layer."""
+    def order(c: torch_dist.Chunk):
+        if c.layer is not None:
+            return (1, c.layer)
+        return (0, 0) if c.rule.ckpt_key.startswith("embedding") else (2, 0)
+    return sorted(chunks, key=order)  # stable: keeps rule and expert order inside a layer
+
+
+def buckets(chunks: Sequence[torch_dist.Chunk], nbytes, limit: int) -> Iterator[list[torch_dist.Chunk]]:
+    """Consecutive chunks, about ``limit`` bytes per bucket (a bigger chunk goes alone)."""
+    bucket, size = [], 0
+    for chunk in chunks:
+        if bucket and size + nbytes(chunk) > limit:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(chunk)
+        size += nbytes(chunk)
+    if bucket:
+        yield bucket
+
+
+def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional[str] = None,
+                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                        overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
+    """Convert the torch_dist checkpoint ``mcore_dir`` into an HF model directory ``out_dir``."""
+    if not os.path.isdir(mcore_dir):
+        raise CheckpointError(f"{mcore_dir}: not a directory")
+    config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
+    arch = ModelArch.from_hf_config(load_hf_config(config_dir))
+    with staged_dir(out_dir, overwrite) as tmp:
+        reader = torch_dist.TorchDistReader(mcore_dir, arch, buffer_bytes=bucket_bytes)
+        chunks = layer_major(torch_dist.chunks(arch))
+        planned = [PlannedTensor(name, shape, reader.dtypes[c.rule]) for c in chunks
+                   for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
+        writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
+        progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
+        for bucket in buckets(chunks, reader.chunk_bytes, bucket_bytes):
+            for chunk, tensor in zip(bucket, reader.read(bucket)):
+                hf_blocks = mcore_to_hf_blocks(arch, chunk.rule, tensor)
+                names = chunk.rule.hf(chunk.layer, chunk.expert)
+                for name, shape, blocks in zip(names, hf_shapes(arch, chunk.rule), hf_blocks):
+                    writer.write_blocks(name, shape, blocks)
+                    progress.advance(sum(b.nbytes for b in blocks))
+        writer.close()
+        reader.close()
+        copy_side_files(config_dir, tmp)
+    return progress.summary(os.path.abspath(out_dir))
+

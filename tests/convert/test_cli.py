@@ -1,0 +1,162 @@
+"""``armor-convert``: exit codes, one-line errors for each bad input, no partial output."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from armor_megatron.cli.convert import main, parse_size
+from armor_megatron.convert.progress import Progress
+from tests.convert.conftest import save_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(capsys, *argv):
+    capsys.readouterr()  # drop what fixtures printed (transformers' progress bars)
+    code = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad_input(capsys, tmp_path, message, *argv):
+    out_dir = tmp_path / "out"
+    code, _, err = run(capsys, *argv, out_dir) if argv[0] != "verify" else run(capsys, *argv)
+    assert code == 2
+    assert err.count("\n") == 1 and err.startswith("armor-convert: error: ") and message in err, err
+    assert not out_dir.exists() and not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # nothing half-written
+
+
+@pytest.fixture
+def sharded_llama(tmp_path):
+    """The tiny llama saved in several shards (so one can go missing)."""
+    import transformers
+
+    src = tmp_path / "src"
+    save_tiny_model("llama", str(src))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(src))
+    hf = tmp_path / "hf"
+    model.save_pretrained(str(hf), max_shard_size="100KB")
+    shutil.copy(src / "tokenizer.json", hf / "tokenizer.json")
+    shards = sorted(f for f in os.listdir(hf) if f.endswith(".safetensors"))
+    assert len(shards) > 2
+    return hf, shards
+
+
+def test_missing_shard(capsys, tmp_path, sharded_llama):
+    hf, shards = sharded_llama
+    os.remove(hf / shards[1])
+    assert_bad_input(capsys, tmp_path, f"shard {shards[1]} is missing", "hf-to-mcore", hf)
+
+
+def test_truncated_shard(capsys, tmp_path, sharded_llama):
+    hf, shards = sharded_llama
+    os.truncate(hf / shards[0], os.path.getsize(hf / shards[0]) // 2)
+    assert_bad_input(capsys, tmp_path, f"{shards[0]}: unreadable or truncated", "hf-to-mcore", hf)
+
+
+def rewrite(hf, change):
+    tensors = load_file(str(hf / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor(capsys, tmp_path, tiny_models):
+    hf = shutil.copytree(tiny_models["llama"], tmp_path / "hf")
+    rewrite(hf, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
+    assert_bad_input(capsys, tmp_path, "tensor model.layers.1.mlp.up_proj.weight is missing", "hf-to-mcore", hf)
+
+
+def test_wrong_shape(capsys, tmp_path, tiny_models):
+    hf = shutil.copytree(tiny_models["qwen3"], tmp_path / "hf")
+    rewrite(hf, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
+    assert_bad_input(capsys, tmp_path, "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], "
+                     "expected [32, 64]", "hf-to-mcore", hf)
+
+
+def test_unexpected_tensor_is_not_dropped_silently(capsys, tmp_path, tiny_models):
+    hf = shutil.copytree(tiny_models["llama"], tmp_path / "hf")
+    rewrite(hf, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(2)))
+    assert_bad_input(capsys, tmp_path, "tensor model.layers.0.mlp.extra.weight is not part of a llama model",
+                     "hf-to-mcore", hf)
+
+
+def test_unsupported_architecture(capsys, tmp_path, tiny_models):
+    hf = shutil.copytree(tiny_models["llama"], tmp_path / "hf")
+    config = json.loads((hf / "config.json").read_text())
+    config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (hf / "config.json").write_text(json.dumps(config))
+    assert_bad_input(capsys, tmp_path, "unsupported architecture 'gpt2'", "hf-to-mcore", hf)
+
+
+def test_heads_not_divisible_by_tp(capsys, tmp_path, tiny_models):
+    assert_bad_input(capsys, tmp_path, "num_attention_heads=4 is not divisible by tp=3",
+                     "hf-to-mcore", tiny_models["llama"], "--tp", 3)
+
+
+def test_missing_input_directory(capsys, tmp_path):
+    assert_bad_input(capsys, tmp_path, "nowhere: not a directory", "mcore-to-hf", tmp_path / "nowhere")
+
+
+def test_checkpoint_of_another_model(capsys, tmp_path, tiny_models):
+    mcore = tmp_path / "mcore"
+    assert run(capsys, "hf-to-mcore", tiny_models["llama"], mcore)[0] == 0
+    assert_bad_input(capsys, tmp_path, "tensor decoder.layers.self_attention.q_layernorm.weight is missing",
+                     "mcore-to-hf", mcore, "--hf-config", tiny_models["qwen3"])
+
+
+def test_existing_output_is_refused_unless_overwrite(capsys, tmp_path, tiny_models):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep").write_text("x")
+    code, _, err = run(capsys, "hf-to-mcore", tiny_models["qwen2"], out)
+    assert code == 2 and "already exists (pass --overwrite" in err and err.count("\n") == 1
+    assert os.listdir(out) == ["keep"]
+    code, stdout, _ = run(capsys, "hf-to-mcore", tiny_models["qwen2"], out, "--overwrite", "--quiet")
+    assert code == 0 and "hf-to-mcore: " in stdout and " tensors, " in stdout and "peak RSS" in stdout
+    assert "keep" not in os.listdir(out) and "metadata.json" in os.listdir(out)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".out.")]
+
+
+def test_verify_exit_codes(capsys, tmp_path, tiny_models):
+    mcore = tmp_path / "mcore"
+    assert run(capsys, "hf-to-mcore", tiny_models["mixtral"], mcore)[0] == 0
+    code, out, _ = run(capsys, "verify", tiny_models["mixtral"], mcore, "--no-logits")
+    assert code == 0 and "verify: OK" in out
+    other = save_tiny_model("mixtral", str(tmp_path / "other"), seed=1)
+    code, out, _ = run(capsys, "verify", other, mcore, "--no-logits")
+    assert code == 1 and "verify: FAILED" in out and "first mismatch" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_verify_with_logits_as_a_user_runs_it(tmp_path, tiny_models):
+    mcore = tmp_path / "mcore"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run(cmd + ["hf-to-mcore", tiny_models["qwen3"], str(mcore), "--quiet"], check=True, env=env, timeout=200)
+    proc = subprocess.run(cmd + ["verify", tiny_models["qwen3"], str(mcore)], capture_output=True, text=True,
+                          env=env, timeout=200)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "logits: max |megatron - transformers|" in proc.stdout and "verify: OK" in proc.stdout
+
+
+@pytest.mark.parametrize("text, size", [("5GB", 5 * 10**9), ("512MiB", 512 * 2**20), ("1000", 1000), ("1.5kb", 1500)])
+def test_parse_size(text, size):
+    assert parse_size(text) == size
+
+
+def test_progress_lines(capsys):
+    progress = Progress("hf-to-mcore", total_tensors=4, total_bytes=2**30, stream=sys.stderr, every_s=0)
+    progress.advance(2**29, tensors=2)
+    assert "[hf-to-mcore] 2/4 tensors, 0.50/1.00 GiB" in capsys.readouterr().err
+
+
+def test_vocab_not_divisible_by_tp(capsys, tmp_path):
+    hf = save_tiny_model("llama", str(tmp_path / "hf"), vocab_size=255)
+    assert_bad_input(capsys, tmp_path, "vocab_size=255 is not divisible by tp=2", "hf-to-mcore", hf, "--tp", 2)

@@ -1,0 +1,96 @@
+"""Converted checkpoints load into the project's Megatron GPTModel and match transformers,
+and checkpoints Megatron saves at TP=2 / PP=2 / EP=2 convert back to the source tensors.
+
+Each test runs ``megatron_worker.py`` under torchrun (gloo, CPU) over several families; see the
+worker's docstring for what every rank checks (exact checkpoint keys at world size 1,
+rank-local parameters == ``tp_split`` of the rules, logits within 1e-4 of transformers).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from armor_megatron.convert import convert_hf_to_mcore, convert_mcore_to_hf
+from armor_megatron.convert.hf_io import HFCheckpoint
+from armor_megatron.convert.verify import compare_tensors, hf_logits, prompts
+from tests.convert.conftest import FAMILIES, MOE_FAMILIES
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_worker.py")
+DENSE = [f for f in FAMILIES if f not in MOE_FAMILIES]
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_models, tmp_path_factory) -> dict[str, str]:
+    """family -> worker CASE string (HF dir, converted torch_dist dir, transformers' logits)."""
+    root = tmp_path_factory.mktemp("parity")
+    cases = {}
+    for family, hf_dir in tiny_models.items():
+        mcore_dir, expected = os.path.join(root, family), os.path.join(root, f"{family}.logits.pt")
+        convert_hf_to_mcore(hf_dir, mcore_dir, progress_stream=None)
+        torch.save(hf_logits(hf_dir, prompts(HFCheckpoint(hf_dir).arch)), expected)
+        cases[family] = ",".join((hf_dir, mcore_dir, expected))
+    return cases
+
+
+def run_worker(nproc: int, families, converted, *flags: str) -> str:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
+           *flags, *(converted[f] for f in families)]
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    ok = [line for line in proc.stdout.splitlines() if line.startswith("WORKER OK")]
+    assert len(ok) == nproc * len(families), proc.stdout
+    return proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_tp1_exact_keys_and_logits(converted):
+    out = run_worker(1, list(FAMILIES), converted, "--check-keys")
+    assert out.count("logits max diff") == len(FAMILIES)
+
+
+def assert_megatron_saves_convert_back(saved_root, families, tiny_models, tmp_path):
+    """Checkpoints Megatron itself saved at some parallelism convert back to the source HF tensors."""
+    for family in families:
+        out = tmp_path / f"{family}-hf"
+        convert_mcore_to_hf(os.path.join(saved_root, family), str(out), hf_config_dir=tiny_models[family],
+                            progress_stream=None)
+        compared, mismatched = compare_tensors(HFCheckpoint(tiny_models[family]), HFCheckpoint(str(out)))
+        assert mismatched == [] and compared > 0, family
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_tp2_dense(converted, tiny_models, tmp_path):
+    out = run_worker(2, DENSE, converted, "--tp", "2", "--save-dir", str(tmp_path / "saved"))
+    assert out.count("logits max diff") == 2 * len(DENSE)  # both TP ranks are last-stage ranks
+    assert_megatron_saves_convert_back(tmp_path / "saved", DENSE, tiny_models, tmp_path)
+
+
+# Tied embeddings (qwen2) at pp > 1: megatron-core 0.16.1 moves the last stage's embedding copy
+# with ``.cuda()`` in ``setup_embeddings_and_output_layer``, which armor_megatron.megatron.cpu_compat
+# does not cover yet, so that case cannot be built on CPU.
+PP_FAMILIES = [f for f in FAMILIES if f != "qwen2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_pp2(converted, tiny_models, tmp_path):
+    out = run_worker(2, PP_FAMILIES, converted, "--pp", "2", "--save-dir", str(tmp_path / "saved"))
+    assert out.count("logits max diff") == len(PP_FAMILIES)
+    assert_megatron_saves_convert_back(tmp_path / "saved", PP_FAMILIES, tiny_models, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_ep2_moe(converted, tiny_models, tmp_path):
+    out = run_worker(2, list(MOE_FAMILIES), converted, "--ep", "2", "--save-dir", str(tmp_path / "saved"))
+    assert out.count("logits max diff") == 2 * len(MOE_FAMILIES)
+    assert_megatron_saves_convert_back(tmp_path / "saved", MOE_FAMILIES, tiny_models, tmp_path)
