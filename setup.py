@@ -29,6 +29,7 @@ setup(
         "pyyaml>=6",
         "pyarrow>=14",  # Parquet prompt datasets (DAPO-Math-17k and friends ship as Parquet)
         "safetensors>=0.4",
+        "xxhash>=3",  # checkpoint checksums in the converter (xxh3-128: hashes at memory speed)
         "transformers>=4.51",
         "math-verify>=0.7",
     ],
