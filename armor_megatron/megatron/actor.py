@@ -29,8 +29,9 @@ Loss: ``policy_loss`` (algo/loss.py) of every micro-batch with ``normalizer`` = 
 count of aggregation units over all N rows (token-mean: every response token), so that the
 micro-batch losses of all data-parallel ranks add up to exactly the loss of the whole batch,
 and their summed gradients (DDP sums, see `optimizer`) are its gradient, whatever the split.
-VPP filler micro-batches (the interleaved schedule needs a multiple of pp micro-batches) and
-ranks without rows carry an all-zero response mask: zero loss, zero gradient.
+Padding rows (a rank without rows; under VPP, full micro-batches of the batch's length L and
+a multiple of pp of them, as the interleaved schedule needs) carry an all-zero response mask:
+zero loss, zero gradient.
 
 Then: grad norm (pre-clipping) -> `StabilityGuard` -> clip to ``clip_grad`` and Adam step, or
 skip (no update, LR schedule not advanced, counted). Returned on every rank, identical::
@@ -61,7 +62,6 @@ from armor_megatron.megatron.logprobs import (
     LogProbs,
     MicroBatch,
     compute_logprobs,
-    filler_microbatch,
     model_forward,
     split_microbatches,
     token_logprobs,
@@ -117,6 +117,10 @@ class MegatronActor:
         self.optimizer, self.scheduler = optim.build_optimizer(self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps)
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
 
+    @property
+    def _interleaved(self) -> bool:
+        return len(self.ddp_chunks) > 1
+
     # ------------------------------------------------------------------ weights
     def load_weights(self, mcore_dir: str) -> None:
         """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
@@ -161,16 +165,21 @@ class MegatronActor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        many = len(self.ddp_chunks) > 1
-        get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=[iter(microbatches) for _ in self.ddp_chunks] if many else iter(microbatches),
-            model=self.ddp_chunks if many else self.ddp_chunks[0],
-            num_microbatches=len(microbatches),
-            seq_length=max(t.mb.tokens.shape[1] for t in microbatches),
-            micro_batch_size=self.micro_batch_size,
-            forward_only=False,
-        )
+        many = self._interleaved
+        config = self.model_chunks[0].config
+        config.variable_seq_lengths = not many  # fixed shapes for the interleaved schedule (see _local_microbatches)
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(microbatches) for _ in self.ddp_chunks] if many else iter(microbatches),
+                model=self.ddp_chunks if many else self.ddp_chunks[0],
+                num_microbatches=len(microbatches),
+                seq_length=max(t.mb.tokens.shape[1] for t in microbatches),
+                micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )
+        finally:
+            config.variable_seq_lengths = True
         metrics = _step_metrics(calls, losses)
         norm = optim.grad_norm(self.optimizer)
         lr = optim.current_lr(self.optimizer)
@@ -182,28 +191,37 @@ class MegatronActor:
         return metrics
 
     def _local_microbatches(self, batch: dict) -> list[_TrainMicroBatch]:
-        """This data-parallel rank's share of rows, cut into micro-batches (+ zero-weight fillers)."""
+        """This data-parallel rank's rows cut into micro-batches.
+
+        Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) keep a rank
+        without rows in the gradient all-reduce and, for the interleaved (VPP) schedule, which
+        exchanges fixed [L, micro_batch_size, h] activations, fill every micro-batch to
+        micro_batch_size rows of length L and their number to a multiple of pp.
+        """
         from megatron.core import parallel_state
 
         dp = parallel_state.get_data_parallel_world_size()
         rows = torch.tensor_split(torch.arange(batch["input_ids"].shape[0]), dp)[parallel_state.get_data_parallel_rank()]
+        if self._interleaved:
+            unit = self.micro_batch_size * parallel_state.get_pipeline_model_parallel_world_size()
+            target = max(1, -(-len(rows) // unit)) * unit
+        else:
+            target = max(1, len(rows))
+        local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
+        ref = local.get("ref_logprobs")
         out = []
-        if len(rows):
-            for mb in split_microbatches(batch["input_ids"][rows], batch["lengths"][rows], self.micro_batch_size):
-                index, s = rows[mb.index], mb.tokens.shape[1]
-                ref = batch.get("ref_logprobs")
-                adv = batch["advantages"][index]
-                out.append(_TrainMicroBatch(
-                    mb=MicroBatch(index, mb.tokens, mb.lengths),
-                    mask=batch["response_mask"][index, :s],
-                    old=batch["old_logprobs"][index, :s],
-                    ref=None if ref is None else ref[index, :s],
-                    adv=adv if adv.dim() == 1 else adv[:, :s],
-                ))
-        if not out:  # more data-parallel ranks than rows: this rank still joins the gradient all-reduce
-            out.append(_filler(batch))
-        if len(self.ddp_chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
-            out += [_filler(batch) for _ in range(-len(out) % parallel_state.get_pipeline_model_parallel_world_size())]
+        for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size):
+            i = mb.index
+            s = batch["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
+            tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
+            adv = local["advantages"][i]
+            out.append(_TrainMicroBatch(
+                mb=MicroBatch(i, tokens, mb.lengths),
+                mask=local["response_mask"][i, :s],
+                old=local["old_logprobs"][i, :s],
+                ref=None if ref is None else ref[i, :s],
+                adv=adv if adv.dim() == 1 else adv[:, :s],
+            ))
         return out
 
     # ------------------------------------------------------------------ checkpoint hooks
@@ -254,13 +272,15 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     finalize_model_grads(model, None, **kwargs)
 
 
-def _filler(batch: dict) -> _TrainMicroBatch:
-    """A one-token micro-batch standing for no row: all-zero mask, so zero loss and gradient."""
-    mb = filler_microbatch(batch["input_ids"])
-    zeros = torch.zeros(1, 1)
-    adv = batch["advantages"]
-    return _TrainMicroBatch(mb, zeros.bool(), zeros, None if batch.get("ref_logprobs") is None else zeros,
-                            torch.zeros(1) if adv.dim() == 1 else zeros)
+def _padded_rows(rows: dict, count: int) -> dict:
+    """`rows` with `count` padding rows appended: token 0, length 1, zero mask / advantage / log-probs."""
+    if count == 0:
+        return rows
+    out = {}
+    for key, t in rows.items():
+        pad = torch.ones if key == "lengths" else torch.zeros
+        out[key] = torch.cat([t, pad((count, *t.shape[1:]), dtype=t.dtype)])
+    return out
 
 
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:

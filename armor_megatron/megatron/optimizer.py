@@ -4,6 +4,7 @@ Public interface::
 
     ddp_chunks = wrap_ddp(model_chunks, on_gpu=...)          # megatron DistributedDataParallel per chunk
     optimizer, scheduler = build_optimizer(ddp_chunks, cfg, dtype=..., total_steps=...)
+    scheduler = build_scheduler(optimizer, cfg, total_steps=...)   # (part of build_optimizer)
     norm = grad_norm(optimizer)                                # after backward; pre-clipping L2 norm
     apply_update(optimizer, scheduler, norm)                   # clip to cfg.clip_grad, step, advance LR
 
@@ -48,7 +49,6 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
     """Megatron optimizer over `ddp_chunks` and its LR scheduler (see module docstring)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if total_steps < 1:
         raise ValueError(f"total_steps must be >= 1, got {total_steps}")
@@ -67,11 +67,21 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
         use_distributed_optimizer=ddp_chunks[0].ddp_config.use_distributed_optimizer,
     )
     optimizer = get_megatron_optimizer(megatron_cfg, ddp_chunks)
-    scheduler = OptimizerParamScheduler(
+    return optimizer, build_scheduler(optimizer, cfg, total_steps=total_steps)
+
+
+def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
+    """megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring); sets the lr of
+    every param group of `optimizer` (anything with ``param_groups``) to lr(0) at once."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if cfg.min_lr > cfg.lr:
+        raise ValueError(f"min_lr={cfg.min_lr} exceeds lr={cfg.lr}")
+    return OptimizerParamScheduler(
         optimizer,
         init_lr=0.0,
         max_lr=cfg.lr,
-        min_lr=min(cfg.min_lr, cfg.lr),
+        min_lr=cfg.min_lr,
         lr_warmup_steps=cfg.warmup_steps,
         lr_decay_steps=max(total_steps, cfg.warmup_steps + 1),
         lr_decay_style=cfg.lr_schedule,
@@ -80,7 +90,6 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
         wd_incr_steps=max(total_steps, 1),
         wd_incr_style="constant",
     )
-    return optimizer, scheduler
 
 
 def current_lr(optimizer) -> float:

@@ -41,8 +41,11 @@ class ReferenceModel:
         self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype)
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
+        # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep
+        # requires_grad=True on purpose: megatron's TP linears switch to linear_with_frozen_weight
+        # for frozen weights, which rounds differently from the actor's path and would break
+        # bit-equality after reset_from.
         for chunk in self.model_chunks:
-            chunk.requires_grad_(False)
             chunk.eval()
         self._to(torch.device("cpu") if self.offload else self.device)
 
