@@ -229,14 +229,13 @@ class MegatronActor:
         return chunks_sharded_state_dict(self.model_chunks, prefix)
 
     def sharded_state_dict(self) -> dict:
-        """Model (unprefixed keys), optimizer, LR schedule and guard, for dist_checkpointing.save."""
+        """Model (unprefixed keys), optimizer (once it has state), LR schedule and guard, for
+        dist_checkpointing.save."""
         model = self.model_sharded_state_dict()
-        return {
-            "model": model,
-            "optimizer": self.optimizer.sharded_state_dict(model),
-            "scheduler": self.scheduler.state_dict(),
-            "guard": self.guard.state_dict(),
-        }
+        state = {"model": model, "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict()}
+        if len(self.optimizer.state):  # before the first update Adam has no moments to save
+            state["optimizer"] = self.optimizer.sharded_state_dict(model)
+        return state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns

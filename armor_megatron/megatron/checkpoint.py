@@ -16,7 +16,7 @@ Layout of ``{root}``::
 
 What a checkpoint holds: the actor's model (keys exactly ``model.sharded_state_dict()``, no
 prefix, so `load_model_weights` and the converter read it too), its optimizer state (Adam
-moments sharded like the weights), LR schedule, stability guard, the reference model under
+moments sharded like the weights; none before the first update), LR schedule, stability guard, the reference model under
 keys prefixed ``reference.``, the RNG states of every rank (python, numpy, torch, CUDA and
 megatron's model-parallel tracker), the step and the parallel layout.
 
@@ -85,7 +85,8 @@ def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Opt
     state = actor.sharded_state_dict()
     if reference is not None:
         state["reference"] = reference.sharded_state_dict()
-    state.update(step=step, layout=_layout(), has_reference=reference is not None, rng=_rng_sharded_object())
+    state.update(step=step, layout=_layout(), has_reference=reference is not None,
+                 has_optimizer="optimizer" in state, rng=_rng_sharded_object())
     dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         torch.save(extra, os.path.join(tmp, EXTRA_FILE))
@@ -191,6 +192,7 @@ def load_checkpoint(path_or_root: str, actor: "MegatronActor", reference: Option
     if reference is not None and not common["has_reference"]:
         raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
     state = {"model": actor.model_sharded_state_dict()}
+    load_optimizer = load_optimizer and common["has_optimizer"]  # False: saved before the first update
     if load_optimizer:
         state["optimizer"] = actor.optimizer.sharded_state_dict(state["model"], is_loading=True)
     if reference is not None:
