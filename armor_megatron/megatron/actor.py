@@ -1,11 +1,14 @@
 """The trained policy: a TP/PP/EP Megatron GPT model with its optimizer and the ARMOR train step.
 
-Public interface (call after `dist.initialize(parallel, arch)`; every rank calls every method)::
+Public interface (call after `dist.initialize(parallel, arch)`; every rank calls every method;
+the constructor seeds torch and megatron's model-parallel RNG with `seed` before building the
+weights, so a seed gives the same initial weights whatever ran before)::
 
     actor = MegatronActor(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
                           loss=PolicyLossConfig(alpha=0.9), micro_batch_size=2, total_steps=500,
                           seed=1234, temperature=1.0)
     actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
+    actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
     actor.load_weights(mcore_dir)           # torch_dist model checkpoint, any TP/PP/EP layout
     out = actor.compute_logprobs(input_ids, lengths, with_entropy=False)   # LogProbs, no grad
     metrics = actor.train_step(batch)       # one optimizer step over the whole batch
@@ -34,7 +37,8 @@ a multiple of pp of them, as the interleaved schedule needs) carry an all-zero r
 zero loss, zero gradient.
 
 Then: grad norm (pre-clipping) -> `StabilityGuard` -> clip to ``clip_grad`` and Adam step, or
-skip (no update, LR schedule not advanced, counted). Returned on every rank, identical::
+skip (no update, LR schedule not advanced, counted, logged by rank 0). Returned on every rank,
+identical (lr: the rate of this step's update)::
 
     loss, grad_norm, lr, skipped (0/1), skipped_total,
     clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, ratio_min, ratio_max,
@@ -47,6 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 from typing import Mapping, Optional
 
 import torch
@@ -69,6 +74,8 @@ from armor_megatron.megatron.logprobs import (
 from armor_megatron.megatron.model import build_model_chunks, transformer_config_from_arch
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
 
 _ROW_KEYS = ("response_mask", "old_logprobs", "ref_logprobs")
 
@@ -105,7 +112,7 @@ class MegatronActor:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.arch, self.parallel, self.loss_config = arch, parallel, loss
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
-        torch.manual_seed(seed)  # the same initial weights for a seed, whatever ran before
+        torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
         config = transformer_config_from_arch(arch, parallel, dtype=dtype, calculate_per_token_loss=True)
@@ -138,8 +145,6 @@ class MegatronActor:
     # ------------------------------------------------------------------ training
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step over all rows of `batch` (see module docstring)."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
         batch = _checked_batch(batch, self.loss_config)
         normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
         microbatches = self._local_microbatches(batch)
@@ -161,13 +166,32 @@ class MegatronActor:
             tmb = next(data_iterator)
             return model_forward(model, tmb.mb), functools.partial(loss_func, tmb)
 
+        self._forward_backward(microbatches, forward_step)
+        metrics = _step_metrics(calls, losses)
+        norm = optim.grad_norm(self.optimizer)
+        lr = optim.current_lr(self.optimizer)
+        skip_reason = self.guard.check(metrics["loss"], norm)
+        if skip_reason is None:
+            optim.apply_update(self.optimizer, self.scheduler, norm)
+        elif dist.get_rank() == 0:
+            logger.warning("optimizer step skipped (%d so far): %s", self.guard.skipped_total, skip_reason)
+        metrics.update(grad_norm=norm, lr=lr, skipped=float(skip_reason is not None),
+                       skipped_total=float(self.guard.skipped_total))
+        return metrics
+
+    def _forward_backward(self, microbatches: list[_TrainMicroBatch], forward_step) -> None:
+        """Zero the grads, then forward and backward of every micro-batch through megatron's
+        pipeline schedule; the grads end summed over micro-batches and data-parallel ranks."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
         for chunk in self.ddp_chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         many = self._interleaved
         config = self.model_chunks[0].config
-        config.variable_seq_lengths = not many  # fixed shapes for the interleaved schedule (see _local_microbatches)
+        variable = config.variable_seq_lengths
+        config.variable_seq_lengths = variable and not many  # the interleaved schedule gets fixed shapes
         try:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -179,16 +203,7 @@ class MegatronActor:
                 forward_only=False,
             )
         finally:
-            config.variable_seq_lengths = True
-        metrics = _step_metrics(calls, losses)
-        norm = optim.grad_norm(self.optimizer)
-        lr = optim.current_lr(self.optimizer)
-        skip_reason = self.guard.check(metrics["loss"], norm)
-        if skip_reason is None:
-            optim.apply_update(self.optimizer, self.scheduler, norm)
-        metrics.update(grad_norm=norm, lr=lr, skipped=float(skip_reason is not None),
-                       skipped_total=float(self.guard.skipped_total))
-        return metrics
+            config.variable_seq_lengths = variable
 
     def _local_microbatches(self, batch: dict) -> list[_TrainMicroBatch]:
         """This data-parallel rank's rows cut into micro-batches.
