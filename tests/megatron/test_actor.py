@@ -12,6 +12,9 @@ the tests below check:
    actor resumed from the checkpoint repeats step 3.
 4. TP=1 (DP=4) again: the TP=2×PP=2 checkpoint resharded, its log-probs and step 3.
 
+A second, 2-rank job trains the MoE model at EP=1 and EP=2 (expert gradients are reduced
+over the expert-data-parallel group, also summed).
+
 7 rows over 4 data-parallel ranks are shares of 2, 2, 2, 1 rows (1, 1, 1, 1 micro-batches of
 <= 2 rows); over 2 ranks 4 and 3 rows: every layout splits the batch differently, and only
 the global token-mean normalizer makes their losses agree.
@@ -26,6 +29,7 @@ from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_parallel_logprobs import QWEN3 as ARCH
+from tests.megatron.test_parallel_logprobs import QWEN3_MOE
 
 STEPS = 3
 TP1, TP2, TP2PP2, PP2VPP2 = ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(tp=2, pp=2), ParallelConfig(pp=2, vpp=2)
@@ -43,10 +47,10 @@ def make_batch():
                 advantages=torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5, 0.0, 1.0]))
 
 
-def _actor(parallel):
+def _actor(parallel, arch=ARCH):
     from armor_megatron.megatron.actor import MegatronActor
 
-    return MegatronActor(ARCH, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2,
+    return MegatronActor(arch, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2,
                          total_steps=10, seed=5)
 
 
@@ -217,3 +221,32 @@ def test_non_finite_and_spiking_steps_are_skipped_without_touching_weights(story
     assert spike["skipped"] == 1.0 and spike["skipped_total"] == 1.0  # a fresh guard counts from 0
     assert spike["grad_norm"] > 3.0 * warm["grad_norm"] and r["spike_unchanged"]
     assert r["lr_steps"][1] == r["lr_steps"][0] + 1
+
+
+def moe_worker(rank, root):
+    """MoE: 3 steps at EP=1 (DP=2), then the same weights and batches at EP=2 (experts split)."""
+    from armor_megatron.megatron.checkpoint import save_checkpoint
+
+    mdist.initialize(TP1, QWEN3_MOE, seed=5)
+    try:
+        actor, batch = _actor(TP1, QWEN3_MOE), make_batch()
+        save_checkpoint(root, 0, actor, None, {})
+        lp = _logprobs(actor, batch)
+        batch.update(old_logprobs=lp, ref_logprobs=lp)
+        losses = {"ep1": [actor.train_step(batch)["loss"] for _ in range(STEPS)]}
+        mdist.set_model_parallel(ParallelConfig(ep=2), QWEN3_MOE, seed=5)
+        actor = _actor(ParallelConfig(ep=2), QWEN3_MOE)
+        actor.load_weights(root)
+        losses["ep2"] = [actor.train_step(batch)["loss"] for _ in range(STEPS)]
+        return losses
+    finally:
+        mdist.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_moe_ep2_train_steps_match_ep1(tmp_path):
+    losses = run_ranks(moe_worker, 2, str(tmp_path), timeout=280)[0]
+    assert len(set(losses["ep1"])) == STEPS
+    for k in range(STEPS):
+        assert abs(losses["ep2"][k] - losses["ep1"][k]) < 1e-5, (k, losses)
