@@ -13,7 +13,8 @@ the tests below check:
 4. TP=1 (DP=4) again: the TP=2×PP=2 checkpoint resharded, its log-probs and step 3.
 
 A second, 2-rank job trains the MoE model at EP=1 and EP=2 (expert gradients are reduced
-over the expert-data-parallel group, also summed).
+over the expert-data-parallel group, also summed), and a bf16 model at TP=2 (bf16 weights,
+fp32 master weights in megatron's Float16 optimizer) through a checkpoint and resume.
 
 7 rows over 4 data-parallel ranks are shares of 2, 2, 2, 1 rows (1, 1, 1, 1 micro-batches of
 <= 2 rows); over 2 ranks 4 and 3 rows: every layout splits the batch differently, and only
@@ -223,30 +224,61 @@ def test_non_finite_and_spiking_steps_are_skipped_without_touching_weights(story
     assert r["lr_steps"][1] == r["lr_steps"][0] + 1
 
 
-def moe_worker(rank, root):
-    """MoE: 3 steps at EP=1 (DP=2), then the same weights and batches at EP=2 (experts split)."""
-    from armor_megatron.megatron.checkpoint import save_checkpoint
+def two_rank_worker(rank, root):
+    """MoE: 3 steps at EP=1 (DP=2), then the same weights and batches at EP=2 (experts split).
+    bf16 at TP=2: 2 steps, checkpoint, step 3; a fresh actor resumed from it repeats step 3."""
+    from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
 
     mdist.initialize(TP1, QWEN3_MOE, seed=5)
     try:
         actor, batch = _actor(TP1, QWEN3_MOE), make_batch()
-        save_checkpoint(root, 0, actor, None, {})
+        save_checkpoint(f"{root}/moe", 0, actor, None, {})
         lp = _logprobs(actor, batch)
         batch.update(old_logprobs=lp, ref_logprobs=lp)
-        losses = {"ep1": [actor.train_step(batch)["loss"] for _ in range(STEPS)]}
+        out = {"ep1": [actor.train_step(batch)["loss"] for _ in range(STEPS)]}
         mdist.set_model_parallel(ParallelConfig(ep=2), QWEN3_MOE, seed=5)
         actor = _actor(ParallelConfig(ep=2), QWEN3_MOE)
-        actor.load_weights(root)
-        losses["ep2"] = [actor.train_step(batch)["loss"] for _ in range(STEPS)]
-        return losses
+        actor.load_weights(f"{root}/moe")
+        out["ep2"] = [actor.train_step(batch)["loss"] for _ in range(STEPS)]
+
+        mdist.set_model_parallel(TP2, ARCH, seed=5)
+        bf16 = lambda: MegatronActor(ARCH, TP2, dtype="bfloat16", optimizer=OPTIM, loss=LOSS,  # noqa: E731
+                                     micro_batch_size=2, total_steps=10, seed=5)
+        actor = bf16()
+        out["bf16_dtypes"] = ({p.dtype for c in actor.model_chunks for p in c.parameters()},
+                              {p.dtype for g in actor.optimizer.param_groups for p in g["params"]})
+        lp = _logprobs(actor, batch)
+        batch.update(old_logprobs=lp, ref_logprobs=lp)
+        losses = [actor.train_step(batch)["loss"] for _ in range(STEPS - 1)]
+        save_checkpoint(f"{root}/bf16", STEPS - 1, actor, None, {})
+        losses.append(actor.train_step(batch)["loss"])
+        resumed = bf16()
+        load_checkpoint(f"{root}/bf16", resumed, None)
+        out["bf16"] = (losses, resumed.train_step(batch)["loss"])
+        return out
     finally:
         mdist.shutdown()
 
 
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_ranks(two_rank_worker, 2, str(tmp_path_factory.mktemp("two")), timeout=280)[0]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_moe_ep2_train_steps_match_ep1(tmp_path):
-    losses = run_ranks(moe_worker, 2, str(tmp_path), timeout=280)[0]
-    assert len(set(losses["ep1"])) == STEPS
+def test_moe_ep2_train_steps_match_ep1(two_ranks):
+    assert len(set(two_ranks["ep1"])) == STEPS
     for k in range(STEPS):
-        assert abs(losses["ep2"][k] - losses["ep1"][k]) < 1e-5, (k, losses)
+        assert abs(two_ranks["ep2"][k] - two_ranks["ep1"][k]) < 1e-5, (k, two_ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bf16_model_keeps_fp32_master_weights_and_resumes_bitwise(two_ranks):
+    assert two_ranks["bf16_dtypes"] == ({torch.bfloat16}, {torch.float32})
+    losses, resumed = two_ranks["bf16"]
+    assert resumed == losses[-1]
+    # step 1 is on-policy (old = the bf16 model's own log-probs): -Σ A / #tokens = -10/45 up to bf16 rounding
+    assert losses[0] == pytest.approx(-10 / 45, abs=1e-3)
