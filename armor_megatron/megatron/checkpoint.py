@@ -1,6 +1,6 @@
 """Distributed training checkpoints (megatron ``dist_checkpointing``, torch_dist format).
 
-Public interface (every rank calls save/load; prune on one rank)::
+Public interface (every rank calls every function)::
 
     path = save_checkpoint(root, step, actor, reference, extra)   # -> "{root}/iter_{step:07d}"
     path = find_latest(root)                                      # the dir `latest` names, or None
@@ -164,10 +164,13 @@ def find_latest(root: str) -> Optional[str]:
 
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     """Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
-    names) and the leftovers of interrupted saves; returns the removed paths. Call on one rank,
-    not while a save into `root` is running."""
+    names) and the leftovers of interrupted saves; returns the removed paths. Any rank may call
+    it (in a distributed job only rank 0 deletes, the others return []); not while a save into
+    `root` is running."""
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return []
     latest = _latest_name(root)
     complete = sorted(n for n in os.listdir(root) if n.startswith("iter_") and ".tmp-" not in n)
     doomed = [n for n in complete[:-keep_last] if n != latest]
