@@ -267,12 +267,12 @@ class MegatronActor:
 # ----------------------------------------------------------------------------- helpers
 def check_layout(parallel: ParallelConfig) -> None:
     """Raise when megatron's current model-parallel groups are not the layout `parallel` names."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state as ps
 
-    if not parallel_state.model_parallel_is_initialized():
+    if not ps.model_parallel_is_initialized():
         raise RuntimeError("megatron model parallelism is not initialised: call dist.initialize(parallel, arch) first")
-    current = (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_world_size(),
-               parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_virtual_pipeline_model_parallel_world_size())
+    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size())
     wanted = (parallel.tp, parallel.pp, parallel.ep, parallel.vpp)
     if current != wanted:
         raise ValueError(f"parallel layout (tp, pp, ep, vpp)={wanted} differs from the initialised one {current}")
