@@ -75,6 +75,24 @@ def _positive_mean(lp, batch):
     return lp[sel].mean().item()
 
 
+def test_bad_train_batches_fail_with_one_clear_line():
+    from armor_megatron.megatron.actor import _checked_batch
+
+    batch = {**make_batch(), "old_logprobs": torch.zeros(7, 14)}
+    assert _checked_batch(batch, PolicyLossConfig())["response_mask"].dtype == torch.bool  # alpha 1: no ref
+    with pytest.raises(ValueError, match=r"^ref_logprobs is required when alpha < 1 \(alpha=0.9\)$"):
+        _checked_batch(batch, LOSS)
+    with pytest.raises(KeyError, match="train batch lacks advantages, old_logprobs"):
+        _checked_batch({k: v for k, v in batch.items() if k not in ("advantages", "old_logprobs")}, LOSS)
+    with pytest.raises(ValueError, match=r"old_logprobs has shape \(7, 13\), expected \(7, 14\) like input_ids"):
+        _checked_batch({**batch, "old_logprobs": torch.zeros(7, 13)}, PolicyLossConfig())
+    for t in (0, 9):  # position 0 is never predicted; row 1 has length 9
+        mask = batch["response_mask"].clone()
+        mask[1, t] = True
+        with pytest.raises(ValueError, match="response_mask marks positions outside 1 <= t < lengths"):
+            _checked_batch({**batch, "response_mask": mask}, PolicyLossConfig())
+
+
 def story_worker(rank, root):
     from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
     from armor_megatron.megatron.stability import StabilityGuard
