@@ -13,7 +13,8 @@ model parameters (the bf16 weights the actor computes with, not its fp32 master 
 tensor by tensor, so reference log-probs equal the actor's exactly until the actor's next
 update. With ``offload=True`` the weights live in host memory between calls and are moved
 to the device only inside `compute_logprobs` / `reset_from` (a no-op on CPU-only runs);
-loading and saving work on the weights wherever they are.
+loading and saving work on the weights wherever they are. Give it the actor's
+``temperature`` (log-probs of softmax(logits / T), as the rollouts were sampled).
 """
 
 from __future__ import annotations
@@ -57,8 +58,9 @@ class ReferenceModel:
     @torch.no_grad()
     def reset_from(self, actor: MegatronActor) -> None:
         """Copy the actor's current model weights into the reference (same arch and layout)."""
-        if actor.arch != self.arch or actor.parallel != self.parallel or len(actor.model_chunks) != len(self.model_chunks):
-            raise ValueError("reset_from needs an actor with the reference's architecture and parallel layout")
+        dtype = lambda chunks: next(chunks[0].parameters()).dtype  # noqa: E731
+        if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (self.arch, self.parallel, dtype(self.model_chunks)):
+            raise ValueError("reset_from needs an actor with the reference's architecture, parallel layout and dtype")
         with self._on_device():
             for ours, theirs in zip(self.model_chunks, actor.model_chunks):
                 mine, src = ours.state_dict(keep_vars=True), theirs.state_dict(keep_vars=True)
