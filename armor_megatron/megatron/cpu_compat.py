@@ -28,6 +28,13 @@ Work-arounds (megatron-core behaviour covered -> what we do):
   moves split sizes to the host on it and converts them to numpy only for CUDA tensors (so
   ``all_to_all_single`` gets tensors as split sizes and refuses them) -> a stand-in stream whose
   context and events are no-ops, and the host copy converts CPU tensors to numpy too.
+* `optimizer_on_cpu`: the (non-distributed) Megatron optimizers create their loss-scale and
+  overflow tensors with ``device='cuda'``, the grad-norm / clipping / zero-count helpers their
+  work buffers too, and ``clip_grad_by_total_norm_fp32`` and the bf16 optimizer assert
+  ``param.type() == 'torch.cuda.FloatTensor'`` (or ``BFloat16Tensor``) -> those functions run
+  with CUDA factory literals placed on the CPU, and inside them ``Tensor.type()`` of a CPU
+  tensor reports the CUDA type name of its dtype. (The distributed optimizer refuses CPU
+  tensors outright; CPU runs use the plain one.)
 
 Version guard: the work-arounds patch internals, so `apply()` raises for a megatron-core
 minor release other than the one they were checked against and warns for another patch
@@ -278,6 +285,48 @@ def moe_alltoall_dispatcher_on_cpu() -> None:
     torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
 
 
+@contextlib.contextmanager
+def _cpu_tensors_report_cuda_type():
+    original = torch.Tensor.type
+    if getattr(original, "__armor_cpu_compat__", False):  # nested (a wrapped __init__ calling super's)
+        yield
+        return
+
+    def cuda_type(self, *args, **kwargs):
+        name = original(self, *args, **kwargs)  # under a torch-function mode this may be cuda_type again
+        if args or kwargs or self.is_cuda or name.startswith("torch.cuda."):
+            return name
+        return name.replace("torch.", "torch.cuda.", 1)
+
+    cuda_type.__armor_cpu_compat__ = True
+    torch.Tensor.type = cuda_type
+    try:
+        yield
+    finally:
+        torch.Tensor.type = original
+
+
+@contextlib.contextmanager
+def _optimizer_cuda_assumptions_on_cpu():
+    with _CudaFactoriesOnCpu(), _cpu_tensors_report_cuda_type():
+        yield
+
+
+def optimizer_on_cpu() -> None:
+    """``device='cuda'`` buffers and ``'torch.cuda.*Tensor'`` type asserts in the optimizer path."""
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as optim
+
+    wrap = _run_inside(_optimizer_cuda_assumptions_on_cpu)
+    for name in ("get_grad_norm_fp32", "clip_grad_by_total_norm_fp32", "count_zeros_fp32"):
+        _replace(clip_grads, name, wrap)
+        setattr(optim, name, getattr(clip_grads, name))  # optimizer.py imported them by name
+    for cls in (optim.MixedPrecisionOptimizer, optim.Float16OptimizerWithFloat16Params, optim.FP32Optimizer):
+        if "__init__" in vars(cls):
+            _replace(cls, "__init__", wrap)
+    _replace(optim.ChainedOptimizer, "get_loss_scale", wrap)
+
+
 WORKAROUNDS = (
     cuda_current_device_on_cpu,
     cuda_synchronize_on_cpu,
@@ -286,4 +335,5 @@ WORKAROUNDS = (
     cpu_rng_tracker,
     moe_router_gemm_without_te,
     moe_alltoall_dispatcher_on_cpu,
+    optimizer_on_cpu,
 )

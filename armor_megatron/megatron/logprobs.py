@@ -8,6 +8,8 @@ Public interface::
                            vocab_size=..., temperature=1.0, with_entropy=False)
     out.logprobs  # [B, T] fp32, on every rank
     out.entropy   # [B, T] fp32 or None
+    mbs = split_microbatches(input_ids, lengths, micro_batch_size)   # [MicroBatch]; filler_microbatch(ids)
+    lp, ent = token_logprobs(logits, mb, vocab_size=..., ...)       # one micro-batch, differentiable
 
 Math (per token, with z = logits / temperature over the global vocabulary, V true entries):
     lse = log Σ_v exp z_v,   log p(y) = z_y − lse,   H = lse − Σ_v p_v z_v.
@@ -197,7 +199,7 @@ def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_bat
     return out
 
 
-def _filler_microbatch(input_ids: torch.Tensor) -> MicroBatch:
+def filler_microbatch(input_ids: torch.Tensor) -> MicroBatch:
     """A one-token sequence standing for no batch row (``index`` is empty); its output is dropped."""
     return MicroBatch(torch.zeros(0, dtype=torch.long), input_ids[:1, :1].cpu(), torch.ones(1, dtype=torch.long))
 
@@ -256,7 +258,7 @@ def compute_logprobs(
     mbs = split_microbatches(input_ids.cpu(), lengths.cpu(), micro_batch_size)
     if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        mbs += [_filler_microbatch(input_ids)] * (-len(mbs) % pp)
+        mbs += [filler_microbatch(input_ids)] * (-len(mbs) % pp)
     device = _device_of(chunks[0])
     B, T = input_ids.shape
     logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)

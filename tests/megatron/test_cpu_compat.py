@@ -66,3 +66,14 @@ def test_apply_makes_cuda_assumptions_run_on_cpu():
     assert mask.tolist() == [[False, True, True], [False, False, True], [False, False, False]]
     # model-parallel stream: seed + 2718 + tp_rank (megatron's rule)
     assert torch.equal(forked, torch.rand(2, generator=torch.Generator().manual_seed(123 + 2718)))
+
+
+def test_optimizer_work_around_reports_cuda_type_names_once():
+    t = torch.zeros(2)
+    with cpu_compat._optimizer_cuda_assumptions_on_cpu():
+        with cpu_compat._optimizer_cuda_assumptions_on_cpu():  # nested, as a wrapped __init__ calling super's
+            # the torch-function mode re-enters Tensor.type: the name must still be rewritten only once
+            assert t.type() == "torch.cuda.FloatTensor" and t.bfloat16().type() == "torch.cuda.BFloat16Tensor"
+            assert torch.zeros(1, device="cuda").device.type == "cpu"
+        assert t.type(torch.float64).dtype == torch.float64  # a conversion is untouched
+    assert t.type() == "torch.FloatTensor"

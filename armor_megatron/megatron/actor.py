@@ -1,0 +1,341 @@
+"""The trained policy: a TP/PP/EP Megatron GPT model with its optimizer and the ARMOR train step.
+
+Public interface (call after `dist.initialize(parallel, arch)`; every rank calls every method;
+the constructor seeds torch and megatron's model-parallel RNG with `seed` before building the
+weights, so a seed gives the same initial weights whatever ran before)::
+
+    actor = MegatronActor(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
+                          loss=PolicyLossConfig(alpha=0.9), micro_batch_size=2, total_steps=500,
+                          seed=1234, temperature=1.0)
+    actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
+    actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
+    actor.load_weights(mcore_dir)           # torch_dist model checkpoint, any TP/PP/EP layout
+    out = actor.compute_logprobs(input_ids, lengths, with_entropy=False)   # LogProbs, no grad
+    metrics = actor.train_step(batch)       # one optimizer step over the whole batch
+    actor.guard                             # StabilityGuard (skip rule and counters)
+    actor.sharded_state_dict() / actor.load_sharded_state_dict(...)   # used by `checkpoint`
+
+``train_step(batch)``: the batch is identical on every rank; rows are split over data-parallel
+ranks (contiguous shares whose sizes differ by at most one), each share over micro-batches
+of ``micro_batch_size`` rows run through megatron's pipeline schedule with gradient
+accumulation. Keys (N rows, L positions):
+
+    input_ids      [N, L] long    prompt + response tokens, any padding beyond `lengths`
+    lengths        [N]    long    true lengths
+    response_mask  [N, L]         1 at positions t whose token is a response token; t is
+                                  predicted from tokens < t, so 1 <= t < lengths[n]
+    advantages     [N] or [N, L]  per sequence or per token
+    old_logprobs   [N, L] fp32    log π_old(token t), same positions as compute_logprobs
+    ref_logprobs   [N, L] fp32    log π_ref(token t); may be absent when loss.alpha == 1
+
+Loss: ``policy_loss`` (algo/loss.py) of every micro-batch with ``normalizer`` = the GLOBAL
+count of aggregation units over all N rows (token-mean: every response token), so that the
+micro-batch losses of all data-parallel ranks add up to exactly the loss of the whole batch,
+and their summed gradients (DDP sums, see `optimizer`) are its gradient, whatever the split.
+Padding rows (a rank without rows; under VPP, full micro-batches of the batch's length L and
+a multiple of pp of them, as the interleaved schedule needs) carry an all-zero response mask:
+zero loss, zero gradient.
+
+Then: grad norm (pre-clipping) -> `StabilityGuard` -> clip to ``clip_grad`` and Adam step, or
+skip (no update, LR schedule not advanced, counted, logged by rank 0). Returned on every rank,
+identical (lr: the rate of this step's update)::
+
+    loss, grad_norm, lr, skipped (0/1), skipped_total,
+    clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, ratio_min, ratio_max,
+    approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), entropy, num_tokens
+
+(the policy-loss metrics are token-weighted over the whole batch, see algo/metrics.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+from typing import Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from armor_megatron.algo.loss import PolicyLossConfig, loss_normalizer, policy_loss
+from armor_megatron.algo.metrics import reduce_loss_metrics
+from armor_megatron.config.schema import OptimizerConfig
+from armor_megatron.megatron import optimizer as optim
+from armor_megatron.megatron.checkpoint import chunks_sharded_state_dict, load_chunks_state, load_model_weights
+from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.megatron.logprobs import (
+    LogProbs,
+    MicroBatch,
+    compute_logprobs,
+    model_forward,
+    split_microbatches,
+    token_logprobs,
+)
+from armor_megatron.megatron.model import build_model_chunks, transformer_config_from_arch
+from armor_megatron.megatron.stability import StabilityGuard
+from armor_megatron.models.arch import ModelArch
+
+logger = logging.getLogger(__name__)
+
+_ROW_KEYS = ("response_mask", "old_logprobs", "ref_logprobs")
+
+
+@dataclasses.dataclass
+class _TrainMicroBatch:
+    """One micro-batch and the loss inputs of its rows, trimmed to its length s: [b, s] / [b] or [b, s]."""
+
+    mb: MicroBatch
+    mask: torch.Tensor
+    old: torch.Tensor
+    ref: Optional[torch.Tensor]
+    adv: torch.Tensor
+
+
+class MegatronActor:
+    def __init__(
+        self,
+        arch: ModelArch,
+        parallel: ParallelConfig,
+        *,
+        dtype,
+        optimizer: OptimizerConfig,
+        loss: PolicyLossConfig,
+        micro_batch_size: int,
+        total_steps: int,
+        seed: int = 1234,
+        temperature: float = 1.0,
+    ):
+        from megatron.core import tensor_parallel
+
+        check_layout(parallel)
+        if micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+        self.arch, self.parallel, self.loss_config = arch, parallel, loss
+        self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
+        torch.manual_seed(seed)
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
+        config = transformer_config_from_arch(arch, parallel, dtype=dtype, calculate_per_token_loss=True)
+        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype, config=config)
+        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
+        no_sync = [c.no_sync for c in self.ddp_chunks]
+        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        config.finalize_model_grads_func = _finalize_grads_without_token_scaling
+        self.optimizer, self.scheduler = optim.build_optimizer(self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps)
+        self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
+
+    @property
+    def _interleaved(self) -> bool:
+        return len(self.ddp_chunks) > 1
+
+    # ------------------------------------------------------------------ weights
+    def load_weights(self, mcore_dir: str) -> None:
+        """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
+        no prefix: the converter's output or one of our checkpoints), resharding as needed."""
+        load_model_weights(self.model_chunks, mcore_dir)
+        self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
+
+    def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
+        """log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
+        return compute_logprobs(
+            self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
+            vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=with_entropy,
+        )
+
+    # ------------------------------------------------------------------ training
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over all rows of `batch` (see module docstring)."""
+        batch = _checked_batch(batch, self.loss_config)
+        normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
+        microbatches = self._local_microbatches(batch)
+        calls, losses = [], []
+
+        def loss_func(tmb: _TrainMicroBatch, logits: torch.Tensor):
+            lp, ent = token_logprobs(logits, tmb.mb, vocab_size=self.arch.vocab_size,
+                                     temperature=self.temperature, with_entropy=True)
+            device = lp.device
+            loss, metrics = policy_loss(
+                lp, tmb.old.to(device), None if tmb.ref is None else tmb.ref.to(device), tmb.adv.to(device),
+                tmb.mask.to(device), self.loss_config, normalizer=normalizer.to(device), entropy=ent,
+            )
+            calls.append(metrics)
+            losses.append(loss.detach())
+            return loss, metrics["num_tokens"].to(torch.int), {}
+
+        def forward_step(data_iterator, model):
+            tmb = next(data_iterator)
+            return model_forward(model, tmb.mb), functools.partial(loss_func, tmb)
+
+        self._forward_backward(microbatches, forward_step)
+        metrics = _step_metrics(calls, losses)
+        norm = optim.grad_norm(self.optimizer)
+        lr = optim.current_lr(self.optimizer)
+        skip_reason = self.guard.check(metrics["loss"], norm)
+        if skip_reason is None:
+            optim.apply_update(self.optimizer, self.scheduler, norm)
+        elif dist.get_rank() == 0:
+            logger.warning("optimizer step skipped (%d so far): %s", self.guard.skipped_total, skip_reason)
+        metrics.update(grad_norm=norm, lr=lr, skipped=float(skip_reason is not None),
+                       skipped_total=float(self.guard.skipped_total))
+        return metrics
+
+    def _forward_backward(self, microbatches: list[_TrainMicroBatch], forward_step) -> None:
+        """Zero the grads, then forward and backward of every micro-batch through megatron's
+        pipeline schedule; the grads end summed over micro-batches and data-parallel ranks."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        for chunk in self.ddp_chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        many = self._interleaved
+        config = self.model_chunks[0].config
+        variable = config.variable_seq_lengths
+        config.variable_seq_lengths = variable and not many  # the interleaved schedule gets fixed shapes
+        try:
+            get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=[iter(microbatches) for _ in self.ddp_chunks] if many else iter(microbatches),
+                model=self.ddp_chunks if many else self.ddp_chunks[0],
+                num_microbatches=len(microbatches),
+                seq_length=max(t.mb.tokens.shape[1] for t in microbatches),
+                micro_batch_size=self.micro_batch_size,
+                forward_only=False,
+            )
+        finally:
+            config.variable_seq_lengths = variable
+
+    def _local_microbatches(self, batch: dict) -> list[_TrainMicroBatch]:
+        """This data-parallel rank's rows cut into micro-batches.
+
+        Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) keep a rank
+        without rows in the gradient all-reduce and, for the interleaved (VPP) schedule, which
+        exchanges fixed [L, micro_batch_size, h] activations, fill every micro-batch to
+        micro_batch_size rows of length L and their number to a multiple of pp.
+        """
+        from megatron.core import parallel_state
+
+        dp = parallel_state.get_data_parallel_world_size()
+        rows = torch.tensor_split(torch.arange(batch["input_ids"].shape[0]), dp)[parallel_state.get_data_parallel_rank()]
+        if self._interleaved:
+            unit = self.micro_batch_size * parallel_state.get_pipeline_model_parallel_world_size()
+            target = max(1, -(-len(rows) // unit)) * unit
+        else:
+            target = max(1, len(rows))
+        local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
+        ref = local.get("ref_logprobs")
+        out = []
+        for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size):
+            i = mb.index
+            s = batch["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
+            tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
+            adv = local["advantages"][i]
+            out.append(_TrainMicroBatch(
+                mb=MicroBatch(i, tokens, mb.lengths),
+                mask=local["response_mask"][i, :s],
+                old=local["old_logprobs"][i, :s],
+                ref=None if ref is None else ref[i, :s],
+                adv=adv if adv.dim() == 1 else adv[:, :s],
+            ))
+        return out
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def model_sharded_state_dict(self, prefix: str = "") -> dict:
+        return chunks_sharded_state_dict(self.model_chunks, prefix)
+
+    def sharded_state_dict(self) -> dict:
+        """Model (unprefixed keys), optimizer (once it has state), LR schedule and guard, for
+        dist_checkpointing.save."""
+        model = self.model_sharded_state_dict()
+        state = {"model": model, "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict()}
+        if len(self.optimizer.state):  # before the first update Adam has no moments to save
+            state["optimizer"] = self.optimizer.sharded_state_dict(model)
+        return state
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
+        (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh)."""
+        load_chunks_state(self.model_chunks, loaded["model"])
+        if "optimizer" in loaded:
+            self.optimizer.load_state_dict(loaded["optimizer"])
+        else:
+            self.optimizer.reload_model_params()
+        self.scheduler.load_state_dict(loaded["scheduler"])
+        self.guard.load_state_dict(loaded["guard"])
+
+
+# ----------------------------------------------------------------------------- helpers
+def check_layout(parallel: ParallelConfig) -> None:
+    """Raise when megatron's current model-parallel groups are not the layout `parallel` names."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        raise RuntimeError("megatron model parallelism is not initialised: call dist.initialize(parallel, arch) first")
+    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+               ps.get_expert_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size())
+    wanted = (parallel.tp, parallel.pp, parallel.ep, parallel.vpp)
+    if current != wanted:
+        raise ValueError(f"parallel layout (tp, pp, ep, vpp)={wanted} differs from the initialised one {current}")
+
+
+def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+    """megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
+    its 1/num_tokens scaling: our losses are already divided by the global normalizer."""
+    from megatron.core.distributed import finalize_model_grads
+
+    finalize_model_grads(model, None, **kwargs)
+
+
+def _padded_rows(rows: dict, count: int) -> dict:
+    """`rows` with `count` padding rows appended: token 0, length 1, zero mask / advantage / log-probs."""
+    if count == 0:
+        return rows
+    out = {}
+    for key, t in rows.items():
+        pad = torch.ones if key == "lengths" else torch.zeros
+        out[key] = torch.cat([t, pad((count, *t.shape[1:]), dtype=t.dtype)])
+    return out
+
+
+def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
+    """Validate shapes and the response mask; returns CPU tensors (ref_logprobs may be None)."""
+    missing = [k for k in ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs") if k not in batch]
+    if missing:
+        raise KeyError(f"train batch lacks {', '.join(missing)}")
+    out = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
+    ids, lengths = out["input_ids"], out["lengths"]
+    if ids.dim() != 2 or ids.shape[0] == 0 or lengths.shape != ids.shape[:1]:
+        raise ValueError(f"input_ids must be [N, L] with N >= 1 and lengths [N]; got {tuple(ids.shape)}, {tuple(lengths.shape)}")
+    if out.get("ref_logprobs") is None and cfg.alpha < 1.0:
+        raise ValueError(f"ref_logprobs is required when alpha < 1 (alpha={cfg.alpha})")
+    for key in _ROW_KEYS:
+        if out.get(key) is not None and out[key].shape != ids.shape:
+            raise ValueError(f"{key} has shape {tuple(out[key].shape)}, expected {tuple(ids.shape)} like input_ids")
+    if out["advantages"].shape not in (ids.shape[:1], ids.shape):
+        raise ValueError(f"advantages has shape {tuple(out['advantages'].shape)}, expected [N] or [N, L]")
+    mask = out["response_mask"].bool()
+    t = torch.arange(ids.shape[1])[None, :]
+    if (mask & ((t < 1) | (t >= lengths[:, None]))).any():
+        raise ValueError("response_mask marks positions outside 1 <= t < lengths (t is predicted from tokens < t)")
+    out["response_mask"] = mask
+    return out
+
+
+def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
+    """Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
+    the result to every rank of the pipeline (object collectives: a few floats per step)."""
+    from megatron.core import parallel_state
+
+    result = [None]
+    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        local = reduce_loss_metrics(calls)
+        local["loss"] = float(sum(losses))
+        gathered = [None] * parallel_state.get_data_parallel_world_size()
+        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
+        combined = reduce_loss_metrics(gathered)
+        combined["loss"] = sum(g["loss"] for g in gathered)
+        result = [combined]
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        dist.broadcast_object_list(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
+                                   group=parallel_state.get_pipeline_model_parallel_group())
+    return result[0]

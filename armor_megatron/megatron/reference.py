@@ -1,0 +1,97 @@
+"""The frozen reference policy π_ref: the actor's layout, no optimizer, no gradients.
+
+Public interface (after `dist.initialize(parallel, arch)`; every rank calls every method)::
+
+    ref = ReferenceModel(arch, parallel, dtype="bfloat16", offload=False, micro_batch_size=2)
+    ref.compute_logprobs(input_ids, lengths) -> LogProbs     # log π_ref [N, L], every rank
+    ref.reset_from(actor)                                    # θ_ref <- θ, bit for bit
+    ref.load_weights(mcore_dir)                              # torch_dist model checkpoint, any layout
+    ref.sharded_state_dict() / ref.load_sharded_state_dict(loaded)   # keys prefixed "reference."
+
+ARMOR's reference reset (every τ steps θ_ref <- θ) calls `reset_from`; it copies the actor's
+model parameters (the bf16 weights the actor computes with, not its fp32 master copy)
+tensor by tensor, so reference log-probs equal the actor's exactly until the actor's next
+update. With ``offload=True`` the weights live in host memory between calls and are moved
+to the device only inside `compute_logprobs` / `reset_from` (a no-op on CPU-only runs);
+loading and saving work on the weights wherever they are. Give it the actor's
+``temperature`` (log-probs of softmax(logits / T), as the rollouts were sampled).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from armor_megatron.megatron.actor import MegatronActor, check_layout
+from armor_megatron.megatron.checkpoint import chunks_sharded_state_dict, load_chunks_state, load_model_weights
+from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
+from armor_megatron.megatron.model import build_model_chunks
+from armor_megatron.models.arch import ModelArch
+
+CHECKPOINT_PREFIX = "reference."
+
+
+class ReferenceModel:
+    def __init__(self, arch: ModelArch, parallel: ParallelConfig, *, dtype, offload: bool = False,
+                 micro_batch_size: int = 1, temperature: float = 1.0):
+        check_layout(parallel)
+        self.arch, self.parallel = arch, parallel
+        self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
+        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype)
+        self.device = next(self.model_chunks[0].parameters()).device
+        self.offload = offload and self.device.type != "cpu"
+        # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep
+        # requires_grad=True on purpose: megatron's TP linears switch to linear_with_frozen_weight
+        # for frozen weights, which rounds differently from the actor's path and would break
+        # bit-equality after reset_from.
+        for chunk in self.model_chunks:
+            chunk.eval()
+        self._to(torch.device("cpu") if self.offload else self.device)
+
+    def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
+        with self._on_device():
+            return compute_logprobs(self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
+                                    vocab_size=self.arch.vocab_size, temperature=self.temperature)
+
+    @torch.no_grad()
+    def reset_from(self, actor: MegatronActor) -> None:
+        """Copy the actor's current model weights into the reference (same arch and layout)."""
+        dtype = lambda chunks: next(chunks[0].parameters()).dtype  # noqa: E731
+        if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (self.arch, self.parallel, dtype(self.model_chunks)):
+            raise ValueError("reset_from needs an actor with the reference's architecture, parallel layout and dtype")
+        with self._on_device():
+            for ours, theirs in zip(self.model_chunks, actor.model_chunks):
+                mine, src = ours.state_dict(keep_vars=True), theirs.state_dict(keep_vars=True)
+                if mine.keys() != src.keys():
+                    raise ValueError(f"reset_from: actor and reference modules differ: {sorted(mine.keys() ^ src.keys())[:3]}")
+                for name, tensor in mine.items():
+                    if torch.is_tensor(tensor):
+                        tensor.copy_(src[name])
+
+    def load_weights(self, mcore_dir: str) -> None:
+        load_model_weights(self.model_chunks, mcore_dir)
+
+    # ------------------------------------------------------------------ checkpoint hooks
+    def sharded_state_dict(self) -> dict:
+        return chunks_sharded_state_dict(self.model_chunks, CHECKPOINT_PREFIX)
+
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        load_chunks_state(self.model_chunks, loaded, CHECKPOINT_PREFIX)
+
+    # ------------------------------------------------------------------ offload
+    def _to(self, device: torch.device) -> None:
+        for chunk in self.model_chunks:
+            chunk.to(device)
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        if not self.offload:
+            yield
+            return
+        self._to(self.device)
+        try:
+            yield
+        finally:
+            self._to(torch.device("cpu"))
