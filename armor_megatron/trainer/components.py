@@ -1,0 +1,107 @@
+"""Turn a RunConfig into the pieces the loop uses: loss, reset schedule, sampling, rollout settings,
+the rollout engines and the anchor cache. Nothing here runs a step."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from armor_megatron.algo import PolicyLossConfig, build_reset_schedule
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.rollout.anchor_cache import AnchorCache
+from armor_megatron.rollout.anchor_source import make_anchor_source
+from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+from armor_megatron.trainer.rollout_phase import RolloutSettings
+
+
+def loss_config(cfg: RunConfig) -> PolicyLossConfig:
+    algo = cfg.algorithm
+    return PolicyLossConfig(
+        alpha=algo.alpha, eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip_c=algo.dual_clip_c,
+        loss_agg=algo.loss_agg,
+    )
+
+
+def reset_schedule(cfg: RunConfig):
+    ref = cfg.reference
+    if ref.reset == "every":
+        return build_reset_schedule("every", tau=ref.tau)
+    if ref.reset == "two_stage":
+        return build_reset_schedule("two_stage", first_stage_steps=ref.stage_one_steps, tau=ref.tau)
+    if ref.reset == "validation_best":
+        return build_reset_schedule("validation_best", metric=ref.validation_metric)
+    if ref.reset == "validation_hook":
+        return build_reset_schedule("validation_hook", hook=ref.validation_hook)
+    return build_reset_schedule("never")
+
+
+def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+    ro = cfg.rollout
+    # No per-request seed: every request must draw fresh samples; the loop reseeds the engines
+    # at each step from rollout.seed and the step, so runs are reproducible and resumable.
+    return SamplingParams(
+        max_new_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        stop_token_ids=eos_ids,
+    )
+
+
+def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+    ev = cfg.eval
+    return SamplingParams(
+        max_new_tokens=ev.max_response_len, temperature=ev.temperature, top_p=ev.top_p, stop_token_ids=eos_ids,
+        seed=cfg.rollout.seed,
+    )
+
+
+def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
+    algo = cfg.algorithm
+    kwargs = {"k": algo.qae_quantile} if algo.estimator == "qae" else {}
+    if algo.estimator in ("dapo", "grpo", "qae", "reinforce++", "reinforce++-baseline"):
+        kwargs["eps"] = algo.std_eps
+    return RolloutSettings(
+        group_size=cfg.rollout.group_size,
+        sampling=sampling,
+        estimator=algo.estimator,
+        estimator_kwargs=kwargs,
+        verifier=cfg.reward.verifier,
+        overlong_buffer=algo.overlong.buffer_len if algo.overlong.enabled else None,
+        overlong_penalty=algo.overlong.penalty,
+        reward_workers=cfg.reward.workers,
+        timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
+    )
+
+
+def anchor_cache(
+    cfg: RunConfig,
+    sampling: SamplingParams,
+    *,
+    reference_engine: Optional[RolloutEngine],
+    policy_engine: Optional[RolloutEngine] = None,
+    reference_weights=None,
+    policy_weights=None,
+    reference_version: str = "ref-0",
+) -> Optional[AnchorCache]:
+    """The anchor side: rejection sampler over the configured source, wrapped in the cache.
+
+    With ``anchor.cache: false`` the cache keeps nothing between steps (``max_pool`` 1 and it is
+    reset every step by the loop), so the same code path serves both.
+    """
+    an = cfg.anchor
+    if not an.enabled:
+        return None
+    source = make_anchor_source(
+        an.source, policy_engine=policy_engine, reference_engine=reference_engine,
+        reference_weights=reference_weights, reference_version=reference_version, policy_weights=policy_weights,
+    )
+    if an.temperature is not None:
+        sampling = dataclasses.replace(sampling, temperature=an.temperature)
+    from armor_megatron.rewards import load_verifier
+
+    verifier = load_verifier(cfg.reward.verifier)
+    sampler = AnchorSampler(
+        source,
+        lambda text, answer: verifier(text, answer).score,
+        AnchorConfig(max_tries=an.max_tries, tries_per_round=an.tries_per_request, sampling=sampling),
+    )
+    return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)

@@ -1,0 +1,320 @@
+"""The ARMOR training loop (the paper's Algorithm 1), on every rank of a Megatron job.
+
+    for step in 1..T:
+        rollout:  G−1 on-policy samples + 1 verified anchor from π_ref per prompt     (driver rank)
+                  rewards, overlong shaping, dynamic sampling, advantages             (driver rank)
+        logprobs: lp_old (actor, before the update), lp_ref (reference)               (all ranks)
+        update:   mini-batches × epochs of the mixed-ratio DAPO loss                  (all ranks)
+        sync:     actor weights -> rollout engine (HF names, new weight_version)
+        reset:    if the schedule says so, θ_ref ← θ in the trainer AND the anchor source
+        eval, checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
+
+Rank 0 is the *driver*: it owns the data loader, the engines, the anchor cache, rewards,
+evaluation and logging, and broadcasts each step's batch to every rank. The Megatron actor
+and reference live on all ranks (TP/PP/DP as configured).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from contextlib import contextmanager
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from armor_megatron.algo import DynamicSampler
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.data.batch import RolloutBatch
+from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.trainer import components
+from armor_megatron.trainer.evaluation import EvalSet, evaluate
+from armor_megatron.trainer.metrics_log import MetricsLogger
+from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
+from armor_megatron.trainer.preemption import PreemptionHandler
+from armor_megatron.trainer.rollout_phase import collect_groups
+
+BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "engine_logprobs", "is_anchor")
+TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint is written; the CLI exits with the requeue code."""
+
+
+@dataclasses.dataclass
+class StepTimer:
+    times: dict = dataclasses.field(default_factory=dict)
+
+    @contextmanager
+    def phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start
+
+
+class ArmorTrainer:
+    """Holds the actor, reference, engines and state; ``run()`` trains to ``cfg.train.steps``.
+
+    ``engines`` is a callable building ``(policy_engine, reference_engine)`` on the driver from
+    the initial HF-named weights (the local engine on CPU, SGLang clients on GPUs).
+    """
+
+    def __init__(self, cfg: RunConfig, arch, actor, reference, tokenizer, make_engines: Callable, export_weights: Callable):
+        self.cfg, self.arch, self.actor, self.reference = cfg, arch, actor, reference
+        self.tokenizer = tokenizer
+        self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.is_driver = self.rank == 0
+        self.step = 0
+        self.reset_schedule = components.reset_schedule(cfg)
+        self.monitor = OverOptimizationMonitor()
+        self.last_train_accuracy = 0.0
+        eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
+        self.sampling = components.rollout_sampling(cfg, eos)
+        self.eval_sampling = components.eval_sampling(cfg, eos)
+        self.settings = components.rollout_settings(cfg, self.sampling)
+        self.policy_engine = self.reference_engine = self.anchors = self.logger = None
+        self._make_engines = make_engines
+        if self.is_driver:
+            data = cfg.data
+            self.loader = PromptLoader(
+                PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key),
+                cfg.rollout.prompts_per_step, shuffle=data.shuffle, seed=cfg.train.seed,
+            )
+            self.eval_sets = [EvalSet(d.name, PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), d.k)
+                              for d in cfg.eval.datasets]
+
+    # ------------------------------------------------------------------ set-up and state
+    def encode(self, prompt) -> list[int]:
+        data = self.cfg.data
+        return encode_prompt(self.tokenizer, prompt, apply_chat_template=data.apply_chat_template,
+                             template=data.prompt_template)
+
+    def start_engines(self) -> None:
+        """Build the engines from the actor's and reference's current weights (after load/resume)."""
+        policy = _materialise(self.export_weights(self.actor))
+        ref = _materialise(self.export_weights(self.reference)) if self.reference is not None else None
+        if not self.is_driver:
+            return
+        self.policy_engine, self.reference_engine = self._make_engines(
+            policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
+        )
+        self.anchors = components.anchor_cache(
+            self.cfg, self.sampling, reference_engine=self.reference_engine, policy_engine=self.policy_engine,
+            reference_weights=ref, policy_weights=lambda: policy, reference_version=self._ref_version(),
+        )
+        if self.anchors is not None and self._anchor_state is not None:
+            self.anchors.load_state_dict(self._anchor_state)
+
+    _anchor_state = None
+    _ref_resets = 0
+
+    def _ref_version(self) -> str:
+        return f"ref-{self._ref_resets}"
+
+    def trainer_state(self) -> dict:
+        """Driver-side state that goes into checkpoints next to the model and optimizer."""
+        return {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "anchor_cache": self.anchors.state_dict() if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache else None,
+            "reset_schedule": self.reset_schedule.state_dict() if hasattr(self.reset_schedule, "state_dict") else None,
+            "monitor": self.monitor.state_dict(),
+            "ref_resets": self._ref_resets,
+            "last_train_accuracy": self.last_train_accuracy,
+        }
+
+    def load_trainer_state(self, state: dict) -> None:
+        self.step = state["step"]
+        self._ref_resets = state["ref_resets"]
+        self.last_train_accuracy = state["last_train_accuracy"]
+        if state.get("reset_schedule") and hasattr(self.reset_schedule, "load_state_dict"):
+            self.reset_schedule.load_state_dict(state["reset_schedule"])
+        if self.is_driver:
+            self.loader.load_state_dict(state["loader"])
+            self.monitor.load_state_dict(state["monitor"])
+            self._anchor_state = state.get("anchor_cache")
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self, timer: StepTimer) -> tuple[Optional[RolloutBatch], dict]:
+        """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
+        accuracies are all equal are dropped and refilled from further prompts."""
+        cfg, G = self.cfg, self.cfg.rollout.group_size
+        pad = self.tokenizer.pad_token_id or 0
+
+        def one_round():
+            return collect_groups(self.loader.next_batch(), self.encode, self.policy_engine, self.settings,
+                                  anchors=self.anchors, pad_id=pad)
+
+        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
+            if engine is not None:
+                engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * self.step + offset))
+        ds = cfg.algorithm.dynamic_sampling
+        with timer.phase("rollout"):
+            if not ds.enabled:
+                return one_round()
+            sampler = DynamicSampler(cfg.rollout.prompts_per_step, pad_values={
+                "input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0})
+            metrics: dict = {}
+            for _ in range(1 + ds.max_oversample_rounds):
+                batch, round_metrics = one_round()
+                metrics = metrics or round_metrics  # the first round describes the policy's samples
+                sampler.add(batch, batch["accuracy"].view(-1, G))
+                if sampler.done:
+                    break
+        metrics.update(sampler.stats())
+        return sampler.take(allow_partial=True), metrics
+
+    def update(self, batch: dict, timer: StepTimer) -> dict:
+        """All ranks: recompute lp_old and lp_ref, then the mini-batch / epoch updates."""
+        cfg = self.cfg
+        with timer.phase("logprobs"):
+            old = self.actor.compute_logprobs(batch["input_ids"], batch["lengths"])
+            batch["old_logprobs"] = old.logprobs
+            if self.reference is not None:
+                batch["ref_logprobs"] = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
+        metrics: dict = {"rollout/logprob_abs_diff": [_engine_trainer_gap(batch)]}
+        batch = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
+        n = len(batch["input_ids"])
+        per_mini = n // cfg.train.mini_batches_per_step
+        with timer.phase("update"):
+            for _ in range(cfg.train.epochs_per_step):
+                for start in range(0, n, per_mini):
+                    mini = {k: v[start : start + per_mini] for k, v in batch.items()}
+                    for k, v in self.actor.train_step(mini).items():
+                        metrics.setdefault(f"train/{k}", []).append(v)
+        return {k: sum(v) / len(v) for k, v in metrics.items()}
+
+    def sync_and_reset(self, step_metrics: dict, timer: StepTimer) -> dict:
+        """Push the new policy to the engine; reset the reference when the schedule says so."""
+        out = {}
+        with timer.phase("weight_sync"):
+            weights = self.export_weights(self.actor)
+            if self.is_driver:
+                self.policy_engine.update_weights(weights, f"step-{self.step}")
+            else:
+                _materialise(weights)
+        if self.reference is not None and self.reset_schedule.should_reset(self.step, step_metrics):
+            with timer.phase("reference_reset"):
+                self.reference.reset_from(self.actor)
+                self._ref_resets += 1
+                ref_weights = self.export_weights(self.reference)
+                if self.is_driver and self.anchors is not None:
+                    weights = _materialise(ref_weights)
+                    self.anchors.sampler.source.reset(weights, self._ref_version())
+                    self.anchors.reset(self._ref_version())
+                else:
+                    _materialise(ref_weights)
+            out["reference/reset"] = 1.0
+        return out
+
+    def evaluate(self) -> dict:
+        """Driver: avg@k / pass@k of the current policy on every eval set."""
+        if not self.eval_sets:
+            return {}
+        from armor_megatron.rewards import flatten_metrics
+
+        result = evaluate(self.policy_engine, self.encode, self.eval_sets, self.eval_sampling,
+                          verifier=self.cfg.reward.verifier, pass_k=self.cfg.eval.pass_k)
+        metrics = flatten_metrics(result.metrics)
+        pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]
+        if pass1:
+            metrics["eval/mean/pass@1"] = sum(pass1) / len(pass1)
+            gap, warning = self.monitor.update(self.last_train_accuracy, metrics["eval/mean/pass@1"])
+            metrics.update(gap)
+            if warning:
+                print(f"[armor] warning: {warning}", flush=True)
+        return metrics
+
+
+    # ------------------------------------------------------------------ the loop
+    def run(self, save: Callable[[], None], logger: Optional[MetricsLogger] = None) -> dict:
+        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks).
+
+        Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
+        """
+        cfg = self.cfg
+        last: dict = {}
+        with PreemptionHandler() as preemption:
+            if self.step == 0 and cfg.eval.every_steps and self.is_driver:
+                start = self.evaluate()
+                if logger:
+                    logger.log(0, start)
+                last.update(start)
+            while self.step < cfg.train.steps:
+                timer = StepTimer()
+                started = time.perf_counter()
+                batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+                tensors = broadcast_batch(batch)
+                if tensors is None:
+                    metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
+                else:
+                    metrics.update(self.update(tensors, timer))
+                    metrics["train/tokens"] = float(tensors["response_mask"].sum())
+                self.step += 1
+                if self.is_driver:
+                    self.last_train_accuracy = metrics.get("rollout/accuracy", self.last_train_accuracy)
+                    if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                        with timer.phase("eval"):
+                            metrics.update(self.evaluate())
+                metrics = broadcast_object(metrics)
+                metrics.update(self.sync_and_reset(metrics, timer))
+                due = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
+                if due or self.step == cfg.train.steps:
+                    with timer.phase("checkpoint"):
+                        save()
+                metrics.update(timer.times)
+                elapsed = time.perf_counter() - started
+                metrics["time/step"] = elapsed
+                metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
+                if self.is_driver:
+                    if self.anchors is not None:
+                        metrics.update(self.anchors.stats.as_dict())
+                    if logger and self.step % cfg.logging.every_steps == 0:
+                        logger.log(self.step, metrics)
+                last = metrics
+                if any_rank(preemption.requested()):
+                    if not due and self.step != cfg.train.steps:
+                        save()
+                    raise Preempted(f"signal {preemption.received} at step {self.step}: checkpoint saved")
+        return last if self.is_driver else {}
+
+
+def broadcast_object(obj):
+    """Rank 0's ``obj`` on every rank."""
+    payload = [obj]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def broadcast_batch(batch: Optional[RolloutBatch]) -> dict:
+    """Rank 0's batch tensors to every rank (a dict of CPU tensors)."""
+    return broadcast_object({k: batch[k] for k in BATCH_TENSORS} if batch is not None else None)
+
+
+def _engine_trainer_gap(batch: dict) -> float:
+    """Mean |lp_engine − lp_old| over on-policy response tokens: ~0 when engine and trainer hold
+    the same weights (a weight-sync bug or a precision mismatch shows up here first). Anchor
+    rows are left out: the reference engine sampled them."""
+    mask = batch["response_mask"] * (~batch["is_anchor"].bool()).unsqueeze(1)
+    gap = ((batch["engine_logprobs"] - batch["old_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
+    return float(gap)
+
+
+def _materialise(weights):
+    return None if weights is None else list(weights)
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank if ``flag`` is True on any (used for preemption)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())

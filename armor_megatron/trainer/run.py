@@ -1,0 +1,151 @@
+"""Build a whole ARMOR run from a RunConfig on every rank, resume it if asked, and train.
+
+Called by ``armor-train`` inside each distributed process (torchrun / srun start them).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch.distributed as dist
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.validate import model_arch_of
+from armor_megatron.trainer import components
+from armor_megatron.trainer.loop import ArmorTrainer
+from armor_megatron.trainer.metrics_log import MetricsLogger
+
+
+def needs_reference(cfg: RunConfig) -> bool:
+    """A trainer-side reference model is needed for the mixed ratio (α<1) or to source anchors."""
+    return cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled
+
+
+def ensure_mcore_checkpoint(cfg: RunConfig) -> str:
+    """``model.mcore_path``, or convert ``model.path`` once into ``<checkpoint.dir>/base_mcore`` (rank 0)."""
+    if cfg.model.mcore_path:
+        return cfg.model.mcore_path
+    out = os.path.join(cfg.checkpoint.dir, "base_mcore")
+    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.isdir(out):
+        from armor_megatron.convert import convert_hf_to_mcore
+
+        os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+        convert_hf_to_mcore(cfg.model.path, out)
+    if dist.is_initialized():
+        dist.barrier()
+    return out
+
+
+def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
+    """Driver-side engine factory for CPU runs: the in-process transformers engine, twice when the
+    reference samples anchors from its own engine."""
+    from armor_megatron.rollout.local import LocalEngine
+
+    def make(policy, reference, *, policy_version, reference_version):
+        policy_engine = LocalEngine(hf_config, policy, tokenizer=tokenizer, weight_version=policy_version,
+                                    seed=cfg.rollout.seed)
+        reference_engine = None
+        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
+            reference_engine = LocalEngine(hf_config, reference, tokenizer=tokenizer,
+                                           weight_version=reference_version, seed=cfg.rollout.seed + 1)
+        return policy_engine, reference_engine
+
+    return make
+
+
+def make_sglang_engines(cfg: RunConfig):
+    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started."""
+    from armor_megatron.rollout.sglang.engine import SGLangEngine
+    from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
+
+    sg = cfg.rollout.sglang
+
+    def make(policy, reference, *, policy_version, reference_version):
+        sync = WeightSyncConfig(mode=sg.weight_sync, bucket_bytes=sg.bucket_mb << 20, tp_size=sg.tp_per_engine)
+        policy_engine = SGLangEngine(sg.urls, api_key=sg.api_key, weight_sync=sync,
+                                     request_timeout=sg.request_timeout_s, max_concurrency=sg.max_concurrency)
+        policy_engine.update_weights(policy, policy_version)
+        reference_engine = None
+        if cfg.anchor.enabled and cfg.anchor.source == "separate":
+            reference_engine = SGLangEngine(cfg.anchor.reference_urls, api_key=sg.api_key, weight_sync=sync,
+                                            request_timeout=sg.request_timeout_s)
+            reference_engine.update_weights(reference, reference_version)
+        return policy_engine, reference_engine
+
+    return make
+
+
+def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
+    """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
+    from transformers import AutoTokenizer
+
+    from armor_megatron.megatron import checkpoint as ckpt
+    from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.dist import ParallelConfig, initialize
+    from armor_megatron.megatron.model import resolve_dtype
+    from armor_megatron.megatron.reference import ReferenceModel
+    from armor_megatron.megatron.weight_export import export_hf_weights
+    from armor_megatron.models.arch import load_hf_config
+
+    arch = model_arch_of(cfg)
+    par = cfg.parallelism
+    parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp)
+    initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic)
+    dtype = resolve_dtype(cfg.model.dtype)
+    actor = MegatronActor(arch, parallel, dtype=dtype, optimizer=cfg.optimizer, loss=components.loss_config(cfg),
+                          micro_batch_size=cfg.train.micro_batch_size,
+                          total_steps=cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step,
+                          seed=cfg.train.seed)
+    reference = None
+    if needs_reference(cfg):
+        reference = ReferenceModel(arch, parallel, dtype=dtype, offload=cfg.reference.offload,
+                                   micro_batch_size=cfg.train.micro_batch_size)
+    mcore_dir = ensure_mcore_checkpoint(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    hf_config = load_hf_config(cfg.model.path)
+    make_engines = make_local_engines(cfg, hf_config, tokenizer) if cfg.rollout.engine == "local" else make_sglang_engines(cfg)
+    trainer = ArmorTrainer(cfg, arch, actor, reference, tokenizer, make_engines,
+                           export_weights=lambda model: export_hf_weights(model.model_chunks, arch))
+
+    resume = resume or cfg.checkpoint.resume
+    path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
+    if path:
+        step, extra = ckpt.load_checkpoint(path, actor, reference)
+        trainer.load_trainer_state(broadcast_extra(extra))
+        _log(f"resumed from {path} at step {step}")
+    else:
+        actor.load_weights(mcore_dir)
+        if reference is not None:
+            reference.load_weights(mcore_dir)
+    trainer.start_engines()
+
+    logger = None
+    if trainer.is_driver:
+        lg = cfg.logging
+        logger = MetricsLogger(os.path.join(lg.dir, cfg.name), jsonl=lg.jsonl, tensorboard=lg.tensorboard,
+                               wandb_project=lg.wandb.project, wandb_entity=lg.wandb.entity,
+                               run_name=lg.wandb.name or cfg.name, resume_step=trainer.step if path else None)
+
+    def save():
+        root = cfg.checkpoint.dir
+        ckpt.save_checkpoint(root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {})
+        if trainer.is_driver:
+            ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
+
+    try:
+        return trainer.run(save, logger)
+    finally:
+        if logger is not None:
+            logger.close()
+
+
+def broadcast_extra(extra):
+    from armor_megatron.trainer.loop import broadcast_object
+
+    return broadcast_object(extra)
+
+
+def _log(msg: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[armor] {msg}", flush=True)

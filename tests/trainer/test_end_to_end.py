@@ -1,0 +1,108 @@
+"""The whole loop through ``armor-train``: real processes (torchrun over gloo), the tiny model, the
+local engine, Megatron actor and reference, checkpoints, resume and preemption."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from armor_megatron.config import load_config
+from armor_megatron.tasks.tiny_run import prepare_tiny_run
+from armor_megatron.trainer.metrics_log import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    data = tmp_path_factory.mktemp("tiny")
+    paths = [f"model.path={data}/hf", f"data.train_path={data}/train.jsonl",
+             f"eval.datasets=[{{name: val, path: {data}/val.jsonl, k: 1}}]"]
+    prepare_tiny_run(load_config(CONFIG, paths), num_val=16, warmup_steps=150, log=None)
+    return paths
+
+
+def _args(tiny, run_dir, *overrides):
+    return [sys.executable, "-m", "armor_megatron.cli.train", "--config", CONFIG, *tiny,
+            f"checkpoint.dir={run_dir}/ckpt", f"logging.dir={run_dir}/runs", "name=run", *overrides]
+
+
+def _env():
+    return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+
+def _train(tiny, run_dir, *overrides, timeout=420):
+    proc = subprocess.run(_args(tiny, run_dir, *overrides), env=_env(), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
+
+
+def _latest(run_dir):
+    path = os.path.join(run_dir, "ckpt", "latest")
+    return open(path).read().strip() if os.path.exists(path) else None
+
+
+@pytest.mark.parametrize("layout", [["parallelism.tp=2"], ["parallelism.tp=1", "parallelism.pp=2"]], ids=["tp2", "pp2"])
+def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
+    metrics = _train(tiny, tmp_path, *layout, "train.steps=3", "eval.every_steps=3", "checkpoint.every_steps=0",
+                     "reference.tau=2")
+    assert sorted(metrics) == [0, 1, 2, 3]
+    assert "eval/val/pass@1" in metrics[0] and "eval/val/pass@1" in metrics[3]
+    for step in (1, 2, 3):
+        m = metrics[step]
+        assert m["train/skipped"] == 0.0 and m["train/num_tokens"] > 0
+        # the engine sampled with exactly the trainer's weights (weight sync after every step)
+        assert m["rollout/logprob_abs_diff"] < 1e-5
+        assert 0.0 <= m["anchor/found_rate"] <= 1.0
+    assert metrics[2]["reference/reset"] == 1.0 and "reference/reset" not in metrics[3]
+    # π_ref = π_θ at the first step and again right after the reset at step 2; it has drifted at step 2
+    kl = {step: metrics[step]["train/approx_kl_ref"] for step in (1, 2, 3)}
+    assert kl[1] < 1e-9 and kl[2] > 1e-6 and kl[3] < 1e-9, kl
+    assert _latest(tmp_path) == "iter_0000003"
+
+
+def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_path):
+    common = ["train.steps=4", "checkpoint.every_steps=2", "eval.every_steps=2"]
+    reference = _train(tiny, tmp_path / "straight", *common)
+
+    run = tmp_path / "killed"
+    proc = subprocess.Popen(_args(tiny, run, *common), env=_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        deadline = time.time() + 300
+        while _latest(run) != "iter_0000002":
+            assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
+            time.sleep(0.05)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    resumed = _train(tiny, run, *common)  # checkpoint.resume defaults to auto
+    assert sorted(resumed) == [0, 1, 2, 3, 4]  # records of the killed step 3 were dropped and rewritten
+    for step in (3, 4):
+        for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "anchor/found_rate"):
+            assert resumed[step][key] == reference[step][key], (step, key)
+    assert resumed[4]["eval/val/pass@1"] == reference[4]["eval/val/pass@1"]
+
+
+def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
+    # one process (tp=1), as srun starts every task: the signal reaches the trainer itself
+    proc = subprocess.Popen(_args(tiny, tmp_path, "parallelism.tp=1", "train.steps=200", "checkpoint.every_steps=0",
+                                  "eval.every_steps=0"),
+                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and read_metrics(str(metrics))):
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 85, err[-2000:]
+    assert "preempted" in err
+    step = max(r["step"] for r in read_metrics(str(metrics)))
+    assert _latest(tmp_path) == f"iter_{step:07d}"
+    assert 1 <= step < 200
