@@ -16,14 +16,15 @@ def _write_run(run_dir, accuracy_slope: float, reset_every: int = 0) -> str:
     log = MetricsLogger(str(run_dir))
     log.log(0, {"eval/val/pass@1": 0.2, "eval/mean/pass@1": 0.2})
     for step in range(1, 11):
+        accuracy = 0.3 + accuracy_slope * step
         metrics = {
-            "rollout/accuracy": 0.3 + accuracy_slope * step, "rollout/reward": 2 * (0.3 + accuracy_slope * step) - 1,
+            "rollout/accuracy": accuracy, "rollout/reward": 2 * accuracy - 1,
             "anchor/found_rate": 0.5 + accuracy_slope * step, "time/rollout": 2.0, "time/logprobs": 0.5, "time/update": 1.5,
             "time/weight_sync": 0.2, "time/step": 4.5 + 0.1 * step,
         }
         if step % 5 == 0:
-            metrics.update({"eval/val/pass@1": 0.2 + accuracy_slope * step, "eval/mean/pass@1": 0.2 + accuracy_slope * step,
-                            "time/eval": 0.4})
+            val = 0.2 + accuracy_slope * step
+            metrics.update({"eval/val/pass@1": val, "eval/mean/pass@1": val, "time/eval": 0.4})
         if reset_every and step % reset_every == 0:
             metrics.update({"reference/reset": 1.0, "time/reference_reset": 0.3})
         log.log(step, metrics)
