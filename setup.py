@@ -35,15 +35,17 @@ setup(
     ],
     extras_require={
         # NVIDIA Apex is not on the package index; README explains the source build.
-        "gpu": ["transformer-engine[pytorch]>=2.4"],
+        "gpu": ["transformer-engine[pytorch]>=2.4", "tensorboard"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        "plot": ["matplotlib>=3.7"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7"],
     },
     entry_points={
         "console_scripts": [
             "armor-train=armor_megatron.cli.train:main",
             "armor-convert=armor_megatron.cli.convert:main",
             "armor-eval=armor_megatron.cli.eval:main",
+            "armor-plot=armor_megatron.cli.plot:main",
         ]
     },
 )

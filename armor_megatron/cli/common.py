@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 
@@ -18,3 +19,11 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 def fail(prog: str, message: str, code: int = EXIT_BAD_INPUT) -> int:
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
+
+
+def quiet_third_party_warnings() -> None:
+    """megatron-core and torch.distributed.checkpoint warn about missing GPU extras, deprecations
+    and single-process saving on every run; none of it is actionable for the user of a command."""
+    for module in ("megatron", "torch.distributed"):
+        warnings.filterwarnings("ignore", category=UserWarning, module=module)
+        warnings.filterwarnings("ignore", category=FutureWarning, module=module)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import warnings
 from typing import Optional, Sequence
+
+from armor_megatron.cli.common import quiet_third_party_warnings
 
 # What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
 # parallel sizes that do not divide, an existing output directory.
@@ -96,11 +97,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    # megatron-core and torch.distributed.checkpoint warn about GPU extras and single-process
-    # saving on every run; they say nothing about the conversion.
-    for module in ("megatron", "torch.distributed"):
-        warnings.filterwarnings("ignore", category=UserWarning, module=module)
-        warnings.filterwarnings("ignore", category=FutureWarning, module=module)
+    quiet_third_party_warnings()
     try:
         return _run(args)
     except BAD_INPUT as e:

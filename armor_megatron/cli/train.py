@@ -15,7 +15,7 @@ import sys
 
 import yaml
 
-from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail, quiet_third_party_warnings
 from armor_megatron.config import ConfigError, load_config, to_dict
 
 PROG = "armor-train"
@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg, resume) -> int:
+    quiet_third_party_warnings()
     from armor_megatron.trainer.loop import Preempted
     from armor_megatron.trainer.run import train
 

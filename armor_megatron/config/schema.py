@@ -122,6 +122,9 @@ class ReferenceConfig:
     )
     validation_hook: Optional[str] = checked(None, help="validation_hook: module:function(step, metrics) -> bool")
     offload: bool = checked(False, help="keep reference weights on CPU between uses")
+    init_from: Optional[str] = checked(
+        None, help="recovery: start the reference from this checkpoint (e.g. the best earlier one) instead of the policy"
+    )
 
 
 @dataclasses.dataclass

@@ -37,6 +37,7 @@ from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "engine_logprobs", "is_anchor")
+PROGRESS_KEYS = ("rollout/accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
 
 
@@ -240,6 +241,11 @@ class ArmorTrainer:
         """
         cfg = self.cfg
         last: dict = {}
+        progress = None
+        if self.is_driver and cfg.logging.progress_bar:
+            from tqdm import tqdm
+
+            progress = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.name, unit="step", dynamic_ncols=True)
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps and self.is_driver:
                 start = self.evaluate()
@@ -277,11 +283,16 @@ class ArmorTrainer:
                         metrics.update(self.anchors.stats.as_dict())
                     if logger and self.step % cfg.logging.every_steps == 0:
                         logger.log(self.step, metrics)
+                    if progress is not None:
+                        progress.update(1)
+                        progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics})
                 last = metrics
                 if any_rank(preemption.requested()):
                     if not due and self.step != cfg.train.steps:
                         save()
                     raise Preempted(f"signal {preemption.received} at step {self.step}: checkpoint saved")
+        if progress is not None:
+            progress.close()
         return last if self.is_driver else {}
 
 

@@ -118,6 +118,12 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
         actor.load_weights(mcore_dir)
         if reference is not None:
             reference.load_weights(mcore_dir)
+    if reference is not None and cfg.reference.init_from and (not path or resume not in ("auto", None)):
+        # Recovery mode: a degraded run restarts with the reference set to an earlier, better
+        # checkpoint. Applied on a fresh start or an explicit --resume PATH, never on auto-resume
+        # (the checkpoint then already holds the reference, resets included).
+        reference.load_weights(cfg.reference.init_from)
+        _log(f"reference initialised from {cfg.reference.init_from}")
     trainer.start_engines()
 
     logger = None

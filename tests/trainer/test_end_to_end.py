@@ -88,6 +88,11 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
             assert resumed[step][key] == reference[step][key], (step, key)
     assert resumed[4]["eval/val/pass@1"] == reference[4]["eval/val/pass@1"]
 
+    # recovery mode: a fresh run whose reference starts from that (trained) checkpoint, not the policy
+    recovered = _train(tiny, tmp_path / "recovery", "train.steps=1", "eval.every_steps=0",
+                       f"reference.init_from={tmp_path / 'straight' / 'ckpt' / 'iter_0000004'}")
+    assert recovered[1]["train/approx_kl_ref"] > 1e-6 and reference[1]["train/approx_kl_ref"] < 1e-9
+
 
 def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
     # one process (tp=1), as srun starts every task: the signal reaches the trainer itself
