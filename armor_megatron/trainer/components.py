@@ -84,8 +84,8 @@ def anchor_cache(
 ) -> Optional[AnchorCache]:
     """The anchor side: rejection sampler over the configured source, wrapped in the cache.
 
-    With ``anchor.cache: false`` the cache keeps nothing between steps (``max_pool`` 1 and it is
-    reset every step by the loop), so the same code path serves both.
+    With ``anchor.cache: false`` the loop empties the cache at every step, so anchors are never
+    reused and the same code path serves both.
     """
     an = cfg.anchor
     if not an.enabled:

@@ -152,13 +152,19 @@ class ArmorTrainer:
             return collect_groups(self.loader.next_batch(), self.encode, self.policy_engine, self.settings,
                                   anchors=self.anchors, pad_id=pad)
 
+        if self.anchors is not None:
+            self.anchors.wait()  # a pre-generation still running would race the reseed below
+            if not cfg.anchor.cache:  # anchors are then never reused across steps
+                self.anchors.reset(self._ref_version())
         for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
             if engine is not None:
                 engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * self.step + offset))
         ds = cfg.algorithm.dynamic_sampling
         with timer.phase("rollout"):
             if not ds.enabled:
-                return one_round()
+                result = one_round()
+                self._pregenerate_anchors()
+                return result
             sampler = DynamicSampler(cfg.rollout.prompts_per_step, pad_values={
                 "input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0})
             metrics: dict = {}
@@ -168,8 +174,19 @@ class ArmorTrainer:
                 sampler.add(batch, batch["accuracy"].view(-1, G))
                 if sampler.done:
                     break
+        self._pregenerate_anchors()
         metrics.update(sampler.stats())
         return sampler.take(allow_partial=True), metrics
+
+    def _pregenerate_anchors(self) -> None:
+        """With ``anchor.pregenerate``: sample the next batch's anchors in the background while the
+        trainer updates (the loader is peeked, not advanced)."""
+        if self.anchors is None or not self.cfg.anchor.pregenerate:
+            return
+        state = self.loader.state_dict()
+        rows = self.loader.next_batch()
+        self.loader.load_state_dict(state)
+        self.anchors.prefetch([self.encode(r.prompt) for r in rows], [r.answer for r in rows], keys=[r.index for r in rows])
 
     def update(self, batch: dict, timer: StepTimer) -> dict:
         """All ranks: recompute lp_old and lp_ref, then the mini-batch / epoch updates."""
@@ -206,6 +223,7 @@ class ArmorTrainer:
                 self._ref_resets += 1
                 ref_weights = self.export_weights(self.reference)
                 if self.is_driver and self.anchors is not None:
+                    self.anchors.wait()
                     weights = _materialise(ref_weights)
                     self.anchors.sampler.source.reset(weights, self._ref_version())
                     self.anchors.reset(self._ref_version())

@@ -46,6 +46,7 @@ MALFORMED = [
     (TINY, ["anchor.tries_per_request=8"], "anchor.tries_per_request: 8 exceeds anchor.max_tries=4"),
     (TINY, ["anchor.enabled=yes please"], "anchor.enabled: expected true or false"),
     (TINY, ["anchor.source=shared"], "anchor.source"),
+    (TINY, ["anchor.source=swap", "anchor.pregenerate=true"], "anchor.pregenerate: needs anchor.source 'separate'"),
     (TINY, ["reference.tau=0"], "reference.tau"),
     (TINY, ["reference.reset=sometimes"], "reference.reset"),
     (TINY, ["reference.reset=validation_hook"], "reference.validation_hook: required"),

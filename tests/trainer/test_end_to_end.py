@@ -47,7 +47,11 @@ def _latest(run_dir):
     return open(path).read().strip() if os.path.exists(path) else None
 
 
-@pytest.mark.parametrize("layout", [["parallelism.tp=2"], ["parallelism.tp=1", "parallelism.pp=2"]], ids=["tp2", "pp2"])
+# tp2: anchors sampled afresh every step (no cache); pp2: the next batch's anchors pre-generated
+# in the background while the trainer updates.
+@pytest.mark.parametrize("layout", [["parallelism.tp=2", "anchor.cache=false"],
+                                    ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true"]],
+                         ids=["tp2", "pp2"])
 def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
     metrics = _train(tiny, tmp_path, *layout, "train.steps=3", "eval.every_steps=3", "checkpoint.every_steps=0",
                      "reference.tau=2")
@@ -64,6 +68,10 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
     kl = {step: metrics[step]["train/approx_kl_ref"] for step in (1, 2, 3)}
     assert kl[1] < 1e-9 and kl[2] > 1e-6 and kl[3] < 1e-9, kl
     assert _latest(tmp_path) == "iter_0000003"
+    if "anchor.cache=false" in layout:
+        assert all(metrics[step]["anchor/cached_rate"] == 0.0 for step in (1, 2, 3))
+    else:
+        assert metrics[3]["anchor_cache/hit_rate"] > 0  # pre-generated anchors served from the pools
 
 
 def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_path):
