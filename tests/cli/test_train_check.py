@@ -67,7 +67,7 @@ MALFORMED = [
     (TINY, ["optimizer.lr_schedule=step"], "optimizer.lr_schedule"),
     (TINY, ["optimizer.skip_grad_norm_ratio=1"], "optimizer.skip_grad_norm_ratio"),
     (TINY, ["train.steps=0"], "train.steps"),
-    (TINY, ["train.mini_batches_per_step=5"], "train.mini_batches_per_step: 5 does not divide the 32 samples"),
+    (TINY, ["train.mini_batches_per_step=5"], "train.mini_batches_per_step: 5 does not divide the 128 samples"),
     (TINY, ["train.micro_batch_size=0"], "train.micro_batch_size"),
     (TINY, ["eval.pass_k=[1,4]"], "eval.datasets[0].k: 1 samples cannot give pass@4"),
     (TINY, ["eval.datasets=[{name: x}]"], "eval.datasets[0].path: required key is missing"),
@@ -124,7 +124,7 @@ def test_malformed_files(tmp_path, capsys):
 def test_check_prints_resolved_config(capsys):
     assert main(["--config", TINY, "--check", "algorithm.alpha=0.875"]) == 0
     out = capsys.readouterr().out
-    assert "alpha: 0.875" in out and "group_size: 4" in out
+    assert "alpha: 0.875" in out and "group_size: 8" in out
 
 
 def test_console_process_has_no_traceback(tmp_path):

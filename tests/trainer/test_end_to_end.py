@@ -29,7 +29,8 @@ def tiny(tmp_path_factory):
 
 def _args(tiny, run_dir, *overrides):
     return [sys.executable, "-m", "armor_megatron.cli.train", "--config", CONFIG, *tiny,
-            f"checkpoint.dir={run_dir}/ckpt", f"logging.dir={run_dir}/runs", "name=run", *overrides]
+            f"checkpoint.dir={run_dir}/ckpt", f"logging.dir={run_dir}/runs", "name=run",
+            "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8", *overrides]
 
 
 def _env():
