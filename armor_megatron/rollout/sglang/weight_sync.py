@@ -26,6 +26,7 @@ back and must equal the one pushed (:class:`WeightUpdateError` otherwise).
 
 from __future__ import annotations
 
+import abc
 import concurrent.futures
 import dataclasses
 import os
@@ -77,7 +78,7 @@ def _post(client: SGLangClient, path: str, body: dict, timeout: float) -> Any:
     return result
 
 
-class WeightSync:
+class WeightSync(abc.ABC):
     """Base: sessions and version checks shared by the three modes."""
 
     def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig):
@@ -86,8 +87,9 @@ class WeightSync:
         self.clients = list(clients)
         self.config = config
 
+    @abc.abstractmethod
     def push(self, named_tensors: Iterable[Tuple[str, Any]], version: str) -> None:
-        raise NotImplementedError
+        """Send HF-named tensors to every engine and tag them ``version``."""
 
     def load_from_disk(self, path: str, version: str) -> None:
         """``/update_weights_from_disk`` of an existing HF checkpoint on every engine."""
