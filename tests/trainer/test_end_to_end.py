@@ -119,4 +119,4 @@ def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
     assert "preempted" in err
     step = max(r["step"] for r in read_metrics(str(metrics)))
     assert _latest(tmp_path) == f"iter_{step:07d}"
-    assert 1 <= step < 200
+    assert 0 < step < 200  # stopped by the signal, long before the configured 200 steps
