@@ -58,13 +58,13 @@ class HFCheckpoint:
     """An HF model directory: its config, its ModelArch and a lazy tensor index."""
 
     def __init__(self, path: str):
+        self._fds: dict[str, int] = {}  # before anything can raise: close() runs from __del__
         if not os.path.isdir(path):
             raise CheckpointError(f"{path}: not a directory")
         self.path = path
         self.config = load_hf_config(path)
         self.arch = ModelArch.from_hf_config(self.config)
         self.tensors: dict[str, TensorInfo] = {}
-        self._fds: dict[str, int] = {}
         try:
             for shard in self._shard_files():
                 self._index_shard(shard)

@@ -186,6 +186,7 @@ class TorchDistReader:
         from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+        self._files: dict[str, int] = {}  # before anything can raise: close() runs from __del__
         _check_megatron_config(ckpt_dir)
         self.ckpt_dir, self.arch = ckpt_dir, arch
         self._storage = FileSystemReader(ckpt_dir)
@@ -207,7 +208,6 @@ class TorchDistReader:
             self.keys[rule], self.dtypes[rule] = key, stored[key].properties.dtype
         largest = max(self.chunk_bytes(c) for c in chunks(arch))
         self._buffer = ChunkBuffer(max(buffer_bytes, largest))
-        self._files: dict[str, int] = {}
 
     def chunk_bytes(self, chunk: Chunk) -> int:
         return self.dtypes[chunk.rule].itemsize * math.prod(chunk.rule.shape)

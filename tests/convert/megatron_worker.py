@@ -128,7 +128,7 @@ def main() -> int:
     parser.add_argument("cases", nargs="+")
     args = parser.parse_args()
     for case in args.cases:
-        print("WORKER OK", check_case(args, *case.split(",")), flush=True)
+        print(f"WORKER OK {check_case(args, *case.split(','))}", flush=True)
     from armor_megatron.megatron import dist
 
     dist.shutdown()
