@@ -2,14 +2,15 @@
 
 Reading: every shard is opened once with ``safe_open`` up front (names, dtypes, shapes; the
 library rejects a truncated or malformed file here) and its header's data offsets are kept.
-Tensors are then read with ``os.preadv`` straight into the caller's buffer, rows at a time if
-wanted: a fused Megatron tensor is assembled in place without a second copy. (Reading through
+A tensor is then either located (``segment``: the converter has the kernel copy its bytes) or
+read with ``os.preadv`` straight into the caller's buffer, rows at a time if wanted. (Reading through
 ``safe_open``'s mmap was slower on the development machines -- a page fault per 4 KiB -- and
 the mapped pages count in the process's RSS.)
 
 Writing: the caller declares every tensor (name, shape, dtype) in the order it will produce
 them; shards are cut at ``max_shard_bytes``, each shard's header is written first and then
-tensor bytes are appended as they arrive, so memory holds one tensor at a time. The file
+tensor bytes are appended as they arrive -- from memory (``write_blocks``) or copied by the
+kernel from other files (``write_segments``) -- so memory holds at most one tensor. The file
 format is safetensors': 8-byte little-endian header length, JSON header
 ``{name: {dtype, shape, data_offsets}}`` padded to 8 bytes, raw little-endian data.
 """
@@ -28,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.raw_io import byte_view, open_sliced, pread_into
+from armor_megatron.convert.segments import FileSegment, copy_segments, total_bytes
 from armor_megatron.models import ModelArch, load_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -133,6 +135,11 @@ class HFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor {name} has shape {list(info.shape)}, expected {list(shape)}")
         return info
 
+    def segment(self, name: str) -> FileSegment:
+        """Where tensor ``name``'s bytes lie (its shard stays open while this checkpoint is)."""
+        info = self.info(name)
+        return FileSegment(self._fds[info.file], info.offset, info.nbytes)
+
     def read(self, name: str) -> torch.Tensor:
         """One tensor, read into fresh memory."""
         info = self.info(name)
@@ -207,11 +214,30 @@ class SafetensorsWriter:
 
     def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Sequence[torch.Tensor]) -> None:
         """Write tensor ``name`` of ``shape`` whose data is the concatenation of ``blocks``' bytes."""
+        self._start_tensor(name, shape, {b.dtype for b in blocks}, sum(b.nbytes for b in blocks))
+        for block in blocks:
+            if block.numel():
+                block = block.contiguous()
+                self._stream.write(byte_view(block))
+        self._pos += 1
+
+    def write_segments(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                       segments: Sequence[FileSegment]) -> None:
+        """Write tensor ``name`` whose data is the concatenation of the file segments (copied by
+        the kernel: the bytes never enter this process)."""
+        nbytes = total_bytes(segments)
+        self._start_tensor(name, shape, {dtype}, nbytes)
+        self._stream.flush()
+        at = self._stream.tell()
+        copy_segments(segments, self._stream.fileno(), at)
+        self._stream.seek(at + nbytes)
+        self._pos += 1
+
+    def _start_tensor(self, name: str, shape: tuple[int, ...], dtypes: set, nbytes: int) -> None:
+        """Check the tensor is the next one declared; open its shard (header first) if needed."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"{name}: more tensors written than declared")
         shard, planned = self._queue[self._pos]
-        dtypes = {b.dtype for b in blocks}
-        nbytes = sum(b.nbytes for b in blocks)
         if (name, tuple(shape), dtypes, nbytes) != (planned.name, planned.shape, {planned.dtype}, planned.nbytes):
             raise RuntimeError(f"wrote {name} {tuple(shape)} {dtypes} ({nbytes} bytes), expected "
                                f"{planned.name} {planned.shape} {planned.dtype} ({planned.nbytes} bytes)")
@@ -220,11 +246,6 @@ class SafetensorsWriter:
             self._stream = open_sliced(os.path.join(self.out_dir, self.files[shard]))
             self._stream.write(_header(self.shards[shard]))
             self._open_shard = shard
-        for block in blocks:
-            if block.numel():
-                block = block.contiguous()
-                self._stream.write(byte_view(block))
-        self._pos += 1
 
     def _close_stream(self) -> None:
         if self._stream is not None:
@@ -248,41 +269,66 @@ class TensorDigest:
     xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory
     speed -- ~5x sha256 on the development machines -- and only has to catch corruption).
 
-    ``update(named)`` hashes a batch of (name, tensor) pairs -- or the pairs a callable returns,
-    evaluated on the worker -- on a worker thread (hashlib releases the GIL) while the caller
-    goes on; it first waits for the previous batch, so at most one batch is kept alive for hashing.
+    Hashing runs on one worker thread (xxhash releases the GIL) while the caller goes on:
+
+    * ``update(named)`` hashes (name, tensor) pairs -- or the pairs a callable returns,
+      evaluated on the worker; it first waits for all earlier work, so at most one batch of
+      tensors is kept alive for hashing;
+    * ``update_file(name, dtype, shape, segment)`` hashes a tensor's bytes read from its file
+      through a small reused buffer (1 MiB: it stays in cache); it is queued without waiting.
     """
+
+    ALGORITHM = "xxh3_128"
+    READ_BYTES = 2**20
 
     def __init__(self):
         from concurrent.futures import ThreadPoolExecutor
 
         self._lines: list[str] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor-digest")
-        self._pending = None
-
-    ALGORITHM = "xxh3_128"
+        self._pending: list = []
+        self._read_buffer: Optional[memoryview] = None  # used by the worker only
 
     @staticmethod
-    def _lines_of(named) -> list[str]:
+    def _line(name: str, dtype: torch.dtype, shape: Sequence[int], hexdigest: str) -> str:
+        return f"{name} {str(dtype).removeprefix('torch.')} {list(shape)} {hexdigest}"
+
+    @classmethod
+    def _lines_of(cls, named) -> list[str]:
         import xxhash
 
         lines = []
         for name, tensor in named() if callable(named) else named:
-            data = xxhash.xxh3_128()
             tensor = tensor.contiguous()
-            data.update(byte_view(tensor))
-            lines.append(f"{name} {str(tensor.dtype).removeprefix('torch.')} {list(tensor.shape)} {data.hexdigest()}")
+            lines.append(cls._line(name, tensor.dtype, tensor.shape, xxhash.xxh3_128(byte_view(tensor)).hexdigest()))
         return lines
 
+    def _file_lines(self, name: str, dtype: torch.dtype, shape: Sequence[int], segment: FileSegment) -> list[str]:
+        import xxhash
+
+        if self._read_buffer is None:
+            self._read_buffer = memoryview(bytearray(self.READ_BYTES))
+        data, done = xxhash.xxh3_128(), 0
+        while done < segment.nbytes:
+            n = os.preadv(segment.fd, [self._read_buffer[:segment.nbytes - done]], segment.offset + done)
+            if n <= 0:
+                raise EOFError(f"{name}: file ended {segment.nbytes - done} bytes short")
+            data.update(self._read_buffer[:n])
+            done += n
+        return [self._line(name, dtype, shape, data.hexdigest())]
+
     def wait(self) -> None:
-        """Block until the previous batch is hashed (its tensors may then be reused)."""
-        if self._pending is not None:
-            self._lines += self._pending.result()
-            self._pending = None
+        """Block until all queued hashing is done (tensors handed to ``update`` may then be reused)."""
+        for future in self._pending:
+            self._lines += future.result()
+        self._pending = []
 
     def update(self, named) -> None:
         self.wait()
-        self._pending = self._pool.submit(self._lines_of, named if callable(named) else list(named))
+        self._pending.append(self._pool.submit(self._lines_of, named if callable(named) else list(named)))
+
+    def update_file(self, name: str, dtype: torch.dtype, shape: Sequence[int], segment: FileSegment) -> None:
+        self._pending.append(self._pool.submit(self._file_lines, name, dtype, tuple(shape), segment))
 
     def hexdigest(self) -> str:
         import xxhash

@@ -1,9 +1,11 @@
 """Megatron torch_dist checkpoint (any training parallelism) -> HF safetensors directory.
 
 The HF config comes from ``hf_config_dir`` or, for checkpoints this converter wrote, from
-``MCORE_DIR/hf_config``. Tensors are read in buckets of about ``bucket_bytes`` and written
-layer by layer into size-capped shards (``model-0000i-of-0000n.safetensors`` + index, or one
-``model.safetensors``), with config.json and the tokenizer files copied alongside.
+``MCORE_DIR/hf_config``. Tensors are written layer by layer into size-capped shards
+(``model-0000i-of-0000n.safetensors`` + index, or one ``model.safetensors``), with config.json
+and the tokenizer files copied alongside. A tensor stored as one plain item (this converter's
+output, a layer saved without TP) is copied by the kernel, row block by row block; pieces a
+training run stored at its TP/EP are assembled by DCP, in buckets of about ``bucket_bytes``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir
 from armor_megatron.convert.progress import Progress, Summary
-from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks
+from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks, row_blocks
+from armor_megatron.convert.segments import total_bytes
 from armor_megatron.models import ModelArch, load_hf_config
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -69,12 +72,22 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
         writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
         progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
         for bucket in buckets(chunks, reader.chunk_bytes, bucket_bytes):
-            for chunk, tensor in zip(bucket, reader.read(bucket)):
-                hf_blocks = mcore_to_hf_blocks(arch, chunk.rule, tensor)
-                names = chunk.rule.hf(chunk.layer, chunk.expert)
-                for name, shape, blocks in zip(names, hf_shapes(arch, chunk.rule), hf_blocks):
-                    writer.write_blocks(name, shape, blocks)
-                    progress.advance(sum(b.nbytes for b in blocks))
+            stored = [reader.stored_segment(chunk) for chunk in bucket]
+            resharded = iter(reader.read([c for c, segment in zip(bucket, stored) if segment is None]))
+            for chunk, segment in zip(bucket, stored):
+                names, shapes = chunk.rule.hf(chunk.layer, chunk.expert), hf_shapes(arch, chunk.rule)
+                if segment is not None:  # one plain item on disk: the kernel copies its row blocks
+                    dtype, rows = reader.dtypes[chunk.rule], chunk.rule.shape[0] if chunk.rule.shape else 1
+                    per_hf = [[] for _ in names]
+                    for i, _, row, count in row_blocks(arch, chunk.rule):
+                        per_hf[i].append(segment.rows(row, count, rows))
+                    for name, shape, segments in zip(names, shapes, per_hf):
+                        writer.write_segments(name, shape, dtype, segments)
+                        progress.advance(total_bytes(segments))
+                else:  # pieces of a training run's TP/EP shards, assembled in memory by DCP
+                    for name, shape, blocks in zip(names, shapes, mcore_to_hf_blocks(arch, chunk.rule, next(resharded))):
+                        writer.write_blocks(name, shape, blocks)
+                        progress.advance(sum(b.nbytes for b in blocks))
         writer.close()
         reader.close()
         copy_side_files(config_dir, tmp)

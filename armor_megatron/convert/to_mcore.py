@@ -9,7 +9,6 @@ Output layout::
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import sys
@@ -22,8 +21,8 @@ from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata
 from armor_megatron.convert.progress import Progress, Summary
-from armor_megatron.convert.raw_io import ChunkBuffer
-from armor_megatron.convert.rules import TensorRule, hf_shapes, mcore_to_hf, row_blocks, tensor_rules
+from armor_megatron.convert.rules import TensorRule, hf_shapes, row_blocks, tensor_rules
+from armor_megatron.convert.segments import FileSegment, total_bytes
 from armor_megatron.models import ModelArch
 
 # HF tensors that carry no weights of their own.
@@ -73,20 +72,17 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     progress = Progress("hf-to-mcore", count, total, progress_stream)
     digest = TensorDigest()
 
-    buffer = ChunkBuffer(max(math.prod(c.rule.shape) * dtypes[c.rule].itemsize for c in chunks))
-
-    def produce(chunk: torch_dist.Chunk) -> torch.Tensor:
-        """Read the chunk's HF rows straight into place in the Megatron tensor.
-
-        The DCP writer has written the previous chunk when it asks for the next one, so the
-        buffer is reused once the digest of the previous chunk is done."""
-        digest.wait()
-        tensor = buffer.get(chunk.rule.shape, dtypes[chunk.rule])
-        for i, hf_row, row, rows in row_blocks(arch, chunk.rule):
-            hf.read_rows_into(names[chunk][i], hf_row, rows, tensor[row:row + rows])
-        digest.update(lambda: zip(names[chunk], mcore_to_hf(arch, chunk.rule, tensor)))
-        progress.advance(tensor.nbytes, tensors=len(names[chunk]))
-        return tensor
+    def produce(chunk: torch_dist.Chunk) -> list[FileSegment]:
+        """The chunk's bytes as segments of the HF shards, in Megatron row order; its HF
+        tensors are queued for the source checksum (read again from the page cache)."""
+        hf_segments = [hf.segment(name) for name in names[chunk]]
+        for name, segment in zip(names[chunk], hf_segments):
+            info = hf.info(name)
+            digest.update_file(name, info.dtype, info.shape, segment)
+        hf_rows = [info.shape[0] if info.shape else 1 for info in map(hf.info, names[chunk])]
+        blocks = sorted(row_blocks(arch, chunk.rule), key=lambda block: block[2])
+        progress.advance(total_bytes(hf_segments), tensors=len(hf_segments))
+        return [hf_segments[i].rows(hf_row, rows, hf_rows[i]) for i, hf_row, _, rows in blocks]
 
     with hf, staged_dir(out_dir, overwrite) as tmp:
         torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)

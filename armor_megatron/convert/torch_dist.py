@@ -8,13 +8,14 @@ loads the result at any TP/PP/EP (tests/convert pin the keys, shapes and object 
 a real GPTModel and load the result with ``megatron.core.dist_checkpointing``).
 
 Writing streams: every chunk (one layer / expert of a stacked tensor, as Megatron's
-``ShardedTensor`` with ``prepend_axis_num`` describes it) becomes one DCP write item, and a
-save planner produces its tensor only when DCP's ``FileSystemWriter`` asks for it; the writer
-serialises one item at a time, so memory holds one tensor. (``dist_checkpointing.save``
+``ShardedTensor`` with ``prepend_axis_num`` describes it) becomes one DCP write item. DCP
+plans the items and writes ``.metadata``; the data step writes each item as the
+``torch.save`` archive DCP would, with its bytes copied in by the kernel from the source
+files' segments (see ``segments``): no tensor passes through memory. (``dist_checkpointing.save``
 would need the whole state dict in memory, and its writer assumes CUDA.)
 
 Reading: a chunk stored as one item (this converter's output, a layer saved without TP) is
-read straight from its bytes into a reused buffer; any other chunk is assembled by DCP's
+located in its file (``stored_segment``) and copied or read straight from there; any other chunk is assembled by DCP's
 resharding read (a load planner asking for it at its global offsets) from whatever pieces a
 training run stored at its TP/PP/EP. Bucket by bucket, without a process group.
 
@@ -23,19 +24,19 @@ Neither direction imports megatron-core.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import functools
 import io
 import json
 import os
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from armor_megatron.convert.errors import CheckpointError
-from armor_megatron.convert.raw_io import ChunkBuffer, open_sliced, pread_into, torch_save_storage_offset
+from armor_megatron.convert.raw_io import ChunkBuffer, pread_into, torch_save_storage_offset
+from armor_megatron.convert.segments import FileSegment, HoleFillingWriter
 from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.models import ModelArch
 
@@ -87,23 +88,12 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
 
 
 # ---------------------------------------------------------------------- writing
-@contextlib.contextmanager
-def _torch_save_without_crc32() -> Iterator[None]:
-    """torch.save skips the zip CRC-32 (half its time on big tensors); torch.load does not check it."""
-    before = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(before)
-
-
-def _streaming_planner(items: dict, objects: dict, produce: Callable[[Chunk], torch.Tensor]):
+def _planner(write_items: list):
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-    from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
+    from torch.distributed.checkpoint.planner import SavePlan
 
-    class StreamingSavePlanner(DefaultSavePlanner):
-        """Plans the declared items; materialises each tensor only in ``resolve_data``."""
+    class DeclaredItemsSavePlanner(DefaultSavePlanner):
+        """Plans the declared items without a state dict (the writer produces the data)."""
 
         def __init__(self):
             super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
@@ -112,41 +102,62 @@ def _streaming_planner(items: dict, objects: dict, produce: Callable[[Chunk], to
             self.state_dict, self.is_coordinator = {}, is_coordinator
 
         def create_local_plan(self) -> SavePlan:
-            self.plan = SavePlan([item for item, _ in items.values()] + [item for item, _ in objects.values()])
+            self.plan = SavePlan(list(write_items))
             return self.plan
 
-        def resolve_data(self, write_item):
-            index = (write_item.index.fqn, tuple(write_item.index.offset or ()))
-            if write_item.type == WriteItemType.BYTE_IO:
-                return io.BytesIO(objects[index][1])
-            chunk = items[index][1]
-            tensor = produce(chunk)
-            dtype = write_item.tensor_data.properties.dtype
-            if tuple(tensor.shape) != chunk.rule.shape or tensor.dtype != dtype:
-                raise RuntimeError(f"{write_item.index.fqn}: produced {tuple(tensor.shape)} {tensor.dtype}, "
-                                   f"planned {chunk.rule.shape} {dtype}")
-            return tensor.reshape(chunk.stored_shape())
+    return DeclaredItemsSavePlanner()
 
-    return StreamingSavePlanner()
+
+def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callable[[Chunk], list[FileSegment]]):
+    """DCP's file-system writer with its data step replaced: one file, items in plan order, each
+    tensor a ``torch.save`` archive whose data the kernel copies in from ``produce(chunk)``'s
+    segments (see ``segments``). DCP still plans the items and writes ``.metadata``."""
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
+    from torch.distributed.checkpoint.planner import WriteItemType
+    from torch.distributed.checkpoint.storage import WriteResult
+    from torch.futures import Future
+
+    class SegmentWriter(FileSystemWriter):
+        def write_data(self, plan, planner) -> Future:
+            name = f"{plan.storage_data.prefix}0{DEFAULT_SUFFIX}"
+            results = []
+            with HoleFillingWriter(os.path.join(out_dir, name)) as stream:
+                for item in plan.items:
+                    key = (item.index.fqn, tuple(item.index.offset or ()))
+                    offset = stream.tell()
+                    if item.type == WriteItemType.BYTE_IO:
+                        stream.write(objects[key])
+                    else:
+                        chunk = chunk_of[key]
+                        stream.save_tensor(chunk.stored_shape(), item.tensor_data.properties.dtype, produce(chunk))
+                    length = stream.tell() - offset
+                    results.append(WriteResult(index=item.index, size_in_bytes=length,
+                                               storage_data=_StorageInfo(name, offset, length)))
+            done = Future()
+            done.set_result(results)
+            return done
+
+    return SegmentWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
 
 
 def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRule], torch.dtype],
-                     produce: Callable[[Chunk], torch.Tensor]) -> None:
+                     produce: Callable[[Chunk], list[FileSegment]]) -> None:
     """Write a torch_dist checkpoint of ``arch`` into the existing empty directory ``out_dir``.
 
-    ``produce(chunk)`` returns the chunk's tensor (shape ``chunk.rule.shape``, dtype
-    ``dtype_of(chunk.rule)``); it is called once per chunk, in ``chunks(arch)`` order.
+    ``produce(chunk)`` returns the file segments whose bytes, concatenated, are the chunk's
+    tensor (shape ``chunk.rule.shape``, dtype ``dtype_of(chunk.rule)``, row-major); it is
+    called once per chunk, in ``chunks(arch)`` order, and the segments are copied before the
+    next call.
     """
-    from torch.distributed.checkpoint import FileSystemWriter
-    from torch.distributed.checkpoint.filesystem import SerializationFormat
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
     from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-    items = {}
+    write_items, chunk_of = [], {}
     for chunk in chunks(arch):
         offset = torch.Size(chunk.global_offset())
-        item = WriteItem(
+        write_items.append(WriteItem(
             index=MetadataIndex(chunk.rule.ckpt_key, offset),
             type=WriteItemType.SHARD,
             tensor_data=TensorWriteData(
@@ -154,19 +165,16 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
                 properties=TensorProperties(dtype=dtype_of(chunk.rule)),
                 size=torch.Size(chunk.rule.stacked_shape(arch)),
             ),
-        )
-        items[(chunk.rule.ckpt_key, tuple(offset))] = (item, chunk)
+        ))
+        chunk_of[(chunk.rule.ckpt_key, tuple(offset))] = chunk
     none_list = io.BytesIO()
     torch.save([None], none_list)  # megatron stores each object key as the list of its shards' data
-    objects = {(key, ()): (WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO), none_list.getvalue())
-               for key in extra_state_keys(arch)}
-    # TORCH_SAVE writes each item as it comes (the safetensors format would keep every
-    # produced tensor until the end of the file, and ours share one buffer).
-    writer = FileSystemWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False,
-                              serialization_format=SerializationFormat.TORCH_SAVE)
-    writer.fs = _sliced_writes_filesystem_class()()
-    with _torch_save_without_crc32():
-        dcp_save({}, storage_writer=writer, planner=_streaming_planner(items, objects, produce), no_dist=True)
+    objects = {}
+    for key in extra_state_keys(arch):
+        write_items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
+        objects[(key, ())] = none_list.getvalue()
+    dcp_save({}, storage_writer=_segment_writer(out_dir, chunk_of, objects, produce), planner=_planner(write_items),
+             no_dist=True)
     torch.save({}, os.path.join(out_dir, "common.pt"))
     with open(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump(MEGATRON_CONFIG, f)
@@ -230,8 +238,21 @@ class TorchDistReader:
             c.rule.shape) for i, c in enumerate(wanted)]
 
     def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> Optional[torch.Tensor]:
-        """The chunk read into the buffer at ``buffer_offset`` if the checkpoint stores exactly
-        it as one plain item, else None."""
+        """The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
+        item that fits there, else None."""
+        segment = self.stored_segment(chunk)
+        if segment is None or buffer_offset + segment.nbytes > self._buffer.nbytes:
+            return None
+        tensor = self._buffer.get(chunk.stored_shape(), self.dtypes[chunk.rule], buffer_offset)
+        try:
+            pread_into(segment.fd, tensor, segment.offset)
+        except EOFError as e:
+            raise CheckpointError(f"{self.ckpt_dir}: a data file is truncated ({e})") from None
+        return tensor
+
+    def stored_segment(self, chunk: Chunk) -> Optional[FileSegment]:
+        """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
+        (untransformed, uncompressed, little-endian) item, else None."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
@@ -239,20 +260,18 @@ class TorchDistReader:
         if not any(c.offsets == offset and tuple(c.sizes) == shape for c in stored):
             return None
         info = self.metadata.storage_data.get(MetadataIndex(key, offset))
-        nbytes = self.chunk_bytes(chunk)
-        if info is None or getattr(info, "transform_descriptors", None) or buffer_offset + nbytes > self._buffer.nbytes:
+        if info is None or getattr(info, "transform_descriptors", None):
             return None
+        nbytes = self.chunk_bytes(chunk)
         fd = self._fd(info.relative_path)
         with open(fd, "rb", closefd=False) as f:
             start = torch_save_storage_offset(f, info.offset, info.length, nbytes)
         if start is None:
             return None
-        tensor = self._buffer.get(shape, self.dtypes[chunk.rule], buffer_offset)
-        try:
-            pread_into(fd, tensor, start)
-        except EOFError as e:
-            raise CheckpointError(f"{self.ckpt_dir}: {info.relative_path} is truncated ({e})") from None
-        return tensor
+        if os.fstat(fd).st_size < start + nbytes:
+            raise CheckpointError(f"{self.ckpt_dir}: {info.relative_path} is truncated (tensor {key} ends at byte "
+                                  f"{start + nbytes})")
+        return FileSegment(fd, start, nbytes)
 
     def _fd(self, relative_path: str) -> int:
         if relative_path not in self._files:
@@ -277,24 +296,6 @@ def _check_megatron_config(ckpt_dir: str) -> None:
         raise CheckpointError(f"{ckpt_dir}: not a Megatron dist checkpoint (no readable metadata.json)") from None
     if backend != "torch_dist":
         raise CheckpointError(f"{ckpt_dir}: sharded backend {backend!r} is not supported (only torch_dist)")
-
-
-@functools.cache
-def _sliced_writes_filesystem_class():
-    """DCP's local file system with big writes issued in slices (see ``raw_io``)."""
-    from torch.distributed.checkpoint.filesystem import FileSystem
-
-    class SlicedWritesFileSystem(FileSystem):
-        @contextlib.contextmanager
-        def create_stream(self, path, mode: str):
-            if mode != "wb":
-                with super().create_stream(path, mode) as stream:
-                    yield stream
-                return
-            with open_sliced(path, mode) as stream:
-                yield stream
-
-    return SlicedWritesFileSystem
 
 
 @functools.cache

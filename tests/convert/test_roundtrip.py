@@ -41,6 +41,20 @@ def test_round_trip_is_bit_identical(family, tiny_models, tmp_path):
     assert meta["hf_config"] == json.loads(open(os.path.join(hf_dir, "config.json")).read())
 
 
+def test_round_trip_without_kernel_copies(tiny_models, tmp_path, monkeypatch):
+    """File systems that refuse copy_file_range (EXDEV, EOPNOTSUPP...) get a buffered copy."""
+    import errno
+
+    def refuse(*args):
+        raise OSError(errno.EOPNOTSUPP, "not supported")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    hf_dir = tiny_models["qwen3"]
+    _, back, _, _ = round_trip(hf_dir, tmp_path)
+    compared, mismatched = compare_tensors(HFCheckpoint(hf_dir), HFCheckpoint(str(back)))
+    assert mismatched == [] and compared == len(HFCheckpoint(hf_dir).tensors)
+
+
 def test_output_loads_in_transformers_with_identical_logits(tiny_models, tmp_path):
     from transformers import AutoModelForCausalLM
 
