@@ -48,6 +48,9 @@ class SGLangConfig:
     mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
     placement: Literal["colocated", "disaggregated"] = "colocated"
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    disk_dir: Optional[str] = checked(
+        None, help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)"
+    )
     bucket_mb: int = checked(512, check=at_least(1))
     request_timeout_s: float = checked(600.0, check=positive)
     max_retries: int = checked(5, check=at_least(0))
@@ -76,6 +79,9 @@ class AnchorConfig:
     source: Literal["separate", "swap"] = checked("separate", help="frozen engine group, or swap weights in place")
     reference_urls: list[str] = checked(
         factory=list, help="SGLang servers of the frozen reference group (source: separate, engine: sglang)"
+    )
+    reference_engines: int = checked(
+        1, check=at_least(1), help="servers the SLURM launcher starts for that group when reference_urls is empty"
     )
     cache: bool = checked(True, help="reuse verified anchors while the reference is frozen")
     cache_size_per_prompt: int = checked(4, check=at_least(1))

@@ -71,6 +71,9 @@ def _check_rollout(cfg: RunConfig) -> None:
     ro, anchor, algo = cfg.rollout, cfg.anchor, cfg.algorithm
     if anchor.enabled and anchor.pregenerate and anchor.source != "separate":
         raise ConfigError("anchor.pregenerate", "needs anchor.source 'separate' (a swapped-in reference cannot sample in the background)")
+    if anchor.enabled and anchor.pregenerate and ro.engine == "sglang" and ro.sglang.placement == "colocated":
+        raise ConfigError("anchor.pregenerate", "colocated engines release their GPU memory while the trainer updates, "
+                          "so nothing samples in the background; use rollout.sglang.placement disaggregated")
     if anchor.enabled and anchor.tries_per_request > anchor.max_tries:
         raise ConfigError("anchor.tries_per_request", f"{anchor.tries_per_request} exceeds anchor.max_tries={anchor.max_tries}")
     if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:

@@ -14,9 +14,12 @@ Layout of the allocation (``N`` nodes of ``g`` GPUs, ``E = launch.engine_gpus``)
   the last ``E/g`` nodes are engine nodes (dedicated); otherwise, when ``N`` divides ``E``,
   every node keeps its last ``E/N`` GPUs for engines and gives the first ``g − E/N`` to the trainer.
 
-Engine ``i`` listens on ``base_port + i``; the trainer attaches to all of them through the
-``rollout.sglang.urls`` override appended to its arguments, and decides itself how to use them
-(policy group, reference group). The rendezvous port is ``20000 + job_id mod 10000``, moved past the
+The engines are the policy group (``rollout.sglang.num_engines``) followed, when anchors come
+from a separate frozen reference (``anchor.source: separate`` without ``anchor.reference_urls``),
+by the reference group (``anchor.reference_engines``, same ``tp_per_engine``); every count above
+is over both groups. Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
+through the ``rollout.sglang.urls`` and ``anchor.reference_urls`` overrides appended to its
+arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
 engine ports if it lands among them. Nothing here runs a command or imports megatron.
 """
 
@@ -91,9 +94,10 @@ class LaunchOptions:
 
 @dataclasses.dataclass(frozen=True)
 class EngineStep:
-    """One SGLang server: ``gpus`` are local GPU indices on ``node``."""
+    """One SGLang server of ``group`` (policy or reference): ``gpus`` are local GPU indices on ``node``."""
 
     index: int
+    group: Literal["policy", "reference"]
     node: str
     gpus: tuple[int, ...]
     port: int
@@ -125,6 +129,9 @@ class JobPlan:
     def engine_urls(self) -> tuple[str, ...]:
         return tuple(e.url for e in self.engines)
 
+    def group_urls(self, group: str) -> list[str]:
+        return [e.url for e in self.engines if e.group == group]
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
@@ -154,15 +161,18 @@ def plan_job(
             f"rollout.sglang.host={sg.host}: in a multi-node job the engines must listen on all interfaces "
             "so trainer ranks on other nodes reach them; set rollout.sglang.host=0.0.0.0 (and rollout.sglang.api_key)"
         )
+    groups = ["policy"] * sg.num_engines + ["reference"] * (len(layout.engine_slots) - sg.num_engines)
     engines = tuple(
-        _engine_step(cfg, opts, i, node, first_gpu, port)
-        for i, ((node, first_gpu), port) in enumerate(zip(layout.engine_slots, ports))
+        _engine_step(cfg, opts, i, group, node, first_gpu, port)
+        for i, (group, (node, first_gpu), port) in enumerate(zip(groups, layout.engine_slots, ports))
     )
     master_addr = layout.trainer_nodes[0]
     master_port = _master_port(int(slurm.job_id), set(ports))
     args = list(train_args)
-    if engines:
-        args.append("rollout.sglang.urls=" + json.dumps([e.url for e in engines], separators=(",", ":")))
+    for key, group in (("rollout.sglang.urls", "policy"), ("anchor.reference_urls", "reference")):
+        urls = [e.url for e in engines if e.group == group]
+        if urls:
+            args.append(f"{key}=" + json.dumps(urls, separators=(",", ":")))
     shares = any(e.node in layout.trainer_nodes for e in engines)
     trainer = _trainer_command(opts, layout, master_addr, master_port, slurm.job_id, args, overlap=shares)
     return JobPlan(
@@ -214,7 +224,7 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
 
     if not gpn:
         raise LaunchPlanError("rollout.engine=sglang needs GPUs, but launch.gpus_per_node=0 (use rollout.engine=local on CPU)")
-    t, n = sg.tp_per_engine, sg.num_engines
+    t, n = sg.tp_per_engine, sg.num_engines + launched_reference_engines(cfg)
     if gpn % t:
         raise LaunchPlanError(f"rollout.sglang.tp_per_engine={t} does not divide launch.gpus_per_node={gpn} (an engine stays on one node)")
     if sg.placement == "colocated":
@@ -224,14 +234,16 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
                 "(engines share the trainer's GPUs); set it to 0 or use placement disaggregated"
             )
         if n * t > len(nodes) * gpn:
-            raise LaunchPlanError(f"rollout.sglang: {n} engines x tp {t} need {n * t} GPUs, the job has {len(nodes) * gpn}")
+            raise LaunchPlanError(f"rollout.sglang: {n} engines{_groups_note(cfg)} x tp {t} need {n * t} GPUs, "
+                                  f"the job has {len(nodes) * gpn}")
         slots = tuple((nodes[(i * t) // gpn], (i * t) % gpn) for i in range(n))
         return _Layout(nodes, gpn, slots)
 
     e = launch.engine_gpus
     if e != n * t:
         raise LaunchPlanError(
-            f"launch.engine_gpus={e} but disaggregated engines need rollout.sglang.num_engines x tp_per_engine = {n} x {t} = {n * t}"
+            f"launch.engine_gpus={e} but disaggregated engines need engines x rollout.sglang.tp_per_engine = "
+            f"{n}{_groups_note(cfg)} x {t} = {n * t}"
         )
     if e % gpn == 0:
         engine_nodes = nodes[len(nodes) - e // gpn :]
@@ -250,7 +262,20 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
     )
 
 
-def _engine_step(cfg: RunConfig, opts: LaunchOptions, index: int, node: str, first_gpu: int, port: int) -> EngineStep:
+def launched_reference_engines(cfg: RunConfig) -> int:
+    """Reference-group servers the job starts: anchors from a separate frozen π_ref, no URLs given."""
+    anchor, sg = cfg.anchor, cfg.rollout.sglang
+    launches = cfg.rollout.engine == "sglang" and not sg.urls and anchor.enabled and anchor.source == "separate"
+    return anchor.reference_engines if launches and not anchor.reference_urls else 0
+
+
+def _groups_note(cfg: RunConfig) -> str:
+    ref = launched_reference_engines(cfg)
+    return f" ({cfg.rollout.sglang.num_engines} policy + {ref} reference)" if ref else ""
+
+
+def _engine_step(cfg: RunConfig, opts: LaunchOptions, index: int, group: str, node: str, first_gpu: int,
+                 port: int) -> EngineStep:
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
     url_host = node if sg.host in ALL_INTERFACES else sg.host
@@ -272,7 +297,7 @@ def _engine_step(cfg: RunConfig, opts: LaunchOptions, index: int, node: str, fir
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *_srun_common(opts)]
     url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{port}"
-    return EngineStep(index, node, gpus, port, url, tuple(srun + server))
+    return EngineStep(index, group, node, gpus, port, url, tuple(srun + server))
 
 
 def _trainer_command(

@@ -38,7 +38,7 @@ def render_text(plan: JobPlan) -> str:
         f" via {plan.launcher}; requeue exit code {plan.requeue_exit_code}",
     ]
     for e in plan.engines:
-        out.append(f"# engine {e.index}: {e.node} GPUs {','.join(map(str, e.gpus))} -> {e.url}")
+        out.append(f"# engine {e.index} ({e.group}): {e.node} GPUs {','.join(map(str, e.gpus))} -> {e.url}")
     out += [f"export MASTER_ADDR={plan.master_addr}", f"export MASTER_PORT={plan.master_port}"]
     out += [f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()]
     out += [shlex.join(e.command) + " &" for e in plan.engines]

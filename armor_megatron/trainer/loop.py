@@ -5,9 +5,11 @@
                   rewards, overlong shaping, dynamic sampling, advantages             (driver rank)
         logprobs: lp_old (actor, before the update), lp_ref (reference)               (all ranks)
         update:   mini-batches × epochs of the mixed-ratio DAPO loss                  (all ranks)
+                  (colocated SGLang engines release their GPU memory meanwhile)
         sync:     actor weights -> rollout engine (HF names, new weight_version)
-        reset:    if the schedule says so, θ_ref ← θ in the trainer AND the anchor source
-        eval, checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
+        eval:     the policy of this step, served by the engine                       (driver rank)
+        reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
+        checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
 
 Rank 0 is the *driver*: it owns the data loader, the engines, the anchor cache, rewards,
 evaluation and logging, and broadcasts each step's batch to every rank. The Megatron actor
@@ -208,29 +210,51 @@ class ArmorTrainer:
                         metrics.setdefault(f"train/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
-    def sync_and_reset(self, step_metrics: dict, timer: StepTimer) -> dict:
-        """Push the new policy to the engine; reset the reference when the schedule says so."""
-        out = {}
+    def sync_weights(self, timer: StepTimer) -> None:
+        """All ranks: push the new policy to the engine (the driver talks to it)."""
         with timer.phase("weight_sync"):
             weights = self.export_weights(self.actor)
             if self.is_driver:
                 self.policy_engine.update_weights(weights, f"step-{self.step}")
             else:
                 _materialise(weights)
-        if self.reference is not None and self.reset_schedule.should_reset(self.step, step_metrics):
-            with timer.phase("reference_reset"):
-                self.reference.reset_from(self.actor)
-                self._ref_resets += 1
-                ref_weights = self.export_weights(self.reference)
-                if self.is_driver and self.anchors is not None:
-                    self.anchors.wait()
-                    weights = _materialise(ref_weights)
-                    self.anchors.sampler.source.reset(weights, self._ref_version())
-                    self.anchors.reset(self._ref_version())
-                else:
-                    _materialise(ref_weights)
-            out["reference/reset"] = 1.0
-        return out
+
+    def maybe_reset_reference(self, step_metrics: dict, timer: StepTimer) -> dict:
+        """All ranks: θ_ref ← θ when the schedule says so (it may read this step's validation)."""
+        if self.reference is None or not self.reset_schedule.should_reset(self.step, step_metrics):
+            return {}
+        with timer.phase("reference_reset"):
+            self.reference.reset_from(self.actor)
+            self._ref_resets += 1
+            ref_weights = self.export_weights(self.reference)
+            if self.is_driver and self.anchors is not None:
+                self.anchors.wait()
+                weights = _materialise(ref_weights)
+                self.anchors.sampler.source.reset(weights, self._ref_version())
+                self.anchors.reset(self._ref_version())
+            else:
+                _materialise(ref_weights)
+        return {"reference/reset": 1.0}
+
+    @contextmanager
+    def engines_released(self):
+        """Colocated engines give their GPU memory (weights and KV cache) back while the
+        trainer computes log-probs and updates, and take it back before the weight sync."""
+        engines = [e for e in (self.policy_engine, self.reference_engine) if e is not None]
+        if not (self.is_driver and self.cfg.rollout.engine == "sglang"
+                and self.cfg.rollout.sglang.placement == "colocated"):
+            engines = []
+        if self.anchors is not None and engines:
+            self.anchors.wait()  # no background sampling on released engines
+        for engine in engines:
+            engine.release_memory()
+        barrier()  # no rank allocates before the engines have let go
+        try:
+            yield
+        finally:
+            for engine in engines:
+                engine.resume_memory()
+        barrier()
 
     def evaluate(self) -> dict:
         """Driver: avg@k / pass@k of the current policy on every eval set."""
@@ -278,16 +302,18 @@ class ArmorTrainer:
                 if tensors is None:
                     metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
                 else:
-                    metrics.update(self.update(tensors, timer))
+                    with self.engines_released():
+                        metrics.update(self.update(tensors, timer))
                     metrics["train/tokens"] = float(tensors["response_mask"].sum())
                 self.step += 1
+                self.sync_weights(timer)
                 if self.is_driver:
                     self.last_train_accuracy = metrics.get("rollout/accuracy", self.last_train_accuracy)
                     if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-                        with timer.phase("eval"):
+                        with timer.phase("eval"):  # the policy of this step: its weights are in the engine
                             metrics.update(self.evaluate())
                 metrics = broadcast_object(metrics)
-                metrics.update(self.sync_and_reset(metrics, timer))
+                metrics.update(self.maybe_reset_reference(metrics, timer))
                 due = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
                 if due or self.step == cfg.train.steps:
                     with timer.phase("checkpoint"):
@@ -338,6 +364,11 @@ def _engine_trainer_gap(batch: dict) -> float:
 
 def _materialise(weights):
     return None if weights is None else list(weights)
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
 
 
 def any_rank(flag: bool) -> bool:

@@ -54,23 +54,31 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
     return make
 
 
-def make_sglang_engines(cfg: RunConfig):
-    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started."""
+def make_sglang_engines(cfg: RunConfig, hf_config: dict):
+    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
+    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``."""
+    from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     sg = cfg.rollout.sglang
+    disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
+
+    def engine(urls, group: str, weights, version: str) -> SGLangEngine:
+        sync = WeightSyncConfig(mode=sg.weight_sync, bucket_bytes=sg.bucket_mb << 20, tp_size=sg.tp_per_engine,
+                                disk_dir=os.path.join(disk_root, group), hf_config=hf_config,
+                                master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                                timeout=sg.request_timeout_s, group_name=f"armor_{group}_weights")
+        client = SGLangEngine(urls, api_key=sg.api_key, weight_sync=sync, retry=RetryPolicy(max_attempts=1 + sg.max_retries),
+                              request_timeout=sg.request_timeout_s, max_concurrency=sg.max_concurrency)
+        client.update_weights(weights, version)
+        return client
 
     def make(policy, reference, *, policy_version, reference_version):
-        sync = WeightSyncConfig(mode=sg.weight_sync, bucket_bytes=sg.bucket_mb << 20, tp_size=sg.tp_per_engine)
-        policy_engine = SGLangEngine(sg.urls, api_key=sg.api_key, weight_sync=sync,
-                                     request_timeout=sg.request_timeout_s, max_concurrency=sg.max_concurrency)
-        policy_engine.update_weights(policy, policy_version)
+        policy_engine = engine(sg.urls, "policy", policy, policy_version)
         reference_engine = None
-        if cfg.anchor.enabled and cfg.anchor.source == "separate":
-            reference_engine = SGLangEngine(cfg.anchor.reference_urls, api_key=sg.api_key, weight_sync=sync,
-                                            request_timeout=sg.request_timeout_s)
-            reference_engine.update_weights(reference, reference_version)
+        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
+            reference_engine = engine(cfg.anchor.reference_urls, "reference", reference, reference_version)
         return policy_engine, reference_engine
 
     return make
@@ -104,7 +112,7 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
-    make_engines = make_local_engines(cfg, hf_config, tokenizer) if cfg.rollout.engine == "local" else make_sglang_engines(cfg)
+    make_engines = make_local_engines(cfg, hf_config, tokenizer) if cfg.rollout.engine == "local" else make_sglang_engines(cfg, hf_config)
     trainer = ArmorTrainer(cfg, arch, actor, reference, tokenizer, make_engines,
                            export_weights=lambda model: export_hf_weights(model.model_chunks, arch))
 

@@ -6,6 +6,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 CONFIG=configs/qwen25_math_7b_dapo_armor.yaml
 HF_DIR=${HF_DIR:-/models/Qwen2.5-Math-7B}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
-# Trainer TP=2 x DP=4 on all 8 GPUs; 4 SGLang engines of TP=2 share them (colocated, memory released while training).
+# Trainer TP=2 x DP=4 on all 8 GPUs; 3 policy + 1 reference SGLang engines of TP=2 share them (colocated, memory released while training).
 # The trainer's weights, gradients and optimizer stay on the GPUs during rollout: engines get 40 % of each GPU.
 armor_example "$@"

@@ -7,5 +7,5 @@ source "$(dirname "${BASH_SOURCE[0]}")/../common.sh"
 CONFIG=configs/qwen3_8b_base_two_stage.yaml
 HF_DIR=${HF_DIR:-/models/Qwen3-8B-Base}
 MCORE_DIR=${MCORE_DIR:-$HF_DIR-mcore}
-# Trainer TP=2 x DP=8 on 16 GPUs; 8 colocated engines of TP=2 (set in the config).
+# Trainer TP=2 x DP=8 on 16 GPUs; 7 policy + 1 reference colocated engines of TP=2 (set in the config).
 armor_example "$@"

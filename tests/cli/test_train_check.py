@@ -47,6 +47,8 @@ MALFORMED = [
     (TINY, ["anchor.enabled=yes please"], "anchor.enabled: expected true or false"),
     (TINY, ["anchor.source=shared"], "anchor.source"),
     (TINY, ["anchor.source=swap", "anchor.pregenerate=true"], "anchor.pregenerate: needs anchor.source 'separate'"),
+    (TINY, ["rollout.engine=sglang", "rollout.sglang.placement=colocated", "anchor.pregenerate=true"],
+     "anchor.pregenerate: colocated engines release their GPU memory"),
     (TINY, ["reference.tau=0"], "reference.tau"),
     (TINY, ["reference.reset=sometimes"], "reference.reset"),
     (TINY, ["reference.reset=validation_hook"], "reference.validation_hook: required"),

@@ -49,9 +49,10 @@ def test_slurm_env_errors_name_the_variable(env, message):
 def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
     cfg = load("qwen3_30b_a3b_moe_armor", "rollout.sglang.mem_fraction_static=0.7")
     plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
-    # 4 engines of tp 4 on 2 x 8 GPUs: node01 GPUs 0-3, 4-7, then node02 GPUs 0-3, 4-7
-    assert [(e.node, e.gpus) for e in plan.engines] == [
-        ("node01", (0, 1, 2, 3)), ("node01", (4, 5, 6, 7)), ("node02", (0, 1, 2, 3)), ("node02", (4, 5, 6, 7))
+    # 3 policy + 1 reference engine of tp 4 on 2 x 8 GPUs: node01 GPUs 0-3, 4-7, then node02 GPUs 0-3, 4-7
+    assert [(e.group, e.node, e.gpus) for e in plan.engines] == [
+        ("policy", "node01", (0, 1, 2, 3)), ("policy", "node01", (4, 5, 6, 7)), ("policy", "node02", (0, 1, 2, 3)),
+        ("reference", "node02", (4, 5, 6, 7)),
     ]
     assert plan.engine_urls == ("http://node01:30000", "http://node01:30001", "http://node02:30002", "http://node02:30003")
     assert plan.trainer_nodes == ("node01", "node02") and plan.world_size == 16
@@ -61,11 +62,31 @@ def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
         "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id 4 --host 0.0.0.0 --port 30003 "
         "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed 3 --enable-memory-saver"
     )
-    urls = json.dumps(list(plan.engine_urls), separators=(",", ":"))
+    urls = json.dumps(list(plan.engine_urls[:3]), separators=(",", ":"))
     assert plan.trainer_command == (
         "srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--nodelist=node01,node02", "--kill-on-bad-exit=1",
         "--overlap", "python", "-m", "armor_megatron.cli.train", "--config", "c.yaml", f"rollout.sglang.urls={urls}",
+        'anchor.reference_urls=["http://node02:30003"]',
     )
+
+
+@pytest.mark.parametrize("overrides, reference_engines", [
+    ([], 2),
+    (['anchor.reference_urls=["http://ref:30000"]'], 0),  # the user runs the reference group
+    (["anchor.source=swap"], 0),  # π_ref is swapped into the policy engines
+    (["anchor.enabled=false"], 0),
+])
+def test_the_reference_group_is_launched_only_when_anchors_need_it(load, overrides, reference_engines):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=2", "anchor.reference_engines=2", *overrides)
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    assert [e.group for e in plan.engines] == ["policy"] * 2 + ["reference"] * reference_engines
+    assert [e.gpus for e in plan.engines] == [(0, 1), (2, 3), (4, 5), (6, 7)][: 2 + reference_engines]
+    assert plan.group_urls("policy") == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    reference_args = [a for a in plan.trainer_command if a.startswith("anchor.reference_urls=")]
+    if reference_engines:
+        assert reference_args == ['anchor.reference_urls=["http://127.0.0.1:30002","http://127.0.0.1:30003"]']
+    else:
+        assert reference_args == []
 
 
 def test_disaggregated_engines_get_the_last_whole_nodes(load):
@@ -81,11 +102,11 @@ def test_disaggregated_engines_get_the_last_whole_nodes(load):
 def test_disaggregated_engines_share_each_node_when_gpus_do_not_make_whole_nodes(load):
     cfg = load(
         "qwen3_8b_base_two_stage", "rollout.sglang.host=0.0.0.0", "rollout.sglang.placement=disaggregated",
-        "launch.engine_gpus=4", "rollout.sglang.num_engines=2", "rollout.sglang.tp_per_engine=2",
+        "launch.engine_gpus=4", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=2",
     )
     plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
-    # each node keeps its last 4 / 2 = 2 GPUs for one engine and gives GPUs 0-5 to the trainer
-    assert [(e.node, e.gpus) for e in plan.engines] == [("node01", (6, 7)), ("node02", (6, 7))]
+    # each node keeps its last 4 / 2 = 2 GPUs for one engine (policy, then reference) and gives GPUs 0-5 to the trainer
+    assert [(e.group, e.node, e.gpus) for e in plan.engines] == [("policy", "node01", (6, 7)), ("reference", "node02", (6, 7))]
     assert plan.trainer_procs_per_node == 6 and "--overlap" in plan.trainer_command
 
 
@@ -129,7 +150,7 @@ def test_container_and_site_flags_reach_every_srun(load):
 
 
 def test_master_port_steps_over_engine_ports(load):
-    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.base_port=20042", "rollout.sglang.num_engines=2")
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.base_port=20042", "rollout.sglang.num_engines=1")
     plan = plan_job(cfg, env_of(["n1"], job_id="42"), train_args=ARGS)
     assert [e.port for e in plan.engines] == [20042, 20043] and plan.master_port == 20044
 
@@ -141,14 +162,14 @@ def test_master_port_steps_over_engine_ports(load):
         ("qwen25_math_7b_dapo_armor", [], env_of(["a"], gpus=4), "launch.gpus_per_node=8 but SLURM gives 4"),
         ("qwen3_8b_base_two_stage", ["rollout.sglang.host=127.0.0.1"], env_of(["a", "b"]), "rollout.sglang.host=127.0.0.1: in a multi-node job"),
         ("qwen25_math_7b_dapo_armor", ["rollout.sglang.tp_per_engine=3"], env_of(["a"]), "tp_per_engine=3 does not divide"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"], env_of(["a"]), "9 engines x tp 1 need 9 GPUs"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"], env_of(["a"]), "10 engines (9 policy + 1 reference) x tp 1 need 10 GPUs"),
         ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=2", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"], env_of(["a"]),
-         "engines need rollout.sglang.num_engines x tp_per_engine = 1 x 1 = 1"),
+        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=4", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"], env_of(["a"]),
+         "engines need engines x rollout.sglang.tp_per_engine = 2 (1 policy + 1 reference) x 1 = 2"),
         ("qwen25_math_7b_dapo_armor", ["rollout.engine=local", "launch.engine_gpus=2"], env_of(["a"]), "none are launched"),
         ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
         ("tiny_cpu", ["launch.nodes=3"], env_of(["a", "b", "c"], gpus=None), "do not spread evenly over 3 nodes"),
-        ("llama3_70b_armor", ["rollout.sglang.host=0.0.0.0", "launch.engine_gpus=12", "rollout.sglang.num_engines=3",
+        ("llama3_70b_armor", ["rollout.sglang.host=0.0.0.0", "launch.engine_gpus=12", "rollout.sglang.num_engines=2",
                               "rollout.sglang.tp_per_engine=4", "parallelism.tp=4", "parallelism.pp=1", "parallelism.vpp=null"],
          env_of([f"n{i}" for i in range(8)]), "fits neither whole nodes"),
     ],
@@ -170,7 +191,7 @@ def test_every_shipped_recipe_plans_on_its_own_allocation(load):
 
 
 def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load):
-    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=2", "rollout.sglang.api_key=s3 cr'et")
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.api_key=s3 cr'et")
     plan = plan_job(cfg, env_of(["n1"]), train_args=["--config", "my configs/x.yaml"])
     script = render_shell(plan) + 'printf "%s\\n" "$ARMOR_TRAINER_CMD" "${ARMOR_ENGINE_CMDS[@]}" "$NCCL_DEBUG" "$CUDA_DEVICE_MAX_CONNECTIONS" "$ARMOR_ENGINE_API_KEY"'
     out = subprocess.run(["bash", "-c", script], env={"NCCL_DEBUG": "INFO", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
@@ -178,11 +199,12 @@ def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load)
     lines = out.stdout.splitlines()
     assert lines[:3] == [shlex.join(plan.trainer_command)] + [shlex.join(e.command) for e in plan.engines]
     assert lines[3:] == ["INFO", "1", "s3 cr'et"]  # the user's NCCL_DEBUG wins over the default
-    assert shlex.split(lines[0])[-2] == "my configs/x.yaml"
+    assert shlex.split(lines[0])[-3] == "my configs/x.yaml"
 
 
 def test_text_rendering_lists_layout_and_commands(load):
     plan = plan_job(load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"), env_of(["n1"]), train_args=ARGS)
     text = render_text(plan)
-    assert "# engine 0: n1 GPUs 0 -> http://127.0.0.1:30000" in text
+    assert "# engine 0 (policy): n1 GPUs 0 -> http://127.0.0.1:30000" in text
+    assert "# engine 1 (reference): n1 GPUs 1 -> http://127.0.0.1:30001" in text
     assert text.splitlines()[-1] == shlex.join(plan.trainer_command)

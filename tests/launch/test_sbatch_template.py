@@ -130,7 +130,8 @@ TWO_NODES = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "S
 
 
 def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
-    args = ["--dry-run", "--config", "configs/qwen3_30b_a3b_moe_armor.yaml", "rollout.sglang.num_engines=2", "rollout.sglang.mem_fraction_static=0.7"]
+    # one policy engine and the frozen reference's engine (anchor.source: separate)
+    args = ["--dry-run", "--config", "configs/qwen3_30b_a3b_moe_armor.yaml", "rollout.sglang.num_engines=1", "rollout.sglang.mem_fraction_static=0.7"]
     out = job.run(args, with_stubs=False, ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train", ARMOR_PYTHON="python", **TWO_NODES)
     assert out.returncode == 0, out.stderr
     engine = (
@@ -146,7 +147,8 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
         "python -m armor_megatron.launch.slurm wait-engines --timeout 1800 --pid <engine steps> http://node01:30000 http://node01:30001",
         "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap "
         "python -m armor_megatron.cli.train --config configs/qwen3_30b_a3b_moe_armor.yaml "
-        "rollout.sglang.num_engines=2 rollout.sglang.mem_fraction_static=0.7 'rollout.sglang.urls=[\"http://node01:30000\",\"http://node01:30001\"]'",
+        "rollout.sglang.num_engines=1 rollout.sglang.mem_fraction_static=0.7 'rollout.sglang.urls=[\"http://node01:30000\"]' "
+        "'anchor.reference_urls=[\"http://node01:30001\"]'",
         "# on exit 85 (or a failure after SIGUSR1): scontrol requeue 4242",
     ]
 
@@ -226,10 +228,11 @@ def test_engines_start_before_the_trainer_and_stop_after_it(job):
     out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8")
     assert out.returncode == 0, out.stderr
     argv = job.trainer_log.read_text().splitlines()[0]
-    assert argv.endswith(f'rollout.sglang.urls=["http://127.0.0.1:{port}"]')
-    assert "1 engine(s) healthy" in out.stderr
-    with pytest.raises(OSError):  # the engine step was stopped when the trainer finished
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    assert argv.endswith(f'rollout.sglang.urls=["http://127.0.0.1:{port}"] anchor.reference_urls=["http://127.0.0.1:{port + 1}"]')
+    assert "2 engine(s) healthy" in out.stderr  # the policy engine and the frozen reference's
+    for engine_port in (port, port + 1):
+        with pytest.raises(OSError):  # the engine steps were stopped when the trainer finished
+            socket.create_connection(("127.0.0.1", engine_port), timeout=1).close()
 
 
 @pytest.mark.timeout(90)

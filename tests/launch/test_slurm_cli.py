@@ -25,7 +25,8 @@ def test_dry_run_outside_slurm_previews_placeholder_hosts(capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "# preview outside SLURM: job id 0, host names are placeholders"
     assert "# trainer: 4 node(s) x 8 process(es) = 32 ranks via srun; requeue exit code 85" in out
-    assert "# engine 3: node08 GPUs 0,1,2,3,4,5,6,7 -> http://node08:30003" in out
+    assert "# engine 2 (policy): node07 GPUs 0,1,2,3,4,5,6,7 -> http://node07:30002" in out
+    assert "# engine 3 (reference): node08 GPUs 0,1,2,3,4,5,6,7 -> http://node08:30003" in out
 
 
 def test_shell_mode_needs_an_allocation(capsys):
