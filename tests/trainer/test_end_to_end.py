@@ -9,22 +9,11 @@ import time
 
 import pytest
 
-from armor_megatron.config import load_config
-from armor_megatron.tasks.tiny_run import prepare_tiny_run
 from armor_megatron.trainer.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")  # the `tiny` fixture (conftest) fills in its paths
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    data = tmp_path_factory.mktemp("tiny")
-    paths = [f"model.path={data}/hf", f"data.train_path={data}/train.jsonl",
-             f"eval.datasets=[{{name: val, path: {data}/val.jsonl, k: 1}}]"]
-    prepare_tiny_run(load_config(CONFIG, paths), num_val=16, warmup_steps=150, log=None)
-    return paths
 
 
 def _args(tiny, run_dir, *overrides):

@@ -28,7 +28,8 @@ serves its own process and its children; so ``tensor`` sync with CPU tensors wor
 double running in the trainer's process (as in the tests), not against one in an unrelated
 process. Real SGLang gets CUDA IPC handles, which have no such limit on one node.
 
-Test hooks (not in SGLang): :meth:`SGLangTestServer.inject_failures` (answer the next
+Test hooks (not in SGLang): ``GET /test_double/requests`` (request counts per path),
+:meth:`SGLangTestServer.inject_failures` (answer the next
 requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
 aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
 answer) and :meth:`restart` (come back on the same port with the checkpoint's weights).
@@ -427,6 +428,8 @@ ROUTES = {
     ("POST", "/resume_memory_occupation"): SGLangTestServer.resume_memory_occupation,
     ("POST", "/pause_generation"): SGLangTestServer.pause_generation,
     ("POST", "/continue_generation"): SGLangTestServer.continue_generation,
+    # test hook, not in SGLang: request counts per path, for tests that run the double as a process
+    ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
 }
 
 

@@ -1,0 +1,79 @@
+"""The whole loop against SGLang's HTTP protocol: ``armor-train`` with ``rollout.engine: sglang``
+attached to two SGLang test-double processes (policy group and the frozen reference's group),
+weights pushed by ``disk`` sync, engines colocated (memory released while the trainer updates)."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tests.megatron.spawn import free_port
+from tests.trainer.test_end_to_end import _env, _train
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+def _get(url: str):
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.loads(response.read() or b"null")
+
+
+@pytest.fixture
+def servers(tiny, tmp_path):
+    """Two test-double SGLang servers on the tiny model; yields their URLs, stops them after."""
+    model = next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
+    procs, urls = [], []
+    for name in ("policy", "reference"):
+        port = free_port()
+        log = open(tmp_path / f"{name}-server.log", "w")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "armor_megatron.rollout.testing.sglang_test_server", "--model-path", model,
+             "--port", str(port), "--mem-fraction-static", "0.4"],  # a real SGLang flag, ignored by the double
+            env=_env(), stdout=log, stderr=subprocess.STDOUT))
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 120
+        for url, proc in zip(urls, procs):
+            while True:
+                assert proc.poll() is None, (tmp_path / "policy-server.log").read_text()
+                try:
+                    _get(url + "/health")
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"{url} did not come up"
+                    time.sleep(0.5)
+        yield urls
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def test_training_through_sglang_servers(tiny, tmp_path, servers):
+    policy_url, reference_url = servers
+    metrics = _train(tiny, tmp_path, "rollout.engine=sglang", f"rollout.sglang.urls=[{policy_url}]",
+                     f"anchor.reference_urls=[{reference_url}]", "rollout.sglang.weight_sync=disk",
+                     "rollout.sglang.placement=colocated", "parallelism.tp=2", "train.steps=2", "eval.every_steps=2",
+                     "checkpoint.every_steps=0", "reference.tau=1")
+    assert sorted(metrics) == [0, 1, 2]
+    for step in (1, 2):
+        m = metrics[step]
+        assert m["train/num_tokens"] > 0 and 0.0 <= m["anchor/found_rate"] <= 1.0
+        # the engine sampled with exactly the trainer's weights, pushed through safetensors on disk
+        assert m["rollout/logprob_abs_diff"] < 1e-5
+        assert m["reference/reset"] == 1.0  # tau = 1: the reference group got the new weights too
+    assert "eval/val/pass@1" in metrics[2]
+
+    policy, reference = (_get(url + "/test_double/requests") for url in servers)
+    # colocated: memory released around each of the 2 updates and taken back before the weight sync
+    assert policy["/release_memory_occupation"] == policy["/resume_memory_occupation"] == 2
+    assert reference["/release_memory_occupation"] == reference["/resume_memory_occupation"] == 2
+    # initial weights + one sync per step (policy); initial + one per reset (reference)
+    assert policy["/update_weights_from_disk"] == 3 and reference["/update_weights_from_disk"] == 3
+    assert reference["/generate"] >= 2 and policy["/generate"] >= 2
+    assert _get(policy_url + "/get_weight_version")["weight_version"] == "step-2"
+    assert _get(reference_url + "/get_weight_version")["weight_version"] == "ref-2"
