@@ -109,7 +109,8 @@ class ArmorTrainer:
         )
         self.anchors = components.anchor_cache(
             self.cfg, self.sampling, reference_engine=self.reference_engine, policy_engine=self.policy_engine,
-            reference_weights=ref, policy_weights=lambda: policy, reference_version=self._ref_version(),
+            reference_weights=ref, policy_weights=(lambda: policy) if self._swaps_reference else None,
+            reference_version=self._ref_version(),
         )
         if self.anchors is not None and self._anchor_state is not None:
             self.anchors.load_state_dict(self._anchor_state)
@@ -210,11 +211,19 @@ class ArmorTrainer:
                         metrics.setdefault(f"train/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
+    @property
+    def _swaps_reference(self) -> bool:
+        """Anchors come from π_ref swapped into the policy engine, which then needs the policy back."""
+        return self.cfg.anchor.enabled and self.cfg.anchor.source == "swap"
+
     def sync_weights(self, timer: StepTimer) -> None:
         """All ranks: push the new policy to the engine (the driver talks to it)."""
         with timer.phase("weight_sync"):
             weights = self.export_weights(self.actor)
             if self.is_driver:
+                if self._swaps_reference:  # kept on the host: swapped back in after each anchor request
+                    weights = _materialise(weights)
+                    self.anchors.sampler.source.set_policy_weights(weights)
                 self.policy_engine.update_weights(weights, f"step-{self.step}")
             else:
                 _materialise(weights)
