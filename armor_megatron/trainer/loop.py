@@ -116,6 +116,16 @@ class ArmorTrainer:
             self.anchors.load_state_dict(self._anchor_state)
 
     _anchor_state = None
+    _anchor_tokens_logged = 0
+
+    def _anchor_cost(self, metrics: dict) -> dict:
+        """Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
+        counts only this step's cache misses), and the step's generation cost relative to on-policy only."""
+        total = self.anchors.sampler.stats.generated_tokens
+        spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
+        policy = metrics.get("rollout/generated_tokens", 0.0)
+        return {"anchor/reference_tokens": float(spent),
+                "anchor/generation_cost": (policy + spent) / policy if policy else 0.0}
     _ref_resets = 0
 
     def _ref_version(self) -> str:
@@ -334,6 +344,7 @@ class ArmorTrainer:
                 if self.is_driver:
                     if self.anchors is not None:
                         metrics.update(self.anchors.stats.as_dict())
+                        metrics.update(self._anchor_cost(metrics))
                     if logger and self.step % cfg.logging.every_steps == 0:
                         logger.log(self.step, metrics)
                     if progress is not None:

@@ -53,6 +53,8 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
         # the engine sampled with exactly the trainer's weights (weight sync after every step)
         assert m["rollout/logprob_abs_diff"] < 1e-5
         assert 0.0 <= m["anchor/found_rate"] <= 1.0
+        # π_ref's tokens since the last step include this step's misses (and pre-generated anchors)
+        assert m["anchor/reference_tokens"] >= m["anchor/generated_tokens"] and m["anchor/generation_cost"] >= 1.0
     assert metrics[2]["reference/reset"] == 1.0 and "reference/reset" not in metrics[3]
     # π_ref = π_θ at the first step and again right after the reset at step 2; it has drifted at step 2
     kl = {step: metrics[step]["train/approx_kl_ref"] for step in (1, 2, 3)}
