@@ -99,17 +99,28 @@ class ArmorTrainer:
                              template=data.prompt_template)
 
     def start_engines(self) -> None:
-        """Build the engines from the actor's and reference's current weights (after load/resume)."""
-        policy = _materialise(self.export_weights(self.actor))
-        ref = _materialise(self.export_weights(self.reference)) if self.reference is not None else None
+        """Build the engines from the actor's and reference's current weights (after load/resume).
+
+        Weights stream from the export into the engines: every rank drives the export's
+        collectives, the policy's first, then the reference's. Only the ``swap`` anchor source
+        keeps host copies on the driver, to push them again around anchor requests.
+        """
+        policy = self.export_weights(self.actor)
+        ref = self.export_weights(self.reference) if self.reference is not None else None
+        if self._swaps_reference or not self.is_driver:
+            policy, ref = _materialise(policy), _materialise(ref)
         if not self.is_driver:
             return
-        self.policy_engine, self.reference_engine = self._make_engines(
-            policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
-        )
+        try:
+            self.policy_engine, self.reference_engine = self._make_engines(
+                policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
+            )
+        finally:
+            _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = components.anchor_cache(
             self.cfg, self.sampling, reference_engine=self.reference_engine, policy_engine=self.policy_engine,
-            reference_weights=ref, policy_weights=(lambda: policy) if self._swaps_reference else None,
+            reference_weights=ref if self._swaps_reference else None,
+            policy_weights=(lambda: policy) if self._swaps_reference else None,
             reference_version=self._ref_version(),
         )
         if self.anchors is not None and self._anchor_state is not None:
@@ -248,11 +259,11 @@ class ArmorTrainer:
             ref_weights = self.export_weights(self.reference)
             if self.is_driver and self.anchors is not None:
                 self.anchors.wait()
-                weights = _materialise(ref_weights)
+                # the swap source keeps π_ref on the host; a separate engine takes the stream
+                weights = _materialise(ref_weights) if self._swaps_reference else ref_weights
                 self.anchors.sampler.source.reset(weights, self._ref_version())
                 self.anchors.reset(self._ref_version())
-            else:
-                _materialise(ref_weights)
+            _materialise(ref_weights)  # drives the export's collectives wherever nothing consumed it
         return {"reference/reset": 1.0}
 
     @contextmanager
