@@ -208,20 +208,24 @@ class MegatronActor:
     def _local_microbatches(self, batch: dict) -> list[_TrainMicroBatch]:
         """This data-parallel rank's rows cut into micro-batches.
 
-        Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) keep a rank
-        without rows in the gradient all-reduce and, for the interleaved (VPP) schedule, which
-        exchanges fixed [L, micro_batch_size, h] activations, fill every micro-batch to
-        micro_batch_size rows of length L and their number to a multiple of pp.
+        Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
+        data-parallel rank the same number of rows, ceil(n / dp) -- hence the same number of
+        micro-batches, which the expert all-to-alls of an MoE model (one per micro-batch,
+        across these ranks) require -- and keep a rank without rows in the gradient all-reduce.
+        For the interleaved (VPP) schedule, which exchanges fixed [L, micro_batch_size, h]
+        activations, they also fill every micro-batch to micro_batch_size rows of length L and
+        their number to a multiple of pp.
         """
         from megatron.core import parallel_state
 
-        dp = parallel_state.get_data_parallel_world_size()
-        rows = torch.tensor_split(torch.arange(batch["input_ids"].shape[0]), dp)[parallel_state.get_data_parallel_rank()]
+        dp, n = parallel_state.get_data_parallel_world_size(), batch["input_ids"].shape[0]
+        rows = torch.tensor_split(torch.arange(n), dp)[parallel_state.get_data_parallel_rank()]
+        per_rank = max(1, -(-n // dp))  # the same on every rank
         if self._interleaved:
             unit = self.micro_batch_size * parallel_state.get_pipeline_model_parallel_world_size()
-            target = max(1, -(-len(rows) // unit)) * unit
+            target = -(-per_rank // unit) * unit
         else:
-            target = max(1, len(rows))
+            target = per_rank
         local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
         ref = local.get("ref_logprobs")
         out = []

@@ -268,22 +268,24 @@ class ArmorTrainer:
 
     @contextmanager
     def engines_released(self):
-        """Colocated engines give their GPU memory (weights and KV cache) back while the
-        trainer computes log-probs and updates, and take it back before the weight sync."""
-        engines = [e for e in (self.policy_engine, self.reference_engine) if e is not None]
-        if not (self.is_driver and self.cfg.rollout.engine == "sglang"
-                and self.cfg.rollout.sglang.placement == "colocated"):
-            engines = []
-        if self.anchors is not None and engines:
+        """Colocated engines give their GPU memory back while the trainer computes log-probs and
+        updates, and take it back before the weight sync: the policy engine its weights and KV
+        cache (new weights are pushed next), the reference engine its KV cache only (π_ref is
+        pushed only at resets, and released weights come back as memory, not contents)."""
+        released = []
+        if self.is_driver and self.cfg.rollout.engine == "sglang" and self.cfg.rollout.sglang.placement == "colocated":
+            released = [(e, tags) for e, tags in ((self.policy_engine, ("weights", "kv_cache")),
+                                                  (self.reference_engine, ("kv_cache",))) if e is not None]
+        if self.anchors is not None and released:
             self.anchors.wait()  # no background sampling on released engines
-        for engine in engines:
-            engine.release_memory()
+        for engine, tags in released:
+            engine.release_memory(tags=tags)
         barrier()  # no rank allocates before the engines have let go
         try:
             yield
         finally:
-            for engine in engines:
-                engine.resume_memory()
+            for engine, tags in released:
+                engine.resume_memory(tags=tags)
         barrier()
 
     def evaluate(self) -> dict:

@@ -21,6 +21,8 @@ fp32 master weights in megatron's Float16 optimizer) through a checkpoint and re
 the global token-mean normalizer makes their losses agree.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -259,6 +261,9 @@ def two_rank_worker(rank, root):
         actor = _actor(ParallelConfig(ep=2), QWEN3_MOE)
         actor.load_weights(f"{root}/moe")
         out["ep2"] = [actor.train_step(batch)["loss"] for _ in range(STEPS)]
+        # 5 rows over DP=2 split 3 / 2: both ranks must still run as many micro-batches (the
+        # expert all-to-all of each one spans them), or the rank with more waits forever
+        out["ep2_uneven"] = actor.train_step({k: v[:5] for k, v in batch.items()})["loss"]
 
         mdist.set_model_parallel(TP2, ARCH, seed=5)
         bf16 = lambda: MegatronActor(ARCH, TP2, dtype="bfloat16", optimizer=OPTIM, loss=LOSS,  # noqa: E731
@@ -290,6 +295,7 @@ def test_moe_ep2_train_steps_match_ep1(two_ranks):
     assert len(set(two_ranks["ep1"])) == STEPS
     for k in range(STEPS):
         assert abs(two_ranks["ep2"][k] - two_ranks["ep1"][k]) < 1e-5, (k, two_ranks)
+    assert math.isfinite(two_ranks["ep2_uneven"])
 
 
 @pytest.mark.slow

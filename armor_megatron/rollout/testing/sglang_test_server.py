@@ -19,7 +19,10 @@ Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
 * ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` only inside a
   ``/begin_weight_update`` ... ``/end_weight_update`` session, else 400 ``success: false``;
   failed updates are 400; ``/generate`` waits while a session is open or generation is paused;
-* ``--api-key``: every endpoint but the health checks wants ``Authorization: Bearer <key>``.
+* ``--api-key``: every endpoint but the health checks wants ``Authorization: Bearer <key>``;
+* ``/release_memory_occupation`` with the ``weights`` tag (the default) loses the weights unless
+  the server runs with ``--enable-weights-cpu-backup``: resuming brings the memory back, not its
+  contents, until the next weight update (SGLang then generates garbage; the double refuses).
 
 ``/update_weights_from_tensor`` payloads carry tensor *handles* (see
 :mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
@@ -97,8 +100,11 @@ class SGLangTestServer:
         port: int = 0,
         api_key: Optional[str] = None,
         model_path: Optional[str] = None,
+        weights_cpu_backup: bool = False,
     ):
         self.engine = engine
+        self.weights_cpu_backup = weights_cpu_backup
+        self._weights_lost = False  # "weights" released without a CPU backup, not reloaded since
         self.host, self.port = host, port
         self.api_key = api_key
         self.model_path = model_path
@@ -235,6 +241,8 @@ class SGLangTestServer:
             raise _bad_value(str(e)) from None
         if self._memory_released:
             raise _bad_value("memory occupation is released; call /resume_memory_occupation first")
+        if self._weights_lost:  # SGLang would generate garbage here; the double refuses
+            raise _bad_value("weights were released without --enable-weights-cpu-backup and not reloaded since")
         self._wait_until_serving()
         return_logprob = bool(body.get("return_logprob", False))
         groups = self.engine.generate(prompts, n, sampling, return_logprob=return_logprob)
@@ -310,8 +318,9 @@ class SGLangTestServer:
             self.engine.load_weights(named, strict=strict)
         except WeightUpdateError as e:
             raise _failed_update(f"Failed to update weights: {e}") from None
-        if version is not None:
+        if version is not None:  # the last request of an update: all weights are in
             self.engine.weight_version = str(version)
+            self._weights_lost = False
 
     def update_weights_from_disk(self, body):
         path = body.get("model_path")
@@ -370,7 +379,10 @@ class SGLangTestServer:
     # -- memory, pause, misc
 
     def release_memory_occupation(self, body):
+        tags = (body or {}).get("tags") or ["weights", "kv_cache"]
         self._memory_released = True
+        if "weights" in tags and not self.weights_cpu_backup:
+            self._weights_lost = True  # resuming restores the memory, not its contents
         return {"success": True, "message": "released"}
 
     def resume_memory_occupation(self, body):
@@ -499,11 +511,13 @@ def main(argv=None) -> None:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
     engine = LocalEngine.from_pretrained(args.model_path, weight_version=args.weight_version, seed=args.seed)
-    server = SGLangTestServer(engine, args.host, args.port, args.api_key, model_path=args.model_path).start()
+    server = SGLangTestServer(engine, args.host, args.port, args.api_key, model_path=args.model_path,
+                              weights_cpu_backup=args.enable_weights_cpu_backup).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())

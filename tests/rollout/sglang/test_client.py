@@ -10,7 +10,7 @@ from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError, 
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError, error_message, parse_output
 from armor_megatron.rollout.sglang.engine import SGLangEngine
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
-from armor_megatron.rollout.testing.tiny_models import encode
+from armor_megatron.rollout.testing.tiny_models import encode, tiny_weights
 
 from .conftest import FAST_RETRY
 
@@ -148,7 +148,6 @@ def test_a_dead_server_is_a_clear_error_not_a_hang(server, tiny_ckpt):
 
 
 def test_weight_update_from_disk(server, tiny_ckpt, tmp_path):
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     _, cfg, tok = tiny_ckpt
     sync = WeightSyncConfig(mode="disk", disk_dir=str(tmp_path / "sync"), hf_config=cfg)
@@ -165,7 +164,6 @@ def test_weight_update_from_disk(server, tiny_ckpt, tmp_path):
 def test_weight_update_by_tensor(server, tiny_ckpt):
     import torch
 
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     _, cfg, tok = tiny_ckpt
     # Tensors travel as handles: CUDA IPC to a real (colocated) server, shared memory to the double.
@@ -182,7 +180,6 @@ def test_weight_update_by_tensor(server, tiny_ckpt):
 @pytest.mark.double_only
 def test_weight_update_by_tensor_matches_local_engine(server, tiny_ckpt):
     from armor_megatron.rollout.local import LocalEngine
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     _, cfg, tok = tiny_ckpt
     # Tiny buckets: several /update_weights_from_tensor calls inside one session.
@@ -207,7 +204,6 @@ def test_tensor_update_outside_a_session_is_refused(server):
 
 @pytest.mark.double_only
 def test_response_from_stale_weights_is_caught(server, tiny_ckpt, tmp_path):
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     _, cfg, tok = tiny_ckpt
     engine = make_engine(server, weight_sync=WeightSyncConfig(mode="tensor"))
@@ -221,7 +217,6 @@ def test_response_from_stale_weights_is_caught(server, tiny_ckpt, tmp_path):
 
 @pytest.mark.double_only
 def test_distributed_weight_update_over_gloo(server, tiny_ckpt):
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     _, cfg, tok = tiny_ckpt
     sync = WeightSyncConfig(mode="distributed", backend="gloo", bucket_bytes=16 << 10, timeout=60)
@@ -237,13 +232,27 @@ def test_distributed_weight_update_over_gloo(server, tiny_ckpt):
 
 @pytest.mark.skipif(os.environ.get("ARMOR_SGLANG_NO_MEMORY_SAVER") == "1", reason="server runs without --enable-memory-saver")
 def test_release_and_resume_memory(server, tiny_ckpt):
+    _, cfg, tok = tiny_ckpt
+    engine, prompt = make_engine(server), [encode(tok, "1")]
+    with engine.released(tags=("kv_cache",)):  # what the trainer does to a colocated reference engine
+        if not os.environ.get("ARMOR_SGLANG_URL"):
+            assert not engine.health(timeout=30)  # the double refuses to generate while released
+    assert engine.generate(prompt, 1, SamplingParams(max_new_tokens=2))[0][0].num_tokens == 2  # weights kept
+    with engine.released():  # weights too: they come back as memory, not contents ...
+        pass
+    engine.update_weights(tiny_weights(cfg, seed=12), version="step-5")  # ... until the next push, as in training
+    assert engine.health(timeout=30)
+    assert engine.generate(prompt, 1, SamplingParams(max_new_tokens=2))[0][0].num_tokens == 2
+
+
+@pytest.mark.double_only
+def test_released_weights_are_gone_until_the_next_update(server, tiny_ckpt):
     _, _, tok = tiny_ckpt
     engine = make_engine(server)
     with engine.released():
-        if not os.environ.get("ARMOR_SGLANG_URL"):
-            assert not engine.health(timeout=30)  # the double refuses to generate while released
-    assert engine.health(timeout=30)
-    assert engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))[0][0].num_tokens == 2
+        pass
+    with pytest.raises(Exception, match="released without --enable-weights-cpu-backup"):
+        engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))
 
 
 @pytest.mark.double_only
@@ -264,7 +273,6 @@ def test_generate_timeout_is_an_error_not_a_hang(server, tiny_ckpt):
 def test_two_engines_share_generation_and_all_get_the_weights(tiny_ckpt):
     from armor_megatron.rollout.local import LocalEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
-    from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
     path, cfg, tok = tiny_ckpt
     with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as a, SGLangTestServer(
