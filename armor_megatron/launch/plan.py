@@ -167,6 +167,7 @@ def plan_job(
         for i, (group, (node, first_gpu), port) in enumerate(zip(groups, layout.engine_slots, ports))
     )
     master_addr = layout.trainer_nodes[0]
+    _check_weight_sync(cfg, engines, driver_node=master_addr)
     master_port = _master_port(int(slurm.job_id), set(ports))
     args = list(train_args)
     for key, group in (("rollout.sglang.urls", "policy"), ("anchor.reference_urls", "reference")):
@@ -260,6 +261,24 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
         f"launch.engine_gpus={e} fits neither whole nodes of {gpn} GPUs nor an equal share of each of the "
         f"{len(nodes)} nodes in whole engines of tp {t}"
     )
+
+
+def _check_weight_sync(cfg: RunConfig, engines: Sequence[EngineStep], driver_node: str) -> None:
+    """The weight-sync mode must reach every engine from the driver (global rank 0)."""
+    sg = cfg.rollout.sglang
+    if sg.weight_sync == "tensor":
+        away = next((e for e in engines if e.node != driver_node), None)
+        if away is not None:
+            raise LaunchPlanError(
+                f"rollout.sglang.weight_sync=tensor sends CUDA IPC handles, which only engines on the driver's node "
+                f"{driver_node} can open, but engine {away.index} runs on {away.node}: use weight_sync disk "
+                "(engines load from a shared file system) or, with disaggregated engines, distributed"
+            )
+    if sg.weight_sync == "distributed" and engines and sg.placement == "colocated":
+        raise LaunchPlanError(
+            "rollout.sglang.weight_sync=distributed puts the driver and the engines in one NCCL group, which cannot "
+            "hold two ranks on one GPU as colocated engines do: use tensor (single node) or disk"
+        )
 
 
 def launched_reference_engines(cfg: RunConfig) -> int:

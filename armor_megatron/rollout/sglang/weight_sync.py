@@ -7,7 +7,7 @@ Modes (``WeightSyncConfig.mode``):
     ``flattened_bucket`` payload (:mod:`.tensor_payload`), sent with
     ``/update_weights_from_tensor`` inside a ``/begin_weight_update`` ... ``/end_weight_update``
     session (SGLang 0.5.23 refuses tensor updates outside one). Tensors travel as handles
-    (CUDA IPC), so engines must share the trainer's node: the colocated setup. Each TP rank
+    (CUDA IPC: buckets are moved to the GPU first), so engines must share the driver's node. Each TP rank
     gets its own entry, all pointing at the trainer's copy (peers that place one copy per
     GPU instead gather per-rank copies first).
 ``distributed``
@@ -51,6 +51,9 @@ class WeightSyncConfig:
     master_address: str = "127.0.0.1"  # distributed mode: the trainer's address seen from the engines
     master_port: int = 0  # distributed mode; 0 picks a free port
     backend: str = "nccl"  # distributed mode: nccl on GPUs, gloo on CPU
+    # tensor mode: where buckets go before their handles are sent. Default: CUDA when available
+    # (SGLang opens CUDA IPC handles); CPU handles open only in the sender's own process tree.
+    device: Optional[str] = None
     group_name: str = "armor_weight_sync"
     timeout: float = 600.0
 
@@ -150,6 +153,12 @@ class _UpdateSession:
             raise errors[0]
 
 
+def _default_handle_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _mark_last(iterable):
     """Yield ``(item, is_last)``."""
     it = iter(iterable)
@@ -168,9 +177,10 @@ class TensorWeightSync(WeightSync):
         cfg = self.config
         load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
         sent = 0
+        device = cfg.device or _default_handle_device()
         with self._session():
             for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
-                packed = tensor_payload.pack(bucket, load_format)
+                packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
 
                 def send(client):
                     body = {
