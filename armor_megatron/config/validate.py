@@ -35,6 +35,9 @@ def _check_parallelism(cfg: RunConfig) -> None:
     par = cfg.parallelism
     if par.sp and par.tp == 1:
         raise ConfigError("parallelism.sp", "sequence parallelism needs tp > 1")
+    if par.cp > 1:
+        raise ConfigError("parallelism.cp", f"{par.cp}: context parallelism is not supported yet (the trainer does "
+                          "not split sequences over cp ranks); use cp: 1")
     if par.vpp is not None and par.pp == 1:
         raise ConfigError("parallelism.vpp", "virtual pipeline chunks need pp > 1")
     launch = cfg.launch

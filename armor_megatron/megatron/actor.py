@@ -68,6 +68,8 @@ from armor_megatron.megatron.logprobs import (
     MicroBatch,
     compute_logprobs,
     model_forward,
+    round_up,
+    sequence_multiple,
     split_microbatches,
     token_logprobs,
 )
@@ -226,12 +228,14 @@ class MegatronActor:
             target = -(-per_rank // unit) * unit
         else:
             target = per_rank
+        multiple = sequence_multiple(self.model_chunks)
         local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
+        local = _padded_columns(local, round_up(batch["input_ids"].shape[1], multiple))
         ref = local.get("ref_logprobs")
         out = []
-        for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size):
+        for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size, multiple_of=multiple):
             i = mb.index
-            s = batch["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
+            s = local["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
             tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
             adv = local["advantages"][i]
             out.append(_TrainMicroBatch(
@@ -299,6 +303,12 @@ def _padded_rows(rows: dict, count: int) -> dict:
         pad = torch.ones if key == "lengths" else torch.zeros
         out[key] = torch.cat([t, pad((count, *t.shape[1:]), dtype=t.dtype)])
     return out
+
+
+def _padded_columns(rows: dict, width: int) -> dict:
+    """Per-token tensors ([B, T, ...]) zero-padded to ``width`` positions; [B] ones untouched."""
+    return {k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
+            if t.dim() >= 2 and t.shape[1] < width else t for k, t in rows.items()}
 
 
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:

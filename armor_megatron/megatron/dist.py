@@ -103,7 +103,8 @@ def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """Model-parallel sizes. ``vpp`` is the number of virtual pipeline chunks per stage (None: off);
-    ``etp`` the expert tensor-parallel size (None: same as ``tp``, megatron-core's default)."""
+    ``etp`` the expert tensor-parallel size (None: same as ``tp``, megatron-core's default);
+    ``sp`` sequence parallelism (not a size: it splits activations along the sequence over TP)."""
 
     tp: int = 1
     pp: int = 1
@@ -111,6 +112,7 @@ class ParallelConfig:
     cp: int = 1
     vpp: Optional[int] = None
     etp: Optional[int] = None
+    sp: Optional[bool] = None  # sequence parallelism; None: on exactly when Transformer Engine is used and tp > 1
 
     @property
     def expert_tp(self) -> int:

@@ -178,30 +178,52 @@ class MicroBatch:
         return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
 
 
-def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
-    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence.
+def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int,
+                       multiple_of: int = 1) -> list[MicroBatch]:
+    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
+    rounded up to a multiple of ``multiple_of`` (see ``sequence_multiple``; zero-padded past T).
 
     Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
     so any pad id (even -100) is safe for the embedding and the labels.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or lengths.shape != input_ids.shape[:1]:
         raise ValueError(f"input_ids must be [B, T] with B >= 1 and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}")
-    if micro_batch_size < 1:
-        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    if micro_batch_size < 1 or multiple_of < 1:
+        raise ValueError(f"micro_batch_size and multiple_of must be >= 1, got {micro_batch_size} and {multiple_of}")
     if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > input_ids.shape[1]):
         raise ValueError(f"lengths must lie in [1, {input_ids.shape[1]}]")
     out = []
     for a in range(0, input_ids.shape[0], micro_batch_size):
         index = torch.arange(a, min(a + micro_batch_size, input_ids.shape[0]))
-        s = int(lengths[index].max())
+        s = round_up(int(lengths[index].max()), multiple_of)
+        tokens = input_ids[index, :s]
+        tokens = torch.nn.functional.pad(tokens, (0, s - tokens.shape[1]))
         pad = torch.arange(s)[None, :] >= lengths[index][:, None]
-        out.append(MicroBatch(index, input_ids[index, :s].masked_fill(pad, 0), lengths[index]))
+        out.append(MicroBatch(index, tokens.masked_fill(pad, 0), lengths[index]))
     return out
 
 
-def filler_microbatch(input_ids: torch.Tensor) -> MicroBatch:
-    """A one-token sequence standing for no batch row (``index`` is empty); its output is dropped."""
-    return MicroBatch(torch.zeros(0, dtype=torch.long), input_ids[:1, :1].cpu(), torch.ones(1, dtype=torch.long))
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def sequence_multiple(model_chunks) -> int:
+    """What micro-batch lengths must be a multiple of: the TP size under sequence parallelism
+    (each TP rank holds s / tp positions between the layers), else 1."""
+    from megatron.core import parallel_state
+
+    chunk = model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks
+    config = getattr(getattr(chunk, "module", chunk), "config", None)
+    if config is not None and getattr(config, "sequence_parallel", False):
+        return parallel_state.get_tensor_model_parallel_world_size()
+    return 1
+
+
+def filler_microbatch(input_ids: torch.Tensor, multiple_of: int = 1) -> MicroBatch:
+    """A one-token sequence (padded to ``multiple_of``) standing for no batch row (``index`` is
+    empty); its output is dropped."""
+    tokens = torch.zeros(1, multiple_of, dtype=input_ids.dtype)
+    return MicroBatch(torch.zeros(0, dtype=torch.long), tokens, torch.ones(1, dtype=torch.long))
 
 
 # ----------------------------------------------------------------------------- pipeline forward
@@ -255,13 +277,15 @@ def compute_logprobs(
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
-    mbs = split_microbatches(input_ids.cpu(), lengths.cpu(), micro_batch_size)
+    multiple = sequence_multiple(chunks)
+    mbs = split_microbatches(input_ids.cpu(), lengths.cpu(), micro_batch_size, multiple_of=multiple)
     if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
         pp = parallel_state.get_pipeline_model_parallel_world_size()
-        mbs += [filler_microbatch(input_ids)] * (-len(mbs) % pp)
+        mbs += [filler_microbatch(input_ids, multiple)] * (-len(mbs) % pp)
     device = _device_of(chunks[0])
     B, T = input_ids.shape
-    logprobs = torch.zeros(B, T, dtype=torch.float32, device=device)
+    width = round_up(T, multiple)  # micro-batches may run past T; their extra columns are dropped
+    logprobs = torch.zeros(B, width, dtype=torch.float32, device=device)
     entropy = torch.zeros_like(logprobs) if with_entropy else None
     kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements)
 
@@ -300,7 +324,7 @@ def compute_logprobs(
         for t in (logprobs, entropy):
             if t is not None:
                 dist.broadcast(t, src=src, group=group)
-    return LogProbs(logprobs, entropy)
+    return LogProbs(logprobs[:, :T], None if entropy is None else entropy[:, :T])
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -125,7 +125,7 @@ def transformer_config_from_arch(
     dtype = resolve_dtype(dtype)
     use_te = te_available() if use_te is None else use_te
     if sequence_parallel is None:
-        sequence_parallel = use_te and parallel.tp > 1
+        sequence_parallel = parallel.sp if parallel.sp is not None else use_te and parallel.tp > 1
     if sequence_parallel and not use_te:
         raise ValueError("sequence parallelism needs the Transformer Engine spec (the local spec's torch norms refuse it)")
     if arch.is_moe and parallel.tp > 1 and not sequence_parallel:

@@ -98,7 +98,7 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
 
     arch = model_arch_of(cfg)
     par = cfg.parallelism
-    parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp)
+    parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp, sp=par.sp)
     initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic)
     dtype = resolve_dtype(cfg.model.dtype)
     actor = MegatronActor(arch, parallel, dtype=dtype, optimizer=cfg.optimizer, loss=components.loss_config(cfg),

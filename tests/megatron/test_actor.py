@@ -244,6 +244,35 @@ def test_non_finite_and_spiking_steps_are_skipped_without_touching_weights(story
     assert r["lr_steps"][1] == r["lr_steps"][0] + 1
 
 
+def padded_sequence_worker(rank):
+    """Sequence parallelism makes micro-batch lengths multiples of tp (it needs Transformer
+    Engine, absent on CPU): the same rounding, forced to 3, leaves log-probs and a train step's
+    loss as they were (extra positions lie after every sequence, the causal mask ignores them)."""
+    from armor_megatron.megatron import actor as actor_module
+    from armor_megatron.megatron import logprobs as logprobs_module
+
+    mdist.initialize(TP1, ARCH, seed=5)
+    try:
+        out = {}
+        for multiple in (1, 3):
+            for module in (actor_module, logprobs_module):
+                module.sequence_multiple = lambda chunks, m=multiple: m
+            actor, batch = _actor(TP1), make_batch()
+            lp = _logprobs(actor, batch)
+            batch.update(old_logprobs=lp, ref_logprobs=lp)
+            out[multiple] = (lp, actor.train_step(batch)["loss"])
+        return out
+    finally:
+        mdist.shutdown()
+
+
+@pytest.mark.timeout(200)
+def test_sequence_parallel_rounding_of_micro_batch_lengths_changes_nothing():
+    out = run_ranks(padded_sequence_worker, 1, timeout=180)[0]
+    assert out[3][0].shape == out[1][0].shape == (7, 14)
+    assert (out[3][0] - out[1][0]).abs().max() < 1e-6 and abs(out[3][1] - out[1][1]) < 1e-6
+
+
 def two_rank_worker(rank, root):
     """MoE: 3 steps at EP=1 (DP=2), then the same weights and batches at EP=2 (experts split).
     bf16 at TP=2: 2 steps, checkpoint, step 3; a fresh actor resumed from it repeats step 3."""

@@ -93,6 +93,14 @@ def test_microbatches_trim_to_their_longest_sequence_and_zero_the_padding():
         split_microbatches(ids, torch.tensor([0, 1, 1, 1]), 2)
 
 
+def test_microbatch_lengths_round_up_to_the_sequence_parallel_multiple():
+    ids = torch.arange(20).view(4, 5) + 1
+    mbs = split_microbatches(ids, torch.tensor([2, 3, 5, 1]), micro_batch_size=3, multiple_of=4)
+    # longest 5 -> 8 (3 zero columns past T = 5), longest 1 -> 4
+    assert [tuple(mb.tokens.shape) for mb in mbs] == [(3, 8), (1, 4)]
+    assert mbs[0].tokens[2].tolist() == [11, 12, 13, 14, 15, 0, 0, 0] and mbs[1].tokens.tolist() == [[16, 0, 0, 0]]
+
+
 def tp_split_worker(rank, logits, labels, weights, vocab):
     """Rank r holds columns [r·V/2, (r+1)·V/2) of the logits; returns values and its grad shard."""
     import torch.distributed as dist
