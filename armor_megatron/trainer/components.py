@@ -72,6 +72,15 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
     )
 
 
+def anchor_reward(text: str, truth) -> float:
+    """An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
+    passes exactly the check its group will score it with."""
+    from armor_megatron.rewards import load_verifier
+
+    spec, answer = truth
+    return load_verifier(spec)(text, answer).score
+
+
 def anchor_cache(
     cfg: RunConfig,
     sampling: SamplingParams,
@@ -96,12 +105,9 @@ def anchor_cache(
     )
     if an.temperature is not None:
         sampling = dataclasses.replace(sampling, temperature=an.temperature)
-    from armor_megatron.rewards import load_verifier
-
-    verifier = load_verifier(cfg.reward.verifier)
     sampler = AnchorSampler(
         source,
-        lambda text, answer: verifier(text, answer).score,
+        anchor_reward,
         AnchorConfig(max_tries=an.max_tries, tries_per_round=an.tries_per_request, sampling=sampling),
     )
     return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)

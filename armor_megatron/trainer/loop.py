@@ -210,7 +210,8 @@ class ArmorTrainer:
         state = self.loader.state_dict()
         rows = self.loader.next_batch()
         self.loader.load_state_dict(state)
-        self.anchors.prefetch([self.encode(r.prompt) for r in rows], [r.answer for r in rows], keys=[r.index for r in rows])
+        truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
+        self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
     def update(self, batch: dict, timer: StepTimer) -> dict:
         """All ranks: recompute lp_old and lp_ref, then the mini-batch / epoch updates."""

@@ -65,19 +65,21 @@ def collect_groups(
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, verify and group one batch of prompts; returns (batch of P·G rows, metrics).
 
-    ``anchors``: an ``AnchorCache`` (or anything with its ``get(prompt_ids, answers, keys,
-    timeout) -> [AnchorResult]``), None for on-policy groups only.
+    ``anchors``: an ``AnchorCache`` (or anything with its ``get(prompt_ids, ground_truths, keys,
+    timeout) -> [AnchorResult]``) whose ground truths are ``(verifier, answer)`` pairs, so an
+    anchor is accepted by the verifier its row is scored with; None for on-policy groups only.
     """
     G = settings.group_size
     prompt_ids = [encode(r.prompt) for r in rows]
     answers = [r.answer for r in rows]
+    verifiers = [r.verifier or settings.verifier for r in rows]
     anchor_results = (
-        anchors.get(prompt_ids, answers, keys=[r.index for r in rows], timeout=settings.timeout) if anchors else None
+        anchors.get(prompt_ids, list(zip(verifiers, answers)), keys=[r.index for r in rows], timeout=settings.timeout)
+        if anchors else None
     )
     found = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    verifiers = [r.verifier or settings.verifier for r in rows]
     policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
     anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = _score([[s.text for s in group] for group in anchor_samples], answers, verifiers, settings.reward_workers)

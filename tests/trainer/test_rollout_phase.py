@@ -5,6 +5,8 @@ a prompt is *solvable* when the ground truth is that character (verifier: the re
 with the ground truth) and unsolvable when the ground truth is '#', which no response contains.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -17,6 +19,7 @@ from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
+from armor_megatron.trainer.components import anchor_reward
 from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
@@ -26,6 +29,11 @@ G = 4
 @register_verifier("test_starts_with", replace=True)
 def _starts_with(response, ground_truth):
     return RewardResult(float(response.startswith(ground_truth)), {})
+
+
+@register_verifier("test_never", replace=True)
+def _never(response, ground_truth):
+    return RewardResult(0.0, {})
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +50,7 @@ def setup():
             rows.append(PromptRow(len(rows), text, tok.decode([int(probs.argmax())])))
     assert len(rows) >= 3
     rows = rows[:3] + [PromptRow(3, "5+5=", "#"), PromptRow(4, "hi", "#")]
-    sampler = AnchorSampler(SeparateReference(ref), lambda t, gt: float(t.startswith(gt)),
+    sampler = AnchorSampler(SeparateReference(ref), anchor_reward,  # the trainer's: each row's own verifier
                             AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING))
     return tok, policy, sampler, rows
 
@@ -75,6 +83,16 @@ def test_groups_hold_one_verified_anchor_exactly_where_the_reference_solves(setu
     # advantages: DAPO group normalisation of the rewards, anchor included
     expected = compute_advantages("dapo", rewards=batch["rewards"].view(len(rows), G)).reshape(-1)
     assert torch.equal(batch["advantages"], expected)
+
+
+def test_an_anchor_must_pass_its_own_rows_verifier(setup):
+    """A row scored by another verifier than the run's default gets no anchor that verifier rejects."""
+    tok, policy, sampler, rows = setup
+    rows = [dataclasses.replace(rows[0], verifier="test_never"), *rows[1:]]
+    batch, metrics = _collect((tok, policy, sampler, rows), AnchorCache(sampler))
+    assert batch["is_anchor"].view(len(rows), G)[:, -1].tolist() == [False, True, True, False, False]
+    assert metrics["anchor/found_rate"] == pytest.approx(2 / 5)
+    assert batch["accuracy"].view(len(rows), G)[0].tolist() == [0.0] * G
 
 
 def test_without_anchors_every_group_is_on_policy_and_overlong_shaping_applies(setup):
