@@ -162,6 +162,18 @@ def find_latest(root: str) -> Optional[str]:
     return path
 
 
+def adopt_as_latest(root: str, path: str) -> None:
+    """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
+    run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
+    ``--resume auto`` after a crash comes back to this timeline). Every rank calls it."""
+    root, path = os.path.abspath(root), os.path.abspath(path)
+    if os.path.dirname(path) == root and _latest_name(root) != os.path.basename(path):
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _write_latest(root, os.path.basename(path))
+    if dist.is_initialized():
+        dist.barrier()
+
+
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     """Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
     names) and the leftovers of interrupted saves; returns the removed paths. Any rank may call

@@ -165,6 +165,12 @@ class ArmorTrainer:
             self.monitor.load_state_dict(state["monitor"])
             self._anchor_state = state.get("anchor_cache")
 
+    def reference_replaced(self) -> None:
+        """π_ref was loaded from elsewhere (recovery mode) after the state was restored: a new
+        reference version, and no anchors pooled under the old one."""
+        self._ref_resets += 1
+        self._anchor_state = None
+
     # ------------------------------------------------------------------ one step
     def rollout(self, timer: StepTimer) -> tuple[Optional[RolloutBatch], dict]:
         """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
@@ -223,12 +229,14 @@ class ArmorTrainer:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
         metrics: dict = {"rollout/logprob_abs_diff": [_engine_trainer_gap(batch)]}
         batch = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
+        # mini_batches_per_step near-equal mini-batches, also of a partial batch from dynamic
+        # sampling (never more optimizer steps than the LR schedule counts)
         n = len(batch["input_ids"])
-        per_mini = n // cfg.train.mini_batches_per_step
+        minis = torch.tensor_split(torch.arange(n), min(cfg.train.mini_batches_per_step, n))
         with timer.phase("update"):
             for _ in range(cfg.train.epochs_per_step):
-                for start in range(0, n, per_mini):
-                    mini = {k: v[start : start + per_mini] for k, v in batch.items()}
+                for rows in minis:
+                    mini = {k: v[rows] for k, v in batch.items()}
                     for k, v in self.actor.train_step(mini).items():
                         metrics.setdefault(f"train/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}

@@ -120,6 +120,7 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference)
+        ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
         trainer.load_trainer_state(broadcast_extra(extra))
         _log(f"resumed from {path} at step {step}")
     else:
@@ -131,6 +132,7 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
         # checkpoint. Applied on a fresh start or an explicit --resume PATH, never on auto-resume
         # (the checkpoint then already holds the reference, resets included).
         reference.load_weights(cfg.reference.init_from)
+        trainer.reference_replaced()
         _log(f"reference initialised from {cfg.reference.init_from}")
     trainer.start_engines()
 

@@ -110,3 +110,18 @@ def test_prune_keeps_the_newest_and_latest_and_removes_leftovers(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000004", "latest"]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         ckpt.prune_checkpoints(str(tmp_path), keep_last=0)
+
+
+def test_resuming_an_earlier_checkpoint_makes_it_latest(tmp_path):
+    """--resume .../iter_0000080 while `latest` names iter_0000100: the run's own save of step 100
+    will then replace the abandoned one instead of being refused as the checkpoint `latest` names."""
+    for step in (80, 100):
+        _fake_checkpoint(tmp_path, ckpt.checkpoint_name(step))
+    ckpt._write_latest(str(tmp_path), ckpt.checkpoint_name(100))
+    ckpt.adopt_as_latest(str(tmp_path), str(tmp_path / "iter_0000080"))
+    assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000080")
+    elsewhere = tmp_path / "other_run"
+    elsewhere.mkdir()
+    _fake_checkpoint(elsewhere, ckpt.checkpoint_name(7))
+    ckpt.adopt_as_latest(str(tmp_path), str(elsewhere / "iter_0000007"))  # not in this run's root: untouched
+    assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000080")
