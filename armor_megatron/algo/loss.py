@@ -51,19 +51,22 @@ class PolicyLossConfig:
             raise ValueError(f"eps_high must be > 0, got {self.eps_high!r}")
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg!r}")
+        check_loss_agg(self.loss_agg)
 
     def replace(self, **changes) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_loss_agg(loss_agg: str) -> None:
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
 
 
 def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
     sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
     data-parallel ranks to get the global ``normalizer`` of ``policy_loss``."""
-    if loss_agg not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
+    check_loss_agg(loss_agg)
     valid = mask.bool()
     if loss_agg == "token-mean":
         return valid.sum()

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from armor_megatron.algo.loss import LOSS_AGG_MODES, aggregate_token_loss
+from armor_megatron.algo.loss import aggregate_token_loss, check_loss_agg
 
 @dataclass(frozen=True)
 class ValueLossConfig:
@@ -38,8 +38,7 @@ class ValueLossConfig:
     def __post_init__(self):
         if self.clip_eps is not None and not self.clip_eps > 0.0:
             raise ValueError(f"clip_eps must be > 0 (or None), got {self.clip_eps!r}")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg!r}")
+        check_loss_agg(self.loss_agg)
 
     def replace(self, **changes) -> "ValueLossConfig":
         return dataclasses.replace(self, **changes)

@@ -111,6 +111,8 @@ def _check_critic(cfg: RunConfig) -> None:
     if cfg.algorithm.estimator != "gae":
         return
     if critic.warmup_steps >= cfg.train.steps:
-        raise ConfigError("critic.warmup_steps", f"{critic.warmup_steps} leaves no actor update in train.steps={cfg.train.steps}")
+        raise ConfigError("critic.warmup_steps",
+                          f"{critic.warmup_steps} leaves no actor update in train.steps={cfg.train.steps}")
     if critic.optimizer.min_lr > critic.optimizer.lr:
-        raise ConfigError("critic.optimizer.min_lr", f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}")
+        raise ConfigError("critic.optimizer.min_lr",
+                          f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}")

@@ -220,8 +220,9 @@ class TrainedModel:
             i = mb.index
             s = batch["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
             tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
-            rows_of_mb = {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")}
-            out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=rows_of_mb))
+            per_row = {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items()
+                       if k not in ("input_ids", "lengths")}
+            out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=per_row))
         return out
 
     # ------------------------------------------------------------------ checkpoint hooks
@@ -289,7 +290,8 @@ class MegatronActor(TrainedModel):
                                      temperature=self.temperature, with_entropy=True)
             rows = {k: v.to(lp.device) for k, v in tmb.rows.items()}
             return policy_loss(lp, rows["old_logprobs"], rows.get("ref_logprobs"), rows["advantages"],
-                               rows["response_mask"], self.loss_config, normalizer=normalizer.to(lp.device), entropy=ent)
+                               rows["response_mask"], self.loss_config, normalizer=normalizer.to(lp.device),
+                               entropy=ent)
 
         return self._train_on(batch, loss_of)
 

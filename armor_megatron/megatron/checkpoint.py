@@ -67,10 +67,12 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
     """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
     module keys starting with one of `exclude` may be absent (they keep their values)."""
     for i, c in enumerate(chunks):
-        result = c.load_state_dict({k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}, strict=not exclude)
+        state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
+        result = c.load_state_dict(state, strict=not exclude)
         missing = [k for k in result.missing_keys if not k.startswith(exclude)] if exclude else []
         if missing or (exclude and result.unexpected_keys):
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, "
+                               f"unexpected {result.unexpected_keys[:3]}")
 
 
 def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:

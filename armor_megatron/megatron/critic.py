@@ -15,7 +15,10 @@ decoder, final norm), built untied, whose ``output_layer`` is a `ValueHead`: hid
 -> values [s, b, 1], computed in fp32. The head is small (h + 1 parameters) and replicated on
 every tensor-parallel rank, like the final norm: every TP rank sees the whole hidden state and
 computes the same values, and megatron counts its gradient once in the grad norm (it has no
-``tensor_model_parallel`` attribute). It starts at zero (``value_head_init_std=0``: V ≡ 0 at
+``tensor_model_parallel`` attribute). Under sequence parallelism (TE spec, GPUs) the head first
+gathers the sequence shards; its backward then keeps this rank's shard of the (identical)
+gradient rather than summing the tp copies. That path needs Transformer Engine and was not run
+on the CPU development machines. It starts at zero (``value_head_init_std=0``: V ≡ 0 at
 first, the backbone gets gradient from the second update on) or normal(0, std), drawn from a
 generator seeded by `seed`, so every rank holds the same head. Building the untied model makes
 the last stage allocate the LM head once before it is replaced (one [V/tp, h] tensor).
@@ -63,15 +66,23 @@ class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c. Called by ``GPTModel`` as its
     output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused)."""
 
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int):
+    def __init__(self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
         weight = torch.zeros(1, hidden_size, dtype=torch.float32)
         if init_std > 0:
             weight.normal_(0.0, init_std, generator=torch.Generator().manual_seed(seed))
         self.weight = torch.nn.Parameter(weight.to(dtype))
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]. Every TP rank then computes the whole (identical) loss,
+            # so the backward takes this rank's slice of the gradient instead of summing tp copies.
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
         return F.linear(hidden_states.float(), self.weight.float(), self.bias.float()), None
 
 
@@ -99,7 +110,8 @@ class MegatronCritic(TrainedModel):
             if chunk.post_process:
                 device = next(chunk.parameters()).device
                 chunk.output_layer = ValueHead(self.arch.hidden_size, dtype=resolve_dtype(dtype),
-                                               init_std=self.value_head_init_std, seed=seed).to(device)
+                                               init_std=self.value_head_init_std, seed=seed,
+                                               sequence_parallel=config.sequence_parallel).to(device)
         return chunks
 
     def load_weights(self, mcore_dir: str) -> None:

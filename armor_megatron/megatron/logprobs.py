@@ -261,7 +261,8 @@ def compute_logprobs(
     `model_chunks`: this rank's model (a list of VPP chunks, or one model). `vocab_size`: the
     HF vocabulary (padding columns are excluded). Same result on every rank.
     """
-    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements)
+    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy,
+                  chunk_elements=chunk_elements)
     names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
     out = forward_only(model_chunks, input_ids, lengths, micro_batch_size=micro_batch_size, names=names,
                        collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)])

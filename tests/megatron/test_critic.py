@@ -104,7 +104,8 @@ def critic_worker(rank, root):
             out["no_critic_error"] = str(err)
 
         # 4. zero-initialised head
-        out["zero_head_max"] = _critic(TP2, init_std=0.0).compute_values(batch["input_ids"], batch["lengths"]).abs().max().item()
+        zero_head = _critic(TP2, init_std=0.0)
+        out["zero_head_max"] = zero_head.compute_values(batch["input_ids"], batch["lengths"]).abs().max().item()
         return out
     finally:
         mdist.shutdown()
