@@ -228,8 +228,8 @@ class TrainedModel:
     # ------------------------------------------------------------------ checkpoint hooks
     checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
 
-    def model_sharded_state_dict(self, prefix: Optional[str] = None) -> dict:
-        return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix if prefix is None else prefix)
+    def model_sharded_state_dict(self) -> dict:
+        return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
     def sharded_state_dict(self) -> dict:
         """Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
