@@ -75,7 +75,7 @@ def test_model_dir_config_json_is_used_for_checks(tmp_path):
 def test_ppo_config_builds_a_critic_section():
     cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml"))
     assert cfg.algorithm.estimator == "gae" and (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 0.95)
-    assert cfg.critic.optimizer.lr == 1e-4 and cfg.critic.clip_eps == 0.5 and cfg.critic.whiten_advantages
+    assert cfg.critic.optimizer.lr == 1e-3 and cfg.critic.clip_eps == 0.5 and cfg.critic.whiten_advantages
     assert cfg.parallelism.tp == 2 and cfg.anchor.enabled  # the tiny run's layout and ARMOR settings
     unclipped = load_config(os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml"), ["critic.clip_eps=null"])
     assert unclipped.critic.clip_eps is None
