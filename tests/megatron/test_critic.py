@@ -5,7 +5,7 @@ One 2-rank gloo job (process start dominates the cost):
 1. TP=1 (DP=2): an actor's initial weights are saved; a critic (value head drawn with std 0.1 so
    values are not all zero) loads its backbone from them, computes the old values of a fixed
    7-row batch and takes 4 value-loss steps towards fixed returns.
-2. TP=2 (DP=1) and PP=2 (DP=1): the same backbone and head, values and the same 4 steps.
+2. TP=2, PP=2 and PP=2×VPP=2 (each DP=1): the same backbone and head, values and 4 steps.
 3. TP=2: after 2 steps a checkpoint (actor + critic); a fresh actor and critic resumed from it
    give the same values and repeat steps 3 and 4 bit for bit.
 4. A critic with the default zero head predicts 0 everywhere.
@@ -24,7 +24,7 @@ from tests.megatron.test_actor import make_batch
 from tests.megatron.test_parallel_logprobs import QWEN3 as ARCH
 
 STEPS = 4
-TP1, TP2, PP2 = ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(pp=2)
+TP1, TP2, PP2, PP2VPP2 = ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(pp=2), ParallelConfig(pp=2, vpp=2)
 OPTIM = OptimizerConfig(lr=2e-3, weight_decay=0.0, clip_grad=1.0)
 LOSS = ValueLossConfig(clip_eps=0.5)
 
@@ -75,8 +75,8 @@ def critic_worker(rank, root):
         out["losses"]["tp1"] = [m["loss"] for m in steps]
         out["metrics"] = steps
 
-        # 2. TP=2 and PP=2, both DP=1
-        for name, layout in (("tp2", TP2), ("pp2", PP2)):
+        # 2. TP=2, PP=2 and PP=2×VPP=2 (interleaved schedule, padded micro-batches), all DP=1
+        for name, layout in (("tp2", TP2), ("pp2", PP2), ("pp2vpp2", PP2VPP2)):
             mdist.set_model_parallel(layout, ARCH, seed=5)
             critic = _critic(layout)
             critic.load_weights(f"{root}/init")
@@ -124,7 +124,7 @@ def test_critic_values_match_across_tp_and_pp(story):
     mask = make_batch()["response_mask"]
     tp1 = r["values"]["tp1"]
     assert tp1[mask].abs().min() > 0  # a random head: real, non-zero values at every response token
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "pp2vpp2"):
         assert (r["values"][name] - tp1).abs().max() < 1e-5, name
     # 0 outside 1 <= t < length (position 0 predicts nothing)
     lengths = make_batch()["lengths"]
@@ -139,7 +139,7 @@ def test_critic_train_steps_lower_the_value_loss_identically_in_every_layout(sto
     r = story[0]
     losses = r["losses"]
     assert losses["tp1"][-1] < 0.8 * losses["tp1"][0], losses["tp1"]
-    for name in ("tp2", "pp2"):
+    for name in ("tp2", "pp2", "pp2vpp2"):
         for k in range(STEPS):
             assert abs(losses[name][k] - losses["tp1"][k]) < 1e-5, (name, k, losses)
     first, last = r["metrics"][0], r["metrics"][-1]
