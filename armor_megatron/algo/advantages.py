@@ -124,6 +124,33 @@ def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tens
     return adv, (adv + v) * m
 
 
+def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token rewards [B, T] for GAE: the outcome reward ``rewards`` [B] of each sequence on
+    its last valid token (highest t with mask 1), 0 elsewhere; a row without tokens gets none."""
+    if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
+        raise ValueError(f"rewards must be [B] and mask [B, T]; got {tuple(rewards.shape)} and {tuple(mask.shape)}")
+    valid = mask.bool()
+    t = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(valid, t, -1).max(dim=1).values  # [B]; -1: no valid token
+    out = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    rows = (last >= 0).nonzero().squeeze(1)
+    out[rows, last[rows]] = rewards.float()[rows]
+    return out
+
+
+def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """PPO's advantage whitening over the valid tokens of the batch:
+    A' = (A − mean) / (std + ε), mean and std (Bessel) over tokens with mask 1; 0 elsewhere."""
+    if advantages.shape != mask.shape:
+        raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must share a shape")
+    valid = mask.bool()
+    a = advantages.float()
+    picked = a[valid]
+    if picked.numel() < 2:
+        raise ValueError(f"whitening needs at least 2 valid tokens, got {picked.numel()}")
+    return torch.where(valid, (a - picked.mean()) / (picked.std() + eps), 0.0)
+
+
 ESTIMATORS: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {
     "grpo": grpo_advantages,
     "dapo": grpo_advantages,

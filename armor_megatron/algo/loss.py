@@ -51,23 +51,45 @@ class PolicyLossConfig:
             raise ValueError(f"eps_high must be > 0, got {self.eps_high!r}")
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
-        if self.loss_agg not in LOSS_AGG_MODES:
-            raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {self.loss_agg!r}")
+        check_loss_agg(self.loss_agg)
 
     def replace(self, **changes) -> "PolicyLossConfig":
         return dataclasses.replace(self, **changes)
+
+
+def check_loss_agg(loss_agg: str) -> None:
+    if loss_agg not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
 
 
 def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
     sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
     data-parallel ranks to get the global ``normalizer`` of ``policy_loss``."""
-    if loss_agg not in LOSS_AGG_MODES:
-        raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
+    check_loss_agg(loss_agg)
     valid = mask.bool()
     if loss_agg == "token-mean":
         return valid.sum()
     return valid.any(dim=-1).sum()
+
+
+def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str,
+                         normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
+    """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc):
+    Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where
+    ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count)."""
+    if isinstance(normalizer, (int, float)) and normalizer <= 0:
+        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
+    valid = mask.bool()
+    # where(), not a product: a non-finite value on a padding position must not leak in.
+    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
+    if loss_agg == "seq-mean-token-mean":
+        total = (token_loss.sum(-1) / valid.sum(-1).clamp(min=1)).sum()
+    else:
+        total = token_loss.sum()
+    if normalizer is None:
+        normalizer = loss_normalizer(valid, loss_agg).clamp(min=1)
+    return total / normalizer
 
 
 def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy) -> None:
@@ -109,8 +131,6 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy)
     if cfg.alpha < 1.0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when alpha < 1 (alpha={cfg.alpha})")
-    if isinstance(normalizer, (int, float)) and normalizer <= 0:
-        raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
     valid = mask.bool()
     adv = advantages.float()
     if adv.dim() == 1:
@@ -121,16 +141,7 @@ def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tens
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
     if cfg.dual_clip_c is not None:
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.dual_clip_c), token_loss)
-    # where(), not a product: a non-finite value on a padding position must not leak in.
-    token_loss = torch.where(valid, token_loss, torch.zeros_like(token_loss))
-
-    if cfg.loss_agg == "seq-mean-token-mean":
-        total = (token_loss.sum(-1) / valid.sum(-1).clamp(min=1)).sum()
-    else:
-        total = token_loss.sum()
-    if normalizer is None:
-        normalizer = loss_normalizer(valid, cfg.loss_agg).clamp(min=1)
-    loss = total / normalizer
+    loss = aggregate_token_loss(token_loss, valid, cfg.loss_agg, normalizer)
 
     with torch.no_grad():
         metrics = _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)

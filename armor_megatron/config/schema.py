@@ -150,6 +150,18 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
+class CriticConfig:
+    """The value model of ``algorithm.estimator: gae`` (PPO): the actor's architecture with a
+    hidden→1 value head, started from the actor's checkpoint; GAE uses algorithm.gamma / lam."""
+
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    clip_eps: Optional[float] = checked(0.5, check=positive, help="ε_v of the clipped value loss; null: unclipped")
+    value_head_init_std: float = checked(0.0, check=in_range(0, None), help="normal init std of the value head; 0: zeros")
+    warmup_steps: int = checked(0, check=at_least(0), help="first steps that train only the critic, not the actor")
+    whiten_advantages: bool = checked(True, help="normalise GAE advantages over the batch's response tokens")
+
+
+@dataclasses.dataclass
 class TrainConfig:
     steps: int = checked(500, check=at_least(1))
     mini_batches_per_step: int = checked(1, check=at_least(1), help="optimizer steps per rollout batch")
@@ -245,6 +257,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)
     eval: EvalConfig = dataclasses.field(default_factory=EvalConfig)

@@ -15,6 +15,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_rollout(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
+    _check_critic(cfg)
 
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
@@ -92,8 +93,6 @@ def _check_rollout(cfg: RunConfig) -> None:
             "train.mini_batches_per_step",
             f"{cfg.train.mini_batches_per_step} does not divide the {samples} samples of a step",
         )
-    if algo.estimator == "gae":
-        raise ConfigError("algorithm.estimator", "'gae' needs a critic model, which this trainer does not build yet")
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
 
@@ -111,3 +110,15 @@ def _check_eval(cfg: RunConfig) -> None:
     for i, ds in enumerate(cfg.eval.datasets):
         if ds.k < largest_k:
             raise ConfigError(f"eval.datasets[{i}].k", f"{ds.k} samples cannot give pass@{largest_k}")
+
+
+def _check_critic(cfg: RunConfig) -> None:
+    critic = cfg.critic
+    if cfg.algorithm.estimator != "gae":
+        return
+    if critic.warmup_steps >= cfg.train.steps:
+        raise ConfigError("critic.warmup_steps",
+                          f"{critic.warmup_steps} leaves no actor update in train.steps={cfg.train.steps}")
+    if critic.optimizer.min_lr > critic.optimizer.lr:
+        raise ConfigError("critic.optimizer.min_lr",
+                          f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}")

@@ -1,4 +1,4 @@
-"""Megatron-core actor and reference: start-up, CPU compatibility, model builder, log-probs,
+"""Megatron-core actor, reference and critic: start-up, CPU compatibility, model builder, log-probs,
 train step, checkpoints.
 
 The only subpackage that imports ``megatron.core`` (lazily, inside functions, so importing
@@ -10,6 +10,7 @@ The only subpackage that imports ``megatron.core`` (lazily, inside functions, so
 * `logprobs`    - per-token log-probs / entropy through the pipeline schedule
 * `actor`       - `MegatronActor`: the policy, its optimizer and the ARMOR train step
 * `reference`   - `ReferenceModel`: the frozen π_ref, `reset_from(actor)`
+* `critic`      - `MegatronCritic`: PPO's value model (value head on the actor's backbone)
 * `optimizer`   - Megatron DDP, optimizer, LR schedule, clip-and-step
 * `stability`   - `StabilityGuard`: skip non-finite or spiking steps (pure Python)
 * `checkpoint`  - atomic torch_dist training checkpoints, `latest`, pruning, resharding loads

@@ -15,6 +15,10 @@ weights, so a seed gives the same initial weights whatever ran before)::
     actor.guard                             # StabilityGuard (skip rule and counters)
     actor.sharded_state_dict() / actor.load_sharded_state_dict(...)   # used by `checkpoint`
 
+`TrainedModel`, the base class, holds what the actor shares with the critic (critic.py):
+model chunks, DDP, optimizer, LR schedule, guard, data-parallel micro-batching, the pipeline
+forward/backward, the guarded optimizer step and the checkpoint hooks.
+
 ``train_step(batch)``: the batch is identical on every rank; rows are split over data-parallel
 ranks (contiguous shares whose sizes differ by at most one), each share over micro-batches
 of ``micro_batch_size`` rows run through megatron's pipeline schedule with gradient
@@ -52,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,21 +83,22 @@ from armor_megatron.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
 
-_ROW_KEYS = ("response_mask", "old_logprobs", "ref_logprobs")
-
-
 @dataclasses.dataclass
-class _TrainMicroBatch:
-    """One micro-batch and the loss inputs of its rows, trimmed to its length s: [b, s] / [b] or [b, s]."""
+class TrainMicroBatch:
+    """One micro-batch and the per-row loss inputs of its rows, trimmed to its length s:
+    ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones."""
 
     mb: MicroBatch
-    mask: torch.Tensor
-    old: torch.Tensor
-    ref: Optional[torch.Tensor]
-    adv: torch.Tensor
+    rows: dict
 
 
-class MegatronActor:
+class TrainedModel:
+    """What the actor and the critic share: this rank's model chunks wrapped in Megatron DDP, the
+    optimizer, LR schedule and stability guard; data-parallel rows cut into micro-batches, the
+    forward/backward through megatron's pipeline schedule, the guarded optimizer step, and the
+    checkpoint hooks. Subclasses add their loss (``train_step``) and may adapt the built chunks
+    (``_build_chunks``) before DDP wraps them."""
+
     def __init__(
         self,
         arch: ModelArch,
@@ -101,30 +106,30 @@ class MegatronActor:
         *,
         dtype,
         optimizer: OptimizerConfig,
-        loss: PolicyLossConfig,
         micro_batch_size: int,
         total_steps: int,
         seed: int = 1234,
-        temperature: float = 1.0,
     ):
         from megatron.core import tensor_parallel
 
         check_layout(parallel)
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.arch, self.parallel, self.loss_config = arch, parallel, loss
-        self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
+        self.arch, self.parallel, self.micro_batch_size = arch, parallel, micro_batch_size
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
         config = transformer_config_from_arch(arch, parallel, dtype=dtype, calculate_per_token_loss=True)
-        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype, config=config)
+        self.model_chunks = self._build_chunks(config, dtype, seed)
         self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
         no_sync = [c.no_sync for c in self.ddp_chunks]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = _finalize_grads_without_token_scaling
         self.optimizer, self.scheduler = optim.build_optimizer(self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps)
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
+
+    def _build_chunks(self, config, dtype, seed: int) -> list:
+        return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config)
 
     @property
     def _interleaved(self) -> bool:
@@ -137,29 +142,16 @@ class MegatronActor:
         load_model_weights(self.model_chunks, mcore_dir)
         self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
 
-    def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
-        """log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
-        return compute_logprobs(
-            self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
-            vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=with_entropy,
-        )
-
     # ------------------------------------------------------------------ training
-    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step over all rows of `batch` (see module docstring)."""
-        batch = _checked_batch(batch, self.loss_config)
-        normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
-        microbatches = self._local_microbatches(batch)
+    def _train_on(self, batch: dict, loss_of: Callable) -> dict[str, float]:
+        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU
+        tensors). ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with
+        ``num_tokens``) of one micro-batch from the last stage's output; the metrics of all
+        micro-batches and data-parallel ranks are combined by ``reduce_loss_metrics``."""
         calls, losses = [], []
 
-        def loss_func(tmb: _TrainMicroBatch, logits: torch.Tensor):
-            lp, ent = token_logprobs(logits, tmb.mb, vocab_size=self.arch.vocab_size,
-                                     temperature=self.temperature, with_entropy=True)
-            device = lp.device
-            loss, metrics = policy_loss(
-                lp, tmb.old.to(device), None if tmb.ref is None else tmb.ref.to(device), tmb.adv.to(device),
-                tmb.mask.to(device), self.loss_config, normalizer=normalizer.to(device), entropy=ent,
-            )
+        def loss_func(tmb: TrainMicroBatch, output: torch.Tensor):
+            loss, metrics = loss_of(tmb, output)
             calls.append(metrics)
             losses.append(loss.detach())
             return loss, metrics["num_tokens"].to(torch.int), {}
@@ -168,7 +160,7 @@ class MegatronActor:
             tmb = next(data_iterator)
             return model_forward(model, tmb.mb), functools.partial(loss_func, tmb)
 
-        self._forward_backward(microbatches, forward_step)
+        self._forward_backward(self._local_microbatches(batch), forward_step)
         metrics = _step_metrics(calls, losses)
         norm = optim.grad_norm(self.optimizer)
         lr = optim.current_lr(self.optimizer)
@@ -181,7 +173,7 @@ class MegatronActor:
                        skipped_total=float(self.guard.skipped_total))
         return metrics
 
-    def _forward_backward(self, microbatches: list[_TrainMicroBatch], forward_step) -> None:
+    def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
         """Zero the grads, then forward and backward of every micro-batch through megatron's
         pipeline schedule; the grads end summed over micro-batches and data-parallel ranks."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -207,7 +199,7 @@ class MegatronActor:
         finally:
             config.variable_seq_lengths = variable
 
-    def _local_microbatches(self, batch: dict) -> list[_TrainMicroBatch]:
+    def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
         """This data-parallel rank's rows cut into micro-batches.
 
         Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
@@ -231,45 +223,85 @@ class MegatronActor:
         multiple = sequence_multiple(self.model_chunks)
         local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
         local = _padded_columns(local, round_up(batch["input_ids"].shape[1], multiple))
-        ref = local.get("ref_logprobs")
         out = []
         for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size, multiple_of=multiple):
             i = mb.index
             s = local["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
             tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
-            adv = local["advantages"][i]
-            out.append(_TrainMicroBatch(
-                mb=MicroBatch(i, tokens, mb.lengths),
-                mask=local["response_mask"][i, :s],
-                old=local["old_logprobs"][i, :s],
-                ref=None if ref is None else ref[i, :s],
-                adv=adv if adv.dim() == 1 else adv[:, :s],
-            ))
+            per_row = {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items()
+                       if k not in ("input_ids", "lengths")}
+            out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=per_row))
         return out
 
     # ------------------------------------------------------------------ checkpoint hooks
-    def model_sharded_state_dict(self, prefix: str = "") -> dict:
-        return chunks_sharded_state_dict(self.model_chunks, prefix)
+    checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
+
+    def model_sharded_state_dict(self) -> dict:
+        return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
     def sharded_state_dict(self) -> dict:
-        """Model (unprefixed keys), optimizer (once it has state), LR schedule and guard, for
-        dist_checkpointing.save."""
+        """Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
+        and guard, for dist_checkpointing.save."""
         model = self.model_sharded_state_dict()
         state = {"model": model, "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict()}
-        if len(self.optimizer.state):  # before the first update Adam has no moments to save
+        if self.has_optimizer_state:  # before the first update Adam has no moments to save
             state["optimizer"] = self.optimizer.sharded_state_dict(model)
+        return state
+
+    @property
+    def has_optimizer_state(self) -> bool:
+        return len(self.optimizer.state) > 0
+
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
+        """The sharded tensors dist_checkpointing.load should fill: model, and optimizer if asked."""
+        state = {"model": self.model_sharded_state_dict()}
+        if load_optimizer:
+            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=True)
         return state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
         """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
         (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh)."""
-        load_chunks_state(self.model_chunks, loaded["model"])
+        load_chunks_state(self.model_chunks, loaded["model"], self.checkpoint_prefix)
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
         else:
             self.optimizer.reload_model_params()
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.guard.load_state_dict(loaded["guard"])
+
+
+class MegatronActor(TrainedModel):
+    """The policy π_θ: log-probs and the ARMOR/DAPO train step (module docstring)."""
+
+    def __init__(self, arch: ModelArch, parallel: ParallelConfig, *, dtype, optimizer: OptimizerConfig,
+                 loss: PolicyLossConfig, micro_batch_size: int, total_steps: int, seed: int = 1234,
+                 temperature: float = 1.0):
+        self.loss_config, self.temperature = loss, float(temperature)
+        super().__init__(arch, parallel, dtype=dtype, optimizer=optimizer, micro_batch_size=micro_batch_size,
+                         total_steps=total_steps, seed=seed)
+
+    def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
+        """log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
+        return compute_logprobs(
+            self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
+            vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=with_entropy,
+        )
+
+    def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """One optimizer step over all rows of `batch` (see module docstring)."""
+        batch = _checked_batch(batch, self.loss_config)
+        normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
+
+        def loss_of(tmb: TrainMicroBatch, logits: torch.Tensor):
+            lp, ent = token_logprobs(logits, tmb.mb, vocab_size=self.arch.vocab_size,
+                                     temperature=self.temperature, with_entropy=True)
+            rows = {k: v.to(lp.device) for k, v in tmb.rows.items()}
+            return policy_loss(lp, rows["old_logprobs"], rows.get("ref_logprobs"), rows["advantages"],
+                               rows["response_mask"], self.loss_config, normalizer=normalizer.to(lp.device),
+                               entropy=ent)
+
+        return self._train_on(batch, loss_of)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -312,21 +344,30 @@ def _padded_columns(rows: dict, width: int) -> dict:
 
 
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
-    """Validate shapes and the response mask; returns CPU tensors (ref_logprobs may be None)."""
-    missing = [k for k in ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs") if k not in batch]
+    """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
+    out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs"))
+    if out.get("ref_logprobs") is None and cfg.alpha < 1.0:
+        raise ValueError(f"ref_logprobs is required when alpha < 1 (alpha={cfg.alpha})")
+    ids = out["input_ids"]
+    if out["advantages"].shape not in (ids.shape[:1], ids.shape):
+        raise ValueError(f"advantages has shape {tuple(out['advantages'].shape)}, expected [N] or [N, L]")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:
+    """Check a train batch: input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking
+    only positions 1 <= t < lengths, the `required` keys present, `token_keys` (when given) [N, L].
+    Returns detached CPU tensors; raises one line naming the first problem."""
+    missing = [k for k in ("input_ids", "lengths", "response_mask", *required) if k not in batch]
     if missing:
         raise KeyError(f"train batch lacks {', '.join(missing)}")
     out = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
     ids, lengths = out["input_ids"], out["lengths"]
     if ids.dim() != 2 or ids.shape[0] == 0 or lengths.shape != ids.shape[:1]:
         raise ValueError(f"input_ids must be [N, L] with N >= 1 and lengths [N]; got {tuple(ids.shape)}, {tuple(lengths.shape)}")
-    if out.get("ref_logprobs") is None and cfg.alpha < 1.0:
-        raise ValueError(f"ref_logprobs is required when alpha < 1 (alpha={cfg.alpha})")
-    for key in _ROW_KEYS:
+    for key in ("response_mask", *token_keys):
         if out.get(key) is not None and out[key].shape != ids.shape:
             raise ValueError(f"{key} has shape {tuple(out[key].shape)}, expected {tuple(ids.shape)} like input_ids")
-    if out["advantages"].shape not in (ids.shape[:1], ids.shape):
-        raise ValueError(f"advantages has shape {tuple(out['advantages'].shape)}, expected [N] or [N, L]")
     mask = out["response_mask"].bool()
     t = torch.arange(ids.shape[1])[None, :]
     if (mask & ((t < 1) | (t >= lengths[:, None]))).any():

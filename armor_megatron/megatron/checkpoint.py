@@ -2,11 +2,11 @@
 
 Public interface (every rank calls every function)::
 
-    path = save_checkpoint(root, step, actor, reference, extra)   # -> "{root}/iter_{step:07d}"
+    path = save_checkpoint(root, step, actor, reference, extra, critic=None)   # -> "{root}/iter_{step:07d}"
     path = find_latest(root)                                      # the dir `latest` names, or None
-    step, extra = load_checkpoint(path_or_root, actor, reference, load_optimizer=True)
+    step, extra = load_checkpoint(path_or_root, actor, reference, load_optimizer=True, critic=None)
     removed = prune_checkpoints(root, keep_last)
-    load_model_weights(model_chunks, mcore_dir)                   # model tensors only, any layout
+    load_model_weights(model_chunks, mcore_dir, exclude=())       # model tensors only, any layout
 
 Layout of ``{root}``::
 
@@ -17,7 +17,8 @@ Layout of ``{root}``::
 What a checkpoint holds: the actor's model (keys exactly ``model.sharded_state_dict()``, no
 prefix, so `load_model_weights` and the converter read it too), its optimizer state (Adam
 moments sharded like the weights; none before the first update), LR schedule, stability guard, the reference model under
-keys prefixed ``reference.``, the RNG states of every rank (python, numpy, torch, CUDA and
+keys prefixed ``reference.``, the PPO critic when there is one (model keys prefixed ``critic.``,
+its own optimizer, LR schedule and guard under ``critic``), the RNG states of every rank (python, numpy, torch, CUDA and
 megatron's model-parallel tracker), the step and the parallel layout.
 
 Atomicity: every rank writes into ``{root}/iter_{step:07d}.tmp-<uuid>``; when all are done
@@ -45,6 +46,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.critic import MegatronCritic
     from armor_megatron.megatron.reference import ReferenceModel
 
 LATEST = "latest"
@@ -61,22 +63,32 @@ def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
     return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
 
 
-def load_chunks_state(chunks: list, loaded: dict, prefix: str = "") -> None:
-    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`."""
+def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
+    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
+    module keys starting with one of `exclude` may be absent (they keep their values)."""
     for i, c in enumerate(chunks):
-        c.load_state_dict({k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()})
+        state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
+        result = c.load_state_dict(state, strict=not exclude)
+        missing = [k for k in result.missing_keys if not k.startswith(exclude)] if exclude else []
+        if missing or (exclude and result.unexpected_keys):
+            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, "
+                               f"unexpected {result.unexpected_keys[:3]}")
 
 
-def load_model_weights(chunks: list, mcore_dir: str) -> None:
-    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding."""
+def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
+    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
+    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
     from megatron.core import dist_checkpointing
 
     path = _resolve(mcore_dir)
-    load_chunks_state(chunks, dist_checkpointing.load(chunks_sharded_state_dict(chunks), path))
+    state = {name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
+             for name, sd in chunks_sharded_state_dict(chunks).items()}
+    load_chunks_state(chunks, dist_checkpointing.load(state, path), exclude=exclude)
 
 
 # ----------------------------------------------------------------------------- save
-def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Optional["ReferenceModel"], extra: dict) -> str:
+def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Optional["ReferenceModel"], extra: dict,
+                    *, critic: Optional["MegatronCritic"] = None) -> str:
     """Write a checkpoint of step `step` atomically (see module docstring); returns its path."""
     from megatron.core import dist_checkpointing
 
@@ -85,8 +97,11 @@ def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Opt
     state = actor.sharded_state_dict()
     if reference is not None:
         state["reference"] = reference.sharded_state_dict()
+    if critic is not None:
+        state["critic"] = critic.sharded_state_dict()
     state.update(step=step, layout=_layout(), has_reference=reference is not None,
-                 has_optimizer="optimizer" in state, rng=_rng_sharded_object())
+                 has_optimizer="optimizer" in state, has_critic=critic is not None,
+                 critic_has_optimizer=critic is not None and critic.has_optimizer_state, rng=_rng_sharded_object())
     dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         torch.save(extra, os.path.join(tmp, EXTRA_FILE))
@@ -197,21 +212,25 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
 
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(path_or_root: str, actor: "MegatronActor", reference: Optional["ReferenceModel"], *,
-                    load_optimizer: bool = True) -> tuple[int, dict]:
-    """Restore `actor` (and `reference`) from a checkpoint dir, or from the one ``latest`` names
-    in a root. Returns (step, extra)."""
+                    load_optimizer: bool = True, critic: Optional["MegatronCritic"] = None) -> tuple[int, dict]:
+    """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
+    ``latest`` names in a root. Returns (step, extra)."""
     from megatron.core import dist_checkpointing
 
     path = _resolve(path_or_root)
     common = dist_checkpointing.load_common_state_dict(path)
     if reference is not None and not common["has_reference"]:
         raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
-    state = {"model": actor.model_sharded_state_dict()}
-    load_optimizer = load_optimizer and common["has_optimizer"]  # False: saved before the first update
-    if load_optimizer:
-        state["optimizer"] = actor.optimizer.sharded_state_dict(state["model"], is_loading=True)
+    if critic is not None and not common.get("has_critic", False):
+        raise ValueError(f"{path} holds no critic; start the critic from the actor's weights instead")
+    # each model's Adam moments exist only once it has taken an update
+    load_critic_optimizer = critic is not None and load_optimizer and common["critic_has_optimizer"]
+    load_optimizer = load_optimizer and common["has_optimizer"]
+    state = actor.sharded_state_dict_to_load(load_optimizer)
     if reference is not None:
         state["reference"] = reference.sharded_state_dict()
+    if critic is not None:
+        state["critic"] = critic.sharded_state_dict_to_load(load_critic_optimizer)
     same_layout = common["layout"] == _layout()
     if same_layout:
         state["rng"] = _rng_sharded_object()
@@ -221,6 +240,10 @@ def load_checkpoint(path_or_root: str, actor: "MegatronActor", reference: Option
     actor.load_sharded_state_dict(loaded)
     if reference is not None:
         reference.load_sharded_state_dict(loaded["reference"])
+    if critic is not None:
+        if not load_critic_optimizer:
+            loaded["critic"].pop("optimizer", None)
+        critic.load_sharded_state_dict(loaded["critic"])
     if same_layout:
         _set_rng_state(loaded["rng"])
     extra = torch.load(os.path.join(path, EXTRA_FILE), weights_only=False)

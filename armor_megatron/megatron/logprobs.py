@@ -10,6 +10,9 @@ Public interface::
     out.entropy   # [B, T] fp32 or None
     mbs = split_microbatches(input_ids, lengths, micro_batch_size)   # [MicroBatch]; filler_microbatch(ids)
     lp, ent = token_logprobs(logits, mb, vocab_size=..., ...)       # one micro-batch, differentiable
+    out = forward_only(model_chunks, input_ids, lengths, micro_batch_size=..., names=("x",),
+                       collect=lambda mb, output: (x_of(mb, output),))   # any per-token output, no grad
+    shift_to_predicted(x, mb)        # [b, s] per position -> per predicted token (see token_logprobs)
 
 Math (per token, with z = logits / temperature over the global vocabulary, V true entries):
     lse = log Σ_v exp z_v,   log p(y) = z_y − lse,   H = lse − Σ_v p_v z_v.
@@ -38,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -251,10 +254,17 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torc
     tokens = mb.tokens.to(logits.device)
     labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # [b, s]
     lp, ent = vocab_parallel_logprobs(logits, labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
-    # value at t predicts token t + 1: keep it when t + 1 < length, then shift right by one
-    keep = torch.arange(1, tokens.shape[1] + 1, device=logits.device)[None, :] < mb.lengths.to(logits.device)[:, None]
-    shift = lambda x: torch.nn.functional.pad(torch.where(keep, x, 0.0)[:, :-1], (1, 0))  # noqa: E731
-    return shift(lp), (shift(ent) if ent is not None else None)
+    return shift_to_predicted(lp, mb), (shift_to_predicted(ent, mb) if ent is not None else None)
+
+
+def shift_to_predicted(x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    """[b, s] per-position outputs -> [b, s] indexed by the token they predict.
+
+    The output at t (from tokens ≤ t) belongs to token t + 1: it is kept when t + 1 < length and
+    moved right by one, so position 0 and positions ≥ length hold 0.
+    """
+    keep = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] < mb.lengths.to(x.device)[:, None]
+    return torch.nn.functional.pad(torch.where(keep, x, 0.0)[:, :-1], (1, 0))
 
 
 def compute_logprobs(
@@ -273,6 +283,30 @@ def compute_logprobs(
     `model_chunks`: this rank's model (a list of VPP chunks, or one model). `vocab_size`: the
     HF vocabulary (padding columns are excluded). Same result on every rank.
     """
+    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy,
+                  chunk_elements=chunk_elements)
+    names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+    out = forward_only(model_chunks, input_ids, lengths, micro_batch_size=micro_batch_size, names=names,
+                       collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)])
+    return LogProbs(out["logprobs"], out.get("entropy"))
+
+
+def forward_only(
+    model_chunks: Sequence[torch.nn.Module],
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    *,
+    micro_batch_size: int,
+    names: Sequence[str],
+    collect: Callable[[MicroBatch, torch.Tensor], Sequence[torch.Tensor]],
+) -> dict[str, torch.Tensor]:
+    """Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
+    schedule, forward only, no grad, and gather per-token results on every rank.
+
+    ``collect(mb, output)`` turns the last stage's output for a micro-batch into one [b, s]
+    tensor per entry of `names`; they are written into fp32 [B, T] zeros at the micro-batch's
+    rows and broadcast from the last pipeline stage. Returns {name: [B, T]}.
+    """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -285,17 +319,13 @@ def compute_logprobs(
     device = _device_of(chunks[0])
     B, T = input_ids.shape
     width = round_up(T, multiple)  # micro-batches may run past T; their extra columns are dropped
-    logprobs = torch.zeros(B, width, dtype=torch.float32, device=device)
-    entropy = torch.zeros_like(logprobs) if with_entropy else None
-    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements)
+    results = {name: torch.zeros(B, width, dtype=torch.float32, device=device) for name in names}
 
-    def loss_func(mb, logits):
-        lp, ent = token_logprobs(logits, mb, **kwargs)
+    def loss_func(mb, output):
         rows, s = len(mb.index), mb.tokens.shape[1]
-        logprobs[mb.index, :s] = lp[:rows]
-        if ent is not None:
-            entropy[mb.index, :s] = ent[:rows]
-        return logits.new_zeros(()), {}
+        for name, value in zip(names, collect(mb, output), strict=True):
+            results[name][mb.index, :s] = value[:rows]
+        return output.new_zeros(()), {}
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
@@ -321,10 +351,9 @@ def compute_logprobs(
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
-        for t in (logprobs, entropy):
-            if t is not None:
-                dist.broadcast(t, src=src, group=group)
-    return LogProbs(logprobs[:, :T], None if entropy is None else entropy[:, :T])
+        for t in results.values():
+            dist.broadcast(t, src=src, group=group)
+    return {name: t[:, :T] for name, t in results.items()}
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

@@ -163,6 +163,11 @@ def transformer_config_from_arch(
         persist_layer_norm=False,
         # Micro-batches are padded to their own longest sequence, so PP stages exchange shapes.
         variable_seq_lengths=True,
+        # Interleaved pp=2: a stage's previous and next stage are the same rank, and a batched
+        # exchange posts [send grad, recv act, send act, recv grad] on both sides, so the peer's
+        # first receive (an activation) is matched with the first send (a gradient) once forward
+        # and backward overlap (more micro-batches than pp). The unbatched path orders even/odd ranks.
+        batch_p2p_comm=not (parallel.vpp is not None and parallel.pp == 2),
         moe_token_dispatcher_type=moe_token_dispatcher,
     )
     if arch.is_moe:

@@ -1,4 +1,4 @@
-"""Turn a RunConfig into the pieces the loop uses: loss, reset schedule, sampling, rollout settings,
+"""Turn a RunConfig into the pieces the loop uses: losses, reset schedule, sampling, rollout settings,
 the rollout engines and the anchor cache. Nothing here runs a step."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from armor_megatron.algo import PolicyLossConfig, build_reset_schedule
+from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor_cache import AnchorCache
 from armor_megatron.rollout.anchor_source import make_anchor_source
@@ -21,6 +21,11 @@ def loss_config(cfg: RunConfig) -> PolicyLossConfig:
         alpha=algo.alpha, eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip_c=algo.dual_clip_c,
         loss_agg=algo.loss_agg,
     )
+
+
+def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
+    """The critic's loss: its value clip, aggregated like the policy loss."""
+    return ValueLossConfig(clip_eps=cfg.critic.clip_eps, loss_agg=cfg.algorithm.loss_agg)
 
 
 def reset_schedule(cfg: RunConfig):

@@ -4,7 +4,10 @@
         rollout:  G−1 on-policy samples + 1 verified anchor from π_ref per prompt     (driver rank)
                   rewards, overlong shaping, dynamic sampling, advantages             (driver rank)
         logprobs: lp_old (actor, before the update), lp_ref (reference)               (all ranks)
+        values:   with estimator gae (PPO): V_old from the critic, GAE advantages and
+                  returns per response token (outcome reward on the last token)        (all ranks)
         update:   mini-batches × epochs of the mixed-ratio DAPO loss                  (all ranks)
+                  and, with a critic, of the clipped value loss on the same mini-batches
                   (colocated SGLang engines release their GPU memory meanwhile)
         sync:     actor weights -> rollout engine (HF names, new weight_version)
         eval:     the policy of this step, served by the engine                       (driver rank)
@@ -19,7 +22,6 @@ and reference live on all ranks (TP/PP/DP as configured).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from contextlib import contextmanager
 from typing import Callable, Optional
@@ -27,7 +29,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from armor_megatron.algo import DynamicSampler
+from armor_megatron.algo import (
+    DynamicSampler,
+    explained_variance,
+    gae_advantages,
+    outcome_token_rewards,
+    whiten_advantages,
+)
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
@@ -38,9 +46,10 @@ from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups
 
-BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "engine_logprobs", "is_anchor")
+BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 PROGRESS_KEYS = ("rollout/accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
 
 class Preempted(Exception):
@@ -64,11 +73,13 @@ class ArmorTrainer:
     """Holds the actor, reference, engines and state; ``run()`` trains to ``cfg.train.steps``.
 
     ``engines`` is a callable building ``(policy_engine, reference_engine)`` on the driver from
-    the initial HF-named weights (the local engine on CPU, SGLang clients on GPUs).
+    the initial HF-named weights (the local engine on CPU, SGLang clients on GPUs). ``critic``:
+    the `MegatronCritic` of estimator gae, None otherwise.
     """
 
-    def __init__(self, cfg: RunConfig, arch, actor, reference, tokenizer, make_engines: Callable, export_weights: Callable):
-        self.cfg, self.arch, self.actor, self.reference = cfg, arch, actor, reference
+    def __init__(self, cfg: RunConfig, arch, actor, reference, tokenizer, make_engines: Callable, export_weights: Callable,
+                 critic=None):
+        self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
         self.tokenizer = tokenizer
         self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -220,7 +231,9 @@ class ArmorTrainer:
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
     def update(self, batch: dict, timer: StepTimer) -> dict:
-        """All ranks: recompute lp_old and lp_ref, then the mini-batch / epoch updates."""
+        """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
+        then the mini-batch / epoch updates of the actor and the critic. During the critic's
+        warm-up (the first ``critic.warmup_steps`` steps) only the critic trains."""
         cfg = self.cfg
         with timer.phase("logprobs"):
             old = self.actor.compute_logprobs(batch["input_ids"], batch["lengths"])
@@ -228,7 +241,13 @@ class ArmorTrainer:
             if self.reference is not None:
                 batch["ref_logprobs"] = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
         metrics: dict = {"rollout/logprob_abs_diff": [_engine_trainer_gap(batch)]}
-        batch = {k: v for k, v in batch.items() if k in TRAIN_KEYS}
+        if self.critic is not None:
+            with timer.phase("values"):
+                batch["old_values"] = self.critic.compute_values(batch["input_ids"], batch["lengths"])
+                batch["advantages"], batch["returns"] = gae_targets(batch, cfg)
+            metrics["critic/old_explained_var"] = [explained_variance(batch["old_values"], batch["returns"],
+                                                                      batch["response_mask"])]
+        train_actor = self.critic is None or self.step >= cfg.critic.warmup_steps
         # mini_batches_per_step near-equal mini-batches, also of a partial batch from dynamic
         # sampling (never more optimizer steps than the LR schedule counts)
         n = len(batch["input_ids"])
@@ -237,8 +256,12 @@ class ArmorTrainer:
             for _ in range(cfg.train.epochs_per_step):
                 for rows in minis:
                     mini = {k: v[rows] for k, v in batch.items()}
-                    for k, v in self.actor.train_step(mini).items():
-                        metrics.setdefault(f"train/{k}", []).append(v)
+                    if train_actor:
+                        for k, v in self.actor.train_step({k: mini[k] for k in TRAIN_KEYS if k in mini}).items():
+                            metrics.setdefault(f"train/{k}", []).append(v)
+                    if self.critic is not None:
+                        for k, v in self.critic.train_step({k: mini[k] for k in CRITIC_KEYS}).items():
+                            metrics.setdefault(f"critic/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
     @property
@@ -380,6 +403,19 @@ class ArmorTrainer:
         if progress is not None:
             progress.close()
         return last if self.is_driver else {}
+
+
+def gae_targets(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's per-token (advantages, returns) [N, L] from the critic's ``old_values`` [N, L]: the
+    outcome reward ``rewards`` [N] on each response's last token, GAE with algorithm.gamma / lam
+    over the response tokens, advantages whitened over the batch when critic.whiten_advantages."""
+    mask = batch["response_mask"]
+    rewards = outcome_token_rewards(batch["rewards"], mask)
+    advantages, returns = gae_advantages(batch["old_values"], rewards, mask, gamma=cfg.algorithm.gamma,
+                                         lam=cfg.algorithm.lam)
+    if cfg.critic.whiten_advantages:
+        advantages = whiten_advantages(advantages, mask)
+    return advantages, returns
 
 
 def broadcast_object(obj):

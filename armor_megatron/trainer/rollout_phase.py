@@ -17,6 +17,7 @@ The result is a ``RolloutBatch`` of P·G rows (prompt-major):
     lengths        [N]    int64   prompt + response tokens
     response_mask  [N, L] fp32    1 at positions t holding a response token (predicted from < t)
     advantages     [N]    fp32    sequence-level advantage, broadcast over its tokens by the loss
+                                  (zeros for GAE: the trainer computes per-token ones with its critic)
     rewards        [N]    fp32    shaped training reward;  accuracy [N] fp32 verifier score
     is_anchor      [N]    bool
     engine_logprobs[N, L] fp32    the engine's log-probs of the response tokens (0 elsewhere)
@@ -95,7 +96,10 @@ def collect_groups(
         rewards = apply_overlong_shaping(
             accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
         )
-    advantages = compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs)
+    if settings.estimator == "gae":  # per-token advantages come later, from the trainer's critic
+        advantages = torch.zeros_like(rewards)
+    else:
+        advantages = compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs)
 
     prompt_of_row = [rows[src.prompt] for src in groups.rows]
     batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id)
@@ -119,9 +123,10 @@ def collect_groups(
             "anchor/tries": float(sum(a.tries for a in anchor_results)),
             "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
             "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
-            "anchor/zero_advantage_rate": anchor_zero_advantage_rate(advantages, groups.is_anchor).item(),
             "rollout/on_policy_accuracy": accuracy[on_policy].mean().item(),
         })
+        if settings.estimator != "gae":
+            metrics["anchor/zero_advantage_rate"] = anchor_zero_advantage_rate(advantages, groups.is_anchor).item()
     return batch, metrics
 
 

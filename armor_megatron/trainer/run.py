@@ -101,10 +101,17 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp, sp=par.sp)
     initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic)
     dtype = resolve_dtype(cfg.model.dtype)
+    total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(arch, parallel, dtype=dtype, optimizer=cfg.optimizer, loss=components.loss_config(cfg),
-                          micro_batch_size=cfg.train.micro_batch_size,
-                          total_steps=cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step,
-                          seed=cfg.train.seed)
+                          micro_batch_size=cfg.train.micro_batch_size, total_steps=total_updates, seed=cfg.train.seed)
+    critic = None
+    if cfg.algorithm.estimator == "gae":
+        from armor_megatron.megatron.critic import MegatronCritic
+
+        critic = MegatronCritic(arch, parallel, dtype=dtype, optimizer=cfg.critic.optimizer,
+                                loss=components.value_loss_config(cfg), micro_batch_size=cfg.train.micro_batch_size,
+                                total_steps=total_updates, seed=cfg.train.seed,
+                                value_head_init_std=cfg.critic.value_head_init_std)
     reference = None
     if needs_reference(cfg):
         reference = ReferenceModel(arch, parallel, dtype=dtype, offload=cfg.reference.offload,
@@ -114,12 +121,12 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     hf_config = load_hf_config(cfg.model.path)
     make_engines = make_local_engines(cfg, hf_config, tokenizer) if cfg.rollout.engine == "local" else make_sglang_engines(cfg, hf_config)
     trainer = ArmorTrainer(cfg, arch, actor, reference, tokenizer, make_engines,
-                           export_weights=lambda model: export_hf_weights(model.model_chunks, arch))
+                           export_weights=lambda model: export_hf_weights(model.model_chunks, arch), critic=critic)
 
     resume = resume or cfg.checkpoint.resume
     path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
-        step, extra = ckpt.load_checkpoint(path, actor, reference)
+        step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
         ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
         trainer.load_trainer_state(broadcast_extra(extra))
         _log(f"resumed from {path} at step {step}")
@@ -127,6 +134,8 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
         actor.load_weights(mcore_dir)
         if reference is not None:
             reference.load_weights(mcore_dir)
+        if critic is not None:  # the backbone; the value head keeps its initialisation
+            critic.load_weights(mcore_dir)
     if reference is not None and cfg.reference.init_from and (not path or resume not in ("auto", None)):
         # Recovery mode: a degraded run restarts with the reference set to an earlier, better
         # checkpoint. Applied on a fresh start or an explicit --resume PATH, never on auto-resume
@@ -145,7 +154,8 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
 
     def save():
         root = cfg.checkpoint.dir
-        ckpt.save_checkpoint(root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {})
+        ckpt.save_checkpoint(root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {},
+                             critic=critic)
         if trainer.is_driver:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 

@@ -106,3 +106,25 @@ def test_registry_dispatch_and_errors():
         rloo_advantages(torch.ones(4, 1))
     with pytest.raises(ValueError, match="gamma and lam"):
         gae_advantages(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), gamma=1.5)
+
+
+def test_outcome_reward_sits_on_the_last_response_token():
+    from armor_megatron.algo.advantages import outcome_token_rewards
+
+    # row 0: response tokens at t = 1, 2 -> reward on t = 2; row 1: t = 1..3 -> t = 3; row 2: none
+    mask = torch.tensor([[0, 1, 1, 0], [0, 1, 1, 1], [0, 0, 0, 0]])
+    out = outcome_token_rewards(torch.tensor([1.0, -0.5, 7.0]), mask)
+    torch.testing.assert_close(out, torch.tensor([[0, 0, 1.0, 0], [0, 0, 0, -0.5], [0, 0, 0, 0]]))
+    with pytest.raises(ValueError, match=r"rewards must be \[B\] and mask \[B, T\]"):
+        outcome_token_rewards(torch.ones(2), mask)
+
+
+def test_whitening_over_valid_tokens():
+    from armor_megatron.algo.advantages import whiten_advantages
+
+    # valid values 1, 2, 3: mean 2, std (Bessel) 1 -> −1, 0, 1; the padding value 100 stays out and becomes 0
+    adv = torch.tensor([[1.0, 2.0], [3.0, 100.0]])
+    out = whiten_advantages(adv, torch.tensor([[1, 1], [1, 0]]), eps=0.0)
+    torch.testing.assert_close(out, torch.tensor([[-1.0, 0.0], [1.0, 0.0]]))
+    with pytest.raises(ValueError, match="whitening needs at least 2 valid tokens, got 1"):
+        whiten_advantages(adv, torch.tensor([[1, 0], [0, 0]]))

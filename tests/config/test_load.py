@@ -70,3 +70,33 @@ def test_model_dir_config_json_is_used_for_checks(tmp_path):
         load_config(str(run), ["parallelism.tp=4"])
     with pytest.raises(ConfigError, match=r"^parallelism\.pp: num_layers=3 is not divisible by pp=2"):
         load_config(str(run), ["parallelism.pp=2"])
+
+
+def test_ppo_config_builds_a_critic_section():
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml"))
+    assert cfg.algorithm.estimator == "gae" and (cfg.algorithm.gamma, cfg.algorithm.lam) == (1.0, 0.95)
+    assert cfg.critic.optimizer.lr == 1e-3 and cfg.critic.clip_eps == 0.5 and cfg.critic.whiten_advantages
+    assert cfg.parallelism.tp == 2 and cfg.anchor.enabled  # the tiny run's layout and ARMOR settings
+    unclipped = load_config(os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml"), ["critic.clip_eps=null"])
+    assert unclipped.critic.clip_eps is None
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["algorithm.estimator=gae", "critic.warmup_steps=20"], "critic.warmup_steps: 20 leaves no actor update"),
+    (["algorithm.estimator=gae", "critic.optimizer.lr=1e-5", "critic.optimizer.min_lr=1e-4"],
+     "critic.optimizer.min_lr: 0.0001 exceeds critic.optimizer.lr=1e-05"),
+    (["critic.clip_eps=-1"], "critic.clip_eps: -1.0 must be > 0"),
+    (["critic.value_head_init_std=-0.1"], "critic.value_head_init_std: -0.1 is out of range"),
+    (["critic.optimizer.lr=0"], "critic.optimizer.lr: 0.0 must be > 0"),
+    (["critic.lr=1e-5"], "critic.lr: unknown key"),
+])
+def test_critic_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides)
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_critic_checks_apply_only_with_gae():
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), ["critic.warmup_steps=20"])
+    assert cfg.algorithm.estimator == "dapo"  # no critic is built, its warm-up cannot starve the actor

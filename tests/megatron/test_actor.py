@@ -275,7 +275,7 @@ def test_sequence_parallel_rounding_of_micro_batch_lengths_changes_nothing():
 
 def two_rank_worker(rank, root):
     """MoE: 3 steps at EP=1 (DP=2), then the same weights and batches at EP=2 (experts split).
-    bf16 at TP=2: 2 steps, checkpoint, step 3; a fresh actor resumed from it repeats step 3."""
+    An on-policy step at PP=2×VPP=2 (DP=1, more micro-batches than stages). bf16 at TP=2: 2 steps, checkpoint, step 3; a fresh actor resumed from it repeats step 3."""
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
 
@@ -293,6 +293,13 @@ def two_rank_worker(rank, root):
         # 5 rows over DP=2 split 3 / 2: both ranks must still run as many micro-batches (the
         # expert all-to-all of each one spans them), or the rank with more waits forever
         out["ep2_uneven"] = actor.train_step({k: v[:5] for k, v in batch.items()})["loss"]
+
+        # PP=2×VPP=2 at DP=1: 4 micro-batches, so the interleaved schedule overlaps forward and
+        # backward and both stages exchange activations and gradients with the same peer at once
+        mdist.set_model_parallel(PP2VPP2, ARCH, seed=5)
+        actor, batch = _actor(PP2VPP2), make_batch()
+        lp = _logprobs(actor, batch)
+        out["vpp_on_policy"] = actor.train_step({**batch, "old_logprobs": lp, "ref_logprobs": lp})
 
         mdist.set_model_parallel(TP2, ARCH, seed=5)
         bf16 = lambda: MegatronActor(ARCH, TP2, dtype="bfloat16", optimizer=OPTIM, loss=LOSS,  # noqa: E731
@@ -335,3 +342,15 @@ def test_bf16_model_keeps_fp32_master_weights_and_resumes_bitwise(two_ranks):
     assert resumed == losses[-1]
     # step 1 is on-policy (old = the bf16 model's own log-probs): -Σ A / #tokens = -10/45 up to bf16 rounding
     assert losses[0] == pytest.approx(-10 / 45, abs=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_interleaved_pp2_with_more_micro_batches_than_stages_trains_on_the_right_activations(two_ranks):
+    # on-policy: the training forward must reproduce compute_logprobs exactly (ratio 1), and the
+    # loss is -Σ A / #tokens; swapped activation/gradient messages broke both (ratio 0.95 .. 1.08)
+    m = two_ranks["vpp_on_policy"]
+    assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0, m
+    batch = make_batch()
+    expected = -(batch["advantages"][:, None] * batch["response_mask"]).sum() / batch["response_mask"].sum()
+    assert m["loss"] == pytest.approx(expected.item(), abs=1e-6)

@@ -13,11 +13,12 @@ from armor_megatron.trainer.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")  # the `tiny` fixture (conftest) fills in its paths
+PPO_CONFIG = os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
-def _args(tiny, run_dir, *overrides):
-    return [sys.executable, "-m", "armor_megatron.cli.train", "--config", CONFIG, *tiny,
+def _args(tiny, run_dir, *overrides, config=CONFIG):
+    return [sys.executable, "-m", "armor_megatron.cli.train", "--config", config, *tiny,
             f"checkpoint.dir={run_dir}/ckpt", f"logging.dir={run_dir}/runs", "name=run",
             "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8", *overrides]
 
@@ -26,8 +27,9 @@ def _env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _train(tiny, run_dir, *overrides, timeout=420):
-    proc = subprocess.run(_args(tiny, run_dir, *overrides), env=_env(), capture_output=True, text=True, timeout=timeout)
+def _train(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
+    proc = subprocess.run(_args(tiny, run_dir, *overrides, config=config), env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
 
@@ -111,3 +113,30 @@ def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
     step = max(r["step"] for r in read_metrics(str(metrics)))
     assert _latest(tmp_path) == f"iter_{step:07d}"
     assert 0 < step < 200  # stopped by the signal, long before the configured 200 steps
+
+
+def test_ppo_with_a_critic_trains_and_resumes_the_critic(tiny, tmp_path):
+    """configs/tiny_cpu_ppo.yaml at TP=2: GAE from a Megatron critic; step 1 is the critic's warm-up
+    (no actor update), step 2 trains both. A run stopped after step 2 and resumed with
+    ``--resume auto`` repeats step 3 of an uninterrupted run exactly, the critic included."""
+    common = ["parallelism.tp=2", "eval.every_steps=0", "checkpoint.every_steps=2"]
+    straight = _train(tiny, tmp_path / "straight", *common, "train.steps=3", config=PPO_CONFIG)
+    assert sorted(straight) == [1, 2, 3]
+    first, second = straight[1], straight[2]
+    assert "train/loss" not in first and first["critic/skipped"] == 0.0  # warm-up: only the critic trained
+    assert second["train/skipped"] == 0.0 and second["train/num_tokens"] > 0
+    for step in (1, 2, 3):
+        m = straight[step]
+        assert m["critic/num_tokens"] > 0 and m["critic/grad_norm"] > 0 and 0.0 <= m["critic/value_clip_frac"] <= 1.0
+        assert "critic/explained_var" in m and "critic/old_explained_var" in m
+        assert m["rollout/logprob_abs_diff"] < 1e-5
+    # the zero-initialised head predicts V = 0 at step 1; its first update moves it
+    assert first["critic/value_mean"] == 0.0 and second["critic/value_mean"] != 0.0
+
+    run = tmp_path / "resumed"
+    _train(tiny, run, *common, "train.steps=2", config=PPO_CONFIG)
+    assert _latest(run) == "iter_0000002"
+    resumed = _train(tiny, run, *common, "train.steps=3", config=PPO_CONFIG)
+    for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "critic/loss", "critic/grad_norm",
+                "critic/value_mean", "critic/old_explained_var"):
+        assert resumed[3][key] == straight[3][key], key

@@ -3,7 +3,6 @@ attached to two SGLang test-double processes (policy group and the frozen refere
 weights pushed by ``disk`` sync, engines colocated (memory released while the trainer updates)."""
 
 import json
-import os
 import subprocess
 import sys
 import time

@@ -102,3 +102,10 @@ def test_without_anchors_every_group_is_on_policy_and_overlong_shaping_applies(s
     # every response is 4 tokens (ignore_eos) against max 4 with a buffer of 2: penalty (4 - 2) / 2 = 1
     assert torch.equal(batch["rewards"], batch["accuracy"] - 1.0)
     assert metrics["rollout/truncated_rate"] == 1.0
+
+
+def test_gae_leaves_advantages_to_the_trainers_critic(setup):
+    _, _, sampler, rows = setup
+    batch, metrics = _collect(setup, AnchorCache(sampler), estimator="gae")
+    assert torch.equal(batch["advantages"], torch.zeros(len(rows) * G))  # per-token ones come from the critic
+    assert batch["rewards"].abs().sum() > 0 and "anchor/zero_advantage_rate" not in metrics
