@@ -65,8 +65,8 @@ def main() -> int:
         a, d = history["armor"].get(step, {}), history["dapo"].get(step, {})
         if VAL_METRIC not in a and VAL_METRIC not in d:
             continue
-        print(f"{step:>5}  {_fmt(a, VAL_METRIC):>13}  {_fmt(d, VAL_METRIC):>12}  {_fmt(a, 'rollout/accuracy'):>15}  "
-              f"{_fmt(d, 'rollout/accuracy'):>14}  {_fmt(a, 'anchor/found_rate'):>13}")
+        print(f"{step:>5}  {_fmt(a, VAL_METRIC):>13}  {_fmt(d, VAL_METRIC):>12}  {_fmt(a, 'rollout/on_policy_accuracy'):>15}  "
+              f"{_fmt(d, 'rollout/on_policy_accuracy'):>14}  {_fmt(a, 'anchor/found_rate'):>13}")
     start = history["armor"][0][VAL_METRIC]
     armor_end = _last(history["armor"], VAL_METRIC)
     dapo_end = _last(history["dapo"], VAL_METRIC)

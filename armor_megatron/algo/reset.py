@@ -114,6 +114,12 @@ class OnValidationBest:
             return True
         return False
 
+    def observe_start(self, metrics: Metrics) -> None:
+        """The evaluation before any training (the initial reference's): later evaluations
+        reset only when they beat it."""
+        if metrics and self.metric in metrics and math.isnan(self.best):
+            self.best = float(metrics[self.metric])
+
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}
 

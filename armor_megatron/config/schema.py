@@ -169,6 +169,9 @@ class TrainConfig:
     micro_batch_size: int = checked(1, check=at_least(1), help="sequences per forward pass")
     seed: int = 1234
     deterministic: bool = False
+    collective_timeout_minutes: int = checked(
+        180, check=at_least(1), help="process-group timeout; non-driver ranks wait in a collective through each rollout"
+    )
 
 
 @dataclasses.dataclass
@@ -184,9 +187,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class RewardConfig:
-    verifier: str = checked("math", check=non_empty, help="registered name or module:function")
-    format_weight: float = checked(0.0, check=in_range(0, 1))
-    timeout_s: float = checked(5.0, check=positive)
+    verifier: str = checked("math", check=non_empty, help="registered name or module:function (e.g. a weighted one)")
     workers: int = checked(4, check=at_least(1))
 
 

@@ -69,6 +69,13 @@ class PromptDataset:
             extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, type_key)}
             self.rows.append(PromptRow(i, row[prompt_key], row[answer_key], row.get(type_key), extra))
 
+    def keep(self, predicate) -> int:
+        """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);
+        returns how many were left out."""
+        before = len(self.rows)
+        self.rows = [row for row in self.rows if predicate(row)]
+        return before - len(self.rows)
+
     def __len__(self) -> int:
         return len(self.rows)
 

@@ -47,7 +47,7 @@ from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
-PROGRESS_KEYS = ("rollout/accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
+PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
 CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
@@ -96,14 +96,26 @@ class ArmorTrainer:
         self._make_engines = make_engines
         if self.is_driver:
             data = cfg.data
-            self.loader = PromptLoader(
-                PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key),
-                cfg.rollout.prompts_per_step, shuffle=data.shuffle, seed=cfg.train.seed,
-            )
+            self.loader = PromptLoader(self._training_prompts(), cfg.rollout.prompts_per_step, shuffle=data.shuffle,
+                                       seed=cfg.train.seed)
             self.eval_sets = [EvalSet(d.name, PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), d.k)
                               for d in cfg.eval.datasets]
 
     # ------------------------------------------------------------------ set-up and state
+    def _training_prompts(self) -> PromptDataset:
+        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
+        encoded for the engine), which are left out once, up front, with a count."""
+        data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
+        dataset = PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key)
+        total = len(dataset)
+        dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
+        if not len(dataset):
+            raise ValueError(f"{data.train_path}: all {total} prompts are longer than rollout.max_prompt_len={limit} tokens")
+        if dropped:
+            print(f"[armor] {data.train_path}: {dropped} of {total} prompts are longer than "
+                  f"rollout.max_prompt_len={limit} tokens; left out", flush=True)
+        return dataset
+
     def encode(self, prompt) -> list[int]:
         data = self.cfg.data
         return encode_prompt(self.tokenizer, prompt, apply_chat_template=data.apply_chat_template,
@@ -122,12 +134,10 @@ class ArmorTrainer:
             policy, ref = _materialise(policy), _materialise(ref)
         if not self.is_driver:
             return
-        try:
-            self.policy_engine, self.reference_engine = self._make_engines(
-                policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
-            )
-        finally:
-            _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
+        self.policy_engine, self.reference_engine = self._make_engines(
+            policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
+        )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
+        _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = components.anchor_cache(
             self.cfg, self.sampling, reference_engine=self.reference_engine, policy_engine=self.policy_engine,
             reference_weights=ref if self._swaps_reference else None,
@@ -195,8 +205,6 @@ class ArmorTrainer:
 
         if self.anchors is not None:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
-            if not cfg.anchor.cache:  # anchors are then never reused across steps
-                self.anchors.reset(self._ref_version())
         for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
             if engine is not None:
                 engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * self.step + offset))
@@ -220,9 +228,14 @@ class ArmorTrainer:
         return sampler.take(allow_partial=True), metrics
 
     def _pregenerate_anchors(self) -> None:
-        """With ``anchor.pregenerate``: sample the next batch's anchors in the background while the
-        trainer updates (the loader is peeked, not advanced)."""
-        if self.anchors is None or not self.cfg.anchor.pregenerate:
+        """After the step's anchors are drawn. With ``anchor.cache: false`` they are dropped (never
+        reused). With ``anchor.pregenerate``: sample the next batch's anchors in the background
+        while the trainer updates (the loader is peeked, not advanced); they serve once."""
+        if self.anchors is None:
+            return
+        if not self.cfg.anchor.cache:
+            self.anchors.reset(self._ref_version())
+        if not self.cfg.anchor.pregenerate:
             return
         state = self.loader.state_dict()
         rows = self.loader.next_batch()
@@ -332,10 +345,11 @@ class ArmorTrainer:
         pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]
         if pass1:
             metrics["eval/mean/pass@1"] = sum(pass1) / len(pass1)
-            gap, warning = self.monitor.update(self.last_train_accuracy, metrics["eval/mean/pass@1"])
-            metrics.update(gap)
-            if warning:
-                print(f"[armor] warning: {warning}", flush=True)
+            if self.step > 0:  # the monitor compares with the training accuracy of a trained step
+                gap, warning = self.monitor.update(self.last_train_accuracy, metrics["eval/mean/pass@1"])
+                metrics.update(gap)
+                if warning:
+                    print(f"[armor] warning: {warning}", flush=True)
         return metrics
 
 
@@ -353,11 +367,13 @@ class ArmorTrainer:
 
             progress = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.name, unit="step", dynamic_ncols=True)
         with PreemptionHandler() as preemption:
-            if self.step == 0 and cfg.eval.every_steps and self.is_driver:
-                start = self.evaluate()
+            if self.step == 0 and cfg.eval.every_steps:
+                start = self.evaluate() if self.is_driver else {}
                 if logger:
                     logger.log(0, start)
                 last.update(start)
+                if hasattr(self.reset_schedule, "observe_start"):  # every rank: the schedule is replicated
+                    self.reset_schedule.observe_start(broadcast_object(start))
             while self.step < cfg.train.steps:
                 timer = StepTimer()
                 started = time.perf_counter()
@@ -372,7 +388,9 @@ class ArmorTrainer:
                 self.step += 1
                 self.sync_weights(timer)
                 if self.is_driver:
-                    self.last_train_accuracy = metrics.get("rollout/accuracy", self.last_train_accuracy)
+                    # the policy's own accuracy: anchors score 1 by construction
+                    train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
+                    self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
                     if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
                         with timer.phase("eval"):  # the policy of this step: its weights are in the engine
                             metrics.update(self.evaluate())

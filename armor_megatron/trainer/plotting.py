@@ -25,7 +25,7 @@ from typing import Sequence
 
 from armor_megatron.trainer.metrics_log import read_metrics
 
-TRAIN_ACCURACY, TRAIN_REWARD, VAL_ACCURACY = "rollout/accuracy", "rollout/reward", "eval/mean/pass@1"
+TRAIN_ACCURACY, TRAIN_REWARD, VAL_ACCURACY = "rollout/on_policy_accuracy", "rollout/reward", "eval/mean/pass@1"
 RESET = "reference/reset"
 STEP_TIME = "time/step"
 PHASES = ("rollout", "logprobs", "update", "weight_sync", "eval", "checkpoint", "reference_reset")
@@ -137,7 +137,7 @@ def _accuracy_panel(ax, runs: Sequence[Run], colours: Sequence[str]) -> None:
     for run, colour in zip(runs, colours):
         accuracy = series(run.records, TRAIN_ACCURACY)
         reward = series(run.records, TRAIN_REWARD)
-        _line(ax, accuracy, color=colour, label=f"{run.label} train acc")
+        _line(ax, accuracy, color=colour, label=f"{run.label} on-policy train acc")
         if reward != accuracy:
             _line(ax, reward, color=colour, linestyle=":", label=f"{run.label} train reward")
         _line(ax, series(run.records, VAL_ACCURACY), color=colour, linestyle="--", marker="o", markersize=4,

@@ -116,14 +116,13 @@ def collect_groups(
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
     }
+    metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     if anchors:
-        on_policy = ~groups.is_anchor
         metrics.update({
             "anchor/found_rate": sum(found) / len(found),
             "anchor/tries": float(sum(a.tries for a in anchor_results)),
             "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
             "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
-            "rollout/on_policy_accuracy": accuracy[on_policy].mean().item(),
         })
         if settings.estimator != "gae":
             metrics["anchor/zero_advantage_rate"] = anchor_zero_advantage_rate(advantages, groups.is_anchor).item()

@@ -99,7 +99,8 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     arch = model_arch_of(cfg)
     par = cfg.parallelism
     parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp, sp=par.sp)
-    initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic)
+    initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic,
+               timeout_minutes=cfg.train.collective_timeout_minutes)
     dtype = resolve_dtype(cfg.model.dtype)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(arch, parallel, dtype=dtype, optimizer=cfg.optimizer, loss=components.loss_config(cfg),

@@ -72,3 +72,12 @@ def test_bad_schedules_raise():
         build_reset_schedule("every", period=3)
     with pytest.raises(ValueError, match="count completed steps from 1"):
         EveryTau(2).should_reset(0)
+
+
+def test_the_evaluation_before_training_is_the_first_best():
+    schedule = OnValidationBest("val/acc")
+    schedule.observe_start({"val/acc": 0.40})
+    assert not schedule.should_reset(5, {"val/acc": 0.30})  # worse than the initial reference
+    assert schedule.should_reset(10, {"val/acc": 0.45})
+    schedule.observe_start({"val/acc": 0.0})  # only ever the start: a later call changes nothing
+    assert schedule.best == 0.45

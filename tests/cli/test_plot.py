@@ -18,7 +18,7 @@ def _write_run(run_dir, accuracy_slope: float, reset_every: int = 0) -> str:
     for step in range(1, 11):
         accuracy = 0.3 + accuracy_slope * step
         metrics = {
-            "rollout/accuracy": accuracy, "rollout/reward": 2 * accuracy - 1,
+            "rollout/on_policy_accuracy": accuracy, "rollout/reward": 2 * accuracy - 1,
             "anchor/found_rate": 0.5 + accuracy_slope * step,
             "time/rollout": 2.0, "time/logprobs": 0.5, "time/update": 1.5, "time/weight_sync": 0.2,
             "time/step": 4.5 + 0.1 * step,

@@ -81,7 +81,7 @@ MALFORMED = [
     (TINY, ["model.dtype=fp8"], "model.dtype"),
     (TINY, ["model.arch.model_type=gpt2"], "model: unsupported architecture 'gpt2'"),
     (TINY, ["launch.engine_gpus=8", "launch.gpus_per_node=8"], "launch.engine_gpus: 8 leaves no GPU"),
-    (TINY, ["reward.format_weight=2"], "reward.format_weight"),
+    (TINY, ["reward.workers=0"], "reward.workers"),
     (TINY, ["algorithm.alpha.value=1"], "algorithm.alpha: is a value, not a section"),
     (TINY, ["no_equals_sign"], "no_equals_sign: override must look like section.key=value"),
     (TINY, ["rollout_cfg.x=1"], "rollout_cfg: unknown key (did you mean 'rollout'?)"),

@@ -54,3 +54,11 @@ def test_unshuffled_loader_keeps_file_order(tmp_path):
     _write_jsonl(tmp_path / "d.jsonl", [{"prompt": str(i), "answer": i} for i in range(3)])
     loader = PromptLoader(PromptDataset(str(tmp_path / "d.jsonl")), batch_size=2, shuffle=False)
     assert [r.index for r in loader.next_batch() + loader.next_batch()] == [0, 1, 2, 0]
+
+
+def test_rows_left_out_keep_the_others_file_indices(tmp_path):
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x" * n, "answer": n} for n in (3, 30, 5, 40)])
+    dataset = PromptDataset(str(tmp_path / "d.jsonl"))
+    assert dataset.keep(lambda row: len(row.prompt) <= 10) == 2
+    loader = PromptLoader(dataset, batch_size=3, shuffle=False)
+    assert [(r.index, r.answer) for r in loader.next_batch()] == [(0, 3), (2, 5), (0, 3)]
