@@ -23,11 +23,14 @@ The last line is ``cost_no_cache=<float> cost_with_cache=<float>``.
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import sys
 import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout too
 from armor_megatron.rollout.anchor_cache import AnchorCache
 from armor_megatron.rollout.anchor_source import SeparateReference
 from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
