@@ -303,23 +303,33 @@ def forward_only(
     """Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
     schedule, forward only, no grad, and gather per-token results on every rank.
 
+    Each data-parallel rank runs only its share of the rows, ceil(B / dp) of them (padded with
+    one-token rows, so every rank runs as many micro-batches: the expert all-to-alls of an MoE
+    model span these ranks); the shares are then all-gathered over data parallelism.
     ``collect(mb, output)`` turns the last stage's output for a micro-batch into one [b, s]
-    tensor per entry of `names`; they are written into fp32 [B, T] zeros at the micro-batch's
-    rows and broadcast from the last pipeline stage. Returns {name: [B, T]}.
+    tensor per entry of `names`; they are written into fp32 zeros at the micro-batch's rows and
+    broadcast from the last pipeline stage. Returns {name: [B, T]}, the same on every rank.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     multiple = sequence_multiple(chunks)
-    mbs = split_microbatches(input_ids.cpu(), lengths.cpu(), micro_batch_size, multiple_of=multiple)
+    B, T = input_ids.shape
+    dp = parallel_state.get_data_parallel_world_size()
+    shares = torch.tensor_split(torch.arange(B), dp)
+    own = shares[parallel_state.get_data_parallel_rank()]
+    per_rank = max(1, -(-B // dp))
+    filler = per_rank - len(own)
+    ids = torch.cat([input_ids.cpu()[own], torch.zeros(filler, T, dtype=input_ids.dtype)])
+    lens = torch.cat([lengths.cpu()[own], torch.ones(filler, dtype=lengths.dtype)])
+    mbs = split_microbatches(ids, lens, micro_batch_size, multiple_of=multiple)
     if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         mbs += [filler_microbatch(input_ids, multiple)] * (-len(mbs) % pp)
     device = _device_of(chunks[0])
-    B, T = input_ids.shape
     width = round_up(T, multiple)  # micro-batches may run past T; their extra columns are dropped
-    results = {name: torch.zeros(B, width, dtype=torch.float32, device=device) for name in names}
+    results = {name: torch.zeros(per_rank, width, dtype=torch.float32, device=device) for name in names}
 
     def loss_func(mb, output):
         rows, s = len(mb.index), mb.tokens.shape[1]
@@ -353,6 +363,12 @@ def forward_only(
         group = parallel_state.get_pipeline_model_parallel_group()
         for t in results.values():
             dist.broadcast(t, src=src, group=group)
+    if dp > 1:
+        group = parallel_state.get_data_parallel_group()
+        for name, t in results.items():
+            parts = [torch.empty_like(t) for _ in range(dp)]
+            dist.all_gather(parts, t, group=group)
+            results[name] = torch.cat([part[: len(rows)] for part, rows in zip(parts, shares)])
     return {name: t[:, :T] for name, t in results.items()}
 
 

@@ -90,6 +90,8 @@ def _check(errors_per_rank, layouts):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_dense_tp_pp_vpp_match_tp1(tmp_path):
+    # 4 ranks: the TP=1 reference runs at DP=4 (each rank computes its share of the 5 rows, then
+    # all-gather), tp2 / pp2 at DP=2, tp2pp2 at DP=1 (every row on every rank)
     layouts = {
         "tp2": ParallelConfig(tp=2),
         "pp2": ParallelConfig(pp=2),
