@@ -44,7 +44,7 @@ from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.metrics_log import MetricsLogger
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups
+from armor_megatron.trainer.rollout_phase import collect_groups, final_batch_advantages
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
@@ -225,7 +225,8 @@ class ArmorTrainer:
                     break
         self._pregenerate_anchors()
         metrics.update(sampler.stats())
-        return sampler.take(allow_partial=True), metrics
+        batch = sampler.take(allow_partial=True)
+        return (None if batch is None else final_batch_advantages(batch, self.settings)), metrics
 
     def _pregenerate_anchors(self) -> None:
         """After the step's anchors are drawn. With ``anchor.cache: false`` they are dropped (never

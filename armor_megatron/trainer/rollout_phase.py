@@ -129,6 +129,17 @@ def collect_groups(
     return batch, metrics
 
 
+def final_batch_advantages(batch: RolloutBatch, settings: RolloutSettings) -> RolloutBatch:
+    """``advantages`` recomputed over the batch that trains, once dynamic sampling has merged its
+    rounds: estimators normalised over the whole batch (REINFORCE++) must not be normalised round
+    by round nor see dropped groups. Group-local estimators give the same values again."""
+    if settings.estimator != "gae":  # per-token advantages come later, from the trainer's critic
+        rewards = batch["rewards"].view(-1, settings.group_size)
+        batch["advantages"] = compute_advantages(settings.estimator, rewards=rewards,
+                                                 **settings.estimator_kwargs).reshape(-1).float()
+    return batch
+
+
 def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:
     """G−1 samples for prompts with an anchor and G for the rest (two requests at most)."""
     out: list[Optional[list[Sample]]] = [None] * len(prompt_ids)

@@ -20,7 +20,7 @@ from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.components import anchor_reward
-from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
+from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups, final_batch_advantages
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
 G = 4
@@ -109,3 +109,17 @@ def test_gae_leaves_advantages_to_the_trainers_critic(setup):
     batch, metrics = _collect(setup, AnchorCache(sampler), estimator="gae")
     assert torch.equal(batch["advantages"], torch.zeros(len(rows) * G))  # per-token ones come from the critic
     assert batch["rewards"].abs().sum() > 0 and "anchor/zero_advantage_rate" not in metrics
+
+
+@pytest.mark.parametrize("estimator", ["reinforce++", "dapo"])
+def test_advantages_are_recomputed_over_the_groups_that_train(setup, estimator):
+    """Dynamic sampling keeps some groups of several rounds: batch-normalised estimators must see
+    exactly those; group-local ones come out the same."""
+    batch, _ = _collect(setup, AnchorCache(setup[2]), estimator=estimator)
+    kept = batch.slice(0, 2 * G)  # two groups survive
+    before = kept["advantages"].clone()
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", estimator=estimator)
+    after = final_batch_advantages(kept, settings)["advantages"]
+    assert torch.equal(after, compute_advantages(estimator, rewards=kept["rewards"].view(2, G)).reshape(-1).float())
+    assert torch.equal(after, before) == (estimator == "dapo")
+
