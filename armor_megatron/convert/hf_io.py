@@ -29,7 +29,7 @@ from safetensors import SafetensorError, safe_open
 
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.raw_io import byte_view, open_sliced, pread_into
-from armor_megatron.convert.segments import FileSegment, copy_segments, total_bytes
+from armor_megatron.convert.segments import FileSegment, copy_segments, read_chunks, total_bytes
 from armor_megatron.models import ModelArch, load_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -308,13 +308,9 @@ class TensorDigest:
 
         if self._read_buffer is None:
             self._read_buffer = memoryview(bytearray(self.READ_BYTES))
-        data, done = xxhash.xxh3_128(), 0
-        while done < segment.nbytes:
-            n = os.preadv(segment.fd, [self._read_buffer[:segment.nbytes - done]], segment.offset + done)
-            if n <= 0:
-                raise EOFError(f"{name}: file ended {segment.nbytes - done} bytes short")
-            data.update(self._read_buffer[:n])
-            done += n
+        data = xxhash.xxh3_128()
+        for chunk in read_chunks(segment, self._read_buffer):
+            data.update(chunk)
         return [self._line(name, dtype, shape, data.hexdigest())]
 
     def wait(self) -> None:

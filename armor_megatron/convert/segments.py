@@ -53,17 +53,26 @@ def total_bytes(segments: Sequence[FileSegment]) -> int:
     return sum(s.nbytes for s in segments)
 
 
-def _copy_through_buffer(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, nbytes: int) -> int:
-    buffer = memoryview(bytearray(min(nbytes, FALLBACK_BUFFER_BYTES)))
+def read_chunks(segment: FileSegment, buffer: memoryview) -> Iterator[memoryview]:
+    """The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
+    the next one); EOFError if the file is shorter than the segment."""
     done = 0
-    while done < nbytes:
-        n = os.preadv(src_fd, [buffer[:nbytes - done]], src_offset + done)
-        if n == 0:
-            break
-        written = 0
-        while written < n:
-            written += os.pwrite(dst_fd, buffer[written:n], dst_offset + done + written)
+    while done < segment.nbytes:
+        n = os.preadv(segment.fd, [buffer[: segment.nbytes - done]], segment.offset + done)
+        if n <= 0:
+            raise EOFError(f"file ended {segment.offset + done} bytes in, {segment.nbytes - done} bytes short")
+        yield buffer[:n]
         done += n
+
+
+def _copy_through_buffer(segment: FileSegment, dst_fd: int, dst_offset: int) -> int:
+    buffer = memoryview(bytearray(min(segment.nbytes, FALLBACK_BUFFER_BYTES)))
+    done = 0
+    for view in read_chunks(segment, buffer):
+        written = 0
+        while written < len(view):
+            written += os.pwrite(dst_fd, view[written:], dst_offset + done + written)
+        done += len(view)
     return done
 
 
@@ -84,7 +93,7 @@ def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int)
                     kernel = False  # for the rest of this call; the next one asks the kernel again
                     continue
             else:
-                n = _copy_through_buffer(segment.fd, src, dst_fd, dst, left)
+                n = _copy_through_buffer(FileSegment(segment.fd, src, left), dst_fd, dst)
             if n == 0:
                 raise EOFError(f"file ended {src} bytes in, {left} bytes short")
             done += n
