@@ -71,7 +71,9 @@ from armor_megatron.megatron.logprobs import (
     LogProbs,
     MicroBatch,
     compute_logprobs,
+    data_parallel_shares,
     model_forward,
+    padded_rows,
     round_up,
     sequence_multiple,
     split_microbatches,
@@ -212,16 +214,15 @@ class TrainedModel:
         """
         from megatron.core import parallel_state
 
-        dp, n = parallel_state.get_data_parallel_world_size(), batch["input_ids"].shape[0]
-        rows = torch.tensor_split(torch.arange(n), dp)[parallel_state.get_data_parallel_rank()]
-        per_rank = max(1, -(-n // dp))  # the same on every rank
+        shares, per_rank = data_parallel_shares(batch["input_ids"].shape[0])
+        rows = shares[parallel_state.get_data_parallel_rank()]
         if self._interleaved:
             unit = self.micro_batch_size * parallel_state.get_pipeline_model_parallel_world_size()
-            target = -(-per_rank // unit) * unit
+            target = round_up(per_rank, unit)
         else:
             target = per_rank
         multiple = sequence_multiple(self.model_chunks)
-        local = _padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
+        local = padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
         local = _padded_columns(local, round_up(batch["input_ids"].shape[1], multiple))
         out = []
         for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size, multiple_of=multiple):
@@ -324,17 +325,6 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
-
-
-def _padded_rows(rows: dict, count: int) -> dict:
-    """`rows` with `count` padding rows appended: token 0, length 1, zero mask / advantage / log-probs."""
-    if count == 0:
-        return rows
-    out = {}
-    for key, t in rows.items():
-        pad = torch.ones if key == "lengths" else torch.zeros
-        out[key] = torch.cat([t, pad((count, *t.shape[1:]), dtype=t.dtype)])
-    return out
 
 
 def _padded_columns(rows: dict, width: int) -> dict:

@@ -206,6 +206,29 @@ def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_bat
     return out
 
 
+def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
+    """The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
+    and how many rows every rank runs, ceil(n / dp) >= 1. Ranks with fewer pad up to it
+    (``padded_rows``), so all run as many micro-batches: the expert all-to-alls of an MoE model
+    (one per micro-batch) span these ranks."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    return list(torch.tensor_split(torch.arange(n), dp)), max(1, -(-n // dp))
+
+
+def padded_rows(rows: dict, count: int) -> dict:
+    """`rows` ({name: [N, ...]}) with `count` padding rows appended: token 0, length 1, zeros
+    everywhere else (zero mask: no loss, no gradient)."""
+    if count == 0:
+        return rows
+    out = {}
+    for key, t in rows.items():
+        pad = torch.ones if key == "lengths" else torch.zeros
+        out[key] = torch.cat([t, pad((count, *t.shape[1:]), dtype=t.dtype)])
+    return out
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
@@ -316,14 +339,10 @@ def forward_only(
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     multiple = sequence_multiple(chunks)
     B, T = input_ids.shape
-    dp = parallel_state.get_data_parallel_world_size()
-    shares = torch.tensor_split(torch.arange(B), dp)
+    shares, per_rank = data_parallel_shares(B)
     own = shares[parallel_state.get_data_parallel_rank()]
-    per_rank = max(1, -(-B // dp))
-    filler = per_rank - len(own)
-    ids = torch.cat([input_ids.cpu()[own], torch.zeros(filler, T, dtype=input_ids.dtype)])
-    lens = torch.cat([lengths.cpu()[own], torch.ones(filler, dtype=lengths.dtype)])
-    mbs = split_microbatches(ids, lens, micro_batch_size, multiple_of=multiple)
+    local = padded_rows({"input_ids": input_ids.cpu()[own], "lengths": lengths.cpu()[own]}, per_rank - len(own))
+    mbs = split_microbatches(local["input_ids"], local["lengths"], micro_batch_size, multiple_of=multiple)
     if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         mbs += [filler_microbatch(input_ids, multiple)] * (-len(mbs) % pp)
@@ -363,10 +382,10 @@ def forward_only(
         group = parallel_state.get_pipeline_model_parallel_group()
         for t in results.values():
             dist.broadcast(t, src=src, group=group)
-    if dp > 1:
+    if len(shares) > 1:
         group = parallel_state.get_data_parallel_group()
         for name, t in results.items():
-            parts = [torch.empty_like(t) for _ in range(dp)]
+            parts = [torch.empty_like(t) for _ in shares]
             dist.all_gather(parts, t, group=group)
             results[name] = torch.cat([part[: len(rows)] for part, rows in zip(parts, shares)])
     return {name: t[:, :T] for name, t in results.items()}
