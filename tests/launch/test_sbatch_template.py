@@ -12,6 +12,7 @@ import time
 import pytest
 
 from tests.launch.conftest import ROOT
+from tests.megatron.spawn import free_port
 
 TEMPLATE = os.path.join(ROOT, "tools", "slurm", "armor.sbatch")
 SHELL_SCRIPTS = sorted(
@@ -214,15 +215,9 @@ def test_time_limit_signal_is_forwarded_and_the_job_requeued(job, exit_on_usr1):
     assert job.scontrol_calls()[-1] == "scontrol requeue 4242"
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(90)
 def test_engines_start_before_the_trainer_and_stop_after_it(job):
-    port = _free_port()
+    port = free_port()
     args = ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={port}", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"]
     out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8")
     assert out.returncode == 0, out.stderr
@@ -237,7 +232,7 @@ def test_engines_start_before_the_trainer_and_stop_after_it(job):
 @pytest.mark.timeout(90)
 def test_an_engine_that_dies_fails_the_job_without_starting_the_trainer(job, tmp_path):
     (tmp_path / "fakes" / "sglang" / "launch_server.py").write_text("raise SystemExit('no GPU here')\n")
-    out = job.run(["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={_free_port()}"], SLURM_GPUS_ON_NODE="8")
+    out = job.run(["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={free_port()}"], SLURM_GPUS_ON_NODE="8")
     assert out.returncode == 1
     assert "exited before http://127.0.0.1:" in out.stderr and "engines did not start" in out.stderr
     assert not job.trainer_log.exists()

@@ -63,7 +63,8 @@ class LauncherConfig:
             raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {self.num_engines} and {self.tp_size}")
 
 
-def _free_port(host: str) -> int:
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the OS picks it)."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
@@ -127,7 +128,7 @@ class SGLangLauncher:
         self._install_exit_handlers()
         log_dir = c.log_dir or tempfile.mkdtemp(prefix="armor-sglang-")
         os.makedirs(log_dir, exist_ok=True)
-        self.ports = [c.base_port + e if c.base_port else _free_port(c.host) for e in range(c.num_engines)]
+        self.ports = [c.base_port + e if c.base_port else free_port(c.host) for e in range(c.num_engines)]
         try:
             for e, port in enumerate(self.ports):
                 self._spawn(self.server_command(e, port), os.path.join(log_dir, f"engine-{e}.log"))
@@ -135,7 +136,7 @@ class SGLangLauncher:
             for e, url in enumerate(self.worker_urls):
                 self._wait_healthy(e, url, deadline)
             if c.use_router:
-                self.router_port = c.router_port or _free_port(c.host)
+                self.router_port = c.router_port or free_port(c.host)
                 self._spawn(self.router_command(self.router_port), os.path.join(log_dir, "router.log"))
                 self._wait_healthy(len(self.ports), self.router_url, deadline, path_generate=False)
         except BaseException:

@@ -36,6 +36,7 @@ from armor_megatron.rollout.engine import WeightUpdateError
 from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
+from armor_megatron.rollout.sglang.launcher import free_port
 
 SYNC_MODES = ("tensor", "distributed", "disk")
 
@@ -217,7 +218,7 @@ class DistributedWeightSync(WeightSync):
         from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup
 
         cfg = self.config
-        port = cfg.master_port or _free_port(cfg.master_address)
+        port = cfg.master_port or free_port(cfg.master_address)
         world = 1 + cfg.tp_size * len(self.clients)
         bodies = [
             {
@@ -271,14 +272,6 @@ class DistributedWeightSync(WeightSync):
                     pass
             self.group.destroy()
             self.group = None
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
