@@ -75,7 +75,9 @@ def run(variant: str, args, cfg, weights, tok, prompts, truths) -> dict:
     sampling = SamplingParams(max_new_tokens=args.max_new_tokens)
     policy = LocalEngine(cfg, weights, tokenizer=tok, weight_version="policy-0", seed=args.seed)
     reference = SeparateReference(LocalEngine(cfg, weights, tokenizer=tok, weight_version="ref-0", seed=args.seed + 1))
-    sampler = AnchorSampler(reference, starts_with, AnchorConfig(args.max_tries, args.tries_per_round, sampling=sampling))
+    sampler = AnchorSampler(
+        reference, starts_with, AnchorConfig(args.max_tries, args.tries_per_round, sampling=sampling)
+    )
     cache = None
     if variant.startswith("cache"):
         cache = AnchorCache(sampler, give_up_after=1 if variant == "cache" else None)
@@ -140,10 +142,18 @@ def main(argv=None) -> None:
     for variant in ("baseline", "no_cache", "cache", "cache_always_retry"):
         start = time.perf_counter()
         results[variant] = r = run(variant, args, cfg, weights, tok, prompts, truths)
-        print(f"{variant}: " + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()) + f" seconds={time.perf_counter() - start:.1f}")
+        print(
+            f"{variant}: "
+            + " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items())
+            + f" seconds={time.perf_counter() - start:.1f}"
+        )
     base = results["baseline"]["on_policy_tokens"]
-    cost = {v: (results[v]["on_policy_tokens"] + results[v]["reference_tokens"]) / base for v in results if v != "baseline"}
-    print(f"cost_cache_always_retry={cost['cache_always_retry']:.4f} (give_up_after=None: failed prompts are tried at every visit)")
+    cost = {
+        v: (results[v]["on_policy_tokens"] + results[v]["reference_tokens"]) / base for v in results if v != "baseline"
+    }
+    print(
+        f"cost_cache_always_retry={cost['cache_always_retry']:.4f} (give_up_after=None: failed prompts are tried at every visit)"
+    )
     print(f"cost_no_cache={cost['no_cache']:.4f} cost_with_cache={cost['cache']:.4f}")
 
 

@@ -33,10 +33,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SHAPES = {
-    "llama": dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=32, intermediate_size=11008,
-                  vocab_size=32000, num_hidden_layers=4),
-    "70b-slice": dict(hidden_size=8192, num_attention_heads=64, num_key_value_heads=8, intermediate_size=28672,
-                      vocab_size=128256, num_hidden_layers=2),
+    "llama": dict(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        intermediate_size=11008,
+        vocab_size=32000,
+        num_hidden_layers=4,
+    ),
+    "70b-slice": dict(
+        hidden_size=8192,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        intermediate_size=28672,
+        vocab_size=128256,
+        num_hidden_layers=2,
+    ),
 }
 
 
@@ -48,21 +60,33 @@ def write_synthetic(path: str, shape: dict) -> int:
     from armor_megatron.convert.rules import hf_shapes, tensor_rules
     from armor_megatron.models import ModelArch
 
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-              "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 8192,
-              "tie_word_embeddings": False, "hidden_act": "silu", **shape}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "max_position_embeddings": 8192,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        **shape,
+    }
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     arch = ModelArch.from_hf_config(config)
-    planned = [PlannedTensor(name, s, torch.bfloat16) for rule in tensor_rules(arch)
-               for layer, expert in rule.indices(arch) for name, s in zip(rule.hf(layer, expert), hf_shapes(arch, rule))]
+    planned = [
+        PlannedTensor(name, s, torch.bfloat16)
+        for rule in tensor_rules(arch)
+        for layer, expert in rule.indices(arch)
+        for name, s in zip(rule.hf(layer, expert), hf_shapes(arch, rule))
+    ]
     writer = SafetensorsWriter(path, planned, 5 * 10**9)
     block = torch.randn(2**20, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     for t in planned:  # random-looking bytes without paying for a full randn per tensor
         data = torch.empty(t.shape, dtype=torch.bfloat16).reshape(-1)
         for start in range(0, data.numel(), block.numel()):
-            data[start:start + block.numel()] = block[: data.numel() - start]
+            data[start : start + block.numel()] = block[: data.numel() - start]
         writer.write(t.name, data.reshape(t.shape))
         del data
     writer.close()
@@ -87,14 +111,27 @@ def child(direction: str, src: str, dst: str) -> None:
     start = time.monotonic()
     convert = convert_hf_to_mcore if direction == "hf-to-mcore" else convert_mcore_to_hf
     summary = convert(src, dst, progress_stream=None)
-    print(json.dumps({"seconds": time.monotonic() - start, "imports_s": imports, "baseline_rss": baseline,
-                      "peak_rss": peak_rss_bytes(), "bytes": summary.bytes}))
+    print(
+        json.dumps(
+            {
+                "seconds": time.monotonic() - start,
+                "imports_s": imports,
+                "baseline_rss": baseline,
+                "peak_rss": peak_rss_bytes(),
+                "bytes": summary.bytes,
+            }
+        )
+    )
 
 
 def run_child(direction: str, src: str, dst: str) -> dict:
     env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", direction, src, dst],
-                          capture_output=True, text=True, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.abspath(__file__), "--child", direction, src, dst],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     if proc.returncode:
         sys.exit(f"{direction} failed:\n{proc.stderr[-4000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -121,7 +158,9 @@ def bench(name: str, workdir: str, repeat: int) -> tuple[float, float]:
     largest = write_synthetic(hf, SHAPES[name])
     size = du(hf)
     gib = 2**30
-    print(f"[{name}] synthetic bf16 checkpoint: {size / gib:.2f} GiB, largest tensor {largest / gib:.3f} GiB", flush=True)
+    print(
+        f"[{name}] synthetic bf16 checkpoint: {size / gib:.2f} GiB, largest tensor {largest / gib:.3f} GiB", flush=True
+    )
     ratios = []
     for direction, src, dst in (("hf-to-mcore", hf, mcore), ("mcore-to-hf", mcore, back)):
         time_cp(src, dst + ".warm")  # same warm-cache start for both sides
@@ -135,10 +174,13 @@ def bench(name: str, workdir: str, repeat: int) -> tuple[float, float]:
         peak, imports = max(r["peak_rss"] for r in results), min(r["imports_s"] for r in results)
         time_ratio, rss_ratio = seconds / cp_s, peak / largest
         ratios.append((time_ratio, rss_ratio))
-        print(f"[{name}] {direction}: {seconds:.2f} s (+{imports:.1f} s start-up) vs cp {cp_s:.2f} s of "
-              f"{du(src) / gib:.2f} GiB (best of {repeat}; all: {_fmt(r['seconds'] for r in results)} vs "
-              f"{_fmt(cp_times)}) -> time ratio {time_ratio:.2f}; peak RSS {peak / gib:.2f} GiB (after imports "
-              f"{results[0]['baseline_rss'] / gib:.2f} GiB) = {rss_ratio:.2f} x largest tensor", flush=True)
+        print(
+            f"[{name}] {direction}: {seconds:.2f} s (+{imports:.1f} s start-up) vs cp {cp_s:.2f} s of "
+            f"{du(src) / gib:.2f} GiB (best of {repeat}; all: {_fmt(r['seconds'] for r in results)} vs "
+            f"{_fmt(cp_times)}) -> time ratio {time_ratio:.2f}; peak RSS {peak / gib:.2f} GiB (after imports "
+            f"{results[0]['baseline_rss'] / gib:.2f} GiB) = {rss_ratio:.2f} x largest tensor",
+            flush=True,
+        )
     compared, mismatched = compare_tensors(HFCheckpoint(hf), HFCheckpoint(back))
     if mismatched:
         sys.exit(f"[{name}] round trip differs: {mismatched[:3]}")
@@ -160,8 +202,10 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="armor_convert_bench_", dir=args.workdir) as workdir:
         results = [bench(name, workdir, args.repeat) for name in (args.only or ["llama", "70b-slice"])]
-    print(f"time_ratio_vs_cp={max(r[0] for r in results):.3f} "
-          f"peak_rss_over_largest_tensor={max(r[1] for r in results):.3f}")
+    print(
+        f"time_ratio_vs_cp={max(r[0] for r in results):.3f} "
+        f"peak_rss_over_largest_tensor={max(r[1] for r in results):.3f}"
+    )
 
 
 if __name__ == "__main__":

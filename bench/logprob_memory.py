@@ -74,7 +74,10 @@ def measure(variant: str, dtype: str, repeats: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     out = subprocess.run(
         [sys.executable, __file__, "--variant", variant, "--dtype", dtype, "--repeats", str(repeats)],
-        env=env, capture_output=True, text=True, timeout=1800,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
     )
     if out.returncode != 0:
         raise RuntimeError(f"{variant} run failed:\n{out.stderr}")

@@ -33,9 +33,18 @@ import time
 import torch
 import torch.nn.functional as F
 
-from armor_megatron.algo import (DynamicSampler, PolicyLossConfig, anchor_zero_advantage_rate,
-                                 apply_overlong_shaping, assemble_anchor_groups, build_reset_schedule,
-                                 compute_advantages, loss_normalizer, policy_loss, reduce_loss_metrics)
+from armor_megatron.algo import (
+    DynamicSampler,
+    PolicyLossConfig,
+    anchor_zero_advantage_rate,
+    apply_overlong_shaping,
+    assemble_anchor_groups,
+    build_reset_schedule,
+    compute_advantages,
+    loss_normalizer,
+    policy_loss,
+    reduce_loss_metrics,
+)
 from armor_megatron.data import RolloutBatch
 
 EOS, BOS, VOCAB = 10, 11, 11  # tokens 0-9 are digits; BOS only ever appears as input
@@ -48,17 +57,23 @@ class TinyPolicy(torch.nn.Module):
 
     def __init__(self, hidden: int = 64):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(10 + 10 + MAX_LEN + 12, hidden), torch.nn.Tanh(),
-                                       torch.nn.Linear(hidden, VOCAB))
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(10 + 10 + MAX_LEN + 12, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, VOCAB)
+        )
 
     def forward(self, prompts: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
         """prompts [N, 2], tokens [N, T] (T ≤ MAX_LEN) -> logits [N, T, VOCAB] for each position."""
         n, t = tokens.shape
         prev = torch.cat([torch.full((n, 1), BOS), tokens[:, :-1]], dim=1)
-        feats = torch.cat([F.one_hot(prompts[:, 0], 10)[:, None].expand(n, t, 10),
-                           F.one_hot(prompts[:, 1], 10)[:, None].expand(n, t, 10),
-                           F.one_hot(torch.arange(t), MAX_LEN)[None].expand(n, t, MAX_LEN),
-                           F.one_hot(prev, 12)], dim=-1).float()
+        feats = torch.cat(
+            [
+                F.one_hot(prompts[:, 0], 10)[:, None].expand(n, t, 10),
+                F.one_hot(prompts[:, 1], 10)[:, None].expand(n, t, 10),
+                F.one_hot(torch.arange(t), MAX_LEN)[None].expand(n, t, MAX_LEN),
+                F.one_hot(prev, 12),
+            ],
+            dim=-1,
+        ).float()
         return self.net(feats)
 
     def logprobs(self, prompts, tokens) -> tuple[torch.Tensor, torch.Tensor]:
@@ -95,8 +110,10 @@ def rollout(policy: TinyPolicy, prompts: torch.Tensor, n: int, gen: torch.Genera
     """n samples per prompt, prompt-major, as a RolloutBatch with rewards and lengths."""
     rep = prompts.repeat_interleave(n, dim=0)
     tokens, mask = policy.sample(rep, gen)
-    return RolloutBatch({"prompts": rep, "tokens": tokens, "mask": mask, "reward": verify(rep, tokens, mask),
-                         "length": mask.sum(-1)}, {"source": [source] * len(rep)})
+    return RolloutBatch(
+        {"prompts": rep, "tokens": tokens, "mask": mask, "reward": verify(rep, tokens, mask), "length": mask.sum(-1)},
+        {"source": [source] * len(rep)},
+    )
 
 
 # ----- one RL step ------------------------------------------------------------------------------
@@ -106,8 +123,12 @@ def collect_groups(policy, reference, prompts, args, gen) -> tuple[RolloutBatch,
     num, g = len(prompts), args.group_size
     pool = rollout(policy, prompts, g, gen, "policy")
     tries = rollout(reference, prompts, args.max_tries, gen, "anchor") if args.armor else None
-    groups = assemble_anchor_groups(pool["reward"].view(num, g).tolist(),
-                                    tries["reward"].view(num, -1).tolist() if tries else None, g, args.max_tries)
+    groups = assemble_anchor_groups(
+        pool["reward"].view(num, g).tolist(),
+        tries["reward"].view(num, -1).tolist() if tries else None,
+        g,
+        args.max_tries,
+    )
     # Map each row to its place in [policy samples; reference tries] and gather the rows.
     policy_idx = [[p * g + i for i in range(g)] for p in range(num)]
     ref_idx = [[num * g + p * args.max_tries + j for j in range(args.max_tries)] for p in range(num)]
@@ -127,8 +148,7 @@ def rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen) ->
         anchor_stats.append(stats)
         sampler.add(batch, batch["reward"].view(-1, args.group_size))  # DAPO filters on accuracy
     batch = sampler.take(allow_partial=True)
-    metrics = {"anchor_found": sum(s["anchor_found_rate"] for s in anchor_stats) / len(anchor_stats),
-               **sampler.stats()}
+    metrics = {"anchor_found": sum(s["anchor_found_rate"] for s in anchor_stats) / len(anchor_stats), **sampler.stats()}
     if batch is None:  # every group had equal rewards: nothing to learn from this step
         return metrics
 
@@ -144,8 +164,16 @@ def rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen) ->
         for idx in torch.randperm(len(batch), generator=gen).chunk(args.micro_batches):
             mb = batch.index(idx)
             logp, entropy = policy.logprobs(mb["prompts"], mb["tokens"])
-            loss, m = policy_loss(logp, old_logp[idx], ref_logp[idx], adv[idx], mb["mask"], loss_cfg,
-                                  normalizer=normalizer, entropy=entropy)
+            loss, m = policy_loss(
+                logp,
+                old_logp[idx],
+                ref_logp[idx],
+                adv[idx],
+                mb["mask"],
+                loss_cfg,
+                normalizer=normalizer,
+                entropy=entropy,
+            )
             loss.backward()
             calls.append(m)
         optimizer.step()
@@ -175,14 +203,19 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
     gen = torch.Generator().manual_seed(args.seed + 1)
     policy, reference = copy.deepcopy(base), copy.deepcopy(base).requires_grad_(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=args.lr)
-    loss_cfg = PolicyLossConfig(alpha=args.alpha if args.armor else 1.0, eps_low=0.2, eps_high=0.28,
-                                loss_agg="token-mean")
+    loss_cfg = PolicyLossConfig(
+        alpha=args.alpha if args.armor else 1.0, eps_low=0.2, eps_high=0.28, loss_agg="token-mean"
+    )
     reset = build_reset_schedule("every", tau=args.tau) if args.armor else build_reset_schedule("never")
     eval_gen = torch.Generator().manual_seed(args.seed + 2)
-    print(f"\n{name}: alpha={loss_cfg.alpha} anchors={'on' if args.armor else 'off'} "
-          f"reset={'every %d' % args.tau if args.armor else 'never'}")
-    print(f"{'step':>5} {'train@8':>8} {'val@8':>7} {'entropy':>8} {'clip_lo':>8} {'clip_hi':>8} "
-          f"{'kl_ref':>7} {'anchor':>7} {'anc_A=0':>7} {'kept':>5} {'reset':>5}")
+    print(
+        f"\n{name}: alpha={loss_cfg.alpha} anchors={'on' if args.armor else 'off'} "
+        f"reset={f'every {args.tau}' if args.armor else 'never'}"
+    )
+    print(
+        f"{'step':>5} {'train@8':>8} {'val@8':>7} {'entropy':>8} {'clip_lo':>8} {'clip_hi':>8} "
+        f"{'kl_ref':>7} {'anchor':>7} {'anc_A=0':>7} {'kept':>5} {'reset':>5}"
+    )
     for step in range(1, args.steps + 1):
         m = rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen)
         did_reset = reset.should_reset(step, m)
@@ -191,10 +224,12 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
         if step % args.log_every == 0 or step == args.steps:
             m["train_acc"] = accuracy(policy, train_prompts, eval_gen)
             m["val_acc"] = accuracy(policy, val_prompts, eval_gen)
-            print(f"{step:>5} {m['train_acc']:>8.3f} {m['val_acc']:>7.3f} {m.get('entropy', 0):>8.3f} "
-                  f"{m.get('clip_frac_low', 0):>8.4f} {m.get('clip_frac_high', 0):>8.4f} "
-                  f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} {m.get('anchor_zero_adv', 0):>7.2f} "
-                  f"{m['dynamic_sampling_keep_rate']:>5.2f} {'yes' if did_reset else '':>5}")
+            print(
+                f"{step:>5} {m['train_acc']:>8.3f} {m['val_acc']:>7.3f} {m.get('entropy', 0):>8.3f} "
+                f"{m.get('clip_frac_low', 0):>8.4f} {m.get('clip_frac_high', 0):>8.4f} "
+                f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} {m.get('anchor_zero_adv', 0):>7.2f} "
+                f"{m['dynamic_sampling_keep_rate']:>5.2f} {'yes' if did_reset else '':>5}"
+            )
     return m
 
 
@@ -232,8 +267,10 @@ def main(argv=None) -> None:
         args.armor = armor
         results[name] = train(name, base, train_prompts, val_prompts, args)
     d, a = results["dapo"], results["armor"]
-    print(f"\nfinal: dapo train@8={d['train_acc']:.3f} val@8={d['val_acc']:.3f} | armor train@8={a['train_acc']:.3f} "
-          f"val@8={a['val_acc']:.3f} anchor_found={a['anchor_found']:.2f} | {time.time() - start:.1f}s")
+    print(
+        f"\nfinal: dapo train@8={d['train_acc']:.3f} val@8={d['val_acc']:.3f} | armor train@8={a['train_acc']:.3f} "
+        f"val@8={a['val_acc']:.3f} anchor_found={a['anchor_found']:.2f} | {time.time() - start:.1f}s"
+    )
 
 
 if __name__ == "__main__":

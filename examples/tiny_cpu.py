@@ -37,8 +37,12 @@ def main() -> int:
     from armor_megatron.tasks.tiny_run import prepare_tiny_run
 
     out = os.path.abspath(args.out)
-    paths = [f"model.path={out}/hf", f"data.train_path={out}/train.jsonl",
-             f"eval.datasets=[{{name: arith-val, path: {out}/val.jsonl, k: 1}}]", f"logging.dir={out}/runs"]
+    paths = [
+        f"model.path={out}/hf",
+        f"data.train_path={out}/train.jsonl",
+        f"eval.datasets=[{{name: arith-val, path: {out}/val.jsonl, k: 1}}]",
+        f"logging.dir={out}/runs",
+    ]
     cfg = load_config(args.config, paths + args.overrides)
     print(f"[tiny] preparing the tiny model and data in {out}", flush=True)
     prepare_tiny_run(cfg, log=lambda m: print(f"[tiny] {m}", flush=True))
@@ -50,8 +54,17 @@ def main() -> int:
     history = {}
     for name, extra in runs.items():
         print(f"[tiny] training {name} ...", flush=True)
-        cmd = [sys.executable, "-m", "armor_megatron.cli.train", "--config", args.config, *paths, *args.overrides,
-               *extra, "checkpoint.resume=none"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "armor_megatron.cli.train",
+            "--config",
+            args.config,
+            *paths,
+            *args.overrides,
+            *extra,
+            "checkpoint.resume=none",
+        ]
         code = subprocess.call(cmd)
         if code:
             print(f"[tiny] {name} run failed with exit code {code}", file=sys.stderr)
@@ -60,18 +73,24 @@ def main() -> int:
 
     steps = sorted(set(history["armor"]) | set(history["dapo"]))
     print()
-    print(f"{'step':>5}  {'ARMOR val acc':>13}  {'DAPO val acc':>12}  {'ARMOR train acc':>15}  {'DAPO train acc':>14}  {'anchors found':>13}")
+    print(
+        f"{'step':>5}  {'ARMOR val acc':>13}  {'DAPO val acc':>12}  {'ARMOR train acc':>15}  {'DAPO train acc':>14}  {'anchors found':>13}"
+    )
     for step in steps:
         a, d = history["armor"].get(step, {}), history["dapo"].get(step, {})
         if VAL_METRIC not in a and VAL_METRIC not in d:
             continue
-        print(f"{step:>5}  {_fmt(a, VAL_METRIC):>13}  {_fmt(d, VAL_METRIC):>12}  {_fmt(a, 'rollout/on_policy_accuracy'):>15}  "
-              f"{_fmt(d, 'rollout/on_policy_accuracy'):>14}  {_fmt(a, 'anchor/found_rate'):>13}")
+        print(
+            f"{step:>5}  {_fmt(a, VAL_METRIC):>13}  {_fmt(d, VAL_METRIC):>12}  {_fmt(a, 'rollout/on_policy_accuracy'):>15}  "
+            f"{_fmt(d, 'rollout/on_policy_accuracy'):>14}  {_fmt(a, 'anchor/found_rate'):>13}"
+        )
     start = history["armor"][0][VAL_METRIC]
     armor_end = _last(history["armor"], VAL_METRIC)
     dapo_end = _last(history["dapo"], VAL_METRIC)
     minutes = (time.time() - started) / 60
-    print(f"val_acc_start={start:.4f} armor_val_acc_end={armor_end:.4f} dapo_val_acc_end={dapo_end:.4f} minutes={minutes:.2f}")
+    print(
+        f"val_acc_start={start:.4f} armor_val_acc_end={armor_end:.4f} dapo_val_acc_end={dapo_end:.4f} minutes={minutes:.2f}"
+    )
     return 0
 
 

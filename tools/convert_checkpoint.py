@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Convert checkpoints between HF safetensors and Megatron torch_dist (same as ``armor-convert``).
 
-    python tools/convert_checkpoint.py hf-to-mcore HF_DIR OUT_DIR
-    python tools/convert_checkpoint.py mcore-to-hf MCORE_DIR OUT_DIR
-    python tools/convert_checkpoint.py verify HF_DIR MCORE_DIR
+python tools/convert_checkpoint.py hf-to-mcore HF_DIR OUT_DIR
+python tools/convert_checkpoint.py mcore-to-hf MCORE_DIR OUT_DIR
+python tools/convert_checkpoint.py verify HF_DIR MCORE_DIR
 """
 
 import os

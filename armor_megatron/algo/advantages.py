@@ -15,7 +15,7 @@ GAE works on per-token values and rewards of a critic instead.
 from __future__ import annotations
 
 import difflib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -91,8 +91,9 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT
     return centred / (centred.std() + eps)
 
 
-def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                   lam: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_advantages(
+    values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation over response tokens.
 
     Args:
@@ -107,8 +108,10 @@ def gae_advantages(values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tens
     Returns (advantages, returns), [B, T] fp32, zero on invalid positions. Not whitened.
     """
     if not (values.shape == rewards.shape == mask.shape) or values.dim() != 2:
-        raise ValueError(f"values {tuple(values.shape)}, rewards {tuple(rewards.shape)} and mask "
-                         f"{tuple(mask.shape)} must share one [B, T] shape")
+        raise ValueError(
+            f"values {tuple(values.shape)}, rewards {tuple(rewards.shape)} and mask "
+            f"{tuple(mask.shape)} must share one [B, T] shape"
+        )
     if not (0.0 <= gamma <= 1.0 and 0.0 <= lam <= 1.0):
         raise ValueError(f"gamma and lam must be in [0, 1], got gamma={gamma!r}, lam={lam!r}")
     v, r, m = values.float(), rewards.float(), mask.float()
@@ -171,8 +174,7 @@ def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor,
     except KeyError:
         close = difflib.get_close_matches(str(name), ESTIMATORS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown advantage estimator {name!r}{hint}; choose one of {', '.join(ESTIMATORS)}") \
-            from None
+        raise ValueError(f"unknown advantage estimator {name!r}{hint}; choose one of {', '.join(ESTIMATORS)}") from None
 
 
 def compute_advantages(name: str, **inputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:

@@ -13,8 +13,9 @@ indices back to whatever objects the rollout holds (token ids, texts, log-probs,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence, TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -49,12 +50,14 @@ class AnchorGroups:
     def group_size(self) -> int:
         return self.rewards.shape[1]
 
-    def gather(self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
-               ) -> list[T]:
+    def gather(
+        self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
+    ) -> list[T]:
         """The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
         the rewards passed to ``assemble_anchor_groups``."""
-        return [(policy_items if row.source == "policy" else reference_items)[row.prompt][row.index]
-                for row in self.rows]
+        return [
+            (policy_items if row.source == "policy" else reference_items)[row.prompt][row.index] for row in self.rows
+        ]
 
     def stats(self) -> dict[str, float]:
         """anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
@@ -68,8 +71,9 @@ class AnchorGroups:
         }
 
 
-def select_anchor(reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
-                  ) -> tuple[int | None, int]:
+def select_anchor(
+    reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
+) -> tuple[int | None, int]:
     """Rejection sampling over the tries in order: (index of the first try with reward ≥
     ``success_reward`` among the first ``max_tries``, or None; tries used)."""
     if max_tries < 1:
@@ -81,9 +85,13 @@ def select_anchor(reference_rewards: Sequence[float], max_tries: int, success_re
     return None, len(tries)
 
 
-def assemble_anchor_groups(policy_rewards: Sequence[Sequence[float]],
-                           reference_rewards: Sequence[Sequence[float]] | None, group_size: int,
-                           max_tries: int = 4, success_reward: float = 1.0) -> AnchorGroups:
+def assemble_anchor_groups(
+    policy_rewards: Sequence[Sequence[float]],
+    reference_rewards: Sequence[Sequence[float]] | None,
+    group_size: int,
+    max_tries: int = 4,
+    success_reward: float = 1.0,
+) -> AnchorGroups:
     """Build one group of ``group_size`` rows per prompt.
 
     Args:
@@ -98,20 +106,23 @@ def assemble_anchor_groups(policy_rewards: Sequence[Sequence[float]],
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2, got {group_size!r}")
     if reference_rewards is not None and len(reference_rewards) != len(policy_rewards):
-        raise ValueError(f"reference_rewards has {len(reference_rewards)} prompts, policy_rewards "
-                         f"{len(policy_rewards)}")
+        raise ValueError(
+            f"reference_rewards has {len(reference_rewards)} prompts, policy_rewards {len(policy_rewards)}"
+        )
     rows: list[RowSource] = []
     rewards: list[list[float]] = []
     tries_used: list[int] = []
     found: list[bool] = []
     for p, pol in enumerate(policy_rewards):
-        anchor, tries = (None, 0) if reference_rewards is None else select_anchor(
-            reference_rewards[p], max_tries, success_reward)
+        anchor, tries = (
+            (None, 0) if reference_rewards is None else select_anchor(reference_rewards[p], max_tries, success_reward)
+        )
         need = group_size - 1 if anchor is not None else group_size
         if len(pol) < need:
             why = "an anchor was found" if anchor is not None else "no anchor was found"
-            raise ValueError(f"prompt {p}: {why}, so group size {group_size} needs {need} on-policy samples, "
-                             f"got {len(pol)}")
+            raise ValueError(
+                f"prompt {p}: {why}, so group size {group_size} needs {need} on-policy samples, got {len(pol)}"
+            )
         rows += [RowSource(p, "policy", i) for i in range(need)]
         group = [float(r) for r in list(pol)[:need]]
         if anchor is not None:
@@ -126,8 +137,7 @@ def assemble_anchor_groups(policy_rewards: Sequence[Sequence[float]],
     return AnchorGroups(tuple(rows), reward_t, is_anchor, tuple(tries_used), tuple(found))
 
 
-def anchor_zero_advantage_rate(advantages: torch.Tensor, is_anchor: torch.Tensor, atol: float = 0.0
-                               ) -> torch.Tensor:
+def anchor_zero_advantage_rate(advantages: torch.Tensor, is_anchor: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
     """Share of anchor rows whose advantage is zero (|A| ≤ atol): anchors that contribute no
     gradient, e.g. under QAE's quantile baseline on easy prompts. 0 when there are no anchors.
 

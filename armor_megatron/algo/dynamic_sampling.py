@@ -50,14 +50,18 @@ class DynamicSampler:
     def add(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:
         """Filter one round's groups into the buffer; returns how many were kept."""
         if self.max_rounds is not None and self.rounds >= self.max_rounds:
-            raise RuntimeError(f"dynamic sampling: {self.groups_kept} of {self.target_groups} groups with mixed "
-                               f"rewards after max_rounds={self.max_rounds} rounds; raise max_rounds or "
-                               f"the rollout batch size")
+            raise RuntimeError(
+                f"dynamic sampling: {self.groups_kept} of {self.target_groups} groups with mixed "
+                f"rewards after max_rounds={self.max_rounds} rounds; raise max_rounds or "
+                f"the rollout batch size"
+            )
         keep = dynamic_sampling_keep(rewards)
         num_groups, g = rewards.shape
         if len(batch) != num_groups * g or (self.group_size is not None and g != self.group_size):
-            raise ValueError(f"dynamic sampling: batch has {len(batch)} rows, rewards {tuple(rewards.shape)} "
-                             f"(group size so far {self.group_size})")
+            raise ValueError(
+                f"dynamic sampling: batch has {len(batch)} rows, rewards {tuple(rewards.shape)} "
+                f"(group size so far {self.group_size})"
+            )
         self.group_size = g
         self.rounds += 1
         self.groups_seen += num_groups
@@ -71,14 +75,18 @@ class DynamicSampler:
         """The first ``target_groups`` kept groups (target_groups·G rows). Before ``done`` it
         raises, unless ``allow_partial``: then it returns what was kept (None if nothing)."""
         if not self.done and not allow_partial:
-            raise RuntimeError(f"dynamic sampling: only {self.groups_kept} of {self.target_groups} groups kept "
-                               f"so far; keep calling add()")
+            raise RuntimeError(
+                f"dynamic sampling: only {self.groups_kept} of {self.target_groups} groups kept "
+                f"so far; keep calling add()"
+            )
         if not self._kept:
             return None
         return RolloutBatch.concat(self._kept, self.pad_values).slice(0, self.target_groups * self.group_size)
 
     def stats(self) -> dict[str, float]:
         """rounds, groups seen, and the kept share (1 − share of all-equal groups)."""
-        return {"dynamic_sampling_rounds": float(self.rounds),
-                "dynamic_sampling_groups_seen": float(self.groups_seen),
-                "dynamic_sampling_keep_rate": self.groups_kept / max(self.groups_seen, 1)}
+        return {
+            "dynamic_sampling_rounds": float(self.rounds),
+            "dynamic_sampling_groups_seen": float(self.groups_seen),
+            "dynamic_sampling_keep_rate": self.groups_kept / max(self.groups_seen, 1),
+        }

@@ -53,7 +53,7 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> "PolicyLossConfig":
+    def replace(self, **changes) -> PolicyLossConfig:
         return dataclasses.replace(self, **changes)
 
 
@@ -73,8 +73,9 @@ def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     return valid.any(dim=-1).sum()
 
 
-def aggregate_token_loss(token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str,
-                         normalizer: torch.Tensor | float | None = None) -> torch.Tensor:
+def aggregate_token_loss(
+    token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str, normalizer: torch.Tensor | float | None = None
+) -> torch.Tensor:
     """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc):
     Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where
     ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count)."""
@@ -99,14 +100,23 @@ def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy) -> None:
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
     if advantages.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(logp.shape[:1])} "
-                         f"or [B, T]={tuple(logp.shape)}")
+        raise ValueError(
+            f"advantages has shape {tuple(advantages.shape)}, expected [B]={tuple(logp.shape[:1])} "
+            f"or [B, T]={tuple(logp.shape)}"
+        )
 
 
-def policy_loss(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                advantages: torch.Tensor, mask: torch.Tensor, cfg: PolicyLossConfig, *,
-                normalizer: torch.Tensor | float | None = None,
-                entropy: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: PolicyLossConfig,
+    *,
+    normalizer: torch.Tensor | float | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ARMOR/DAPO policy loss of one micro-batch.
 
     Args:
@@ -164,8 +174,11 @@ def _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[
     out = {
         "clip_frac_low": mean((adv < 0) & (ratio < 1.0 - cfg.eps_low)),
         "clip_frac_high": mean((adv > 0) & (ratio > 1.0 + cfg.eps_high)),
-        "dual_clip_frac": (mean((adv < 0) & (ratio > cfg.dual_clip_c)) if cfg.dual_clip_c is not None
-                           else torch.zeros((), device=ratio.device)),
+        "dual_clip_frac": (
+            mean((adv < 0) & (ratio > cfg.dual_clip_c))
+            if cfg.dual_clip_c is not None
+            else torch.zeros((), device=ratio.device)
+        ),
         "ratio_mean": mean(ratio),
         "ratio_min": torch.where(has_tokens, torch.where(valid, ratio, inf).min(), 0.0),
         "ratio_max": torch.where(has_tokens, torch.where(valid, ratio, -inf).max(), 0.0),

@@ -8,7 +8,7 @@ rule applies to the per-rank results (all-reduce n·m and n with SUM, min/max wi
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

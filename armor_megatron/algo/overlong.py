@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 
-def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
-                     penalty_factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     """R_length per response; ``lengths``: response lengths in tokens, any shape. fp32, ≤ 0."""
     if not 0 < buffer_length <= max_length:
         raise ValueError(f"overlong buffer_length must be in (0, max_length={max_length}], got {buffer_length!r}")
@@ -25,8 +26,9 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
     return -penalty_factor * excess.clamp(max=1.0)
 
 
-def apply_overlong_shaping(rewards: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer_length: int,
-                           penalty_factor: float = 1.0) -> torch.Tensor:
+def apply_overlong_shaping(
+    rewards: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
+) -> torch.Tensor:
     """rewards + R_length(lengths), same shape."""
     if rewards.shape != lengths.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and lengths {tuple(lengths.shape)} differ in shape")

@@ -29,8 +29,9 @@ def check_alpha(alpha: float) -> None:
         raise ValueError(f"alpha must be in (0, 1], got {alpha!r}")
 
 
-def mixed_log_ratio(logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None,
-                    alpha: float) -> torch.Tensor:
+def mixed_log_ratio(
+    logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, alpha: float
+) -> torch.Tensor:
     """log r_mix per token, in fp32, differentiable w.r.t. ``logp``.
 
     Args:
@@ -68,8 +69,9 @@ def mixture_weight(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> 
     return torch.sigmoid(logit)
 
 
-def trust_region_bounds(old_logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float, eps_low: float,
-                        eps_high: float) -> tuple[torch.Tensor, torch.Tensor]:
+def trust_region_bounds(
+    old_logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float, eps_low: float, eps_high: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The probability interval for π_θ that clipping r_mix to [1−ε_low, 1+ε_high] allows.
 
     Solving (α·π_θ + (1−α)·π_ref) / (α·π_old + (1−α)·π_ref) = 1 ± ε for π_θ gives ARMOR's

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import importlib
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 Metrics = Mapping[str, float] | None
 
@@ -56,8 +57,10 @@ class TwoStage:
 
     def __post_init__(self):
         if self.first_stage_steps < 0 or self.tau < 1:
-            raise ValueError(f"two-stage reset needs first_stage_steps >= 0 and tau >= 1, got "
-                             f"{self.first_stage_steps!r}, {self.tau!r}")
+            raise ValueError(
+                f"two-stage reset needs first_stage_steps >= 0 and tau >= 1, got "
+                f"{self.first_stage_steps!r}, {self.tau!r}"
+            )
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
         _check_step(step)
@@ -141,8 +144,13 @@ def load_callable(path: str) -> Callable:
     return obj
 
 
-RESET_SCHEDULES = {"every": EveryTau, "two_stage": TwoStage, "never": Never, "validation_hook": ValidationHook,
-                   "validation_best": OnValidationBest}
+RESET_SCHEDULES = {
+    "every": EveryTau,
+    "two_stage": TwoStage,
+    "never": Never,
+    "validation_hook": ValidationHook,
+    "validation_best": OnValidationBest,
+}
 
 
 def build_reset_schedule(kind: str, **params) -> ResetSchedule:

@@ -28,6 +28,7 @@ import torch
 
 from armor_megatron.algo.loss import aggregate_token_loss, check_loss_agg
 
+
 @dataclass(frozen=True)
 class ValueLossConfig:
     """ε_v of the value clip (None: unclipped squared error) and the aggregation mode."""
@@ -40,13 +41,19 @@ class ValueLossConfig:
             raise ValueError(f"clip_eps must be > 0 (or None), got {self.clip_eps!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> "ValueLossConfig":
+    def replace(self, **changes) -> ValueLossConfig:
         return dataclasses.replace(self, **changes)
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               cfg: ValueLossConfig, *, normalizer: torch.Tensor | float | None = None,
-               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: ValueLossConfig,
+    *,
+    normalizer: torch.Tensor | float | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss of one micro-batch.
 
     Args:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from armor_megatron.cli.common import quiet_third_party_warnings
 
@@ -43,8 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("hf_dir")
     p.add_argument("out_dir")
     for axis in ("tp", "pp", "ep"):
-        p.add_argument(f"--{axis}", type=int, default=1,
-                       help=f"check that the model divides for this {axis.upper()} size (the checkpoint loads at any)")
+        p.add_argument(
+            f"--{axis}",
+            type=int,
+            default=1,
+            help=f"check that the model divides for this {axis.upper()} size (the checkpoint loads at any)",
+        )
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
@@ -71,14 +75,26 @@ def _run(args: argparse.Namespace) -> int:
     release_large_frees_to_os()
     progress = None if getattr(args, "quiet", False) else sys.stderr
     if args.command == "hf-to-mcore":
-        summary = convert_hf_to_mcore(args.hf_dir, args.out_dir, tp=args.tp, pp=args.pp, ep=args.ep,
-                                      overwrite=args.overwrite, progress_stream=progress)
+        summary = convert_hf_to_mcore(
+            args.hf_dir,
+            args.out_dir,
+            tp=args.tp,
+            pp=args.pp,
+            ep=args.ep,
+            overwrite=args.overwrite,
+            progress_stream=progress,
+        )
         print(summary.line())
         return 0
     if args.command == "mcore-to-hf":
-        summary = convert_mcore_to_hf(args.mcore_dir, args.out_dir, hf_config_dir=args.hf_config,
-                                      max_shard_bytes=args.max_shard_size, overwrite=args.overwrite,
-                                      progress_stream=progress)
+        summary = convert_mcore_to_hf(
+            args.mcore_dir,
+            args.out_dir,
+            hf_config_dir=args.hf_config,
+            max_shard_bytes=args.max_shard_size,
+            overwrite=args.overwrite,
+            progress_stream=progress,
+        )
         print(summary.line())
         return 0
     return _verify(args)
@@ -95,7 +111,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party_warnings()
     try:

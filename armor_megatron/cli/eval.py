@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, str(err))
     data = cfg.data if cfg else None
     encode = lambda prompt: encode_prompt(  # noqa: E731
-        tokenizer, prompt,
+        tokenizer,
+        prompt,
         apply_chat_template=data.apply_chat_template if data else True,
         template=data.prompt_template if data else None,
     )

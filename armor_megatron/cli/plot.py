@@ -24,8 +24,9 @@ def build_parser() -> OneLineArgumentParser:
     p = OneLineArgumentParser(prog=PROG, description="Plot accuracy curves and phase timings of runs to a PNG.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_METRICS_JSONL")
     p.add_argument("--out", required=True, metavar="FILE.png")
-    p.add_argument("--metric", action="append", default=[], metavar="KEY",
-                   help="extra panel for this metric key (repeatable)")
+    p.add_argument(
+        "--metric", action="append", default=[], metavar="KEY", help="extra panel for this metric key (repeatable)"
+    )
     return p
 
 

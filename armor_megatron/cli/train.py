@@ -51,8 +51,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_OK
     nprocs = processes_needed(cfg)
     if nprocs > 1 and not any(v in os.environ for v in LAUNCHER_VARS):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nprocs}",
-               "-m", "armor_megatron.cli.train", *argv]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nprocs}",
+            "-m",
+            "armor_megatron.cli.train",
+            *argv,
+        ]
         return subprocess.call(cmd)
     return _train(cfg, args.resume)
 

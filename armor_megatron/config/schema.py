@@ -8,7 +8,7 @@ to it; checks that involve several fields live in ``armor_megatron.config.valida
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive
 
@@ -19,7 +19,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 @dataclasses.dataclass
 class ModelConfig:
     path: str = checked(check=non_empty, help="HF model directory (config.json, safetensors, tokenizer)")
-    mcore_path: Optional[str] = checked(None, help="converted torch_dist checkpoint; converted at start when unset")
+    mcore_path: str | None = checked(None, help="converted torch_dist checkpoint; converted at start when unset")
     arch: dict[str, Any] = checked(
         factory=dict, help="HF config.json fields used for checks when `path` is not on this machine"
     )
@@ -32,7 +32,7 @@ class ParallelismConfig:
     tp: int = checked(1, check=at_least(1), help="tensor parallel size")
     pp: int = checked(1, check=at_least(1), help="pipeline parallel size")
     ep: int = checked(1, check=at_least(1), help="expert parallel size (MoE)")
-    vpp: Optional[int] = checked(None, check=at_least(1), help="virtual pipeline chunks per stage")
+    vpp: int | None = checked(None, check=at_least(1), help="virtual pipeline chunks per stage")
     cp: int = checked(1, check=at_least(1), help="context parallel size")
     sp: bool = checked(False, help="sequence parallelism (needs tp > 1)")
 
@@ -44,12 +44,13 @@ class SGLangConfig:
     tp_per_engine: int = checked(1, check=at_least(1))
     host: str = "127.0.0.1"
     base_port: int = checked(30000, check=in_range(1024, 65535))
-    api_key: Optional[str] = None
+    api_key: str | None = None
     mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
     placement: Literal["colocated", "disaggregated"] = "colocated"
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
-    disk_dir: Optional[str] = checked(
-        None, help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)"
+    disk_dir: str | None = checked(
+        None,
+        help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)",
     )
     bucket_mb: int = checked(512, check=at_least(1))
     request_timeout_s: float = checked(600.0, check=positive)
@@ -86,7 +87,7 @@ class AnchorConfig:
     cache: bool = checked(True, help="reuse verified anchors while the reference is frozen")
     cache_size_per_prompt: int = checked(4, check=at_least(1))
     pregenerate: bool = checked(False, help="sample next batch's anchors while the trainer updates")
-    temperature: Optional[float] = checked(None, check=positive, help="defaults to rollout.temperature")
+    temperature: float | None = checked(None, check=positive, help="defaults to rollout.temperature")
 
 
 @dataclasses.dataclass
@@ -108,7 +109,7 @@ class AlgorithmConfig:
     alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
     eps_low: float = checked(0.2, check=in_range(0, 1, lo_open=True, hi_open=True))
     eps_high: float = checked(0.28, check=positive)
-    dual_clip_c: Optional[float] = checked(None, check=in_range(1, None, lo_open=True))
+    dual_clip_c: float | None = checked(None, check=in_range(1, None, lo_open=True))
     loss_agg: LossAgg = "token-mean"
     qae_quantile: float = checked(0.4, check=in_range(0, 1), help="K of the QAE quantile baseline")
     std_eps: float = checked(1e-6, check=positive)
@@ -126,10 +127,11 @@ class ReferenceConfig:
     validation_metric: str = checked(
         "eval/mean/pass@1", check=non_empty, help="validation_best: reset to the policy that improves this metric"
     )
-    validation_hook: Optional[str] = checked(None, help="validation_hook: module:function(step, metrics) -> bool")
+    validation_hook: str | None = checked(None, help="validation_hook: module:function(step, metrics) -> bool")
     offload: bool = checked(False, help="keep reference weights on CPU between uses")
-    init_from: Optional[str] = checked(
-        None, help="recovery: start the reference from this checkpoint (e.g. the best earlier one) instead of the policy"
+    init_from: str | None = checked(
+        None,
+        help="recovery: start the reference from this checkpoint (e.g. the best earlier one) instead of the policy",
     )
 
 
@@ -155,8 +157,10 @@ class CriticConfig:
     hidden→1 value head, started from the actor's checkpoint; GAE uses algorithm.gamma / lam."""
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    clip_eps: Optional[float] = checked(0.5, check=positive, help="ε_v of the clipped value loss; null: unclipped")
-    value_head_init_std: float = checked(0.0, check=in_range(0, None), help="normal init std of the value head; 0: zeros")
+    clip_eps: float | None = checked(0.5, check=positive, help="ε_v of the clipped value loss; null: unclipped")
+    value_head_init_std: float = checked(
+        0.0, check=in_range(0, None), help="normal init std of the value head; 0: zeros"
+    )
     warmup_steps: int = checked(0, check=at_least(0), help="first steps that train only the critic, not the actor")
     whiten_advantages: bool = checked(True, help="normalise GAE advantages over the batch's response tokens")
 
@@ -181,7 +185,7 @@ class DataConfig:
     answer_key: str = "answer"
     type_key: str = checked("type", help="optional per-row verifier name")
     apply_chat_template: bool = True
-    prompt_template: Optional[str] = checked(None, help="python format string with {prompt}")
+    prompt_template: str | None = checked(None, help="python format string with {prompt}")
     shuffle: bool = True
 
 
@@ -205,7 +209,9 @@ class EvalConfig:
     temperature: float = checked(0.6, check=in_range(0, None))
     top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True))
     max_response_len: int = checked(8192, check=at_least(1))
-    pass_k: list[int] = checked(factory=lambda: [1], check=lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None))
+    pass_k: list[int] = checked(
+        factory=lambda: [1], check=lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None)
+    )
 
 
 @dataclasses.dataclass
@@ -219,9 +225,9 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class WandbConfig:
-    project: Optional[str] = None
-    entity: Optional[str] = None
-    name: Optional[str] = None
+    project: str | None = None
+    entity: str | None = None
+    name: str | None = None
 
 
 @dataclasses.dataclass
@@ -239,8 +245,8 @@ class LaunchConfig:
     nodes: int = checked(1, check=at_least(1))
     gpus_per_node: int = checked(8, check=at_least(0), help="0 = CPU run")
     engine_gpus: int = checked(0, check=at_least(0), help="GPUs reserved for rollout engines (disaggregated)")
-    partition: Optional[str] = None
-    account: Optional[str] = None
+    partition: str | None = None
+    account: str | None = None
     time: str = "48:00:00"
     requeue_exit_code: int = checked(85, check=in_range(1, 255))
 

@@ -11,7 +11,8 @@ import dataclasses
 import difflib
 import types
 import typing
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -22,7 +23,7 @@ class ConfigError(ValueError):
         self.key = key
 
 
-Check = Callable[[Any], Optional[str]]
+Check = Callable[[Any], str | None]
 
 
 def checked(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory=None, help: str = ""):
@@ -47,7 +48,7 @@ def in_range(lo: float | None = None, hi: float | None = None, *, lo_open=False,
     return check
 
 
-def positive(x) -> Optional[str]:
+def positive(x) -> str | None:
     return None if x is None or x > 0 else f"{x!r} must be > 0"
 
 
@@ -55,7 +56,7 @@ def at_least(n: int) -> Check:
     return lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}"
 
 
-def non_empty(x) -> Optional[str]:
+def non_empty(x) -> str | None:
     return None if x else "must not be empty"
 
 
@@ -125,7 +126,11 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         raise ConfigError(key, f"{value!r} does not match any of {', '.join(_type_name_of(o) for o in options)}")
     if origin is typing.Literal:
         if value not in args:
-            raise ConfigError(key, f"{value!r} is not one of {', '.join(repr(a) for a in args)}" + _suggest(str(value), [str(a) for a in args]))
+            raise ConfigError(
+                key,
+                f"{value!r} is not one of {', '.join(repr(a) for a in args)}"
+                + _suggest(str(value), [str(a) for a in args]),
+            )
         return value
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, {} if value is None else value, key)
@@ -157,7 +162,9 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            hint = " (quote it in YAML: values like 24:00:00 read as numbers)" if isinstance(value, (int, float)) else ""
+            hint = (
+                " (quote it in YAML: values like 24:00:00 read as numbers)" if isinstance(value, (int, float)) else ""
+            )
             raise ConfigError(key, f"expected a string, got {_type_name(value)} {value!r}{hint}")
         return value
     raise TypeError(f"config field {key} has an unsupported type {tp!r}")

@@ -37,8 +37,11 @@ def _check_parallelism(cfg: RunConfig) -> None:
     if par.sp and par.tp == 1:
         raise ConfigError("parallelism.sp", "sequence parallelism needs tp > 1")
     if par.cp > 1:
-        raise ConfigError("parallelism.cp", f"{par.cp}: context parallelism is not supported yet (the trainer does "
-                          "not split sequences over cp ranks); use cp: 1")
+        raise ConfigError(
+            "parallelism.cp",
+            f"{par.cp}: context parallelism is not supported yet (the trainer does "
+            "not split sequences over cp ranks); use cp: 1",
+        )
     if par.vpp is not None and par.pp == 1:
         raise ConfigError("parallelism.vpp", "virtual pipeline chunks need pp > 1")
     launch = cfg.launch
@@ -74,19 +77,30 @@ def _check_model_fits_parallelism(cfg: RunConfig) -> None:
 def _check_rollout(cfg: RunConfig) -> None:
     ro, anchor, algo = cfg.rollout, cfg.anchor, cfg.algorithm
     if anchor.enabled and anchor.pregenerate and anchor.source != "separate":
-        raise ConfigError("anchor.pregenerate", "needs anchor.source 'separate' (a swapped-in reference cannot sample in the background)")
+        raise ConfigError(
+            "anchor.pregenerate",
+            "needs anchor.source 'separate' (a swapped-in reference cannot sample in the background)",
+        )
     if anchor.enabled and anchor.pregenerate and ro.engine == "sglang" and ro.sglang.placement == "colocated":
-        raise ConfigError("anchor.pregenerate", "colocated engines release their GPU memory while the trainer updates, "
-                          "so nothing samples in the background; use rollout.sglang.placement disaggregated")
+        raise ConfigError(
+            "anchor.pregenerate",
+            "colocated engines release their GPU memory while the trainer updates, "
+            "so nothing samples in the background; use rollout.sglang.placement disaggregated",
+        )
     if anchor.enabled and anchor.tries_per_request > anchor.max_tries:
-        raise ConfigError("anchor.tries_per_request", f"{anchor.tries_per_request} exceeds anchor.max_tries={anchor.max_tries}")
+        raise ConfigError(
+            "anchor.tries_per_request", f"{anchor.tries_per_request} exceeds anchor.max_tries={anchor.max_tries}"
+        )
     if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:
         raise ConfigError(
             "algorithm.overlong.buffer_len",
             f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}",
         )
     if algo.eps_high < algo.eps_low:
-        raise ConfigError("algorithm.eps_high", f"{algo.eps_high} is below eps_low={algo.eps_low} (clip-higher needs eps_high >= eps_low)")
+        raise ConfigError(
+            "algorithm.eps_high",
+            f"{algo.eps_high} is below eps_low={algo.eps_low} (clip-higher needs eps_high >= eps_low)",
+        )
     samples = ro.prompts_per_step * ro.group_size
     if samples % cfg.train.mini_batches_per_step:
         raise ConfigError(
@@ -117,8 +131,10 @@ def _check_critic(cfg: RunConfig) -> None:
     if cfg.algorithm.estimator != "gae":
         return
     if critic.warmup_steps >= cfg.train.steps:
-        raise ConfigError("critic.warmup_steps",
-                          f"{critic.warmup_steps} leaves no actor update in train.steps={cfg.train.steps}")
+        raise ConfigError(
+            "critic.warmup_steps", f"{critic.warmup_steps} leaves no actor update in train.steps={cfg.train.steps}"
+        )
     if critic.optimizer.min_lr > critic.optimizer.lr:
-        raise ConfigError("critic.optimizer.min_lr",
-                          f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}")
+        raise ConfigError(
+            "critic.optimizer.min_lr", f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}"
+        )

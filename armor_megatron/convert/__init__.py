@@ -31,7 +31,19 @@ from armor_megatron.convert.to_mcore import convert_hf_to_mcore
 from armor_megatron.convert.tp import tp_gather, tp_split
 
 __all__ = [
-    "CheckpointError", "ParamRef", "TensorRule", "convert_hf_to_mcore", "convert_mcore_to_hf", "hf_shapes",
-    "hf_to_mcore", "mcore_to_hf", "mcore_to_hf_blocks", "mcore_to_hf_named", "resolve_param", "row_blocks",
-    "tensor_rules", "tp_gather", "tp_split",
+    "CheckpointError",
+    "ParamRef",
+    "TensorRule",
+    "convert_hf_to_mcore",
+    "convert_mcore_to_hf",
+    "hf_shapes",
+    "hf_to_mcore",
+    "mcore_to_hf",
+    "mcore_to_hf_blocks",
+    "mcore_to_hf_named",
+    "resolve_param",
+    "row_blocks",
+    "tensor_rules",
+    "tp_gather",
+    "tp_split",
 ]

@@ -18,11 +18,11 @@ format is safetensors': 8-byte little-endian header length, JSON header
 from __future__ import annotations
 
 import dataclasses
-import math
 import json
+import math
 import os
 import struct
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -36,9 +36,18 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _DTYPE_CODES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
 }
 _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
@@ -53,7 +62,6 @@ class TensorInfo:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
-
 
 
 class HFCheckpoint:
@@ -79,7 +87,7 @@ class HFCheckpoint:
             os.close(fd)
         self._fds.clear()
 
-    def __enter__(self) -> "HFCheckpoint":
+    def __enter__(self) -> HFCheckpoint:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -119,7 +127,9 @@ class HFCheckpoint:
             dtype = _CODE_DTYPES.get(entry["dtype"])
             if dtype is None:
                 raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-            self.tensors[name] = TensorInfo(shard, dtype, tuple(entry["shape"]), 8 + header_len + entry["data_offsets"][0])
+            self.tensors[name] = TensorInfo(
+                shard, dtype, tuple(entry["shape"]), 8 + header_len + entry["data_offsets"][0]
+            )
         self._fds[shard] = os.open(path, os.O_RDONLY)
 
     def info(self, name: str) -> TensorInfo:
@@ -188,8 +198,11 @@ def _header(tensors: Iterable[PlannedTensor]) -> bytes:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
-        header[t.name] = {"dtype": _DTYPE_CODES[t.dtype], "shape": list(t.shape),
-                          "data_offsets": [offset, offset + t.nbytes]}
+        header[t.name] = {
+            "dtype": _DTYPE_CODES[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + t.nbytes],
+        }
         offset += t.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -206,7 +219,7 @@ class SafetensorsWriter:
         self.files = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._pos = 0
-        self._open_shard: Optional[int] = None
+        self._open_shard: int | None = None
         self._stream = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
@@ -221,8 +234,9 @@ class SafetensorsWriter:
                 self._stream.write(byte_view(block))
         self._pos += 1
 
-    def write_segments(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
-                       segments: Sequence[FileSegment]) -> None:
+    def write_segments(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, segments: Sequence[FileSegment]
+    ) -> None:
         """Write tensor ``name`` whose data is the concatenation of the file segments (copied by
         the kernel: the bytes never enter this process)."""
         nbytes = total_bytes(segments)
@@ -239,8 +253,10 @@ class SafetensorsWriter:
             raise RuntimeError(f"{name}: more tensors written than declared")
         shard, planned = self._queue[self._pos]
         if (name, tuple(shape), dtypes, nbytes) != (planned.name, planned.shape, {planned.dtype}, planned.nbytes):
-            raise RuntimeError(f"wrote {name} {tuple(shape)} {dtypes} ({nbytes} bytes), expected "
-                               f"{planned.name} {planned.shape} {planned.dtype} ({planned.nbytes} bytes)")
+            raise RuntimeError(
+                f"wrote {name} {tuple(shape)} {dtypes} ({nbytes} bytes), expected "
+                f"{planned.name} {planned.shape} {planned.dtype} ({planned.nbytes} bytes)"
+            )
         if shard != self._open_shard:
             self._close_stream()
             self._stream = open_sliced(os.path.join(self.out_dir, self.files[shard]))
@@ -258,8 +274,10 @@ class SafetensorsWriter:
         if self._pos != len(self._queue):
             raise RuntimeError(f"only {self._pos} of {len(self._queue)} declared tensors were written")
         if len(self.files) > 1:
-            index = {"metadata": {"total_size": sum(t.nbytes for shard in self.shards for t in shard)},
-                     "weight_map": {t.name: f for f, shard in zip(self.files, self.shards) for t in shard}}
+            index = {
+                "metadata": {"total_size": sum(t.nbytes for shard in self.shards for t in shard)},
+                "weight_map": {t.name: f for f, shard in zip(self.files, self.shards) for t in shard},
+            }
             with open(os.path.join(self.out_dir, INDEX_FILE), "w") as f:
                 json.dump(index, f, indent=2)
 
@@ -287,7 +305,7 @@ class TensorDigest:
         self._lines: list[str] = []
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tensor-digest")
         self._pending: list = []
-        self._read_buffer: Optional[memoryview] = None  # used by the worker only
+        self._read_buffer: memoryview | None = None  # used by the worker only
 
     @staticmethod
     def _line(name: str, dtype: torch.dtype, shape: Sequence[int], hexdigest: str) -> str:

@@ -8,7 +8,7 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Iterator
+from collections.abc import Iterator
 
 import armor_megatron
 from armor_megatron.convert.hf_io import INDEX_FILE
@@ -51,16 +51,23 @@ def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:
     copied = []
     for name in sorted(os.listdir(src_dir)):
         path = os.path.join(src_dir, name)
-        if os.path.isfile(path) and not name.endswith((".safetensors", ".bin", ".pt", ".pth")) and name not in (
-                INDEX_FILE, METADATA_FILE):
+        if (
+            os.path.isfile(path)
+            and not name.endswith((".safetensors", ".bin", ".pt", ".pth"))
+            and name not in (INDEX_FILE, METADATA_FILE)
+        ):
             shutil.copy2(path, os.path.join(dst_dir, name))
             copied.append(name)
     return copied
 
 
 def write_metadata(out_dir: str, **fields) -> None:
-    meta = {"converter": "armor_megatron.convert", "converter_version": armor_megatron.__version__,
-            "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), **fields}
+    meta = {
+        "converter": "armor_megatron.convert",
+        "converter_version": armor_megatron.__version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **fields,
+    }
     with open(os.path.join(out_dir, METADATA_FILE), "w") as f:
         json.dump(meta, f, indent=2, sort_keys=True)
         f.write("\n")

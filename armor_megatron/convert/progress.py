@@ -6,7 +6,7 @@ import dataclasses
 import resource
 import sys
 import time
-from typing import Optional, TextIO
+from typing import TextIO
 
 
 def release_large_frees_to_os(threshold: int = 1 << 20) -> bool:
@@ -58,16 +58,24 @@ class Summary:
 
     def line(self) -> str:
         gib = 2**30
-        return (f"{self.direction}: {self.tensors} tensors, {self.bytes / gib:.3f} GiB in {self.seconds:.1f} s "
-                f"({self.bytes / gib / max(self.seconds, 1e-9):.2f} GiB/s), peak RSS {self.peak_rss / gib:.2f} GiB "
-                f"-> {self.output}")
+        return (
+            f"{self.direction}: {self.tensors} tensors, {self.bytes / gib:.3f} GiB in {self.seconds:.1f} s "
+            f"({self.bytes / gib / max(self.seconds, 1e-9):.2f} GiB/s), peak RSS {self.peak_rss / gib:.2f} GiB "
+            f"-> {self.output}"
+        )
 
 
 class Progress:
     """Counts tensors and bytes; prints a line at most every ``every_s`` seconds to ``stream``."""
 
-    def __init__(self, direction: str, total_tensors: int, total_bytes: int,
-                 stream: Optional[TextIO] = sys.stderr, every_s: float = 10.0):
+    def __init__(
+        self,
+        direction: str,
+        total_tensors: int,
+        total_bytes: int,
+        stream: TextIO | None = sys.stderr,
+        every_s: float = 10.0,
+    ):
         self.direction, self.total_tensors, self.total_bytes = direction, total_tensors, total_bytes
         self.stream, self.every_s = stream, every_s
         self.tensors = self.bytes = 0
@@ -79,9 +87,14 @@ class Progress:
         now = time.monotonic()
         if self.stream is not None and now - self._last >= self.every_s:
             self._last = now
-            print(f"[{self.direction}] {self.tensors}/{self.total_tensors} tensors, "
-                  f"{self.bytes / 2**30:.2f}/{self.total_bytes / 2**30:.2f} GiB, {now - self.start:.0f} s",
-                  file=self.stream, flush=True)
+            print(
+                f"[{self.direction}] {self.tensors}/{self.total_tensors} tensors, "
+                f"{self.bytes / 2**30:.2f}/{self.total_bytes / 2**30:.2f} GiB, {now - self.start:.0f} s",
+                file=self.stream,
+                flush=True,
+            )
 
     def summary(self, output: str) -> Summary:
-        return Summary(self.direction, self.tensors, self.bytes, time.monotonic() - self.start, peak_rss_bytes(), output)
+        return Summary(
+            self.direction, self.tensors, self.bytes, time.monotonic() - self.start, peak_rss_bytes(), output
+        )

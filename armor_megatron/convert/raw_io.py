@@ -14,7 +14,6 @@ import os
 import struct
 import sys
 import zipfile
-from typing import Optional
 
 import torch
 
@@ -39,7 +38,7 @@ def write_sliced(write, data) -> int:
     view = memoryview(data).cast("B")
     done = 0
     while done < len(view):
-        done += write(view[done:done + WRITE_SLICE_BYTES])
+        done += write(view[done : done + WRITE_SLICE_BYTES])
     return done
 
 
@@ -87,7 +86,7 @@ class FileRange(io.RawIOBase):
         return got
 
 
-def torch_save_storage_offset(file, start: int, length: int, nbytes: int) -> Optional[int]:
+def torch_save_storage_offset(file, start: int, length: int, nbytes: int) -> int | None:
     """Where the raw bytes of the one tensor in a ``torch.save`` archive begin, or None.
 
     The archive (a zip: ``data.pkl``, ``byteorder``, ``data/0``, ...) lies at
@@ -116,7 +115,7 @@ def torch_save_storage_offset(file, start: int, length: int, nbytes: int) -> Opt
     return _record_data_offset(file, start, storages[0])
 
 
-def _record_data_offset(file, start: int, record: zipfile.ZipInfo) -> Optional[int]:
+def _record_data_offset(file, start: int, record: zipfile.ZipInfo) -> int | None:
     """Absolute offset of an uncompressed zip record's data, from its local file header."""
     file.seek(start + record.header_offset)
     signature, *_, name_len, extra_len = struct.unpack("<IHHHHHIIIHH", file.read(30))

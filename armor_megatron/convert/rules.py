@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -60,7 +60,7 @@ class TensorRule:
     layout: str
     tp: str
     shape: tuple[int, ...]
-    grouped_name: Optional[str] = None
+    grouped_name: str | None = None
     alt_ckpt_keys: tuple[str, ...] = ()
 
     @property
@@ -71,14 +71,16 @@ class TensorRule:
     def per_expert(self) -> bool:
         return "{expert}" in self.local_name
 
-    def hf(self, layer: Optional[int] = None, expert: Optional[int] = None) -> list[str]:
+    def hf(self, layer: int | None = None, expert: int | None = None) -> list[str]:
         return [n.format(layer=layer, expert=expert) for n in self.hf_names]
 
-    def name(self, layer: Optional[int] = None, expert: Optional[int] = None, spec: str = "local",
-             grouped: bool = False) -> str:
+    def name(
+        self, layer: int | None = None, expert: int | None = None, spec: str = "local", grouped: bool = False
+    ) -> str:
         """Megatron parameter name for one layer / expert."""
-        template = self.grouped_name if grouped and self.grouped_name else (
-            self.te_name if spec == "te" else self.local_name)
+        template = (
+            self.grouped_name if grouped and self.grouped_name else (self.te_name if spec == "te" else self.local_name)
+        )
         return template.format(layer=layer, expert=expert)
 
     def stacked_shape(self, arch: ModelArch) -> tuple[int, ...]:
@@ -87,7 +89,7 @@ class TensorRule:
         lead += (arch.num_experts,) if self.per_expert else ()
         return lead + self.shape
 
-    def indices(self, arch: ModelArch) -> Iterator[tuple[Optional[int], Optional[int]]]:
+    def indices(self, arch: ModelArch) -> Iterator[tuple[int | None, int | None]]:
         """Every (layer, expert) this rule covers, layers outermost."""
         for layer in range(arch.num_layers) if self.per_layer else (None,):
             for expert in range(arch.num_experts) if self.per_expert else (None,):
@@ -109,49 +111,120 @@ def _hashable(arch: ModelArch) -> ModelArch:
     return dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
     L, A = _DECODER, _HF_LAYER
     qkv_hf = [f"{A}self_attn.{x}_proj" for x in "qkv"]
-    rules = [_rule("embedding.word_embeddings.weight", "embedding.word_embeddings.weight",
-                   "model.embed_tokens.weight", "copy", "vocab", (arch.vocab_size, h))]
+    rules = [
+        _rule(
+            "embedding.word_embeddings.weight",
+            "embedding.word_embeddings.weight",
+            "model.embed_tokens.weight",
+            "copy",
+            "vocab",
+            (arch.vocab_size, h),
+        )
+    ]
     rules += [
-        _rule("decoder.layers.self_attention.linear_qkv.layer_norm_weight", L + "input_layernorm.weight",
-              A + "input_layernorm.weight", "copy", "replicated", (h,),
-              te=L + "self_attention.linear_qkv.layer_norm_weight"),
-        _rule("decoder.layers.self_attention.linear_qkv.weight", L + "self_attention.linear_qkv.weight",
-              [n + ".weight" for n in qkv_hf], "qkv", "qkv", (qkv_rows, h)),
+        _rule(
+            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            L + "input_layernorm.weight",
+            A + "input_layernorm.weight",
+            "copy",
+            "replicated",
+            (h,),
+            te=L + "self_attention.linear_qkv.layer_norm_weight",
+        ),
+        _rule(
+            "decoder.layers.self_attention.linear_qkv.weight",
+            L + "self_attention.linear_qkv.weight",
+            [n + ".weight" for n in qkv_hf],
+            "qkv",
+            "qkv",
+            (qkv_rows, h),
+        ),
     ]
     if arch.qkv_bias:
-        rules.append(_rule("decoder.layers.self_attention.linear_qkv.bias", L + "self_attention.linear_qkv.bias",
-                           [n + ".bias" for n in qkv_hf], "qkv", "qkv", (qkv_rows,)))
+        rules.append(
+            _rule(
+                "decoder.layers.self_attention.linear_qkv.bias",
+                L + "self_attention.linear_qkv.bias",
+                [n + ".bias" for n in qkv_hf],
+                "qkv",
+                "qkv",
+                (qkv_rows,),
+            )
+        )
     if arch.qk_norm:
-        rules += [_rule(f"decoder.layers.self_attention.{x}_layernorm.weight",
-                        L + f"self_attention.{x}_layernorm.weight", A + f"self_attn.{x}_norm.weight",
-                        "copy", "replicated", (d,)) for x in "qk"]
-    rules.append(_rule("decoder.layers.self_attention.linear_proj.weight", L + "self_attention.linear_proj.weight",
-                       A + "self_attn.o_proj.weight", "copy", "row", (h, arch.num_attention_heads * d)))
+        rules += [
+            _rule(
+                f"decoder.layers.self_attention.{x}_layernorm.weight",
+                L + f"self_attention.{x}_layernorm.weight",
+                A + f"self_attn.{x}_norm.weight",
+                "copy",
+                "replicated",
+                (d,),
+            )
+            for x in "qk"
+        ]
+    rules.append(
+        _rule(
+            "decoder.layers.self_attention.linear_proj.weight",
+            L + "self_attention.linear_proj.weight",
+            A + "self_attn.o_proj.weight",
+            "copy",
+            "row",
+            (h, arch.num_attention_heads * d),
+        )
+    )
     rules += _mlp_rules(arch) if arch.is_moe else _dense_mlp_rules(h, f)
-    rules.append(_rule("decoder.final_layernorm.weight", "decoder.final_layernorm.weight", "model.norm.weight",
-                       "copy", "replicated", (h,)))
+    rules.append(
+        _rule(
+            "decoder.final_layernorm.weight",
+            "decoder.final_layernorm.weight",
+            "model.norm.weight",
+            "copy",
+            "replicated",
+            (h,),
+        )
+    )
     if not arch.tie_word_embeddings:
-        rules.append(_rule("output_layer.weight", "output_layer.weight", "lm_head.weight", "copy", "vocab",
-                           (arch.vocab_size, h)))
+        rules.append(
+            _rule("output_layer.weight", "output_layer.weight", "lm_head.weight", "copy", "vocab", (arch.vocab_size, h))
+        )
     return tuple(rules)
 
 
 def _dense_mlp_rules(h: int, f: int) -> list[TensorRule]:
     L, A = _DECODER, _HF_LAYER + "mlp."
     return [
-        _rule("decoder.layers.mlp.linear_fc1.layer_norm_weight", L + "pre_mlp_layernorm.weight",
-              _HF_LAYER + "post_attention_layernorm.weight", "copy", "replicated", (h,),
-              te=L + "mlp.linear_fc1.layer_norm_weight"),
-        _rule("decoder.layers.mlp.linear_fc1.weight", L + "mlp.linear_fc1.weight",
-              [A + "gate_proj.weight", A + "up_proj.weight"], "glu", "glu", (2 * f, h)),
-        _rule("decoder.layers.mlp.linear_fc2.weight", L + "mlp.linear_fc2.weight", A + "down_proj.weight",
-              "copy", "row", (h, f)),
+        _rule(
+            "decoder.layers.mlp.linear_fc1.layer_norm_weight",
+            L + "pre_mlp_layernorm.weight",
+            _HF_LAYER + "post_attention_layernorm.weight",
+            "copy",
+            "replicated",
+            (h,),
+            te=L + "mlp.linear_fc1.layer_norm_weight",
+        ),
+        _rule(
+            "decoder.layers.mlp.linear_fc1.weight",
+            L + "mlp.linear_fc1.weight",
+            [A + "gate_proj.weight", A + "up_proj.weight"],
+            "glu",
+            "glu",
+            (2 * f, h),
+        ),
+        _rule(
+            "decoder.layers.mlp.linear_fc2.weight",
+            L + "mlp.linear_fc2.weight",
+            A + "down_proj.weight",
+            "copy",
+            "row",
+            (h, f),
+        ),
     ]
 
 
@@ -168,17 +241,41 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
     return [
         # The project's builder keeps the MoE pre-MLP norm under the TE key for both specs;
         # megatron's stock local spec files it under the dense fused-norm key (accepted on read).
-        _rule("decoder.layers.pre_mlp_layernorm.weight", _DECODER + "pre_mlp_layernorm.weight",
-              _HF_LAYER + "post_attention_layernorm.weight", "copy", "replicated", (h,),
-              alt_ckpt_keys=("decoder.layers.mlp.linear_fc1.layer_norm_weight",)),
-        _rule("decoder.layers.mlp.router.weight", L + "router.weight", moe + "gate.weight", "copy", "replicated",
-              (arch.num_experts, h)),
-        _rule("decoder.layers.mlp.experts.experts.linear_fc1.weight", L + "experts.local_experts.{expert}.linear_fc1.weight",
-              [expert + f"{gate}.weight", expert + f"{up}.weight"], "glu", "glu", (2 * f, h),
-              grouped=L + "experts.linear_fc1.weight{expert}"),
-        _rule("decoder.layers.mlp.experts.experts.linear_fc2.weight", L + "experts.local_experts.{expert}.linear_fc2.weight",
-              expert + f"{down}.weight", "copy", "row", (h, f),
-              grouped=L + "experts.linear_fc2.weight{expert}"),
+        _rule(
+            "decoder.layers.pre_mlp_layernorm.weight",
+            _DECODER + "pre_mlp_layernorm.weight",
+            _HF_LAYER + "post_attention_layernorm.weight",
+            "copy",
+            "replicated",
+            (h,),
+            alt_ckpt_keys=("decoder.layers.mlp.linear_fc1.layer_norm_weight",),
+        ),
+        _rule(
+            "decoder.layers.mlp.router.weight",
+            L + "router.weight",
+            moe + "gate.weight",
+            "copy",
+            "replicated",
+            (arch.num_experts, h),
+        ),
+        _rule(
+            "decoder.layers.mlp.experts.experts.linear_fc1.weight",
+            L + "experts.local_experts.{expert}.linear_fc1.weight",
+            [expert + f"{gate}.weight", expert + f"{up}.weight"],
+            "glu",
+            "glu",
+            (2 * f, h),
+            grouped=L + "experts.linear_fc1.weight{expert}",
+        ),
+        _rule(
+            "decoder.layers.mlp.experts.experts.linear_fc2.weight",
+            L + "experts.local_experts.{expert}.linear_fc2.weight",
+            expert + f"{down}.weight",
+            "copy",
+            "row",
+            (h, f),
+            grouped=L + "experts.linear_fc2.weight{expert}",
+        ),
     ]
 
 
@@ -220,7 +317,7 @@ def hf_to_mcore(arch: ModelArch, rule: TensorRule, hf_tensors: Sequence[torch.Te
         return tensor
     out = torch.empty(rule.shape, dtype=hf_tensors[0].dtype)
     for i, hf_row, row, rows in row_blocks(arch, rule):
-        out[row:row + rows] = hf_tensors[i][hf_row:hf_row + rows]
+        out[row : row + rows] = hf_tensors[i][hf_row : hf_row + rows]
     return out
 
 
@@ -231,7 +328,7 @@ def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) 
         raise ValueError(f"{rule.ckpt_key}: shape {tuple(tensor.shape)} != expected {rule.shape}")
     blocks: list[list[torch.Tensor]] = [[] for _ in rule.hf_names]
     for i, _, row, rows in row_blocks(arch, rule):  # blocks come in HF row order per tensor
-        blocks[i].append(tensor[row:row + rows] if tensor.dim() else tensor)
+        blocks[i].append(tensor[row : row + rows] if tensor.dim() else tensor)
     return blocks
 
 
@@ -250,8 +347,8 @@ class ParamRef:
     """A Megatron parameter name resolved to its rule and global layer / expert index."""
 
     rule: TensorRule
-    layer: Optional[int]
-    expert: Optional[int]
+    layer: int | None
+    expert: int | None
 
     @property
     def hf_names(self) -> list[str]:
@@ -267,7 +364,7 @@ def _name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]
     return _cached_name_patterns(_hashable(arch))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached_name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]:
     out = []
     for rule in tensor_rules(arch):
@@ -285,7 +382,8 @@ def resolve_param(arch: ModelArch, name: str) -> ParamRef:
             layer, expert = match.groupdict().get("layer"), match.groupdict().get("expert")
             ref = ParamRef(rule, None if layer is None else int(layer), None if expert is None else int(expert))
             if (ref.layer is not None and ref.layer >= arch.num_layers) or (
-                    ref.expert is not None and ref.expert >= arch.num_experts):
+                ref.expert is not None and ref.expert >= arch.num_experts
+            ):
                 raise KeyError(f"{name}: layer/expert index out of range for {arch.family}")
             return ref
     raise KeyError(f"{name}: not a Megatron parameter of a {arch.family} model")

@@ -24,7 +24,7 @@ import errno
 import io
 import math
 import os
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -41,7 +41,7 @@ class FileSegment:
     offset: int
     nbytes: int
 
-    def rows(self, first: int, count: int, total_rows: int) -> "FileSegment":
+    def rows(self, first: int, count: int, total_rows: int) -> FileSegment:
         """Rows ``first:first+count`` of a row-major tensor of ``total_rows`` rows stored here."""
         if self.nbytes % total_rows or not 0 <= first <= first + count <= total_rows:
             raise ValueError(f"rows {first}:{first + count} of a {total_rows}-row, {self.nbytes}-byte segment")
@@ -121,8 +121,8 @@ class HoleFillingWriter(io.BufferedWriter):
 
     def __init__(self, path: str):
         super().__init__(io.FileIO(path, "wb"))
-        self._pending: Optional[Sequence[FileSegment]] = None
-        self._error: Optional[Exception] = None
+        self._pending: Sequence[FileSegment] | None = None
+        self._error: Exception | None = None
 
     def save_tensor(self, shape: Sequence[int], dtype: torch.dtype, segments: Sequence[FileSegment]) -> None:
         """Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``

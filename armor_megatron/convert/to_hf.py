@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Iterator, Optional, Sequence, TextIO
+from collections.abc import Iterator, Sequence
+from typing import TextIO
 
 from armor_megatron.convert import torch_dist
 from armor_megatron.convert.errors import CheckpointError
@@ -27,7 +28,7 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
-def hf_config_dir_of(mcore_dir: str, hf_config_dir: Optional[str] = None) -> str:
+def hf_config_dir_of(mcore_dir: str, hf_config_dir: str | None = None) -> str:
     path = hf_config_dir or os.path.join(mcore_dir, HF_FILES_DIR)
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise CheckpointError(f"{mcore_dir}: no {HF_FILES_DIR}/config.json; pass --hf-config DIR with the HF config")
@@ -36,10 +37,12 @@ def hf_config_dir_of(mcore_dir: str, hf_config_dir: Optional[str] = None) -> str
 
 def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:
     """HF order: embedding, then layer by layer, then the final norm and output layer."""
+
     def order(c: torch_dist.Chunk):
         if c.layer is not None:
             return (1, c.layer)
         return (0, 0) if c.rule.ckpt_key.startswith("embedding") else (2, 0)
+
     return sorted(chunks, key=order)  # stable: keeps rule and expert order inside a layer
 
 
@@ -56,9 +59,16 @@ def buckets(chunks: Sequence[torch_dist.Chunk], nbytes, limit: int) -> Iterator[
         yield bucket
 
 
-def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional[str] = None,
-                        max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                        overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
+def convert_mcore_to_hf(
+    mcore_dir: str,
+    out_dir: str,
+    *,
+    hf_config_dir: str | None = None,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    overwrite: bool = False,
+    progress_stream: TextIO | None = sys.stderr,
+) -> Summary:
     """Convert the torch_dist checkpoint ``mcore_dir`` into an HF model directory ``out_dir``."""
     if not os.path.isdir(mcore_dir):
         raise CheckpointError(f"{mcore_dir}: not a directory")
@@ -67,8 +77,11 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
     with staged_dir(out_dir, overwrite) as tmp:
         reader = torch_dist.TorchDistReader(mcore_dir, arch, buffer_bytes=bucket_bytes)
         chunks = layer_major(torch_dist.chunks(arch))
-        planned = [PlannedTensor(name, shape, reader.dtypes[c.rule]) for c in chunks
-                   for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))]
+        planned = [
+            PlannedTensor(name, shape, reader.dtypes[c.rule])
+            for c in chunks
+            for name, shape in zip(c.rule.hf(c.layer, c.expert), hf_shapes(arch, c.rule))
+        ]
         writer = SafetensorsWriter(tmp, planned, max_shard_bytes)
         progress = Progress("mcore-to-hf", len(planned), sum(t.nbytes for t in planned), progress_stream)
         for bucket in buckets(chunks, reader.chunk_bytes, bucket_bytes):
@@ -85,11 +98,12 @@ def convert_mcore_to_hf(mcore_dir: str, out_dir: str, *, hf_config_dir: Optional
                         writer.write_segments(name, shape, dtype, segments)
                         progress.advance(total_bytes(segments))
                 else:  # pieces of a training run's TP/EP shards, assembled in memory by DCP
-                    for name, shape, blocks in zip(names, shapes, mcore_to_hf_blocks(arch, chunk.rule, next(resharded))):
+                    for name, shape, blocks in zip(
+                        names, shapes, mcore_to_hf_blocks(arch, chunk.rule, next(resharded))
+                    ):
                         writer.write_blocks(name, shape, blocks)
                         progress.advance(sum(b.nbytes for b in blocks))
         writer.close()
         reader.close()
         copy_side_files(config_dir, tmp)
     return progress.summary(os.path.abspath(out_dir))
-

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from typing import Optional, TextIO
+from typing import TextIO
 
 import torch
 
@@ -38,20 +38,31 @@ def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
             for name, shape in zip(rule.hf(layer, expert), hf_shapes(arch, rule)):
                 info = hf.check(name, shape)
                 if dtypes.setdefault(rule, info.dtype) != info.dtype:
-                    raise CheckpointError(f"{hf.path}: tensor {name} is {info.dtype}, other parts of "
-                                          f"{rule.ckpt_key} are {dtypes[rule]}")
+                    raise CheckpointError(
+                        f"{hf.path}: tensor {name} is {info.dtype}, other parts of {rule.ckpt_key} are {dtypes[rule]}"
+                    )
                 used.add(name)
     if arch.tie_word_embeddings:
         used.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     unexpected = sorted(n for n in hf.tensors if n not in used and not _IGNORED.match(n))
     if unexpected:
-        raise CheckpointError(f"{hf.path}: tensor {unexpected[0]} is not part of a {arch.family} model "
-                              f"({len(unexpected)} unexpected tensors)")
+        raise CheckpointError(
+            f"{hf.path}: tensor {unexpected[0]} is not part of a {arch.family} model "
+            f"({len(unexpected)} unexpected tensors)"
+        )
     return dtypes
 
 
-def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                        overwrite: bool = False, progress_stream: Optional[TextIO] = sys.stderr) -> Summary:
+def convert_hf_to_mcore(
+    hf_dir: str,
+    out_dir: str,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    overwrite: bool = False,
+    progress_stream: TextIO | None = sys.stderr,
+) -> Summary:
     """Convert ``hf_dir`` into a torch_dist checkpoint at ``out_dir``.
 
     ``tp``/``pp``/``ep`` are only checked (the checkpoint loads at any parallelism whose sizes
@@ -62,8 +73,10 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
     arch: ModelArch = hf.arch
     arch.validate_parallelism(tp, pp, ep)
     if arch.vocab_size % tp:  # megatron pads the vocabulary to a multiple of tp; this writes it unpadded
-        raise CheckpointError(f"vocab_size={arch.vocab_size} is not divisible by tp={tp}: the model would pad "
-                              f"its embedding and this checkpoint (unpadded) would not load")
+        raise CheckpointError(
+            f"vocab_size={arch.vocab_size} is not divisible by tp={tp}: the model would pad "
+            f"its embedding and this checkpoint (unpadded) would not load"
+        )
     dtypes = plan_hf_tensors(hf)
     chunks = torch_dist.chunks(arch)
     names = {c: c.rule.hf(c.layer, c.expert) for c in chunks}
@@ -89,8 +102,16 @@ def convert_hf_to_mcore(hf_dir: str, out_dir: str, *, tp: int = 1, pp: int = 1, 
         digest.wait()
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))
         algorithm = TensorDigest.ALGORITHM
-        write_metadata(tmp, family=arch.family, hf_config=hf.config,
-                       source={"path": os.path.abspath(hf_dir), "tensors_checksum": digest.hexdigest(),
-                               "checksum": f"{algorithm} of sorted 'name dtype shape {algorithm}(bytes)' lines",
-                               "tensors": count, "bytes": total})
+        write_metadata(
+            tmp,
+            family=arch.family,
+            hf_config=hf.config,
+            source={
+                "path": os.path.abspath(hf_dir),
+                "tensors_checksum": digest.hexdigest(),
+                "checksum": f"{algorithm} of sorted 'name dtype shape {algorithm}(bytes)' lines",
+                "tensors": count,
+                "bytes": total,
+            },
+        )
     return progress.summary(os.path.abspath(out_dir))

@@ -25,25 +25,29 @@ Neither direction imports megatron-core.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
 import io
 import json
+import math
 import os
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.raw_io import ChunkBuffer, pread_into, torch_save_storage_offset
-from armor_megatron.convert.segments import FileSegment, HoleFillingWriter
 from armor_megatron.convert.rules import TensorRule, tensor_rules
+from armor_megatron.convert.segments import FileSegment, HoleFillingWriter
 from armor_megatron.models import ModelArch
 
 _LINEAR_MODULES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 # megatron.core.dist_checkpointing.core.CheckpointingConfig, as metadata.json
-MEGATRON_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
-                   "common_backend": "torch", "common_backend_version": 1}
+MEGATRON_CONFIG = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +55,8 @@ class Chunk:
     """One stored piece of a stacked tensor: a rule at one layer (and expert)."""
 
     rule: TensorRule
-    layer: Optional[int] = None
-    expert: Optional[int] = None
+    layer: int | None = None
+    expert: int | None = None
 
     @property
     def stacked_index(self) -> tuple[int, ...]:
@@ -132,8 +136,11 @@ def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callab
                         chunk = chunk_of[key]
                         stream.save_tensor(chunk.stored_shape(), item.tensor_data.properties.dtype, produce(chunk))
                     length = stream.tell() - offset
-                    results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                               storage_data=_StorageInfo(name, offset, length)))
+                    results.append(
+                        WriteResult(
+                            index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+                        )
+                    )
             done = Future()
             done.set_result(results)
             return done
@@ -141,8 +148,12 @@ def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callab
     return SegmentWriter(out_dir, single_file_per_rank=True, thread_count=1, sync_files=False)
 
 
-def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRule], torch.dtype],
-                     produce: Callable[[Chunk], list[FileSegment]]) -> None:
+def write_checkpoint(
+    out_dir: str,
+    arch: ModelArch,
+    dtype_of: Callable[[TensorRule], torch.dtype],
+    produce: Callable[[Chunk], list[FileSegment]],
+) -> None:
     """Write a torch_dist checkpoint of ``arch`` into the existing empty directory ``out_dir``.
 
     ``produce(chunk)`` returns the file segments whose bytes, concatenated, are the chunk's
@@ -157,15 +168,17 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     write_items, chunk_of = [], {}
     for chunk in chunks(arch):
         offset = torch.Size(chunk.global_offset())
-        write_items.append(WriteItem(
-            index=MetadataIndex(chunk.rule.ckpt_key, offset),
-            type=WriteItemType.SHARD,
-            tensor_data=TensorWriteData(
-                chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size(chunk.stored_shape())),
-                properties=TensorProperties(dtype=dtype_of(chunk.rule)),
-                size=torch.Size(chunk.rule.stacked_shape(arch)),
-            ),
-        ))
+        write_items.append(
+            WriteItem(
+                index=MetadataIndex(chunk.rule.ckpt_key, offset),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=offset, sizes=torch.Size(chunk.stored_shape())),
+                    properties=TensorProperties(dtype=dtype_of(chunk.rule)),
+                    size=torch.Size(chunk.rule.stacked_shape(arch)),
+                ),
+            )
+        )
         chunk_of[(chunk.rule.ckpt_key, tuple(offset))] = chunk
     none_list = io.BytesIO()
     torch.save([None], none_list)  # megatron stores each object key as the list of its shards' data
@@ -173,8 +186,12 @@ def write_checkpoint(out_dir: str, arch: ModelArch, dtype_of: Callable[[TensorRu
     for key in extra_state_keys(arch):
         write_items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         objects[(key, ())] = none_list.getvalue()
-    dcp_save({}, storage_writer=_segment_writer(out_dir, chunk_of, objects, produce), planner=_planner(write_items),
-             no_dist=True)
+    dcp_save(
+        {},
+        storage_writer=_segment_writer(out_dir, chunk_of, objects, produce),
+        planner=_planner(write_items),
+        no_dist=True,
+    )
     torch.save({}, os.path.join(out_dir, "common.pt"))
     with open(os.path.join(out_dir, "metadata.json"), "w") as f:
         json.dump(MEGATRON_CONFIG, f)
@@ -211,8 +228,10 @@ class TorchDistReader:
             if key is None:
                 raise CheckpointError(f"{ckpt_dir}: tensor {rule.ckpt_key} is missing")
             if tuple(stored[key].size) != rule.stacked_shape(arch):
-                raise CheckpointError(f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
-                                      f"expected {list(rule.stacked_shape(arch))}")
+                raise CheckpointError(
+                    f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
+                    f"expected {list(rule.stacked_shape(arch))}"
+                )
             self.keys[rule], self.dtypes[rule] = key, stored[key].properties.dtype
         largest = max(self.chunk_bytes(c) for c in chunks(arch))
         self._buffer = ChunkBuffer(max(buffer_bytes, largest))
@@ -230,14 +249,21 @@ class TorchDistReader:
             tensor = self._read_stored_item(chunk, used)
             if tensor is not None:
                 out[i], used = tensor, used + tensor.nbytes
-        targets = {(self.keys[c.rule], c.global_offset()): torch.empty(c.stored_shape(), dtype=self.dtypes[c.rule])
-                   for i, c in enumerate(wanted) if i not in out}
+        targets = {
+            (self.keys[c.rule], c.global_offset()): torch.empty(c.stored_shape(), dtype=self.dtypes[c.rule])
+            for i, c in enumerate(wanted)
+            if i not in out
+        }
         if targets:
             dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
-        return [out[i].reshape(c.rule.shape) if i in out else targets[(self.keys[c.rule], c.global_offset())].reshape(
-            c.rule.shape) for i, c in enumerate(wanted)]
+        return [
+            out[i].reshape(c.rule.shape)
+            if i in out
+            else targets[(self.keys[c.rule], c.global_offset())].reshape(c.rule.shape)
+            for i, c in enumerate(wanted)
+        ]
 
-    def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> Optional[torch.Tensor]:
+    def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> torch.Tensor | None:
         """The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
         item that fits there, else None."""
         segment = self.stored_segment(chunk)
@@ -250,7 +276,7 @@ class TorchDistReader:
             raise CheckpointError(f"{self.ckpt_dir}: a data file is truncated ({e})") from None
         return tensor
 
-    def stored_segment(self, chunk: Chunk) -> Optional[FileSegment]:
+    def stored_segment(self, chunk: Chunk) -> FileSegment | None:
         """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
         (untransformed, uncompressed, little-endian) item, else None."""
         from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -269,8 +295,9 @@ class TorchDistReader:
         if start is None:
             return None
         if os.fstat(fd).st_size < start + nbytes:
-            raise CheckpointError(f"{self.ckpt_dir}: {info.relative_path} is truncated (tensor {key} ends at byte "
-                                  f"{start + nbytes})")
+            raise CheckpointError(
+                f"{self.ckpt_dir}: {info.relative_path} is truncated (tensor {key} ends at byte {start + nbytes})"
+            )
         return FileSegment(fd, start, nbytes)
 
     def _fd(self, relative_path: str) -> int:
@@ -325,8 +352,9 @@ def _chunk_load_planner_class():
                 reads = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [want])
                 covered = sum(math.prod(r.lengths) for r in reads)
                 if covered != tensor.numel():
-                    raise CheckpointError(f"{key} at {list(offsets)}: the checkpoint stores {covered} of "
-                                          f"{tensor.numel()} elements")
+                    raise CheckpointError(
+                        f"{key} at {list(offsets)}: the checkpoint stores {covered} of {tensor.numel()} elements"
+                    )
                 items += reads
             return LoadPlan(items)
 
@@ -338,4 +366,3 @@ def _chunk_load_planner_class():
             pass
 
     return ChunkLoadPlanner
-

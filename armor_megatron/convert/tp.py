@@ -15,7 +15,7 @@ tp must pad before splitting and trim after gathering.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -15,7 +15,7 @@ import contextlib
 import dataclasses
 import os
 import tempfile
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 
@@ -30,7 +30,7 @@ DEFAULT_ATOL = 1e-4
 class VerifyReport:
     tensors_compared: int
     mismatched: list[str]
-    max_logit_diff: Optional[float]
+    max_logit_diff: float | None
     atol: float
 
     @property
@@ -38,8 +38,10 @@ class VerifyReport:
         return not self.mismatched and (self.max_logit_diff is None or self.max_logit_diff <= self.atol)
 
     def lines(self) -> list[str]:
-        out = [f"round trip: {self.tensors_compared - len(self.mismatched)}/{self.tensors_compared} tensors "
-               f"bit-identical" + (f"; first mismatch {self.mismatched[0]}" if self.mismatched else "")]
+        out = [
+            f"round trip: {self.tensors_compared - len(self.mismatched)}/{self.tensors_compared} tensors "
+            f"bit-identical" + (f"; first mismatch {self.mismatched[0]}" if self.mismatched else "")
+        ]
         if self.max_logit_diff is not None:
             out.append(f"logits: max |megatron - transformers| = {self.max_logit_diff:.3g} (atol {self.atol:g})")
         out.append("verify: OK" if self.ok else "verify: FAILED")
@@ -54,16 +56,22 @@ def prompts(arch: ModelArch, batch: int = 3, length: int = 16, seed: int = 0) ->
 
 def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, list[str]]:
     """Bitwise comparison of every tensor of ``expected`` (tied lm_head copies excepted)."""
-    names = [n for n in expected.tensors if not (expected.arch.tie_word_embeddings and n == "lm_head.weight")
-             and not n.endswith("rotary_emb.inv_freq")]
+    names = [
+        n
+        for n in expected.tensors
+        if not (expected.arch.tie_word_embeddings and n == "lm_head.weight") and not n.endswith("rotary_emb.inv_freq")
+    ]
     mismatched = []
     for name in names:
         if name not in actual.tensors:
             mismatched.append(f"{name} (missing)")
             continue
         a, b = expected.read(name), actual.read(name)
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(
-                a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
+        if (
+            a.dtype != b.dtype
+            or a.shape != b.shape
+            or not torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+        ):
             mismatched.append(name)
     return len(names), mismatched
 
@@ -96,7 +104,7 @@ def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
     return model
 
 
-def megatron_logits(model, arch: ModelArch, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+def megatron_logits(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits [b, s, V] on the last pipeline stage (None on other stages).
 
     Stages pass hidden states [s, b, h] point to point; TP ranks gather the vocab-parallel logits.

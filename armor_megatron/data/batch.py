@@ -13,7 +13,8 @@ and ~150 lines spare a dependency.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -21,8 +22,12 @@ import torch
 class RolloutBatch:
     """N rows: ``tensors`` (leading dim N), ``objects`` (lists of N) and a ``meta`` dict."""
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor] | None = None,
-                 objects: Mapping[str, Sequence[Any]] | None = None, meta: Mapping[str, Any] | None = None):
+    def __init__(
+        self,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        objects: Mapping[str, Sequence[Any]] | None = None,
+        meta: Mapping[str, Any] | None = None,
+    ):
         self.tensors: dict[str, torch.Tensor] = {}
         self.objects: dict[str, list[Any]] = {}
         self.meta: dict[str, Any] = dict(meta or {})
@@ -70,47 +75,51 @@ class RolloutBatch:
 
     def __repr__(self) -> str:
         tensors = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self.tensors.items())
-        return f"RolloutBatch(rows={len(self)}, tensors={{{tensors}}}, objects={list(self.objects)}, " \
-               f"meta={list(self.meta)})"
+        return (
+            f"RolloutBatch(rows={len(self)}, tensors={{{tensors}}}, objects={list(self.objects)}, "
+            f"meta={list(self.meta)})"
+        )
 
     # ----- row operations -----------------------------------------------------------------
-    def _derive(self, tensors: dict[str, torch.Tensor], objects: dict[str, list[Any]]) -> "RolloutBatch":
+    def _derive(self, tensors: dict[str, torch.Tensor], objects: dict[str, list[Any]]) -> RolloutBatch:
         out = RolloutBatch(meta=self.meta)
         out.tensors, out.objects = tensors, objects
         sizes = [t.shape[0] for t in tensors.values()] + [len(o) for o in objects.values()]
         out._size = sizes[0] if sizes else 0
         return out
 
-    def slice(self, start: int, stop: int | None = None) -> "RolloutBatch":
+    def slice(self, start: int, stop: int | None = None) -> RolloutBatch:
         """Rows [start, stop), Python slice semantics."""
         rows = slice(start, stop)
-        return self._derive({k: v[rows] for k, v in self.tensors.items()},
-                            {k: v[rows] for k, v in self.objects.items()})
+        return self._derive(
+            {k: v[rows] for k, v in self.tensors.items()}, {k: v[rows] for k, v in self.objects.items()}
+        )
 
-    def index(self, indices: torch.Tensor | Sequence[int]) -> "RolloutBatch":
+    def index(self, indices: torch.Tensor | Sequence[int]) -> RolloutBatch:
         """Rows in the given order (may repeat)."""
         idx = torch.as_tensor(indices, dtype=torch.long).reshape(-1)
         if idx.numel() and not (-len(self) <= int(idx.min()) and int(idx.max()) < len(self)):
             raise IndexError(f"row index out of range for a batch of {len(self)} rows")
         rows = idx.tolist()
-        return self._derive({k: v[idx.to(v.device)] for k, v in self.tensors.items()},
-                            {k: [v[i] for i in rows] for k, v in self.objects.items()})
+        return self._derive(
+            {k: v[idx.to(v.device)] for k, v in self.tensors.items()},
+            {k: [v[i] for i in rows] for k, v in self.objects.items()},
+        )
 
-    def select(self, mask: torch.Tensor | Sequence[bool]) -> "RolloutBatch":
+    def select(self, mask: torch.Tensor | Sequence[bool]) -> RolloutBatch:
         """Rows where the boolean ``mask`` [N] is True, in order."""
         mask = torch.as_tensor(mask)
         if mask.dtype != torch.bool or mask.shape != (len(self),):
-            raise ValueError(f"select needs a bool mask of shape ({len(self)},), got {mask.dtype} "
-                             f"{tuple(mask.shape)}")
+            raise ValueError(f"select needs a bool mask of shape ({len(self)},), got {mask.dtype} {tuple(mask.shape)}")
         return self.index(mask.cpu().nonzero().reshape(-1))
 
-    def split(self, rows_per_part: int) -> list["RolloutBatch"]:
+    def split(self, rows_per_part: int) -> list[RolloutBatch]:
         """Consecutive parts of ``rows_per_part`` rows (the last one may be shorter)."""
         if rows_per_part < 1:
             raise ValueError(f"split needs rows_per_part >= 1, got {rows_per_part!r}")
         return [self.slice(i, i + rows_per_part) for i in range(0, len(self), rows_per_part)]
 
-    def chunk(self, parts: int) -> list["RolloutBatch"]:
+    def chunk(self, parts: int) -> list[RolloutBatch]:
         """Exactly ``parts`` consecutive parts whose sizes differ by at most one (larger first)."""
         if parts < 1:
             raise ValueError(f"chunk needs parts >= 1, got {parts!r}")
@@ -120,17 +129,19 @@ class RolloutBatch:
             bounds.append(bounds[-1] + base + (p < extra))
         return [self.slice(a, b) for a, b in zip(bounds, bounds[1:])]
 
-    def repeat_interleave(self, repeats: int) -> "RolloutBatch":
+    def repeat_interleave(self, repeats: int) -> RolloutBatch:
         """Each row ``repeats`` times in a row (a prompt batch -> its G samples' rows)."""
         return self.index(torch.arange(len(self)).repeat_interleave(repeats))
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> "RolloutBatch":
-        return self._derive({k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()},
-                            dict(self.objects))
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        return self._derive(
+            {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}, dict(self.objects)
+        )
 
     @classmethod
-    def concat(cls, batches: Iterable["RolloutBatch"],
-               pad_values: Mapping[str, float | int] | None = None) -> "RolloutBatch":
+    def concat(
+        cls, batches: Iterable[RolloutBatch], pad_values: Mapping[str, float | int] | None = None
+    ) -> RolloutBatch:
         """Rows of all batches in order. All must have the same fields. A tensor whose trailing
         dims differ between batches (e.g. [N, T] with different T) is right-padded to the
         largest with ``pad_values[key]``; without an entry for it, the mismatch raises. Meta
@@ -154,8 +165,10 @@ def _cat_padded(key: str, parts: list[torch.Tensor], pad_value: float | int | No
     trailing = [p.shape[1:] for p in parts]
     if len(set(trailing)) > 1:
         if pad_value is None or len({len(t) for t in trailing}) > 1:
-            raise ValueError(f"concat: field {key!r} has trailing shapes {[tuple(t) for t in trailing]}; "
-                             f"give pad_values[{key!r}] to right-pad it")
+            raise ValueError(
+                f"concat: field {key!r} has trailing shapes {[tuple(t) for t in trailing]}; "
+                f"give pad_values[{key!r}] to right-pad it"
+            )
         target = [max(dims) for dims in zip(*trailing)]
         padded = []
         for p in parts:

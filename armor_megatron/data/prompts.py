@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -21,7 +22,7 @@ class PromptRow:
     index: int
     prompt: Any
     answer: Any
-    verifier: Optional[str] = None
+    verifier: str | None = None
     extra: dict = dataclasses.field(default_factory=dict)
 
 
@@ -123,7 +124,9 @@ class PromptLoader:
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
-def encode_prompt(tokenizer, prompt: Any, *, apply_chat_template: bool = True, template: Optional[str] = None) -> list[int]:
+def encode_prompt(
+    tokenizer, prompt: Any, *, apply_chat_template: bool = True, template: str | None = None
+) -> list[int]:
     """Token ids of one prompt.
 
     A list of chat messages, or a string when ``apply_chat_template`` is set and the tokenizer

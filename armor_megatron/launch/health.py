@@ -10,14 +10,14 @@ import os
 import time
 import urllib.error
 import urllib.request
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
 class EngineStartError(RuntimeError):
     """An engine did not become healthy."""
 
 
-def is_healthy(url: str, api_key: Optional[str] = None, timeout_s: float = 10.0) -> bool:
+def is_healthy(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> bool:
     request = urllib.request.Request(url.rstrip("/") + "/health_generate")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
@@ -33,7 +33,7 @@ def wait_for_engines(
     *,
     timeout_s: float,
     pids: Sequence[int] = (),
-    api_key: Optional[str] = None,
+    api_key: str | None = None,
     poll_s: float = 2.0,
 ) -> float:
     """Block until every URL is healthy; return the seconds waited. Raises EngineStartError."""
@@ -45,7 +45,9 @@ def wait_for_engines(
             break
         dead = [pid for pid in pids if not _alive(pid)]
         if dead:
-            raise EngineStartError(f"engine step(s) {', '.join(map(str, dead))} exited before {', '.join(pending)} became healthy")
+            raise EngineStartError(
+                f"engine step(s) {', '.join(map(str, dead))} exited before {', '.join(pending)} became healthy"
+            )
         waited = time.monotonic() - start
         if waited >= timeout_s:
             raise EngineStartError(f"{len(pending)} engine(s) not healthy after {waited:.0f}s: {', '.join(pending)}")

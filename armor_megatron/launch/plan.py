@@ -29,7 +29,8 @@ import dataclasses
 import json
 import os
 import shlex
-from typing import Literal, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Literal
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.launch.slurm_env import SlurmEnv
@@ -62,20 +63,22 @@ class LaunchOptions:
     python: str = "python"
     train_entry: tuple[str, ...] = DEFAULT_TRAIN_ENTRY
     srun_args: tuple[str, ...] = ()  # site-specific flags added to every srun, e.g. --mpi=pmix
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
-    container_mounts: Optional[str] = None
+    container_image: str | None = None  # pyxis/enroot: srun --container-image
+    container_mounts: str | None = None
     signal_grace_s: int = 120  # sbatch --signal=B:USR1@<this>; torchrun's worker shutdown timeout
 
     def __post_init__(self):
         if self.launcher not in LAUNCHERS:
             raise LaunchPlanError(f"launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         if not self.train_entry:
-            raise LaunchPlanError("ARMOR_TRAIN_ENTRY is empty: give the trainer command, e.g. 'python -m armor_megatron.cli.train'")
+            raise LaunchPlanError(
+                "ARMOR_TRAIN_ENTRY is empty: give the trainer command, e.g. 'python -m armor_megatron.cli.train'"
+            )
         if self.signal_grace_s < 1:
             raise LaunchPlanError(f"signal grace {self.signal_grace_s}s must be >= 1")
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str], launcher: Optional[str] = None) -> "LaunchOptions":
+    def from_environ(cls, env: Mapping[str, str], launcher: str | None = None) -> LaunchOptions:
         grace = env.get("ARMOR_SIGNAL_GRACE", "120")
         if not grace.isdigit():
             raise LaunchPlanError(f"ARMOR_SIGNAL_GRACE={grace!r} is not a number of seconds")
@@ -119,7 +122,7 @@ class JobPlan:
     env: dict[str, str]
     engines: tuple[EngineStep, ...]
     trainer_command: tuple[str, ...]
-    engine_api_key: Optional[str] = None
+    engine_api_key: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -145,7 +148,7 @@ def plan_job(
     env: SlurmEnv | Mapping[str, str],
     *,
     train_args: Sequence[str],
-    options: Optional[LaunchOptions] = None,
+    options: LaunchOptions | None = None,
 ) -> JobPlan:
     """The commands of the job; ``train_args`` are the trainer's own arguments (``--config FILE`` + overrides)."""
     slurm = env if isinstance(env, SlurmEnv) else SlurmEnv.from_environ(env)
@@ -214,20 +217,32 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
     launches_engines = cfg.rollout.engine == "sglang" and not sg.urls
     if not launches_engines:
         if launch.engine_gpus:
-            why = "rollout.engine is 'local'" if cfg.rollout.engine == "local" else "rollout.sglang.urls attaches to running servers"
-            raise LaunchPlanError(f"launch.engine_gpus={launch.engine_gpus} reserves GPUs for engines, but none are launched ({why})")
+            why = (
+                "rollout.engine is 'local'"
+                if cfg.rollout.engine == "local"
+                else "rollout.sglang.urls attaches to running servers"
+            )
+            raise LaunchPlanError(
+                f"launch.engine_gpus={launch.engine_gpus} reserves GPUs for engines, but none are launched ({why})"
+            )
         if gpn:
             return _Layout(nodes, gpn, ())
         model_parallel = par.tp * par.pp * par.cp
         if model_parallel % len(nodes):
-            raise LaunchPlanError(f"CPU job: tp·pp·cp={model_parallel} processes do not spread evenly over {len(nodes)} nodes")
+            raise LaunchPlanError(
+                f"CPU job: tp·pp·cp={model_parallel} processes do not spread evenly over {len(nodes)} nodes"
+            )
         return _Layout(nodes, model_parallel // len(nodes), ())
 
     if not gpn:
-        raise LaunchPlanError("rollout.engine=sglang needs GPUs, but launch.gpus_per_node=0 (use rollout.engine=local on CPU)")
+        raise LaunchPlanError(
+            "rollout.engine=sglang needs GPUs, but launch.gpus_per_node=0 (use rollout.engine=local on CPU)"
+        )
     t, n = sg.tp_per_engine, sg.num_engines + launched_reference_engines(cfg)
     if gpn % t:
-        raise LaunchPlanError(f"rollout.sglang.tp_per_engine={t} does not divide launch.gpus_per_node={gpn} (an engine stays on one node)")
+        raise LaunchPlanError(
+            f"rollout.sglang.tp_per_engine={t} does not divide launch.gpus_per_node={gpn} (an engine stays on one node)"
+        )
     if sg.placement == "colocated":
         if launch.engine_gpus:
             raise LaunchPlanError(
@@ -235,8 +250,10 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
                 "(engines share the trainer's GPUs); set it to 0 or use placement disaggregated"
             )
         if n * t > len(nodes) * gpn:
-            raise LaunchPlanError(f"rollout.sglang: {n} engines{_groups_note(cfg)} x tp {t} need {n * t} GPUs, "
-                                  f"the job has {len(nodes) * gpn}")
+            raise LaunchPlanError(
+                f"rollout.sglang: {n} engines{_groups_note(cfg)} x tp {t} need {n * t} GPUs, "
+                f"the job has {len(nodes) * gpn}"
+            )
         slots = tuple((nodes[(i * t) // gpn], (i * t) % gpn) for i in range(n))
         return _Layout(nodes, gpn, slots)
 
@@ -253,9 +270,7 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
     if e % len(nodes) == 0 and (e // len(nodes)) % t == 0:
         per_node = e // len(nodes)
         per_node_engines = per_node // t
-        slots = tuple(
-            (nodes[i // per_node_engines], gpn - per_node + (i % per_node_engines) * t) for i in range(n)
-        )
+        slots = tuple((nodes[i // per_node_engines], gpn - per_node + (i % per_node_engines) * t) for i in range(n))
         return _Layout(nodes, gpn - per_node, slots)
     raise LaunchPlanError(
         f"launch.engine_gpus={e} fits neither whole nodes of {gpn} GPUs nor an equal share of each of the "
@@ -293,21 +308,32 @@ def _groups_note(cfg: RunConfig) -> str:
     return f" ({cfg.rollout.sglang.num_engines} policy + {ref} reference)" if ref else ""
 
 
-def _engine_step(cfg: RunConfig, opts: LaunchOptions, index: int, group: str, node: str, first_gpu: int,
-                 port: int) -> EngineStep:
+def _engine_step(
+    cfg: RunConfig, opts: LaunchOptions, index: int, group: str, node: str, first_gpu: int, port: int
+) -> EngineStep:
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
     url_host = node if sg.host in ALL_INTERFACES else sg.host
     server = [
-        opts.python, "-m", "sglang.launch_server",
-        "--model-path", cfg.model.path,
-        "--tp-size", str(sg.tp_per_engine),
-        "--base-gpu-id", str(first_gpu),
-        "--host", sg.host,
-        "--port", str(port),
-        "--mem-fraction-static", str(sg.mem_fraction_static),
-        "--dtype", cfg.model.dtype,
-        "--random-seed", str(cfg.rollout.seed + index),
+        opts.python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        cfg.model.path,
+        "--tp-size",
+        str(sg.tp_per_engine),
+        "--base-gpu-id",
+        str(first_gpu),
+        "--host",
+        sg.host,
+        "--port",
+        str(port),
+        "--mem-fraction-static",
+        str(sg.mem_fraction_static),
+        "--dtype",
+        cfg.model.dtype,
+        "--random-seed",
+        str(cfg.rollout.seed + index),
     ]
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
@@ -320,7 +346,14 @@ def _engine_step(cfg: RunConfig, opts: LaunchOptions, index: int, group: str, no
 
 
 def _trainer_command(
-    opts: LaunchOptions, layout: _Layout, master_addr: str, master_port: int, job_id: str, args: list[str], *, overlap: bool
+    opts: LaunchOptions,
+    layout: _Layout,
+    master_addr: str,
+    master_port: int,
+    job_id: str,
+    args: list[str],
+    *,
+    overlap: bool,
 ) -> tuple[str, ...]:
     nodes = layout.trainer_nodes
     per_node = layout.trainer_procs_per_node

@@ -15,7 +15,7 @@ import os
 import shlex
 import shutil
 import subprocess
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from armor_megatron.cli.common import EXIT_OK, fail
 from armor_megatron.config.schema import RunConfig
@@ -32,8 +32,8 @@ def sbatch_command(
     template: str = TEMPLATE,
     log_dir: str = DEFAULT_LOG_DIR,
     signal_grace_s: int = 120,
-    array: Optional[str] = None,
-    job_name: Optional[str] = None,
+    array: str | None = None,
+    job_name: str | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
     """``template_args`` are what the template passes to the trainer: ``--config FILE`` and overrides."""
@@ -68,7 +68,9 @@ def run_or_print(prog: str, cmd: list[str], *, dry_run: bool, make_dirs: Sequenc
         print(shlex.join(cmd))
         return EXIT_OK
     if shutil.which(cmd[0]) is None:
-        return fail(prog, f"{cmd[0]} not found on PATH: run this on a SLURM login node, or add --dry-run to print the command")
+        return fail(
+            prog, f"{cmd[0]} not found on PATH: run this on a SLURM login node, or add --dry-run to print the command"
+        )
     for d in make_dirs:
         os.makedirs(d, exist_ok=True)  # SLURM does not create the directory of --output
     return subprocess.call(cmd)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
 
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
 from armor_megatron.config import ConfigError, load_config
@@ -47,7 +47,9 @@ def build_parser() -> OneLineArgumentParser:
     submit.add_argument("--dry-run", action="store_true", help="print the sbatch command instead of running it")
     submit.add_argument("--template", default=TEMPLATE, help=f"batch script (default {TEMPLATE})")
     submit.add_argument("--log-dir", default=DEFAULT_LOG_DIR, help=f"SLURM output files (default {DEFAULT_LOG_DIR})")
-    submit.add_argument("--signal-grace", type=int, default=120, help="seconds of warning (SIGUSR1) before the time limit")
+    submit.add_argument(
+        "--signal-grace", type=int, default=120, help="seconds of warning (SIGUSR1) before the time limit"
+    )
     submit.add_argument("--sbatch-arg", action="append", default=[], help="extra sbatch option, repeatable")
 
     wait = sub.add_parser("wait-engines", help="wait until SGLang servers are healthy")
@@ -61,10 +63,12 @@ def build_parser() -> OneLineArgumentParser:
 def _config_args(parser) -> None:
     parser.add_argument("--config", required=True, help="YAML run config; %%a = SLURM_ARRAY_TASK_ID")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
-    parser.add_argument("--launcher", choices=LAUNCHERS, default=None, help="srun: one task per GPU (default); torchrun: one per node")
+    parser.add_argument(
+        "--launcher", choices=LAUNCHERS, default=None, help="srun: one task per GPU (default); torchrun: one per node"
+    )
 
 
-def main(argv: Optional[Sequence[str]] = None, environ: Optional[Mapping[str, str]] = None) -> int:
+def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] not in COMMANDS and args_in[0] not in ("-h", "--help"):
         args_in.insert(0, "plan")  # `slurm --config X --dry-run` is `slurm plan --config X --dry-run`

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
 
@@ -23,22 +23,26 @@ class SlurmEnvError(ValueError):
 class SlurmEnv:
     job_id: str
     nodes: tuple[str, ...]
-    gpus_per_node: Optional[int] = None  # None when SLURM did not say (no GPUs requested)
+    gpus_per_node: int | None = None  # None when SLURM did not say (no GPUs requested)
     job_name: str = ""
-    array_task_id: Optional[int] = None
+    array_task_id: int | None = None
     restart_count: int = 0
 
     @classmethod
-    def from_environ(cls, env: Mapping[str, str]) -> "SlurmEnv":
+    def from_environ(cls, env: Mapping[str, str]) -> SlurmEnv:
         job_id = env.get("SLURM_JOB_ID", "")
         if not job_id:
-            raise SlurmEnvError("SLURM_JOB_ID is not set: run inside an sbatch/salloc allocation (or set fake SLURM_* variables)")
+            raise SlurmEnvError(
+                "SLURM_JOB_ID is not set: run inside an sbatch/salloc allocation (or set fake SLURM_* variables)"
+            )
         if not job_id.isdigit():
             raise SlurmEnvError(f"SLURM_JOB_ID={job_id!r} is not a number")
         nodes = _nodes(env)
         count_var = next((v for v in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES") if v in env), None)
         if count_var and _int(env, count_var) != len(nodes):
-            raise SlurmEnvError(f"{count_var}={env[count_var]} but the node list names {len(nodes)} hosts: {' '.join(nodes)}")
+            raise SlurmEnvError(
+                f"{count_var}={env[count_var]} but the node list names {len(nodes)} hosts: {' '.join(nodes)}"
+            )
         array = env.get("SLURM_ARRAY_TASK_ID")
         return cls(
             job_id=job_id,
@@ -63,7 +67,7 @@ def _nodes(env: Mapping[str, str]) -> list[str]:
         raise SlurmEnvError(f"SLURM_JOB_NODELIST: {err}") from None
 
 
-def _gpus_per_node(env: Mapping[str, str]) -> Optional[int]:
+def _gpus_per_node(env: Mapping[str, str]) -> int | None:
     """``SLURM_GPUS_ON_NODE`` ("8"), else ``SLURM_GPUS_PER_NODE`` ("8" or "h100:8")."""
     if "SLURM_GPUS_ON_NODE" in env:
         return _int(env, "SLURM_GPUS_ON_NODE")

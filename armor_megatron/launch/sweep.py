@@ -28,7 +28,8 @@ import shlex
 import shutil
 import sys
 import tempfile
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import yaml
 
@@ -108,7 +109,7 @@ def plan_sweep(
     out_dir: str,
     *,
     fixed_overrides: Sequence[str] = (),
-    max_parallel: Optional[int] = None,
+    max_parallel: int | None = None,
     launcher: str = "srun",
     template: str = TEMPLATE,
     log_dir: str = DEFAULT_LOG_DIR,
@@ -137,7 +138,9 @@ def plan_sweep(
         except ConfigError as err:
             raise SweepError(f"run {index} ({_describe(values)}): {err}") from None
         if to_dict(cfg.launch) != to_dict(base.launch):
-            raise SweepError(f"run {index} ({_describe(values)}) changes the launch section: one job array needs one resource request")
+            raise SweepError(
+                f"run {index} ({_describe(values)}) changes the launch section: one job array needs one resource request"
+            )
         try:  # the same layout checks the batch script will run, on placeholder hosts
             plan_job(cfg, preview_allocation(cfg), train_args=[], options=options)
         except LaunchPlanError as err:
@@ -158,7 +161,9 @@ def plan_sweep(
         array=array,
         job_name=sweep_name,
     )
-    return Sweep(config_path, out_dir, {k: list(v) for k, v in grid.items()}, tuple(fixed_overrides), tuple(runs), tuple(cmd))
+    return Sweep(
+        config_path, out_dir, {k: list(v) for k, v in grid.items()}, tuple(fixed_overrides), tuple(runs), tuple(cmd)
+    )
 
 
 def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
@@ -174,7 +179,9 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
         for run in sweep.runs:
             path = os.path.join(tmp, "configs", f"{run.index}.yaml")
             with open(path, "w") as f:
-                f.write(f"# sweep run {run.index}: {run.name}\n# from {sweep.base_config} with {shlex.join(run.overrides)}\n")
+                f.write(
+                    f"# sweep run {run.index}: {run.name}\n# from {sweep.base_config} with {shlex.join(run.overrides)}\n"
+                )
                 yaml.safe_dump(to_dict(run.config), f, sort_keys=False)
             if to_dict(load_config(path)) != to_dict(run.config):  # the file alone reproduces the run
                 raise SweepError(f"{path}: the written config does not read back to the same run")
@@ -183,7 +190,8 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
             "grid": sweep.grid,
             "fixed_overrides": list(sweep.fixed_overrides),
             "runs": [
-                {"index": r.index, "name": r.name, "values": r.values, "config": sweep.config_path(r.index)} for r in sweep.runs
+                {"index": r.index, "name": r.name, "values": r.values, "config": sweep.config_path(r.index)}
+                for r in sweep.runs
             ],
             "sbatch": list(sweep.sbatch),
         }
@@ -202,7 +210,13 @@ def build_parser() -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description="Expand a config grid into a SLURM job array.")
     parser.add_argument("--config", required=True, help="base YAML run config")
     parser.add_argument("--out", required=True, help="sweep directory (configs/, manifest.json)")
-    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="repeatable; alpha, tau, G, seed or a dotted key")
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help="repeatable; alpha, tau, G, seed or a dotted key",
+    )
     parser.add_argument("--grid-file", help="YAML mapping key -> list of values")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="fixed overrides for every run")
     parser.add_argument("--max-parallel", type=int, default=None, help="array tasks running at once (--array=0-N%%M)")
@@ -217,7 +231,7 @@ def build_parser() -> OneLineArgumentParser:
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         grid = read_grid_file(args.grid_file) if args.grid_file else {}

@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -84,6 +84,7 @@ from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass
 class TrainMicroBatch:
@@ -127,7 +128,9 @@ class TrainedModel:
         no_sync = [c.no_sync for c in self.ddp_chunks]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = _finalize_grads_without_token_scaling
-        self.optimizer, self.scheduler = optim.build_optimizer(self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps)
+        self.optimizer, self.scheduler = optim.build_optimizer(
+            self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps
+        )
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
@@ -171,8 +174,9 @@ class TrainedModel:
             optim.apply_update(self.optimizer, self.scheduler, norm)
         elif dist.get_rank() == 0:
             logger.warning("optimizer step skipped (%d so far): %s", self.guard.skipped_total, skip_reason)
-        metrics.update(grad_norm=norm, lr=lr, skipped=float(skip_reason is not None),
-                       skipped_total=float(self.guard.skipped_total))
+        metrics.update(
+            grad_norm=norm, lr=lr, skipped=float(skip_reason is not None), skipped_total=float(self.guard.skipped_total)
+        )
         return metrics
 
     def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
@@ -229,8 +233,9 @@ class TrainedModel:
             i = mb.index
             s = local["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
             tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
-            per_row = {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items()
-                       if k not in ("input_ids", "lengths")}
+            per_row = {
+                k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")
+            }
             out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=per_row))
         return out
 
@@ -275,18 +280,40 @@ class TrainedModel:
 class MegatronActor(TrainedModel):
     """The policy π_θ: log-probs and the ARMOR/DAPO train step (module docstring)."""
 
-    def __init__(self, arch: ModelArch, parallel: ParallelConfig, *, dtype, optimizer: OptimizerConfig,
-                 loss: PolicyLossConfig, micro_batch_size: int, total_steps: int, seed: int = 1234,
-                 temperature: float = 1.0):
+    def __init__(
+        self,
+        arch: ModelArch,
+        parallel: ParallelConfig,
+        *,
+        dtype,
+        optimizer: OptimizerConfig,
+        loss: PolicyLossConfig,
+        micro_batch_size: int,
+        total_steps: int,
+        seed: int = 1234,
+        temperature: float = 1.0,
+    ):
         self.loss_config, self.temperature = loss, float(temperature)
-        super().__init__(arch, parallel, dtype=dtype, optimizer=optimizer, micro_batch_size=micro_batch_size,
-                         total_steps=total_steps, seed=seed)
+        super().__init__(
+            arch,
+            parallel,
+            dtype=dtype,
+            optimizer=optimizer,
+            micro_batch_size=micro_batch_size,
+            total_steps=total_steps,
+            seed=seed,
+        )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
         """log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
         return compute_logprobs(
-            self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
-            vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=with_entropy,
+            self.model_chunks,
+            input_ids,
+            lengths,
+            micro_batch_size=self.micro_batch_size,
+            vocab_size=self.arch.vocab_size,
+            temperature=self.temperature,
+            with_entropy=with_entropy,
         )
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
@@ -295,12 +322,20 @@ class MegatronActor(TrainedModel):
         normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
 
         def loss_of(tmb: TrainMicroBatch, logits: torch.Tensor):
-            lp, ent = token_logprobs(logits, tmb.mb, vocab_size=self.arch.vocab_size,
-                                     temperature=self.temperature, with_entropy=True)
+            lp, ent = token_logprobs(
+                logits, tmb.mb, vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=True
+            )
             rows = {k: v.to(lp.device) for k, v in tmb.rows.items()}
-            return policy_loss(lp, rows["old_logprobs"], rows.get("ref_logprobs"), rows["advantages"],
-                               rows["response_mask"], self.loss_config, normalizer=normalizer.to(lp.device),
-                               entropy=ent)
+            return policy_loss(
+                lp,
+                rows["old_logprobs"],
+                rows.get("ref_logprobs"),
+                rows["advantages"],
+                rows["response_mask"],
+                self.loss_config,
+                normalizer=normalizer.to(lp.device),
+                entropy=ent,
+            )
 
         return self._train_on(batch, loss_of)
 
@@ -312,8 +347,12 @@ def check_layout(parallel: ParallelConfig) -> None:
 
     if not ps.model_parallel_is_initialized():
         raise RuntimeError("megatron model parallelism is not initialised: call dist.initialize(parallel, arch) first")
-    current = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-               ps.get_expert_model_parallel_world_size(), ps.get_virtual_pipeline_model_parallel_world_size())
+    current = (
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_pipeline_model_parallel_world_size(),
+        ps.get_expert_model_parallel_world_size(),
+        ps.get_virtual_pipeline_model_parallel_world_size(),
+    )
     wanted = (parallel.tp, parallel.pp, parallel.ep, parallel.vpp)
     if current != wanted:
         raise ValueError(f"parallel layout (tp, pp, ep, vpp)={wanted} differs from the initialised one {current}")
@@ -329,8 +368,12 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
 
 def _padded_columns(rows: dict, width: int) -> dict:
     """Per-token tensors ([B, T, ...]) zero-padded to ``width`` positions; [B] ones untouched."""
-    return {k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
-            if t.dim() >= 2 and t.shape[1] < width else t for k, t in rows.items()}
+    return {
+        k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
+        if t.dim() >= 2 and t.shape[1] < width
+        else t
+        for k, t in rows.items()
+    }
 
 
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
@@ -354,7 +397,9 @@ def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], tok
     out = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
     ids, lengths = out["input_ids"], out["lengths"]
     if ids.dim() != 2 or ids.shape[0] == 0 or lengths.shape != ids.shape[:1]:
-        raise ValueError(f"input_ids must be [N, L] with N >= 1 and lengths [N]; got {tuple(ids.shape)}, {tuple(lengths.shape)}")
+        raise ValueError(
+            f"input_ids must be [N, L] with N >= 1 and lengths [N]; got {tuple(ids.shape)}, {tuple(lengths.shape)}"
+        )
     for key in ("response_mask", *token_keys):
         if out.get(key) is not None and out[key].shape != ids.shape:
             raise ValueError(f"{key} has shape {tuple(out[key].shape)}, expected {tuple(ids.shape)} like input_ids")
@@ -381,6 +426,9 @@ def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
         combined["loss"] = sum(g["loss"] for g in gathered)
         result = [combined]
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(result, src=parallel_state.get_pipeline_model_parallel_last_rank(),
-                                   group=parallel_state.get_pipeline_model_parallel_group())
+        dist.broadcast_object_list(
+            result,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
     return result[0]

@@ -39,7 +39,7 @@ import os
 import random
 import shutil
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -71,8 +71,9 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
         result = c.load_state_dict(state, strict=not exclude)
         missing = [k for k in result.missing_keys if not k.startswith(exclude)] if exclude else []
         if missing or (exclude and result.unexpected_keys):
-            raise RuntimeError(f"checkpoint does not match the model: missing {missing[:3]}, "
-                               f"unexpected {result.unexpected_keys[:3]}")
+            raise RuntimeError(
+                f"checkpoint does not match the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
 
 
 def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
@@ -81,14 +82,23 @@ def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = 
     from megatron.core import dist_checkpointing
 
     path = _resolve(mcore_dir)
-    state = {name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
-             for name, sd in chunks_sharded_state_dict(chunks).items()}
+    state = {
+        name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
+        for name, sd in chunks_sharded_state_dict(chunks).items()
+    }
     load_chunks_state(chunks, dist_checkpointing.load(state, path), exclude=exclude)
 
 
 # ----------------------------------------------------------------------------- save
-def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Optional["ReferenceModel"], extra: dict,
-                    *, critic: Optional["MegatronCritic"] = None) -> str:
+def save_checkpoint(
+    root: str,
+    step: int,
+    actor: MegatronActor,
+    reference: ReferenceModel | None,
+    extra: dict,
+    *,
+    critic: MegatronCritic | None = None,
+) -> str:
     """Write a checkpoint of step `step` atomically (see module docstring); returns its path."""
     from megatron.core import dist_checkpointing
 
@@ -99,9 +109,15 @@ def save_checkpoint(root: str, step: int, actor: "MegatronActor", reference: Opt
         state["reference"] = reference.sharded_state_dict()
     if critic is not None:
         state["critic"] = critic.sharded_state_dict()
-    state.update(step=step, layout=_layout(), has_reference=reference is not None,
-                 has_optimizer="optimizer" in state, has_critic=critic is not None,
-                 critic_has_optimizer=critic is not None and critic.has_optimizer_state, rng=_rng_sharded_object())
+    state.update(
+        step=step,
+        layout=_layout(),
+        has_reference=reference is not None,
+        has_optimizer="optimizer" in state,
+        has_critic=critic is not None,
+        critic_has_optimizer=critic is not None and critic.has_optimizer_state,
+        rng=_rng_sharded_object(),
+    )
     dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         torch.save(extra, os.path.join(tmp, EXTRA_FILE))
@@ -119,7 +135,9 @@ def _agreed_tmp_name(root: str, name: str) -> str:
     if dist.get_rank() == 0:
         try:
             if _latest_name(root) == name:
-                raise FileExistsError(f"{os.path.join(root, name)} is the checkpoint `latest` names; refusing to overwrite it")
+                raise FileExistsError(
+                    f"{os.path.join(root, name)} is the checkpoint `latest` names; refusing to overwrite it"
+                )
             message[0] = f"{name}.tmp-{uuid.uuid4().hex[:12]}"
             os.makedirs(os.path.join(root, message[0]))
         except OSError as e:
@@ -158,7 +176,7 @@ def _fsync_dir(path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- find / prune
-def _latest_name(root: str) -> Optional[str]:
+def _latest_name(root: str) -> str | None:
     try:
         with open(os.path.join(root, LATEST)) as f:
             return f.read().strip()
@@ -166,7 +184,7 @@ def _latest_name(root: str) -> Optional[str]:
         return None
 
 
-def find_latest(root: str) -> Optional[str]:
+def find_latest(root: str) -> str | None:
     """Path of the checkpoint ``{root}/latest`` names; None when there is no ``latest`` yet."""
     name = _latest_name(root)
     if name is None:
@@ -211,8 +229,14 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- load
-def load_checkpoint(path_or_root: str, actor: "MegatronActor", reference: Optional["ReferenceModel"], *,
-                    load_optimizer: bool = True, critic: Optional["MegatronCritic"] = None) -> tuple[int, dict]:
+def load_checkpoint(
+    path_or_root: str,
+    actor: MegatronActor,
+    reference: ReferenceModel | None,
+    *,
+    load_optimizer: bool = True,
+    critic: MegatronCritic | None = None,
+) -> tuple[int, dict]:
     """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
     ``latest`` names in a root. Returns (step, extra)."""
     from megatron.core import dist_checkpointing
@@ -263,9 +287,14 @@ def _resolve(path_or_root: str) -> str:
 def _layout() -> dict:
     from megatron.core import parallel_state as ps
 
-    return dict(world=dist.get_world_size(), tp=ps.get_tensor_model_parallel_world_size(),
-                pp=ps.get_pipeline_model_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
-                vpp=ps.get_virtual_pipeline_model_parallel_world_size(), dp=ps.get_data_parallel_world_size())
+    return dict(
+        world=dist.get_world_size(),
+        tp=ps.get_tensor_model_parallel_world_size(),
+        pp=ps.get_pipeline_model_parallel_world_size(),
+        ep=ps.get_expert_model_parallel_world_size(),
+        vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+        dp=ps.get_data_parallel_world_size(),
+    )
 
 
 def _rng_sharded_object():

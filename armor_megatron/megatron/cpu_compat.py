@@ -84,7 +84,10 @@ def check_mcore_version(version: str | None = None) -> None:
             f"armor_megatron.megatron.cpu_compat was checked against megatron-core {', '.join(CHECKED_MCORE_VERSIONS)}, "
             f"not {version}: its CPU work-arounds patch internals that may have moved"
         )
-    warnings.warn(f"megatron-core {version} is not one cpu_compat was checked against ({', '.join(CHECKED_MCORE_VERSIONS)})")
+    warnings.warn(
+        f"megatron-core {version} is not one cpu_compat was checked against ({', '.join(CHECKED_MCORE_VERSIONS)})",
+        stacklevel=2,
+    )
 
 
 # ----------------------------------------------------------------------------- work-arounds
@@ -128,7 +131,9 @@ def _replace(module, name: str, make) -> None:
     """Replace ``module.name`` by ``make(old)`` once; a missing name means megatron-core moved."""
     old = getattr(module, name, None)
     if old is None:
-        owner = module.__name__ if isinstance(module, types.ModuleType) else f"{module.__module__}.{module.__qualname__}"
+        owner = (
+            module.__name__ if isinstance(module, types.ModuleType) else f"{module.__module__}.{module.__qualname__}"
+        )
         raise RuntimeError(f"cpu_compat: {owner}.{name} not found; megatron-core internals changed")
     if not getattr(old, "__armor_cpu_compat__", False):
         setattr(module, name, make(old))

@@ -43,7 +43,7 @@ value_mean, return_mean, value_error_sq_mean, explained_var, num_tokens.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -66,8 +66,9 @@ class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c. Called by ``GPTModel`` as its
     output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused)."""
 
-    def __init__(self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int,
-                 sequence_parallel: bool = False):
+    def __init__(
+        self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int, sequence_parallel: bool = False
+    ):
         super().__init__()
         weight = torch.zeros(1, hidden_size, dtype=torch.float32)
         if init_std > 0:
@@ -94,14 +95,31 @@ def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 class MegatronCritic(TrainedModel):
     checkpoint_prefix = "critic."
 
-    def __init__(self, arch: ModelArch, parallel: ParallelConfig, *, dtype, optimizer: OptimizerConfig,
-                 loss: ValueLossConfig, micro_batch_size: int, total_steps: int, seed: int = 1234,
-                 value_head_init_std: float = 0.0):
+    def __init__(
+        self,
+        arch: ModelArch,
+        parallel: ParallelConfig,
+        *,
+        dtype,
+        optimizer: OptimizerConfig,
+        loss: ValueLossConfig,
+        micro_batch_size: int,
+        total_steps: int,
+        seed: int = 1234,
+        value_head_init_std: float = 0.0,
+    ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
         self.loss_config, self.value_head_init_std = loss, float(value_head_init_std)
-        super().__init__(arch, parallel, dtype=dtype, optimizer=optimizer, micro_batch_size=micro_batch_size,
-                         total_steps=total_steps, seed=seed)
+        super().__init__(
+            arch,
+            parallel,
+            dtype=dtype,
+            optimizer=optimizer,
+            micro_batch_size=micro_batch_size,
+            total_steps=total_steps,
+            seed=seed,
+        )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
         untied = dataclasses.replace(self.arch, tie_word_embeddings=False)
@@ -109,9 +127,13 @@ class MegatronCritic(TrainedModel):
         for chunk in chunks:
             if chunk.post_process:
                 device = next(chunk.parameters()).device
-                chunk.output_layer = ValueHead(self.arch.hidden_size, dtype=resolve_dtype(dtype),
-                                               init_std=self.value_head_init_std, seed=seed,
-                                               sequence_parallel=config.sequence_parallel).to(device)
+                chunk.output_layer = ValueHead(
+                    self.arch.hidden_size,
+                    dtype=resolve_dtype(dtype),
+                    init_std=self.value_head_init_std,
+                    seed=seed,
+                    sequence_parallel=config.sequence_parallel,
+                ).to(device)
         return chunks
 
     def load_weights(self, mcore_dir: str) -> None:
@@ -122,8 +144,14 @@ class MegatronCritic(TrainedModel):
 
     def compute_values(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """V(tokens < t) at [n, t] for 1 <= t < lengths[n], 0 elsewhere: [N, L] fp32, no grad, every rank."""
-        return forward_only(self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
-                            names=("values",), collect=lambda mb, output: (token_values(output, mb),))["values"]
+        return forward_only(
+            self.model_chunks,
+            input_ids,
+            lengths,
+            micro_batch_size=self.micro_batch_size,
+            names=("values",),
+            collect=lambda mb, output: (token_values(output, mb),),
+        )["values"]
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
         """One optimizer step of the clipped value loss over all rows of `batch` (module docstring)."""
@@ -135,8 +163,14 @@ class MegatronCritic(TrainedModel):
         def loss_of(tmb: TrainMicroBatch, output: torch.Tensor):
             values = token_values(output, tmb.mb)
             rows = {k: v.to(values.device) for k, v in tmb.rows.items()}
-            return value_loss(values, rows["old_values"], rows["returns"], rows["response_mask"], self.loss_config,
-                              normalizer=normalizer.to(values.device))
+            return value_loss(
+                values,
+                rows["old_values"],
+                rows["returns"],
+                rows["response_mask"],
+                self.loss_config,
+                normalizer=normalizer.to(values.device),
+            )
 
         metrics = self._train_on(batch, loss_of)
         metrics["explained_var"] = explained_variance_from_moments(metrics)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 import torch
 
@@ -50,7 +50,7 @@ class DistEnv:
     launcher: str  # "torchrun" | "slurm" | "single"
 
     @classmethod
-    def from_environ(cls, environ: Optional[Mapping[str, str]] = None) -> "DistEnv":
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls(
@@ -80,7 +80,7 @@ class DistEnv:
             )._checked()
         return cls(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500), "single")
 
-    def _checked(self) -> "DistEnv":
+    def _checked(self) -> DistEnv:
         if not 0 <= self.rank < self.world_size:
             raise ValueError(f"rank {self.rank} is outside world size {self.world_size} ({self.launcher})")
         if self.local_rank < 0:
@@ -88,7 +88,7 @@ class DistEnv:
         return self
 
 
-def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> int:
+def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
     if key not in env:
         if default is None:
             raise ValueError(f"environment variable {key} is not set")
@@ -110,9 +110,9 @@ class ParallelConfig:
     pp: int = 1
     ep: int = 1
     cp: int = 1
-    vpp: Optional[int] = None
-    etp: Optional[int] = None
-    sp: Optional[bool] = None  # sequence parallelism; None: on exactly when Transformer Engine is used and tp > 1
+    vpp: int | None = None
+    etp: int | None = None
+    sp: bool | None = None  # sequence parallelism; None: on exactly when Transformer Engine is used and tp > 1
 
     @property
     def expert_tp(self) -> int:
@@ -132,7 +132,7 @@ class ParallelConfig:
     def data_parallel_size(self, world_size: int) -> int:
         return world_size // (self.tp * self.pp * self.cp)
 
-    def validate(self, world_size: int, arch: Optional[ModelArch] = None) -> None:
+    def validate(self, world_size: int, arch: ModelArch | None = None) -> None:
         """Raise ValueError with one line naming the first size that does not fit."""
         for name in ("tp", "pp", "ep", "cp"):
             if getattr(self, name) < 1:
@@ -141,10 +141,14 @@ class ParallelConfig:
             raise ValueError(f"vpp={self.vpp} needs pp >= 2 and vpp >= 1")
         model = self.tp * self.pp * self.cp
         if world_size % model:
-            raise ValueError(f"world size {world_size} is not divisible by tp·pp·cp = {self.tp}·{self.pp}·{self.cp} = {model}")
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp·pp·cp = {self.tp}·{self.pp}·{self.cp} = {model}"
+            )
         expert = self.expert_tp * self.ep * self.pp
         if world_size % expert:
-            raise ValueError(f"world size {world_size} is not divisible by etp·ep·pp = {self.expert_tp}·{self.ep}·{self.pp} = {expert}")
+            raise ValueError(
+                f"world size {world_size} is not divisible by etp·ep·pp = {self.expert_tp}·{self.ep}·{self.pp} = {expert}"
+            )
         if arch is not None:
             arch.validate_parallelism(tp=self.tp, pp=self.pp, ep=self.ep)
             chunks = self.pp * (self.vpp or 1)
@@ -167,11 +171,11 @@ class DistContext:
 
 def initialize(
     parallel: ParallelConfig = ParallelConfig(),
-    arch: Optional[ModelArch] = None,
+    arch: ModelArch | None = None,
     *,
     seed: int = 1234,
     deterministic: bool = False,
-    environ: Optional[Mapping[str, str]] = None,
+    environ: Mapping[str, str] | None = None,
     timeout_minutes: int = 30,
 ) -> DistContext:
     """Start torch.distributed and megatron-core's model-parallel state for this process.
@@ -202,7 +206,9 @@ def initialize(
             device_id=device if backend == "nccl" else None,
         )
     elif torch.distributed.get_world_size() != env.world_size:
-        raise RuntimeError(f"process group already started with world size {torch.distributed.get_world_size()}, environment says {env.world_size}")
+        raise RuntimeError(
+            f"process group already started with world size {torch.distributed.get_world_size()}, environment says {env.world_size}"
+        )
     set_model_parallel(parallel, arch, seed=seed, timeout_minutes=timeout_minutes)
     return DistContext(env=env, parallel=parallel, device=device, backend=backend)
 
@@ -218,7 +224,7 @@ def _gpu_index(local_rank: int, visible: int) -> int:
 
 
 def set_model_parallel(
-    parallel: ParallelConfig, arch: Optional[ModelArch] = None, *, seed: int = 1234, timeout_minutes: int = 30
+    parallel: ParallelConfig, arch: ModelArch | None = None, *, seed: int = 1234, timeout_minutes: int = 30
 ) -> None:
     """(Re)build megatron-core's model-parallel groups for `parallel` on the running process group.
 

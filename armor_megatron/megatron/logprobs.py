@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,12 +131,12 @@ def vocab_parallel_logprobs(
     logits: torch.Tensor,
     labels: torch.Tensor,
     *,
-    vocab_size: Optional[int] = None,
+    vocab_size: int | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     group=None,
-) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """log p(labels) and optionally the entropy under softmax(logits / temperature).
 
     logits: [..., V_local], this rank's vocabulary shard (rank r of `group` holds columns
@@ -181,8 +181,9 @@ class MicroBatch:
         return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
 
 
-def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int,
-                       multiple_of: int = 1) -> list[MicroBatch]:
+def split_microbatches(
+    input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, multiple_of: int = 1
+) -> list[MicroBatch]:
     """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
     rounded up to a multiple of ``multiple_of`` (see ``sequence_multiple``; zero-padded past T).
 
@@ -190,7 +191,9 @@ def split_microbatches(input_ids: torch.Tensor, lengths: torch.Tensor, micro_bat
     so any pad id (even -100) is safe for the embedding and the labels.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] == 0 or lengths.shape != input_ids.shape[:1]:
-        raise ValueError(f"input_ids must be [B, T] with B >= 1 and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}")
+        raise ValueError(
+            f"input_ids must be [B, T] with B >= 1 and lengths [B]; got {tuple(input_ids.shape)} and {tuple(lengths.shape)}"
+        )
     if micro_batch_size < 1 or multiple_of < 1:
         raise ValueError(f"micro_batch_size and multiple_of must be >= 1, got {micro_batch_size} and {multiple_of}")
     if lengths.numel() and (int(lengths.min()) < 1 or int(lengths.max()) > input_ids.shape[1]):
@@ -256,7 +259,7 @@ def filler_microbatch(input_ids: torch.Tensor, multiple_of: int = 1) -> MicroBat
 @dataclasses.dataclass
 class LogProbs:
     logprobs: torch.Tensor  # [B, T] fp32
-    entropy: Optional[torch.Tensor]  # [B, T] fp32 or None
+    entropy: torch.Tensor | None  # [B, T] fp32 or None
 
 
 def model_forward(model, mb: MicroBatch) -> torch.Tensor:
@@ -265,7 +268,7 @@ def model_forward(model, mb: MicroBatch) -> torch.Tensor:
     return model(mb.tokens.to(device), mb.position_ids.to(device), None)
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, s] of a micro-batch from its logits [b, s, V_local]; column 0 and padding are 0.
 
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
@@ -306,11 +309,18 @@ def compute_logprobs(
     `model_chunks`: this rank's model (a list of VPP chunks, or one model). `vocab_size`: the
     HF vocabulary (padding columns are excluded). Same result on every rank.
     """
-    kwargs = dict(vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy,
-                  chunk_elements=chunk_elements)
+    kwargs = dict(
+        vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements
+    )
     names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
-    out = forward_only(model_chunks, input_ids, lengths, micro_batch_size=micro_batch_size, names=names,
-                       collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)])
+    out = forward_only(
+        model_chunks,
+        input_ids,
+        lengths,
+        micro_batch_size=micro_batch_size,
+        names=names,
+        collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)],
+    )
     return LogProbs(out["logprobs"], out.get("entropy"))
 
 

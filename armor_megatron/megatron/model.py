@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -112,8 +111,8 @@ def transformer_config_from_arch(
     parallel: ParallelConfig = ParallelConfig(),
     *,
     dtype=torch.float32,
-    use_te: Optional[bool] = None,
-    sequence_parallel: Optional[bool] = None,
+    use_te: bool | None = None,
+    sequence_parallel: bool | None = None,
     moe_aux_loss_coeff: float = 0.0,
     moe_token_dispatcher: str = "alltoall",
     init_method_std: float = 0.02,
@@ -127,9 +126,13 @@ def transformer_config_from_arch(
     if sequence_parallel is None:
         sequence_parallel = parallel.sp if parallel.sp is not None else use_te and parallel.tp > 1
     if sequence_parallel and not use_te:
-        raise ValueError("sequence parallelism needs the Transformer Engine spec (the local spec's torch norms refuse it)")
+        raise ValueError(
+            "sequence parallelism needs the Transformer Engine spec (the local spec's torch norms refuse it)"
+        )
     if arch.is_moe and parallel.tp > 1 and not sequence_parallel:
-        raise ValueError(f"MoE with tp={parallel.tp} needs sequence parallelism, which needs Transformer Engine; use tp=1 with ep")
+        raise ValueError(
+            f"MoE with tp={parallel.tp} needs sequence parallelism, which needs Transformer Engine; use tp=1 with ep"
+        )
     on_cpu = not torch.cuda.is_available()
     kwargs = dict(
         num_layers=arch.num_layers,
@@ -209,8 +212,8 @@ def build_gpt_model(
     parallel: ParallelConfig = ParallelConfig(),
     *,
     dtype=torch.float32,
-    vp_stage: Optional[int] = None,
-    use_te: Optional[bool] = None,
+    vp_stage: int | None = None,
+    use_te: bool | None = None,
     config=None,
     **config_kwargs,
 ):

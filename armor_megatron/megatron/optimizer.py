@@ -37,7 +37,10 @@ def wrap_ddp(model_chunks: list, *, on_gpu: bool) -> list:
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=on_gpu, check_for_nan_in_grad=False
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=on_gpu,
+        check_for_nan_in_grad=False,
     )
     return [
         DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk, disable_bucketing=i > 0)
@@ -114,7 +117,10 @@ def apply_update(optimizer, scheduler, norm: float) -> None:
         params = opt.get_parameters()
         if params and opt.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(
-                params, opt.config.clip_grad, norm, use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                params,
+                opt.config.clip_grad,
+                norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )
     if not optimizer.step_with_ready_grads():
         raise RuntimeError("megatron optimizer step reported failure")

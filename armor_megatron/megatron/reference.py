@@ -34,8 +34,16 @@ CHECKPOINT_PREFIX = "reference."
 
 
 class ReferenceModel:
-    def __init__(self, arch: ModelArch, parallel: ParallelConfig, *, dtype, offload: bool = False,
-                 micro_batch_size: int = 1, temperature: float = 1.0):
+    def __init__(
+        self,
+        arch: ModelArch,
+        parallel: ParallelConfig,
+        *,
+        dtype,
+        offload: bool = False,
+        micro_batch_size: int = 1,
+        temperature: float = 1.0,
+    ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
@@ -52,20 +60,32 @@ class ReferenceModel:
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
         with self._on_device():
-            return compute_logprobs(self.model_chunks, input_ids, lengths, micro_batch_size=self.micro_batch_size,
-                                    vocab_size=self.arch.vocab_size, temperature=self.temperature)
+            return compute_logprobs(
+                self.model_chunks,
+                input_ids,
+                lengths,
+                micro_batch_size=self.micro_batch_size,
+                vocab_size=self.arch.vocab_size,
+                temperature=self.temperature,
+            )
 
     @torch.no_grad()
     def reset_from(self, actor: MegatronActor) -> None:
         """Copy the actor's current model weights into the reference (same arch and layout)."""
         dtype = lambda chunks: next(chunks[0].parameters()).dtype  # noqa: E731
-        if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (self.arch, self.parallel, dtype(self.model_chunks)):
+        if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (
+            self.arch,
+            self.parallel,
+            dtype(self.model_chunks),
+        ):
             raise ValueError("reset_from needs an actor with the reference's architecture, parallel layout and dtype")
         with self._on_device():
             for ours, theirs in zip(self.model_chunks, actor.model_chunks):
                 mine, src = ours.state_dict(keep_vars=True), theirs.state_dict(keep_vars=True)
                 if mine.keys() != src.keys():
-                    raise ValueError(f"reset_from: actor and reference modules differ: {sorted(mine.keys() ^ src.keys())[:3]}")
+                    raise ValueError(
+                        f"reset_from: actor and reference modules differ: {sorted(mine.keys() ^ src.keys())[:3]}"
+                    )
                 for name, tensor in mine.items():
                     if torch.is_tensor(tensor):
                         tensor.copy_(src[name])

@@ -23,7 +23,6 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from typing import Optional
 
 
 class StabilityGuard:
@@ -31,20 +30,22 @@ class StabilityGuard:
         if not max_ratio > 1.0:
             raise ValueError(f"max_ratio must be > 1, got {max_ratio!r}")
         if window < 1 or not 1 <= min_history <= window:
-            raise ValueError(f"need window >= 1 and 1 <= min_history <= window; got window={window}, min_history={min_history}")
+            raise ValueError(
+                f"need window >= 1 and 1 <= min_history <= window; got window={window}, min_history={min_history}"
+            )
         self.max_ratio = float(max_ratio)
         self.window = window
         self.min_history = min_history
         self.history: collections.deque[float] = collections.deque(maxlen=window)
         self.skipped_total = 0
 
-    def threshold(self) -> Optional[float]:
+    def threshold(self) -> float | None:
         """The largest grad norm the spike rule lets through now (None: rule not active yet)."""
         if len(self.history) < self.min_history:
             return None
         return self.max_ratio * statistics.median(self.history)
 
-    def check(self, loss: float, grad_norm: float) -> Optional[str]:
+    def check(self, loss: float, grad_norm: float) -> str | None:
         """Judge one step; records an accepted grad norm or counts a skip. Returns the skip reason."""
         if not math.isfinite(loss):
             reason = f"non-finite loss {loss}"
@@ -52,8 +53,10 @@ class StabilityGuard:
             reason = f"non-finite grad norm {grad_norm}"
         else:
             limit = self.threshold()
-            reason = None if limit is None or grad_norm <= limit else (
-                f"grad norm {grad_norm:.4g} > {self.max_ratio:g} x running median {limit / self.max_ratio:.4g}"
+            reason = (
+                None
+                if limit is None or grad_norm <= limit
+                else (f"grad norm {grad_norm:.4g} > {self.max_ratio:g} x running median {limit / self.max_ratio:.4g}")
             )
         if reason is None:
             self.history.append(float(grad_norm))

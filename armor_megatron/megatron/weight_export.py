@@ -22,7 +22,7 @@ stage's copy of the output layer is skipped (the embedding is the HF tensor).
 from __future__ import annotations
 
 import re
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,9 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"local_experts\.(\d+)\.")
 
 
-def export_hf_weights(model_chunks: Sequence[torch.nn.Module], arch: ModelArch,
-                      bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+def export_hf_weights(
+    model_chunks: Sequence[torch.nn.Module], arch: ModelArch, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every HF tensor of the model on global rank 0 (full, detached, on CPU)."""
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Materialised first: the TP all-gathers must run in lockstep on every rank of a group,
@@ -69,8 +70,11 @@ def _owned_hf_tensors(model_chunks, arch: ModelArch) -> Iterator[tuple[str, torc
 
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
-        layer_of = {i: layer.layer_number - 1 for i, layer in enumerate(getattr(module.decoder, "layers", []))} \
-            if hasattr(module, "decoder") else {}
+        layer_of = (
+            {i: layer.layer_number - 1 for i, layer in enumerate(getattr(module.decoder, "layers", []))}
+            if hasattr(module, "decoder")
+            else {}
+        )
         for name, param in module.named_parameters():
             if arch.tie_word_embeddings and name == "output_layer.weight":
                 continue
@@ -81,8 +85,11 @@ def _owned_hf_tensors(model_chunks, arch: ModelArch) -> Iterator[tuple[str, torc
             tensor = _gather_tp(arch, ref.rule, param.detach(), group)
             if ref.rule.tp == "vocab":
                 tensor = tensor[: arch.vocab_size]
-            owner = (ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0) if expert \
+            owner = (
+                (ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0)
+                if expert
                 else (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
+            )
             if owner:
                 for hf_name, hf_tensor in zip(ref.hf_names, mcore_to_hf(arch, ref.rule, tensor)):
                     yield hf_name, hf_tensor.to("cpu", copy=True).contiguous()
@@ -124,7 +131,7 @@ def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[
         yield bucket
 
 
-def export_to_list(model_chunks, arch: ModelArch) -> Optional[list]:
+def export_to_list(model_chunks, arch: ModelArch) -> list | None:
     """The whole export as a list on rank 0, None elsewhere (all ranks must call it)."""
     items = list(export_hf_weights(model_chunks, arch))
     return items if not dist.is_initialized() or dist.get_rank() == 0 else None

@@ -23,7 +23,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 
@@ -69,7 +70,7 @@ class ModelArch:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: Optional[Mapping[str, Any]] = None
+    rope_scaling: Mapping[str, Any] | None = None
     tie_word_embeddings: bool = False
     qkv_bias: bool = False
     qk_norm: bool = False
@@ -105,7 +106,7 @@ class ModelArch:
 
     # ------------------------------------------------------------------ HF config I/O
     @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> "ModelArch":
+    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelArch:
         """Build from a parsed HF ``config.json``; raises UnsupportedModelError."""
         family = _family_of(cfg)
         hidden = int(cfg["hidden_size"])
@@ -117,7 +118,9 @@ class ModelArch:
         moe: dict[str, Any] = {}
         if family in ("qwen3_moe", "mixtral"):
             if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-                raise UnsupportedModelError("qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) is not supported")
+                raise UnsupportedModelError(
+                    "qwen3_moe with dense layers (mlp_only_layers / decoder_sparse_step) is not supported"
+                )
             experts = cfg.get("num_experts", cfg.get("num_local_experts"))
             moe = dict(
                 num_experts=int(experts),
@@ -148,7 +151,7 @@ class ModelArch:
         )
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> "ModelArch":
+    def from_hf_dir(cls, path: str) -> ModelArch:
         return cls.from_hf_config(load_hf_config(path))
 
 
@@ -174,7 +177,7 @@ def _family_of(cfg: Mapping[str, Any]) -> str:
     )
 
 
-def _rope_of(cfg: Mapping[str, Any]) -> tuple[float, Optional[dict]]:
+def _rope_of(cfg: Mapping[str, Any]) -> tuple[float, dict | None]:
     """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys."""
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))

@@ -43,7 +43,9 @@ def gold_letter(ground_truth: Any, letters: str) -> str:
         letter = ground_truth.strip().strip("()").strip().upper()
         if len(letter) == 1 and letter in letters:
             return letter
-    raise ValueError(f"multiple-choice ground truth {ground_truth!r} is not one of the option letters {letters[0]}-{letters[-1]}")
+    raise ValueError(
+        f"multiple-choice ground truth {ground_truth!r} is not one of the option letters {letters[0]}-{letters[-1]}"
+    )
 
 
 register_verifier("multiple_choice")(make_choice_verifier())

@@ -102,9 +102,7 @@ def extract_choice(text: str, letters: str) -> str | None:
         inner = _TEXT_WRAPPER.sub(r"\1", boxed).strip()
         match = re.fullmatch(rf"\(?({cls})\)?(?:[.:)]?(?:\s.*)?)", inner, flags=re.S)
         return match.group(1) if match else None
-    phrase = re.compile(
-        rf"(?i:answer)(?:\s+(?i:is))?[\s*]*[:：]?[\s*]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])"
-    )
+    phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*]*[:：]?[\s*]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")
     matches = phrase.findall(text)
     if matches:
         return matches[-1]

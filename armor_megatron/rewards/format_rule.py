@@ -22,7 +22,11 @@ _BOXED_RULES = ("exactly_one", "at_least_one", None)
 
 
 def make_format_verifier(
-    *, boxed: str | None = "exactly_one", think: bool = False, think_open: str = "<think>", think_close: str = "</think>"
+    *,
+    boxed: str | None = "exactly_one",
+    think: bool = False,
+    think_open: str = "<think>",
+    think_close: str = "</think>",
 ) -> Verifier:
     if boxed not in _BOXED_RULES:
         raise ValueError(f"format verifier boxed must be one of {_BOXED_RULES}, got {boxed!r}")

@@ -76,7 +76,11 @@ def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fall
 
 def gold_answers(ground_truth: Any) -> list[str]:
     """Normalise a math ground truth into a non-empty list of answer strings."""
-    items = list(ground_truth) if isinstance(ground_truth, Sequence) and not isinstance(ground_truth, str) else [ground_truth]
+    items = (
+        list(ground_truth)
+        if isinstance(ground_truth, Sequence) and not isinstance(ground_truth, str)
+        else [ground_truth]
+    )
     if not items:
         raise ValueError("math ground truth is an empty list")
     golds = []

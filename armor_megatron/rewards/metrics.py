@@ -44,7 +44,9 @@ def avg_at_k(scores: Iterable) -> float:
     raise TypeError("avg_at_k takes a sequence of numbers, or one sequence of numbers per prompt")
 
 
-def group_metrics(groups: Sequence[Sequence[float]], ks: Sequence[int] = (1,), threshold: float = 1.0) -> dict[str, float]:
+def group_metrics(
+    groups: Sequence[Sequence[float]], ks: Sequence[int] = (1,), threshold: float = 1.0
+) -> dict[str, float]:
     """Metrics for one dataset from per-prompt score lists (same length n for every prompt).
 
     Returns ``{"num_prompts", "avg@n", "pass@k" for each k}``; a sample counts as correct
@@ -77,7 +79,9 @@ def metrics_by_dataset(
     by_dataset: dict[str, dict[Hashable, list[float]]] = defaultdict(lambda: defaultdict(list))
     for dataset, prompt_id, score in records:
         if not _is_number(score):
-            raise TypeError(f"dataset {dataset!r} prompt {prompt_id!r}: score must be a number, got {type(score).__name__}")
+            raise TypeError(
+                f"dataset {dataset!r} prompt {prompt_id!r}: score must be a number, got {type(score).__name__}"
+            )
         by_dataset[dataset][prompt_id].append(float(score))
     out = {}
     for dataset, prompts in by_dataset.items():
@@ -90,7 +94,9 @@ def metrics_by_dataset(
 
 def flatten_metrics(metrics: Mapping[str, Mapping[str, float]], prefix: str = "eval") -> dict[str, float]:
     """``{"aime": {"pass@1": x}}`` -> ``{"eval/aime/pass@1": x}`` for loggers."""
-    return {f"{prefix}/{dataset}/{name}": value for dataset, values in metrics.items() for name, value in values.items()}
+    return {
+        f"{prefix}/{dataset}/{name}": value for dataset, values in metrics.items() for name, value in values.items()
+    }
 
 
 def _is_number(value) -> bool:

@@ -13,8 +13,8 @@ import difflib
 import functools
 import inspect
 import numbers
-from collections.abc import Mapping
-from typing import Any, Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
@@ -71,7 +71,7 @@ def load_verifier(spec: str) -> Verifier:
     return get_verifier(spec)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_user_verifier(spec: str) -> Verifier:
     fn = import_callable(spec)
     _check_signature(fn, spec)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import threading
-from typing import Any, Dict, Hashable, List, Optional, Sequence
+from collections.abc import Hashable, Sequence
+from typing import Any
 
 from armor_megatron.rollout.anchors import AnchorResult, AnchorSampler
 from armor_megatron.rollout.engine import Sample
@@ -54,23 +55,23 @@ class AnchorCache:
         self,
         sampler: AnchorSampler,
         max_pool: int = 4,
-        max_uses: Optional[int] = None,
-        give_up_after: Optional[int] = None,
+        max_uses: int | None = None,
+        give_up_after: int | None = None,
         seed: int = 0,
     ):
         if max_pool < 1:
             raise ValueError(f"max_pool must be >= 1, got {max_pool}")
         self.sampler = sampler
         self.max_pool, self.max_uses, self.give_up_after = max_pool, max_uses, give_up_after
-        self.version: Optional[str] = None
+        self.version: str | None = None
         self.stats = CacheStats()
-        self._pools: Dict[Hashable, List[_Entry]] = {}
-        self._failures: Dict[Hashable, int] = {}
+        self._pools: dict[Hashable, list[_Entry]] = {}
+        self._failures: dict[Hashable, int] = {}
         self._prefetch_failed: set = set()  # failed in a prefetch, not looked up since: no second try
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
-        self._prefetch: Optional[threading.Thread] = None
-        self._prefetch_error: Optional[BaseException] = None
+        self._prefetch: threading.Thread | None = None
+        self._prefetch_error: BaseException | None = None
 
     # ---- public API ------------------------------------------------------------------------
 
@@ -78,9 +79,9 @@ class AnchorCache:
         self,
         prompts_token_ids: Sequence[Sequence[int]],
         ground_truths: Sequence[Any],
-        keys: Optional[Sequence[Hashable]] = None,
-        timeout: Optional[float] = None,
-    ) -> List[AnchorResult]:
+        keys: Sequence[Hashable] | None = None,
+        timeout: float | None = None,
+    ) -> list[AnchorResult]:
         """One :class:`AnchorResult` per prompt: from the pool (``cached=True``, zero cost) or freshly sampled.
 
         ``keys`` identify prompts across steps (e.g. dataset indices); default: the token ids.
@@ -89,7 +90,7 @@ class AnchorCache:
         keys = self._keys(prompts_token_ids, keys)
         with self._lock:
             self._check_version()
-            results: List[Optional[AnchorResult]] = [None] * len(keys)
+            results: list[AnchorResult | None] = [None] * len(keys)
             misses = []
             for i, key in enumerate(keys):
                 self.stats.lookups += 1
@@ -107,18 +108,29 @@ class AnchorCache:
                 else:
                     misses.append(i)
         if misses:
-            fresh = self.sampler.sample([prompts_token_ids[i] for i in misses], [ground_truths[i] for i in misses], timeout=timeout)
+            fresh = self.sampler.sample(
+                [prompts_token_ids[i] for i in misses], [ground_truths[i] for i in misses], timeout=timeout
+            )
             with self._lock:
                 for i, r in zip(misses, fresh):
                     self._store(keys[i], r)
                     self._count_use(keys[i], r.anchor)  # it serves this step
-                    results[i] = dataclasses.replace(r, prompt_index=i, anchor=r.anchor and dataclasses.replace(r.anchor, prompt_index=i))
+                    results[i] = dataclasses.replace(
+                        r, prompt_index=i, anchor=r.anchor and dataclasses.replace(r.anchor, prompt_index=i)
+                    )
         return results
 
-    def prefetch(self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], keys: Optional[Sequence[Hashable]] = None) -> None:
+    def prefetch(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        ground_truths: Sequence[Any],
+        keys: Sequence[Hashable] | None = None,
+    ) -> None:
         """Fill the pools of prompts that have none, in a background thread; :meth:`get` waits for it."""
         if not getattr(self.sampler.source, "supports_background", False):
-            raise ValueError("anchor pre-generation needs a reference that allows background use (anchor_source 'separate')")
+            raise ValueError(
+                "anchor pre-generation needs a reference that allows background use (anchor_source 'separate')"
+            )
         self.wait()
         keys = self._keys(prompts_token_ids, keys)
         with self._lock:
@@ -141,7 +153,7 @@ class AnchorCache:
         self._prefetch = threading.Thread(target=run, name="anchor-prefetch", daemon=True)
         self._prefetch.start()
 
-    def wait(self, timeout: Optional[float] = None) -> None:
+    def wait(self, timeout: float | None = None) -> None:
         """Join a running :meth:`prefetch`; re-raise its error here."""
         thread = self._prefetch
         if thread is not None:
@@ -153,7 +165,7 @@ class AnchorCache:
             err, self._prefetch_error = self._prefetch_error, None
             raise RuntimeError(f"anchor pre-generation failed: {err}") from err
 
-    def reset(self, version: Optional[str] = None) -> None:
+    def reset(self, version: str | None = None) -> None:
         """Drop every pool (reference reset); ``version`` defaults to the source's current one."""
         self.wait()
         with self._lock:
@@ -174,7 +186,10 @@ class AnchorCache:
         with self._lock:
             return {
                 "version": self.version,
-                "pools": [[list(k) if isinstance(k, tuple) else k, [[dataclasses.asdict(e.sample), e.uses] for e in p]] for k, p in self._pools.items()],
+                "pools": [
+                    [list(k) if isinstance(k, tuple) else k, [[dataclasses.asdict(e.sample), e.uses] for e in p]]
+                    for k, p in self._pools.items()
+                ],
                 "failures": [[list(k) if isinstance(k, tuple) else k, n] for k, n in self._failures.items()],
                 "prefetch_failed": [list(k) if isinstance(k, tuple) else k for k in self._prefetch_failed],
                 "stats": dataclasses.asdict(self.stats),
@@ -186,7 +201,9 @@ class AnchorCache:
             return tuple(k) if isinstance(k, list) else k
 
         def sample(d):
-            d = dict(d, token_ids=tuple(d["token_ids"]), logprobs=None if d["logprobs"] is None else tuple(d["logprobs"]))
+            d = dict(
+                d, token_ids=tuple(d["token_ids"]), logprobs=None if d["logprobs"] is None else tuple(d["logprobs"])
+            )
             return Sample(**d)
 
         with self._lock:
@@ -201,7 +218,7 @@ class AnchorCache:
     # ---- internals -------------------------------------------------------------------------
 
     @staticmethod
-    def _keys(prompts, keys) -> List[Hashable]:
+    def _keys(prompts, keys) -> list[Hashable]:
         if keys is None:
             return [tuple(int(t) for t in p) for p in prompts]
         if len(keys) != len(prompts):
@@ -224,7 +241,7 @@ class AnchorCache:
     def _given_up(self, key) -> bool:
         return self.give_up_after is not None and self._failures.get(key, 0) >= self.give_up_after
 
-    def _draw(self, key) -> Optional[Sample]:
+    def _draw(self, key) -> Sample | None:
         pool = self._pools.get(key)
         if not pool:
             return None
@@ -232,7 +249,7 @@ class AnchorCache:
         self._use(pool, entry)
         return entry.sample
 
-    def _use(self, pool: List[_Entry], entry: _Entry) -> None:
+    def _use(self, pool: list[_Entry], entry: _Entry) -> None:
         entry.uses += 1
         if self.max_uses is not None and entry.uses >= self.max_uses:
             pool.remove(entry)
@@ -246,7 +263,7 @@ class AnchorCache:
             if len(pool) < self.max_pool:
                 pool.append(_Entry(s))
 
-    def _count_use(self, key, sample: Optional[Sample]) -> None:
+    def _count_use(self, key, sample: Sample | None) -> None:
         pool = self._pools.get(key, [])
         for entry in pool:
             if sample is not None and entry.sample is sample:

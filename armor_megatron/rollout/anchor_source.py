@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import os
 import threading
-from typing import Callable, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 
-WeightProvider = Union[WeightSource, Callable[[], WeightSource]]
+WeightProvider = WeightSource | Callable[[], WeightSource]
 
 
 def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
@@ -29,7 +29,9 @@ def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
         return weights
     if isinstance(weights, (str, os.PathLike, list, tuple)):
         return lambda: weights
-    raise TypeError("reference weights must be a checkpoint directory, a list of (name, tensor) or a callable returning one")
+    raise TypeError(
+        "reference weights must be a checkpoint directory, a list of (name, tensor) or a callable returning one"
+    )
 
 
 class SeparateReference:
@@ -44,7 +46,13 @@ class SeparateReference:
     def version(self) -> str:
         return self.engine.weight_version
 
-    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, timeout: Optional[float] = None):
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+    ):
         return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
 
     def reset(self, weights: WeightSource, version: str) -> None:
@@ -80,7 +88,13 @@ class SwapReference:
         self.swap_back = swap_back
         self._lock = threading.Lock()
 
-    def generate(self, prompts_token_ids: Sequence[Sequence[int]], n: int, sampling: SamplingParams, timeout: Optional[float] = None):
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+    ):
         with self._lock:
             policy_version = self.engine.weight_version
             if policy_version != self.version:
@@ -105,11 +119,11 @@ ANCHOR_SOURCES = ("separate", "swap")
 
 def make_anchor_source(
     kind: str,
-    policy_engine: Optional[RolloutEngine] = None,
-    reference_engine: Optional[RolloutEngine] = None,
-    reference_weights: Optional[WeightProvider] = None,
-    reference_version: Optional[str] = None,
-    policy_weights: Optional[WeightProvider] = None,
+    policy_engine: RolloutEngine | None = None,
+    reference_engine: RolloutEngine | None = None,
+    reference_weights: WeightProvider | None = None,
+    reference_version: str | None = None,
+    policy_weights: WeightProvider | None = None,
 ):
     """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
     if kind == "separate":
@@ -117,8 +131,16 @@ def make_anchor_source(
             raise ValueError("anchor_source 'separate' needs a reference engine")
         return SeparateReference(reference_engine)
     if kind == "swap":
-        missing = [n for n, v in (("policy_engine", policy_engine), ("reference_weights", reference_weights),
-                                  ("reference_version", reference_version), ("policy_weights", policy_weights)) if v is None]
+        missing = [
+            n
+            for n, v in (
+                ("policy_engine", policy_engine),
+                ("reference_weights", reference_weights),
+                ("reference_version", reference_version),
+                ("policy_weights", policy_weights),
+            )
+            if v is None
+        ]
         if missing:
             raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
         return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)

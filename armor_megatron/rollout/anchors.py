@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Any, Callable, List, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from armor_megatron.rollout.engine import Sample, SamplingParams
 
@@ -33,7 +34,9 @@ class AnchorConfig:
 
     def __post_init__(self):
         if self.max_tries < 1 or self.tries_per_round < 1:
-            raise ValueError(f"max_tries and tries_per_round must be >= 1, got {self.max_tries} and {self.tries_per_round}")
+            raise ValueError(
+                f"max_tries and tries_per_round must be >= 1, got {self.max_tries} and {self.tries_per_round}"
+            )
 
 
 @dataclasses.dataclass
@@ -45,10 +48,10 @@ class AnchorResult:
     """
 
     prompt_index: int
-    anchor: Optional[Sample]
+    anchor: Sample | None
     tries: int
     generated_tokens: int
-    extra: List[Sample] = dataclasses.field(default_factory=list)
+    extra: list[Sample] = dataclasses.field(default_factory=list)
     cached: bool = False
 
     @property
@@ -103,7 +106,9 @@ class AnchorSampler:
     def is_correct(self, sample: Sample, ground_truth: Any) -> bool:
         return float(self.reward_fn(sample.text, ground_truth)) >= self.config.threshold
 
-    def sample(self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], timeout: Optional[float] = None) -> List[AnchorResult]:
+    def sample(
+        self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], timeout: float | None = None
+    ) -> list[AnchorResult]:
         """One :class:`AnchorResult` per prompt, in order."""
         if len(prompts_token_ids) != len(ground_truths):
             raise ValueError(f"{len(prompts_token_ids)} prompts but {len(ground_truths)} ground truths")
@@ -119,7 +124,9 @@ class AnchorSampler:
                 r = results[i]
                 r.tries += k
                 r.generated_tokens += sum(s.num_tokens for s in group)
-                correct = [dataclasses.replace(s, prompt_index=i) for s in group if self.is_correct(s, ground_truths[i])]
+                correct = [
+                    dataclasses.replace(s, prompt_index=i) for s in group if self.is_correct(s, ground_truths[i])
+                ]
                 if correct:
                     r.anchor, r.extra = correct[0], correct[1:]
                 else:

@@ -15,12 +15,13 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-from typing import Any, Iterable, Optional, Sequence, Tuple, Union
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 FINISH_REASONS = ("stop", "length", "abort")
 
-NamedTensors = Iterable[Tuple[str, Any]]  # (HF name, torch.Tensor)
-WeightSource = Union[NamedTensors, str, os.PathLike]
+NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor)
+WeightSource = NamedTensors | str | os.PathLike
 
 
 class RolloutError(RuntimeError):
@@ -55,10 +56,10 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    stop_token_ids: Tuple[int, ...] = ()
-    stop: Tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
     ignore_eos: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -101,9 +102,9 @@ class Sample:
     """
 
     prompt_index: int
-    token_ids: Tuple[int, ...]
+    token_ids: tuple[int, ...]
     text: str
-    logprobs: Optional[Tuple[float, ...]]
+    logprobs: tuple[float, ...] | None
     finish_reason: str
     weight_version: str
 
@@ -120,7 +121,7 @@ class Sample:
         return len(self.token_ids)
 
 
-def check_versions(groups: Sequence[Sequence[Sample]], expected: Optional[str]) -> None:
+def check_versions(groups: Sequence[Sequence[Sample]], expected: str | None) -> None:
     """Raise :class:`StaleWeightsError` if any sample was produced by other weights than ``expected``."""
     if expected is None:
         return
@@ -156,7 +157,7 @@ class RolloutEngine(abc.ABC):
         prompts_token_ids: Sequence[Sequence[int]],
         n: int,
         sampling: SamplingParams,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
         """Sample ``n`` responses for each prompt.
@@ -167,11 +168,11 @@ class RolloutEngine(abc.ABC):
         """
 
     @abc.abstractmethod
-    def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
+    def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
         """Load new weights: HF-named tensors ``(name, tensor)`` or an HF checkpoint directory."""
 
     @abc.abstractmethod
-    def health(self, timeout: Optional[float] = None) -> bool:
+    def health(self, timeout: float | None = None) -> bool:
         """True if the engine can generate now."""
 
     def reseed(self, seed: int) -> None:
@@ -181,14 +182,14 @@ class RolloutEngine(abc.ABC):
         what the uninterrupted run sampled. Engines without seeded sampling ignore it.
         """
 
-    def release_memory(self, timeout: Optional[float] = None) -> None:
+    def release_memory(self, timeout: float | None = None) -> None:
         """Free accelerator memory (weights, KV cache) while a colocated trainer runs; default no-op."""
 
-    def resume_memory(self, timeout: Optional[float] = None) -> None:
+    def resume_memory(self, timeout: float | None = None) -> None:
         """Take the memory back after :meth:`release_memory`; default no-op."""
 
     @abc.abstractmethod
-    def shutdown(self, timeout: Optional[float] = None) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free what it holds."""
 
     def __enter__(self):

@@ -12,7 +12,8 @@ import json
 import os
 import shutil
 import tempfile
-from typing import Any, Iterable, Iterator, Mapping, Tuple
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
@@ -32,7 +33,7 @@ def build_causal_lm(hf_config: Mapping[str, Any], dtype=None):
     return model.eval()
 
 
-def load_named_tensors(model, named_tensors: Iterable[Tuple[str, Any]], strict: bool = True) -> int:
+def load_named_tensors(model, named_tensors: Iterable[tuple[str, Any]], strict: bool = True) -> int:
     """Copy HF-named tensors into ``model`` in place; returns how many were loaded.
 
     All or nothing: names and shapes are checked before anything is copied. Unknown names and
@@ -73,7 +74,11 @@ def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> i
     import transformers
 
     with tempfile.TemporaryDirectory() as tmp:
-        path = weights if isinstance(weights, (str, os.PathLike)) else write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
+        path = (
+            weights
+            if isinstance(weights, (str, os.PathLike))
+            else write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
+        )
         try:
             loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
                 os.fspath(path), dtype=next(model.parameters()).dtype, output_loading_info=True
@@ -93,7 +98,7 @@ def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> i
 
 def write_hf_checkpoint(
     directory: str,
-    named_tensors: Iterable[Tuple[str, Any]],
+    named_tensors: Iterable[tuple[str, Any]],
     hf_config: Mapping[str, Any],
     max_shard_bytes: int = 2 << 30,
 ) -> str:
@@ -159,7 +164,7 @@ def _replace_dir(src: str, dst: str) -> None:
         os.rename(src, dst)
 
 
-def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[Tuple[str, Any]]:
+def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[tuple[str, Any]]:
     """Yield ``(name, tensor)`` from every ``*.safetensors`` file in ``directory``, one tensor at a time.
 
     ``keys_only``: yield ``(name, None)`` without reading any tensor data.

@@ -22,7 +22,8 @@ import itertools
 import os
 import threading
 import time
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from armor_megatron.models.arch import load_hf_config
 from armor_megatron.rollout import hf_checkpoint
@@ -91,7 +92,7 @@ class LocalEngine(RolloutEngine):
         self.update_weights(weights, weight_version)
 
     @classmethod
-    def from_pretrained(cls, path: str, weight_version: str = "0", **kwargs) -> "LocalEngine":
+    def from_pretrained(cls, path: str, weight_version: str = "0", **kwargs) -> LocalEngine:
         """Load ``config.json``, the safetensors and (if present) the tokenizer from ``path``."""
         tokenizer = kwargs.pop("tokenizer", None)
         if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -129,7 +130,7 @@ class LocalEngine(RolloutEngine):
             self._seed = int(seed)
             self._calls = itertools.count()
 
-    def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
+    def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
         with self._lock:
             self.load_weights(weights, strict=True)
             self.weight_version = str(version)
@@ -145,7 +146,7 @@ class LocalEngine(RolloutEngine):
         prompts_token_ids: Sequence[Sequence[int]],
         n: int,
         sampling: SamplingParams,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
         import torch
@@ -240,10 +241,10 @@ class LocalEngine(RolloutEngine):
 
     # ---- lifecycle ---------------------------------------------------------------------
 
-    def health(self, timeout: Optional[float] = None) -> bool:
+    def health(self, timeout: float | None = None) -> bool:
         return self.model is not None
 
-    def shutdown(self, timeout: Optional[float] = None) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self.model = None
 
 
@@ -254,7 +255,7 @@ def _cache_kwargs(out) -> dict:
     return {"past_key_values": out["past_key_values"]}
 
 
-def _find_stop(text: str, stops: Sequence[str]) -> Optional[int]:
+def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     hits = [text.find(s) for s in stops if s and s in text]
     return min(hits) if hits else None
 

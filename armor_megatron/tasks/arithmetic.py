@@ -36,8 +36,11 @@ def make_problems(n: int, *, seed: int, max_operand: int = 30) -> list[dict]:
 def split_problems(num_val: int, *, seed: int, max_operand: int = 30) -> tuple[list[dict], list[dict]]:
     """Every problem with operands in [0, max_operand], shuffled, split into (train, val) with
     ``num_val`` validation problems that never appear in train."""
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "type": "math"}
-            for a in range(max_operand + 1) for b in range(max_operand + 1)]
+    rows = [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b), "type": "math"}
+        for a in range(max_operand + 1)
+        for b in range(max_operand + 1)
+    ]
     random.Random(seed).shuffle(rows)
     if not 0 < num_val < len(rows):
         raise ValueError(f"num_val={num_val} must be in (0, {len(rows)}) for max_operand={max_operand}")

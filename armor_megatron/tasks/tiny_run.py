@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -27,13 +27,25 @@ def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
     if len(tokenizer) > hf["vocab_size"]:
         raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
     hf.setdefault("architectures", [_ARCHITECTURES[hf["model_type"]]])
-    hf.update(pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-              bos_token_id=tokenizer.eos_token_id, torch_dtype="float32", use_cache=True)
+    hf.update(
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id,
+        torch_dtype="float32",
+        use_cache=True,
+    )
     return hf
 
 
-def prepare_tiny_run(cfg: RunConfig, *, num_val: int = 64, max_operand: int = 30,
-                     warmup_steps: int = 400, seed: int = 0, log: Optional[Callable[[str], None]] = print) -> dict:
+def prepare_tiny_run(
+    cfg: RunConfig,
+    *,
+    num_val: int = 64,
+    max_operand: int = 30,
+    warmup_steps: int = 400,
+    seed: int = 0,
+    log: Callable[[str], None] | None = print,
+) -> dict:
     """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
     config, unless they exist. Returns {"train": rows, "val": rows}."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -52,8 +64,15 @@ def prepare_tiny_run(cfg: RunConfig, *, num_val: int = 64, max_operand: int = 30
     config = AutoConfig.for_model(**hf)
     model = AutoModelForCausalLM.from_config(config)
     # Warm up on train prompts only (validation prompts stay unseen).
-    supervised_warmup(model, tokenizer, [r["prompt"] for r in train_rows], [solution(r) for r in train_rows],
-                      steps=warmup_steps, seed=seed, log=log)
+    supervised_warmup(
+        model,
+        tokenizer,
+        [r["prompt"] for r in train_rows],
+        [solution(r) for r in train_rows],
+        steps=warmup_steps,
+        seed=seed,
+        log=log,
+    )
     tmp = f"{cfg.model.path}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)

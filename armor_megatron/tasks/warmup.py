@@ -7,7 +7,7 @@ Loss: next-token cross-entropy on the response tokens only (prompt tokens are ma
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 

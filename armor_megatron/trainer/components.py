@@ -4,7 +4,6 @@ the rollout engines and the anchor cache. Nothing here runs a step."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.config.schema import RunConfig
@@ -18,7 +17,10 @@ from armor_megatron.trainer.rollout_phase import RolloutSettings
 def loss_config(cfg: RunConfig) -> PolicyLossConfig:
     algo = cfg.algorithm
     return PolicyLossConfig(
-        alpha=algo.alpha, eps_low=algo.eps_low, eps_high=algo.eps_high, dual_clip_c=algo.dual_clip_c,
+        alpha=algo.alpha,
+        eps_low=algo.eps_low,
+        eps_high=algo.eps_high,
+        dual_clip_c=algo.dual_clip_c,
         loss_agg=algo.loss_agg,
     )
 
@@ -46,7 +48,10 @@ def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingP
     # No per-request seed: every request must draw fresh samples; the loop reseeds the engines
     # at each step from rollout.seed and the step, so runs are reproducible and resumable.
     return SamplingParams(
-        max_new_tokens=ro.max_response_len, temperature=ro.temperature, top_p=ro.top_p, top_k=ro.top_k,
+        max_new_tokens=ro.max_response_len,
+        temperature=ro.temperature,
+        top_p=ro.top_p,
+        top_k=ro.top_k,
         stop_token_ids=eos_ids,
     )
 
@@ -54,7 +59,10 @@ def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingP
 def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
     ev = cfg.eval
     return SamplingParams(
-        max_new_tokens=ev.max_response_len, temperature=ev.temperature, top_p=ev.top_p, stop_token_ids=eos_ids,
+        max_new_tokens=ev.max_response_len,
+        temperature=ev.temperature,
+        top_p=ev.top_p,
+        stop_token_ids=eos_ids,
         seed=cfg.rollout.seed,
     )
 
@@ -90,12 +98,12 @@ def anchor_cache(
     cfg: RunConfig,
     sampling: SamplingParams,
     *,
-    reference_engine: Optional[RolloutEngine],
-    policy_engine: Optional[RolloutEngine] = None,
+    reference_engine: RolloutEngine | None,
+    policy_engine: RolloutEngine | None = None,
     reference_weights=None,
     policy_weights=None,
     reference_version: str = "ref-0",
-) -> Optional[AnchorCache]:
+) -> AnchorCache | None:
     """The anchor side: rejection sampler over the configured source, wrapped in the cache.
 
     With ``anchor.cache: false`` the loop empties the cache at every step, so anchors are never
@@ -105,8 +113,12 @@ def anchor_cache(
     if not an.enabled:
         return None
     source = make_anchor_source(
-        an.source, policy_engine=policy_engine, reference_engine=reference_engine,
-        reference_weights=reference_weights, reference_version=reference_version, policy_weights=policy_weights,
+        an.source,
+        policy_engine=policy_engine,
+        reference_engine=reference_engine,
+        reference_weights=reference_weights,
+        reference_version=reference_version,
+        policy_weights=policy_weights,
     )
     if an.temperature is not None:
         sampling = dataclasses.replace(sampling, temperature=an.temperature)

@@ -7,7 +7,7 @@ verifier (``type`` column); otherwise the default verifier scores it.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import metrics_by_dataset, score_batch
@@ -35,8 +35,8 @@ def evaluate(
     *,
     verifier: str = "math",
     pass_k: Sequence[int] = (1,),
-    reward_workers: Optional[int] = None,
-    timeout: Optional[float] = None,
+    reward_workers: int | None = None,
+    timeout: float | None = None,
 ) -> EvalResult:
     """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``."""
     metrics, records = {}, []
@@ -54,8 +54,15 @@ def evaluate(
         ks = [k for k in pass_k if k <= es.k]
         metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
         records.extend(
-            {"dataset": es.name, "index": row.index, "prompt": row.prompt, "answer": row.answer,
-             "response": sample.text, "score": score, "finish_reason": sample.finish_reason}
+            {
+                "dataset": es.name,
+                "index": row.index,
+                "prompt": row.prompt,
+                "answer": row.answer,
+                "response": sample.text,
+                "score": score,
+                "finish_reason": sample.finish_reason,
+            }
             for (row, sample), score in zip(meta, scores)
         )
     return EvalResult(metrics, records)
@@ -76,7 +83,10 @@ def format_table(metrics: dict) -> str:
     """A plain-text table: one row per dataset, one column per metric."""
     columns = sorted({name for values in metrics.values() for name in values if name != "num_prompts"})
     header = ["dataset", "prompts", *columns]
-    rows = [[ds, f"{int(v['num_prompts'])}", *(f"{v[c]:.4f}" if c in v else "-" for c in columns)] for ds, v in metrics.items()]
+    rows = [
+        [ds, f"{int(v['num_prompts'])}", *(f"{v[c]:.4f}" if c in v else "-" for c in columns)]
+        for ds, v in metrics.items()
+    ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
-from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -77,8 +77,17 @@ class ArmorTrainer:
     the `MegatronCritic` of estimator gae, None otherwise.
     """
 
-    def __init__(self, cfg: RunConfig, arch, actor, reference, tokenizer, make_engines: Callable, export_weights: Callable,
-                 critic=None):
+    def __init__(
+        self,
+        cfg: RunConfig,
+        arch,
+        actor,
+        reference,
+        tokenizer,
+        make_engines: Callable,
+        export_weights: Callable,
+        critic=None,
+    ):
         self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
         self.tokenizer = tokenizer
         self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
@@ -96,10 +105,13 @@ class ArmorTrainer:
         self._make_engines = make_engines
         if self.is_driver:
             data = cfg.data
-            self.loader = PromptLoader(self._training_prompts(), cfg.rollout.prompts_per_step, shuffle=data.shuffle,
-                                       seed=cfg.train.seed)
-            self.eval_sets = [EvalSet(d.name, PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), d.k)
-                              for d in cfg.eval.datasets]
+            self.loader = PromptLoader(
+                self._training_prompts(), cfg.rollout.prompts_per_step, shuffle=data.shuffle, seed=cfg.train.seed
+            )
+            self.eval_sets = [
+                EvalSet(d.name, PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), d.k)
+                for d in cfg.eval.datasets
+            ]
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
@@ -110,16 +122,22 @@ class ArmorTrainer:
         total = len(dataset)
         dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
         if not len(dataset):
-            raise ValueError(f"{data.train_path}: all {total} prompts are longer than rollout.max_prompt_len={limit} tokens")
+            raise ValueError(
+                f"{data.train_path}: all {total} prompts are longer than rollout.max_prompt_len={limit} tokens"
+            )
         if dropped:
-            print(f"[armor] {data.train_path}: {dropped} of {total} prompts are longer than "
-                  f"rollout.max_prompt_len={limit} tokens; left out", flush=True)
+            print(
+                f"[armor] {data.train_path}: {dropped} of {total} prompts are longer than "
+                f"rollout.max_prompt_len={limit} tokens; left out",
+                flush=True,
+            )
         return dataset
 
     def encode(self, prompt) -> list[int]:
         data = self.cfg.data
-        return encode_prompt(self.tokenizer, prompt, apply_chat_template=data.apply_chat_template,
-                             template=data.prompt_template)
+        return encode_prompt(
+            self.tokenizer, prompt, apply_chat_template=data.apply_chat_template, template=data.prompt_template
+        )
 
     def start_engines(self) -> None:
         """Build the engines from the actor's and reference's current weights (after load/resume).
@@ -139,7 +157,10 @@ class ArmorTrainer:
         )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
         _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = components.anchor_cache(
-            self.cfg, self.sampling, reference_engine=self.reference_engine, policy_engine=self.policy_engine,
+            self.cfg,
+            self.sampling,
+            reference_engine=self.reference_engine,
+            policy_engine=self.policy_engine,
             reference_weights=ref if self._swaps_reference else None,
             policy_weights=(lambda: policy) if self._swaps_reference else None,
             reference_version=self._ref_version(),
@@ -156,8 +177,11 @@ class ArmorTrainer:
         total = self.anchors.sampler.stats.generated_tokens
         spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
         policy = metrics.get("rollout/generated_tokens", 0.0)
-        return {"anchor/reference_tokens": float(spent),
-                "anchor/generation_cost": (policy + spent) / policy if policy else 0.0}
+        return {
+            "anchor/reference_tokens": float(spent),
+            "anchor/generation_cost": (policy + spent) / policy if policy else 0.0,
+        }
+
     _ref_resets = 0
 
     def _ref_version(self) -> str:
@@ -168,7 +192,9 @@ class ArmorTrainer:
         return {
             "step": self.step,
             "loader": self.loader.state_dict(),
-            "anchor_cache": self.anchors.state_dict() if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache else None,
+            "anchor_cache": self.anchors.state_dict()
+            if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache
+            else None,
             "reset_schedule": self.reset_schedule.state_dict() if hasattr(self.reset_schedule, "state_dict") else None,
             "monitor": self.monitor.state_dict(),
             "ref_resets": self._ref_resets,
@@ -193,15 +219,21 @@ class ArmorTrainer:
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, timer: StepTimer) -> tuple[Optional[RolloutBatch], dict]:
+    def rollout(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict]:
         """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
         accuracies are all equal are dropped and refilled from further prompts."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
         pad = self.tokenizer.pad_token_id or 0
 
         def one_round():
-            return collect_groups(self.loader.next_batch(), self.encode, self.policy_engine, self.settings,
-                                  anchors=self.anchors, pad_id=pad)
+            return collect_groups(
+                self.loader.next_batch(),
+                self.encode,
+                self.policy_engine,
+                self.settings,
+                anchors=self.anchors,
+                pad_id=pad,
+            )
 
         if self.anchors is not None:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
@@ -214,8 +246,10 @@ class ArmorTrainer:
                 result = one_round()
                 self._pregenerate_anchors()
                 return result
-            sampler = DynamicSampler(cfg.rollout.prompts_per_step, pad_values={
-                "input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0})
+            sampler = DynamicSampler(
+                cfg.rollout.prompts_per_step,
+                pad_values={"input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0},
+            )
             metrics: dict = {}
             for _ in range(1 + ds.max_oversample_rounds):
                 batch, round_metrics = one_round()
@@ -259,8 +293,9 @@ class ArmorTrainer:
             with timer.phase("values"):
                 batch["old_values"] = self.critic.compute_values(batch["input_ids"], batch["lengths"])
                 batch["advantages"], batch["returns"] = gae_targets(batch, cfg)
-            metrics["critic/old_explained_var"] = [explained_variance(batch["old_values"], batch["returns"],
-                                                                      batch["response_mask"])]
+            metrics["critic/old_explained_var"] = [
+                explained_variance(batch["old_values"], batch["returns"], batch["response_mask"])
+            ]
         train_actor = self.critic is None or self.step >= cfg.critic.warmup_steps
         # mini_batches_per_step near-equal mini-batches, also of a partial batch from dynamic
         # sampling (never more optimizer steps than the LR schedule counts)
@@ -320,8 +355,11 @@ class ArmorTrainer:
         pushed only at resets, and released weights come back as memory, not contents)."""
         released = []
         if self.is_driver and self.cfg.rollout.engine == "sglang" and self.cfg.rollout.sglang.placement == "colocated":
-            released = [(e, tags) for e, tags in ((self.policy_engine, ("weights", "kv_cache")),
-                                                  (self.reference_engine, ("kv_cache",))) if e is not None]
+            released = [
+                (e, tags)
+                for e, tags in ((self.policy_engine, ("weights", "kv_cache")), (self.reference_engine, ("kv_cache",)))
+                if e is not None
+            ]
         if self.anchors is not None and released:
             self.anchors.wait()  # no background sampling on released engines
         for engine, tags in released:
@@ -340,8 +378,14 @@ class ArmorTrainer:
             return {}
         from armor_megatron.rewards import flatten_metrics
 
-        result = evaluate(self.policy_engine, self.encode, self.eval_sets, self.eval_sampling,
-                          verifier=self.cfg.reward.verifier, pass_k=self.cfg.eval.pass_k)
+        result = evaluate(
+            self.policy_engine,
+            self.encode,
+            self.eval_sets,
+            self.eval_sampling,
+            verifier=self.cfg.reward.verifier,
+            pass_k=self.cfg.eval.pass_k,
+        )
         metrics = flatten_metrics(result.metrics)
         pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]
         if pass1:
@@ -353,9 +397,8 @@ class ArmorTrainer:
                     print(f"[armor] warning: {warning}", flush=True)
         return metrics
 
-
     # ------------------------------------------------------------------ the loop
-    def run(self, save: Callable[[], None], logger: Optional[MetricsLogger] = None) -> dict:
+    def run(self, save: Callable[[], None], logger: MetricsLogger | None = None) -> dict:
         """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks).
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
@@ -413,7 +456,9 @@ class ArmorTrainer:
                         logger.log(self.step, metrics)
                     if progress is not None:
                         progress.update(1)
-                        progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics})
+                        progress.set_postfix(
+                            {k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics}
+                        )
                 last = metrics
                 if any_rank(preemption.requested()):
                     if not due and self.step != cfg.train.steps:
@@ -430,8 +475,9 @@ def gae_targets(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor
     over the response tokens, advantages whitened over the batch when critic.whiten_advantages."""
     mask = batch["response_mask"]
     rewards = outcome_token_rewards(batch["rewards"], mask)
-    advantages, returns = gae_advantages(batch["old_values"], rewards, mask, gamma=cfg.algorithm.gamma,
-                                         lam=cfg.algorithm.lam)
+    advantages, returns = gae_advantages(
+        batch["old_values"], rewards, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam
+    )
     if cfg.critic.whiten_advantages:
         advantages = whiten_advantages(advantages, mask)
     return advantages, returns
@@ -445,7 +491,7 @@ def broadcast_object(obj):
     return payload[0]
 
 
-def broadcast_batch(batch: Optional[RolloutBatch]) -> dict:
+def broadcast_batch(batch: RolloutBatch | None) -> dict:
     """Rank 0's batch tensors to every rank (a dict of CPU tensors)."""
     return broadcast_object({k: batch[k] for k in BATCH_TENSORS} if batch is not None else None)
 

@@ -11,7 +11,8 @@ import json
 import math
 import os
 import time
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 
 class MetricsLogger:
@@ -21,11 +22,11 @@ class MetricsLogger:
         *,
         jsonl: bool = True,
         tensorboard: bool = False,
-        wandb_project: Optional[str] = None,
-        wandb_entity: Optional[str] = None,
-        run_name: Optional[str] = None,
-        config: Optional[Mapping[str, Any]] = None,
-        resume_step: Optional[int] = None,
+        wandb_project: str | None = None,
+        wandb_entity: str | None = None,
+        run_name: str | None = None,
+        config: Mapping[str, Any] | None = None,
+        resume_step: int | None = None,
     ):
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
@@ -40,17 +41,25 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise ImportError("logging.tensorboard needs the tensorboard package (pip install tensorboard)") from None
+                raise ImportError(
+                    "logging.tensorboard needs the tensorboard package (pip install tensorboard)"
+                ) from None
             self._tb = SummaryWriter(os.path.join(log_dir, "tensorboard"))
         self._wandb = None
         if wandb_project:
             try:
                 import wandb
             except ImportError:
-                raise ImportError("logging.wandb.project is set but wandb is not installed (pip install wandb)") from None
+                raise ImportError(
+                    "logging.wandb.project is set but wandb is not installed (pip install wandb)"
+                ) from None
             self._wandb = wandb.init(
-                project=wandb_project, entity=wandb_entity, name=run_name, config=dict(config or {}),
-                dir=log_dir, resume="allow",
+                project=wandb_project,
+                entity=wandb_entity,
+                name=run_name,
+                config=dict(config or {}),
+                dir=log_dir,
+                resume="allow",
             )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:

@@ -9,7 +9,6 @@ training reward is positive and that of validation accuracy is negative by more 
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional
 
 
 def _slope(values: list[float]) -> float:
@@ -28,7 +27,7 @@ class OverOptimizationMonitor:
         self.train = deque(maxlen=window)
         self.val = deque(maxlen=window)
 
-    def update(self, train_reward: float, val_accuracy: float) -> tuple[dict, Optional[str]]:
+    def update(self, train_reward: float, val_accuracy: float) -> tuple[dict, str | None]:
         """Record one evaluation; returns (metrics, warning or None)."""
         self.train.append(train_reward)
         self.val.append(val_accuracy)

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 import os
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from armor_megatron.trainer.metrics_log import read_metrics
 
@@ -121,7 +121,7 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
             _line(ax, points, color=colour, marker="." if len(points[0]) < 50 else None, label=run.label)
         ax.set_ylabel(key)
         _legend(ax)
-    for ax, run in zip(axes[1 + len(extra_metrics):], runs):
+    for ax, run in zip(axes[1 + len(extra_metrics) :], runs):
         _timing_panel(ax, run)
     axes[-1].set_xlabel("step")
     for ax in axes:
@@ -140,8 +140,15 @@ def _accuracy_panel(ax, runs: Sequence[Run], colours: Sequence[str]) -> None:
         _line(ax, accuracy, color=colour, label=f"{run.label} on-policy train acc")
         if reward != accuracy:
             _line(ax, reward, color=colour, linestyle=":", label=f"{run.label} train reward")
-        _line(ax, series(run.records, VAL_ACCURACY), color=colour, linestyle="--", marker="o", markersize=4,
-              label=f"{run.label} val acc")
+        _line(
+            ax,
+            series(run.records, VAL_ACCURACY),
+            color=colour,
+            linestyle="--",
+            marker="o",
+            markersize=4,
+            label=f"{run.label} val acc",
+        )
         for i, step in enumerate(reset_steps(run.records)):
             ax.axvline(step, color=colour, linewidth=0.8, alpha=0.5, label=f"{run.label} ref reset" if i == 0 else None)
     ax.set_ylabel("accuracy")

@@ -9,7 +9,6 @@ preemption. The handler only records the request; the training loop checks
 from __future__ import annotations
 
 import signal
-from typing import Optional
 
 REQUEUE_EXIT_CODE = 85
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -18,10 +17,10 @@ SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class PreemptionHandler:
     def __init__(self, signals=SIGNALS):
         self.signals = tuple(signals)
-        self.received: Optional[int] = None
+        self.received: int | None = None
         self._previous = {}
 
-    def install(self) -> "PreemptionHandler":
+    def install(self) -> PreemptionHandler:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

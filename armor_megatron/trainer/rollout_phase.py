@@ -27,7 +27,8 @@ objects: prompt_index (dataset row), response_text, finish_reason.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -50,10 +51,10 @@ class RolloutSettings:
     estimator: str = "dapo"
     estimator_kwargs: dict = dataclasses.field(default_factory=dict)
     verifier: str = "math"
-    overlong_buffer: Optional[int] = None  # tokens; None disables overlong shaping
+    overlong_buffer: int | None = None  # tokens; None disables overlong shaping
     overlong_penalty: float = 1.0
-    reward_workers: Optional[int] = None
-    timeout: Optional[float] = None
+    reward_workers: int | None = None
+    timeout: float | None = None
 
 
 def collect_groups(
@@ -76,14 +77,17 @@ def collect_groups(
     verifiers = [r.verifier or settings.verifier for r in rows]
     anchor_results = (
         anchors.get(prompt_ids, list(zip(verifiers, answers)), keys=[r.index for r in rows], timeout=settings.timeout)
-        if anchors else None
+        if anchors
+        else None
     )
     found = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
     policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
     anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
-    anchor_scores = _score([[s.text for s in group] for group in anchor_samples], answers, verifiers, settings.reward_workers)
+    anchor_scores = _score(
+        [[s.text for s in group] for group in anchor_samples], answers, verifiers, settings.reward_workers
+    )
     # The anchor side already did the rejection sampling: every anchor it returns is taken.
     groups = assemble_anchor_groups(
         policy_scores, anchor_scores if anchors else None, G, max_tries=1, success_reward=float("-inf")
@@ -118,12 +122,14 @@ def collect_groups(
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     if anchors:
-        metrics.update({
-            "anchor/found_rate": sum(found) / len(found),
-            "anchor/tries": float(sum(a.tries for a in anchor_results)),
-            "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
-            "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
-        })
+        metrics.update(
+            {
+                "anchor/found_rate": sum(found) / len(found),
+                "anchor/tries": float(sum(a.tries for a in anchor_results)),
+                "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
+                "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
+            }
+        )
         if settings.estimator != "gae":
             metrics["anchor/zero_advantage_rate"] = anchor_zero_advantage_rate(advantages, groups.is_anchor).item()
     return batch, metrics
@@ -135,19 +141,22 @@ def final_batch_advantages(batch: RolloutBatch, settings: RolloutSettings) -> Ro
     by round nor see dropped groups. Group-local estimators give the same values again."""
     if settings.estimator != "gae":  # per-token advantages come later, from the trainer's critic
         rewards = batch["rewards"].view(-1, settings.group_size)
-        batch["advantages"] = compute_advantages(settings.estimator, rewards=rewards,
-                                                 **settings.estimator_kwargs).reshape(-1).float()
+        batch["advantages"] = (
+            compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs).reshape(-1).float()
+        )
     return batch
 
 
 def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:
     """G−1 samples for prompts with an anchor and G for the rest (two requests at most)."""
-    out: list[Optional[list[Sample]]] = [None] * len(prompt_ids)
+    out: list[list[Sample] | None] = [None] * len(prompt_ids)
     for n in (G - 1, G):
         idx = [i for i, f in enumerate(found) if (n == G - 1) == f]
         if not idx:
             continue
-        groups = engine.generate([prompt_ids[i] for i in idx], n=n, sampling=settings.sampling, timeout=settings.timeout)
+        groups = engine.generate(
+            [prompt_ids[i] for i in idx], n=n, sampling=settings.sampling, timeout=settings.timeout
+        )
         for i, group in zip(idx, groups):
             out[i] = list(group)
     return out

@@ -6,7 +6,6 @@ Called by ``armor-train`` inside each distributed process (torchrun / srun start
 from __future__ import annotations
 
 import os
-from typing import Optional
 
 import torch.distributed as dist
 
@@ -43,12 +42,14 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
     from armor_megatron.rollout.local import LocalEngine
 
     def make(policy, reference, *, policy_version, reference_version):
-        policy_engine = LocalEngine(hf_config, policy, tokenizer=tokenizer, weight_version=policy_version,
-                                    seed=cfg.rollout.seed)
+        policy_engine = LocalEngine(
+            hf_config, policy, tokenizer=tokenizer, weight_version=policy_version, seed=cfg.rollout.seed
+        )
         reference_engine = None
         if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
-            reference_engine = LocalEngine(hf_config, reference, tokenizer=tokenizer,
-                                           weight_version=reference_version, seed=cfg.rollout.seed + 1)
+            reference_engine = LocalEngine(
+                hf_config, reference, tokenizer=tokenizer, weight_version=reference_version, seed=cfg.rollout.seed + 1
+            )
         return policy_engine, reference_engine
 
     return make
@@ -65,12 +66,24 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
 
     def engine(urls, group: str, weights, version: str) -> SGLangEngine:
-        sync = WeightSyncConfig(mode=sg.weight_sync, bucket_bytes=sg.bucket_mb << 20, tp_size=sg.tp_per_engine,
-                                disk_dir=os.path.join(disk_root, group), hf_config=hf_config,
-                                master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                                timeout=sg.request_timeout_s, group_name=f"armor_{group}_weights")
-        client = SGLangEngine(urls, api_key=sg.api_key, weight_sync=sync, retry=RetryPolicy(max_attempts=1 + sg.max_retries),
-                              request_timeout=sg.request_timeout_s, max_concurrency=sg.max_concurrency)
+        sync = WeightSyncConfig(
+            mode=sg.weight_sync,
+            bucket_bytes=sg.bucket_mb << 20,
+            tp_size=sg.tp_per_engine,
+            disk_dir=os.path.join(disk_root, group),
+            hf_config=hf_config,
+            master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            timeout=sg.request_timeout_s,
+            group_name=f"armor_{group}_weights",
+        )
+        client = SGLangEngine(
+            urls,
+            api_key=sg.api_key,
+            weight_sync=sync,
+            retry=RetryPolicy(max_attempts=1 + sg.max_retries),
+            request_timeout=sg.request_timeout_s,
+            max_concurrency=sg.max_concurrency,
+        )
         client.update_weights(weights, version)
         return client
 
@@ -84,7 +97,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     return make
 
 
-def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
+def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
     from transformers import AutoTokenizer
 
@@ -99,30 +112,63 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     arch = model_arch_of(cfg)
     par = cfg.parallelism
     parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp, sp=par.sp)
-    initialize(parallel, arch, seed=cfg.train.seed, deterministic=cfg.train.deterministic,
-               timeout_minutes=cfg.train.collective_timeout_minutes)
+    initialize(
+        parallel,
+        arch,
+        seed=cfg.train.seed,
+        deterministic=cfg.train.deterministic,
+        timeout_minutes=cfg.train.collective_timeout_minutes,
+    )
     dtype = resolve_dtype(cfg.model.dtype)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
-    actor = MegatronActor(arch, parallel, dtype=dtype, optimizer=cfg.optimizer, loss=components.loss_config(cfg),
-                          micro_batch_size=cfg.train.micro_batch_size, total_steps=total_updates, seed=cfg.train.seed)
+    actor = MegatronActor(
+        arch,
+        parallel,
+        dtype=dtype,
+        optimizer=cfg.optimizer,
+        loss=components.loss_config(cfg),
+        micro_batch_size=cfg.train.micro_batch_size,
+        total_steps=total_updates,
+        seed=cfg.train.seed,
+    )
     critic = None
     if cfg.algorithm.estimator == "gae":
         from armor_megatron.megatron.critic import MegatronCritic
 
-        critic = MegatronCritic(arch, parallel, dtype=dtype, optimizer=cfg.critic.optimizer,
-                                loss=components.value_loss_config(cfg), micro_batch_size=cfg.train.micro_batch_size,
-                                total_steps=total_updates, seed=cfg.train.seed,
-                                value_head_init_std=cfg.critic.value_head_init_std)
+        critic = MegatronCritic(
+            arch,
+            parallel,
+            dtype=dtype,
+            optimizer=cfg.critic.optimizer,
+            loss=components.value_loss_config(cfg),
+            micro_batch_size=cfg.train.micro_batch_size,
+            total_steps=total_updates,
+            seed=cfg.train.seed,
+            value_head_init_std=cfg.critic.value_head_init_std,
+        )
     reference = None
     if needs_reference(cfg):
-        reference = ReferenceModel(arch, parallel, dtype=dtype, offload=cfg.reference.offload,
-                                   micro_batch_size=cfg.train.micro_batch_size)
+        reference = ReferenceModel(
+            arch, parallel, dtype=dtype, offload=cfg.reference.offload, micro_batch_size=cfg.train.micro_batch_size
+        )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
-    make_engines = make_local_engines(cfg, hf_config, tokenizer) if cfg.rollout.engine == "local" else make_sglang_engines(cfg, hf_config)
-    trainer = ArmorTrainer(cfg, arch, actor, reference, tokenizer, make_engines,
-                           export_weights=lambda model: export_hf_weights(model.model_chunks, arch), critic=critic)
+    make_engines = (
+        make_local_engines(cfg, hf_config, tokenizer)
+        if cfg.rollout.engine == "local"
+        else make_sglang_engines(cfg, hf_config)
+    )
+    trainer = ArmorTrainer(
+        cfg,
+        arch,
+        actor,
+        reference,
+        tokenizer,
+        make_engines,
+        export_weights=lambda model: export_hf_weights(model.model_chunks, arch),
+        critic=critic,
+    )
 
     resume = resume or cfg.checkpoint.resume
     path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
@@ -149,14 +195,21 @@ def train(cfg: RunConfig, resume: Optional[str] = None) -> dict:
     logger = None
     if trainer.is_driver:
         lg = cfg.logging
-        logger = MetricsLogger(os.path.join(lg.dir, cfg.name), jsonl=lg.jsonl, tensorboard=lg.tensorboard,
-                               wandb_project=lg.wandb.project, wandb_entity=lg.wandb.entity,
-                               run_name=lg.wandb.name or cfg.name, resume_step=trainer.step if path else None)
+        logger = MetricsLogger(
+            os.path.join(lg.dir, cfg.name),
+            jsonl=lg.jsonl,
+            tensorboard=lg.tensorboard,
+            wandb_project=lg.wandb.project,
+            wandb_entity=lg.wandb.entity,
+            run_name=lg.wandb.name or cfg.name,
+            resume_step=trainer.step if path else None,
+        )
 
     def save():
         root = cfg.checkpoint.dir
-        ckpt.save_checkpoint(root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {},
-                             critic=critic)
+        ckpt.save_checkpoint(
+            root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {}, critic=critic
+        )
         if trainer.is_driver:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 

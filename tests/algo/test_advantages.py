@@ -3,10 +3,18 @@ import math
 import pytest
 import torch
 
-from armor_megatron.algo.advantages import (ESTIMATORS, compute_advantages, drgrpo_advantages, gae_advantages,
-                                            get_estimator, grpo_advantages, qae_advantages,
-                                            reinforce_pp_advantages, reinforce_pp_baseline_advantages,
-                                            rloo_advantages)
+from armor_megatron.algo.advantages import (
+    ESTIMATORS,
+    compute_advantages,
+    drgrpo_advantages,
+    gae_advantages,
+    get_estimator,
+    grpo_advantages,
+    qae_advantages,
+    reinforce_pp_advantages,
+    reinforce_pp_baseline_advantages,
+    rloo_advantages,
+)
 
 ONE_OF_FOUR = torch.tensor([[1.0, 0.0, 0.0, 0.0]])  # mean 0.25, Bessel std sqrt(0.75/3) = 0.5
 
@@ -28,8 +36,9 @@ def test_qae_binary_two_regimes():
     # hard prompt [1,0,0,0]: sorted [0,0,0,1] -> Q = 0: only the success moves, (1−0)/0.5 = 2
     # easy prompt [1,1,1,0]: sorted [0,1,1,1] -> Q = 1: only the failure moves, (0−1)/0.5 = −2
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]])
-    torch.testing.assert_close(qae_advantages(rewards, k=0.4, eps=0.0),
-                               torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -2.0]]))
+    torch.testing.assert_close(
+        qae_advantages(rewards, k=0.4, eps=0.0), torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, -2.0]])
+    )
 
 
 def test_qae_linear_interpolation():
@@ -40,8 +49,9 @@ def test_qae_linear_interpolation():
     expected = (rewards - 0.8) / std
     torch.testing.assert_close(qae_advantages(rewards, k=0.4, eps=0.0), expected)
     # G = 2 [0, 1]: Q_0.4 = 0.4, std = sqrt(0.5)
-    torch.testing.assert_close(qae_advantages(torch.tensor([[0.0, 1.0]]), eps=0.0),
-                               torch.tensor([[-0.4, 0.6]]) / math.sqrt(0.5))
+    torch.testing.assert_close(
+        qae_advantages(torch.tensor([[0.0, 1.0]]), eps=0.0), torch.tensor([[-0.4, 0.6]]) / math.sqrt(0.5)
+    )
     with pytest.raises(ValueError, match="quantile k"):
         qae_advantages(rewards, k=1.5)
 
@@ -61,8 +71,9 @@ def test_reinforce_pp_baseline_hand_example():
     # centred by group: [[0.5, −0.5], [0, 0]]; batch std sqrt((0.25+0.25)/3) = sqrt(1/6)
     rewards = torch.tensor([[1.0, 0.0], [1.0, 1.0]])
     s = math.sqrt(1 / 6)
-    torch.testing.assert_close(reinforce_pp_baseline_advantages(rewards, eps=0.0),
-                               torch.tensor([[0.5 / s, -0.5 / s], [0.0, 0.0]]))
+    torch.testing.assert_close(
+        reinforce_pp_baseline_advantages(rewards, eps=0.0), torch.tensor([[0.5 / s, -0.5 / s], [0.0, 0.0]])
+    )
 
 
 def test_gae_hand_example_with_padding():
@@ -94,8 +105,9 @@ def test_gae_with_gamma_lambda_one_is_monte_carlo_return_minus_value():
 
 def test_registry_dispatch_and_errors():
     assert set(ESTIMATORS) >= {"grpo", "dapo", "drgrpo", "qae", "rloo", "reinforce++", "gae"}
-    torch.testing.assert_close(compute_advantages("qae", rewards=ONE_OF_FOUR, k=0.4),
-                               qae_advantages(ONE_OF_FOUR, k=0.4))
+    torch.testing.assert_close(
+        compute_advantages("qae", rewards=ONE_OF_FOUR, k=0.4), qae_advantages(ONE_OF_FOUR, k=0.4)
+    )
     adv, _ = compute_advantages("gae", values=torch.zeros(1, 2), rewards=torch.ones(1, 2), mask=torch.ones(1, 2))
     torch.testing.assert_close(adv, torch.tensor([[2.0, 1.0]]))
     with pytest.raises(ValueError, match="did you mean 'grpo'"):

@@ -2,17 +2,19 @@ import pytest
 import torch
 
 from armor_megatron.algo.advantages import qae_advantages
-from armor_megatron.algo.anchors import (RowSource, anchor_zero_advantage_rate, assemble_anchor_groups,
-                                         select_anchor)
+from armor_megatron.algo.anchors import RowSource, anchor_zero_advantage_rate, assemble_anchor_groups, select_anchor
 
 
-@pytest.mark.parametrize("tries, max_tries, expected", [
-    ([0, 0, 1, 1], 4, (2, 3)),      # first success is the 3rd try
-    ([0, 0, 0, 0, 1], 4, (None, 4)),  # the 5th try is beyond the budget
-    ([1], 4, (0, 1)),
-    ([], 4, (None, 0)),
-    ([0.0, 0.5, 1.0], 2, (None, 2)),  # 0.5 is not verified-correct
-])
+@pytest.mark.parametrize(
+    "tries, max_tries, expected",
+    [
+        ([0, 0, 1, 1], 4, (2, 3)),  # first success is the 3rd try
+        ([0, 0, 0, 0, 1], 4, (None, 4)),  # the 5th try is beyond the budget
+        ([1], 4, (0, 1)),
+        ([], 4, (None, 0)),
+        ([0.0, 0.5, 1.0], 2, (None, 2)),  # 0.5 is not verified-correct
+    ],
+)
 def test_select_anchor_rejection_sampling(tries, max_tries, expected):
     assert select_anchor(tries, max_tries) == expected
 
@@ -28,8 +30,12 @@ def test_assemble_groups_with_and_without_anchor():
     assert groups.rewards.tolist() == [[0, 1, 0, 1], [0, 0, 0, 1], [1, 1, 1, 1]]
     assert groups.is_anchor.tolist() == [[False, False, False, True], [False] * 4, [False, False, False, True]]
     assert groups.tries_used == (2, 4, 1) and groups.found == (True, False, True)
-    assert groups.rows[:4] == (RowSource(0, "policy", 0), RowSource(0, "policy", 1), RowSource(0, "policy", 2),
-                               RowSource(0, "reference", 1))
+    assert groups.rows[:4] == (
+        RowSource(0, "policy", 0),
+        RowSource(0, "policy", 1),
+        RowSource(0, "policy", 2),
+        RowSource(0, "reference", 1),
+    )
     stats = groups.stats()
     assert stats["anchor_found_rate"] == pytest.approx(2 / 3) and stats["anchor_tries_mean"] == pytest.approx(7 / 3)
     assert stats["anchor_tries_total"] == 7 and stats["num_groups"] == 3
@@ -37,7 +43,19 @@ def test_assemble_groups_with_and_without_anchor():
     texts_policy = [[f"p{p}s{i}" for i in range(len(r))] for p, r in enumerate(policy)]
     texts_ref = [[f"p{p}r{i}" for i in range(len(r))] for p, r in enumerate(reference)]
     assert groups.gather(texts_policy, texts_ref) == [
-        "p0s0", "p0s1", "p0s2", "p0r1", "p1s0", "p1s1", "p1s2", "p1s3", "p2s0", "p2s1", "p2s2", "p2r0"]
+        "p0s0",
+        "p0s1",
+        "p0s2",
+        "p0r1",
+        "p1s0",
+        "p1s1",
+        "p1s2",
+        "p1s3",
+        "p2s0",
+        "p2s1",
+        "p2s2",
+        "p2r0",
+    ]
 
 
 def test_anchors_disabled_gives_plain_groups():

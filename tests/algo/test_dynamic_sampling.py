@@ -14,8 +14,10 @@ def _round(group_rewards, first_id, length):
     """A group-major batch: row ids, a [rows, length] token tensor, and the rewards."""
     rewards = torch.tensor(group_rewards, dtype=torch.float32)
     n = rewards.numel()
-    batch = RolloutBatch({"row_id": torch.arange(first_id, first_id + n), "tokens": torch.ones(n, length)},
-                         {"text": [f"r{first_id + i}" for i in range(n)]})
+    batch = RolloutBatch(
+        {"row_id": torch.arange(first_id, first_id + n), "tokens": torch.ones(n, length)},
+        {"text": [f"r{first_id + i}" for i in range(n)]},
+    )
     return batch, rewards
 
 
@@ -28,8 +30,11 @@ def test_sampler_fills_target_over_rounds_and_pads():
     out = sampler.take()
     assert out["row_id"].tolist() == [2, 3, 4, 5, 8, 9] and out["text"][0] == "r2"
     assert out["tokens"].shape == (6, 3) and out["tokens"][0].tolist() == [1, 1, 0]
-    assert sampler.stats() == {"dynamic_sampling_rounds": 2.0, "dynamic_sampling_groups_seen": 5.0,
-                               "dynamic_sampling_keep_rate": 3 / 5}
+    assert sampler.stats() == {
+        "dynamic_sampling_rounds": 2.0,
+        "dynamic_sampling_groups_seen": 5.0,
+        "dynamic_sampling_keep_rate": 3 / 5,
+    }
 
 
 def test_sampler_takes_only_the_target_and_fails_loudly():

@@ -155,11 +155,18 @@ def test_bf16_inputs_give_fp32_loss():
     assert logp.grad.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    (dict(alpha=0.0), "alpha"), (dict(alpha=1.2), "alpha"), (dict(eps_low=0.0), "eps_low"),
-    (dict(eps_low=1.0), "eps_low"), (dict(eps_high=-0.1), "eps_high"), (dict(dual_clip_c=1.0), "dual_clip_c"),
-    (dict(loss_agg="seq-mean"), "loss_agg"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(alpha=0.0), "alpha"),
+        (dict(alpha=1.2), "alpha"),
+        (dict(eps_low=0.0), "eps_low"),
+        (dict(eps_low=1.0), "eps_low"),
+        (dict(eps_high=-0.1), "eps_high"),
+        (dict(dual_clip_c=1.0), "dual_clip_c"),
+        (dict(loss_agg="seq-mean"), "loss_agg"),
+    ],
+)
 def test_bad_config_raises(kwargs, message):
     with pytest.raises(ValueError, match=message):
         PolicyLossConfig(**kwargs)

@@ -13,8 +13,10 @@ def test_reduced_micro_batch_metrics_equal_whole_batch_metrics():
     mask = torch.arange(6)[None] < torch.tensor([6, 2, 0, 4, 1])[:, None]
     cfg = PolicyLossConfig(alpha=0.875, dual_clip_c=3.0)
     _, whole = policy_loss(logp, old, ref, adv, mask, cfg, entropy=entropy)
-    parts = [policy_loss(logp[s], old[s], ref[s], adv[s], mask[s], cfg, entropy=entropy[s])[1]
-             for s in (slice(0, 2), slice(2, 3), slice(3, 5))]  # the middle part has no valid token
+    parts = [
+        policy_loss(logp[s], old[s], ref[s], adv[s], mask[s], cfg, entropy=entropy[s])[1]
+        for s in (slice(0, 2), slice(2, 3), slice(3, 5))
+    ]  # the middle part has no valid token
     reduced = reduce_loss_metrics(parts)
     assert reduced.keys() == whole.keys()
     for key, value in whole.items():

@@ -86,8 +86,10 @@ def test_trust_region_hand_values_and_ratio_at_the_bounds():
 def test_clipping_r_mix_is_the_adaptive_trust_region_on_pi_theta(alpha):
     """DESIGN §2.7: 1−ε_low ≤ r_mix ≤ 1+ε_high  ⇔  lower ≤ π_θ ≤ upper."""
     g = torch.Generator().manual_seed(4)
-    p_old, p_ref = torch.rand(20000, generator=g, dtype=torch.float64), torch.rand(20000, generator=g,
-                                                                                   dtype=torch.float64)
+    p_old, p_ref = (
+        torch.rand(20000, generator=g, dtype=torch.float64),
+        torch.rand(20000, generator=g, dtype=torch.float64),
+    )
     p = p_old * (0.3 + 1.4 * torch.rand(20000, generator=g, dtype=torch.float64))
     ratio = mixed_log_ratio(p.log(), p_old.log(), p_ref.log(), alpha).double().exp()
     lower, upper = trust_region_bounds(p_old.log(), p_ref.log(), alpha, 0.2, 0.28)

@@ -1,7 +1,14 @@
 import pytest
 
-from armor_megatron.algo.reset import (EveryTau, Never, OnValidationBest, ResetSchedule, TwoStage, ValidationHook,
-                                       build_reset_schedule)
+from armor_megatron.algo.reset import (
+    EveryTau,
+    Never,
+    OnValidationBest,
+    ResetSchedule,
+    TwoStage,
+    ValidationHook,
+    build_reset_schedule,
+)
 
 
 def reset_on_even_steps(step, metrics):
@@ -43,20 +50,26 @@ def test_validation_hook_callable_and_path():
 
 def test_reset_on_new_validation_best_and_its_state():
     schedule = OnValidationBest("val/acc", min_delta=0.01)
-    seen = [schedule.should_reset(step, metrics) for step, metrics in [
-        (1, {"train/loss": 1.0}),   # no validation this step
-        (2, {"val/acc": 0.30}),     # first value is a best
-        (3, {"val/acc": 0.305}),    # not better by more than 0.01
-        (4, {"val/acc": 0.40}),     # new best
-        (5, {"val/acc": 0.35}),
-    ]]
+    seen = [
+        schedule.should_reset(step, metrics)
+        for step, metrics in [
+            (1, {"train/loss": 1.0}),  # no validation this step
+            (2, {"val/acc": 0.30}),  # first value is a best
+            (3, {"val/acc": 0.305}),  # not better by more than 0.01
+            (4, {"val/acc": 0.40}),  # new best
+            (5, {"val/acc": 0.35}),
+        ]
+    ]
     assert seen == [False, True, False, True, False]
     restored = OnValidationBest("val/acc")
     restored.load_state_dict(schedule.state_dict())
     assert not restored.should_reset(6, {"val/acc": 0.39}) and restored.should_reset(7, {"val/acc": 0.41})
     lower_is_better = OnValidationBest("val/loss", mode="min")
-    assert [lower_is_better.should_reset(s, {"val/loss": v}) for s, v in [(1, 2.0), (2, 2.5), (3, 1.5)]] == \
-        [True, False, True]
+    assert [lower_is_better.should_reset(s, {"val/loss": v}) for s, v in [(1, 2.0), (2, 2.5), (3, 1.5)]] == [
+        True,
+        False,
+        True,
+    ]
 
 
 def test_bad_schedules_raise():

@@ -38,8 +38,9 @@ def test_hand_computed_clipped_value_loss_and_gradient():
 def test_unclipped_loss_is_half_the_squared_error():
     # ε_v = None: 0.5·(V − R)² = 0.5·(4 + 1) / 2 tokens = 1.25, gradient (V − R) / 2
     values = torch.tensor([[3.0, 0.0]], requires_grad=True)
-    loss, m = value_loss(values, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2),
-                         ValueLossConfig(clip_eps=None))
+    loss, m = value_loss(
+        values, torch.zeros(1, 2), torch.tensor([[1.0, 1.0]]), torch.ones(1, 2), ValueLossConfig(clip_eps=None)
+    )
     torch.testing.assert_close(loss, torch.tensor(1.25))
     loss.backward()
     torch.testing.assert_close(values.grad, torch.tensor([[1.0, -0.5]]))
@@ -56,8 +57,10 @@ def test_global_normalizer_makes_micro_batch_losses_add_up():
         from armor_megatron.algo import loss_normalizer
 
         n = loss_normalizer(mask, agg).float()
-        parts = [value_loss(v[i:i + 2], v_old[i:i + 2], r[i:i + 2], mask[i:i + 2], cfg, normalizer=n)[0]
-                 for i in (0, 2)]
+        parts = [
+            value_loss(v[i : i + 2], v_old[i : i + 2], r[i : i + 2], mask[i : i + 2], cfg, normalizer=n)[0]
+            for i in (0, 2)
+        ]
         torch.testing.assert_close(sum(parts), whole)
 
 
@@ -74,7 +77,9 @@ def test_explained_variance_from_combined_moments_matches_the_whole_batch():
     values, returns = torch.tensor([[1.0, 2.0], [2.0, 5.0]]), torch.tensor([[1.0, 2.0], [3.0, 4.0]])
     mask = torch.ones(2, 2)
     assert explained_variance(values, returns, mask) == pytest.approx(0.6)
-    calls = [value_loss(values[i:i + 1], values[i:i + 1], returns[i:i + 1], mask[i:i + 1], CLIP)[1] for i in (0, 1)]
+    calls = [
+        value_loss(values[i : i + 1], values[i : i + 1], returns[i : i + 1], mask[i : i + 1], CLIP)[1] for i in (0, 1)
+    ]
     assert explained_variance_from_moments(reduce_loss_metrics(calls)) == pytest.approx(0.6)
     assert math.isnan(explained_variance(values, torch.ones(2, 2), mask))  # constant returns: undefined
 

@@ -11,8 +11,25 @@ def test_eval_cli_writes_table_and_json(tmp_path, capsys):
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+5=", "answer": "7"}]
     (tmp_path / "val.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "res.json"
-    code = main(["--model", str(tmp_path / "model"), "--dataset", f"val={tmp_path / 'val.jsonl'}", "--k", "2",
-                 "--pass-k", "1", "2", "--temperature", "1.0", "--max-new-tokens", "3", "--output", str(out)])
+    code = main(
+        [
+            "--model",
+            str(tmp_path / "model"),
+            "--dataset",
+            f"val={tmp_path / 'val.jsonl'}",
+            "--k",
+            "2",
+            "--pass-k",
+            "1",
+            "2",
+            "--temperature",
+            "1.0",
+            "--max-new-tokens",
+            "3",
+            "--output",
+            str(out),
+        ]
+    )
     assert code == 0
     assert capsys.readouterr().out.splitlines()[0].split() == ["dataset", "prompts", "avg@2", "pass@1", "pass@2"]
     result = json.loads(out.read_text())

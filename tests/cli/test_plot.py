@@ -18,9 +18,13 @@ def _write_run(run_dir, accuracy_slope: float, reset_every: int = 0) -> str:
     for step in range(1, 11):
         accuracy = 0.3 + accuracy_slope * step
         metrics = {
-            "rollout/on_policy_accuracy": accuracy, "rollout/reward": 2 * accuracy - 1,
+            "rollout/on_policy_accuracy": accuracy,
+            "rollout/reward": 2 * accuracy - 1,
             "anchor/found_rate": 0.5 + accuracy_slope * step,
-            "time/rollout": 2.0, "time/logprobs": 0.5, "time/update": 1.5, "time/weight_sync": 0.2,
+            "time/rollout": 2.0,
+            "time/logprobs": 0.5,
+            "time/update": 1.5,
+            "time/weight_sync": 0.2,
             "time/step": 4.5 + 0.1 * step,
         }
         if step % 5 == 0:
@@ -70,14 +74,20 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
         assert len(lines) == 1
         return lines[0]
 
-    assert error([str(tmp_path / "missing"), "--out", out]) == \
-        f"armor-plot: error: no such run directory or metrics file: {tmp_path / 'missing'}"
+    assert (
+        error([str(tmp_path / "missing"), "--out", out])
+        == f"armor-plot: error: no such run directory or metrics file: {tmp_path / 'missing'}"
+    )
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    assert error([str(tmp_path / "empty"), "--out", out]) == \
-        f"armor-plot: error: no metrics in {tmp_path / 'empty' / 'metrics.jsonl'}"
-    assert error([run, "--out", out, "--metric", "rollout/acuracy"]) == \
-        "armor-plot: error: unknown --metric rollout/acuracy: no run logged it"
+    assert (
+        error([str(tmp_path / "empty"), "--out", out])
+        == f"armor-plot: error: no metrics in {tmp_path / 'empty' / 'metrics.jsonl'}"
+    )
+    assert (
+        error([run, "--out", out, "--metric", "rollout/acuracy"])
+        == "armor-plot: error: unknown --metric rollout/acuracy: no run logged it"
+    )
     assert error([run, "--out", str(tmp_path / "x.pdf")]).startswith("armor-plot: error: --out must name a .png file")
     assert error([run, "--out", str(tmp_path / "no" / "x.png")]).startswith("armor-plot: error: --out directory")
     with pytest.raises(SystemExit) as exit_info:  # argparse exits by itself

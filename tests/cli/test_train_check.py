@@ -31,7 +31,11 @@ MALFORMED = [
     (TINY, ["algorithm.qae_quantile=1.2"], "algorithm.qae_quantile"),
     (TINY, ["algorithm.alpah=0.9"], "algorithm.alpah: unknown key (did you mean 'alpha'?)"),
     (TINY, ["algorithm.overlong.buffer_len=0"], "algorithm.overlong.buffer_len"),
-    (TINY, ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64"], "algorithm.overlong.buffer_len: 64 must be smaller"),
+    (
+        TINY,
+        ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64"],
+        "algorithm.overlong.buffer_len: 64 must be smaller",
+    ),
     (TINY, ["rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
     (TINY, ["rollout.group_size=4.5"], "rollout.group_size: expected an integer"),
     (TINY, ["rollout.group_size=true"], "rollout.group_size: expected an integer"),
@@ -48,12 +52,19 @@ MALFORMED = [
     (TINY, ["anchor.enabled=yes please"], "anchor.enabled: expected true or false"),
     (TINY, ["anchor.source=shared"], "anchor.source"),
     (TINY, ["anchor.source=swap", "anchor.pregenerate=true"], "anchor.pregenerate: needs anchor.source 'separate'"),
-    (TINY, ["rollout.engine=sglang", "rollout.sglang.placement=colocated", "anchor.pregenerate=true"],
-     "anchor.pregenerate: colocated engines release their GPU memory"),
+    (
+        TINY,
+        ["rollout.engine=sglang", "rollout.sglang.placement=colocated", "anchor.pregenerate=true"],
+        "anchor.pregenerate: colocated engines release their GPU memory",
+    ),
     (TINY, ["reference.tau=0"], "reference.tau"),
     (TINY, ["reference.reset=sometimes"], "reference.reset"),
     (TINY, ["reference.reset=validation_hook"], "reference.validation_hook: required"),
-    (TINY, ["reference.reset=validation_best", "eval.every_steps=0"], "reference.reset: 'validation_best' needs periodic evaluation"),
+    (
+        TINY,
+        ["reference.reset=validation_best", "eval.every_steps=0"],
+        "reference.reset: 'validation_best' needs periodic evaluation",
+    ),
     (TINY, ["parallelism.tp=0"], "parallelism.tp: 0 must be >= 1"),
     (TINY, ["parallelism.tp=3"], "parallelism.tp: num_attention_heads=4 is not divisible by tp=3"),
     (TINY, ["parallelism.tp=4"], "parallelism.tp: num_key_value_heads=2 is not divisible by tp=4"),
@@ -61,8 +72,16 @@ MALFORMED = [
     (TINY, ["parallelism.ep=2"], "parallelism.ep: ep=2 needs a MoE model"),
     (TINY, ["parallelism.sp=true", "parallelism.tp=1"], "parallelism.sp: sequence parallelism needs tp > 1"),
     (TINY, ["parallelism.vpp=2"], "parallelism.vpp: virtual pipeline chunks need pp > 1"),
-    (SEVEN_B, ["parallelism.tp=7", "launch.gpus_per_node=7"], "parallelism.tp: num_key_value_heads=4 is not divisible by tp=7"),
-    (SEVEN_B, ["parallelism.tp=8", "parallelism.pp=2", "launch.gpus_per_node=4"], "parallelism.tp: tp·pp·cp=16 does not divide the 4 trainer GPUs"),
+    (
+        SEVEN_B,
+        ["parallelism.tp=7", "launch.gpus_per_node=7"],
+        "parallelism.tp: num_key_value_heads=4 is not divisible by tp=7",
+    ),
+    (
+        SEVEN_B,
+        ["parallelism.tp=8", "parallelism.pp=2", "launch.gpus_per_node=4"],
+        "parallelism.tp: tp·pp·cp=16 does not divide the 4 trainer GPUs",
+    ),
     (MOE, ["parallelism.sp=false"], "parallelism.sp: MoE training with tp > 1 needs sequence parallelism"),
     (MOE, ["parallelism.ep=3"], "parallelism.ep"),
     (TINY, ["optimizer.lr=0"], "optimizer.lr: 0.0 must be > 0"),
@@ -134,9 +153,14 @@ def test_console_process_has_no_traceback(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT)
     proc = subprocess.run(
         [sys.executable, "-m", "armor_megatron.cli.train", "--config", TINY, "--check", "algorithm.alpha=2"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.strip() == "armor-train: error: config: algorithm.alpha: 2.0 is out of range, must be in (0, 1]"
-    proc = subprocess.run([sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--config" in proc.stderr

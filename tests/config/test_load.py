@@ -32,8 +32,13 @@ def test_two_stage_recipe():
 def test_overrides_are_typed_and_nested():
     cfg = load_config(
         os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
-        ["algorithm.alpha=0.875", "anchor.enabled=false", "eval.pass_k=[1]", "rollout.sglang.api_key=secret",
-         "optimizer.lr=1e-4"],
+        [
+            "algorithm.alpha=0.875",
+            "anchor.enabled=false",
+            "eval.pass_k=[1]",
+            "rollout.sglang.api_key=secret",
+            "optimizer.lr=1e-4",
+        ],
     )
     assert cfg.algorithm.alpha == 0.875 and cfg.anchor.enabled is False
     assert cfg.rollout.sglang.api_key == "secret"
@@ -49,7 +54,9 @@ def test_override_parsing():
 
 
 def test_extends_deep_merges(tmp_path):
-    (tmp_path / "base.yaml").write_text("algorithm: {alpha: 0.5, eps_low: 0.1}\nmodel: {path: m}\ndata: {train_path: d}\n")
+    (tmp_path / "base.yaml").write_text(
+        "algorithm: {alpha: 0.5, eps_low: 0.1}\nmodel: {path: m}\ndata: {train_path: d}\n"
+    )
     (tmp_path / "run.yaml").write_text("extends: base.yaml\nalgorithm: {alpha: 0.75}\n")
     cfg = load_config(str(tmp_path / "run.yaml"))
     assert (cfg.algorithm.alpha, cfg.algorithm.eps_low) == (0.75, 0.1)
@@ -81,15 +88,20 @@ def test_ppo_config_builds_a_critic_section():
     assert unclipped.critic.clip_eps is None
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["algorithm.estimator=gae", "critic.warmup_steps=20"], "critic.warmup_steps: 20 leaves no actor update"),
-    (["algorithm.estimator=gae", "critic.optimizer.lr=1e-5", "critic.optimizer.min_lr=1e-4"],
-     "critic.optimizer.min_lr: 0.0001 exceeds critic.optimizer.lr=1e-05"),
-    (["critic.clip_eps=-1"], "critic.clip_eps: -1.0 must be > 0"),
-    (["critic.value_head_init_std=-0.1"], "critic.value_head_init_std: -0.1 is out of range"),
-    (["critic.optimizer.lr=0"], "critic.optimizer.lr: 0.0 must be > 0"),
-    (["critic.lr=1e-5"], "critic.lr: unknown key"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["algorithm.estimator=gae", "critic.warmup_steps=20"], "critic.warmup_steps: 20 leaves no actor update"),
+        (
+            ["algorithm.estimator=gae", "critic.optimizer.lr=1e-5", "critic.optimizer.min_lr=1e-4"],
+            "critic.optimizer.min_lr: 0.0001 exceeds critic.optimizer.lr=1e-05",
+        ),
+        (["critic.clip_eps=-1"], "critic.clip_eps: -1.0 must be > 0"),
+        (["critic.value_head_init_std=-0.1"], "critic.value_head_init_std: -0.1 is out of range"),
+        (["critic.optimizer.lr=0"], "critic.optimizer.lr: 0.0 must be > 0"),
+        (["critic.lr=1e-5"], "critic.lr: unknown key"),
+    ],
+)
 def test_critic_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides)

@@ -29,8 +29,10 @@ def checkpoint_entries(mcore_dir: str) -> dict[str, tuple]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     meta = FileSystemReader(mcore_dir).read_metadata()
-    return {k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else "object"
-            for k, v in meta.state_dict_metadata.items()}
+    return {
+        k: tuple(v.size) if isinstance(v, TensorStorageMetadata) else "object"
+        for k, v in meta.state_dict_metadata.items()
+    }
 
 
 def model_entries(model) -> dict[str, tuple]:
@@ -80,13 +82,16 @@ def check_case(args, hf_dir: str, mcore_dir: str, expected_path: str) -> str:
     dist.initialize(parallel, arch)
     # allgather dispatcher: the alltoall one needs a CPU work-around cpu_compat lacks (split sizes
     # as tensors for all_to_all_single), and it needs fixed sequence lengths; neither touches weights.
-    model = build_gpt_model(arch, parallel, dtype=torch.float32, use_te=False, moe_token_dispatcher="allgather",
-                            variable_seq_lengths=False)
+    model = build_gpt_model(
+        arch, parallel, dtype=torch.float32, use_te=False, moe_token_dispatcher="allgather", variable_seq_lengths=False
+    )
     if args.check_keys:
         ours, theirs = checkpoint_entries(mcore_dir), model_entries(model)
-        assert ours == theirs, f"{arch.family}: checkpoint keys differ from GPTModel.sharded_state_dict(): " \
-            f"only in checkpoint {sorted(set(ours.items()) - set(theirs.items()))}, " \
+        assert ours == theirs, (
+            f"{arch.family}: checkpoint keys differ from GPTModel.sharded_state_dict(): "
+            f"only in checkpoint {sorted(set(ours.items()) - set(theirs.items()))}, "
             f"only in model {sorted(set(theirs.items()) - set(ours.items()))}"
+        )
     model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), mcore_dir))
 
     tp_rank, checked = ps.get_tensor_model_parallel_rank(), 0

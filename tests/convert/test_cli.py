@@ -75,15 +75,21 @@ def test_missing_tensor(capsys, tmp_path, tiny_models):
 def test_wrong_shape(capsys, tmp_path, tiny_models):
     hf = shutil.copytree(tiny_models["qwen3"], tmp_path / "hf")
     rewrite(hf, lambda t: t.__setitem__("model.layers.0.self_attn.k_proj.weight", torch.zeros(16, 64)))
-    assert_bad_input(capsys, tmp_path, "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], "
-                     "expected [32, 64]", "hf-to-mcore", hf)
+    assert_bad_input(
+        capsys,
+        tmp_path,
+        "tensor model.layers.0.self_attn.k_proj.weight has shape [16, 64], expected [32, 64]",
+        "hf-to-mcore",
+        hf,
+    )
 
 
 def test_unexpected_tensor_is_not_dropped_silently(capsys, tmp_path, tiny_models):
     hf = shutil.copytree(tiny_models["llama"], tmp_path / "hf")
     rewrite(hf, lambda t: t.__setitem__("model.layers.0.mlp.extra.weight", torch.zeros(2)))
-    assert_bad_input(capsys, tmp_path, "tensor model.layers.0.mlp.extra.weight is not part of a llama model",
-                     "hf-to-mcore", hf)
+    assert_bad_input(
+        capsys, tmp_path, "tensor model.layers.0.mlp.extra.weight is not part of a llama model", "hf-to-mcore", hf
+    )
 
 
 def test_unsupported_architecture(capsys, tmp_path, tiny_models):
@@ -95,8 +101,15 @@ def test_unsupported_architecture(capsys, tmp_path, tiny_models):
 
 
 def test_heads_not_divisible_by_tp(capsys, tmp_path, tiny_models):
-    assert_bad_input(capsys, tmp_path, "num_attention_heads=4 is not divisible by tp=3",
-                     "hf-to-mcore", tiny_models["llama"], "--tp", 3)
+    assert_bad_input(
+        capsys,
+        tmp_path,
+        "num_attention_heads=4 is not divisible by tp=3",
+        "hf-to-mcore",
+        tiny_models["llama"],
+        "--tp",
+        3,
+    )
 
 
 def test_missing_input_directory(capsys, tmp_path):
@@ -106,8 +119,15 @@ def test_missing_input_directory(capsys, tmp_path):
 def test_checkpoint_of_another_model(capsys, tmp_path, tiny_models):
     mcore = tmp_path / "mcore"
     assert run(capsys, "hf-to-mcore", tiny_models["llama"], mcore)[0] == 0
-    assert_bad_input(capsys, tmp_path, "tensor decoder.layers.self_attention.q_layernorm.weight is missing",
-                     "mcore-to-hf", mcore, "--hf-config", tiny_models["qwen3"])
+    assert_bad_input(
+        capsys,
+        tmp_path,
+        "tensor decoder.layers.self_attention.q_layernorm.weight is missing",
+        "mcore-to-hf",
+        mcore,
+        "--hf-config",
+        tiny_models["qwen3"],
+    )
 
 
 def test_existing_output_is_refused_unless_overwrite(capsys, tmp_path, tiny_models):
@@ -140,8 +160,9 @@ def test_verify_with_logits_as_a_user_runs_it(tmp_path, tiny_models):
     cmd = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(cmd + ["hf-to-mcore", tiny_models["qwen3"], str(mcore), "--quiet"], check=True, env=env, timeout=200)
-    proc = subprocess.run(cmd + ["verify", tiny_models["qwen3"], str(mcore)], capture_output=True, text=True,
-                          env=env, timeout=200)
+    proc = subprocess.run(
+        cmd + ["verify", tiny_models["qwen3"], str(mcore)], capture_output=True, text=True, env=env, timeout=200
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "logits: max |megatron - transformers|" in proc.stdout and "verify: OK" in proc.stdout
 

@@ -21,10 +21,15 @@ def test_shard_plan_cuts_at_the_cap_and_gives_big_tensors_their_own_shard():
 
 
 def test_writer_output_is_read_back_exactly_by_safetensors(tmp_path):
-    tensors = {"x.bf16": torch.randn(3, 5).to(torch.bfloat16), "y.f32": torch.randn(7), "z.i64": torch.arange(4),
-               "w.empty": torch.zeros(0, 3)}
-    writer = SafetensorsWriter(str(tmp_path), [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in tensors.items()],
-                               max_shard_bytes=40)
+    tensors = {
+        "x.bf16": torch.randn(3, 5).to(torch.bfloat16),
+        "y.f32": torch.randn(7),
+        "z.i64": torch.arange(4),
+        "w.empty": torch.zeros(0, 3),
+    }
+    writer = SafetensorsWriter(
+        str(tmp_path), [PlannedTensor(n, tuple(t.shape), t.dtype) for n, t in tensors.items()], max_shard_bytes=40
+    )
     for name, t in tensors.items():
         writer.write(name, t)
     writer.close()
@@ -58,9 +63,10 @@ def test_digest_ignores_order_but_not_content():
 
 
 def test_reader_names_a_truncated_shard(tiny_models, tmp_path):
+    import shutil
+
     from armor_megatron.convert.hf_io import HFCheckpoint
 
-    import shutil
     hf = shutil.copytree(tiny_models["llama"], tmp_path / "hf")
     os.truncate(hf / "model.safetensors", os.path.getsize(hf / "model.safetensors") - 100)
     with pytest.raises(CheckpointError, match="model.safetensors: unreadable or truncated"):

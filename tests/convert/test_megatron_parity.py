@@ -39,8 +39,16 @@ def converted(tiny_models, tmp_path_factory) -> dict[str, str]:
 
 
 def run_worker(nproc: int, families, converted, *flags: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", WORKER,
-           *flags, *(converted[f] for f in families)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        WORKER,
+        *flags,
+        *(converted[f] for f in families),
+    ]
     env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -60,8 +68,9 @@ def assert_megatron_saves_convert_back(saved_root, families, tiny_models, tmp_pa
     """Checkpoints Megatron itself saved at some parallelism convert back to the source HF tensors."""
     for family in families:
         out = tmp_path / f"{family}-hf"
-        convert_mcore_to_hf(os.path.join(saved_root, family), str(out), hf_config_dir=tiny_models[family],
-                            progress_stream=None)
+        convert_mcore_to_hf(
+            os.path.join(saved_root, family), str(out), hf_config_dir=tiny_models[family], progress_stream=None
+        )
         compared, mismatched = compare_tensors(HFCheckpoint(tiny_models[family]), HFCheckpoint(str(out)))
         assert mismatched == [] and compared > 0, family
 

@@ -7,12 +7,36 @@ from armor_megatron.convert import hf_shapes, hf_to_mcore, mcore_to_hf, mcore_to
 from armor_megatron.models import ModelArch
 
 # 4 query heads in 2 groups, head_dim 1, hidden 1: small enough to write the fused QKV by hand.
-TINY = ModelArch(family="qwen2", vocab_size=8, hidden_size=1, num_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=1, ffn_hidden_size=2, rms_norm_eps=1e-6, rope_theta=1e4,
-                 max_position_embeddings=16, qkv_bias=True)
-MOE = ModelArch(family="mixtral", vocab_size=8, hidden_size=4, num_layers=2, num_attention_heads=2,
-                num_key_value_heads=1, head_dim=2, ffn_hidden_size=6, rms_norm_eps=1e-6, rope_theta=1e4,
-                max_position_embeddings=16, num_experts=3, moe_router_topk=1, moe_ffn_hidden_size=5)
+TINY = ModelArch(
+    family="qwen2",
+    vocab_size=8,
+    hidden_size=1,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=1,
+    ffn_hidden_size=2,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=16,
+    qkv_bias=True,
+)
+MOE = ModelArch(
+    family="mixtral",
+    vocab_size=8,
+    hidden_size=4,
+    num_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=2,
+    ffn_hidden_size=6,
+    rms_norm_eps=1e-6,
+    rope_theta=1e4,
+    max_position_embeddings=16,
+    num_experts=3,
+    moe_router_topk=1,
+    moe_ffn_hidden_size=5,
+)
 
 
 def rule(arch, key):
@@ -41,7 +65,10 @@ def test_fc1_is_gate_then_up():
     fc1 = rule(TINY, "decoder.layers.mlp.linear_fc1.weight")
     gate, up = torch.tensor([[1.0], [2.0]]), torch.tensor([[3.0], [4.0]])
     assert hf_to_mcore(TINY, fc1, [gate, up]).flatten().tolist() == [1, 2, 3, 4]
-    assert [t.flatten().tolist() for t in mcore_to_hf(TINY, fc1, torch.tensor([[1.0], [2], [3], [4]]))] == [[1, 2], [3, 4]]
+    assert [t.flatten().tolist() for t in mcore_to_hf(TINY, fc1, torch.tensor([[1.0], [2], [3], [4]]))] == [
+        [1, 2],
+        [3, 4],
+    ]
 
 
 def test_mcore_to_hf_rejects_wrong_shape():
@@ -49,27 +76,52 @@ def test_mcore_to_hf_rejects_wrong_shape():
         mcore_to_hf(TINY, rule(TINY, "decoder.layers.self_attention.linear_qkv.weight"), torch.zeros(7, 1))
 
 
-@pytest.mark.parametrize("name, hf", [
-    ("decoder.layers.1.input_layernorm.weight", ["model.layers.1.input_layernorm.weight"]),
-    ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", ["model.layers.1.input_layernorm.weight"]),
-    ("decoder.layers.0.pre_mlp_layernorm.weight", ["model.layers.0.post_attention_layernorm.weight"]),
-    ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", ["model.layers.0.post_attention_layernorm.weight"]),
-    ("module.decoder.layers.0.mlp.linear_fc2.weight", ["model.layers.0.mlp.down_proj.weight"]),
-    ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"]),
-    ("output_layer.weight", ["lm_head.weight"]),
-])
+@pytest.mark.parametrize(
+    "name, hf",
+    [
+        ("decoder.layers.1.input_layernorm.weight", ["model.layers.1.input_layernorm.weight"]),
+        ("decoder.layers.1.self_attention.linear_qkv.layer_norm_weight", ["model.layers.1.input_layernorm.weight"]),
+        ("decoder.layers.0.pre_mlp_layernorm.weight", ["model.layers.0.post_attention_layernorm.weight"]),
+        ("decoder.layers.0.mlp.linear_fc1.layer_norm_weight", ["model.layers.0.post_attention_layernorm.weight"]),
+        ("module.decoder.layers.0.mlp.linear_fc2.weight", ["model.layers.0.mlp.down_proj.weight"]),
+        ("embedding.word_embeddings.weight", ["model.embed_tokens.weight"]),
+        ("output_layer.weight", ["lm_head.weight"]),
+    ],
+)
 def test_dense_names_local_and_te_spec(name, hf):
     assert resolve_param(TINY, name).hf_names == hf
 
 
-@pytest.mark.parametrize("name, layer, expert, hf", [
-    ("decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight", 1, 2,
-     ["model.layers.1.block_sparse_moe.experts.2.w1.weight", "model.layers.1.block_sparse_moe.experts.2.w3.weight"]),
-    ("decoder.layers.0.mlp.experts.linear_fc1.weight2", 0, 2,  # grouped GEMM naming
-     ["model.layers.0.block_sparse_moe.experts.2.w1.weight", "model.layers.0.block_sparse_moe.experts.2.w3.weight"]),
-    ("decoder.layers.0.mlp.experts.linear_fc2.weight1", 0, 1, ["model.layers.0.block_sparse_moe.experts.1.w2.weight"]),
-    ("decoder.layers.1.mlp.router.weight", 1, None, ["model.layers.1.block_sparse_moe.gate.weight"]),
-])
+@pytest.mark.parametrize(
+    "name, layer, expert, hf",
+    [
+        (
+            "decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight",
+            1,
+            2,
+            [
+                "model.layers.1.block_sparse_moe.experts.2.w1.weight",
+                "model.layers.1.block_sparse_moe.experts.2.w3.weight",
+            ],
+        ),
+        (
+            "decoder.layers.0.mlp.experts.linear_fc1.weight2",
+            0,
+            2,  # grouped GEMM naming
+            [
+                "model.layers.0.block_sparse_moe.experts.2.w1.weight",
+                "model.layers.0.block_sparse_moe.experts.2.w3.weight",
+            ],
+        ),
+        (
+            "decoder.layers.0.mlp.experts.linear_fc2.weight1",
+            0,
+            1,
+            ["model.layers.0.block_sparse_moe.experts.1.w2.weight"],
+        ),
+        ("decoder.layers.1.mlp.router.weight", 1, None, ["model.layers.1.block_sparse_moe.gate.weight"]),
+    ],
+)
 def test_moe_names_sequential_and_grouped(name, layer, expert, hf):
     ref = resolve_param(MOE, name)
     assert (ref.layer, ref.expert, ref.hf_names) == (layer, expert, hf)
@@ -82,8 +134,15 @@ def test_mcore_to_hf_named_splits_a_gathered_parameter():
     assert torch.equal(named["model.layers.0.block_sparse_moe.experts.0.w3.weight"], fc1[5:])
 
 
-@pytest.mark.parametrize("name", ["decoder.layers.2.mlp.router.weight", "decoder.layers.0.mlp.experts.linear_fc1.weight3",
-                                  "decoder.layers.0.self_attention.linear_qkv.bias_x", "lm_head.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "decoder.layers.2.mlp.router.weight",
+        "decoder.layers.0.mlp.experts.linear_fc1.weight3",
+        "decoder.layers.0.self_attention.linear_qkv.bias_x",
+        "lm_head.weight",
+    ],
+)
 def test_unknown_or_out_of_range_names_raise(name):
     with pytest.raises(KeyError):
         resolve_param(MOE, name)

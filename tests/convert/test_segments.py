@@ -86,7 +86,7 @@ def save_around(path, shape, dtype, segments) -> bytes:
     with HoleFillingWriter(str(path)) as stream:
         stream.write(b"before")  # an archive need not start its file
         stream.save_tensor(shape, dtype, segments)
-    return path.read_bytes()[len(b"before"):]
+    return path.read_bytes()[len(b"before") :]
 
 
 def test_torch_save_archive_gets_its_data_from_segments(tmp_path):
@@ -95,7 +95,9 @@ def test_torch_save_archive_gets_its_data_from_segments(tmp_path):
     src.write_bytes(expected[2:].numpy().tobytes() + expected[:2].numpy().tobytes())  # rows out of order
     fd = os.open(src, os.O_RDONLY)
     try:
-        archive = save_around(tmp_path / "out.bin", (4, 6), torch.float32, [FileSegment(fd, 48, 48), FileSegment(fd, 0, 48)])
+        archive = save_around(
+            tmp_path / "out.bin", (4, 6), torch.float32, [FileSegment(fd, 48, 48), FileSegment(fd, 0, 48)]
+        )
     finally:
         os.close(fd)
     assert torch.equal(torch.load(io.BytesIO(archive), weights_only=True), expected)

@@ -40,11 +40,14 @@ def test_gather_inverts_split_for_every_rule(tp):
         assert torch.equal(tp_gather(TINY, r, tp_split(TINY, r, full, tp)), full), r.ckpt_key
 
 
-@pytest.mark.parametrize("key, tp, message", [
-    ("decoder.layers.self_attention.linear_qkv.weight", 4, "num_key_value_heads=2 is not divisible by tp=4"),
-    ("embedding.word_embeddings.weight", 3, "vocab_size=8 is not divisible by tp=3"),
-    ("decoder.layers.mlp.linear_fc1.weight", 4, "ffn hidden size=2 is not divisible by tp=4"),
-])
+@pytest.mark.parametrize(
+    "key, tp, message",
+    [
+        ("decoder.layers.self_attention.linear_qkv.weight", 4, "num_key_value_heads=2 is not divisible by tp=4"),
+        ("embedding.word_embeddings.weight", 3, "vocab_size=8 is not divisible by tp=3"),
+        ("decoder.layers.mlp.linear_fc1.weight", 4, "ffn hidden size=2 is not divisible by tp=4"),
+    ],
+)
 def test_indivisible_sizes_raise_one_clear_line(key, tp, message):
     r = rule(TINY, key)
     with pytest.raises(ValueError, match=message):

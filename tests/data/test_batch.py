@@ -5,8 +5,11 @@ from armor_megatron.data.batch import RolloutBatch
 
 
 def _batch(n=5, t=3, first=0, meta=None):
-    return RolloutBatch({"ids": torch.arange(first, first + n), "tokens": torch.arange(n * t).reshape(n, t)},
-                        {"text": [f"s{first + i}" for i in range(n)]}, meta if meta is not None else {"step": 7})
+    return RolloutBatch(
+        {"ids": torch.arange(first, first + n), "tokens": torch.arange(n * t).reshape(n, t)},
+        {"text": [f"s{first + i}" for i in range(n)]},
+        meta if meta is not None else {"step": 7},
+    )
 
 
 def test_fields_and_validation():

@@ -11,10 +11,22 @@ from tests.launch.conftest import ROOT
 
 EXAMPLES = {
     # folder: (nodes in the sbatch line, trainer srun prefix of the plan)
-    "qwen25_math_7b_dapo_armor": (1, "srun --nodes=1 --ntasks=8 --ntasks-per-node=8 --nodelist=node01 --kill-on-bad-exit=1 --overlap"),
-    "qwen3_8b_base_two_stage": (2, "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap"),
-    "llama3_70b_armor": (8, "srun --nodes=4 --ntasks=32 --ntasks-per-node=8 --nodelist=node01,node02,node03,node04 --kill-on-bad-exit=1 /"),
-    "qwen3_30b_a3b_moe_armor": (2, "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap"),
+    "qwen25_math_7b_dapo_armor": (
+        1,
+        "srun --nodes=1 --ntasks=8 --ntasks-per-node=8 --nodelist=node01 --kill-on-bad-exit=1 --overlap",
+    ),
+    "qwen3_8b_base_two_stage": (
+        2,
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap",
+    ),
+    "llama3_70b_armor": (
+        8,
+        "srun --nodes=4 --ntasks=32 --ntasks-per-node=8 --nodelist=node01,node02,node03,node04 --kill-on-bad-exit=1 /",
+    ),
+    "qwen3_30b_a3b_moe_armor": (
+        2,
+        "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap",
+    ),
 }
 STUB = """#!/bin/bash
 echo "$(basename "$0") $*" >> "$STUB_LOG"
@@ -44,7 +56,14 @@ def _env(tmp_path, **extra):
 def test_example_dry_run_prints_conversion_sbatch_and_plan(tmp_path, name):
     nodes, trainer_prefix = EXAMPLES[name]
     script = os.path.join(ROOT, "examples", name, "run.sh")
-    out = subprocess.run(["bash", script], env=_env(tmp_path, DRY_RUN="1"), capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
+    out = subprocess.run(
+        ["bash", script],
+        env=_env(tmp_path, DRY_RUN="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=str(tmp_path),
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0].split()[-3:] == ["hf-to-mcore", "/models/hf", str(tmp_path / "mcore")]
@@ -60,7 +79,9 @@ def test_example_run_converts_once_then_submits(tmp_path):
     script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")
     env = _env(tmp_path)
     for _ in range(2):
-        out = subprocess.run(["bash", script, "algorithm.alpha=0.875"], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            ["bash", script, "algorithm.alpha=0.875"], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
     calls = (tmp_path / "stub.log").read_text().splitlines()
     assert calls[0] == f"armor-convert hf-to-mcore /models/hf {tmp_path / 'mcore'}"
@@ -70,6 +91,8 @@ def test_example_run_converts_once_then_submits(tmp_path):
 
 def test_example_refuses_a_bad_override_before_converting(tmp_path):
     script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")
-    out = subprocess.run(["bash", script, "algorithm.alpha=7"], env=_env(tmp_path), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        ["bash", script, "algorithm.alpha=7"], env=_env(tmp_path), capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "algorithm.alpha: 7.0 is out of range" in out.stderr
     assert not (tmp_path / "stub.log").exists()

@@ -8,7 +8,12 @@ from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job,
 from armor_megatron.launch.render import render_shell, render_text
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 
-TWO_NODES = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}
+TWO_NODES = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_JOB_NODELIST": "node[01-02]",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_GPUS_ON_NODE": "8",
+}
 ARGS = ["--config", "c.yaml"]
 
 
@@ -24,7 +29,9 @@ def test_slurm_env_reads_the_allocation():
     assert env.nodes == ("node01", "node02") and env.gpus_per_node == 8
     assert (env.job_id, env.array_task_id, env.restart_count) == ("4242", 3, 1)
     # the batch script's scontrol expansion wins over ours; typed GPU counts are understood
-    env = SlurmEnv.from_environ({"SLURM_JOB_ID": "1", "ARMOR_NODES": "a b", "SLURM_JOB_NODELIST": "zzz", "SLURM_GPUS_PER_NODE": "h100:4"})
+    env = SlurmEnv.from_environ(
+        {"SLURM_JOB_ID": "1", "ARMOR_NODES": "a b", "SLURM_JOB_NODELIST": "zzz", "SLURM_GPUS_PER_NODE": "h100:4"}
+    )
     assert env.nodes == ("a", "b") and env.gpus_per_node == 4
 
 
@@ -51,10 +58,17 @@ def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
     plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
     # 3 policy + 1 reference engine of tp 4 on 2 x 8 GPUs: node01 GPUs 0-3, 4-7, then node02 GPUs 0-3, 4-7
     assert [(e.group, e.node, e.gpus) for e in plan.engines] == [
-        ("policy", "node01", (0, 1, 2, 3)), ("policy", "node01", (4, 5, 6, 7)), ("policy", "node02", (0, 1, 2, 3)),
+        ("policy", "node01", (0, 1, 2, 3)),
+        ("policy", "node01", (4, 5, 6, 7)),
+        ("policy", "node02", (0, 1, 2, 3)),
         ("reference", "node02", (4, 5, 6, 7)),
     ]
-    assert plan.engine_urls == ("http://node01:30000", "http://node01:30001", "http://node02:30002", "http://node02:30003")
+    assert plan.engine_urls == (
+        "http://node01:30000",
+        "http://node01:30001",
+        "http://node02:30002",
+        "http://node02:30003",
+    )
     assert plan.trainer_nodes == ("node01", "node02") and plan.world_size == 16
     assert (plan.master_addr, plan.master_port) == ("node01", 24242)  # 20000 + 4242 mod 10000
     assert shlex.join(plan.engines[3].command) == (
@@ -64,18 +78,32 @@ def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
     )
     urls = json.dumps(list(plan.engine_urls[:3]), separators=(",", ":"))
     assert plan.trainer_command == (
-        "srun", "--nodes=2", "--ntasks=16", "--ntasks-per-node=8", "--nodelist=node01,node02", "--kill-on-bad-exit=1",
-        "--overlap", "python", "-m", "armor_megatron.cli.train", "--config", "c.yaml", f"rollout.sglang.urls={urls}",
+        "srun",
+        "--nodes=2",
+        "--ntasks=16",
+        "--ntasks-per-node=8",
+        "--nodelist=node01,node02",
+        "--kill-on-bad-exit=1",
+        "--overlap",
+        "python",
+        "-m",
+        "armor_megatron.cli.train",
+        "--config",
+        "c.yaml",
+        f"rollout.sglang.urls={urls}",
         'anchor.reference_urls=["http://node02:30003"]',
     )
 
 
-@pytest.mark.parametrize("overrides, reference_engines", [
-    ([], 2),
-    (['anchor.reference_urls=["http://ref:30000"]'], 0),  # the user runs the reference group
-    (["anchor.source=swap"], 0),  # π_ref is swapped into the policy engines
-    (["anchor.enabled=false"], 0),
-])
+@pytest.mark.parametrize(
+    "overrides, reference_engines",
+    [
+        ([], 2),
+        (['anchor.reference_urls=["http://ref:30000"]'], 0),  # the user runs the reference group
+        (["anchor.source=swap"], 0),  # π_ref is swapped into the policy engines
+        (["anchor.enabled=false"], 0),
+    ],
+)
 def test_the_reference_group_is_launched_only_when_anchors_need_it(load, overrides, reference_engines):
     cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=2", "anchor.reference_engines=2", *overrides)
     plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
@@ -101,12 +129,19 @@ def test_disaggregated_engines_get_the_last_whole_nodes(load):
 
 def test_disaggregated_engines_share_each_node_when_gpus_do_not_make_whole_nodes(load):
     cfg = load(
-        "qwen3_8b_base_two_stage", "rollout.sglang.host=0.0.0.0", "rollout.sglang.placement=disaggregated",
-        "launch.engine_gpus=4", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=2",
+        "qwen3_8b_base_two_stage",
+        "rollout.sglang.host=0.0.0.0",
+        "rollout.sglang.placement=disaggregated",
+        "launch.engine_gpus=4",
+        "rollout.sglang.num_engines=1",
+        "rollout.sglang.tp_per_engine=2",
     )
     plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
     # each node keeps its last 4 / 2 = 2 GPUs for one engine (policy, then reference) and gives GPUs 0-5 to the trainer
-    assert [(e.group, e.node, e.gpus) for e in plan.engines] == [("policy", "node01", (6, 7)), ("reference", "node02", (6, 7))]
+    assert [(e.group, e.node, e.gpus) for e in plan.engines] == [
+        ("policy", "node01", (6, 7)),
+        ("reference", "node02", (6, 7)),
+    ]
     assert plan.trainer_procs_per_node == 6 and "--overlap" in plan.trainer_command
 
 
@@ -125,7 +160,9 @@ def test_attached_servers_are_not_launched(load):
 
 def test_torchrun_launcher_runs_one_agent_per_node(load):
     cfg = load("tiny_cpu", "launch.nodes=2", "launch.gpus_per_node=4")
-    plan = plan_job(cfg, env_of(["a", "b"], gpus=4, job_id="9"), train_args=ARGS, options=LaunchOptions(launcher="torchrun"))
+    plan = plan_job(
+        cfg, env_of(["a", "b"], gpus=4, job_id="9"), train_args=ARGS, options=LaunchOptions(launcher="torchrun")
+    )
     assert shlex.join(plan.trainer_command) == (
         "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=a,b --kill-on-bad-exit=1 "
         "torchrun --nnodes=2 --nproc-per-node=4 --rdzv-backend=c10d --rdzv-endpoint=a:20009 --rdzv-id=9 "
@@ -133,15 +170,27 @@ def test_torchrun_launcher_runs_one_agent_per_node(load):
         "-m armor_megatron.cli.train --config c.yaml"
     )
     # a trainer entry that is not a python interpreter is started as a program
-    opts = LaunchOptions.from_environ({"ARMOR_TRAIN_ENTRY": "./train.sh --fast", "ARMOR_SRUN_ARGS": "--mpi=pmix"}, launcher="torchrun")
+    opts = LaunchOptions.from_environ(
+        {"ARMOR_TRAIN_ENTRY": "./train.sh --fast", "ARMOR_SRUN_ARGS": "--mpi=pmix"}, launcher="torchrun"
+    )
     cmd = plan_job(cfg, env_of(["a", "b"], gpus=4), train_args=ARGS, options=opts).trainer_command
-    assert cmd[cmd.index("--shutdown-timeout=120") + 1 :] == ("--no-python", "./train.sh", "--fast", "--config", "c.yaml")
+    assert cmd[cmd.index("--shutdown-timeout=120") + 1 :] == (
+        "--no-python",
+        "./train.sh",
+        "--fast",
+        "--config",
+        "c.yaml",
+    )
     assert "--mpi=pmix" in cmd[: cmd.index("torchrun")]
 
 
 def test_container_and_site_flags_reach_every_srun(load):
     opts = LaunchOptions.from_environ(
-        {"ARMOR_CONTAINER_IMAGE": "nvcr.io/x:1", "ARMOR_CONTAINER_MOUNTS": "/data:/data", "ARMOR_PYTHON": "/opt/py/bin/python"}
+        {
+            "ARMOR_CONTAINER_IMAGE": "nvcr.io/x:1",
+            "ARMOR_CONTAINER_MOUNTS": "/data:/data",
+            "ARMOR_PYTHON": "/opt/py/bin/python",
+        }
     )
     plan = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS, options=opts)
     for cmd in [plan.trainer_command, plan.engines[0].command]:
@@ -160,22 +209,70 @@ def test_master_port_steps_over_engine_ports(load):
     [
         ("qwen25_math_7b_dapo_armor", [], env_of(["a", "b"]), "launch.nodes=1 but the allocation holds 2 node"),
         ("qwen25_math_7b_dapo_armor", [], env_of(["a"], gpus=4), "launch.gpus_per_node=8 but SLURM gives 4"),
-        ("qwen3_8b_base_two_stage", ["rollout.sglang.host=127.0.0.1"], env_of(["a", "b"]), "rollout.sglang.host=127.0.0.1: in a multi-node job"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.tp_per_engine=3"], env_of(["a"]), "tp_per_engine=3 does not divide"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"], env_of(["a"]), "10 engines (9 policy + 1 reference) x tp 1 need 10 GPUs"),
+        (
+            "qwen3_8b_base_two_stage",
+            ["rollout.sglang.host=127.0.0.1"],
+            env_of(["a", "b"]),
+            "rollout.sglang.host=127.0.0.1: in a multi-node job",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.tp_per_engine=3"],
+            env_of(["a"]),
+            "tp_per_engine=3 does not divide",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"],
+            env_of(["a"]),
+            "10 engines (9 policy + 1 reference) x tp 1 need 10 GPUs",
+        ),
         ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=4", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"], env_of(["a"]),
-         "engines need engines x rollout.sglang.tp_per_engine = 2 (1 policy + 1 reference) x 1 = 2"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.engine=local", "launch.engine_gpus=2"], env_of(["a"]), "none are launched"),
-        ("qwen3_8b_base_two_stage", ["rollout.sglang.weight_sync=tensor"], env_of(["a", "b"]),
-         "weight_sync=tensor sends CUDA IPC handles, which only engines on the driver's node a can open, but engine 4 runs on b"),
-        ("qwen25_math_7b_dapo_armor", ["rollout.sglang.weight_sync=distributed"], env_of(["a"]),
-         "weight_sync=distributed puts the driver and the engines in one NCCL group"),
+        (
+            "qwen25_math_7b_dapo_armor",
+            [
+                "rollout.sglang.placement=disaggregated",
+                "launch.engine_gpus=4",
+                "rollout.sglang.num_engines=1",
+                "rollout.sglang.tp_per_engine=1",
+            ],
+            env_of(["a"]),
+            "engines need engines x rollout.sglang.tp_per_engine = 2 (1 policy + 1 reference) x 1 = 2",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.engine=local", "launch.engine_gpus=2"],
+            env_of(["a"]),
+            "none are launched",
+        ),
+        (
+            "qwen3_8b_base_two_stage",
+            ["rollout.sglang.weight_sync=tensor"],
+            env_of(["a", "b"]),
+            "weight_sync=tensor sends CUDA IPC handles, which only engines on the driver's node a can open, but engine 4 runs on b",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.weight_sync=distributed"],
+            env_of(["a"]),
+            "weight_sync=distributed puts the driver and the engines in one NCCL group",
+        ),
         ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
         ("tiny_cpu", ["launch.nodes=3"], env_of(["a", "b", "c"], gpus=None), "do not spread evenly over 3 nodes"),
-        ("llama3_70b_armor", ["rollout.sglang.host=0.0.0.0", "launch.engine_gpus=12", "rollout.sglang.num_engines=2",
-                              "rollout.sglang.tp_per_engine=4", "parallelism.tp=4", "parallelism.pp=1", "parallelism.vpp=null"],
-         env_of([f"n{i}" for i in range(8)]), "fits neither whole nodes"),
+        (
+            "llama3_70b_armor",
+            [
+                "rollout.sglang.host=0.0.0.0",
+                "launch.engine_gpus=12",
+                "rollout.sglang.num_engines=2",
+                "rollout.sglang.tp_per_engine=4",
+                "parallelism.tp=4",
+                "parallelism.pp=1",
+                "parallelism.vpp=null",
+            ],
+            env_of([f"n{i}" for i in range(8)]),
+            "fits neither whole nodes",
+        ),
     ],
 )
 def test_layout_errors_name_the_setting(load, name, overrides, env, message):
@@ -185,7 +282,13 @@ def test_layout_errors_name_the_setting(load, name, overrides, env, message):
 
 
 def test_every_shipped_recipe_plans_on_its_own_allocation(load):
-    for name in ["qwen25_math_7b_dapo_armor", "qwen3_8b_base_two_stage", "llama3_70b_armor", "qwen3_30b_a3b_moe_armor", "tiny_cpu"]:
+    for name in [
+        "qwen25_math_7b_dapo_armor",
+        "qwen3_8b_base_two_stage",
+        "llama3_70b_armor",
+        "qwen3_30b_a3b_moe_armor",
+        "tiny_cpu",
+    ]:
         cfg = load(name, "rollout.sglang.host=0.0.0.0")
         plan = plan_job(cfg, preview_allocation(cfg), train_args=ARGS)
         assert plan.world_size % (cfg.parallelism.tp * cfg.parallelism.pp) == 0
@@ -197,8 +300,17 @@ def test_every_shipped_recipe_plans_on_its_own_allocation(load):
 def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load):
     cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.api_key=s3 cr'et")
     plan = plan_job(cfg, env_of(["n1"]), train_args=["--config", "my configs/x.yaml"])
-    script = render_shell(plan) + 'printf "%s\\n" "$ARMOR_TRAINER_CMD" "${ARMOR_ENGINE_CMDS[@]}" "$NCCL_DEBUG" "$CUDA_DEVICE_MAX_CONNECTIONS" "$ARMOR_ENGINE_API_KEY"'
-    out = subprocess.run(["bash", "-c", script], env={"NCCL_DEBUG": "INFO", "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30)
+    script = (
+        render_shell(plan)
+        + 'printf "%s\\n" "$ARMOR_TRAINER_CMD" "${ARMOR_ENGINE_CMDS[@]}" "$NCCL_DEBUG" "$CUDA_DEVICE_MAX_CONNECTIONS" "$ARMOR_ENGINE_API_KEY"'
+    )
+    out = subprocess.run(
+        ["bash", "-c", script],
+        env={"NCCL_DEBUG": "INFO", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[:3] == [shlex.join(plan.trainer_command)] + [shlex.join(e.command) for e in plan.engines]
@@ -207,7 +319,11 @@ def test_shell_rendering_evaluates_to_the_same_commands_and_keeps_user_env(load)
 
 
 def test_text_rendering_lists_layout_and_commands(load):
-    plan = plan_job(load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"), env_of(["n1"]), train_args=ARGS)
+    plan = plan_job(
+        load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"),
+        env_of(["n1"]),
+        train_args=ARGS,
+    )
     text = render_text(plan)
     assert "# engine 0 (policy): n1 GPUs 0 -> http://127.0.0.1:30000" in text
     assert "# engine 1 (reference): n1 GPUs 1 -> http://127.0.0.1:30001" in text

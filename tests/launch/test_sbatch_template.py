@@ -101,10 +101,19 @@ def job(tmp_path):
             return env
 
         def run(self, args, **env):
-            return subprocess.run(["bash", TEMPLATE, *args], cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=60)
+            return subprocess.run(
+                ["bash", TEMPLATE, *args], cwd=ROOT, env=self.env(**env), capture_output=True, text=True, timeout=60
+            )
 
         def start(self, args, **env):
-            return subprocess.Popen(["bash", TEMPLATE, *args], cwd=ROOT, env=self.env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            return subprocess.Popen(
+                ["bash", TEMPLATE, *args],
+                cwd=ROOT,
+                env=self.env(**env),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
 
         def scontrol_calls(self):
             text = self.stub_log.read_text() if self.stub_log.exists() else ""
@@ -131,8 +140,20 @@ TWO_NODES = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "S
 
 def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
     # one policy engine and the frozen reference's engine (anchor.source: separate)
-    args = ["--dry-run", "--config", "configs/qwen3_30b_a3b_moe_armor.yaml", "rollout.sglang.num_engines=1", "rollout.sglang.mem_fraction_static=0.7"]
-    out = job.run(args, with_stubs=False, ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train", ARMOR_PYTHON="python", **TWO_NODES)
+    args = [
+        "--dry-run",
+        "--config",
+        "configs/qwen3_30b_a3b_moe_armor.yaml",
+        "rollout.sglang.num_engines=1",
+        "rollout.sglang.mem_fraction_static=0.7",
+    ]
+    out = job.run(
+        args,
+        with_stubs=False,
+        ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train",
+        ARMOR_PYTHON="python",
+        **TWO_NODES,
+    )
     assert out.returncode == 0, out.stderr
     engine = (
         "srun --overlap --nodes=1 --ntasks=1 --nodelist={node} python -m sglang.launch_server "
@@ -155,8 +176,15 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
 
 def test_dry_run_of_a_two_node_torchrun_job_uses_scontrol_for_the_node_list(job):
     args = ["--launcher", "torchrun", "--config", "configs/tiny_cpu.yaml", "launch.nodes=2", "launch.gpus_per_node=4"]
-    out = job.run(args, ARMOR_DRY_RUN="1", ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train", SLURM_JOB_ID="77",
-                  SLURM_JOB_NODELIST="gpu[7-8]", SLURM_JOB_NUM_NODES="2", SLURM_GPUS_PER_NODE="4")
+    out = job.run(
+        args,
+        ARMOR_DRY_RUN="1",
+        ARMOR_TRAIN_ENTRY="python -m armor_megatron.cli.train",
+        SLURM_JOB_ID="77",
+        SLURM_JOB_NODELIST="gpu[7-8]",
+        SLURM_JOB_NUM_NODES="2",
+        SLURM_GPUS_PER_NODE="4",
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-2] == (
         "srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --nodelist=gpu7,gpu8 --kill-on-bad-exit=1 "
@@ -171,7 +199,10 @@ def test_dry_run_of_a_two_node_torchrun_job_uses_scontrol_for_the_node_list(job)
 def test_bad_config_fails_with_one_line_before_running_anything(job):
     out = job.run(["--config", "configs/tiny_cpu.yaml", "algorithm.alpha=2"])
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines()[-1] == "armor-slurm: error: algorithm.alpha: 2.0 is out of range, must be in (0, 1]"
+    assert (
+        out.stderr.strip().splitlines()[-1]
+        == "armor-slurm: error: algorithm.alpha: 2.0 is out of range, must be in (0, 1]"
+    )
     assert not job.trainer_log.exists()
 
 
@@ -218,11 +249,19 @@ def test_time_limit_signal_is_forwarded_and_the_job_requeued(job, exit_on_usr1):
 @pytest.mark.timeout(90)
 def test_engines_start_before_the_trainer_and_stop_after_it(job):
     port = free_port()
-    args = ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={port}", "rollout.sglang.num_engines=1", "rollout.sglang.tp_per_engine=1"]
+    args = [
+        "--config",
+        "configs/qwen25_math_7b_dapo_armor.yaml",
+        f"rollout.sglang.base_port={port}",
+        "rollout.sglang.num_engines=1",
+        "rollout.sglang.tp_per_engine=1",
+    ]
     out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8")
     assert out.returncode == 0, out.stderr
     argv = job.trainer_log.read_text().splitlines()[0]
-    assert argv.endswith(f'rollout.sglang.urls=["http://127.0.0.1:{port}"] anchor.reference_urls=["http://127.0.0.1:{port + 1}"]')
+    assert argv.endswith(
+        f'rollout.sglang.urls=["http://127.0.0.1:{port}"] anchor.reference_urls=["http://127.0.0.1:{port + 1}"]'
+    )
     assert "2 engine(s) healthy" in out.stderr  # the policy engine and the frozen reference's
     for engine_port in (port, port + 1):
         with pytest.raises(OSError):  # the engine steps were stopped when the trainer finished
@@ -232,7 +271,10 @@ def test_engines_start_before_the_trainer_and_stop_after_it(job):
 @pytest.mark.timeout(90)
 def test_an_engine_that_dies_fails_the_job_without_starting_the_trainer(job, tmp_path):
     (tmp_path / "fakes" / "sglang" / "launch_server.py").write_text("raise SystemExit('no GPU here')\n")
-    out = job.run(["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={free_port()}"], SLURM_GPUS_ON_NODE="8")
+    out = job.run(
+        ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={free_port()}"],
+        SLURM_GPUS_ON_NODE="8",
+    )
     assert out.returncode == 1
     assert "exited before http://127.0.0.1:" in out.stderr and "engines did not start" in out.stderr
     assert not job.trainer_log.exists()

@@ -21,7 +21,9 @@ def repo_root(monkeypatch):
 
 
 def test_dry_run_outside_slurm_previews_placeholder_hosts(capsys):
-    assert main(["--config", "configs/llama3_70b_armor.yaml", "rollout.sglang.host=0.0.0.0", "--dry-run"], environ={}) == 0
+    assert (
+        main(["--config", "configs/llama3_70b_armor.yaml", "rollout.sglang.host=0.0.0.0", "--dry-run"], environ={}) == 0
+    )
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "# preview outside SLURM: job id 0, host names are placeholders"
     assert "# trainer: 4 node(s) x 8 process(es) = 32 ranks via srun; requeue exit code 85" in out
@@ -40,7 +42,10 @@ def test_array_task_picks_its_config(tmp_path, capsys):
     assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ=env) == 0
     out = capsys.readouterr().out
     assert "ARMOR_RUN_NAME=task-three" in out and f"--config {tmp_path}/3.yaml" in out
-    assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ={**env, "SLURM_ARRAY_TASK_ID": ""}) == 2
+    assert (
+        main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ={**env, "SLURM_ARRAY_TASK_ID": ""})
+        == 2
+    )
     env.pop("SLURM_ARRAY_TASK_ID")
     assert main(["plan", "--config", str(tmp_path / "%a.yaml"), "--shell"], environ=env) == 2
     assert "uses %a but SLURM_ARRAY_TASK_ID is not set" in capsys.readouterr().err
@@ -48,7 +53,15 @@ def test_array_task_picks_its_config(tmp_path, capsys):
 
 def test_submit_dry_run_prints_the_sbatch_command(capsys):
     env = {}
-    args = ["submit", "--config", QWEN7B, "launch.partition=gpu", "launch.account=rl", 'launch.time="12:00:00"', "--dry-run"]
+    args = [
+        "submit",
+        "--config",
+        QWEN7B,
+        "launch.partition=gpu",
+        "launch.account=rl",
+        'launch.time="12:00:00"',
+        "--dry-run",
+    ]
     assert main(args + ["--launcher", "torchrun", "--sbatch-arg=--qos=high", "--signal-grace", "300"], environ=env) == 0
     assert capsys.readouterr().out.strip() == (
         "sbatch --job-name=qwen25-math-7b-dapo-armor --nodes=1 --gpus-per-node=8 --exclusive --time=12:00:00 "
@@ -59,7 +72,19 @@ def test_submit_dry_run_prints_the_sbatch_command(capsys):
 
 
 def test_submit_refuses_a_layout_that_cannot_start(capsys):
-    assert main(["submit", "--config", "configs/qwen3_8b_base_two_stage.yaml", "rollout.sglang.host=127.0.0.1", "--dry-run"], environ={}) == 2
+    assert (
+        main(
+            [
+                "submit",
+                "--config",
+                "configs/qwen3_8b_base_two_stage.yaml",
+                "rollout.sglang.host=127.0.0.1",
+                "--dry-run",
+            ],
+            environ={},
+        )
+        == 2
+    )
     assert capsys.readouterr().err.startswith("armor-slurm: error: rollout.sglang.host=127.0.0.1: in a multi-node job")
 
 
@@ -71,9 +96,14 @@ def test_submit_without_sbatch_is_one_clear_line(capsys):
 def test_module_runs_as_a_program():
     out = subprocess.run(
         [sys.executable, "-m", "armor_megatron.launch.slurm", "--config", TINY, "--dry-run"],
-        env={**os.environ, "PYTHONPATH": os.getcwd()}, capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
-    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith("srun --nodes=1 --ntasks=2 --ntasks-per-node=2")
+    assert out.returncode == 0 and out.stdout.splitlines()[-1].startswith(
+        "srun --nodes=1 --ntasks=2 --ntasks-per-node=2"
+    )
 
 
 # ---------------------------------------------------------------------------- engine health
@@ -84,7 +114,11 @@ class _Health(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self):
         type(self).calls += 1
-        ok = self.path == "/health_generate" and type(self).calls >= 2 and self.headers.get("Authorization") == "Bearer k"
+        ok = (
+            self.path == "/health_generate"
+            and type(self).calls >= 2
+            and self.headers.get("Authorization") == "Bearer k"
+        )
         self.send_response(200 if ok else 503)
         self.end_headers()
 

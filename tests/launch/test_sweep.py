@@ -38,7 +38,10 @@ def test_bad_grids(items, message):
 
 def test_expand_grid_first_key_slowest():
     assert expand_grid({"a": [1, 2], "b": ["x", "y"]}) == [
-        {"a": 1, "b": "x"}, {"a": 1, "b": "y"}, {"a": 2, "b": "x"}, {"a": 2, "b": "y"}
+        {"a": 1, "b": "x"},
+        {"a": 1, "b": "y"},
+        {"a": 2, "b": "x"},
+        {"a": 2, "b": "y"},
     ]
 
 
@@ -54,7 +57,8 @@ def test_plan_sweep_names_counts_and_validated_configs(tmp_path):
     assert cfg.logging.dir == os.path.join("runs", run.name)
     assert len({r.name for r in sweep.runs}) == 12
     assert sweep.sbatch[sweep.sbatch.index("--array=0-11%4")] and sweep.sbatch[-2:] == (
-        "--config", os.path.join(str(tmp_path / "alpha-tau"), "configs", "%a.yaml")
+        "--config",
+        os.path.join(str(tmp_path / "alpha-tau"), "configs", "%a.yaml"),
     )
     assert "--job-name=alpha-tau" in sweep.sbatch and "--output=runs/slurm/%x-%A_%a.out" in sweep.sbatch
 
@@ -93,7 +97,10 @@ def test_write_sweep_files_reload_to_the_same_runs(tmp_path):
 
 def test_command_line_dry_run_writes_nothing(tmp_path, capsys):
     out = tmp_path / "s"
-    assert main(["--config", BASE, "--out", str(out), "--grid", "alpha=0.875,0.9375", "--max-parallel", "1", "--dry-run"]) == 0
+    assert (
+        main(["--config", BASE, "--out", str(out), "--grid", "alpha=0.875,0.9375", "--max-parallel", "1", "--dry-run"])
+        == 0
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "0\tqwen25-math-7b-dapo-armor-alpha0.875\talgorithm.alpha=0.875"
     assert lines[-1].startswith("sbatch --job-name=s --nodes=1 --gpus-per-node=8 ") and "--array=0-1%1" in lines[-1]

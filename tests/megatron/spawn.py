@@ -21,8 +21,14 @@ def free_port() -> int:
 
 
 def _entry(fn, rank, world_size, port, out_dir, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     try:
         result = ("ok", fn(rank, *args))
     except BaseException:  # noqa: BLE001 - report everything to the parent
@@ -52,7 +58,9 @@ def run_ranks(fn, world_size, *args, timeout=240):
         for r in range(world_size):
             path = os.path.join(out_dir, f"{r}.pkl")
             if not os.path.exists(path):
-                errors.append(f"rank {r}: " + ("timed out" if r in alive else f"died with exit code {procs[r].exitcode}"))
+                errors.append(
+                    f"rank {r}: " + ("timed out" if r in alive else f"died with exit code {procs[r].exitcode}")
+                )
                 continue
             with open(path, "rb") as f:
                 status, value = pickle.load(f)

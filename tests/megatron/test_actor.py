@@ -35,7 +35,12 @@ from tests.megatron.test_parallel_logprobs import QWEN3 as ARCH
 from tests.megatron.test_parallel_logprobs import QWEN3_MOE
 
 STEPS = 3
-TP1, TP2, TP2PP2, PP2VPP2 = ParallelConfig(), ParallelConfig(tp=2), ParallelConfig(tp=2, pp=2), ParallelConfig(pp=2, vpp=2)
+TP1, TP2, TP2PP2, PP2VPP2 = (
+    ParallelConfig(),
+    ParallelConfig(tp=2),
+    ParallelConfig(tp=2, pp=2),
+    ParallelConfig(pp=2, vpp=2),
+)
 LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
 OPTIM = OptimizerConfig(lr=5e-3, weight_decay=0.01, clip_grad=1.0, skip_grad_norm_ratio=10.0)
 
@@ -46,15 +51,20 @@ def make_batch():
     lengths = torch.tensor([14, 9, 12, 6, 14, 10, 8])
     ids = torch.randint(0, ARCH.vocab_size, (7, 14), generator=g)
     t = torch.arange(14)[None]
-    return dict(input_ids=ids, lengths=lengths, response_mask=(t >= 4) & (t < lengths[:, None]),
-                advantages=torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5, 0.0, 1.0]))
+    return dict(
+        input_ids=ids,
+        lengths=lengths,
+        response_mask=(t >= 4) & (t < lengths[:, None]),
+        advantages=torch.tensor([1.0, -1.0, 0.5, 1.0, -0.5, 0.0, 1.0]),
+    )
 
 
 def _actor(parallel, arch=ARCH):
     from armor_megatron.megatron.actor import MegatronActor
 
-    return MegatronActor(arch, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2,
-                         total_steps=10, seed=5)
+    return MegatronActor(
+        arch, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2, total_steps=10, seed=5
+    )
 
 
 def _reference(parallel):
@@ -210,8 +220,21 @@ def test_metrics_are_identical_on_every_rank(story):
     for name in ("tp1", "tp2pp2"):
         assert all(r["metrics"][name] == story[0]["metrics"][name] for r in story), name
     keys = set(story[0]["metrics"]["tp1"][0])
-    assert {"loss", "grad_norm", "lr", "skipped", "skipped_total", "clip_frac_low", "clip_frac_high", "ratio_mean",
-            "ratio_min", "ratio_max", "approx_kl_old", "approx_kl_ref", "entropy"} <= keys
+    assert {
+        "loss",
+        "grad_norm",
+        "lr",
+        "skipped",
+        "skipped_total",
+        "clip_frac_low",
+        "clip_frac_high",
+        "ratio_mean",
+        "ratio_min",
+        "ratio_max",
+        "approx_kl_old",
+        "approx_kl_ref",
+        "entropy",
+    } <= keys
 
 
 @pytest.mark.slow
@@ -302,11 +325,21 @@ def two_rank_worker(rank, root):
         out["vpp_on_policy"] = actor.train_step({**batch, "old_logprobs": lp, "ref_logprobs": lp})
 
         mdist.set_model_parallel(TP2, ARCH, seed=5)
-        bf16 = lambda: MegatronActor(ARCH, TP2, dtype="bfloat16", optimizer=OPTIM, loss=LOSS,  # noqa: E731
-                                     micro_batch_size=2, total_steps=10, seed=5)
+        bf16 = lambda: MegatronActor(
+            ARCH,
+            TP2,
+            dtype="bfloat16",
+            optimizer=OPTIM,
+            loss=LOSS,  # noqa: E731
+            micro_batch_size=2,
+            total_steps=10,
+            seed=5,
+        )
         actor = bf16()
-        out["bf16_dtypes"] = ({p.dtype for c in actor.model_chunks for p in c.parameters()},
-                              {p.dtype for g in actor.optimizer.param_groups for p in g["params"]})
+        out["bf16_dtypes"] = (
+            {p.dtype for c in actor.model_chunks for p in c.parameters()},
+            {p.dtype for g in actor.optimizer.param_groups for p in g["params"]},
+        )
         lp = _logprobs(actor, batch)
         batch.update(old_logprobs=lp, ref_logprobs=lp)
         losses = [actor.train_step(batch)["loss"] for _ in range(STEPS - 1)]

@@ -38,8 +38,10 @@ def crash_worker(rank, root, phase):
             refused = None
         except FileExistsError as e:
             refused = str(e)
-        torch.save((step, extra, torch.equal(_logprobs(actor, batch), expected), refused),
-                   os.path.join(root, "..", "phase2.pt"))
+        torch.save(
+            (step, extra, torch.equal(_logprobs(actor, batch), expected), refused),
+            os.path.join(root, "..", "phase2.pt"),
+        )
         actor.train_step(batch)
         ckpt._write_latest = _die
     ckpt.save_checkpoint(root, 2, actor, None, {"cursor": 2})

@@ -18,7 +18,9 @@ def test_version_guard():
 
 def test_missing_patch_target_is_a_clear_error():
     module = types.ModuleType("megatron.core.fake")
-    with pytest.raises(RuntimeError, match=r"^cpu_compat: megatron.core.fake.gone not found; megatron-core internals changed$"):
+    with pytest.raises(
+        RuntimeError, match=r"^cpu_compat: megatron.core.fake.gone not found; megatron-core internals changed$"
+    ):
         cpu_compat._replace(module, "gone", lambda old: old)
 
 

@@ -32,16 +32,33 @@ LOSS = ValueLossConfig(clip_eps=0.5)
 def _critic(parallel, init_std=0.1):
     from armor_megatron.megatron.critic import MegatronCritic
 
-    return MegatronCritic(ARCH, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2,
-                          total_steps=10, seed=7, value_head_init_std=init_std)
+    return MegatronCritic(
+        ARCH,
+        parallel,
+        dtype="float32",
+        optimizer=OPTIM,
+        loss=LOSS,
+        micro_batch_size=2,
+        total_steps=10,
+        seed=7,
+        value_head_init_std=init_std,
+    )
 
 
 def _actor(parallel):
     from armor_megatron.algo.loss import PolicyLossConfig
     from armor_megatron.megatron.actor import MegatronActor
 
-    return MegatronActor(ARCH, parallel, dtype="float32", optimizer=ACTOR_OPTIM, loss=PolicyLossConfig(),
-                         micro_batch_size=2, total_steps=10, seed=5)
+    return MegatronActor(
+        ARCH,
+        parallel,
+        dtype="float32",
+        optimizer=ACTOR_OPTIM,
+        loss=PolicyLossConfig(),
+        micro_batch_size=2,
+        total_steps=10,
+        seed=5,
+    )
 
 
 def _value_batch(critic):
@@ -94,8 +111,9 @@ def critic_worker(rank, root):
         out["straight"] = [m["loss"] for m in _train(critic, batch, 2)]
         resumed_actor, resumed = _actor(TP2), _critic(TP2, init_std=0.0)
         out["resumed_step"] = load_checkpoint(f"{root}/run", resumed_actor, None, critic=resumed)[0]
-        out["resumed_values_equal"] = torch.equal(resumed.compute_values(batch["input_ids"], batch["lengths"]),
-                                                  saved_values)
+        out["resumed_values_equal"] = torch.equal(
+            resumed.compute_values(batch["input_ids"], batch["lengths"]), saved_values
+        )
         out["resumed_lr_steps"] = resumed.scheduler.num_steps
         out["resumed"] = [m["loss"] for m in _train(resumed, batch, 2)]
         try:
@@ -143,8 +161,16 @@ def test_critic_train_steps_lower_the_value_loss_identically_in_every_layout(sto
         for k in range(STEPS):
             assert abs(losses[name][k] - losses["tp1"][k]) < 1e-5, (name, k, losses)
     first, last = r["metrics"][0], r["metrics"][-1]
-    assert {"grad_norm", "lr", "skipped", "value_clip_frac", "value_mean", "return_mean", "explained_var",
-            "num_tokens"} <= set(first)
+    assert {
+        "grad_norm",
+        "lr",
+        "skipped",
+        "value_clip_frac",
+        "value_mean",
+        "return_mean",
+        "explained_var",
+        "num_tokens",
+    } <= set(first)
     assert first["skipped"] == 0.0 and last["explained_var"] > first["explained_var"]
     assert story[1]["metrics"] == r["metrics"]  # identical on every rank
 
@@ -172,5 +198,8 @@ def test_bad_critic_batches_fail_with_one_clear_line():
     with pytest.raises(KeyError, match="train batch lacks old_values, returns"):
         checked_rows(rows, ("old_values", "returns"), ("old_values", "returns"))
     with pytest.raises(ValueError, match=r"returns has shape \(7,\), expected \(7, 14\) like input_ids"):
-        checked_rows({**rows, "old_values": torch.zeros(7, 14), "returns": torch.zeros(7)},
-                     ("old_values", "returns"), ("old_values", "returns"))
+        checked_rows(
+            {**rows, "old_values": torch.zeros(7, 14), "returns": torch.zeros(7)},
+            ("old_values", "returns"),
+            ("old_values", "returns"),
+        )

@@ -3,24 +3,54 @@ import pytest
 from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index
 from armor_megatron.models.arch import ModelArch
 
-DENSE = ModelArch(family="llama", vocab_size=128, hidden_size=32, num_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, ffn_hidden_size=64, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, max_position_embeddings=64)
-MOE = ModelArch(family="mixtral", vocab_size=128, hidden_size=32, num_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, ffn_hidden_size=64, rms_norm_eps=1e-5,
-                rope_theta=10000.0, max_position_embeddings=64, num_experts=4, moe_router_topk=2,
-                moe_ffn_hidden_size=16)
+DENSE = ModelArch(
+    family="llama",
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+)
+MOE = ModelArch(
+    family="mixtral",
+    vocab_size=128,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=64,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+)
 
 
 def test_torchrun_env():
-    env = DistEnv.from_environ({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                                "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    env = DistEnv.from_environ(
+        {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
+    )
     assert env == DistEnv(3, 8, 1, "10.0.0.1", 1234, "torchrun")
 
 
 def test_slurm_env_takes_master_from_first_node_and_port_from_job_id():
-    env = DistEnv.from_environ({"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "5",
-                                "SLURM_JOB_NODELIST": "gpu[12-13]", "SLURM_JOB_ID": "123456"})
+    env = DistEnv.from_environ(
+        {
+            "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "16",
+            "SLURM_LOCALID": "5",
+            "SLURM_JOB_NODELIST": "gpu[12-13]",
+            "SLURM_JOB_ID": "123456",
+        }
+    )
     # 20000 + 123456 % 20000 = 23456
     assert env == DistEnv(5, 16, 5, "gpu12", 23456, "slurm")
 
@@ -53,7 +83,12 @@ def test_bad_environment(environ, message):
         (ParallelConfig(tp=2, pp=2), 6, None, r"world size 6 is not divisible by tp·pp·cp = 2·2·1 = 4"),
         (ParallelConfig(tp=1, cp=4), 6, None, r"not divisible by tp·pp·cp = 1·1·4 = 4"),
         (ParallelConfig(tp=8), 8, DENSE, "num_attention_heads=4 is not divisible by tp=8"),
-        (ParallelConfig(tp=4), 4, ModelArch(**{**DENSE.__dict__, "num_key_value_heads": 2}), "num_key_value_heads=2 is not divisible by tp=4"),
+        (
+            ParallelConfig(tp=4),
+            4,
+            ModelArch(**{**DENSE.__dict__, "num_key_value_heads": 2}),
+            "num_key_value_heads=2 is not divisible by tp=4",
+        ),
         (ParallelConfig(pp=3), 3, DENSE, "num_layers=4 is not divisible by pp=3"),
         (ParallelConfig(pp=2, vpp=4), 2, DENSE, r"num_layers=4 is not divisible by pp·vpp = 8"),
         (ParallelConfig(ep=3), 3, MOE, "num_experts=4 is not divisible by ep=3"),
@@ -88,8 +123,13 @@ def slurm_worker(rank, port):
 
     from armor_megatron.megatron import dist
 
-    slurm = {"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)}
+    slurm = {
+        "SLURM_PROCID": str(rank),
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": str(rank),
+        "SLURM_JOB_NODELIST": "localhost",
+        "MASTER_PORT": str(port),
+    }
     try:
         dist.initialize(ParallelConfig(tp=2), DENSE, environ={**slurm, "SLURM_NTASKS": "3"})
     except ValueError as e:  # checked before any process group exists
@@ -98,9 +138,16 @@ def slurm_worker(rank, port):
     try:
         total = torch.tensor([rank + 1.0])
         tdist.all_reduce(total)
-        return (layout_error, ctx.env.launcher, ctx.backend, str(ctx.device), total.item(),
-                parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_data_parallel_world_size(),
-                torch.are_deterministic_algorithms_enabled())
+        return (
+            layout_error,
+            ctx.env.launcher,
+            ctx.backend,
+            str(ctx.device),
+            total.item(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_data_parallel_world_size(),
+            torch.are_deterministic_algorithms_enabled(),
+        )
     finally:
         dist.shutdown()
         assert not tdist.is_initialized() and not parallel_state.model_parallel_is_initialized()
@@ -113,4 +160,7 @@ def test_initialize_from_slurm_variables():
 
     results = run_ranks(slurm_worker, 2, free_port(), timeout=100)
     error = "world size 3 is not divisible by tp·pp·cp = 2·1·1 = 2"
-    assert results == [(error, "slurm", "gloo", "cpu", 3.0, 0, 1, True), (error, "slurm", "gloo", "cpu", 3.0, 1, 1, True)]
+    assert results == [
+        (error, "slurm", "gloo", "cpu", 3.0, 0, 1, True),
+        (error, "slurm", "gloo", "cpu", 3.0, 1, 1, True),
+    ]

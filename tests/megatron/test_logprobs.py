@@ -31,8 +31,14 @@ def test_chunked_values_and_gradients_match_naive(temperature, chunk_elements):
     labels = torch.randint(0, vocab, (2, 5))
     w_lp, w_ent = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
 
-    lp, ent = vocab_parallel_logprobs(logits.float(), labels, vocab_size=vocab, temperature=temperature,
-                                      with_entropy=True, chunk_elements=chunk_elements)
+    lp, ent = vocab_parallel_logprobs(
+        logits.float(),
+        labels,
+        vocab_size=vocab,
+        temperature=temperature,
+        with_entropy=True,
+        chunk_elements=chunk_elements,
+    )
     ref_lp, ref_ent = naive(logits, labels, vocab, temperature)
     torch.testing.assert_close(lp.double(), ref_lp, atol=1e-5, rtol=0)
     torch.testing.assert_close(ent.double(), ref_ent, atol=1e-5, rtol=0)
@@ -108,9 +114,16 @@ def tp_split_worker(rank, logits, labels, weights, vocab):
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
         width = logits.shape[-1] // 2
-        shard = logits[..., rank * width:(rank + 1) * width].clone().requires_grad_()
-        lp, ent = vocab_parallel_logprobs(shard, labels, vocab_size=vocab, temperature=0.9, with_entropy=True,
-                                          chunk_elements=2 * width, group=dist.group.WORLD)
+        shard = logits[..., rank * width : (rank + 1) * width].clone().requires_grad_()
+        lp, ent = vocab_parallel_logprobs(
+            shard,
+            labels,
+            vocab_size=vocab,
+            temperature=0.9,
+            with_entropy=True,
+            chunk_elements=2 * width,
+            group=dist.group.WORLD,
+        )
         (lp * weights[0] + ent * weights[1]).sum().backward()
         return lp.detach(), ent.detach(), shard.grad
     finally:

@@ -12,10 +12,22 @@ from armor_megatron.megatron.model import llama3_inv_freq, padded_vocab_size
 from armor_megatron.models.arch import ModelArch
 from tests.megatron.spawn import run_ranks
 
-SMALL = dict(vocab_size=125, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=48, max_position_embeddings=64)
-LLAMA3_SCALING = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 16}
+SMALL = dict(
+    vocab_size=125,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    max_position_embeddings=64,
+)
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 32.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 
 
 def _hf_models():
@@ -32,8 +44,10 @@ def _megatron_state_from_hf(hf_state, arch, padded_vocab):
     def pad(w):
         return torch.cat([w, w.new_zeros(padded_vocab - w.shape[0], w.shape[1])])
 
-    out = {"embedding.word_embeddings.weight": pad(hf_state["model.embed_tokens.weight"]),
-           "decoder.final_layernorm.weight": hf_state["model.norm.weight"]}
+    out = {
+        "embedding.word_embeddings.weight": pad(hf_state["model.embed_tokens.weight"]),
+        "decoder.final_layernorm.weight": hf_state["model.norm.weight"],
+    }
     if not arch.tie_word_embeddings:
         out["output_layer.weight"] = pad(hf_state["lm_head.weight"])
     for i in range(arch.num_layers):
@@ -45,7 +59,9 @@ def _megatron_state_from_hf(hf_state, arch, padded_vocab):
         out[mg + "self_attention.linear_proj.weight"] = hf_state[hf + "self_attn.o_proj.weight"]
         out[mg + "input_layernorm.weight"] = hf_state[hf + "input_layernorm.weight"]
         out[mg + "pre_mlp_layernorm.weight"] = hf_state[hf + "post_attention_layernorm.weight"]
-        out[mg + "mlp.linear_fc1.weight"] = torch.cat([hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]])
+        out[mg + "mlp.linear_fc1.weight"] = torch.cat(
+            [hf_state[hf + "mlp.gate_proj.weight"], hf_state[hf + "mlp.up_proj.weight"]]
+        )
         out[mg + "mlp.linear_fc2.weight"] = hf_state[hf + "mlp.down_proj.weight"]
         if arch.qk_norm:
             out[mg + "self_attention.q_layernorm.weight"] = hf_state[hf + "self_attn.q_norm.weight"]
@@ -60,7 +76,7 @@ def _checkpoint_keys(model):
     keys = {}
     for item in model.sharded_state_dict().values():
         built = item.build() if isinstance(item, ShardedTensorFactory) else item
-        for t in (built.values() if isinstance(built, dict) else built if isinstance(built, list) else [built]):
+        for t in built.values() if isinstance(built, dict) else built if isinstance(built, list) else [built]:
             if isinstance(t, ShardedTensor) and not t.key.endswith("_extra_state"):
                 keys[t.key] = tuple(t.global_shape)
     return keys
@@ -116,9 +132,23 @@ def model_worker(rank, hf_models, moe_arch):
         dist.shutdown()
 
 
-MOE = ModelArch(family="qwen3_moe", vocab_size=125, hidden_size=32, num_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, head_dim=8, ffn_hidden_size=48, rms_norm_eps=1e-6, rope_theta=1e6,
-                max_position_embeddings=64, qk_norm=True, num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=16)
+MOE = ModelArch(
+    family="qwen3_moe",
+    vocab_size=125,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    max_position_embeddings=64,
+    qk_norm=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+)
 
 
 @pytest.fixture(scope="module")

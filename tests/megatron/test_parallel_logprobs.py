@@ -14,17 +14,55 @@ from armor_megatron.models.arch import ModelArch
 from tests.megatron.spawn import run_ranks
 
 # vocab 125 is padded to 128 columns: the padding must stay out of the softmax.
-QWEN3 = ModelArch(family="qwen3", vocab_size=125, hidden_size=32, num_layers=4, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, ffn_hidden_size=48, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, max_position_embeddings=64, qk_norm=True, tie_word_embeddings=True,
-                  dtype="float32")
-QWEN2 = ModelArch(family="qwen2", vocab_size=125, hidden_size=32, num_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=8, ffn_hidden_size=48, rms_norm_eps=1e-6,
-                  rope_theta=10000.0, max_position_embeddings=64, qkv_bias=True, dtype="float32")
-QWEN3_MOE = ModelArch(family="qwen3_moe", vocab_size=125, hidden_size=32, num_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=8, ffn_hidden_size=48, rms_norm_eps=1e-6,
-                      rope_theta=10000.0, max_position_embeddings=64, qk_norm=True, num_experts=4,
-                      moe_router_topk=2, moe_ffn_hidden_size=16, dtype="float32")
+QWEN3 = ModelArch(
+    family="qwen3",
+    vocab_size=125,
+    hidden_size=32,
+    num_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    qk_norm=True,
+    tie_word_embeddings=True,
+    dtype="float32",
+)
+QWEN2 = ModelArch(
+    family="qwen2",
+    vocab_size=125,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    qkv_bias=True,
+    dtype="float32",
+)
+QWEN3_MOE = ModelArch(
+    family="qwen3_moe",
+    vocab_size=125,
+    hidden_size=32,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    ffn_hidden_size=48,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=64,
+    qk_norm=True,
+    num_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=16,
+    dtype="float32",
+)
 
 LENGTHS = torch.tensor([12, 7, 3, 12, 9])
 
@@ -51,8 +89,15 @@ def _load_chunks(arch, parallel, ckpt_dir):
 def _logprobs(chunks, arch):
     from armor_megatron.megatron.logprobs import compute_logprobs
 
-    out = compute_logprobs(chunks, _batch(arch), LENGTHS, micro_batch_size=2, vocab_size=arch.vocab_size,
-                           with_entropy=True, chunk_elements=4 * 128)
+    out = compute_logprobs(
+        chunks,
+        _batch(arch),
+        LENGTHS,
+        micro_batch_size=2,
+        vocab_size=arch.vocab_size,
+        with_entropy=True,
+        chunk_elements=4 * 128,
+    )
     return out.logprobs, out.entropy
 
 
@@ -67,9 +112,11 @@ def parity_worker(rank, arch, layouts, ckpt_dir):
         dist_checkpointing.save(model.sharded_state_dict(), ckpt_dir)
         ref_lp, ref_ent = _logprobs([model], arch)
         # Sanity of the reference itself: a distribution over 125 tokens, zero where undefined.
-        valid = (torch.arange(1, LENGTHS.max())[None] < LENGTHS[:, None])
+        valid = torch.arange(1, LENGTHS.max())[None] < LENGTHS[:, None]
         assert (ref_lp[:, 1:][valid] < 0).all() and (ref_lp[:, 1:][~valid] == 0).all() and (ref_lp[:, 0] == 0).all()
-        assert (ref_ent[:, 1:][valid] > 0).all() and (ref_ent[:, 1:][valid] <= torch.log(torch.tensor(125.0)) + 1e-5).all()
+        assert (ref_ent[:, 1:][valid] > 0).all() and (
+            ref_ent[:, 1:][valid] <= torch.log(torch.tensor(125.0)) + 1e-5
+        ).all()
         errors = {}
         for name, parallel in layouts.items():
             mdist.set_model_parallel(parallel, arch, seed=11)

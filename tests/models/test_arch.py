@@ -3,8 +3,14 @@ from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Q
 
 from armor_megatron.models import ModelArch, UnsupportedModelError
 
-SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-             intermediate_size=128, vocab_size=256)
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=128,
+    vocab_size=256,
+)
 
 
 @pytest.mark.parametrize(
@@ -29,9 +35,18 @@ def test_families_from_transformers_configs(config_cls, family, qkv_bias, qk_nor
 
 
 def test_rope_from_old_and_new_keys():
-    old = {"model_type": "llama", **SMALL, "rope_theta": 500000.0,
-           "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}
+    old = {
+        "model_type": "llama",
+        **SMALL,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    }
     arch = ModelArch.from_hf_config(old)
     assert arch.rope_theta == 500000.0 and arch.rope_scaling["factor"] == 8.0
     new = {"model_type": "qwen2", **SMALL, "rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}

@@ -37,7 +37,9 @@ def test_gpqa_four_options():
         verify("Answer: D", "E")
 
 
-@pytest.mark.parametrize("gold, match", [("K", "option letters A-J"), ("CD", "option letters"), (10, "outside 0..9"), (None, "None")])
+@pytest.mark.parametrize(
+    "gold, match", [("K", "option letters A-J"), ("CD", "option letters"), (10, "outside 0..9"), (None, "None")]
+)
 def test_bad_gold_is_one_clear_error(gold, match):
     with pytest.raises(ValueError, match=match):
         get_verifier("multiple_choice")("Answer: C", gold)

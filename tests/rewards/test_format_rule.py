@@ -49,7 +49,9 @@ def test_think_only_and_custom_tags():
     assert result.score == 1.0 and result.breakdown == {"think": 1.0}
 
 
-@pytest.mark.parametrize("kwargs, match", [({"boxed": "two"}, "boxed must be one of"), ({"boxed": None}, "no rule enabled")])
+@pytest.mark.parametrize(
+    "kwargs, match", [({"boxed": "two"}, "boxed must be one of"), ({"boxed": None}, "no rule enabled")]
+)
 def test_bad_configuration(kwargs, match):
     with pytest.raises(ValueError, match=match):
         make_format_verifier(**kwargs)

@@ -12,7 +12,18 @@ def closed_form(n, c, k):
 
 @pytest.mark.parametrize(
     "n, c, k",
-    [(1, 1, 1), (2, 1, 1), (5, 2, 2), (10, 3, 1), (10, 3, 5), (16, 4, 8), (16, 1, 16), (64, 7, 10), (100, 50, 20), (1024, 3, 64)],
+    [
+        (1, 1, 1),
+        (2, 1, 1),
+        (5, 2, 2),
+        (10, 3, 1),
+        (10, 3, 5),
+        (16, 4, 8),
+        (16, 1, 16),
+        (64, 7, 10),
+        (100, 50, 20),
+        (1024, 3, 64),
+    ],
 )
 def test_matches_closed_form(n, c, k):
     assert pass_at_k(n, c, k) == pytest.approx(closed_form(n, c, k), rel=1e-12, abs=1e-15)
@@ -41,8 +52,15 @@ def test_edge_cases():
 
 @pytest.mark.parametrize(
     "args, error",
-    [((0, 0, 1), ValueError), ((5, 6, 1), ValueError), ((5, -1, 1), ValueError), ((5, 2, 0), ValueError),
-     ((5, 2, 6), ValueError), ((5.0, 2, 1), TypeError), ((5, True, 1), TypeError)],
+    [
+        ((0, 0, 1), ValueError),
+        ((5, 6, 1), ValueError),
+        ((5, -1, 1), ValueError),
+        ((5, 2, 0), ValueError),
+        ((5, 2, 6), ValueError),
+        ((5.0, 2, 1), TypeError),
+        ((5, True, 1), TypeError),
+    ],
 )
 def test_bad_arguments(args, error):
     with pytest.raises(error):
@@ -74,8 +92,14 @@ def test_group_metrics():
 
 
 def test_metrics_by_dataset_and_flatten():
-    records = [("aime", 0, 1.0), ("aime", 0, 0.0), ("aime", 1, 0.0), ("aime", 1, 0.0),
-               ("math500", "q7", 1.0), ("math500", "q7", 1.0)]
+    records = [
+        ("aime", 0, 1.0),
+        ("aime", 0, 0.0),
+        ("aime", 1, 0.0),
+        ("aime", 1, 0.0),
+        ("math500", "q7", 1.0),
+        ("math500", "q7", 1.0),
+    ]
     out = metrics_by_dataset(records, ks=(1, 2))
     assert out["aime"] == {"num_prompts": 2.0, "avg@2": 0.25, "pass@1": 0.25, "pass@2": 0.5}
     assert out["math500"] == {"num_prompts": 1.0, "avg@2": 1.0, "pass@1": 1.0, "pass@2": 1.0}

@@ -8,8 +8,8 @@ from armor_megatron.rewards import (
     load_verifier,
     register_verifier,
     registered_verifiers,
+    registry,
 )
-from armor_megatron.rewards import registry
 
 USER = "tests.rewards.user_verifiers"
 
@@ -64,7 +64,9 @@ def test_bad_specs_give_one_line_errors(spec, match):
 def test_module_that_fails_while_importing(tmp_path, monkeypatch):
     (tmp_path / "broken_reward_mod.py").write_text("import definitely_not_installed_pkg\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(VerifierSpecError, match="cannot import module 'broken_reward_mod'.*definitely_not_installed_pkg"):
+    with pytest.raises(
+        VerifierSpecError, match="cannot import module 'broken_reward_mod'.*definitely_not_installed_pkg"
+    ):
         load_verifier("broken_reward_mod:judge")
 
 

@@ -10,7 +10,9 @@ from .test_anchors import SAMPLING, UNSOLVABLE, setup, starts_with  # noqa: F401
 
 
 def make_cache(ref, **kw):
-    sampler = AnchorSampler(SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING))
+    sampler = AnchorSampler(
+        SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+    )
     return AnchorCache(sampler, **kw)
 
 

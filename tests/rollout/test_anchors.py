@@ -44,7 +44,9 @@ def setup():
 
 def test_anchor_found_exactly_where_the_reference_can_solve(setup):
     _, _, ref, prompts, truths = setup
-    sampler = AnchorSampler(SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING))
+    sampler = AnchorSampler(
+        SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+    )
     results = sampler.sample(prompts, truths)
     for i, r in enumerate(results):
         assert r.prompt_index == i
@@ -62,7 +64,9 @@ def test_anchor_found_exactly_where_the_reference_can_solve(setup):
 def test_positive_anchors_only(setup):
     _, _, ref, prompts, truths = setup
     half_credit = lambda text, gt: 0.5  # noqa: E731 - never a full reward
-    results = AnchorSampler(SeparateReference(ref), half_credit, AnchorConfig(max_tries=2, sampling=SAMPLING)).sample(prompts, truths)
+    results = AnchorSampler(SeparateReference(ref), half_credit, AnchorConfig(max_tries=2, sampling=SAMPLING)).sample(
+        prompts, truths
+    )
     assert not any(r.found for r in results)
 
 
@@ -80,7 +84,9 @@ def test_swap_reference_pushes_reference_in_and_policy_back(setup):
     greedy = SamplingParams(max_new_tokens=3, temperature=0)
     before = engine.generate(prompts, 1, greedy)
     source = SwapReference(engine, reference_weights, "ref-0", policy_weights)
-    results = AnchorSampler(source, starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)).sample(prompts, truths)
+    results = AnchorSampler(
+        source, starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+    ).sample(prompts, truths)
     assert [r.found for r in results] == [True] * 4 + [False] * 2
     assert all(r.anchor.weight_version == "ref-0" for r in results if r.found)
     assert engine.weight_version == "policy-7"

@@ -12,7 +12,12 @@ def test_write_shards_index_and_config_then_read_back(tmp_path):
     named = [("a", torch.arange(16.0)), ("b", torch.ones(4, 4)), ("c", torch.zeros(32))]
     out = write_hf_checkpoint(str(tmp_path / "ckpt"), iter(named), {"model_type": "qwen2"}, max_shard_bytes=150)
     files = sorted(os.listdir(out))
-    assert files == ["config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+    assert files == [
+        "config.json",
+        "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json",
+    ]
     index = json.load(open(os.path.join(out, "model.safetensors.index.json")))
     assert index["weight_map"] == {"a": files[1], "b": files[1], "c": files[2]}
     back = dict(read_hf_checkpoint(out))

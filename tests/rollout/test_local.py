@@ -57,7 +57,9 @@ def test_stop_token_is_kept_in_ids_but_not_in_text(engine, tiny_ckpt):
     assert s.token_ids == free.token_ids[: free.token_ids.index(stop_tok) + 1]
     assert s.text == tok.decode(list(s.token_ids[:-1]), skip_special_tokens=True)
     # ignore_eos disables stop_token_ids too (SGLang 0.5.x semantics).
-    ignored = engine.generate([prompt], 1, SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True))
+    ignored = engine.generate(
+        [prompt], 1, SamplingParams(max_new_tokens=4, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True)
+    )
     assert ignored[0][0].finish_reason == "length" and ignored[0][0].token_ids == free.token_ids
 
 
@@ -66,7 +68,9 @@ def test_stop_string_cuts_text(engine, tiny_ckpt):
     prompt = encode(tok, "zz")
     free = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))[0][0]
     stop = free.text[2]  # a character greedy decoding produces third
-    s = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0, stop=(stop,), ignore_eos=True))[0][0]
+    s = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0, stop=(stop,), ignore_eos=True))[0][
+        0
+    ]
     assert s.finish_reason == "stop"
     assert s.text == free.text[: free.text.index(stop)]
 
@@ -136,17 +140,36 @@ def test_generation_past_its_timeout_raises(engine, tiny_ckpt):
 def tiny_moe():
     """A 1-layer Qwen3-MoE (2 experts) as HF checkpoint tensors: experts named per expert."""
     cfg = {
-        "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 40, "hidden_size": 32,
-        "intermediate_size": 64, "moe_intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 4,
-        "num_key_value_heads": 2, "head_dim": 8, "num_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 64,
-        "tie_word_embeddings": False, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "vocab_size": 40,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "moe_intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "num_experts": 2,
+        "num_experts_per_tok": 1,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "norm_topk_prob": True,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [],
     }
     shapes = {
-        "model.embed_tokens.weight": (40, 32), "lm_head.weight": (40, 32), "model.norm.weight": (32,),
-        "model.layers.0.input_layernorm.weight": (32,), "model.layers.0.post_attention_layernorm.weight": (32,),
-        "model.layers.0.self_attn.q_proj.weight": (32, 32), "model.layers.0.self_attn.k_proj.weight": (16, 32),
-        "model.layers.0.self_attn.v_proj.weight": (16, 32), "model.layers.0.self_attn.o_proj.weight": (32, 32),
-        "model.layers.0.self_attn.q_norm.weight": (8,), "model.layers.0.self_attn.k_norm.weight": (8,),
+        "model.embed_tokens.weight": (40, 32),
+        "lm_head.weight": (40, 32),
+        "model.norm.weight": (32,),
+        "model.layers.0.input_layernorm.weight": (32,),
+        "model.layers.0.post_attention_layernorm.weight": (32,),
+        "model.layers.0.self_attn.q_proj.weight": (32, 32),
+        "model.layers.0.self_attn.k_proj.weight": (16, 32),
+        "model.layers.0.self_attn.v_proj.weight": (16, 32),
+        "model.layers.0.self_attn.o_proj.weight": (32, 32),
+        "model.layers.0.self_attn.q_norm.weight": (8,),
+        "model.layers.0.self_attn.k_norm.weight": (8,),
         "model.layers.0.mlp.gate.weight": (2, 32),
     }
     for e in range(2):
@@ -166,7 +189,9 @@ def test_moe_checkpoint_names_load_through_transformers():
     assert torch.equal(fused[1, :16], given["model.layers.0.mlp.experts.1.gate_proj.weight"])
     assert torch.equal(fused[1, 16:], given["model.layers.0.mlp.experts.1.up_proj.weight"])
     s = engine.generate([[3, 4, 5]], 1, SamplingParams(max_new_tokens=3, ignore_eos=True))[0][0]
-    torch.testing.assert_close(torch.tensor(s.logprobs), teacher_forced_logprobs(engine.model, [3, 4, 5], s.token_ids), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(s.logprobs), teacher_forced_logprobs(engine.model, [3, 4, 5], s.token_ids), atol=1e-5, rtol=0
+    )
     with pytest.raises(WeightUpdateError, match="could not load the update"):
         engine.update_weights(named[:-1], version="moe-1")  # expert 1 lacks down_proj
     assert engine.weight_version == "moe-0"

@@ -16,10 +16,14 @@ def test_split_is_disjoint_and_complete():
 
 
 def test_prepare_writes_a_loadable_model_of_the_configs_arch_and_the_data(tmp_path):
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), [
-        f"model.path={tmp_path}/hf", f"data.train_path={tmp_path}/train.jsonl",
-        f"eval.datasets=[{{name: val, path: {tmp_path}/val.jsonl, k: 1}}]",
-    ])
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+        [
+            f"model.path={tmp_path}/hf",
+            f"data.train_path={tmp_path}/train.jsonl",
+            f"eval.datasets=[{{name: val, path: {tmp_path}/val.jsonl, k: 1}}]",
+        ],
+    )
     rows = prepare_tiny_run(cfg, num_val=8, warmup_steps=2, log=None)
     arch = ModelArch.from_hf_config(load_hf_config(str(tmp_path / "hf")))
     assert arch == ModelArch.from_hf_config({**cfg.model.arch, "torch_dtype": "float32"})

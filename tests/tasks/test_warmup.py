@@ -16,11 +16,22 @@ def test_labels_mask_prompt_and_padding():
 
 def test_warmup_lowers_the_loss():
     tok = build_tokenizer()
-    cfg = Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=32, pad_token_id=0, eos_token_id=1)
+    cfg = Qwen2Config(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=32,
+        pad_token_id=0,
+        eos_token_id=1,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     rows = make_problems(64, seed=0, max_operand=9)
-    losses = supervised_warmup(model, tok, [r["prompt"] for r in rows], [solution(r) for r in rows], steps=40, batch_size=16)
+    losses = supervised_warmup(
+        model, tok, [r["prompt"] for r in rows], [solution(r) for r in rows], steps=40, batch_size=16
+    )
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     assert not model.training

@@ -18,9 +18,21 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def _args(tiny, run_dir, *overrides, config=CONFIG):
-    return [sys.executable, "-m", "armor_megatron.cli.train", "--config", config, *tiny,
-            f"checkpoint.dir={run_dir}/ckpt", f"logging.dir={run_dir}/runs", "name=run",
-            "rollout.prompts_per_step=8", "rollout.group_size=4", "train.micro_batch_size=8", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "armor_megatron.cli.train",
+        "--config",
+        config,
+        *tiny,
+        f"checkpoint.dir={run_dir}/ckpt",
+        f"logging.dir={run_dir}/runs",
+        "name=run",
+        "rollout.prompts_per_step=8",
+        "rollout.group_size=4",
+        "train.micro_batch_size=8",
+        *overrides,
+    ]
 
 
 def _env():
@@ -28,8 +40,9 @@ def _env():
 
 
 def _train(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
-    proc = subprocess.run(_args(tiny, run_dir, *overrides, config=config), env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        _args(tiny, run_dir, *overrides, config=config), env=_env(), capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
 
@@ -41,12 +54,15 @@ def _latest(run_dir):
 
 # tp2: anchors sampled afresh every step (no cache); pp2: the next batch's anchors pre-generated
 # in the background while the trainer updates.
-@pytest.mark.parametrize("layout", [["parallelism.tp=2", "anchor.cache=false"],
-                                    ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true"]],
-                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "layout",
+    [["parallelism.tp=2", "anchor.cache=false"], ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true"]],
+    ids=["tp2", "pp2"],
+)
 def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
-    metrics = _train(tiny, tmp_path, *layout, "train.steps=3", "eval.every_steps=3", "checkpoint.every_steps=0",
-                     "reference.tau=2")
+    metrics = _train(
+        tiny, tmp_path, *layout, "train.steps=3", "eval.every_steps=3", "checkpoint.every_steps=0", "reference.tau=2"
+    )
     assert sorted(metrics) == [0, 1, 2, 3]
     assert "eval/val/pass@1" in metrics[0] and "eval/val/pass@1" in metrics[3]
     for step in (1, 2, 3):
@@ -73,8 +89,13 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     reference = _train(tiny, tmp_path / "straight", *common)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(_args(tiny, run, *common), env=_env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        _args(tiny, run, *common),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     try:
         deadline = time.time() + 300
         while _latest(run) != "iter_0000002":
@@ -91,16 +112,25 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     assert resumed[4]["eval/val/pass@1"] == reference[4]["eval/val/pass@1"]
 
     # recovery mode: a fresh run whose reference starts from that (trained) checkpoint, not the policy
-    recovered = _train(tiny, tmp_path / "recovery", "train.steps=1", "eval.every_steps=0",
-                       f"reference.init_from={tmp_path / 'straight' / 'ckpt' / 'iter_0000004'}")
+    recovered = _train(
+        tiny,
+        tmp_path / "recovery",
+        "train.steps=1",
+        "eval.every_steps=0",
+        f"reference.init_from={tmp_path / 'straight' / 'ckpt' / 'iter_0000004'}",
+    )
     assert recovered[1]["train/approx_kl_ref"] > 1e-6 and reference[1]["train/approx_kl_ref"] < 1e-9
 
 
 def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
     # one process (tp=1), as srun starts every task: the signal reaches the trainer itself
-    proc = subprocess.Popen(_args(tiny, tmp_path, "parallelism.tp=1", "train.steps=200", "checkpoint.every_steps=0",
-                                  "eval.every_steps=0"),
-                            env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        _args(tiny, tmp_path, "parallelism.tp=1", "train.steps=200", "checkpoint.every_steps=0", "eval.every_steps=0"),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
     deadline = time.time() + 300
     while not (metrics.exists() and read_metrics(str(metrics))):
@@ -137,6 +167,13 @@ def test_ppo_with_a_critic_trains_and_resumes_the_critic(tiny, tmp_path):
     _train(tiny, run, *common, "train.steps=2", config=PPO_CONFIG)
     assert _latest(run) == "iter_0000002"
     resumed = _train(tiny, run, *common, "train.steps=3", config=PPO_CONFIG)
-    for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "critic/loss", "critic/grad_norm",
-                "critic/value_mean", "critic/old_explained_var"):
+    for key in (
+        "rollout/accuracy",
+        "train/loss",
+        "train/grad_norm",
+        "critic/loss",
+        "critic/grad_norm",
+        "critic/value_mean",
+        "critic/old_explained_var",
+    ):
         assert resumed[3][key] == straight[3][key], key

@@ -29,10 +29,24 @@ def servers(tiny, tmp_path):
     for name in ("policy", "reference"):
         port = free_port()
         log = open(tmp_path / f"{name}-server.log", "w")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "armor_megatron.rollout.testing.sglang_test_server", "--model-path", model,
-             "--port", str(port), "--mem-fraction-static", "0.4"],  # a real SGLang flag, ignored by the double
-            env=_env(), stdout=log, stderr=subprocess.STDOUT))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "armor_megatron.rollout.testing.sglang_test_server",
+                    "--model-path",
+                    model,
+                    "--port",
+                    str(port),
+                    "--mem-fraction-static",
+                    "0.4",
+                ],  # a real SGLang flag, ignored by the double
+                env=_env(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
         urls.append(f"http://127.0.0.1:{port}")
     try:
         deadline = time.monotonic() + 120
@@ -54,10 +68,20 @@ def servers(tiny, tmp_path):
 
 def test_training_through_sglang_servers(tiny, tmp_path, servers):
     policy_url, reference_url = servers
-    metrics = _train(tiny, tmp_path, "rollout.engine=sglang", f"rollout.sglang.urls=[{policy_url}]",
-                     f"anchor.reference_urls=[{reference_url}]", "rollout.sglang.weight_sync=disk",
-                     "rollout.sglang.placement=colocated", "parallelism.tp=2", "train.steps=2", "eval.every_steps=2",
-                     "checkpoint.every_steps=0", "reference.tau=1")
+    metrics = _train(
+        tiny,
+        tmp_path,
+        "rollout.engine=sglang",
+        f"rollout.sglang.urls=[{policy_url}]",
+        f"anchor.reference_urls=[{reference_url}]",
+        "rollout.sglang.weight_sync=disk",
+        "rollout.sglang.placement=colocated",
+        "parallelism.tp=2",
+        "train.steps=2",
+        "eval.every_steps=2",
+        "checkpoint.every_steps=0",
+        "reference.tau=1",
+    )
     assert sorted(metrics) == [0, 1, 2]
     for step in (1, 2):
         m = metrics[step]

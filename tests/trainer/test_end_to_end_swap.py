@@ -9,8 +9,16 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_swapped_engines_sample_on_policy_with_the_current_weights(tiny, tmp_path):
-    metrics = _train(tiny, tmp_path, "anchor.source=swap", "anchor.cache=false", "train.steps=3",
-                     "eval.every_steps=0", "checkpoint.every_steps=0", "reference.tau=2")
+    metrics = _train(
+        tiny,
+        tmp_path,
+        "anchor.source=swap",
+        "anchor.cache=false",
+        "train.steps=3",
+        "eval.every_steps=0",
+        "checkpoint.every_steps=0",
+        "reference.tau=2",
+    )
     for step in (1, 2, 3):
         assert metrics[step]["anchor/found_rate"] >= 0.0
         # on-policy samples come after the anchors' swap: the engine's log-probs are the trainer's

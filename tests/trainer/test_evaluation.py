@@ -31,7 +31,9 @@ def test_greedy_eval_scores_exactly_the_rows_whose_answer_is_the_models_output(t
     prompts = ["1+1=", "2+2=", "3+3=", "4+4="]
     outputs = [g[0].text for g in engine.generate([encode(p) for p in prompts], n=1, sampling=greedy)]
     # rows 0 and 2 get the model's own greedy output as their answer, rows 1 and 3 a string it never writes
-    rows = [{"prompt": p, "answer": out if i % 2 == 0 else "<never>"} for i, (p, out) in enumerate(zip(prompts, outputs))]
+    rows = [
+        {"prompt": p, "answer": out if i % 2 == 0 else "<never>"} for i, (p, out) in enumerate(zip(prompts, outputs))
+    ]
     (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = [EvalSet("toy", PromptDataset(str(tmp_path / "d.jsonl")), k=3)]
     result = evaluate(engine, encode, sets, greedy, verifier="test_exact_text", pass_k=(1, 3, 8))
@@ -48,5 +50,7 @@ def test_row_verifier_overrides_the_default(tmp_path, engine_and_tokenizer):
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2", "type": "math"}) + "\n")
     sets = [EvalSet("m", PromptDataset(str(tmp_path / "d.jsonl")), k=2)]
     encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
-    result = evaluate(engine, encode, sets, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), verifier="test_exact_text")
+    result = evaluate(
+        engine, encode, sets, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), verifier="test_exact_text"
+    )
     assert result.metrics["m"]["pass@1"] == 0.0  # a random tiny model never writes \boxed{2}

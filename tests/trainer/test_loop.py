@@ -15,8 +15,11 @@ PPO_CONFIG = os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml")
 
 def _batch():
     # one prompt token (t = 0), response tokens at t = 1, 2; the position 3 is padding
-    return {"response_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]), "rewards": torch.tensor([1.0]),
-            "old_values": torch.tensor([[9.0, 0.5, 0.25, 9.0]])}
+    return {
+        "response_mask": torch.tensor([[0.0, 1.0, 1.0, 0.0]]),
+        "rewards": torch.tensor([1.0]),
+        "old_values": torch.tensor([[9.0, 0.5, 0.25, 9.0]]),
+    }
 
 
 def test_gae_targets_by_hand():

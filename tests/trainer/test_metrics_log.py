@@ -18,7 +18,11 @@ def test_jsonl_records_scalars_and_survives_resume(tmp_path):
     log = MetricsLogger(str(tmp_path), resume_step=2)
     log.log(3, {"reward": 0.33})
     log.close()
-    assert [(r["step"], r["reward"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [(1, 0.1), (2, 0.2), (3, 0.33)]
+    assert [(r["step"], r["reward"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
+        (1, 0.1),
+        (2, 0.2),
+        (3, 0.33),
+    ]
 
 
 def test_torn_last_line_is_ignored(tmp_path):

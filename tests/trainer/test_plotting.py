@@ -10,8 +10,15 @@ from armor_megatron.trainer.plotting import OTHER, load_run, phase_timings, rese
 RECORDS = [
     # step 0: the evaluation before training logs only eval keys
     {"step": 0, "time": 0.0, "eval/mean/pass@1": 0.25},
-    {"step": 2, "time": 2.0, "rollout/accuracy": 0.5, "time/rollout": 1.0, "time/update": 2.0, "time/step": 3.5,
-     "reference/reset": 1.0},
+    {
+        "step": 2,
+        "time": 2.0,
+        "rollout/accuracy": 0.5,
+        "time/rollout": 1.0,
+        "time/update": 2.0,
+        "time/step": 3.5,
+        "reference/reset": 1.0,
+    },
     {"step": 1, "time": 1.0, "rollout/accuracy": "nan", "time/rollout": 1.5, "time/step": 1.0},
 ]
 

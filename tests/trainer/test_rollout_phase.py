@@ -50,8 +50,11 @@ def setup():
             rows.append(PromptRow(len(rows), text, tok.decode([int(probs.argmax())])))
     assert len(rows) >= 3
     rows = rows[:3] + [PromptRow(3, "5+5=", "#"), PromptRow(4, "hi", "#")]
-    sampler = AnchorSampler(SeparateReference(ref), anchor_reward,  # the trainer's: each row's own verifier
-                            AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING))
+    sampler = AnchorSampler(
+        SeparateReference(ref),
+        anchor_reward,  # the trainer's: each row's own verifier
+        AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING),
+    )
     return tok, policy, sampler, rows
 
 
@@ -122,4 +125,3 @@ def test_advantages_are_recomputed_over_the_groups_that_train(setup, estimator):
     after = final_batch_advantages(kept, settings)["advantages"]
     assert torch.equal(after, compute_advantages(estimator, rewards=kept["rewards"].view(2, G)).reshape(-1).float())
     assert torch.equal(after, before) == (estimator == "dapo")
-

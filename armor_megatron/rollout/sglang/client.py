@@ -17,11 +17,11 @@ import dataclasses
 import http.client
 import json
 import logging
-import socket
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError
 
@@ -87,7 +87,7 @@ class SGLangClient:
     def __init__(
         self,
         url: str,
-        api_key: Optional[str] = None,
+        api_key: str | None = None,
         request_timeout: float = 600.0,
         retry: RetryPolicy = RetryPolicy(),
     ):
@@ -116,7 +116,7 @@ class SGLangClient:
             if e.code >= 500:
                 raise _Retryable(f"HTTP {e.code}: {msg}") from e
             raise SGLangHTTPError(self.url + path, e.code, msg) from None
-        except (urllib.error.URLError, ConnectionError, socket.timeout, TimeoutError, http.client.HTTPException) as e:
+        except (urllib.error.URLError, ConnectionError, TimeoutError, http.client.HTTPException) as e:
             reason = getattr(e, "reason", None) or e
             raise _Retryable(f"{type(reason).__name__}: {reason}") from e
         if not raw:
@@ -131,7 +131,7 @@ class SGLangClient:
         method: str,
         path: str,
         body: Any = None,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
         retry: bool = True,
         check=None,
     ) -> Any:
@@ -158,16 +158,18 @@ class SGLangClient:
                 last = e
                 wait = min(self.retry.backoff(attempt), max(0.0, deadline - time.monotonic()))
                 if attempt < attempts and wait > 0:
-                    logger.warning("%s%s failed (attempt %d/%d: %s); retrying in %.1fs", self.url, path, attempt, attempts, e, wait)
+                    logger.warning(
+                        "%s%s failed (attempt %d/%d: %s); retrying in %.1fs", self.url, path, attempt, attempts, e, wait
+                    )
                     time.sleep(wait)
         raise EngineUnavailableError(
             f"SGLang server {self.url} failed {path}: {attempt} attempt(s) in {time.monotonic() - start:.1f}s, last error: {last}"
         )
 
-    def get(self, path: str, timeout: Optional[float] = None, retry: bool = True) -> Any:
+    def get(self, path: str, timeout: float | None = None, retry: bool = True) -> Any:
         return self.request("GET", path, None, timeout=timeout, retry=retry)
 
-    def post(self, path: str, body: Any = None, timeout: Optional[float] = None, retry: bool = True) -> Any:
+    def post(self, path: str, body: Any = None, timeout: float | None = None, retry: bool = True) -> Any:
         return self.request("POST", path, {} if body is None else body, timeout=timeout, retry=retry)
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -177,10 +179,14 @@ class SGLangClient:
         input_ids: Sequence[int],
         sampling_params: dict,
         return_logprob: bool = True,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
     ) -> list:
         """``POST /generate`` for one prompt; returns its ``n`` raw outputs (dicts), retrying aborted ones."""
-        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": sampling_params, "return_logprob": return_logprob}
+        body = {
+            "input_ids": [int(t) for t in input_ids],
+            "sampling_params": sampling_params,
+            "return_logprob": return_logprob,
+        }
         if return_logprob:
             body["logprob_start_len"] = -1
         result = self.request("POST", "/generate", body, timeout=timeout, check=_raise_if_aborted)
@@ -194,7 +200,7 @@ class SGLangClient:
         except RolloutError:
             return False
 
-    def weight_version(self, timeout: Optional[float] = None) -> str:
+    def weight_version(self, timeout: float | None = None) -> str:
         """The server's current ``weight_version`` (``/model_info`` in newer SGLang, else ``/get_weight_version``)."""
         for path in ("/model_info", "/get_weight_version"):
             try:

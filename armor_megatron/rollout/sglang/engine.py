@@ -24,7 +24,7 @@ import itertools
 import os
 import threading
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from armor_megatron.rollout.engine import (
     RolloutEngine,
@@ -50,13 +50,13 @@ class SGLangEngine(RolloutEngine):
     def __init__(
         self,
         worker_urls: Sequence[str],
-        router_url: Optional[str] = None,
-        api_key: Optional[str] = None,
-        weight_sync: Optional[WeightSyncConfig] = None,
+        router_url: str | None = None,
+        api_key: str | None = None,
+        weight_sync: WeightSyncConfig | None = None,
         retry: RetryPolicy = RetryPolicy(),
         request_timeout: float = 600.0,
         max_concurrency: int = 256,
-        weight_version: Optional[str] = None,
+        weight_version: str | None = None,
         launcher=None,
     ):
         if not worker_urls:
@@ -77,10 +77,16 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = str(weight_version)
 
     @classmethod
-    def launch(cls, launcher, **kwargs) -> "SGLangEngine":
+    def launch(cls, launcher, **kwargs) -> SGLangEngine:
         """Start ``launcher`` (:class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`) and attach to it."""
         launcher.start()
-        return cls(launcher.worker_urls, router_url=launcher.router_url, api_key=launcher.config.api_key, launcher=launcher, **kwargs)
+        return cls(
+            launcher.worker_urls,
+            router_url=launcher.router_url,
+            api_key=launcher.config.api_key,
+            launcher=launcher,
+            **kwargs,
+        )
 
     def _generation_client(self) -> SGLangClient:
         if self.router is not None:
@@ -92,7 +98,7 @@ class SGLangEngine(RolloutEngine):
         prompts_token_ids: Sequence[Sequence[int]],
         n: int,
         sampling: SamplingParams,
-        timeout: Optional[float] = None,
+        timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
         check_prompts(prompts_token_ids, n)
@@ -118,7 +124,7 @@ class SGLangEngine(RolloutEngine):
         check_versions(groups, self.weight_version)
         return groups
 
-    def update_weights(self, weights: WeightSource, version: str, timeout: Optional[float] = None) -> None:
+    def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
         """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory."""
         with self._lock:
             if isinstance(weights, (str, os.PathLike)):
@@ -127,22 +133,22 @@ class SGLangEngine(RolloutEngine):
                 self.sync.push(weights, str(version))
             self.weight_version = str(version)
 
-    def health(self, timeout: Optional[float] = None) -> bool:
+    def health(self, timeout: float | None = None) -> bool:
         return all(c.health(generate=True, timeout=timeout or 30.0) for c in self.workers)
 
-    def _post_all(self, path: str, body: dict, timeout: Optional[float]) -> None:
+    def _post_all(self, path: str, body: dict, timeout: float | None) -> None:
         for c in self.workers:
             c.post(path, body, timeout=timeout)
 
-    def release_memory(self, timeout: Optional[float] = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+    def release_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
         """Colocated mode: free weights and KV cache before the trainer runs."""
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
-    def resume_memory(self, timeout: Optional[float] = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+    def resume_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
 
     @contextlib.contextmanager
-    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: Optional[float] = None):
+    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None):
         """Colocated training phase: ``with engine.released(): train()`` frees, then takes back, GPU memory."""
         self.release_memory(timeout=timeout, tags=tags)
         try:
@@ -150,13 +156,13 @@ class SGLangEngine(RolloutEngine):
         finally:
             self.resume_memory(timeout=timeout, tags=tags)
 
-    def pause(self, timeout: Optional[float] = None) -> None:
+    def pause(self, timeout: float | None = None) -> None:
         self._post_all("/pause_generation", {}, timeout)
 
-    def resume(self, timeout: Optional[float] = None) -> None:
+    def resume(self, timeout: float | None = None) -> None:
         self._post_all("/continue_generation", {}, timeout)
 
-    def shutdown(self, timeout: Optional[float] = None) -> None:
+    def shutdown(self, timeout: float | None = None) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
         if self.launcher is not None:

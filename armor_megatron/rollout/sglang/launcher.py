@@ -25,7 +25,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from collections.abc import Sequence
 
 from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
@@ -41,20 +41,20 @@ class LauncherConfig:
     host: str = "127.0.0.1"
     base_port: int = 0  # 0: free ports chosen at start
     base_gpu_id: int = 0
-    api_key: Optional[str] = None
+    api_key: str | None = None
     use_router: bool = False
     router_port: int = 0
     colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
     # SGLang reports log_softmax(logits / temperature) unless SGLANG_RETURN_ORIGINAL_LOGPROB=1;
     # True asks for the model's own (temperature-1) log-probs, as the local engine returns.
     original_logprobs: bool = True
-    mem_fraction_static: Optional[float] = None
+    mem_fraction_static: float | None = None
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
     router_module: str = "sglang_router.launch_router"
     python: str = sys.executable
-    env: Dict[str, str] = dataclasses.field(default_factory=dict)
-    log_dir: Optional[str] = None
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    log_dir: str | None = None
     startup_timeout: float = 900.0
     stop_grace: float = 30.0
 
@@ -77,24 +77,31 @@ def _url(host: str, port: int) -> str:
 class SGLangLauncher:
     def __init__(self, config: LauncherConfig):
         self.config = config
-        self.ports: List[int] = []
-        self.router_port: Optional[int] = None
-        self._procs: List[subprocess.Popen] = []
-        self._logs: List[str] = []
+        self.ports: list[int] = []
+        self.router_port: int | None = None
+        self._procs: list[subprocess.Popen] = []
+        self._logs: list[str] = []
         self._lock = threading.Lock()
         self._prev_sigterm = None
 
     # ---- commands ------------------------------------------------------------------------
 
-    def server_command(self, engine_index: int, port: int) -> List[str]:
+    def server_command(self, engine_index: int, port: int) -> list[str]:
         c = self.config
         cmd = [
-            c.python, "-m", c.server_module,
-            "--model-path", c.model_path,
-            "--host", c.host,
-            "--port", str(port),
-            "--tp-size", str(c.tp_size),
-            "--base-gpu-id", str(c.base_gpu_id + engine_index * c.tp_size),
+            c.python,
+            "-m",
+            c.server_module,
+            "--model-path",
+            c.model_path,
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+            "--tp-size",
+            str(c.tp_size),
+            "--base-gpu-id",
+            str(c.base_gpu_id + engine_index * c.tp_size),
         ]
         if c.api_key:
             cmd += ["--api-key", c.api_key]
@@ -104,24 +111,34 @@ class SGLangLauncher:
             cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
         return cmd + list(c.extra_args)
 
-    def router_command(self, port: int) -> List[str]:
+    def router_command(self, port: int) -> list[str]:
         c = self.config
-        cmd = [c.python, "-m", c.router_module, "--host", c.host, "--port", str(port), "--worker-urls", *self.worker_urls]
+        cmd = [
+            c.python,
+            "-m",
+            c.router_module,
+            "--host",
+            c.host,
+            "--port",
+            str(port),
+            "--worker-urls",
+            *self.worker_urls,
+        ]
         if c.api_key:
             cmd += ["--api-key", c.api_key]
         return cmd
 
     @property
-    def worker_urls(self) -> List[str]:
+    def worker_urls(self) -> list[str]:
         return [_url(self.config.host, p) for p in self.ports]
 
     @property
-    def router_url(self) -> Optional[str]:
+    def router_url(self) -> str | None:
         return None if self.router_port is None else _url(self.config.host, self.router_port)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
-    def start(self) -> "SGLangLauncher":
+    def start(self) -> SGLangLauncher:
         c = self.config
         if self._procs:
             raise RuntimeError("SGLang servers already started")
@@ -142,10 +159,12 @@ class SGLangLauncher:
         except BaseException:
             self.stop()
             raise
-        logger.info("SGLang engines up: %s%s", self.worker_urls, f" behind router {self.router_url}" if self.router_url else "")
+        logger.info(
+            "SGLang engines up: %s%s", self.worker_urls, f" behind router {self.router_url}" if self.router_url else ""
+        )
         return self
 
-    def _spawn(self, cmd: List[str], log_path: str) -> None:
+    def _spawn(self, cmd: list[str], log_path: str) -> None:
         env = {**os.environ, **self.config.env}
         if self.config.original_logprobs:
             env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
@@ -171,7 +190,7 @@ class SGLangLauncher:
             f"SGLang server {url} not healthy after {self.config.startup_timeout:.0f}s; log tail:\n{_tail(self._logs[index])}"
         )
 
-    def stop(self, timeout: Optional[float] = None) -> None:
+    def stop(self, timeout: float | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is still alive after the grace period."""
         with self._lock:
             procs, self._procs = self._procs, []

@@ -19,7 +19,16 @@ BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
 class WeightUpdateGroup:
     """Rank ``rank`` of a ``world_size`` group; :meth:`broadcast` sends rank 0's tensor to all."""
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str = "nccl", timeout: float = 600.0):
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str = "nccl",
+        timeout: float = 600.0,
+    ):
         import torch.distributed as dist
 
         if backend not in BACKEND_DEVICE:

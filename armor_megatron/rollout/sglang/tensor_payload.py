@@ -26,7 +26,8 @@ import base64
 import dataclasses
 import io
 import pickle
-from typing import Any, Iterable, Iterator, List, Optional, Tuple
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 FLATTENED_BUCKET = "flattened_bucket"
 
@@ -52,7 +53,7 @@ def _metadata_class():
         return FlattenedTensorMetadata
 
 
-def buckets(named_tensors: Iterable[Tuple[str, Any]], bucket_bytes: int) -> Iterator[List[Tuple[str, Any]]]:
+def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
     """Group consecutive tensors into buckets of at most ``bucket_bytes`` (a larger tensor goes alone).
 
     A bucket never mixes dtypes, so it can be flattened into one tensor.
@@ -71,7 +72,7 @@ def buckets(named_tensors: Iterable[Tuple[str, Any]], bucket_bytes: int) -> Iter
         yield bucket
 
 
-def pack(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLATTENED_BUCKET) -> Any:
+def pack(named_tensors: list[tuple[str, Any]], load_format: str | None = FLATTENED_BUCKET) -> Any:
     """The object a payload pickles: the flattened bucket dict, or the ``(name, tensor)`` list."""
     import torch
 
@@ -83,7 +84,11 @@ def pack(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLAT
             raise ValueError(f"a flattened bucket needs one dtype, got {sorted(map(str, dtypes))}")
         meta_cls, metadata, start = _metadata_class(), [], 0
         for name, t in named_tensors:
-            metadata.append(meta_cls(name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + t.numel(), numel=t.numel()))
+            metadata.append(
+                meta_cls(
+                    name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + t.numel(), numel=t.numel()
+                )
+            )
             start += t.numel()
         return {"flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named_tensors]), "metadata": metadata}
     if load_format is None:
@@ -97,20 +102,21 @@ def dumps(packed: Any) -> str:
     Every call makes new handles; a receiver consumes its entry's handles, so each receiver
     (each engine, each TP rank) needs an entry of its own.
     """
-    import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
     from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
 
     buf = io.BytesIO()
     ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def serialize(named_tensors: List[Tuple[str, Any]], load_format: Optional[str] = FLATTENED_BUCKET) -> str:
+def serialize(named_tensors: list[tuple[str, Any]], load_format: str | None = FLATTENED_BUCKET) -> str:
     """``dumps(pack(named_tensors, load_format))``: one entry for one receiver."""
     return dumps(pack(named_tensors, load_format))
 
 
-def deserialize(payload: str, load_format: Optional[str]) -> List[Tuple[str, Any]]:
+def deserialize(payload: str, load_format: str | None) -> list[tuple[str, Any]]:
     """Inverse of :func:`serialize`, as a server does it: ``[(name, tensor)]``.
 
     Unpickling runs code named in the payload: only call it on payloads from a trusted trainer.

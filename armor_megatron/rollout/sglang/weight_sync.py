@@ -30,7 +30,8 @@ import abc
 import concurrent.futures
 import dataclasses
 import os
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from armor_megatron.rollout.engine import WeightUpdateError
 from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
@@ -47,14 +48,14 @@ class WeightSyncConfig:
     bucket_bytes: int = 512 << 20
     tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
     flatten: bool = True  # tensor mode: flattened_bucket payloads (else plain (name, tensor) lists)
-    disk_dir: Optional[str] = None  # disk mode: where checkpoints are written
-    hf_config: Optional[Mapping[str, Any]] = None  # disk mode: the config.json written beside the weights
+    disk_dir: str | None = None  # disk mode: where checkpoints are written
+    hf_config: Mapping[str, Any] | None = None  # disk mode: the config.json written beside the weights
     master_address: str = "127.0.0.1"  # distributed mode: the trainer's address seen from the engines
     master_port: int = 0  # distributed mode; 0 picks a free port
     backend: str = "nccl"  # distributed mode: nccl on GPUs, gloo on CPU
     # tensor mode: where buckets go before their handles are sent. Default: CUDA when available
     # (SGLang opens CUDA IPC handles); CPU handles open only in the sender's own process tree.
-    device: Optional[str] = None
+    device: str | None = None
     group_name: str = "armor_weight_sync"
     timeout: float = 600.0
 
@@ -92,12 +93,17 @@ class WeightSync(abc.ABC):
         self.config = config
 
     @abc.abstractmethod
-    def push(self, named_tensors: Iterable[Tuple[str, Any]], version: str) -> None:
+    def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """Send HF-named tensors to every engine and tag them ``version``."""
 
     def load_from_disk(self, path: str, version: str) -> None:
         """``/update_weights_from_disk`` of an existing HF checkpoint on every engine."""
-        body = {"model_path": os.path.abspath(path), "load_format": "auto", "weight_version": version, "flush_cache": True}
+        body = {
+            "model_path": os.path.abspath(path),
+            "load_format": "auto",
+            "weight_version": version,
+            "flush_cache": True,
+        }
         self._on_all(lambda c: _post(c, "/update_weights_from_disk", body, self.config.timeout))
         self.verify(version)
 
@@ -129,7 +135,7 @@ class _UpdateSession:
 
     def __init__(self, sync: WeightSync):
         self.sync = sync
-        self.opened: List[SGLangClient] = []
+        self.opened: list[SGLangClient] = []
 
     def __enter__(self):
         timeout = self.sync.config.timeout
@@ -183,7 +189,7 @@ class TensorWeightSync(WeightSync):
             for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
                 packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
 
-                def send(client):
+                def send(client, packed=packed, last=last):
                     body = {
                         # Handles are consumed by their receiver: one fresh entry per TP rank.
                         "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
@@ -233,7 +239,10 @@ class DistributedWeightSync(WeightSync):
         ]
         # The engines join while the trainer joins: run their requests beside our rendezvous.
         with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
-            futures = [pool.submit(_post, c, "/init_weights_update_group", b, cfg.timeout) for c, b in zip(self.clients, bodies)]
+            futures = [
+                pool.submit(_post, c, "/init_weights_update_group", b, cfg.timeout)
+                for c, b in zip(self.clients, bodies)
+            ]
             group = WeightUpdateGroup(cfg.master_address, port, 0, world, cfg.group_name, cfg.backend, cfg.timeout)
             for f in futures:
                 f.result()
@@ -256,7 +265,10 @@ class DistributedWeightSync(WeightSync):
                 if last:
                     body["weight_version"] = version
                 with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
-                    futures = [pool.submit(_post, c, "/update_weights_from_distributed", body, cfg.timeout) for c in self.clients]
+                    futures = [
+                        pool.submit(_post, c, "/update_weights_from_distributed", body, cfg.timeout)
+                        for c in self.clients
+                    ]
                     for _, t in bucket:
                         self.group.broadcast(t.detach().to(device).contiguous(), src=0)
                     for f in futures:
@@ -267,7 +279,9 @@ class DistributedWeightSync(WeightSync):
         if self.group is not None:
             for c in self.clients:
                 try:
-                    c.post("/destroy_weights_update_group", {"group_name": self.config.group_name}, timeout=30, retry=False)
+                    c.post(
+                        "/destroy_weights_update_group", {"group_name": self.config.group_name}, timeout=30, retry=False
+                    )
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
             self.group.destroy()
@@ -275,4 +289,6 @@ class DistributedWeightSync(WeightSync):
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
-    return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](clients, config)
+    return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](
+        clients, config
+    )

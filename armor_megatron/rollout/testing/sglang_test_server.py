@@ -52,7 +52,7 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Optional
+from typing import Any
 
 from armor_megatron.rollout.engine import SamplingParams, WeightUpdateError
 from armor_megatron.rollout.local import LocalEngine
@@ -62,12 +62,32 @@ logger = logging.getLogger(__name__)
 # sampling_params keys SGLang 0.5.x accepts; the double implements the first group and
 # rejects the rest unless they hold their no-op default.
 SUPPORTED_SAMPLING_KEYS = {
-    "max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "n", "ignore_eos", "sampling_seed",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "stop_token_ids",
+    "n",
+    "ignore_eos",
+    "sampling_seed",
 }
 NOOP_SAMPLING_DEFAULTS = {
-    "no_stop_trim": False, "skip_special_tokens": True, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0,
-    "min_new_tokens": 0, "spaces_between_special_tokens": True, "json_schema": None, "regex": None,
-    "ebnf": None, "structural_tag": None, "custom_params": None, "stop_regex": None, "logit_bias": None,
+    "no_stop_trim": False,
+    "skip_special_tokens": True,
+    "min_p": 0.0,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "min_new_tokens": 0,
+    "spaces_between_special_tokens": True,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+    "custom_params": None,
+    "stop_regex": None,
+    "logit_bias": None,
 }
 HEALTH_PATHS = ("/health", "/health_generate")
 
@@ -82,8 +102,10 @@ def _bad_value(message: str) -> _HTTPError:
     return _HTTPError(400, {"error": {"message": message}})
 
 
-def _invalid_request(message: str, param: Optional[str] = None) -> _HTTPError:
-    return _HTTPError(400, {"object": "error", "message": message, "type": "BadRequestError", "param": param, "code": 400})
+def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
+    return _HTTPError(
+        400, {"object": "error", "message": message, "type": "BadRequestError", "param": param, "code": 400}
+    )
 
 
 def _failed_update(message: str) -> _HTTPError:
@@ -98,8 +120,8 @@ class SGLangTestServer:
         engine: LocalEngine,
         host: str = "127.0.0.1",
         port: int = 0,
-        api_key: Optional[str] = None,
-        model_path: Optional[str] = None,
+        api_key: str | None = None,
+        model_path: str | None = None,
         weights_cpu_backup: bool = False,
     ):
         self.engine = engine
@@ -116,8 +138,8 @@ class SGLangTestServer:
         self._groups = {}
         self._failures = {}  # path -> [remaining, status]
         self._aborts = 0
-        self._httpd: Optional[ThreadingHTTPServer] = None
-        self._thread: Optional[threading.Thread] = None
+        self._httpd: ThreadingHTTPServer | None = None
+        self._thread: threading.Thread | None = None
         self._connections = set()
         self.requests = {}  # path -> count, for tests
 
@@ -127,7 +149,7 @@ class SGLangTestServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self) -> "SGLangTestServer":
+    def start(self) -> SGLangTestServer:
         server = self
 
         class Handler(_Handler):
@@ -158,7 +180,7 @@ class SGLangTestServer:
                     pass
             self._cond.notify_all()
 
-    def restart(self) -> "SGLangTestServer":
+    def restart(self) -> SGLangTestServer:
         """Come back on the same port; with ``model_path`` the weights (and version) are the checkpoint's."""
         self.stop()
         if self.model_path is not None:
@@ -246,7 +268,9 @@ class SGLangTestServer:
         self._wait_until_serving()
         return_logprob = bool(body.get("return_logprob", False))
         groups = self.engine.generate(prompts, n, sampling, return_logprob=return_logprob)
-        outputs = [self._output(s, len(prompts[i]), sampling, return_logprob) for i, group in enumerate(groups) for s in group]
+        outputs = [
+            self._output(s, len(prompts[i]), sampling, return_logprob) for i, group in enumerate(groups) for s in group
+        ]
         return outputs[0] if single and n == 1 else outputs
 
     def _prompts(self, body):
@@ -254,8 +278,12 @@ class SGLangTestServer:
             ids = body["input_ids"]
             single = bool(ids) and all(isinstance(t, int) for t in ids)
             prompts = [ids] if single else ids
-            if not isinstance(prompts, list) or not all(isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts):
-                raise _invalid_request("input_ids must be a non-empty list of token ids or a list of such lists", "input_ids")
+            if not isinstance(prompts, list) or not all(
+                isinstance(p, list) and p and all(isinstance(t, int) for t in p) for p in prompts
+            ):
+                raise _invalid_request(
+                    "input_ids must be a non-empty list of token ids or a list of such lists", "input_ids"
+                )
             return prompts, single
         if "text" in body:
             if self.engine.tokenizer is None:
@@ -276,8 +304,10 @@ class SGLangTestServer:
             reason = {"type": "length", "length": sampling.max_new_tokens}
         else:
             last = sample.token_ids[-1]
-            matched = last if last in set(sampling.stop_token_ids) | set(self.engine.eos_token_ids) else next(
-                (s for s in sampling.stop if s), None
+            matched = (
+                last
+                if last in set(sampling.stop_token_ids) | set(self.engine.eos_token_ids)
+                else next((s for s in sampling.stop if s), None)
             )
             reason = {"type": "stop", "matched": matched}
         meta = {
@@ -311,7 +341,9 @@ class SGLangTestServer:
 
     def _require_session(self, what):
         if not self._session_open:
-            raise _failed_update(f"{what} is only allowed inside a weight update session (call /begin_weight_update first)")
+            raise _failed_update(
+                f"{what} is only allowed inside a weight update session (call /begin_weight_update first)"
+            )
 
     def _apply(self, named, version, strict):
         try:
@@ -348,8 +380,13 @@ class SGLangTestServer:
 
         try:
             group = WeightUpdateGroup(
-                body["master_address"], body["master_port"], body["rank_offset"], body["world_size"],
-                body["group_name"], body.get("backend", "nccl"), timeout=60,
+                body["master_address"],
+                body["master_port"],
+                body["rank_offset"],
+                body["world_size"],
+                body["group_name"],
+                body.get("backend", "nccl"),
+                timeout=60,
             )
         except Exception as e:  # noqa: BLE001
             raise _failed_update(f"Failed to init weights update group: {e}") from None
@@ -504,7 +541,9 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine")
+    parser = argparse.ArgumentParser(
+        description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine"
+    )
     parser.add_argument("--model-path", required=True)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
@@ -516,8 +555,14 @@ def main(argv=None) -> None:
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
     engine = LocalEngine.from_pretrained(args.model_path, weight_version=args.weight_version, seed=args.seed)
-    server = SGLangTestServer(engine, args.host, args.port, args.api_key, model_path=args.model_path,
-                              weights_cpu_backup=args.enable_weights_cpu_backup).start()
+    server = SGLangTestServer(
+        engine,
+        args.host,
+        args.port,
+        args.api_key,
+        model_path=args.model_path,
+        weights_cpu_backup=args.enable_weights_cpu_backup,
+    ).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())

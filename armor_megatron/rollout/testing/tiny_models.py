@@ -9,8 +9,6 @@ property in anchor tests.
 
 from __future__ import annotations
 
-from typing import Tuple
-
 from armor_megatron.tasks import tokenizer as _char_tokenizer
 
 ALPHABET = "0123456789+-=? abcdefghijklmnopqrstuvwxyz"
@@ -61,7 +59,7 @@ def tiny_weights(cfg: dict, seed: int = 0, sharpen: float = 1.0):
 
 def make_tiny_checkpoint(
     directory: str, seed: int = 0, sharpen: float = 1.0, family: str = "qwen2", hidden_size: int = 32
-) -> Tuple[dict, object]:
+) -> tuple[dict, object]:
     """Write a tiny HF checkpoint (config, safetensors, tokenizer) to ``directory``; returns (config, tokenizer)."""
     from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
 
@@ -83,11 +81,15 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--out", required=True)
     ap.add_argument("--family", default="qwen2", choices=("qwen2", "llama"))
-    ap.add_argument("--hidden-size", type=int, default=256, help="256 gives head_dim 64, which GPU attention kernels support")
+    ap.add_argument(
+        "--hidden-size", type=int, default=256, help="256 gives head_dim 64, which GPU attention kernels support"
+    )
     ap.add_argument("--sharpen", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    make_tiny_checkpoint(args.out, seed=args.seed, sharpen=args.sharpen, family=args.family, hidden_size=args.hidden_size)
+    make_tiny_checkpoint(
+        args.out, seed=args.seed, sharpen=args.sharpen, family=args.family, hidden_size=args.hidden_size
+    )
     print(args.out)
 
 

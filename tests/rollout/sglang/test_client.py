@@ -63,7 +63,11 @@ def test_logprobs_are_parsed_from_output_token_logprobs(server, tiny_ckpt):
 
 
 def test_logprob_rows_must_name_the_output_tokens():
-    out = {"output_ids": [5, 6], "text": "ab", "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 7, None]]}}
+    out = {
+        "output_ids": [5, 6],
+        "text": "ab",
+        "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 7, None]]},
+    }
     with pytest.raises(RolloutError, match="prompt 3: output_token_logprobs tokens differ from output_ids"):
         parse_output(out, prompt_index=3, return_logprob=True)
 
@@ -93,7 +97,13 @@ def test_unknown_sampling_param_is_a_clear_400(server, tiny_ckpt):
 def test_error_message_reads_all_three_sglang_shapes():
     assert error_message(b'{"error": "Unknown sampling parameter: x"}') == "Unknown sampling parameter: x"
     assert error_message({"error": {"message": "temperature must be >= 0"}}) == "temperature must be >= 0"
-    openai = {"object": "error", "message": "input_ids: field required", "type": "BadRequestError", "param": None, "code": 400}
+    openai = {
+        "object": "error",
+        "message": "input_ids: field required",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
     assert error_message(openai) == "input_ids: field required"
     assert error_message(b"Internal Server Error") == "Internal Server Error"
 
@@ -142,7 +152,9 @@ def test_a_dead_server_is_a_clear_error_not_a_hang(server, tiny_ckpt):
     engine = make_engine(server)
     server.crash()
     start = time.monotonic()
-    with pytest.raises(EngineUnavailableError, match=r"SGLang server http://127\.0\.0\.1:\d+ failed /generate: 4 attempt"):
+    with pytest.raises(
+        EngineUnavailableError, match=r"SGLang server http://127\.0\.0\.1:\d+ failed /generate: 4 attempt"
+    ):
         engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))
     assert time.monotonic() - start < 10
 
@@ -163,7 +175,6 @@ def test_weight_update_from_disk(server, tiny_ckpt, tmp_path):
 
 def test_weight_update_by_tensor(server, tiny_ckpt):
     import torch
-
 
     _, cfg, tok = tiny_ckpt
     # Tensors travel as handles: CUDA IPC to a real (colocated) server, shared memory to the double.
@@ -199,7 +210,9 @@ def test_weight_update_by_tensor_matches_local_engine(server, tiny_ckpt):
 def test_tensor_update_outside_a_session_is_refused(server):
     client = SGLangClient(server.url, retry=FAST_RETRY)
     with pytest.raises(SGLangHTTPError, match="HTTP 400.*weight update session"):
-        client.post("/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": None}, retry=False)
+        client.post(
+            "/update_weights_from_tensor", {"serialized_named_tensors": ["x"], "load_format": None}, retry=False
+        )
 
 
 @pytest.mark.double_only
@@ -230,7 +243,9 @@ def test_distributed_weight_update_over_gloo(server, tiny_ckpt):
     engine.shutdown()
 
 
-@pytest.mark.skipif(os.environ.get("ARMOR_SGLANG_NO_MEMORY_SAVER") == "1", reason="server runs without --enable-memory-saver")
+@pytest.mark.skipif(
+    os.environ.get("ARMOR_SGLANG_NO_MEMORY_SAVER") == "1", reason="server runs without --enable-memory-saver"
+)
 def test_release_and_resume_memory(server, tiny_ckpt):
     _, cfg, tok = tiny_ckpt
     engine, prompt = make_engine(server), [encode(tok, "1")]
@@ -275,10 +290,13 @@ def test_two_engines_share_generation_and_all_get_the_weights(tiny_ckpt):
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 
     path, cfg, tok = tiny_ckpt
-    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as a, SGLangTestServer(
-        LocalEngine.from_pretrained(path, weight_version="default"), model_path=path
-    ) as b:
-        engine = SGLangEngine([a.url, b.url], retry=FAST_RETRY, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=32 << 10))
+    with (
+        SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as a,
+        SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path) as b,
+    ):
+        engine = SGLangEngine(
+            [a.url, b.url], retry=FAST_RETRY, weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=32 << 10)
+        )
         engine.generate([encode(tok, str(i)) for i in range(6)], 2, SamplingParams(max_new_tokens=2))
         assert a.requests["/generate"] == b.requests["/generate"] == 3  # round-robin
         engine.update_weights(tiny_weights(cfg, seed=21), version="step-5")
@@ -294,9 +312,10 @@ def test_generation_goes_through_the_router_when_there_is_one(tiny_ckpt):
 
     path, _, tok = tiny_ckpt
     # Stand-in: a second double plays the router's part (sglang-router forwards /generate to workers).
-    with SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default")) as worker, SGLangTestServer(
-        LocalEngine.from_pretrained(path, weight_version="default")
-    ) as router:
+    with (
+        SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default")) as worker,
+        SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default")) as router,
+    ):
         engine = SGLangEngine([worker.url], router_url=router.url, retry=FAST_RETRY)
         engine.generate([encode(tok, str(i)) for i in range(3)], 1, SamplingParams(max_new_tokens=1))
         assert router.requests["/generate"] == 3 and "/generate" not in worker.requests

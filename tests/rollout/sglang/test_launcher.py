@@ -20,7 +20,9 @@ TEST_SERVER = "armor_megatron.rollout.testing.sglang_test_server"
 
 
 def test_commands_follow_sglang_flags():
-    cfg = LauncherConfig(model_path="/m", num_engines=2, tp_size=4, base_port=30000, api_key="k", colocated=True, use_router=True)
+    cfg = LauncherConfig(
+        model_path="/m", num_engines=2, tp_size=4, base_port=30000, api_key="k", colocated=True, use_router=True
+    )
     launcher = SGLangLauncher(cfg)
     cmd = launcher.server_command(1, 30001)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
@@ -37,7 +39,14 @@ def test_commands_follow_sglang_flags():
 @pytest.mark.timeout(180)
 def test_two_engines_round_robin_with_api_key_then_clean_stop(tiny_ckpt, tmp_path):
     path, _, tok = tiny_ckpt
-    cfg = LauncherConfig(model_path=path, num_engines=2, api_key="secret", server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=120)
+    cfg = LauncherConfig(
+        model_path=path,
+        num_engines=2,
+        api_key="secret",
+        server_module=TEST_SERVER,
+        log_dir=str(tmp_path),
+        startup_timeout=120,
+    )
     launcher = SGLangLauncher(cfg)
     engine = SGLangEngine.launch(launcher, retry=FAST_RETRY)
     try:
@@ -54,7 +63,9 @@ def test_two_engines_round_robin_with_api_key_then_clean_stop(tiny_ckpt, tmp_pat
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_server_that_dies_at_startup_is_a_clear_error(tmp_path):
-    cfg = LauncherConfig(model_path=str(tmp_path / "missing"), server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=100)
+    cfg = LauncherConfig(
+        model_path=str(tmp_path / "missing"), server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=100
+    )
     with pytest.raises(EngineUnavailableError, match="exited with code 1; log tail"):
         SGLangLauncher(cfg).start()
 
