@@ -21,8 +21,8 @@ armor_example() {
 
   if [[ ${DRY_RUN:-0} == 1 ]]; then
     if [[ -d $MCORE_DIR ]]; then echo "# $MCORE_DIR exists: conversion skipped"; else printf '%q ' "${convert[@]}"; echo; fi
-    "$PY" -m armor_megatron.launch.slurm submit --dry-run --config "$CONFIG" "${overrides[@]}"
-    "$PY" -m armor_megatron.launch.slurm plan --dry-run --config "$CONFIG" "${overrides[@]}"
+    "$PY" -m armor_megatron.cli.slurm submit --dry-run --config "$CONFIG" "${overrides[@]}"
+    "$PY" -m armor_megatron.cli.slurm plan --dry-run --config "$CONFIG" "${overrides[@]}"
     return
   fi
   "$PY" -m armor_megatron.cli.train --check --config "$CONFIG" "${overrides[@]}" >/dev/null
@@ -30,5 +30,5 @@ armor_example() {
     echo "converting $HF_DIR -> $MCORE_DIR" >&2
     "${convert[@]}"
   fi
-  "$PY" -m armor_megatron.launch.slurm submit --config "$CONFIG" "${overrides[@]}"
+  "$PY" -m armor_megatron.cli.slurm submit --config "$CONFIG" "${overrides[@]}"
 }

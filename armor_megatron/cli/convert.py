@@ -103,7 +103,7 @@ def _run(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     import contextlib
 
-    from armor_megatron.convert.verify import single_process_megatron, verify
+    from armor_megatron.megatron.verify import single_process_megatron, verify
 
     with contextlib.nullcontext() if args.no_logits else single_process_megatron():
         report = verify(args.hf_dir, args.mcore_dir, logits=not args.no_logits, atol=args.atol)

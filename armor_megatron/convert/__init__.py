@@ -10,7 +10,8 @@ Rules (``rules``, ``tp``) are pure torch and serve weight sync as well as the co
 * ``tp_split`` / ``tp_gather``: Megatron's tensor-parallel layouts of one global tensor.
 
 Checkpoints: ``convert_hf_to_mcore`` and ``convert_mcore_to_hf`` stream between HF safetensors
-and torch_dist on CPU without importing megatron-core (``verify`` builds the Megatron model).
+and torch_dist on CPU without importing megatron-core (``verify`` checks the round trip; `armor_megatron.megatron.verify`
+adds the Megatron logits).
 """
 
 from armor_megatron.convert.errors import CheckpointError

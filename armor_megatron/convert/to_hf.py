@@ -15,7 +15,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import TextIO
 
-from armor_megatron.convert import torch_dist
+import armor_megatron.convert.torch_dist as torch_dist
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir

@@ -16,7 +16,7 @@ from typing import TextIO
 
 import torch
 
-from armor_megatron.convert import torch_dist
+import armor_megatron.convert.torch_dist as torch_dist
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata

@@ -32,8 +32,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from armor_megatron.config.schema import RunConfig
 from armor_megatron.launch.slurm_env import SlurmEnv
+from armor_megatron.config.schema import RunConfig
 
 Launcher = Literal["srun", "torchrun"]
 LAUNCHERS = ("srun", "torchrun")
@@ -201,7 +201,7 @@ def _check_allocation(cfg: RunConfig, slurm: SlurmEnv) -> None:
     if len(slurm.nodes) != launch.nodes:
         raise LaunchPlanError(
             f"launch.nodes={launch.nodes} but the allocation holds {len(slurm.nodes)} node(s) ({' '.join(slurm.nodes)}); "
-            "submit with `python -m armor_megatron.launch.slurm submit` so sbatch asks for the config's resources"
+            "submit with `python -m armor_megatron.cli.slurm submit` so sbatch asks for the config's resources"
         )
     if len(set(slurm.nodes)) != len(slurm.nodes):
         raise LaunchPlanError(f"the node list repeats a host: {' '.join(slurm.nodes)}")

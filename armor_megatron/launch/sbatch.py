@@ -12,12 +12,8 @@ the template forwards it to the trainer, which checkpoints and exits with
 from __future__ import annotations
 
 import os
-import shlex
-import shutil
-import subprocess
 from collections.abc import Sequence
 
-from armor_megatron.cli.common import EXIT_OK, fail
 from armor_megatron.config.schema import RunConfig
 
 TEMPLATE = os.path.join("tools", "slurm", "armor.sbatch")
@@ -60,17 +56,3 @@ def sbatch_command(
     if launcher != "srun":
         cmd.append(f"--launcher={launcher}")
     return cmd + list(template_args)
-
-
-def run_or_print(prog: str, cmd: list[str], *, dry_run: bool, make_dirs: Sequence[str] = ()) -> int:
-    """Print ``cmd`` (dry run) or create ``make_dirs`` and run it; a missing sbatch is one clear line."""
-    if dry_run:
-        print(shlex.join(cmd))
-        return EXIT_OK
-    if shutil.which(cmd[0]) is None:
-        return fail(
-            prog, f"{cmd[0]} not found on PATH: run this on a SLURM login node, or add --dry-run to print the command"
-        )
-    for d in make_dirs:
-        os.makedirs(d, exist_ok=True)  # SLURM does not create the directory of --output
-    return subprocess.call(cmd)

@@ -26,20 +26,17 @@ import os
 import re
 import shlex
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import yaml
 
-from armor_megatron.cli.common import OneLineArgumentParser, fail
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
 from armor_megatron.config.load import parse_override
-from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
-from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, run_or_print, sbatch_command
+from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
-PROG = "armor-sweep"
 ALIASES = {"alpha": "algorithm.alpha", "tau": "reference.tau", "G": "rollout.group_size", "seed": "train.seed"}
 _RESERVED = ("name", "checkpoint.dir", "logging.dir")
 
@@ -79,7 +76,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
             raise SweepError(f"--grid {item!r}: give values as key=v1,v2,...")
         value = parse_override(f"{key}={raw}")[1]
         values = value if isinstance(value, list) else [parse_override(f"{key}={v}")[1] for v in raw.split(",")]
-        _add(grid, key.strip(), values)
+        add_grid_key(grid, key.strip(), values)
     return grid
 
 
@@ -93,7 +90,7 @@ def read_grid_file(path: str) -> dict[str, list]:
         raise SweepError(f"--grid-file {path}: must be a mapping of config key -> list of values")
     grid: dict[str, list] = {}
     for key, values in data.items():
-        _add(grid, str(key), values if isinstance(values, list) else [values])
+        add_grid_key(grid, str(key), values if isinstance(values, list) else [values])
     return grid
 
 
@@ -136,15 +133,15 @@ def plan_sweep(
         try:
             cfg = load_config(config_path, overrides)
         except ConfigError as err:
-            raise SweepError(f"run {index} ({_describe(values)}): {err}") from None
+            raise SweepError(f"run {index} ({describe_values(values)}): {err}") from None
         if to_dict(cfg.launch) != to_dict(base.launch):
             raise SweepError(
-                f"run {index} ({_describe(values)}) changes the launch section: one job array needs one resource request"
+                f"run {index} ({describe_values(values)}) changes the launch section: one job array needs one resource request"
             )
         try:  # the same layout checks the batch script will run, on placeholder hosts
             plan_job(cfg, preview_allocation(cfg), train_args=[], options=options)
         except LaunchPlanError as err:
-            raise SweepError(f"run {index} ({_describe(values)}): {err}") from None
+            raise SweepError(f"run {index} ({describe_values(values)}): {err}") from None
         runs.append(SweepRun(index, name, dict(values), overrides, cfg))
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
@@ -206,59 +203,7 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
         raise
 
 
-def build_parser() -> OneLineArgumentParser:
-    parser = OneLineArgumentParser(prog=PROG, description="Expand a config grid into a SLURM job array.")
-    parser.add_argument("--config", required=True, help="base YAML run config")
-    parser.add_argument("--out", required=True, help="sweep directory (configs/, manifest.json)")
-    parser.add_argument(
-        "--grid",
-        action="append",
-        default=[],
-        metavar="KEY=V1,V2",
-        help="repeatable; alpha, tau, G, seed or a dotted key",
-    )
-    parser.add_argument("--grid-file", help="YAML mapping key -> list of values")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="fixed overrides for every run")
-    parser.add_argument("--max-parallel", type=int, default=None, help="array tasks running at once (--array=0-N%%M)")
-    parser.add_argument("--launcher", choices=LAUNCHERS, default="srun")
-    parser.add_argument("--template", default=TEMPLATE)
-    parser.add_argument("--log-dir", default=DEFAULT_LOG_DIR)
-    parser.add_argument("--signal-grace", type=int, default=120)
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
-    mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--dry-run", action="store_true", help="print the runs and the sbatch command, write nothing")
-    mode.add_argument("--submit", action="store_true", help="write, then run the sbatch command")
-    return parser
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        grid = read_grid_file(args.grid_file) if args.grid_file else {}
-        for key, values in parse_grid(args.grid).items():
-            _add(grid, key, values)
-        sweep = plan_sweep(
-            args.config,
-            grid,
-            args.out,
-            fixed_overrides=args.overrides,
-            max_parallel=args.max_parallel,
-            launcher=args.launcher,
-            template=args.template,
-            log_dir=args.log_dir,
-            signal_grace_s=args.signal_grace,
-        )
-        for run in sweep.runs:
-            print(f"{run.index}\t{run.name}\t{_describe(run.values)}")
-        if not args.dry_run:
-            write_sweep(sweep, overwrite=args.overwrite)
-            print(f"# wrote {len(sweep.runs)} configs and {os.path.join(sweep.out_dir, 'manifest.json')}")
-    except (SweepError, ConfigError, LaunchPlanError) as err:
-        return fail(PROG, str(err))
-    return run_or_print(PROG, list(sweep.sbatch), dry_run=not args.submit, make_dirs=[args.log_dir])
-
-
-def _add(grid: dict[str, list], key: str, values: list) -> None:
+def add_grid_key(grid: dict[str, list], key: str, values: list) -> None:
     key = ALIASES.get(key, key)
     if key in _RESERVED:
         raise SweepError(f"grid key {key!r} is set per run by the sweep itself")
@@ -285,9 +230,5 @@ def _format(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9._+-]+", "_", text).strip("_") or "_"
 
 
-def _describe(values: Mapping[str, Any]) -> str:
+def describe_values(values: Mapping[str, Any]) -> str:
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,9 +15,8 @@ weights, so a seed gives the same initial weights whatever ran before)::
     actor.guard                             # StabilityGuard (skip rule and counters)
     actor.sharded_state_dict() / actor.load_sharded_state_dict(...)   # used by `checkpoint`
 
-`TrainedModel`, the base class, holds what the actor shares with the critic (critic.py):
-model chunks, DDP, optimizer, LR schedule, guard, data-parallel micro-batching, the pipeline
-forward/backward, the guarded optimizer step and the checkpoint hooks.
+The base class `trained_model.TrainedModel` (shared with the critic) holds the model chunks,
+DDP, optimizer, LR schedule, guard, micro-batching and the guarded optimizer step.
 
 ``train_step(batch)``: the batch is identical on every rank; rows are split over data-parallel
 ranks (contiguous shares whose sizes differ by at most one), each share over micro-batches
@@ -53,228 +52,16 @@ identical (lr: the rate of this step's update)::
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 
 import torch
-import torch.distributed as dist
 
 from armor_megatron.algo.loss import PolicyLossConfig, loss_normalizer, policy_loss
-from armor_megatron.algo.metrics import reduce_loss_metrics
 from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron import optimizer as optim
-from armor_megatron.megatron.checkpoint import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.dist import ParallelConfig
-from armor_megatron.megatron.logprobs import (
-    LogProbs,
-    MicroBatch,
-    compute_logprobs,
-    data_parallel_shares,
-    model_forward,
-    padded_rows,
-    round_up,
-    sequence_multiple,
-    split_microbatches,
-    token_logprobs,
-)
-from armor_megatron.megatron.model import build_model_chunks, transformer_config_from_arch
-from armor_megatron.megatron.stability import StabilityGuard
+from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
+from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
-
-logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainMicroBatch:
-    """One micro-batch and the per-row loss inputs of its rows, trimmed to its length s:
-    ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones."""
-
-    mb: MicroBatch
-    rows: dict
-
-
-class TrainedModel:
-    """What the actor and the critic share: this rank's model chunks wrapped in Megatron DDP, the
-    optimizer, LR schedule and stability guard; data-parallel rows cut into micro-batches, the
-    forward/backward through megatron's pipeline schedule, the guarded optimizer step, and the
-    checkpoint hooks. Subclasses add their loss (``train_step``) and may adapt the built chunks
-    (``_build_chunks``) before DDP wraps them."""
-
-    def __init__(
-        self,
-        arch: ModelArch,
-        parallel: ParallelConfig,
-        *,
-        dtype,
-        optimizer: OptimizerConfig,
-        micro_batch_size: int,
-        total_steps: int,
-        seed: int = 1234,
-    ):
-        from megatron.core import tensor_parallel
-
-        check_layout(parallel)
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.arch, self.parallel, self.micro_batch_size = arch, parallel, micro_batch_size
-        torch.manual_seed(seed)
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-        # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
-        config = transformer_config_from_arch(arch, parallel, dtype=dtype, calculate_per_token_loss=True)
-        self.model_chunks = self._build_chunks(config, dtype, seed)
-        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
-        no_sync = [c.no_sync for c in self.ddp_chunks]
-        config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        config.finalize_model_grads_func = _finalize_grads_without_token_scaling
-        self.optimizer, self.scheduler = optim.build_optimizer(
-            self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps
-        )
-        self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
-
-    def _build_chunks(self, config, dtype, seed: int) -> list:
-        return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config)
-
-    @property
-    def _interleaved(self) -> bool:
-        return len(self.ddp_chunks) > 1
-
-    # ------------------------------------------------------------------ weights
-    def load_weights(self, mcore_dir: str) -> None:
-        """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
-        no prefix: the converter's output or one of our checkpoints), resharding as needed."""
-        load_model_weights(self.model_chunks, mcore_dir)
-        self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
-
-    # ------------------------------------------------------------------ training
-    def _train_on(self, batch: dict, loss_of: Callable) -> dict[str, float]:
-        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU
-        tensors). ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with
-        ``num_tokens``) of one micro-batch from the last stage's output; the metrics of all
-        micro-batches and data-parallel ranks are combined by ``reduce_loss_metrics``."""
-        calls, losses = [], []
-
-        def loss_func(tmb: TrainMicroBatch, output: torch.Tensor):
-            loss, metrics = loss_of(tmb, output)
-            calls.append(metrics)
-            losses.append(loss.detach())
-            return loss, metrics["num_tokens"].to(torch.int), {}
-
-        def forward_step(data_iterator, model):
-            tmb = next(data_iterator)
-            return model_forward(model, tmb.mb), functools.partial(loss_func, tmb)
-
-        self._forward_backward(self._local_microbatches(batch), forward_step)
-        metrics = _step_metrics(calls, losses)
-        norm = optim.grad_norm(self.optimizer)
-        lr = optim.current_lr(self.optimizer)
-        skip_reason = self.guard.check(metrics["loss"], norm)
-        if skip_reason is None:
-            optim.apply_update(self.optimizer, self.scheduler, norm)
-        elif dist.get_rank() == 0:
-            logger.warning("optimizer step skipped (%d so far): %s", self.guard.skipped_total, skip_reason)
-        metrics.update(
-            grad_norm=norm, lr=lr, skipped=float(skip_reason is not None), skipped_total=float(self.guard.skipped_total)
-        )
-        return metrics
-
-    def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
-        """Zero the grads, then forward and backward of every micro-batch through megatron's
-        pipeline schedule; the grads end summed over micro-batches and data-parallel ranks."""
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        for chunk in self.ddp_chunks:
-            chunk.train()
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        many = self._interleaved
-        config = self.model_chunks[0].config
-        variable = config.variable_seq_lengths
-        config.variable_seq_lengths = variable and not many  # the interleaved schedule gets fixed shapes
-        try:
-            get_forward_backward_func()(
-                forward_step_func=forward_step,
-                data_iterator=[iter(microbatches) for _ in self.ddp_chunks] if many else iter(microbatches),
-                model=self.ddp_chunks if many else self.ddp_chunks[0],
-                num_microbatches=len(microbatches),
-                seq_length=max(t.mb.tokens.shape[1] for t in microbatches),
-                micro_batch_size=self.micro_batch_size,
-                forward_only=False,
-            )
-        finally:
-            config.variable_seq_lengths = variable
-
-    def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
-        """This data-parallel rank's rows cut into micro-batches.
-
-        Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
-        data-parallel rank the same number of rows, ceil(n / dp) -- hence the same number of
-        micro-batches, which the expert all-to-alls of an MoE model (one per micro-batch,
-        across these ranks) require -- and keep a rank without rows in the gradient all-reduce.
-        For the interleaved (VPP) schedule, which exchanges fixed [L, micro_batch_size, h]
-        activations, they also fill every micro-batch to micro_batch_size rows of length L and
-        their number to a multiple of pp.
-        """
-        from megatron.core import parallel_state
-
-        shares, per_rank = data_parallel_shares(batch["input_ids"].shape[0])
-        rows = shares[parallel_state.get_data_parallel_rank()]
-        if self._interleaved:
-            unit = self.micro_batch_size * parallel_state.get_pipeline_model_parallel_world_size()
-            target = round_up(per_rank, unit)
-        else:
-            target = per_rank
-        multiple = sequence_multiple(self.model_chunks)
-        local = padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, target - len(rows))
-        local = _padded_columns(local, round_up(batch["input_ids"].shape[1], multiple))
-        out = []
-        for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size, multiple_of=multiple):
-            i = mb.index
-            s = local["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
-            tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
-            per_row = {
-                k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")
-            }
-            out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=per_row))
-        return out
-
-    # ------------------------------------------------------------------ checkpoint hooks
-    checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
-
-    def model_sharded_state_dict(self) -> dict:
-        return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
-
-    def sharded_state_dict(self) -> dict:
-        """Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
-        and guard, for dist_checkpointing.save."""
-        model = self.model_sharded_state_dict()
-        state = {"model": model, "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict()}
-        if self.has_optimizer_state:  # before the first update Adam has no moments to save
-            state["optimizer"] = self.optimizer.sharded_state_dict(model)
-        return state
-
-    @property
-    def has_optimizer_state(self) -> bool:
-        return len(self.optimizer.state) > 0
-
-    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
-        """The sharded tensors dist_checkpointing.load should fill: model, and optimizer if asked."""
-        state = {"model": self.model_sharded_state_dict()}
-        if load_optimizer:
-            state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=True)
-        return state
-
-    def load_sharded_state_dict(self, loaded: dict) -> None:
-        """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
-        (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh)."""
-        load_chunks_state(self.model_chunks, loaded["model"], self.checkpoint_prefix)
-        if "optimizer" in loaded:
-            self.optimizer.load_state_dict(loaded["optimizer"])
-        else:
-            self.optimizer.reload_model_params()
-        self.scheduler.load_state_dict(loaded["scheduler"])
-        self.guard.load_state_dict(loaded["guard"])
 
 
 class MegatronActor(TrainedModel):
@@ -341,41 +128,6 @@ class MegatronActor(TrainedModel):
 
 
 # ----------------------------------------------------------------------------- helpers
-def check_layout(parallel: ParallelConfig) -> None:
-    """Raise when megatron's current model-parallel groups are not the layout `parallel` names."""
-    from megatron.core import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized():
-        raise RuntimeError("megatron model parallelism is not initialised: call dist.initialize(parallel, arch) first")
-    current = (
-        ps.get_tensor_model_parallel_world_size(),
-        ps.get_pipeline_model_parallel_world_size(),
-        ps.get_expert_model_parallel_world_size(),
-        ps.get_virtual_pipeline_model_parallel_world_size(),
-    )
-    wanted = (parallel.tp, parallel.pp, parallel.ep, parallel.vpp)
-    if current != wanted:
-        raise ValueError(f"parallel layout (tp, pp, ep, vpp)={wanted} differs from the initialised one {current}")
-
-
-def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
-    """megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
-    its 1/num_tokens scaling: our losses are already divided by the global normalizer."""
-    from megatron.core.distributed import finalize_model_grads
-
-    finalize_model_grads(model, None, **kwargs)
-
-
-def _padded_columns(rows: dict, width: int) -> dict:
-    """Per-token tensors ([B, T, ...]) zero-padded to ``width`` positions; [B] ones untouched."""
-    return {
-        k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
-        if t.dim() >= 2 and t.shape[1] < width
-        else t
-        for k, t in rows.items()
-    }
-
-
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
     """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
     out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs"))
@@ -385,50 +137,3 @@ def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> 
     if out["advantages"].shape not in (ids.shape[:1], ids.shape):
         raise ValueError(f"advantages has shape {tuple(out['advantages'].shape)}, expected [N] or [N, L]")
     return {k: v for k, v in out.items() if v is not None}
-
-
-def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:
-    """Check a train batch: input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking
-    only positions 1 <= t < lengths, the `required` keys present, `token_keys` (when given) [N, L].
-    Returns detached CPU tensors; raises one line naming the first problem."""
-    missing = [k for k in ("input_ids", "lengths", "response_mask", *required) if k not in batch]
-    if missing:
-        raise KeyError(f"train batch lacks {', '.join(missing)}")
-    out = {k: (v.detach().cpu() if torch.is_tensor(v) else v) for k, v in batch.items()}
-    ids, lengths = out["input_ids"], out["lengths"]
-    if ids.dim() != 2 or ids.shape[0] == 0 or lengths.shape != ids.shape[:1]:
-        raise ValueError(
-            f"input_ids must be [N, L] with N >= 1 and lengths [N]; got {tuple(ids.shape)}, {tuple(lengths.shape)}"
-        )
-    for key in ("response_mask", *token_keys):
-        if out.get(key) is not None and out[key].shape != ids.shape:
-            raise ValueError(f"{key} has shape {tuple(out[key].shape)}, expected {tuple(ids.shape)} like input_ids")
-    mask = out["response_mask"].bool()
-    t = torch.arange(ids.shape[1])[None, :]
-    if (mask & ((t < 1) | (t >= lengths[:, None]))).any():
-        raise ValueError("response_mask marks positions outside 1 <= t < lengths (t is predicted from tokens < t)")
-    out["response_mask"] = mask
-    return out
-
-
-def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
-    """Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
-    the result to every rank of the pipeline (object collectives: a few floats per step)."""
-    from megatron.core import parallel_state
-
-    result = [None]
-    if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-        local = reduce_loss_metrics(calls)
-        local["loss"] = float(sum(losses))
-        gathered = [None] * parallel_state.get_data_parallel_world_size()
-        dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
-        combined = reduce_loss_metrics(gathered)
-        combined["loss"] = sum(g["loss"] for g in gathered)
-        result = [combined]
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        dist.broadcast_object_list(
-            result,
-            src=parallel_state.get_pipeline_model_parallel_last_rank(),
-            group=parallel_state.get_pipeline_model_parallel_group(),
-        )
-    return result[0]

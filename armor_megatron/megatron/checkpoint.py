@@ -6,7 +6,6 @@ Public interface (every rank calls every function)::
     path = find_latest(root)                                      # the dir `latest` names, or None
     step, extra = load_checkpoint(path_or_root, actor, reference, load_optimizer=True, critic=None)
     removed = prune_checkpoints(root, keep_last)
-    load_model_weights(model_chunks, mcore_dir, exclude=())       # model tensors only, any layout
 
 Layout of ``{root}``::
 
@@ -39,17 +38,37 @@ import os
 import random
 import shutil
 import uuid
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from armor_megatron.megatron.actor import MegatronActor
-    from armor_megatron.megatron.critic import MegatronCritic
-    from armor_megatron.megatron.reference import ReferenceModel
+from armor_megatron.megatron.model_state import (  # find_latest: part of this module's interface
+    LATEST,
+    find_latest,  # noqa: F401
+    latest_name,
+    resolve_checkpoint_dir,
+)
 
-LATEST = "latest"
+
+class ModelState(Protocol):
+    """What a checkpoint needs of a model without an optimizer (the reference)."""
+
+    def sharded_state_dict(self) -> dict: ...
+
+    def load_sharded_state_dict(self, loaded: dict) -> None: ...
+
+
+class TrainableState(ModelState, Protocol):
+    """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`):
+    ``sharded_state_dict`` holds the optimizer only once it has state."""
+
+    @property
+    def has_optimizer_state(self) -> bool: ...
+
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict: ...
+
+
 EXTRA_FILE = "trainer_state.pt"
 
 
@@ -57,47 +76,15 @@ def checkpoint_name(step: int) -> str:
     return f"iter_{step:07d}"
 
 
-# ----------------------------------------------------------------------------- model tensors
-def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
-    """{"chunk<i>": sharded state dict} of model chunks; tensor keys are global (chunk-independent)."""
-    return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
-
-
-def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
-    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
-    module keys starting with one of `exclude` may be absent (they keep their values)."""
-    for i, c in enumerate(chunks):
-        state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
-        result = c.load_state_dict(state, strict=not exclude)
-        missing = [k for k in result.missing_keys if not k.startswith(exclude)] if exclude else []
-        if missing or (exclude and result.unexpected_keys):
-            raise RuntimeError(
-                f"checkpoint does not match the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
-            )
-
-
-def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
-    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
-    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
-    from megatron.core import dist_checkpointing
-
-    path = _resolve(mcore_dir)
-    state = {
-        name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
-        for name, sd in chunks_sharded_state_dict(chunks).items()
-    }
-    load_chunks_state(chunks, dist_checkpointing.load(state, path), exclude=exclude)
-
-
 # ----------------------------------------------------------------------------- save
 def save_checkpoint(
     root: str,
     step: int,
-    actor: MegatronActor,
-    reference: ReferenceModel | None,
+    actor: TrainableState,
+    reference: ModelState | None,
     extra: dict,
     *,
-    critic: MegatronCritic | None = None,
+    critic: TrainableState | None = None,
 ) -> str:
     """Write a checkpoint of step `step` atomically (see module docstring); returns its path."""
     from megatron.core import dist_checkpointing
@@ -134,7 +121,7 @@ def _agreed_tmp_name(root: str, name: str) -> str:
     message = [None]
     if dist.get_rank() == 0:
         try:
-            if _latest_name(root) == name:
+            if latest_name(root) == name:
                 raise FileExistsError(
                     f"{os.path.join(root, name)} is the checkpoint `latest` names; refusing to overwrite it"
                 )
@@ -176,31 +163,12 @@ def _fsync_dir(path: str) -> None:
 
 
 # ----------------------------------------------------------------------------- find / prune
-def _latest_name(root: str) -> str | None:
-    try:
-        with open(os.path.join(root, LATEST)) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
-def find_latest(root: str) -> str | None:
-    """Path of the checkpoint ``{root}/latest`` names; None when there is no ``latest`` yet."""
-    name = _latest_name(root)
-    if name is None:
-        return None
-    path = os.path.join(root, name)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"{os.path.join(root, LATEST)} names {name!r}, which is not a directory")
-    return path
-
-
 def adopt_as_latest(root: str, path: str) -> None:
     """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
     run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
     ``--resume auto`` after a crash comes back to this timeline). Every rank calls it."""
     root, path = os.path.abspath(root), os.path.abspath(path)
-    if os.path.dirname(path) == root and _latest_name(root) != os.path.basename(path):
+    if os.path.dirname(path) == root and latest_name(root) != os.path.basename(path):
         if not dist.is_initialized() or dist.get_rank() == 0:
             _write_latest(root, os.path.basename(path))
     if dist.is_initialized():
@@ -216,7 +184,7 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
-    latest = _latest_name(root)
+    latest = latest_name(root)
     complete = sorted(n for n in os.listdir(root) if n.startswith("iter_") and ".tmp-" not in n)
     doomed = [n for n in complete[:-keep_last] if n != latest]
     doomed += [n for n in os.listdir(root) if ".tmp-" in n]
@@ -231,17 +199,17 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
 # ----------------------------------------------------------------------------- load
 def load_checkpoint(
     path_or_root: str,
-    actor: MegatronActor,
-    reference: ReferenceModel | None,
+    actor: TrainableState,
+    reference: ModelState | None,
     *,
     load_optimizer: bool = True,
-    critic: MegatronCritic | None = None,
+    critic: TrainableState | None = None,
 ) -> tuple[int, dict]:
     """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
     ``latest`` names in a root. Returns (step, extra)."""
     from megatron.core import dist_checkpointing
 
-    path = _resolve(path_or_root)
+    path = resolve_checkpoint_dir(path_or_root)
     common = dist_checkpointing.load_common_state_dict(path)
     if reference is not None and not common["has_reference"]:
         raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
@@ -272,15 +240,6 @@ def load_checkpoint(
         _set_rng_state(loaded["rng"])
     extra = torch.load(os.path.join(path, EXTRA_FILE), weights_only=False)
     return int(common["step"]), extra
-
-
-def _resolve(path_or_root: str) -> str:
-    """A checkpoint directory as given, or the one a root's ``latest`` names."""
-    if os.path.isfile(os.path.join(path_or_root, LATEST)):
-        return find_latest(path_or_root)
-    if os.path.isfile(os.path.join(path_or_root, "metadata.json")):
-        return path_or_root
-    raise FileNotFoundError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")
 
 
 # ----------------------------------------------------------------------------- layout, RNG

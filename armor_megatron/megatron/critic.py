@@ -28,7 +28,7 @@ that emits token t (tokens < t), for 1 <= t < lengths[n], 0 elsewhere; GAE reads
 response positions (``response_mask``).
 
 ``train_step(batch)``, keys (N rows, L positions; same splitting over data-parallel ranks,
-micro-batches and pipeline stages as the actor, `actor.TrainedModel`)::
+micro-batches and pipeline stages as the actor, `trained_model.TrainedModel`)::
 
     input_ids [N, L], lengths [N], response_mask [N, L]   as for the actor
     old_values [N, L] fp32   V_old, the values GAE used (``compute_values`` before the update)
@@ -51,11 +51,12 @@ import torch.nn.functional as F
 from armor_megatron.algo.loss import loss_normalizer
 from armor_megatron.algo.value_loss import ValueLossConfig, explained_variance_from_moments, value_loss
 from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron.actor import TrainedModel, TrainMicroBatch, checked_rows
-from armor_megatron.megatron.checkpoint import load_model_weights
 from armor_megatron.megatron.dist import ParallelConfig
-from armor_megatron.megatron.logprobs import MicroBatch, forward_only, shift_to_predicted
+from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
+from armor_megatron.megatron.microbatch import MicroBatch
 from armor_megatron.megatron.model import build_model_chunks, resolve_dtype
+from armor_megatron.megatron.model_state import load_model_weights
+from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
 
 VALUE_HEAD = "output_layer."  # the head's key prefix in the model's state dict

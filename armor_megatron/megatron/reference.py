@@ -23,11 +23,11 @@ import contextlib
 
 import torch
 
-from armor_megatron.megatron.actor import MegatronActor, check_layout
-from armor_megatron.megatron.checkpoint import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
 from armor_megatron.megatron.model import build_model_chunks
+from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
+from armor_megatron.megatron.trained_model import TrainedModel, check_layout
 from armor_megatron.models.arch import ModelArch
 
 CHECKPOINT_PREFIX = "reference."
@@ -70,7 +70,7 @@ class ReferenceModel:
             )
 
     @torch.no_grad()
-    def reset_from(self, actor: MegatronActor) -> None:
+    def reset_from(self, actor: TrainedModel) -> None:
         """Copy the actor's current model weights into the reference (same arch and layout)."""
         dtype = lambda chunks: next(chunks[0].parameters()).dtype  # noqa: E731
         if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (

@@ -72,9 +72,10 @@ def check_case(args, hf_dir: str, mcore_dir: str, expected_path: str) -> str:
 
     from armor_megatron.convert import hf_to_mcore, resolve_param, tp_split
     from armor_megatron.convert.hf_io import HFCheckpoint
-    from armor_megatron.convert.verify import megatron_logits, prompts
+    from armor_megatron.convert.verify import prompts
     from armor_megatron.megatron import dist
     from armor_megatron.megatron.model import build_gpt_model
+    from armor_megatron.megatron.verify import megatron_logits
 
     hf = HFCheckpoint(hf_dir)
     arch = hf.arch

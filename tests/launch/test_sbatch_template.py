@@ -165,7 +165,7 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
         "export MASTER_ADDR=node01 MASTER_PORT=24242",
         engine.format(node="node01", gpu=0, port=30000, seed=0),
         engine.format(node="node01", gpu=4, port=30001, seed=1),
-        "python -m armor_megatron.launch.slurm wait-engines --timeout 1800 --pid <engine steps> http://node01:30000 http://node01:30001",
+        "python -m armor_megatron.cli.slurm wait-engines --timeout 1800 --pid <engine steps> http://node01:30000 http://node01:30001",
         "srun --nodes=2 --ntasks=16 --ntasks-per-node=8 --nodelist=node01,node02 --kill-on-bad-exit=1 --overlap "
         "python -m armor_megatron.cli.train --config configs/qwen3_30b_a3b_moe_armor.yaml "
         "rollout.sglang.num_engines=1 rollout.sglang.mem_fraction_static=0.7 'rollout.sglang.urls=[\"http://node01:30000\"]' "

@@ -4,8 +4,9 @@ import os
 import pytest
 import yaml
 
+from armor_megatron.cli.sweep import main
 from armor_megatron.config import load_config, to_dict
-from armor_megatron.launch.sweep import SweepError, expand_grid, main, parse_grid, plan_sweep, write_sweep
+from armor_megatron.launch.sweep import SweepError, expand_grid, parse_grid, plan_sweep, write_sweep
 from tests.launch.conftest import ROOT
 
 BASE = os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml")

@@ -82,11 +82,11 @@ def test_find_latest_and_resolve(tmp_path):
     _fake_checkpoint(tmp_path, "iter_0000003")
     ckpt._write_latest(str(tmp_path), "iter_0000003")
     assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000003")
-    assert ckpt._resolve(str(tmp_path)) == str(tmp_path / "iter_0000003")
-    assert ckpt._resolve(str(tmp_path / "iter_0000003")) == str(tmp_path / "iter_0000003")
+    assert ckpt.resolve_checkpoint_dir(str(tmp_path)) == str(tmp_path / "iter_0000003")
+    assert ckpt.resolve_checkpoint_dir(str(tmp_path / "iter_0000003")) == str(tmp_path / "iter_0000003")
     assert [n for n in os.listdir(tmp_path) if n.startswith("latest")] == ["latest"]  # no temp file left
     with pytest.raises(FileNotFoundError, match="is neither a torch_dist checkpoint nor a root with a `latest` file"):
-        ckpt._resolve(str(tmp_path / "nowhere"))
+        ckpt.resolve_checkpoint_dir(str(tmp_path / "nowhere"))
     ckpt._write_latest(str(tmp_path), "iter_0000009")
     with pytest.raises(FileNotFoundError, match=r"latest names 'iter_0000009', which is not a directory"):
         ckpt.find_latest(str(tmp_path))

@@ -191,7 +191,7 @@ def test_zero_initialised_value_head_predicts_zero(story):
 
 
 def test_bad_critic_batches_fail_with_one_clear_line():
-    from armor_megatron.megatron.actor import checked_rows
+    from armor_megatron.megatron.trained_model import checked_rows
 
     batch = make_batch()
     rows = {k: batch[k] for k in ("input_ids", "lengths", "response_mask")}

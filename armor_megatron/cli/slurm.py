@@ -1,11 +1,11 @@
-"""``python -m armor_megatron.launch.slurm``: plan, submit and start SLURM jobs from a run config.
+"""``python -m armor_megatron.cli.slurm``: plan, submit and start SLURM jobs from a run config.
 
     # inside the allocation (tools/slurm/armor.sbatch evaluates --shell):
-    python -m armor_megatron.launch.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell)
+    python -m armor_megatron.cli.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell)
     # on the login node: the sbatch command for the config's resources (run it, or print it):
-    python -m armor_megatron.launch.slurm submit --config FILE [key=value ...] [--dry-run]
+    python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run]
     # the batch script waits for its engine steps:
-    python -m armor_megatron.launch.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
+    python -m armor_megatron.cli.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
 
 Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
 A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).
@@ -15,17 +15,20 @@ Exit codes: 0 ok, 1 engines failed to start, 2 bad config or allocation.
 from __future__ import annotations
 
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
 
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
 from armor_megatron.launch.nodelist import NodeListError
 from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.render import render_shell, render_text
-from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, run_or_print, sbatch_command
-from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
+from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
 PROG = "armor-slurm"
 COMMANDS = ("plan", "submit", "wait-engines")
@@ -129,6 +132,20 @@ def _array_config_path(path: str, env: Mapping[str, str]) -> str:
     if task is None:
         raise SlurmEnvError(f"config path {path!r} uses %a but SLURM_ARRAY_TASK_ID is not set (not a job array task)")
     return path.replace("%a", task)
+
+
+def run_or_print(prog: str, cmd: list[str], *, dry_run: bool, make_dirs: Sequence[str] = ()) -> int:
+    """Print ``cmd`` (dry run) or create ``make_dirs`` and run it; a missing sbatch is one clear line."""
+    if dry_run:
+        print(shlex.join(cmd))
+        return EXIT_OK
+    if shutil.which(cmd[0]) is None:
+        return fail(
+            prog, f"{cmd[0]} not found on PATH: run this on a SLURM login node, or add --dry-run to print the command"
+        )
+    for d in make_dirs:
+        os.makedirs(d, exist_ok=True)  # SLURM does not create the directory of --output
+    return subprocess.call(cmd)
 
 
 if __name__ == "__main__":

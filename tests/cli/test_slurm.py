@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
+from armor_megatron.cli.slurm import main
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
-from armor_megatron.launch.slurm import main
 
 TINY = os.path.join("configs", "tiny_cpu.yaml")
 QWEN7B = os.path.join("configs", "qwen25_math_7b_dapo_armor.yaml")
@@ -95,7 +95,7 @@ def test_submit_without_sbatch_is_one_clear_line(capsys):
 
 def test_module_runs_as_a_program():
     out = subprocess.run(
-        [sys.executable, "-m", "armor_megatron.launch.slurm", "--config", TINY, "--dry-run"],
+        [sys.executable, "-m", "armor_megatron.cli.slurm", "--config", TINY, "--dry-run"],
         env={**os.environ, "PYTHONPATH": os.getcwd()},
         capture_output=True,
         text=True,

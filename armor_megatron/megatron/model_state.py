@@ -1,0 +1,76 @@
+"""Model tensors in torch_dist checkpoints: sharded state dicts of model chunks, and loading model
+weights (any TP/PP/EP layout) from a converter output or a training checkpoint.
+
+Public interface (every rank calls every function)::
+
+    sd = chunks_sharded_state_dict(model_chunks, prefix="")     # {"chunk<i>": sharded state dict}
+    load_chunks_state(model_chunks, loaded, prefix="", exclude=())
+    load_model_weights(model_chunks, mcore_dir, exclude=())     # model tensors only, resharding
+    path = resolve_checkpoint_dir(path_or_root)                  # a torch_dist dir, or the one `latest` names
+    path = find_latest(root)                                     # the dir ``{root}/latest`` names, or None
+"""
+
+from __future__ import annotations
+
+import os
+
+LATEST = "latest"  # text file in a checkpoint root naming its newest complete checkpoint
+
+
+def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
+    """{"chunk<i>": sharded state dict} of model chunks; tensor keys are global (chunk-independent)."""
+    return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
+
+
+def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
+    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
+    module keys starting with one of `exclude` may be absent (they keep their values)."""
+    for i, c in enumerate(chunks):
+        state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
+        result = c.load_state_dict(state, strict=not exclude)
+        missing = [k for k in result.missing_keys if not k.startswith(exclude)] if exclude else []
+        if missing or (exclude and result.unexpected_keys):
+            raise RuntimeError(
+                f"checkpoint does not match the model: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}"
+            )
+
+
+def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
+    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
+    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
+    from megatron.core import dist_checkpointing
+
+    path = resolve_checkpoint_dir(mcore_dir)
+    state = {
+        name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
+        for name, sd in chunks_sharded_state_dict(chunks).items()
+    }
+    load_chunks_state(chunks, dist_checkpointing.load(state, path), exclude=exclude)
+
+
+def latest_name(root: str) -> str | None:
+    try:
+        with open(os.path.join(root, LATEST)) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def find_latest(root: str) -> str | None:
+    """Path of the checkpoint ``{root}/latest`` names; None when there is no ``latest`` yet."""
+    name = latest_name(root)
+    if name is None:
+        return None
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{os.path.join(root, LATEST)} names {name!r}, which is not a directory")
+    return path
+
+
+def resolve_checkpoint_dir(path_or_root: str) -> str:
+    """A checkpoint directory as given, or the one a root's ``latest`` names."""
+    if os.path.isfile(os.path.join(path_or_root, LATEST)):
+        return find_latest(path_or_root)
+    if os.path.isfile(os.path.join(path_or_root, "metadata.json")):
+        return path_or_root
+    raise FileNotFoundError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")
