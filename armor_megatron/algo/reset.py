@@ -25,7 +25,29 @@ Metrics = Mapping[str, float] | None
 
 @runtime_checkable
 class ResetSchedule(Protocol):
+    """What the trainer calls: ``observe_start`` once with the evaluation before training,
+    ``should_reset`` after every step, ``state_dict`` / ``load_state_dict`` with checkpoints."""
+
     def should_reset(self, step: int, metrics: Metrics = None) -> bool: ...
+
+    def observe_start(self, metrics: Metrics) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
+
+
+class StatelessSchedule:
+    """The rest of the `ResetSchedule` surface for schedules that depend on the step alone."""
+
+    def observe_start(self, metrics: Metrics) -> None:
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        return None
 
 
 def _check_step(step: int) -> None:
@@ -34,7 +56,7 @@ def _check_step(step: int) -> None:
 
 
 @dataclass(frozen=True)
-class EveryTau:
+class EveryTau(StatelessSchedule):
     """Reset after every ``tau``-th step."""
 
     tau: int
@@ -49,7 +71,7 @@ class EveryTau:
 
 
 @dataclass(frozen=True)
-class TwoStage:
+class TwoStage(StatelessSchedule):
     """Reset every ``tau`` steps for the first ``first_stage_steps`` steps, then never."""
 
     first_stage_steps: int
@@ -68,7 +90,7 @@ class TwoStage:
 
 
 @dataclass(frozen=True)
-class Never:
+class Never(StatelessSchedule):
     """A static reference."""
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
@@ -77,7 +99,7 @@ class Never:
 
 
 @dataclass
-class ValidationHook:
+class ValidationHook(StatelessSchedule):
     """Delegates to ``hook(step, metrics) -> bool``, a callable or a ``"module:function"`` path."""
 
     hook: Callable[[int, Metrics], bool] | str

@@ -22,13 +22,13 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
-from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
 from armor_megatron.launch.nodelist import NodeListError
 from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.render import render_shell, render_text
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
+from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 
 PROG = "armor-slurm"
 COMMANDS = ("plan", "submit", "wait-engines")

@@ -32,8 +32,8 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from armor_megatron.launch.slurm_env import SlurmEnv
 from armor_megatron.config.schema import RunConfig
+from armor_megatron.launch.slurm_env import SlurmEnv
 
 Launcher = Literal["srun", "torchrun"]
 LAUNCHERS = ("srun", "torchrun")

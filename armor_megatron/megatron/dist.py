@@ -18,8 +18,9 @@ Where the rank comes from (first match wins):
   so that two jobs sharing a node do not collide;
 * neither: a single process on 127.0.0.1.
 
-Each process binds exactly one device: ``cuda:LOCAL_RANK`` with NCCL when CUDA is available,
-otherwise the CPU with gloo, in which case `cpu_compat.apply()` is run before megatron-core is
+Each process binds exactly one device: ``cuda:LOCAL_RANK`` when CUDA is available (default group
+``cpu:gloo,cuda:nccl``: NCCL for device tensors, gloo for host ones), otherwise the CPU with
+gloo, in which case `cpu_compat.apply()` is run before megatron-core is
 used. Model-parallel groups are created with megatron-core's ``parallel_state`` in its default
 order ``tp-cp-ep-dp-pp``; data parallelism is what is left: ``dp = world / (tp·pp·cp)``.
 """
@@ -114,6 +115,11 @@ class ParallelConfig:
     etp: int | None = None
     sp: bool | None = None  # sequence parallelism; None: on exactly when Transformer Engine is used and tp > 1
 
+    @classmethod
+    def from_run_config(cls, section) -> ParallelConfig:
+        """The layout of a run config's ``parallelism`` section (its fields carry these names)."""
+        return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
+
     @property
     def expert_tp(self) -> int:
         return self.tp if self.etp is None else self.etp
@@ -186,11 +192,13 @@ def initialize(
     """
     env = DistEnv.from_environ(environ)
     parallel.validate(env.world_size, arch)
-    if torch.cuda.is_available():
-        device, backend = torch.device("cuda", _gpu_index(env.local_rank, torch.cuda.device_count())), "nccl"
+    on_cuda = torch.cuda.is_available()
+    backend = process_group_backend(on_cuda)
+    if on_cuda:
+        device = torch.device("cuda", _gpu_index(env.local_rank, torch.cuda.device_count()))
         torch.cuda.set_device(device)
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        device = torch.device("cpu")
         from armor_megatron.megatron import cpu_compat
 
         cpu_compat.apply()
@@ -203,7 +211,7 @@ def initialize(
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(minutes=timeout_minutes),
-            device_id=device if backend == "nccl" else None,
+            device_id=device if device.type == "cuda" else None,
         )
     elif torch.distributed.get_world_size() != env.world_size:
         raise RuntimeError(
@@ -211,6 +219,16 @@ def initialize(
         )
     set_model_parallel(parallel, arch, seed=seed, timeout_minutes=timeout_minutes)
     return DistContext(env=env, parallel=parallel, device=device, backend=backend)
+
+
+CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for device tensors, gloo for host ones (flags, objects)
+
+
+def process_group_backend(on_cuda: bool) -> str:
+    """The default group's backend. On GPUs it gets both: NCCL carries CUDA tensors, gloo the host
+    tensors a trainer reduces between steps (a preemption flag, small metrics); a NCCL-only group
+    fails those with "No backend type associated with device type cpu"."""
+    return CUDA_BACKEND if on_cuda else "gloo"
 
 
 def _gpu_index(local_rank: int, visible: int) -> int:

@@ -7,10 +7,10 @@ Sampling, per step, from the last position's logits z (fp32, shape [B, V]):
   set of most likely tokens whose probability reaches ``top_p``), then a draw from the
   renormalised softmax with a seeded ``torch.Generator``.
 
-Log-probs: ``logprobs[t] = log_softmax(z_t)[token_t]`` of the **untempered, unfiltered**
-model logits, i.e. the model's own log-probability at temperature 1 — the quantity a
-trainer recomputes by teacher forcing (it equals a teacher-forced forward of the same model
-up to float rounding), not the probability of the tempered/truncated sampling distribution.
+Log-probs: ``logprobs[t] = log_softmax(z_t / temperature)[token_t]`` of the **unfiltered** logits
+at the sampling temperature (temperature 1 when sampling greedily), before top-k / top-p: the
+quantity a trainer recomputes by teacher forcing at the same temperature (equal to it up to
+float rounding), and what SGLang reports for a sampled token.
 
 Prompts are left-padded into batches of at most ``max_batch_size`` rows and decoded with
 the model's KV cache; position ids count real tokens only, so padding does not shift them.
@@ -200,7 +200,8 @@ class LocalEngine(RolloutEngine):
                     raise TimeoutError(f"local generation passed its timeout with {batch} sequences in flight")
                 logits = out.logits[:, -1, :].float()
                 nxt = sample_next_tokens(logits, sampling, generator)
-                lps = torch.log_softmax(logits, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
+                scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
+                lps = torch.log_softmax(scaled, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
                 for r in range(batch):
                     if reasons[r] is not None:
                         continue

@@ -1,9 +1,10 @@
 """Turn a RunConfig into the pieces the loop uses: losses, reset schedule, sampling, rollout settings,
-the rollout engines and the anchor cache. Nothing here runs a step."""
+the rollout engine factories and the anchor cache. Nothing here runs a step."""
 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.config.schema import RunConfig
@@ -128,3 +129,74 @@ def anchor_cache(
         AnchorConfig(max_tries=an.max_tries, tries_per_round=an.tries_per_request, sampling=sampling),
     )
     return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)
+
+
+# ----------------------------------------------------------------------------- engines
+def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
+    """``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
+    (policy_engine, reference_engine or None)``, called once on the driver: the local
+    transformers engine (``rollout.engine: local``) or clients of SGLang servers."""
+    if cfg.rollout.engine == "local":
+        return make_local_engines(cfg, hf_config, tokenizer)
+    return make_sglang_engines(cfg, hf_config)
+
+
+def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
+    """Driver-side engine factory for CPU runs: the in-process transformers engine, twice when the
+    reference samples anchors from its own engine."""
+    from armor_megatron.rollout.local import LocalEngine
+
+    def make(policy, reference, *, policy_version, reference_version):
+        policy_engine = LocalEngine(
+            hf_config, policy, tokenizer=tokenizer, weight_version=policy_version, seed=cfg.rollout.seed
+        )
+        reference_engine = None
+        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
+            reference_engine = LocalEngine(
+                hf_config, reference, tokenizer=tokenizer, weight_version=reference_version, seed=cfg.rollout.seed + 1
+            )
+        return policy_engine, reference_engine
+
+    return make
+
+
+def make_sglang_engines(cfg: RunConfig, hf_config: dict):
+    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
+    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``."""
+    from armor_megatron.rollout.sglang.client import RetryPolicy
+    from armor_megatron.rollout.sglang.engine import SGLangEngine
+    from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
+
+    sg = cfg.rollout.sglang
+    disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
+
+    def engine(urls, group: str, weights, version: str) -> SGLangEngine:
+        sync = WeightSyncConfig(
+            mode=sg.weight_sync,
+            bucket_bytes=sg.bucket_mb << 20,
+            tp_size=sg.tp_per_engine,
+            disk_dir=os.path.join(disk_root, group),
+            hf_config=hf_config,
+            master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
+            timeout=sg.request_timeout_s,
+            group_name=f"armor_{group}_weights",
+        )
+        client = SGLangEngine(
+            urls,
+            api_key=sg.api_key,
+            weight_sync=sync,
+            retry=RetryPolicy(max_attempts=1 + sg.max_retries),
+            request_timeout=sg.request_timeout_s,
+            max_concurrency=sg.max_concurrency,
+        )
+        client.update_weights(weights, version)
+        return client
+
+    def make(policy, reference, *, policy_version, reference_version):
+        policy_engine = engine(sg.urls, "policy", policy, policy_version)
+        reference_engine = None
+        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
+            reference_engine = engine(cfg.anchor.reference_urls, "reference", reference, reference_version)
+        return policy_engine, reference_engine
+
+    return make

@@ -29,22 +29,20 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from armor_megatron.algo import (
-    DynamicSampler,
-    explained_variance,
-    gae_advantages,
-    outcome_token_rewards,
-    whiten_advantages,
-)
+from armor_megatron.algo import DynamicSampler, ResetSchedule, explained_variance
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.rollout.anchor_cache import AnchorCache
+from armor_megatron.rollout.engine import RolloutEngine
 from armor_megatron.trainer import components
+from armor_megatron.trainer.advantages import gae_targets, group_advantages
+from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.metrics_log import MetricsLogger
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups, final_batch_advantages
+from armor_megatron.trainer.rollout_phase import collect_groups
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
@@ -93,16 +91,26 @@ class ArmorTrainer:
         self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.is_driver = self.rank == 0
+        # progress, replicated on every rank and checkpointed (``trainer_state``)
         self.step = 0
-        self.reset_schedule = components.reset_schedule(cfg)
-        self.monitor = OverOptimizationMonitor()
+        self.reset_schedule: ResetSchedule = components.reset_schedule(cfg)
+        self.ref_resets = 0  # names the reference's weights: "ref-<n>"
         self.last_train_accuracy = 0.0
+        # sampling
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
         self.sampling = components.rollout_sampling(cfg, eos)
         self.eval_sampling = components.eval_sampling(cfg, eos)
         self.settings = components.rollout_settings(cfg, self.sampling)
-        self.policy_engine = self.reference_engine = self.anchors = self.logger = None
+        # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
         self._make_engines = make_engines
+        self.policy_engine: RolloutEngine | None = None
+        self.reference_engine: RolloutEngine | None = None
+        self.anchors: AnchorCache | None = None
+        self._anchor_state: dict | None = None  # a checkpoint's anchor cache, loaded by start_engines
+        self._anchor_tokens_logged = 0  # π_ref tokens already reported (anchor/reference_tokens)
+        self.monitor = OverOptimizationMonitor()
+        self.loader: PromptLoader | None = None
+        self.eval_sets: list[EvalSet] = []
         if self.is_driver:
             data = cfg.data
             self.loader = PromptLoader(
@@ -168,9 +176,6 @@ class ArmorTrainer:
         if self.anchors is not None and self._anchor_state is not None:
             self.anchors.load_state_dict(self._anchor_state)
 
-    _anchor_state = None
-    _anchor_tokens_logged = 0
-
     def _anchor_cost(self, metrics: dict) -> dict:
         """Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
         counts only this step's cache misses), and the step's generation cost relative to on-policy only."""
@@ -182,10 +187,8 @@ class ArmorTrainer:
             "anchor/generation_cost": (policy + spent) / policy if policy else 0.0,
         }
 
-    _ref_resets = 0
-
     def _ref_version(self) -> str:
-        return f"ref-{self._ref_resets}"
+        return f"ref-{self.ref_resets}"
 
     def trainer_state(self) -> dict:
         """Driver-side state that goes into checkpoints next to the model and optimizer."""
@@ -195,17 +198,17 @@ class ArmorTrainer:
             "anchor_cache": self.anchors.state_dict()
             if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache
             else None,
-            "reset_schedule": self.reset_schedule.state_dict() if hasattr(self.reset_schedule, "state_dict") else None,
+            "reset_schedule": self.reset_schedule.state_dict(),
             "monitor": self.monitor.state_dict(),
-            "ref_resets": self._ref_resets,
+            "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
         }
 
     def load_trainer_state(self, state: dict) -> None:
         self.step = state["step"]
-        self._ref_resets = state["ref_resets"]
+        self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
-        if state.get("reset_schedule") and hasattr(self.reset_schedule, "load_state_dict"):
+        if state.get("reset_schedule"):
             self.reset_schedule.load_state_dict(state["reset_schedule"])
         if self.is_driver:
             self.loader.load_state_dict(state["loader"])
@@ -215,7 +218,7 @@ class ArmorTrainer:
     def reference_replaced(self) -> None:
         """π_ref was loaded from elsewhere (recovery mode) after the state was restored: a new
         reference version, and no anchors pooled under the old one."""
-        self._ref_resets += 1
+        self.ref_resets += 1
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
@@ -243,9 +246,9 @@ class ArmorTrainer:
         ds = cfg.algorithm.dynamic_sampling
         with timer.phase("rollout"):
             if not ds.enabled:
-                result = one_round()
+                batch, metrics = one_round()
                 self._pregenerate_anchors()
-                return result
+                return self._with_advantages(batch, metrics)
             sampler = DynamicSampler(
                 cfg.rollout.prompts_per_step,
                 pad_values={"input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0},
@@ -259,8 +262,14 @@ class ArmorTrainer:
                     break
         self._pregenerate_anchors()
         metrics.update(sampler.stats())
-        batch = sampler.take(allow_partial=True)
-        return (None if batch is None else final_batch_advantages(batch, self.settings)), metrics
+        return self._with_advantages(sampler.take(allow_partial=True), metrics)
+
+    def _with_advantages(self, batch: RolloutBatch | None, metrics: dict) -> tuple[RolloutBatch | None, dict]:
+        """The step's advantages, once, over the batch that trains (None: no group had signal)."""
+        if batch is None:
+            return None, metrics
+        batch, adv_metrics = group_advantages(batch, self.settings)
+        return batch, {**metrics, **adv_metrics}
 
     def _pregenerate_anchors(self) -> None:
         """After the step's anchors are drawn. With ``anchor.cache: false`` they are dropped (never
@@ -281,17 +290,21 @@ class ArmorTrainer:
     def update(self, batch: dict, timer: StepTimer) -> dict:
         """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
         then the mini-batch / epoch updates of the actor and the critic. During the critic's
-        warm-up (the first ``critic.warmup_steps`` steps) only the critic trains."""
+        warm-up (the first ``critic.warmup_steps`` steps) only the critic trains.
+
+        Devices: the trainer holds host tensors only. The Megatron models take host batches,
+        move each micro-batch to their device, and return results on it; ``to_host`` brings
+        each result back here, the one crossing on the trainer's side."""
         cfg = self.cfg
         with timer.phase("logprobs"):
-            old = self.actor.compute_logprobs(batch["input_ids"], batch["lengths"])
-            batch["old_logprobs"] = old.logprobs
+            batch["old_logprobs"] = to_host(self.actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs)
             if self.reference is not None:
-                batch["ref_logprobs"] = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
-        metrics: dict = {"rollout/logprob_abs_diff": [_engine_trainer_gap(batch)]}
+                ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
+                batch["ref_logprobs"] = to_host(ref.logprobs)
+        metrics: dict = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
         if self.critic is not None:
             with timer.phase("values"):
-                batch["old_values"] = self.critic.compute_values(batch["input_ids"], batch["lengths"])
+                batch["old_values"] = to_host(self.critic.compute_values(batch["input_ids"], batch["lengths"]))
                 batch["advantages"], batch["returns"] = gae_targets(batch, cfg)
             metrics["critic/old_explained_var"] = [
                 explained_variance(batch["old_values"], batch["returns"], batch["response_mask"])
@@ -336,7 +349,7 @@ class ArmorTrainer:
             return {}
         with timer.phase("reference_reset"):
             self.reference.reset_from(self.actor)
-            self._ref_resets += 1
+            self.ref_resets += 1
             ref_weights = self.export_weights(self.reference)
             if self.is_driver and self.anchors is not None:
                 self.anchors.wait()
@@ -405,101 +418,95 @@ class ArmorTrainer:
         """
         cfg = self.cfg
         last: dict = {}
-        progress = None
-        if self.is_driver and cfg.logging.progress_bar:
-            from tqdm import tqdm
-
-            progress = tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.name, unit="step", dynamic_ncols=True)
+        progress = self._progress_bar()
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps:
-                start = self.evaluate() if self.is_driver else {}
-                if logger:
-                    logger.log(0, start)
-                last.update(start)
-                if hasattr(self.reset_schedule, "observe_start"):  # every rank: the schedule is replicated
-                    self.reset_schedule.observe_start(broadcast_object(start))
+                last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
-                timer = StepTimer()
-                started = time.perf_counter()
-                batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
-                tensors = broadcast_batch(batch)
-                if tensors is None:
-                    metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
-                else:
-                    with self.engines_released():
-                        metrics.update(self.update(tensors, timer))
-                    metrics["train/tokens"] = float(tensors["response_mask"].sum())
-                self.step += 1
-                self.sync_weights(timer)
+                last, saved = self._step(save)
                 if self.is_driver:
-                    # the policy's own accuracy: anchors score 1 by construction
-                    train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
-                    self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
-                    if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-                        with timer.phase("eval"):  # the policy of this step: its weights are in the engine
-                            metrics.update(self.evaluate())
-                metrics = broadcast_object(metrics)
-                metrics.update(self.maybe_reset_reference(metrics, timer))
-                due = cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0
-                if due or self.step == cfg.train.steps:
-                    with timer.phase("checkpoint"):
-                        save()
-                metrics.update(timer.times)
-                elapsed = time.perf_counter() - started
-                metrics["time/step"] = elapsed
-                metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
-                if self.is_driver:
-                    if self.anchors is not None:
-                        metrics.update(self.anchors.stats.as_dict())
-                        metrics.update(self._anchor_cost(metrics))
-                    if logger and self.step % cfg.logging.every_steps == 0:
-                        logger.log(self.step, metrics)
-                    if progress is not None:
-                        progress.update(1)
-                        progress.set_postfix(
-                            {k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics}
-                        )
-                last = metrics
+                    self._report(last, logger, progress)
                 if any_rank(preemption.requested()):
-                    if not due and self.step != cfg.train.steps:
+                    if not saved:
                         save()
                     raise Preempted(f"signal {preemption.received} at step {self.step}: checkpoint saved")
         if progress is not None:
             progress.close()
         return last if self.is_driver else {}
 
+    def _step(self, save: Callable[[], None]) -> tuple[dict, bool]:
+        """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
+        every rank, and whether it saved a checkpoint)."""
+        cfg = self.cfg
+        timer = StepTimer()
+        started = time.perf_counter()
+        batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+        tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        if tensors is None:
+            metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
+        else:
+            with self.engines_released():
+                metrics.update(self.update(tensors, timer))
+            metrics["train/tokens"] = float(tensors["response_mask"].sum())
+        self.step += 1
+        self.sync_weights(timer)
+        if self.is_driver:
+            # the policy's own accuracy: anchors score 1 by construction
+            train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
+            self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
+            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
+                with timer.phase("eval"):  # the policy of this step: its weights are in the engine
+                    metrics.update(self.evaluate())
+        metrics = broadcast_object(metrics)
+        metrics.update(self.maybe_reset_reference(metrics, timer))
+        saved = bool(cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0)
+        saved = saved or self.step == cfg.train.steps
+        if saved:
+            with timer.phase("checkpoint"):
+                save()
+        metrics.update(timer.times)
+        elapsed = time.perf_counter() - started
+        metrics["time/step"] = elapsed
+        metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
+        return metrics, saved
 
-def gae_targets(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's per-token (advantages, returns) [N, L] from the critic's ``old_values`` [N, L]: the
-    outcome reward ``rewards`` [N] on each response's last token, GAE with algorithm.gamma / lam
-    over the response tokens, advantages whitened over the batch when critic.whiten_advantages."""
-    mask = batch["response_mask"]
-    rewards = outcome_token_rewards(batch["rewards"], mask)
-    advantages, returns = gae_advantages(
-        batch["old_values"], rewards, mask, gamma=cfg.algorithm.gamma, lam=cfg.algorithm.lam
-    )
-    if cfg.critic.whiten_advantages:
-        advantages = whiten_advantages(advantages, mask)
-    return advantages, returns
+    def _evaluate_start(self, logger: MetricsLogger | None) -> dict:
+        """The evaluation before training (step 0); the reset schedule sees it on every rank."""
+        start = self.evaluate() if self.is_driver else {}
+        if logger:
+            logger.log(0, start)
+        self.reset_schedule.observe_start(broadcast_object(start))
+        return start
+
+    def _progress_bar(self):
+        if not (self.is_driver and self.cfg.logging.progress_bar):
+            return None
+        from tqdm import tqdm
+
+        cfg = self.cfg
+        return tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.name, unit="step", dynamic_ncols=True)
+
+    def _report(self, metrics: dict, logger: MetricsLogger | None, progress) -> None:
+        """Driver: anchor statistics into the step's metrics, then the log and the progress bar."""
+        if self.anchors is not None:
+            metrics.update(self.anchors.stats.as_dict())
+            metrics.update(self._anchor_cost(metrics))
+        if logger and self.step % self.cfg.logging.every_steps == 0:
+            logger.log(self.step, metrics)
+        if progress is not None:
+            progress.update(1)
+            progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics})
 
 
-def broadcast_object(obj):
-    """Rank 0's ``obj`` on every rank."""
-    payload = [obj]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """A model's result on the host (a no-op for CPU tensors)."""
+    return t.detach().cpu()
 
 
-def broadcast_batch(batch: RolloutBatch | None) -> dict:
-    """Rank 0's batch tensors to every rank (a dict of CPU tensors)."""
-    return broadcast_object({k: batch[k] for k in BATCH_TENSORS} if batch is not None else None)
-
-
-def _engine_trainer_gap(batch: dict) -> float:
+def engine_trainer_gap(batch: dict) -> float:
     """Mean |lp_engine − lp_old| over on-policy response tokens: ~0 when engine and trainer hold
     the same weights (a weight-sync bug or a precision mismatch shows up here first). Anchor
-    rows are left out: the reference engine sampled them."""
+    rows are left out: the reference engine sampled them. Host tensors."""
     mask = batch["response_mask"] * (~batch["is_anchor"].bool()).unsqueeze(1)
     gap = ((batch["engine_logprobs"] - batch["old_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
     return float(gap)
@@ -507,17 +514,3 @@ def _engine_trainer_gap(batch: dict) -> float:
 
 def _materialise(weights):
     return None if weights is None else list(weights)
-
-
-def barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
-
-
-def any_rank(flag: bool) -> bool:
-    """True on every rank if ``flag`` is True on any (used for preemption)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0])
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())

@@ -8,16 +8,15 @@ For a batch of P prompts:
    filled by one more on-policy sample);
 3. rewards from the verifiers; accuracy = the verifier score, the training reward adds DAPO's
    overlong shaping;
-4. groups of G (anchor last) -> DAPO dynamic sampling filters groups with all-equal accuracy
-   (the caller refills from more prompts) -> advantages over the whole group, anchor included.
+4. groups of G (anchor last); DAPO dynamic sampling then filters groups with all-equal accuracy
+   (the caller refills from more prompts) and `trainer.advantages` computes the advantages of
+   the batch that trains, over each whole group, anchor included.
 
 The result is a ``RolloutBatch`` of P·G rows (prompt-major):
 
     input_ids      [N, L] int64   prompt + response, right-padded with pad_id
     lengths        [N]    int64   prompt + response tokens
     response_mask  [N, L] fp32    1 at positions t holding a response token (predicted from < t)
-    advantages     [N]    fp32    sequence-level advantage, broadcast over its tokens by the loss
-                                  (zeros for GAE: the trainer computes per-token ones with its critic)
     rewards        [N]    fp32    shaped training reward;  accuracy [N] fp32 verifier score
     is_anchor      [N]    bool
     engine_logprobs[N, L] fp32    the engine's log-probs of the response tokens (0 elsewhere)
@@ -33,10 +32,8 @@ from typing import Any
 import torch
 
 from armor_megatron.algo import (
-    anchor_zero_advantage_rate,
     apply_overlong_shaping,
     assemble_anchor_groups,
-    compute_advantages,
 )
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
@@ -48,7 +45,7 @@ from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 class RolloutSettings:
     group_size: int
     sampling: SamplingParams
-    estimator: str = "dapo"
+    estimator: str = "dapo"  # read by trainer.advantages
     estimator_kwargs: dict = dataclasses.field(default_factory=dict)
     verifier: str = "math"
     overlong_buffer: int | None = None  # tokens; None disables overlong shaping
@@ -100,14 +97,8 @@ def collect_groups(
         rewards = apply_overlong_shaping(
             accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
         )
-    if settings.estimator == "gae":  # per-token advantages come later, from the trainer's critic
-        advantages = torch.zeros_like(rewards)
-    else:
-        advantages = compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs)
-
     prompt_of_row = [rows[src.prompt] for src in groups.rows]
     batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id)
-    batch["advantages"] = advantages.reshape(-1).float()
     batch["rewards"] = rewards.reshape(-1).float()
     batch["accuracy"] = accuracy.reshape(-1).float()
     batch["is_anchor"] = groups.is_anchor.reshape(-1)
@@ -130,21 +121,7 @@ def collect_groups(
                 "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),
             }
         )
-        if settings.estimator != "gae":
-            metrics["anchor/zero_advantage_rate"] = anchor_zero_advantage_rate(advantages, groups.is_anchor).item()
     return batch, metrics
-
-
-def final_batch_advantages(batch: RolloutBatch, settings: RolloutSettings) -> RolloutBatch:
-    """``advantages`` recomputed over the batch that trains, once dynamic sampling has merged its
-    rounds: estimators normalised over the whole batch (REINFORCE++) must not be normalised round
-    by round nor see dropped groups. Group-local estimators give the same values again."""
-    if settings.estimator != "gae":  # per-token advantages come later, from the trainer's critic
-        rewards = batch["rewards"].view(-1, settings.group_size)
-        batch["advantages"] = (
-            compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs).reshape(-1).float()
-        )
-    return batch
 
 
 def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
+from armor_megatron.trainer.collectives import broadcast_object
 from armor_megatron.trainer.loop import ArmorTrainer
 from armor_megatron.trainer.metrics_log import MetricsLogger
 
@@ -36,67 +37,6 @@ def ensure_mcore_checkpoint(cfg: RunConfig) -> str:
     return out
 
 
-def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
-    """Driver-side engine factory for CPU runs: the in-process transformers engine, twice when the
-    reference samples anchors from its own engine."""
-    from armor_megatron.rollout.local import LocalEngine
-
-    def make(policy, reference, *, policy_version, reference_version):
-        policy_engine = LocalEngine(
-            hf_config, policy, tokenizer=tokenizer, weight_version=policy_version, seed=cfg.rollout.seed
-        )
-        reference_engine = None
-        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
-            reference_engine = LocalEngine(
-                hf_config, reference, tokenizer=tokenizer, weight_version=reference_version, seed=cfg.rollout.seed + 1
-            )
-        return policy_engine, reference_engine
-
-    return make
-
-
-def make_sglang_engines(cfg: RunConfig, hf_config: dict):
-    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
-    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``."""
-    from armor_megatron.rollout.sglang.client import RetryPolicy
-    from armor_megatron.rollout.sglang.engine import SGLangEngine
-    from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
-
-    sg = cfg.rollout.sglang
-    disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
-
-    def engine(urls, group: str, weights, version: str) -> SGLangEngine:
-        sync = WeightSyncConfig(
-            mode=sg.weight_sync,
-            bucket_bytes=sg.bucket_mb << 20,
-            tp_size=sg.tp_per_engine,
-            disk_dir=os.path.join(disk_root, group),
-            hf_config=hf_config,
-            master_address=os.environ.get("MASTER_ADDR", "127.0.0.1"),
-            timeout=sg.request_timeout_s,
-            group_name=f"armor_{group}_weights",
-        )
-        client = SGLangEngine(
-            urls,
-            api_key=sg.api_key,
-            weight_sync=sync,
-            retry=RetryPolicy(max_attempts=1 + sg.max_retries),
-            request_timeout=sg.request_timeout_s,
-            max_concurrency=sg.max_concurrency,
-        )
-        client.update_weights(weights, version)
-        return client
-
-    def make(policy, reference, *, policy_version, reference_version):
-        policy_engine = engine(sg.urls, "policy", policy, policy_version)
-        reference_engine = None
-        if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
-            reference_engine = engine(cfg.anchor.reference_urls, "reference", reference, reference_version)
-        return policy_engine, reference_engine
-
-    return make
-
-
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
     from transformers import AutoTokenizer
@@ -110,8 +50,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.models.arch import load_hf_config
 
     arch = model_arch_of(cfg)
-    par = cfg.parallelism
-    parallel = ParallelConfig(tp=par.tp, pp=par.pp, ep=par.ep, cp=par.cp, vpp=par.vpp, sp=par.sp)
+    parallel = ParallelConfig.from_run_config(cfg.parallelism)
     initialize(
         parallel,
         arch,
@@ -130,6 +69,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         micro_batch_size=cfg.train.micro_batch_size,
         total_steps=total_updates,
         seed=cfg.train.seed,
+        temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -149,16 +89,17 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     reference = None
     if needs_reference(cfg):
         reference = ReferenceModel(
-            arch, parallel, dtype=dtype, offload=cfg.reference.offload, micro_batch_size=cfg.train.micro_batch_size
+            arch,
+            parallel,
+            dtype=dtype,
+            offload=cfg.reference.offload,
+            micro_batch_size=cfg.train.micro_batch_size,
+            temperature=cfg.rollout.temperature,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
-    make_engines = (
-        make_local_engines(cfg, hf_config, tokenizer)
-        if cfg.rollout.engine == "local"
-        else make_sglang_engines(cfg, hf_config)
-    )
+    make_engines = components.engine_factory(cfg, hf_config, tokenizer)
     trainer = ArmorTrainer(
         cfg,
         arch,
@@ -175,7 +116,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
         ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
-        trainer.load_trainer_state(broadcast_extra(extra))
+        trainer.load_trainer_state(broadcast_object(extra))
         _log(f"resumed from {path} at step {step}")
     else:
         actor.load_weights(mcore_dir)
@@ -218,12 +159,6 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     finally:
         if logger is not None:
             logger.close()
-
-
-def broadcast_extra(extra):
-    from armor_megatron.trainer.loop import broadcast_object
-
-    return broadcast_object(extra)
 
 
 def _log(msg: str) -> None:

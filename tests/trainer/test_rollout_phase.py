@@ -19,8 +19,9 @@ from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
+from armor_megatron.trainer.advantages import group_advantages
 from armor_megatron.trainer.components import anchor_reward
-from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups, final_batch_advantages
+from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
 G = 4
@@ -83,9 +84,17 @@ def test_groups_hold_one_verified_anchor_exactly_where_the_reference_solves(setu
         response = batch["input_ids"][i, len(prompt) : len(prompt) + n_resp].tolist()
         assert tok.decode(response, skip_special_tokens=True) == batch["response_text"][i]
         assert (batch["engine_logprobs"][i] != 0).sum() == n_resp
-    # advantages: DAPO group normalisation of the rewards, anchor included
+    assert "advantages" not in batch.tensors  # computed once per step, over the batch that trains
+
+
+def test_advantages_normalise_each_whole_group_anchor_included(setup):
+    _, _, sampler, rows = setup
+    batch, _ = _collect(setup, AnchorCache(sampler))
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with")
+    batch, metrics = group_advantages(batch, settings)
     expected = compute_advantages("dapo", rewards=batch["rewards"].view(len(rows), G)).reshape(-1)
     assert torch.equal(batch["advantages"], expected)
+    assert "anchor/zero_advantage_rate" in metrics
 
 
 def test_an_anchor_must_pass_its_own_rows_verifier(setup):
@@ -109,19 +118,20 @@ def test_without_anchors_every_group_is_on_policy_and_overlong_shaping_applies(s
 
 def test_gae_leaves_advantages_to_the_trainers_critic(setup):
     _, _, sampler, rows = setup
-    batch, metrics = _collect(setup, AnchorCache(sampler), estimator="gae")
+    batch, _ = _collect(setup, AnchorCache(sampler), estimator="gae")
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", estimator="gae")
+    batch, metrics = group_advantages(batch, settings)
     assert torch.equal(batch["advantages"], torch.zeros(len(rows) * G))  # per-token ones come from the critic
     assert batch["rewards"].abs().sum() > 0 and "anchor/zero_advantage_rate" not in metrics
 
 
 @pytest.mark.parametrize("estimator", ["reinforce++", "dapo"])
-def test_advantages_are_recomputed_over_the_groups_that_train(setup, estimator):
+def test_advantages_see_only_the_groups_that_train(setup, estimator):
     """Dynamic sampling keeps some groups of several rounds: batch-normalised estimators must see
-    exactly those; group-local ones come out the same."""
+    exactly those; group-local ones come out the same as over the whole round."""
     batch, _ = _collect(setup, AnchorCache(setup[2]), estimator=estimator)
-    kept = batch.slice(0, 2 * G)  # two groups survive
-    before = kept["advantages"].clone()
     settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", estimator=estimator)
-    after = final_batch_advantages(kept, settings)["advantages"]
-    assert torch.equal(after, compute_advantages(estimator, rewards=kept["rewards"].view(2, G)).reshape(-1).float())
-    assert torch.equal(after, before) == (estimator == "dapo")
+    whole_round = group_advantages(batch.slice(0, len(batch)), settings)[0]["advantages"][: 2 * G].clone()
+    kept = group_advantages(batch.slice(0, 2 * G), settings)[0]["advantages"]  # two groups survive
+    assert torch.equal(kept, compute_advantages(estimator, rewards=batch["rewards"][: 2 * G].view(2, G)).reshape(-1))
+    assert torch.equal(kept, whole_round) == (estimator == "dapo")

@@ -1,4 +1,4 @@
-"""Pure pieces of the loop that need no Megatron job."""
+"""GAE targets from the critic's values (trainer/advantages.py)."""
 
 import math
 import os
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from armor_megatron.config import load_config
-from armor_megatron.trainer.loop import gae_targets
+from armor_megatron.trainer.advantages import gae_targets
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PPO_CONFIG = os.path.join(ROOT, "configs", "tiny_cpu_ppo.yaml")
