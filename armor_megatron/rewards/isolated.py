@@ -13,12 +13,15 @@ Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickl
 
 Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
 each call checks one worker out. A worker whose call times out or that dies is killed and
-replaced on the next call. After ``os.fork`` the child gets a fresh, empty pool.
+replaced, with the same modules imported, before the failed call returns: the call that hit
+the timeout pays the start-up (seconds for math-verify), the next call finds a ready worker
+and its clock measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import pickle
 import select
@@ -29,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -68,11 +73,14 @@ class _Worker:
             raise
 
     def call(self, target: str, args: tuple, timeout_s: float) -> Any:
-        module = target.split(":", 1)[0]
+        self.preload(target.split(":", 1)[0])
+        return self._request(("call", (target, args)), timeout_s)
+
+    def preload(self, module: str) -> None:
+        """Import ``module`` in the worker (once), under the start-up timeout."""
         if module not in self.imported:
             self._request(("import", module), STARTUP_TIMEOUT_S)
             self.imported.add(module)
-        return self._request(("call", (target, args)), timeout_s)
 
     def _request(self, message: tuple, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -151,7 +159,7 @@ class WorkerPool:
         try:
             result = worker.call(target, args, timeout_s)
         except (IsolatedTimeout, WorkerDied):
-            self._discard(worker)
+            self._replace(worker)
             raise
         except BaseException:
             self._release(worker)
@@ -196,11 +204,27 @@ class WorkerPool:
             self._idle.append(worker)
             self._cond.notify()
 
-    def _discard(self, worker: _Worker) -> None:
+    def _replace(self, worker: _Worker) -> None:
+        """Kill ``worker`` and put a fresh one, with the same modules imported, in its slot;
+        if that fails, free the slot (the next call starts a worker on demand)."""
         worker.kill()
-        with self._cond:
-            self._started -= 1
-            self._cond.notify()
+        try:
+            fresh = _Worker(self.memory_limit_mb)
+            try:
+                for module in sorted(worker.imported):
+                    fresh.preload(module)
+            except BaseException:
+                fresh.kill()
+                raise
+        except BaseException as exc:
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            if not isinstance(exc, Exception):
+                raise
+            logger.warning("reward worker could not be replaced after a failed call: %s", exc)
+            return
+        self._release(fresh)
 
     def _forget_after_fork(self) -> None:
         # In a forked child the workers belong to the parent: drop our copies of the pipes

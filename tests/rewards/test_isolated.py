@@ -146,3 +146,14 @@ def test_math_reward_inside_a_daemonic_forked_pool_worker():
     with multiprocessing.get_context("fork").Pool(1) as mp_pool:
         assert mp_pool.map(_score_in_pool_worker, [0], chunksize=1) == [1.0]
     assert compute_score(r"\boxed{1/2}", "0.5").score == 1.0  # the parent's worker is untouched
+
+
+def test_worker_that_timed_out_is_replaced_before_the_next_call(pool):
+    slow = "tests.rewards.slow_import_target"
+    old = pool.run(f"{slow}:pid", (), timeout_s=30)  # pays the slow import
+    with pytest.raises(IsolatedTimeout):
+        pool.run(f"{slow}:sleep_then_pid", (60,), timeout_s=0.5)
+    start = time.monotonic()
+    new = pool.run(f"{slow}:pid", (), timeout_s=30)
+    assert new != old
+    assert time.monotonic() - start < 3.0  # the replacement already imported the module (4 s)
