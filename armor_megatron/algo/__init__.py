@@ -33,6 +33,7 @@ from armor_megatron.algo.metrics import reduce_loss_metrics
 from armor_megatron.algo.overlong import apply_overlong_shaping, overlong_penalty
 from armor_megatron.algo.ratio import mixed_log_ratio, mixture_weight, trust_region_bounds
 from armor_megatron.algo.reset import ResetSchedule, build_reset_schedule
+from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.algo.value_loss import (
     ValueLossConfig,
     explained_variance,
@@ -71,6 +72,7 @@ __all__ = [
     "reduce_loss_metrics",
     "register_advantage_estimator",
     "register_policy_loss",
+    "truncated_is_weights",
     "trust_region_bounds",
     "value_loss",
     "whiten_advantages",
