@@ -13,9 +13,10 @@ Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickl
 
 Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
 each call checks one worker out. A worker whose call times out or that dies is killed and
-replaced, with the same modules imported, before the failed call returns: the call that hit
-the timeout pays the start-up (seconds for math-verify), the next call finds a ready worker
-and its clock measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
+replaced at once: a background thread starts a fresh one with the same modules imported
+(seconds for math-verify), while the failed call returns within its timeout. A later call
+that needs that slot waits for the replacement before its clock starts, so its timeout
+measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
 """
 
 from __future__ import annotations
@@ -159,7 +160,10 @@ class WorkerPool:
         try:
             result = worker.call(target, args, timeout_s)
         except (IsolatedTimeout, WorkerDied):
-            self._replace(worker)
+            worker.kill()
+            threading.Thread(
+                target=self._replace, args=(worker.imported,), name="reward-worker-replace", daemon=True
+            ).start()
             raise
         except BaseException:
             self._release(worker)
@@ -204,14 +208,13 @@ class WorkerPool:
             self._idle.append(worker)
             self._cond.notify()
 
-    def _replace(self, worker: _Worker) -> None:
-        """Kill ``worker`` and put a fresh one, with the same modules imported, in its slot;
-        if that fails, free the slot (the next call starts a worker on demand)."""
-        worker.kill()
+    def _replace(self, modules: set[str]) -> None:
+        """Start a worker with ``modules`` imported into the slot of a killed one; if that
+        fails, free the slot (the next call starts a worker on demand)."""
         try:
             fresh = _Worker(self.memory_limit_mb)
             try:
-                for module in sorted(worker.imported):
+                for module in sorted(modules):
                     fresh.preload(module)
             except BaseException:
                 fresh.kill()
