@@ -9,41 +9,65 @@ response's tokens. Statistics per group (over the G entries of a row):
 
 GAE works on per-token values and rewards of a critic instead.
 
-``ESTIMATORS`` maps config names to functions; ``compute_advantages(name, ...)`` dispatches.
+Statistics are computed in float64 and the advantages returned in float32. A set whose
+rewards are all equal (a group for the group estimators, the batch for REINFORCE++) gets
+advantages of exactly 0 whatever the reward value: in fp32, mean(0.7, …, 0.7) ≠ 0.7 and the
+rounding error divided by std + ε ≈ 1e-6 gave 0.056.
+
+Every estimator is registered in ``ADVANTAGE_ESTIMATORS`` (``kind`` "group": takes
+``rewards`` [num_groups, G]; "token": per-token inputs, GAE) with the arguments its signature
+takes; ``compute_advantages(name, rewards=..., **kwargs)`` checks them and dispatches.
 """
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Callable
 
 import torch
 
+from armor_megatron.algo.registry import Registry
+
 DEFAULT_EPS = 1e-6
+
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
 def _check_groups(rewards: torch.Tensor) -> torch.Tensor:
     if rewards.dim() != 2 or rewards.shape[1] < 2:
         raise ValueError(f"rewards must be [num_groups, G] with G >= 2, got shape {tuple(rewards.shape)}")
-    return rewards.float()
+    return rewards.double()
 
 
+def _constant_rows(r: torch.Tensor) -> torch.Tensor:
+    """[num_groups, 1] bool: the group's rewards are all equal."""
+    return r.amax(dim=1, keepdim=True) == r.amin(dim=1, keepdim=True)
+
+
+def _zero_where(constant: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
+    return torch.where(constant, torch.zeros_like(adv), adv).float()
+
+
+@register_advantage_estimator("grpo", "dapo", kind="group")
 def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """GRPO / DAPO group normalisation:  A_gi = (r_gi − mean_g) / (std_g + ε).
 
-    A group whose rewards are all equal gets A = 0 (DAPO's dynamic sampling drops such groups).
+    A group whose rewards are all equal gets A = 0 exactly (DAPO's dynamic sampling drops such groups).
     """
     r = _check_groups(rewards)
-    return (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
+    adv = (r - r.mean(dim=1, keepdim=True)) / (r.std(dim=1, keepdim=True) + eps)
+    return _zero_where(_constant_rows(r), adv)
 
 
+@register_advantage_estimator("drgrpo", kind="group")
 def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO (GRPO done right): the mean baseline without the std division,
     A_gi = r_gi − mean_g, which removes the question-difficulty bias of 1/std_g."""
     r = _check_groups(rewards)
-    return r - r.mean(dim=1, keepdim=True)
+    return _zero_where(_constant_rows(r), r - r.mean(dim=1, keepdim=True))
 
 
+@register_advantage_estimator("qae", kind="group")
 def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """QAE (Quantile Advantage Estimation, arXiv 2509.22611): GRPO/DAPO with the group mean
     replaced by the group's K-quantile,
@@ -60,9 +84,11 @@ def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_E
         raise ValueError(f"QAE quantile k must be in [0, 1], got {k!r}")
     r = _check_groups(rewards)
     baseline = torch.quantile(r, k, dim=1, keepdim=True)
-    return (r - baseline) / (r.std(dim=1, keepdim=True) + eps)
+    adv = (r - baseline) / (r.std(dim=1, keepdim=True) + eps)
+    return _zero_where(_constant_rows(r), adv)
 
 
+@register_advantage_estimator("rloo", kind="group")
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO (REINFORCE leave-one-out): the baseline of each response is the mean of the
     other G−1 responses of its group,
@@ -71,9 +97,10 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """
     r = _check_groups(rewards)
     g = r.shape[1]
-    return (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1))
+    return _zero_where(_constant_rows(r), (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
 
 
+@register_advantage_estimator("reinforce++", kind="group")
 def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """REINFORCE++ with outcome rewards and no per-token KL: the return of every response is
     its reward, normalised over the whole batch (all groups together, each response once):
@@ -81,16 +108,20 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> 
         A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
     """
     r = _check_groups(rewards)
-    return (r - r.mean()) / (r.std() + eps)
+    return _zero_where(r.amax() == r.amin(), (r - r.mean()) / (r.std() + eps))
 
 
+@register_advantage_estimator("reinforce++-baseline", kind="group")
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """REINFORCE++-baseline: subtract the group mean, then divide by the std of those centred
     values over the whole batch:  c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε)."""
-    centred = drgrpo_advantages(rewards)
-    return centred / (centred.std() + eps)
+    r = _check_groups(rewards)
+    constant = _constant_rows(r)
+    centred = torch.where(constant, 0.0, r - r.mean(dim=1, keepdim=True))
+    return _zero_where(constant, centred / (centred.std() + eps))
 
 
+@register_advantage_estimator("gae", kind="token")
 def gae_advantages(
     values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,37 +178,29 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float =
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must share a shape")
     valid = mask.bool()
-    a = advantages.float()
+    a = advantages.double()
     picked = a[valid]
     if picked.numel() < 2:
         raise ValueError(f"whitening needs at least 2 valid tokens, got {picked.numel()}")
-    return torch.where(valid, (a - picked.mean()) / (picked.std() + eps), 0.0)
+    if picked.amax() == picked.amin():  # all equal: exactly 0, not rounding error / ε
+        return torch.zeros(a.shape, dtype=torch.float32, device=a.device)
+    return torch.where(valid, (a - picked.mean()) / (picked.std() + eps), 0.0).float()
 
 
-ESTIMATORS: dict[str, Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]] = {
-    "grpo": grpo_advantages,
-    "dapo": grpo_advantages,
-    "drgrpo": drgrpo_advantages,
-    "qae": qae_advantages,
-    "rloo": rloo_advantages,
-    "reinforce++": reinforce_pp_advantages,
-    "reinforce++-baseline": reinforce_pp_baseline_advantages,
-    "gae": gae_advantages,
-}
-GROUP_ESTIMATORS = tuple(name for name in ESTIMATORS if name != "gae")
+ESTIMATORS = ADVANTAGE_ESTIMATORS  # name -> function (read-only mapping; register with the decorator)
+GROUP_ESTIMATORS = tuple(
+    name for name, e in ADVANTAGE_ESTIMATORS.items() if ADVANTAGE_ESTIMATORS.entry(name).meta["kind"] == "group"
+)
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
-    """The estimator registered under ``name``; unknown names raise with the closest match."""
-    try:
-        return ESTIMATORS[name]
-    except KeyError:
-        close = difflib.get_close_matches(str(name), ESTIMATORS, n=1)
-        hint = f" (did you mean {close[0]!r}?)" if close else ""
-        raise ValueError(f"unknown advantage estimator {name!r}{hint}; choose one of {', '.join(ESTIMATORS)}") from None
+    """The estimator registered under ``name``; an unknown name raises one line listing the known ones."""
+    return ADVANTAGE_ESTIMATORS.entry(name).fn
 
 
-def compute_advantages(name: str, **inputs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(name: str, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Dispatch by config name: ``compute_advantages("qae", rewards=r, k=0.4)``,
-    ``compute_advantages("gae", values=v, rewards=r, mask=m, gamma=1.0, lam=0.95)``."""
-    return get_estimator(name)(**inputs)
+    ``compute_advantages("gae", values=v, rewards=r, mask=m, gamma=1.0, lam=0.95)``.
+
+    Arguments the estimator does not take raise one line naming those it takes."""
+    return ADVANTAGE_ESTIMATORS.call(name, *args, **kwargs)

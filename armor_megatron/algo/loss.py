@@ -16,21 +16,48 @@ token-mean (DAPO) weights every token equally, so long responses count in propor
 their length. Passing the GLOBAL N (all micro-batches, all data-parallel ranks) to every call
 makes the per-micro-batch losses sum to exactly the global L; ``loss_normalizer`` gives the
 local count to all-reduce.
+
+Optional per-token weights w_it (no gradient through them), e.g. truncated importance
+sampling (tis.py), multiply the token losses: ℓ_it ← w_it·ℓ_it, before aggregation.
+
+Masked positions (mask 0) never reach the arithmetic: their log-probs, advantages and weights
+are replaced by 0 before the ratio, so a NaN or ±inf there (padding, a truncated forward)
+gives neither a NaN loss nor a NaN gradient.
+
+Log-ratio clamp (a deliberate departure from the paper's loss): log r is clamped to
+[−20, 20] before exp, r ∈ [2.1e-9, 4.9e8]. It changes the loss only at tokens with
+|log r| > 20, i.e. π_θ more than 4.9e8 times π_old (or the mixture) or less than 2e-9 times:
+no healthy update moves a token that far, it signals broken log-probs or a diverged policy.
+There, a token with A < 0 and log r > 20 contributes the constant −A·e^20 and NO gradient
+(the paper's −A·r would give a gradient of |A|·r ≥ 4.9e8 from that one token, which would
+dominate the batch's gradient and, after global-norm clipping, erase every other token's
+update; dual-clip, if set, bounds it to −A·c anyway). With A > 0 and log r > 20 the token is
+clipped, without gradient, either way; with log r < −20 the gradient lost is at most
+|A|·2e-9. ``log_ratio_clamped_frac`` reports the share of tokens the clamp touched.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from armor_megatron.algo.ratio import check_alpha, mixed_log_ratio, mixture_weight
+from armor_megatron.algo.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
-# exp(±20) ≈ 4.9e8: far outside any clip range, but finite in fp32 even for garbage inputs.
+# exp(±20) ≈ 4.9e8: far outside any clip range, but finite in fp32 even for garbage inputs
+# (see "Log-ratio clamp" in the module docstring for what it changes).
 MAX_ABS_LOG_RATIO = 20.0
+
+POLICY_LOSSES = Registry("policy loss")
+"""Registered policy losses. Each takes ``(logp, old_logp, ref_logp, advantages, mask, cfg, *,
+normalizer=None, entropy=None, token_weights=None)`` like :func:`policy_loss`, returns
+``(loss, metrics)``, and is registered with ``config=`` the dataclass of its hyper-parameters."""
+register_policy_loss = POLICY_LOSSES.register
 
 
 @dataclass(frozen=True)
@@ -93,10 +120,11 @@ def aggregate_token_loss(
     return total / normalizer
 
 
-def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy) -> None:
+def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, token_weights=None) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
-    for name, t in (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("entropy", entropy)):
+    named = (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("entropy", entropy))
+    for name, t in (*named, ("token_weights", token_weights)):
         if t is not None and t.shape != logp.shape:
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {tuple(logp.shape)} like logp")
     if advantages.shape not in (logp.shape[:1], logp.shape):
@@ -106,6 +134,12 @@ def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy) -> None:
         )
 
 
+def on_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``x`` with masked positions set to 0 (a ``where``: no NaN/inf there, no gradient there)."""
+    return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+@register_policy_loss("armor", config=PolicyLossConfig)
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -116,8 +150,9 @@ def policy_loss(
     *,
     normalizer: torch.Tensor | float | None = None,
     entropy: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """ARMOR/DAPO policy loss of one micro-batch.
+    """ARMOR/DAPO policy loss of one micro-batch (registered as ``"armor"``; α = 1 is PPO/DAPO).
 
     Args:
         logp, old_logp, ref_logp: [B, T] log-probs of the response tokens under π_θ (with grad),
@@ -127,6 +162,8 @@ def policy_loss(
         cfg: the loss hyper-parameters.
         normalizer: the GLOBAL count of aggregation units (see module doc); None: this call's.
         entropy: optional [B, T] per-token entropy of π_θ, only reported.
+        token_weights: optional [B, T] weights w_it of the token losses (detached), e.g. the
+            truncated importance-sampling weights of tis.py; None: all 1.
 
     Returns:
         (loss, metrics): loss is an fp32 scalar with grad; metrics are detached fp32 scalars,
@@ -136,29 +173,53 @@ def policy_loss(
         approx_kl_old = mean(ρ−1−log ρ), ρ = π_θ/π_old (k3 estimate of KL(π_old‖π_θ)),
         approx_kl_ref = mean(ρ−1−log ρ), ρ = π_ref/π_θ (k3 estimate of KL(π_θ‖π_ref)),
         mixture_weight_mean = mean α·π_θ/(α·π_θ+(1−α)·π_ref) (both when ref_logp is given),
-        entropy (when given) and num_tokens.
+        log_ratio_clamped_frac (|log r_mix| > 20, module doc), entropy (when given) and num_tokens.
     """
-    _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy)
+    _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, token_weights)
     if cfg.alpha < 1.0 and ref_logp is None:
         raise ValueError(f"ref_logp is required when alpha < 1 (alpha={cfg.alpha})")
     valid = mask.bool()
     adv = advantages.float()
     if adv.dim() == 1:
         adv = adv.unsqueeze(-1).expand_as(logp)
+    # Masked positions may hold NaN/inf (padding): neutralise every input before the arithmetic,
+    # since a where() after it keeps the value finite but not the gradient (0·NaN = NaN).
+    logp, old_logp, adv = on_valid(logp, valid), on_valid(old_logp, valid), on_valid(adv, valid)
+    if ref_logp is not None:
+        ref_logp = on_valid(ref_logp, valid)
 
     log_ratio = mixed_log_ratio(logp, old_logp, ref_logp, cfg.alpha)
     ratio = torch.exp(log_ratio.clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO))
     token_loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
     if cfg.dual_clip_c is not None:
         token_loss = torch.where(adv < 0, torch.minimum(token_loss, -adv * cfg.dual_clip_c), token_loss)
+    if token_weights is not None:
+        token_loss = token_loss * on_valid(token_weights.detach().float(), valid)
     loss = aggregate_token_loss(token_loss, valid, cfg.loss_agg, normalizer)
 
     with torch.no_grad():
-        metrics = _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
+        metrics = _metrics(ratio, log_ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
     return loss, metrics
 
 
-def _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
+def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The policy loss registered as ``name`` (``"armor"``); an unknown name raises one line
+    listing the known ones."""
+    return POLICY_LOSSES.entry(name).fn
+
+
+def make_policy_loss_config(name: str, **hyper_parameters):
+    """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields);
+    an unknown field raises one line listing the fields the loss takes."""
+    config_cls = POLICY_LOSSES.entry(name).meta["config"]
+    fields = [f.name for f in dataclasses.fields(config_cls)]
+    unknown = [k for k in hyper_parameters if k not in fields]
+    if unknown:
+        raise ValueError(f"policy loss {name!r} takes no {', '.join(unknown)}; its config fields: {', '.join(fields)}")
+    return config_cls(**hyper_parameters)
+
+
+def _metrics(ratio, log_ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
     n = valid.sum()
     denom = n.clamp(min=1).float()
     has_tokens = n > 0
@@ -183,11 +244,12 @@ def _metrics(ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[
         "ratio_min": torch.where(has_tokens, torch.where(valid, ratio, inf).min(), 0.0),
         "ratio_max": torch.where(has_tokens, torch.where(valid, ratio, -inf).max(), 0.0),
         "approx_kl_old": k3(logp.detach().float() - old_logp.float()),
+        "log_ratio_clamped_frac": mean(log_ratio.detach().abs() > MAX_ABS_LOG_RATIO),
         "num_tokens": n.float(),
     }
     if ref_logp is not None:
         out["approx_kl_ref"] = k3(ref_logp.float() - logp.detach().float())
         out["mixture_weight_mean"] = mean(mixture_weight(logp.detach(), ref_logp, cfg.alpha))
     if entropy is not None:
-        out["entropy"] = mean(entropy.detach())
+        out["entropy"] = mean(on_valid(entropy.detach(), valid))
     return out

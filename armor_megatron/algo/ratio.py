@@ -74,8 +74,8 @@ def trust_region_bounds(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The probability interval for π_θ that clipping r_mix to [1−ε_low, 1+ε_high] allows.
 
-    Solving (α·π_θ + (1−α)·π_ref) / (α·π_old + (1−α)·π_ref) = 1 ± ε for π_θ gives ARMOR's
-    adaptive trust region (DESIGN §2.7):
+    Solving (α·π_θ + (1−α)·π_ref) / (α·π_old + (1−α)·π_ref) = 1 ± ε for π_θ (the r_mix of the
+    module docstring) gives ARMOR's adaptive trust region:
 
         lower = (1 − ε_low)·π_old − ε_low·(1−α)/α·π_ref
         upper = (1 + ε_high)·π_old + ε_high·(1−α)/α·π_ref

@@ -5,7 +5,10 @@
     armor-eval --config configs/qwen25_math_7b_dapo_armor.yaml [--model CKPT_HF_DIR]   # the config's eval section
 
 Local engine (transformers, in process) by default; ``--url`` evaluates through a running
-SGLang server instead. Prints a table; ``--output`` writes metrics and every sample as JSON.
+SGLang server instead. Each row is scored by the verifier its ``type`` column names (``math``,
+``safety``, ``knowledge``...; ``--verifier`` for rows without one). Prints a table per
+dataset and one of accuracy per domain (the verifier); ``--output`` writes metrics, domain
+accuracy and every sample as JSON.
 """
 
 from __future__ import annotations
@@ -80,10 +83,31 @@ def main(argv: list[str] | None = None) -> int:
     verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
     with engine:
         result = evaluate(engine, encode, eval_sets, sampling, verifier=verifier, pass_k=pass_k)
+    domains = domain_accuracy(result.records, eval_sets, verifier)
     print(format_table(result.metrics))
+    print()
+    print(format_domain_table(domains))
     if args.output:
-        _write_json(args.output, {"model": model, "k": k, "metrics": result.metrics, "samples": result.records})
+        payload = {"model": model, "k": k, "metrics": result.metrics, "domains": domains, "samples": result.records}
+        _write_json(args.output, payload)
     return EXIT_OK
+
+
+def domain_accuracy(records: list[dict], eval_sets, default_verifier: str) -> dict[str, dict[str, float]]:
+    """Accuracy per domain over every scored sample: a sample's domain is the verifier its row
+    was scored with (the row's ``type``, else ``default_verifier``)."""
+    from armor_megatron.rewards.metrics import accuracy_by_domain
+
+    domain_of = {(es.name, row.index): row.verifier or default_verifier for es in eval_sets for row in es.dataset.rows}
+    return accuracy_by_domain((domain_of[(r["dataset"], r["index"])], r["score"]) for r in records)
+
+
+def format_domain_table(domains: dict[str, dict[str, float]]) -> str:
+    """``domain  samples  accuracy``, one row per domain."""
+    rows = [["domain", "samples", "accuracy"]]
+    rows += [[d, f"{int(v['num_samples'])}", f"{v['accuracy']:.4f}"] for d, v in domains.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _engine(model: str, url: str | None):

@@ -6,7 +6,9 @@
 
 Registered verifiers: ``math`` (math-verify equivalence of the last ``\\boxed{}``, under a hard
 timeout), ``multiple_choice`` (option letters A–J), ``format`` (exactly one ``\\boxed{}``),
-``think_format`` (``</think>``-closed reasoning, then exactly one ``\\boxed{}``). Build
+``think_format`` (``</think>``-closed reasoning, then exactly one ``\\boxed{}``), ``safety``
+(refuse harmful requests, answer benign ones), ``knowledge`` (normalised exact match with
+aliases). A mixed dataset routes each row to the verifier its ``type`` column names. Build
 variants with ``make_math_verifier``, ``make_choice_verifier``, ``make_format_verifier``,
 combine with ``weighted_verifier``, add your own with ``register_verifier``.
 """
@@ -16,16 +18,26 @@ from armor_megatron.rewards.choice import make_choice_verifier
 from armor_megatron.rewards.combine import weighted_verifier
 from armor_megatron.rewards.format_rule import make_format_verifier
 from armor_megatron.rewards.isolated import configure_pool, shutdown_workers
+from armor_megatron.rewards.knowledge import verify_knowledge
 from armor_megatron.rewards.math_answer import make_math_verifier
-from armor_megatron.rewards.metrics import avg_at_k, flatten_metrics, group_metrics, metrics_by_dataset, pass_at_k
+from armor_megatron.rewards.metrics import (
+    accuracy_by_domain,
+    avg_at_k,
+    flatten_metrics,
+    group_metrics,
+    metrics_by_dataset,
+    pass_at_k,
+)
 from armor_megatron.rewards.registry import get_verifier, load_verifier, register_verifier, registered_verifiers
 from armor_megatron.rewards.result import RewardResult, Verifier
+from armor_megatron.rewards.safety import verify_safety
 from armor_megatron.rewards.spec import VerifierSpecError
 
 __all__ = [
     "RewardResult",
     "Verifier",
     "VerifierSpecError",
+    "accuracy_by_domain",
     "avg_at_k",
     "compute_score",
     "configure_pool",
@@ -42,5 +54,7 @@ __all__ = [
     "registered_verifiers",
     "score_batch",
     "shutdown_workers",
+    "verify_knowledge",
+    "verify_safety",
     "weighted_verifier",
 ]

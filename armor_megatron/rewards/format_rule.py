@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from armor_megatron.rewards.extract import find_boxed
+from armor_megatron.rewards.extract import box_spans, is_blank
 from armor_megatron.rewards.registry import register_verifier
 from armor_megatron.rewards.result import RewardResult, Verifier
 
@@ -40,12 +40,11 @@ def make_format_verifier(
             ok, answer_part = _split_think(response, think_open, think_close)
             breakdown["think"] = float(ok)
         if boxed is not None:
-            boxes = find_boxed(answer_part)
-            complete = [b for b in boxes if b is not None and b.strip()]
+            spans = box_spans(answer_part)  # spans, not the arguments: nested boxes cost no copies
             if boxed == "exactly_one":
-                ok = len(boxes) == 1 and len(complete) == 1
+                ok = len(spans) == 1 and spans[0] is not None and not is_blank(answer_part, spans[0])
             else:
-                ok = bool(boxes) and boxes[-1] is not None and bool(boxes[-1].strip())
+                ok = bool(spans) and spans[-1] is not None and not is_blank(answer_part, spans[-1])
             breakdown["boxed"] = float(ok)
         return RewardResult(float(all(v == 1.0 for v in breakdown.values())), breakdown)
 

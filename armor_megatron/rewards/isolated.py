@@ -13,12 +13,16 @@ Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickl
 
 Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
 each call checks one worker out. A worker whose call times out or that dies is killed and
-replaced on the next call. After ``os.fork`` the child gets a fresh, empty pool.
+replaced at once: a background thread starts a fresh one with the same modules imported
+(seconds for math-verify), while the failed call returns within its timeout. A later call
+that needs that slot waits for the replacement before its clock starts, so its timeout
+measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
 """
 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import pickle
 import select
@@ -29,6 +33,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
@@ -68,11 +74,14 @@ class _Worker:
             raise
 
     def call(self, target: str, args: tuple, timeout_s: float) -> Any:
-        module = target.split(":", 1)[0]
+        self.preload(target.split(":", 1)[0])
+        return self._request(("call", (target, args)), timeout_s)
+
+    def preload(self, module: str) -> None:
+        """Import ``module`` in the worker (once), under the start-up timeout."""
         if module not in self.imported:
             self._request(("import", module), STARTUP_TIMEOUT_S)
             self.imported.add(module)
-        return self._request(("call", (target, args)), timeout_s)
 
     def _request(self, message: tuple, timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
@@ -151,7 +160,10 @@ class WorkerPool:
         try:
             result = worker.call(target, args, timeout_s)
         except (IsolatedTimeout, WorkerDied):
-            self._discard(worker)
+            worker.kill()
+            threading.Thread(
+                target=self._replace, args=(worker.imported,), name="reward-worker-replace", daemon=True
+            ).start()
             raise
         except BaseException:
             self._release(worker)
@@ -196,11 +208,26 @@ class WorkerPool:
             self._idle.append(worker)
             self._cond.notify()
 
-    def _discard(self, worker: _Worker) -> None:
-        worker.kill()
-        with self._cond:
-            self._started -= 1
-            self._cond.notify()
+    def _replace(self, modules: set[str]) -> None:
+        """Start a worker with ``modules`` imported into the slot of a killed one; if that
+        fails, free the slot (the next call starts a worker on demand)."""
+        try:
+            fresh = _Worker(self.memory_limit_mb)
+            try:
+                for module in sorted(modules):
+                    fresh.preload(module)
+            except BaseException:
+                fresh.kill()
+                raise
+        except BaseException as exc:
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            if not isinstance(exc, Exception):
+                raise
+            logger.warning("reward worker could not be replaced after a failed call: %s", exc)
+            return
+        self._release(fresh)
 
     def _forget_after_fork(self) -> None:
         # In a forked child the workers belong to the parent: drop our copies of the pipes

@@ -6,21 +6,28 @@ score = 1 if the response's final answer equals the ground truth mathematically,
 order, and intervals written with or without ``\\left``/``\\right``. Floats are compared after
 rounding to 6 decimals, so ``0.333`` is not ``1/3``.
 
-Each comparison runs in a pooled worker process under a hard timeout
-(:mod:`armor_megatron.rewards.isolated`): a pathological answer such as ``9^{9^{9^{9}}}``
-scores 0 with ``timed_out = 1`` after ``timeout_s`` seconds, from any thread or process,
-and the parent never imports sympy. A worker that dies mid-comparison also scores 0 (logged
-as an error); an exception inside the worker (a bug, math-verify missing) is raised.
+The answer is read by :func:`~armor_megatron.rewards.extract.final_math_answer` (linear time:
+the last box, or without a box a final ``Answer:`` line / ``final answer is`` sentence at the
+very end; an unterminated last box is no answer). The comparison runs in a pooled worker
+process under a hard timeout (:mod:`armor_megatron.rewards.isolated`). ``timeout_s`` bounds
+the scoring of one response as a whole: extraction and the comparisons with every
+acceptable gold answer share it, so a pathological answer such as ``9^{9^{9^{9}}}`` scores 0
+with ``timed_out = 1`` after ``timeout_s`` seconds, from any thread or process, and the
+parent never imports sympy. (Waiting for a free worker when more threads than workers score
+at once is not counted; neither is the start-up of a worker.) A worker that dies
+mid-comparison also scores 0 (logged as an error); an exception inside the worker (a bug,
+math-verify missing) is raised.
 """
 
 from __future__ import annotations
 
 import logging
 import numbers
+import time
 from collections.abc import Sequence
 from typing import Any
 
-from armor_megatron.rewards.extract import last_answer_line, last_boxed
+from armor_megatron.rewards.extract import final_math_answer, last_boxed
 from armor_megatron.rewards.isolated import IsolatedTimeout, WorkerDied, run_isolated
 from armor_megatron.rewards.registry import register_verifier
 from armor_megatron.rewards.result import RewardResult, Verifier
@@ -28,19 +35,20 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 5.0
-_EQUIVALENT = "armor_megatron.rewards.math_equivalence:equivalent"  # runs in worker processes only
+_EQUIVALENT = "armor_megatron.rewards.math_equivalence:equivalent_to_any"  # runs in worker processes only
 
 
 def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fallback: bool = True) -> Verifier:
     """Build a math verifier.
 
     The answer is the content of the LAST ``\\boxed{...}``/``\\fbox{...}`` in the response; if
-    there is none and ``answer_line_fallback`` is set, the text after the last ``Answer:``
-    (the DAPO-Math prompt format). No answer -> score 0.
+    there is no box and ``answer_line_fallback`` is set, a final ``Answer: X`` line or ``The
+    final answer is $X$.`` sentence ending the response (the DAPO and Minerva prompt formats).
+    No answer -> score 0.
 
     ground_truth: a string (plain ``1/2``, LaTeX ``\\frac{1}{2}``, optionally ``$``-wrapped, or a
     whole reference solution, whose last ``\\boxed{}`` is then used), a number, or a list of
-    acceptable answers (correct if any matches; each gets its own ``timeout_s``).
+    acceptable answers (correct if any matches; all share the one ``timeout_s``).
 
     breakdown: ``answer_found``, ``correct``, ``timed_out`` (each 0 or 1).
     """
@@ -48,26 +56,28 @@ def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fall
         raise ValueError(f"math verifier timeout_s must be > 0, got {timeout_s}")
 
     def verify_math(response: str, ground_truth: Any) -> RewardResult:
+        start = time.monotonic()
         golds = gold_answers(ground_truth)
-        answer = last_boxed(response)
-        if answer is None and answer_line_fallback:
-            answer = last_answer_line(response)
+        answer = final_math_answer(response, answer_line_fallback=answer_line_fallback)
         if not answer:
             return RewardResult(0.0, {"answer_found": 0.0, "correct": 0.0, "timed_out": 0.0}, None)
         correct = timed_out = False
-        for gold in golds:
-            if answer == gold:
-                correct = True
-                break
+        left = timeout_s - (time.monotonic() - start)
+        if answer in golds:
+            correct = True
+        elif left <= 0:
+            timed_out = True
+            logger.warning("math verifier: reading the answer of a response took over %gs", timeout_s)
+        else:
             try:
-                correct = run_isolated(_EQUIVALENT, answer, gold, timeout_s=timeout_s)
+                correct = bool(run_isolated(_EQUIVALENT, answer, golds, timeout_s=left))
             except IsolatedTimeout:
                 timed_out = True
-                logger.warning("math verifier: comparing %.80r with %.80r timed out after %gs", answer, gold, timeout_s)
+                logger.warning(
+                    "math verifier: comparing %.80r with %.80r timed out after %gs", answer, golds, timeout_s
+                )
             except WorkerDied as exc:  # input-driven (e.g. the OS killed it): score 0, do not stop training
-                logger.error("math verifier: comparing %.80r with %.80r killed its worker (%s)", answer, gold, exc)
-            if correct:
-                break
+                logger.error("math verifier: comparing %.80r with %.80r killed its worker (%s)", answer, golds, exc)
         score = float(correct)
         return RewardResult(score, {"answer_found": 1.0, "correct": score, "timed_out": float(timed_out)}, answer)
 

@@ -25,5 +25,10 @@ def equivalent(answer: str, gold: str) -> bool:
     return bool(verify(gold_parsed, answer_parsed, timeout_seconds=None))
 
 
+def equivalent_to_any(answer: str, golds: list[str]) -> bool:
+    """Whether ``answer`` equals one of ``golds`` (tried in order, stopping at the first match)."""
+    return any(equivalent(answer, gold) for gold in golds)
+
+
 for _answer, _gold in ((r"\frac{1}{2}", "0.5"), ("x^2+2x+1", "(x+1)^2"), (r"\{1,2\}", "(1,2]")):
     equivalent(_answer, _gold)

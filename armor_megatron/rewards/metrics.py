@@ -92,6 +92,21 @@ def metrics_by_dataset(
     return out
 
 
+def accuracy_by_domain(records: Iterable[tuple[str, float]], threshold: float = 1.0) -> dict[str, dict[str, float]]:
+    """Per-domain accuracy of scored samples: ``(domain, score)`` records (the domain is the
+    row's verifier, e.g. ``math``, ``safety``, ``knowledge``) ->
+    ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``, domains in
+    order of first appearance."""
+    counts: dict[str, list[int]] = {}
+    for domain, score in records:
+        if not _is_number(score):
+            raise TypeError(f"domain {domain!r}: score must be a number, got {type(score).__name__}")
+        seen = counts.setdefault(str(domain), [0, 0])
+        seen[0] += 1
+        seen[1] += score >= threshold
+    return {d: {"num_samples": float(n), "accuracy": correct / n} for d, (n, correct) in counts.items()}
+
+
 def flatten_metrics(metrics: Mapping[str, Mapping[str, float]], prefix: str = "eval") -> dict[str, float]:
     """``{"aime": {"pass@1": x}}`` -> ``{"eval/aime/pass@1": x}`` for loggers."""
     return {

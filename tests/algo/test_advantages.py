@@ -140,3 +140,115 @@ def test_whitening_over_valid_tokens():
     torch.testing.assert_close(out, torch.tensor([[-1.0, 0.0], [1.0, 0.0]]))
     with pytest.raises(ValueError, match="whitening needs at least 2 valid tokens, got 1"):
         whiten_advantages(adv, torch.tensor([[1, 0], [0, 0]]))
+
+
+# --- exact edge cases against an independent float64 implementation (pure Python) -------------
+
+
+def _mean(xs):
+    return math.fsum(xs) / len(xs)
+
+
+def _std(xs):
+    m = _mean(xs)
+    return math.sqrt(math.fsum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+
+
+def _quantile(xs, k):
+    s = sorted(xs)
+    pos = k * (len(s) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (pos - lo) * (s[hi] - s[lo])
+
+
+def _reference(name, groups, eps=1e-6, k=0.4):
+    """Advantages in float64 from the formulas in the docstrings; an all-equal set gives 0."""
+    flat = [x for g in groups for x in g]
+    if name == "reinforce++":
+        if max(flat) == min(flat):
+            return [[0.0] * len(g) for g in groups]
+        m, s = _mean(flat), _std(flat)
+        return [[(x - m) / (s + eps) for x in g] for g in groups]
+    if name == "reinforce++-baseline":
+        centred = [[0.0 if max(g) == min(g) else x - _mean(g) for x in g] for g in groups]
+        cflat = [x for g in centred for x in g]
+        if max(cflat) == min(cflat) == 0.0:
+            return centred
+        s = _std(cflat)
+        return [[x / (s + eps) for x in g] for g in centred]
+    out = []
+    for g in groups:
+        if max(g) == min(g):
+            out.append([0.0] * len(g))
+            continue
+        m, s, n = _mean(g), _std(g), len(g)
+        if name == "grpo":
+            out.append([(x - m) / (s + eps) for x in g])
+        elif name == "drgrpo":
+            out.append([x - m for x in g])
+        elif name == "rloo":
+            out.append([x - (math.fsum(g) - x) / (n - 1) for x in g])
+        elif name == "qae":
+            q = _quantile(g, k)
+            out.append([(x - q) / (s + eps) for x in g])
+    return out
+
+
+GROUP_NAMES = ["grpo", "drgrpo", "qae", "rloo", "reinforce++", "reinforce++-baseline"]
+
+
+@pytest.mark.parametrize("name", GROUP_NAMES)
+@pytest.mark.parametrize("value", [0.7, 0.1, -3.3, 1.0, 0.0, 1e-3])
+def test_identical_non_binary_rewards_give_exactly_zero(name, value):
+    rewards = torch.full((3, 8), value)
+    assert torch.equal(compute_advantages(name, rewards=rewards), torch.zeros(3, 8))
+
+
+@pytest.mark.parametrize("name", GROUP_NAMES)
+def test_estimators_match_a_float64_reference(name):
+    g = torch.Generator().manual_seed(7)
+    rewards = torch.rand(6, 8, generator=g)
+    rewards[1] = 0.7  # a constant non-binary group among varied ones
+    rewards[2] = torch.tensor([0.0, 1.0] * 4)
+    rewards[3, :4] = 0.3
+    groups = rewards.double().tolist()  # the float32 values, exactly
+    expected = torch.tensor(_reference(name, groups), dtype=torch.float64)
+    got = compute_advantages(name, rewards=rewards)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-6)
+    if name not in ("reinforce++",):
+        assert torch.equal(got[1], torch.zeros(8))
+
+
+def test_whitening_constant_advantages_is_exactly_zero():
+    from armor_megatron.algo.advantages import whiten_advantages
+
+    out = whiten_advantages(torch.full((2, 3), 0.7), torch.ones(2, 3))
+    assert torch.equal(out, torch.zeros(2, 3))
+
+
+def test_compute_advantages_checks_the_arguments_the_estimator_takes():
+    with pytest.raises(ValueError, match=r"advantage estimator 'qae' takes \(rewards, k, eps\)"):
+        compute_advantages("qae", rewards=ONE_OF_FOUR, kk=0.4)
+    with pytest.raises(ValueError, match=r"unknown advantage estimator 'nope'; known: grpo, dapo, drgrpo"):
+        compute_advantages("nope", rewards=ONE_OF_FOUR)
+    torch.testing.assert_close(compute_advantages("grpo", ONE_OF_FOUR), grpo_advantages(ONE_OF_FOUR))
+
+
+def test_a_new_estimator_is_one_registered_function():
+    from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
+
+    @register_advantage_estimator("test-max-baseline", kind="group")
+    def max_baseline(rewards, scale: float = 1.0):
+        return (rewards - rewards.amax(dim=1, keepdim=True)) * scale
+
+    try:
+        out = compute_advantages("test-max-baseline", rewards=ONE_OF_FOUR, scale=2.0)
+        torch.testing.assert_close(out, torch.tensor([[0.0, -2.0, -2.0, -2.0]]))
+        assert ADVANTAGE_ESTIMATORS.entry("test-max-baseline").parameters == ("rewards", "scale")
+        with pytest.raises(ValueError, match="already registered"):
+            register_advantage_estimator("test-max-baseline")(max_baseline)
+    finally:
+        ADVANTAGE_ESTIMATORS.unregister("test-max-baseline")
+    assert "test-max-baseline" not in ESTIMATORS

@@ -184,3 +184,94 @@ def test_bad_inputs_raise():
         policy_loss(torch.zeros(3), torch.zeros(3), None, torch.ones(3), torch.ones(3), PPO)
     with pytest.raises(ValueError, match="normalizer"):
         policy_loss(x, x, None, torch.ones(2), x, PPO, normalizer=0)
+
+
+# --- masked positions, the log-ratio clamp, token weights, the registry -------------------------
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.9])
+@pytest.mark.parametrize("garbage", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_values_at_masked_positions_touch_neither_loss_nor_gradient(alpha, garbage):
+    g = torch.Generator().manual_seed(3)
+    old = -2 * torch.rand(2, 5, generator=g)
+    ref = -2 * torch.rand(2, 5, generator=g)
+    lp = old + 0.3 * torch.randn(2, 5, generator=g)
+    adv = torch.tensor([[1.0] * 5, [-0.5] * 5])
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 0]], dtype=torch.bool)
+    cfg = PolicyLossConfig(alpha=alpha)
+
+    def run(fill):
+        tensors = [t.clone() for t in (lp, old, ref, adv)]
+        for t in tensors:
+            t[~mask] = fill
+        logp = tensors[0].requires_grad_(True)
+        loss, m = policy_loss(logp, tensors[1], tensors[2], tensors[3], mask, cfg, entropy=tensors[1].abs())
+        loss.backward()
+        return loss, logp.grad, m
+
+    clean_loss, clean_grad, clean_m = run(0.0)
+    loss, grad, m = run(garbage)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert torch.equal(loss, clean_loss) and torch.equal(grad, clean_grad)
+    assert torch.equal(grad[~mask], torch.zeros(int((~mask).sum())))
+    assert all(torch.isfinite(v) for v in m.values())
+
+
+def test_log_ratio_clamp_pins_the_documented_behaviour():
+    # one sequence, A = −1, log r = 25 (clamped), 19 (not), −25 (clamped, A < 0 -> clipped low anyway)
+    old = torch.full((1, 3), -30.0)
+    logp = (old + torch.tensor([[25.0, 19.0, -25.0]])).requires_grad_(True)
+    loss, m = policy_loss(logp, old, None, torch.tensor([-1.0]), torch.ones(1, 3), PPO)
+    loss.backward()
+    # ℓ = −A·r for r > 1: e^20 (the clamp's constant, not e^25) and e^19; clipped low: −A·0.8
+    expected = (math.exp(20.0) + math.exp(19.0) + 0.8) / 3
+    torch.testing.assert_close(loss.double(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5, atol=0)
+    # gradient: 0 where clamped (the paper's would be e^25/3), −A·r/N = e^19/3 where not, 0 where clipped
+    torch.testing.assert_close(
+        logp.grad.double(), torch.tensor([[0.0, math.exp(19.0) / 3, 0.0]], dtype=torch.float64), rtol=1e-5, atol=0
+    )
+    torch.testing.assert_close(m["log_ratio_clamped_frac"], torch.tensor(2 / 3))
+
+
+def test_token_weights_scale_each_token_loss_without_gradient():
+    # r = 1 everywhere so ℓ = −A; weights w: L = Σ w·(−A) / N
+    logp = torch.full((2, 2), -1.0, requires_grad=True)
+    weights = torch.tensor([[0.5, 2.0], [1.0, 9.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    loss, _ = policy_loss(logp, logp.detach(), None, torch.tensor([1.0, -2.0]), mask, PPO, token_weights=weights)
+    torch.testing.assert_close(loss, torch.tensor((-0.5 - 2.0 + 2.0) / 3))
+    loss.backward()
+    assert weights.grad is None
+    # ∂ℓ/∂lp = −A·r·w / N (r = 1, inside the clip range)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.5 / 3, -2.0 / 3], [2.0 / 3, 0.0]]))
+    with pytest.raises(ValueError, match=r"token_weights has shape \(2,\)"):
+        policy_loss(logp, logp.detach(), None, torch.ones(2), mask, PPO, token_weights=torch.ones(2))
+
+
+def test_policy_loss_registry():
+    from armor_megatron.algo.loss import POLICY_LOSSES, get_policy_loss, make_policy_loss_config, register_policy_loss
+
+    assert get_policy_loss("armor") is policy_loss
+    cfg = make_policy_loss_config("armor", alpha=0.9, eps_high=0.3)
+    assert cfg == PolicyLossConfig(alpha=0.9, eps_high=0.3)
+    with pytest.raises(ValueError, match=r"^unknown policy loss 'armr' \(did you mean 'armor'\?\); known: armor"):
+        get_policy_loss("armr")
+    with pytest.raises(ValueError, match=r"policy loss 'armor' takes no beta; its config fields: alpha, eps_low"):
+        make_policy_loss_config("armor", beta=0.1)
+
+    @register_policy_loss("test-reinforce", config=PolicyLossConfig)
+    def reinforce(
+        logp, old_logp, ref_logp, advantages, mask, cfg, *, normalizer=None, entropy=None, token_weights=None
+    ):
+        from armor_megatron.algo.loss import aggregate_token_loss
+
+        token_loss = -advantages.float().unsqueeze(-1) * logp
+        return aggregate_token_loss(token_loss, mask, cfg.loss_agg, normalizer), {}
+
+    try:
+        loss, _ = get_policy_loss("test-reinforce")(
+            torch.zeros(1, 2), torch.zeros(1, 2), None, torch.ones(1), torch.ones(1, 2), PPO
+        )
+        assert loss == 0
+    finally:
+        POLICY_LOSSES.unregister("test-reinforce")

@@ -146,3 +146,20 @@ def test_math_reward_inside_a_daemonic_forked_pool_worker():
     with multiprocessing.get_context("fork").Pool(1) as mp_pool:
         assert mp_pool.map(_score_in_pool_worker, [0], chunksize=1) == [1.0]
     assert compute_score(r"\boxed{1/2}", "0.5").score == 1.0  # the parent's worker is untouched
+
+
+def test_worker_that_timed_out_is_replaced_at_once_with_its_modules(pool):
+    slow = "tests.rewards.slow_import_target"
+    old = pool.run(f"{slow}:pid", (), timeout_s=30)  # pays the slow import
+    start = time.monotonic()
+    with pytest.raises(IsolatedTimeout):
+        pool.run(f"{slow}:sleep_then_pid", (60,), timeout_s=0.5)
+    assert time.monotonic() - start < 3.0  # the failed call does not wait for the replacement
+    deadline = time.monotonic() + 60
+    while not pool._idle and time.monotonic() < deadline:  # the replacement starts without any call
+        time.sleep(0.1)
+    assert pool._idle, "no replacement worker after 60 s"
+    start = time.monotonic()
+    new = pool.run(f"{slow}:pid", (), timeout_s=30)
+    assert new != old
+    assert time.monotonic() - start < 3.0  # the replacement already imported the module (4 s)

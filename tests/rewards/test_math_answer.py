@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from armor_megatron.rewards import compute_score, make_math_verifier
+from armor_megatron.rewards import compute_score, make_math_verifier, score_batch
 from armor_megatron.rewards.math_answer import gold_answers
 
 # (response, ground truth, expected score). Equivalence is math-verify's; the extraction
@@ -175,3 +175,40 @@ def test_bad_ground_truth_is_one_clear_error(verify, gold, error, match):
 def test_bad_timeout_rejected():
     with pytest.raises(ValueError, match="timeout_s must be > 0"):
         make_math_verifier(timeout_s=0)
+
+
+# Through the public batch API, as the trainer scores: formats and truncation.
+FINAL_FORMS = [
+    ("Reasoning...\nThe final answer is $204$.", "204", 1.0),
+    ("Final Answer: The final answer is $\\frac{14}{3}$. I hope it is correct.", "14/3", 1.0),
+    (r"\boxed{204.}", "204", 1.0),
+    ("Answer: 204.", "204", 1.0),
+    ("Answer: 204\nWait, let me redo this... so \\boxed{205", "204", 0.0),  # truncated in the last box
+    ("So the candidate answer: \\frac{14}{3}. Hmm, but wait", "14/3", 0.0),  # truncated mid-reasoning
+    ("Answer: 204\nWait, that is not right, let me", "204", 0.0),
+]
+
+
+def test_final_forms_and_truncated_responses_through_score_batch():
+    responses, golds, expected = zip(*FINAL_FORMS)
+    results = score_batch(list(responses), list(golds), verifier="math", max_workers=2)
+    assert [r.score for r in results] == list(expected)
+
+
+@pytest.mark.timeout(300)
+def test_adversarial_responses_score_within_the_timeout_end_to_end():
+    verify = make_math_verifier(timeout_s=5.0)
+    verify(r"\boxed{2}", "3")  # warm a worker
+    for response in ("\\boxed{" * 14286, "answer" + " " * 100_000, "Answer:" + " " * 100_000 + "x" * 10):
+        result, elapsed = _timed(verify, response, "204")
+        assert result.score == 0.0
+        assert elapsed < 5.0, (response[:20], elapsed)
+
+
+@pytest.mark.timeout(120)
+def test_acceptable_answers_share_one_timeout():
+    verify = make_math_verifier(timeout_s=2.0)
+    verify(r"\boxed{2}", "3")
+    result, elapsed = _timed(verify, PATHOLOGICAL, ["5", "6", "7", "8"])
+    assert result.breakdown["timed_out"] == 1.0
+    assert elapsed < 5.0  # one 2 s budget for the response, not 2 s per acceptable answer

@@ -113,3 +113,17 @@ def test_metrics_by_dataset_errors_name_the_dataset():
         metrics_by_dataset([("aime", 0, 1.0), ("aime", 0, 1.0)], ks=(4,))
     with pytest.raises(TypeError, match="dataset 'aime' prompt 0: score must be a number"):
         metrics_by_dataset([("aime", 0, None)])
+
+
+def test_accuracy_by_domain():
+    from armor_megatron.rewards.metrics import accuracy_by_domain
+
+    records = [("math", 1.0), ("safety", 0.0), ("math", 0.0), ("knowledge", 1.0), ("math", 1.0), ("safety", 1.0)]
+    assert accuracy_by_domain(records) == {
+        "math": {"num_samples": 3.0, "accuracy": 2 / 3},
+        "safety": {"num_samples": 2.0, "accuracy": 0.5},
+        "knowledge": {"num_samples": 1.0, "accuracy": 1.0},
+    }
+    assert accuracy_by_domain([("m", 0.5)], threshold=0.5) == {"m": {"num_samples": 1.0, "accuracy": 1.0}}
+    with pytest.raises(TypeError, match="domain 'm': score must be a number, got str"):
+        accuracy_by_domain([("m", "1")])

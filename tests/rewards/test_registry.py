@@ -52,7 +52,7 @@ def test_user_verifier_reward_result_and_dotted_attribute():
         (":fn", "not of the form"),
         ("a b:c", "not of the form"),
         ("mathh", "unknown verifier 'mathh'; did you mean 'math'?"),
-        ("nonsense", r"unknown verifier 'nonsense' \(registered: format, math"),
+        ("nonsense", r"unknown verifier 'nonsense' \(registered: format, knowledge, math"),
     ],
 )
 def test_bad_specs_give_one_line_errors(spec, match):

@@ -34,9 +34,9 @@ def unpicklable():
     return lambda: None
 
 
-def die_comparing(answer, gold):
+def die_comparing(answer, golds):
     os._exit(9)
 
 
-def raise_comparing(answer, gold):
+def raise_comparing(answer, golds):
     raise ModuleNotFoundError("No module named 'math_verify'")
