@@ -35,13 +35,14 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from check_lines import ROOT, select_device  # noqa: E402
+from check_lines import ROOT, exit_on_sigterm, run_process_group, select_device  # noqa: E402
 
 CHECKS = ("parity", "train", "throughput")
 # Seconds each step may take at most (less when the budget runs short).
 TIMEOUTS = {"prepare": 180, "parity": 180, "train": 330, "throughput": 240}
-# --device cpu sizes: the same code paths in seconds on two cores.
+# Throughput sizes, and the --device cpu sizes: the same code paths in seconds on two cores.
 CPU_TRAIN = ["rollout.prompts_per_step=4", "rollout.group_size=4", "train.micro_batch_size=16"]
+GPU_BENCH = {"shape": "qwen2.5-0.5b", "seq_len": 4096, "batch": 8, "steps": 5, "warmup": 2}
 CPU_BENCH = {"shape": "tiny", "seq_len": 64, "batch": 2, "steps": 2, "warmup": 1}
 
 
@@ -88,7 +89,7 @@ class Runner:
         if os.path.exists(result_path):
             os.remove(result_path)
         if timeout < 10:
-            return self._record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 skipped: the budget is spent"})
+            return self.record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 skipped: the budget is spent"})
         cmd = [sys.executable, os.path.join(HERE, script), "--json", result_path, "--device", self.args.device, *flags]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -96,23 +97,20 @@ class Runner:
         with open(self.log_path, "a") as log:
             log.write(f"\n===== {name}: {' '.join(cmd)}\n")
             log.flush()
-            try:
-                code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, timeout=timeout).returncode
-            except subprocess.TimeoutExpired:
-                code = None
+            code = run_process_group(cmd, timeout, stdout=log, stderr=subprocess.STDOUT, env=env)
             log.write(f"===== {name}: exit {code}, {time.monotonic() - started:.1f} s\n")
         if os.path.exists(result_path):
             with open(result_path) as f:
-                return self._record(name, json.load(f))
+                return self.record(name, json.load(f))
         why = f"timed out after {timeout:.0f} s" if code is None else f"exited {code}: {self._last_log_line()}"
-        return self._record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 {why}"})
+        return self.record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 {why}"})
 
     def _last_log_line(self) -> str:
         with open(self.log_path) as f:
             lines = [line.strip() for line in f if line.strip() and not line.startswith("=====")]
         return lines[-1][:300] if lines else "no output"
 
-    def _record(self, name: str, result: dict) -> dict:
+    def record(self, name: str, result: dict) -> dict:
         self.results[name] = result
         with open(self.json_path, "w") as f:
             json.dump(self.results, f, indent=1)
@@ -153,34 +151,13 @@ def main(argv=None) -> int:
         return 1
     runner = Runner(args)
     warmup = args.warmup_steps if args.warmup_steps is not None else (20 if cpu else 150)
-
-    def pick(value, key, default):
-        return str(value if value is not None else (CPU_BENCH[key] if cpu else default))
-
-    prepared = {"ok": True}
-    if {"parity", "train"} & set(args.only):
-        prepared = runner.run("prepare", "check_train.py", "--work", args.work, "--prepare", f"--warmup-steps={warmup}")
-        if not prepared["ok"]:
-            print(prepared["line"], flush=True)
-    for name in args.only:
-        if name in ("parity", "train") and not prepared["ok"]:
-            result = runner._record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 not run: prepare failed"})
-        elif name == "parity":
-            result = runner.run(name, "check_parity.py", "--hf", os.path.join(args.work, "hf"), "--work", args.work)
-        elif name == "train":
-            overrides = (CPU_TRAIN if cpu else []) + args.train_override
-            result = runner.run(name, "check_train.py", "--work", args.work, *overrides)
-        else:
-            result = runner.run(
-                name,
-                "check_throughput.py",
-                f"--shape={pick(args.shape, 'shape', 'qwen2.5-0.5b')}",
-                f"--seq-len={pick(args.seq_len, 'seq_len', 4096)}",
-                f"--batch={pick(args.bench_batch, 'batch', 8)}",
-                f"--steps={pick(args.bench_steps, 'steps', 5)}",
-                *(["--warmup=1"] if cpu else []),
-            )
-        print(result["line"], flush=True)
+    exit_on_sigterm()
+    try:
+        run_checks(args, runner, warmup)
+    except SystemExit as stop:  # SIGTERM (the shell script's hard stop): the running check was stopped
+        for name in (n for n in args.only if n not in runner.results):
+            stopped = runner.record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 stopped ({stop.code})"})
+            print(stopped["line"], flush=True)
     passed = [n for n in args.only if runner.results[n]["ok"]]
     bench = runner.results.get("throughput", {})
     gpu_ok = not cpu and len(passed) == len(CHECKS)
@@ -192,6 +169,39 @@ def main(argv=None) -> int:
         flush=True,
     )
     return 0 if len(passed) == len(args.only) else 1
+
+
+def run_checks(args, runner: Runner, warmup: int) -> None:
+    """prepare (when parity or train runs), then each check of ``--only``, printing its line."""
+    cpu = args.device == "cpu"
+
+    def size(value, key: str) -> str:
+        return str(value if value is not None else (CPU_BENCH if cpu else GPU_BENCH)[key])
+
+    prepared = {"ok": True}
+    if {"parity", "train"} & set(args.only):
+        prepared = runner.run("prepare", "check_train.py", "--work", args.work, "--prepare", f"--warmup-steps={warmup}")
+        if not prepared["ok"]:
+            print(prepared["line"], flush=True)
+    for name in args.only:
+        if name in ("parity", "train") and not prepared["ok"]:
+            result = runner.record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 not run: prepare failed"})
+        elif name == "parity":
+            result = runner.run(name, "check_parity.py", "--hf", os.path.join(args.work, "hf"), "--work", args.work)
+        elif name == "train":
+            overrides = (CPU_TRAIN if cpu else []) + args.train_override
+            result = runner.run(name, "check_train.py", "--work", args.work, *overrides)
+        else:
+            result = runner.run(
+                name,
+                "check_throughput.py",
+                f"--shape={size(args.shape, 'shape')}",
+                f"--seq-len={size(args.seq_len, 'seq_len')}",
+                f"--batch={size(args.bench_batch, 'batch')}",
+                f"--steps={size(args.bench_steps, 'steps')}",
+                f"--warmup={size(None, 'warmup')}",
+            )
+        print(result["line"], flush=True)
 
 
 def _num(value, fmt: str) -> str:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
+import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -46,6 +48,39 @@ def single_process_env(port: int | None = None) -> None:
         os.environ.pop(key, None)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port or free_port())
+
+
+def exit_on_sigterm() -> None:
+    """SIGTERM raises SystemExit, so a check being stopped stops its own children first."""
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+
+
+def run_process_group(cmd: list[str], timeout: float, **popen_kwargs) -> int | None:
+    """Run `cmd` in a process group of its own and return its exit code, or None when it ran past
+    `timeout`. On a timeout, or when the caller is interrupted, the group is stopped: SIGTERM
+    (a check then stops its own children), SIGKILL after 10 s, to whatever of it is left."""
+    proc = subprocess.Popen(cmd, start_new_session=True, **popen_kwargs)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _stop_group(proc)
+        return None
+    except BaseException:
+        _stop_group(proc)
+        raise
+
+
+def _stop_group(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            continue
+    proc.wait()
 
 
 def report(json_path: str | None, name: str, ok: bool, line: str, **values) -> None:

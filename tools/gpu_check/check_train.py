@@ -30,10 +30,11 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_lines import ROOT, free_port, report, select_device  # noqa: E402
+from check_lines import ROOT, exit_on_sigterm, free_port, report, run_process_group, select_device  # noqa: E402
 from check_parity import BF16_MEAN_ABS  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "gpu_check.yaml")
@@ -85,14 +86,14 @@ def armor_train(args, run_dir: str, *overrides: str) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     print("$ " + " ".join(cmd), flush=True)
-    try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired as err:
-        out = (err.stdout or b"").decode() if isinstance(err.stdout, bytes) else (err.stdout or "")
-        print(out, flush=True)
-        return 124, out + f"\narmor-train timed out after {args.timeout:.0f} s"
-    print(proc.stdout + proc.stderr, flush=True)
-    return proc.returncode, proc.stdout + proc.stderr
+    with tempfile.TemporaryFile("w+") as out:
+        code = run_process_group(cmd, args.timeout, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        out.seek(0)
+        text = out.read()
+    print(text, flush=True)
+    if code is None:
+        return 124, text + f"\narmor-train timed out after {args.timeout:.0f} s"
+    return code, text
 
 
 def last_line(text: str) -> str:
@@ -135,6 +136,7 @@ def problems(metrics: dict, resumed_output: str, latest: str | None) -> list[str
 def main(argv=None) -> int:
     args = parse_args(argv)
     select_device(args.device)
+    exit_on_sigterm()
     started = time.perf_counter()
     if args.prepare:
         hf = prepare(args.work, args.warmup_steps, args.config, log=lambda m: print(f"[prepare] {m}", flush=True))
