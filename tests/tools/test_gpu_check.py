@@ -1,0 +1,173 @@
+"""tools/gpu_check.sh: the first-GPU acceptance check. Its CPU mode (gloo, small sizes) runs
+every check here; the GPU run is skipped unless torch sees a CUDA device. The checks' own
+verdicts are tested too: a wrong checkpoint fails parity, a run without its reset or resume
+fails the train check, and the FLOP formula counts the matmuls transformers' model has."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
+sys.path.insert(0, os.path.join(ROOT, "tools", "gpu_check"))
+
+import check_throughput  # noqa: E402
+import check_train  # noqa: E402
+
+VERDICT = re.compile(r"^gpu_ok=([01]) tokens_per_s=(\S+) mfu=(\S+)$")
+
+
+def run_script(*args, timeout=540, **env):
+    full_env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", **env)
+    full_env.pop("OUT", None)
+    return subprocess.run(
+        ["bash", SCRIPT, *args], env=full_env, capture_output=True, text=True, timeout=timeout, cwd=ROOT
+    )
+
+
+def lines_of(proc) -> dict:
+    """{"parity": line, ..., "verdict": last line}."""
+    lines = proc.stdout.strip().splitlines()
+    out = {line.split(":")[0]: line for line in lines if re.match(r"^(parity|train|throughput):", line)}
+    out["verdict"] = lines[-1] if lines else ""
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_cpu_mode_runs_all_three_checks_and_prints_the_verdict_last(tmp_path):
+    proc = run_script("--device", "cpu", "--work", str(tmp_path), "--logs", str(tmp_path / "logs"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = lines_of(proc)
+    for name in ("parity", "train", "throughput"):
+        assert lines[name].startswith(f"{name}: ok=1 "), lines
+    # no GPU was proven: gpu_ok stays 0 while the throughput numbers are real
+    gpu_ok, tokens_per_s, mfu = VERDICT.match(lines["verdict"]).groups()
+    assert gpu_ok == "0" and float(tokens_per_s) > 0 and 0 < float(mfu) < 1
+    results = json.loads((tmp_path / "logs" / "gpu_check.json").read_text())
+    assert results["parity"]["fp32"]["max_abs"] <= 1e-4 and results["parity"]["bf16"]["rel_l2"] <= 1e-2
+    steps = results["train"]["metrics"]
+    assert steps["2"]["reference/reset"] == 1.0 and steps["3"]["train/num_tokens"] > 0
+    assert results["throughput"]["tokens_per_s"] == pytest.approx(float(tokens_per_s), rel=1e-3)
+    assert "armor-train" in (tmp_path / "logs" / "gpu_check.log").read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.timeout(600)
+def test_gpu_run_passes(tmp_path):
+    proc = run_script("--work", str(tmp_path), "--logs", str(tmp_path))
+    assert VERDICT.match(lines_of(proc)["verdict"]).group(1) == "1", proc.stdout[-4000:]
+    assert proc.returncode == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer on a machine without CUDA")
+def test_cuda_asked_without_a_device_fails_with_a_verdict(tmp_path):
+    proc = run_script("--work", str(tmp_path), timeout=120)
+    assert proc.returncode == 1
+    assert "torch sees no CUDA device" in proc.stdout
+    assert VERDICT.match(lines_of(proc)["verdict"]).groups() == ("0", "nan", "nan")
+
+
+def test_unknown_check_is_refused_in_one_line(tmp_path):
+    proc = run_script("--device", "cpu", "--work", str(tmp_path), "--only", "parity,speed", timeout=120)
+    assert proc.returncode == 2 and "unknown check(s) speed" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_parity_fails_when_the_megatron_weights_are_not_the_models(tmp_path):
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.rollout.testing.tiny_models import make_tiny_checkpoint
+
+    make_tiny_checkpoint(str(tmp_path / "hf"), seed=0)
+    make_tiny_checkpoint(str(tmp_path / "other"), seed=1)
+    convert_hf_to_mcore(str(tmp_path / "other"), str(tmp_path / "parity_mcore"), progress_stream=None)
+    script = os.path.join(ROOT, "tools", "gpu_check", "check_parity.py")
+    cmd = [sys.executable, script, "--hf", str(tmp_path / "hf"), "--work", str(tmp_path), "--device", "cpu"]
+    cmd += ["--json", str(tmp_path / "r.json")]
+    proc = subprocess.run(cmd, env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=240)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert proc.returncode == 1 and not result["ok"] and result["fp32"]["max_abs"] > 1e-2, proc.stdout[-2000:]
+
+
+def good_steps() -> dict:
+    step = {
+        "train/num_tokens": 100.0,
+        "train/skipped": 0.0,
+        "train/loss": 0.1,
+        "anchor/found_rate": 0.5,
+        "rollout/logprob_abs_diff": 4e-3,
+        "train/approx_kl_ref": 0.0,
+    }
+    return {1: dict(step), 2: {**step, "train/approx_kl_ref": 1e-3, "reference/reset": 1.0}, 3: dict(step)}
+
+
+RESUMED = "[armor] resumed from /x/ckpt/iter_0000002 at step 2\n"
+
+
+def test_train_verdict_accepts_a_run_that_did_everything():
+    assert check_train.problems(good_steps(), RESUMED, "iter_0000003") == []
+
+
+@pytest.mark.parametrize(
+    "change, expected",
+    [
+        (lambda m: m[2].pop("reference/reset"), "no reference reset at step 2"),
+        (lambda m: m[3].update({"train/approx_kl_ref": 1e-3}), "π_ref != π_θ"),
+        (lambda m: m[1].update({"train/skipped": 1.0}), "step 1 did not update"),
+        (lambda m: m[2].update({"train/loss": float("nan")}), "step 2 loss nan"),
+        (lambda m: m[3].pop("anchor/found_rate"), "step 3 has no anchor metrics"),
+        (lambda m: m[1].update({"rollout/logprob_abs_diff": 0.5}), "engine/trainer log-prob gap"),
+        (lambda m: m.pop(3), "no metrics for steps [3]"),
+    ],
+)
+def test_train_verdict_names_what_went_wrong(change, expected):
+    metrics = good_steps()
+    change(metrics)
+    found = check_train.problems(metrics, RESUMED, "iter_0000003")
+    assert any(expected in p for p in found), found
+
+
+def test_train_verdict_needs_the_resume_and_the_last_checkpoint():
+    found = check_train.problems(good_steps(), "started fresh\n", "iter_0000002")
+    assert "the second process did not resume at step 2" in found
+    assert "latest checkpoint is iter_0000002, not iter_0000003" in found
+
+
+def test_flops_per_token_counts_the_matmul_weights_of_the_hf_model():
+    """6 × (weights of every nn.Linear of transformers' model, lm_head included) + the causal
+    attention term 6·L·s·nq·d: the formula's weight count must be the model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from armor_megatron.models import ModelArch
+
+    shape = check_throughput.SHAPES["tiny"]
+    arch = ModelArch.from_hf_config(shape)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    s = 100
+    attention = arch.num_layers * s * arch.num_attention_heads * arch.head_dim
+    assert check_throughput.train_flops_per_token(arch, s) == 6 * linear + 6 * attention
+
+
+def test_flops_per_token_of_the_benchmarked_shape():
+    from armor_megatron.models import ModelArch
+
+    arch = ModelArch.from_hf_config(check_throughput.SHAPES["qwen2.5-0.5b"])
+    # per layer: 896·(14+2·2)·64 + 14·64·896 + 3·896·4864 = 1032192 + 802816 + 13074432 = 14909440;
+    # ×24 + lm_head 896·151936 = 357826560 + 136134656 = 493961216 weights -> ×6 = 2963767296;
+    # attention 6·24·4096·14·64 = 528482304; total 3492249600 FLOP per token (~3.5 GFLOP)
+    assert check_throughput.train_flops_per_token(arch, 4096) == 3492249600
+
+
+def test_flops_per_token_refuses_moe():
+    from armor_megatron.models import ModelArch
+
+    moe = {**check_throughput.SHAPES["tiny"], "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}
+    with pytest.raises(ValueError, match="dense"):
+        check_throughput.train_flops_per_token(ModelArch.from_hf_config(moe), 64)
