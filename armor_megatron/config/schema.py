@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal
 
-from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive
+from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from armor_megatron.algo.loss import POLICY_LOSSES
+from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive, registered
 
-Estimator = Literal["dapo", "grpo", "drgrpo", "qae", "rloo", "reinforce++", "reinforce++-baseline", "gae"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
@@ -104,8 +105,17 @@ class OverlongConfig:
 
 
 @dataclasses.dataclass
+class TISConfig:
+    """Truncated importance sampling: each on-policy token's loss weighted by min(π_old/π_engine, cap)."""
+
+    enabled: bool = checked(False, help="correct the engine-vs-trainer mismatch of on-policy tokens")
+    cap: float = checked(2.0, check=positive, help="C of min(π_old/π_engine, C)")
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
-    estimator: Estimator = "dapo"
+    estimator: str = checked("dapo", check=registered(ADVANTAGE_ESTIMATORS), help="a registered advantage estimator")
+    policy_loss: str = checked("armor", check=registered(POLICY_LOSSES), help="a registered policy loss")
     alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
     eps_low: float = checked(0.2, check=in_range(0, 1, lo_open=True, hi_open=True))
     eps_high: float = checked(0.28, check=positive)
@@ -117,6 +127,7 @@ class AlgorithmConfig:
     lam: float = checked(1.0, check=in_range(0, 1))
     dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
+    tis: TISConfig = dataclasses.field(default_factory=TISConfig)
 
 
 @dataclasses.dataclass

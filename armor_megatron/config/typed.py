@@ -56,6 +56,15 @@ def at_least(n: int) -> Check:
     return lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}"
 
 
+def registered(registry) -> Check:
+    """The value must name an entry of `registry` (an ``algo.registry.Registry``)."""
+
+    def check(name) -> str | None:
+        return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
+
+    return check
+
+
 def non_empty(x) -> str | None:
     return None if x else "must not be empty"
 

@@ -30,8 +30,9 @@ accumulation. Keys (N rows, L positions):
     advantages     [N] or [N, L]  per sequence or per token
     old_logprobs   [N, L] fp32    log π_old(token t), same positions as compute_logprobs
     ref_logprobs   [N, L] fp32    log π_ref(token t); may be absent when loss.alpha == 1
+    tis_weights    [N, L] fp32    optional per-token loss weights (truncated importance sampling)
 
-Loss: ``policy_loss`` (algo/loss.py) of every micro-batch with ``normalizer`` = the GLOBAL
+Loss: the registered policy loss ``loss_name`` (algo/loss.py; ``"armor"``) of every micro-batch with ``normalizer`` = the GLOBAL
 count of aggregation units over all N rows (token-mean: every response token), so that the
 micro-batch losses of all data-parallel ranks add up to exactly the loss of the whole batch,
 and their summed gradients (DDP sums, see `optimizer`) are its gradient, whatever the split.
@@ -45,7 +46,8 @@ identical (lr: the rate of this step's update)::
 
     loss, grad_norm, lr, skipped (0/1), skipped_total,
     clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, ratio_min, ratio_max,
-    approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), entropy, num_tokens
+    approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), entropy, log_ratio_clamped_frac,
+    num_tokens
 
 (the policy-loss metrics are token-weighted over the whole batch, see algo/metrics.py).
 """
@@ -56,7 +58,7 @@ from collections.abc import Mapping
 
 import torch
 
-from armor_megatron.algo.loss import PolicyLossConfig, loss_normalizer, policy_loss
+from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_normalizer
 from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
@@ -79,8 +81,10 @@ class MegatronActor(TrainedModel):
         total_steps: int,
         seed: int = 1234,
         temperature: float = 1.0,
+        loss_name: str = "armor",
     ):
         self.loss_config, self.temperature = loss, float(temperature)
+        self.loss_fn = get_policy_loss(loss_name)
         super().__init__(
             arch,
             parallel,
@@ -113,7 +117,7 @@ class MegatronActor(TrainedModel):
                 logits, tmb.mb, vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=True
             )
             rows = {k: v.to(lp.device) for k, v in tmb.rows.items()}
-            return policy_loss(
+            return self.loss_fn(
                 lp,
                 rows["old_logprobs"],
                 rows.get("ref_logprobs"),
@@ -122,6 +126,7 @@ class MegatronActor(TrainedModel):
                 self.loss_config,
                 normalizer=normalizer.to(lp.device),
                 entropy=ent,
+                token_weights=rows.get("tis_weights"),
             )
 
         return self._train_on(batch, loss_of)
@@ -130,7 +135,7 @@ class MegatronActor(TrainedModel):
 # ----------------------------------------------------------------------------- helpers
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
     """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
-    out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs"))
+    out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs", "tis_weights"))
     if out.get("ref_logprobs") is None and cfg.alpha < 1.0:
         raise ValueError(f"ref_logprobs is required when alpha < 1 (alpha={cfg.alpha})")
     ids = out["input_ids"]

@@ -7,6 +7,8 @@ import dataclasses
 import os
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
+from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from armor_megatron.algo.loss import make_policy_loss_config
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor_cache import AnchorCache
 from armor_megatron.rollout.anchor_source import make_anchor_source
@@ -16,8 +18,10 @@ from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
 def loss_config(cfg: RunConfig) -> PolicyLossConfig:
+    """The hyper-parameters of the registered policy loss ``algorithm.policy_loss``."""
     algo = cfg.algorithm
-    return PolicyLossConfig(
+    return make_policy_loss_config(
+        algo.policy_loss,
         alpha=algo.alpha,
         eps_low=algo.eps_low,
         eps_high=algo.eps_high,
@@ -70,9 +74,8 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
 
 def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
     algo = cfg.algorithm
-    kwargs = {"k": algo.qae_quantile} if algo.estimator == "qae" else {}
-    if algo.estimator in ("dapo", "grpo", "qae", "reinforce++", "reinforce++-baseline"):
-        kwargs["eps"] = algo.std_eps
+    offered = {"k": algo.qae_quantile, "eps": algo.std_eps}  # the estimator takes those it names
+    kwargs = {k: v for k, v in offered.items() if k in ADVANTAGE_ESTIMATORS.entry(algo.estimator).parameters}
     return RolloutSettings(
         group_size=cfg.rollout.group_size,
         sampling=sampling,

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from armor_megatron.algo import DynamicSampler, ResetSchedule, explained_variance
+from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
@@ -46,7 +47,7 @@ from armor_megatron.trainer.rollout_phase import collect_groups
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
-TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs")
+TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs", "tis_weights")
 CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
 
@@ -302,6 +303,15 @@ class ArmorTrainer:
                 ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
                 batch["ref_logprobs"] = to_host(ref.logprobs)
         metrics: dict = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
+        if cfg.algorithm.tis.enabled:  # π_old / π_engine on on-policy tokens, truncated; anchors weigh 1
+            batch["tis_weights"], tis = truncated_is_weights(
+                batch["old_logprobs"],
+                batch["engine_logprobs"],
+                batch["response_mask"],
+                batch["is_anchor"].bool(),
+                cap=cfg.algorithm.tis.cap,
+            )
+            metrics.update({f"train/{k}": [float(v)] for k, v in tis.items()})
         if self.critic is not None:
             with timer.phase("values"):
                 batch["old_values"] = to_host(self.critic.compute_values(batch["input_ids"], batch["lengths"]))

@@ -70,6 +70,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         total_steps=total_updates,
         seed=cfg.train.seed,
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
+        loss_name=cfg.algorithm.policy_loss,
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
