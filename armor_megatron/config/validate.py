@@ -12,6 +12,7 @@ from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedM
 def validate_run_config(cfg: RunConfig) -> None:
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
+    _check_lengths_fit_context(cfg)
     _check_rollout(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
@@ -72,6 +73,35 @@ def _check_model_fits_parallelism(cfg: RunConfig) -> None:
         raise ConfigError(f"parallelism.{err.axis}", f"{err} (model {cfg.model.path})") from None
     if arch.is_moe and par.tp > 1 and not par.sp:
         raise ConfigError("parallelism.sp", "MoE training with tp > 1 needs sequence parallelism (sp: true)")
+
+
+def _check_lengths_fit_context(cfg: RunConfig) -> None:
+    """Prompt + response lengths must fit the model's context (``max_position_embeddings``).
+
+    An engine refuses a longer request (SGLang 0.5.x answers HTTP 400 when prompt +
+    ``max_new_tokens`` exceeds the context length), so every rollout, anchor and eval request
+    would fail. Rollouts and anchors sample ``rollout.max_response_len`` tokens after a prompt of
+    up to ``rollout.max_prompt_len``; evaluation samples ``eval.max_response_len`` after the same.
+    The context is read from the model's config.json (or ``model.arch``); without one, or
+    without the key there, nothing is checked (ModelArch's 4096 is a default, not a fact).
+    """
+    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        hf_config = load_hf_config(cfg.model.path)
+    else:
+        hf_config = cfg.model.arch or {}
+    if not hf_config.get("max_position_embeddings"):
+        return
+    context, prompt = int(hf_config["max_position_embeddings"]), cfg.rollout.max_prompt_len
+    for key, response in (
+        ("rollout.max_response_len", cfg.rollout.max_response_len),  # on-policy rollouts and anchors
+        ("eval.max_response_len", cfg.eval.max_response_len),
+    ):
+        if prompt + response > context:
+            raise ConfigError(
+                key,
+                f"{response} + rollout.max_prompt_len={prompt} = {prompt + response} tokens exceed the model's "
+                f"context of {context} (max_position_embeddings); the engine would refuse every such request",
+            )
 
 
 def _check_rollout(cfg: RunConfig) -> None:

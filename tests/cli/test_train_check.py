@@ -37,6 +37,10 @@ MALFORMED = [
         "algorithm.overlong.buffer_len: 64 must be smaller",
     ),
     (TINY, ["rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
+    # prompt + response over the model's context (128 tokens for tiny, 4096 for Qwen2.5-Math-7B)
+    (TINY, ["rollout.max_response_len=113"], "rollout.max_response_len: 113 + rollout.max_prompt_len=16 = 129"),
+    (SEVEN_B, ["eval.max_response_len=8192"], "eval.max_response_len: 8192 + rollout.max_prompt_len=1024 = 9216"),
+    (SEVEN_B, ["rollout.max_prompt_len=1025"], "rollout.max_response_len: 3072 + rollout.max_prompt_len=1025"),
     (TINY, ["rollout.group_size=4.5"], "rollout.group_size: expected an integer"),
     (TINY, ["rollout.group_size=true"], "rollout.group_size: expected an integer"),
     (TINY, ["rollout.temperature=0"], "rollout.temperature"),

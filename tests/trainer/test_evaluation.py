@@ -54,3 +54,23 @@ def test_row_verifier_overrides_the_default(tmp_path, engine_and_tokenizer):
         engine, encode, sets, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), verifier="test_exact_text"
     )
     assert result.metrics["m"]["pass@1"] == 0.0  # a random tiny model never writes \boxed{2}
+
+
+def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path):
+    # SGLang gives all k copies of a request one sampling_seed (identical samples); the SGLang
+    # engine sends seed + j to sample j. Checked over HTTP against the SGLang test double.
+    from armor_megatron.rollout.sglang.engine import SGLangEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+    from armor_megatron.rollout.testing.tiny_models import make_tiny_checkpoint
+
+    path = str(tmp_path / "policy")
+    _, tok = make_tiny_checkpoint(path, seed=0, sharpen=8.0)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    sets = [EvalSet("m", PromptDataset(str(tmp_path / "d.jsonl")), k=4)]
+    encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
+    with SGLangTestServer(LocalEngine.from_pretrained(path), model_path=path) as server:
+        engine = SGLangEngine([server.url])
+        sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=3)
+        result = evaluate(engine, encode, sets, sampling, verifier="test_exact_text", pass_k=(1,))
+        engine.shutdown()
+    assert len({r["response"] for r in result.records}) == 4

@@ -177,13 +177,18 @@ class SGLangClient:
     def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: dict,
+        sampling_params: dict | list[dict],
         return_logprob: bool = True,
         timeout: float | None = None,
     ) -> list:
-        """``POST /generate`` for one prompt; returns its ``n`` raw outputs (dicts), retrying aborted ones."""
+        """``POST /generate`` for one prompt; returns its raw outputs (dicts), retrying aborted ones.
+
+        ``sampling_params``: one dict (its ``n`` samples), or a list of dicts, one per sample:
+        then the prompt is sent as a batch of ``len(list)`` copies, each with its own params.
+        """
+        ids = [int(t) for t in input_ids]
         body = {
-            "input_ids": [int(t) for t in input_ids],
+            "input_ids": [ids] * len(sampling_params) if isinstance(sampling_params, list) else ids,
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,
         }

@@ -37,6 +37,28 @@ from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, pars
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
 
 MEMORY_TAGS = ("weights", "kv_cache")
+# /pause_generation modes (SGLang 0.5.23 PauseGenerationReqInput): "abort" (its default) aborts
+# the requests in flight; "retract" puts them back in the queue (KV cache freed) and
+# "in_place" keeps them where they are; both finish them after /continue_generation.
+PAUSE_MODES = ("abort", "retract", "in_place")
+
+
+def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None) -> dict | list[dict]:
+    """``sampling_params`` of one prompt's request: a dict with ``n``, or one dict per sample.
+
+    SGLang 0.5.23 wants ``top_k`` = -1 to disable the filter (0 is a 400; ours disables it with
+    any value <= 0) and an integer ``max_new_tokens`` (a float is a 400). With a ``seed`` the n
+    samples get seeds ``seed + j``: SGLang gives every copy of an ``n > 1`` request the same
+    ``sampling_seed``, so they would all come out identical; a batch of the prompt n times with
+    one params dict per sample (one request, one engine) keeps them apart.
+    """
+    params = sampling.to_sglang(n)
+    params["max_new_tokens"] = int(params["max_new_tokens"])
+    params["top_k"] = int(params["top_k"]) if params["top_k"] > 0 else -1
+    if seed is None:
+        params.pop("sampling_seed", None)
+        return params
+    return [{**params, "n": 1, "sampling_seed": int(seed) + j} for j in range(n)]
 
 
 class SGLangEngine(RolloutEngine):
@@ -75,6 +97,9 @@ class SGLangEngine(RolloutEngine):
                 raise RuntimeError(f"engines hold different weight versions: {versions}")
             weight_version = next(iter(versions.values()))
         self.weight_version = str(weight_version)
+        self._seed: int | None = None
+        self._calls = itertools.count()
+        self.sync.clear_stale_sessions()  # a trainer that died mid-push may have left one open
 
     @classmethod
     def launch(cls, launcher, **kwargs) -> SGLangEngine:
@@ -102,10 +127,15 @@ class SGLangEngine(RolloutEngine):
         return_logprob: bool = True,
     ) -> list:
         check_prompts(prompts_token_ids, n)
-        params = sampling.to_sglang(n)
         deadline = None if timeout is None else time.monotonic() + timeout
         futures = [
-            self._pool.submit(self._generation_client().generate, list(p), params, return_logprob, timeout)
+            self._pool.submit(
+                self._generation_client().generate,
+                list(p),
+                sglang_sampling_params(sampling, n, self._request_seed(sampling, n)),
+                return_logprob,
+                timeout,
+            )
             for p in prompts_token_ids
         ]
         try:
@@ -123,6 +153,26 @@ class SGLangEngine(RolloutEngine):
                 f.cancel()
         check_versions(groups, self.weight_version)
         return groups
+
+    def reseed(self, seed: int) -> None:
+        """Requests without a seed of their own get seeds ``seed + k·n ...`` from now on (k counts requests).
+
+        As :meth:`LocalEngine.reseed <armor_megatron.rollout.local.LocalEngine.reseed>`: the
+        trainer reseeds every step, so a resumed run sends the seeds the uninterrupted run sent.
+        (Equal seeds give equal samples only on the same server build and batch; SGLang's
+        sampling is seeded per request, not bitwise reproducible across batch compositions.)
+        """
+        with self._lock:
+            self._seed = int(seed)
+            self._calls = itertools.count()
+
+    def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
+        if sampling.seed is not None:
+            return sampling.seed
+        if self._seed is None:
+            return None
+        with self._lock:
+            return self._seed + n * next(self._calls)
 
     def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
         """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory."""
@@ -156,8 +206,14 @@ class SGLangEngine(RolloutEngine):
         finally:
             self.resume_memory(timeout=timeout, tags=tags)
 
-    def pause(self, timeout: float | None = None) -> None:
-        self._post_all("/pause_generation", {}, timeout)
+    def pause(self, timeout: float | None = None, mode: str = "retract") -> None:
+        """Stop scheduling; requests in flight wait (``retract``/``in_place``) or are aborted (``abort``).
+
+        SGLang's own default is ``abort`` (an empty body): the client names the mode always.
+        """
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {PAUSE_MODES}, got {mode!r}")
+        self._post_all("/pause_generation", {"mode": mode}, timeout)
 
     def resume(self, timeout: float | None = None) -> None:
         self._post_all("/continue_generation", {}, timeout)

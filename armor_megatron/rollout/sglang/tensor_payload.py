@@ -15,14 +15,23 @@ a CUDA IPC handle (the engine must share the node: colocated mode) and a CPU ten
 shared-memory file descriptor. The sender must keep the tensors alive until the server
 has answered.
 
-SGLang's server reads ``m`` by attribute, and its unpickler accepts its own
-``FlattenedTensorMetadata`` class; when SGLang is importable we use that class, otherwise a
-field-identical dataclass (all a server without SGLang — the test double — needs).
+SGLang unpickles payloads with a restricted unpickler (``SafeUnpickler`` in
+``sglang/srt/utils/common.py``, behind ``MultiprocessingSerializer.deserialize``): it imports
+only from an allowlist of module prefixes (``builtins``, ``collections``, ``torch``, ...,
+``sglang.srt.weight_sync.tensor_bucket``) minus a deny list (``eval``, ``exec``, ``os.system``
+...). Its ``_update_weights_from_flattened_bucket`` reads each ``m`` by attribute and rebuilds
+SGLang's own ``FlattenedTensorMetadata`` (fields ``name, shape, dtype, start_idx, end_idx,
+numel``). So ``m`` is pickled as ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``
+with exactly those fields in its ``__dict__``, even where SGLang is not installed (the
+trainer): :func:`dumps` writes that class path for our field-identical dataclass.
+:func:`restricted_loads` is the same allowlist for servers without SGLang (the test double),
+which rebuild the metadata as our dataclass.
 """
 
 from __future__ import annotations
 
 import base64
+import copyreg
 import dataclasses
 import io
 import pickle
@@ -30,6 +39,43 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 FLATTENED_BUCKET = "flattened_bucket"
+SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
+
+# SGLang's SafeUnpickler (sglang/srt/utils/common.py): a global is imported only if its module
+# starts with one of these prefixes and (module, name) is not denied.
+SGLANG_UNPICKLE_PREFIXES = (
+    "builtins.",
+    "collections.",
+    "copyreg.",
+    "functools.",
+    "itertools.",
+    "operator.",
+    "types.",
+    "weakref.",
+    "torch.",
+    "multiprocessing.resource_sharer.",
+    "multiprocessing.reduction.",
+    "pickletools.",
+    "peft.",
+    "transformers.",
+    "huggingface_hub.",
+    SGLANG_METADATA_MODULE + ".",
+    "sglang.srt.model_executor.model_runner.",
+    "sglang.srt.layers.",
+    "sglang.srt.utils.",
+    "torch_npu.",
+)
+SGLANG_UNPICKLE_DENIED = {
+    ("builtins", "eval"),
+    ("builtins", "exec"),
+    ("builtins", "compile"),
+    ("os", "system"),
+    ("subprocess", "Popen"),
+    ("subprocess", "run"),
+    ("codecs", "decode"),
+    ("types", "CodeType"),
+    ("types", "FunctionType"),
+}
 
 
 @dataclasses.dataclass
@@ -44,13 +90,59 @@ class FlattenedTensorMetadata:
     numel: int
 
 
-def _metadata_class():
-    try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as SGLangMetadata
+def sglang_admits(module: str, name: str) -> bool:
+    """Whether SGLang's restricted unpickler imports ``module.name``."""
+    if (module, name) in SGLANG_UNPICKLE_DENIED:
+        return False
+    return any((module + ".").startswith(prefix) for prefix in SGLANG_UNPICKLE_PREFIXES)
 
-        return SGLangMetadata
-    except ImportError:
-        return FlattenedTensorMetadata
+
+class SGLangUnpickler(pickle.Unpickler):
+    """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed."""
+
+    def find_class(self, module, name):
+        if not sglang_admits(module, name):
+            raise pickle.UnpicklingError(f"SGLang's unpickler refuses {module}.{name} (not in its allowlist)")
+        if (module, name) == (SGLANG_METADATA_MODULE, "FlattenedTensorMetadata"):
+            try:
+                return super().find_class(module, name)
+            except ImportError:
+                return FlattenedTensorMetadata
+        return super().find_class(module, name)
+
+
+def restricted_loads(data: bytes) -> Any:
+    """Unpickle ``data`` as SGLang's ``MultiprocessingSerializer.deserialize`` does."""
+    import torch.multiprocessing  # noqa: F401  (tensor rebuild functions)
+
+    return SGLangUnpickler(io.BytesIO(data)).load()
+
+
+class _PayloadPickler(pickle._Pickler):
+    """ForkingPickler's reductions (tensors as handles), and our metadata under SGLang's class path.
+
+    The pure-Python pickler is used because it lets :meth:`save_global` write a class path
+    that is not importable here: the metadata dataclass is written as SGLang's class, whose
+    fields it shares, so SGLang's allowlist admits it and its server rebuilds its own class.
+    """
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def __init__(self, file, protocol):
+        from multiprocessing.reduction import ForkingPickler
+
+        super().__init__(file, protocol)
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table.update(ForkingPickler._extra_reducers)
+
+    def save_global(self, obj, name=None):
+        if obj is FlattenedTensorMetadata:
+            self.write(pickle.GLOBAL + f"{SGLANG_METADATA_MODULE}\nFlattenedTensorMetadata\n".encode())
+            self.memoize(obj)
+            return
+        super().save_global(obj, name)
+
+    dispatch[type] = save_global
 
 
 def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
@@ -82,10 +174,10 @@ def pack(named_tensors: list[tuple[str, Any]], load_format: str | None = FLATTEN
         dtypes = {t.dtype for _, t in named_tensors}
         if len(dtypes) != 1:
             raise ValueError(f"a flattened bucket needs one dtype, got {sorted(map(str, dtypes))}")
-        meta_cls, metadata, start = _metadata_class(), [], 0
+        metadata, start = [], 0
         for name, t in named_tensors:
             metadata.append(
-                meta_cls(
+                FlattenedTensorMetadata(
                     name=name, shape=t.shape, dtype=t.dtype, start_idx=start, end_idx=start + t.numel(), numel=t.numel()
                 )
             )
@@ -97,17 +189,15 @@ def pack(named_tensors: list[tuple[str, Any]], load_format: str | None = FLATTEN
 
 
 def dumps(packed: Any) -> str:
-    """One ``serialized_named_tensors`` entry: ``base64(ForkingPickler.dumps(packed))``.
+    """One ``serialized_named_tensors`` entry: ``base64(pickle)`` with ForkingPickler's reductions.
 
     Every call makes new handles; a receiver consumes its entry's handles, so each receiver
     (each engine, each TP rank) needs an entry of its own.
     """
-    from multiprocessing.reduction import ForkingPickler
-
     import torch.multiprocessing  # noqa: F401  (registers tensor reductions with ForkingPickler)
 
     buf = io.BytesIO()
-    ForkingPickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
+    _PayloadPickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
@@ -119,11 +209,10 @@ def serialize(named_tensors: list[tuple[str, Any]], load_format: str | None = FL
 def deserialize(payload: str, load_format: str | None) -> list[tuple[str, Any]]:
     """Inverse of :func:`serialize`, as a server does it: ``[(name, tensor)]``.
 
-    Unpickling runs code named in the payload: only call it on payloads from a trusted trainer.
+    Unpickling goes through SGLang's allowlist (:class:`SGLangUnpickler`), so a payload naming
+    a class SGLang would refuse fails here too.
     """
-    import torch.multiprocessing  # noqa: F401
-
-    obj = pickle.loads(base64.b64decode(payload, validate=True))
+    obj = restricted_loads(base64.b64decode(payload, validate=True))
     if load_format == FLATTENED_BUCKET:
         flat = obj["flattened_tensor"]
         return [(m.name, flat[m.start_idx : m.end_idx].reshape(m.shape).to(m.dtype)) for m in obj["metadata"]]

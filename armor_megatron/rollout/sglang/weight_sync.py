@@ -29,7 +29,9 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import logging
 import os
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -38,6 +40,8 @@ from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 from armor_megatron.rollout.sglang.launcher import free_port
+
+logger = logging.getLogger(__name__)
 
 SYNC_MODES = ("tensor", "distributed", "disk")
 
@@ -91,6 +95,9 @@ class WeightSync(abc.ABC):
             raise ValueError("weight sync needs at least one engine")
         self.clients = list(clients)
         self.config = config
+        # Engines whose weight-update session may be open: at start-up we cannot know (a trainer
+        # that died mid-push leaves one open), later those whose begin or end went unanswered.
+        self._maybe_open: set[int] = set(range(len(self.clients)))
 
     @abc.abstractmethod
     def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
@@ -123,6 +130,20 @@ class WeightSync(abc.ABC):
     def _session(self):
         return _UpdateSession(self)
 
+    def clear_stale_sessions(self) -> None:
+        """``/end_weight_update`` on every engine whose session may be open.
+
+        SGLang 0.5.23 refuses ``/begin_weight_update`` while a session is open, so one left
+        open would refuse every later push. An answer of 4xx means there was none to close.
+        """
+        for i in sorted(self._maybe_open):
+            client = self.clients[i]
+            try:
+                _post(client, "/end_weight_update", {}, self.config.timeout)
+            except WeightUpdateError:
+                pass  # no session open (400), or a server without sessions (404)
+            self._maybe_open.discard(i)
+
     def close(self) -> None:
         pass
 
@@ -130,34 +151,54 @@ class WeightSync(abc.ABC):
 class _UpdateSession:
     """``/begin_weight_update`` on every engine; ``/end_weight_update`` on exit, also after a failure.
 
-    Servers older than 0.5.23 have no session endpoints (404): then updates go without one.
+    Every failure path closes what was opened: a begin that fails anywhere (an HTTP error, an
+    unreachable engine, an interrupt) ends the sessions already open; an engine whose begin or
+    end went unanswered is remembered and closed before the next session
+    (:meth:`WeightSync.clear_stale_sessions`). Servers older than 0.5.23 have no session
+    endpoints (404): then updates go without one.
     """
 
     def __init__(self, sync: WeightSync):
         self.sync = sync
-        self.opened: list[SGLangClient] = []
+        self.opened: list[int] = []
 
     def __enter__(self):
         timeout = self.sync.config.timeout
-        for c in self.sync.clients:
-            try:
-                _post(c, "/begin_weight_update", {}, timeout)
-                self.opened.append(c)
-            except WeightUpdateError as e:
-                if "HTTP 404" not in str(e):
-                    self.__exit__(None, None, None)
+        try:
+            self.sync.clear_stale_sessions()
+            for i, c in enumerate(self.sync.clients):
+                try:
+                    _post(c, "/begin_weight_update", {}, timeout)
+                except WeightUpdateError as e:
+                    if "HTTP 404" in str(e):
+                        continue
                     raise
+                except BaseException:
+                    self.sync._maybe_open.add(i)  # unanswered: it may have opened
+                    raise
+                self.opened.append(i)
+        except BaseException:
+            self._close()
+            raise
         return self
 
-    def __exit__(self, exc_type, exc, tb):
+    def _close(self) -> list:
         errors = []
-        for c in self.opened:
+        for i in self.opened:
             try:
-                _post(c, "/end_weight_update", {}, self.sync.config.timeout)
+                _post(self.sync.clients[i], "/end_weight_update", {}, self.sync.config.timeout)
             except Exception as e:  # noqa: BLE001 - close every session, report the first failure
+                self.sync._maybe_open.add(i)
                 errors.append(e)
+        self.opened = []
+        return errors
+
+    def __exit__(self, exc_type, exc, tb):
+        errors = self._close()
         if errors and exc_type is None:
             raise errors[0]
+        for e in errors:
+            logger.warning("closing a weight-update session failed (retried before the next push): %s", e)
 
 
 def _default_handle_device() -> str:
@@ -237,16 +278,37 @@ class DistributedWeightSync(WeightSync):
             }
             for i in range(len(self.clients))
         ]
-        # The engines join while the trainer joins: run their requests beside our rendezvous.
-        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
+        # The engines join while the trainer joins. The trainer's rendezvous blocks until every
+        # engine has joined (or its timeout passes), so it runs on a thread of its own while we
+        # watch the engines' answers: an engine that fails to join answers with its error at
+        # once, and that error is raised then, not after the rendezvous timeout.
+        joined: dict = {}
+
+        def join():
+            try:
+                joined["group"] = WeightUpdateGroup(
+                    cfg.master_address, port, 0, world, cfg.group_name, cfg.backend, cfg.timeout
+                )
+            except BaseException as e:  # noqa: BLE001 - reported below
+                joined["error"] = e
+
+        rendezvous = threading.Thread(target=join, name="weight-sync-rendezvous", daemon=True)
+        rendezvous.start()
+        pool = concurrent.futures.ThreadPoolExecutor(len(self.clients))
+        try:
             futures = [
                 pool.submit(_post, c, "/init_weights_update_group", b, cfg.timeout)
                 for c, b in zip(self.clients, bodies)
             ]
-            group = WeightUpdateGroup(cfg.master_address, port, 0, world, cfg.group_name, cfg.backend, cfg.timeout)
-            for f in futures:
-                f.result()
-        self.group = group
+            for f in concurrent.futures.as_completed(futures):
+                f.result()  # the first engine that failed to join raises its server's message here
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        rendezvous.join(cfg.timeout)
+        if "group" not in joined:
+            error = joined.get("error", f"no rendezvous within {cfg.timeout}s")
+            raise WeightUpdateError(f"weight update group {cfg.group_name!r}: trainer failed to join: {error}")
+        self.group = joined["group"]
 
     def push(self, named_tensors, version):
         cfg = self.config

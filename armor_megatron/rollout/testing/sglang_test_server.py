@@ -18,11 +18,32 @@ Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
   ``{"object": "error", "message", "type", "param", "code"}``;
 * ``/update_weights_from_tensor`` and ``/update_weights_from_distributed`` only inside a
   ``/begin_weight_update`` ... ``/end_weight_update`` session, else 400 ``success: false``;
-  failed updates are 400; ``/generate`` waits while a session is open or generation is paused;
-* ``--api-key``: every endpoint but the health checks wants ``Authorization: Bearer <key>``;
-* ``/release_memory_occupation`` with the ``weights`` tag (the default) loses the weights unless
-  the server runs with ``--enable-weights-cpu-backup``: resuming brings the memory back, not its
-  contents, until the next weight update (SGLang then generates garbage; the double refuses).
+  failed updates are 400; a second begin is refused ("already open"); an open session does
+  not hold ``/generate`` back (the scheduler keeps serving between update requests);
+* payloads are unpickled with SGLang's allowlist (``SafeUnpickler``, sglang/srt/utils/common.py;
+  :class:`~armor_megatron.rollout.sglang.tensor_payload.SGLangUnpickler`);
+* sampling params as SGLang's ``SamplingParams.verify`` and request parsing check them:
+  ``top_k`` -1 or >= 1, ``max_new_tokens`` an integer >= 0 (0 allowed), wrong JSON types
+  -> 400 ``{"error": "<text>"}``; prompt + ``max_new_tokens`` over the context length
+  (``max_position_embeddings``) -> 400, as the tokenizer manager's length check does;
+  ``sampling_params`` may be a list, one per prompt of a batch; every copy of an ``n > 1``
+  request gets the same ``sampling_seed``, so seeded copies come out identical, as in SGLang;
+* ``/pause_generation`` {mode}: ``abort`` (SGLang's default) aborts the requests in flight,
+  ``retract`` and ``in_place`` keep them; new requests wait until ``/continue_generation``;
+  ``/health_generate`` answers 503 while paused (SGLang: its probe generation cannot run and
+  times out after ~20 s; the double answers at once);
+* ``/release_memory_occupation`` / ``/resume_memory_occupation`` {tags} per tag (``weights``,
+  ``kv_cache``, ``cuda_graph``; default all), answer ``null``, are refused while requests run
+  unless paused (the scheduler's idle check), and do not hold ``/generate`` back. Releasing
+  ``weights`` loses them unless the server runs with ``--enable-weights-cpu-backup``: resuming
+  brings the memory back, not its contents, until the next weight update (SGLang then
+  generates garbage; the double refuses);
+* ``--api-key`` (sglang/srt/utils/auth.py): every endpoint but ``/health*``, ``/ready*``,
+  ``/metrics*`` and OPTIONS wants ``Authorization: Bearer <key>`` ("bearer" in any case) or
+  ``x-api-key: <key>``; else 401 ``{"error": "Unauthorized"}``;
+* routes: ``/get_weight_version`` does not exist (404; the version is in ``/model_info``),
+  ``/update_weight_version``, ``/get_server_info`` and ``/v1/models`` do; a known path with
+  the wrong method is 405; destroying an unknown weights update group is 400.
 
 ``/update_weights_from_tensor`` payloads carry tensor *handles* (see
 :mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
@@ -54,7 +75,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from armor_megatron.rollout.engine import SamplingParams, WeightUpdateError
+from armor_megatron.rollout.engine import Sample, SamplingParams, WeightUpdateError
 from armor_megatron.rollout.local import LocalEngine
 
 logger = logging.getLogger(__name__)
@@ -89,7 +110,15 @@ NOOP_SAMPLING_DEFAULTS = {
     "stop_regex": None,
     "logit_bias": None,
 }
-HEALTH_PATHS = ("/health", "/health_generate")
+# sglang/srt/utils/auth.py: these path prefixes never need the API key.
+AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Fields of sampling_params whose JSON type SGLang's request parsing checks, and the type.
+INT_SAMPLING_KEYS = ("max_new_tokens", "top_k", "n", "min_new_tokens")
+
+
+JSON_NULL = object()  # a handler's answer of JSON ``null`` (None answers an empty 200)
 
 
 class _HTTPError(Exception):
@@ -134,7 +163,10 @@ class SGLangTestServer:
         self._cond = threading.Condition()
         self._session_open = False
         self._paused = False
-        self._memory_released = False
+        self.pause_mode = None  # the mode of the last /pause_generation (test hook)
+        self._abort_epoch = 0  # bumped by an "abort" pause: requests that started before are aborted
+        self._running = 0  # generations in flight
+        self._released = set()  # memory tags released
         self._groups = {}
         self._failures = {}  # path -> [remaining, status]
         self._aborts = 0
@@ -185,7 +217,8 @@ class SGLangTestServer:
         self.stop()
         if self.model_path is not None:
             self.engine = LocalEngine.from_pretrained(self.model_path, weight_version=self.initial_version)
-        self._session_open = self._paused = self._memory_released = False
+        self._session_open = self._paused = False
+        self._released = set()
         return self.start()
 
     def __enter__(self):
@@ -211,7 +244,7 @@ class SGLangTestServer:
     def handle(self, method: str, path: str, headers, body: Any):
         with self._cond:
             self.requests[path] = self.requests.get(path, 0) + 1
-        if self.api_key and path not in HEALTH_PATHS and headers.get("Authorization") != f"Bearer {self.api_key}":
+        if self.api_key and not self._authorized(method, path, headers):
             raise _HTTPError(401, {"error": "Unauthorized"})
         with self._cond:
             failure = self._failures.get(path)
@@ -220,12 +253,23 @@ class SGLangTestServer:
                 raise _HTTPError(failure[1], {"error": {"message": f"injected failure on {path}"}})
         route = ROUTES.get((method, path))
         if route is None:
+            if any(p == path for _, p in ROUTES):
+                raise _HTTPError(405, {"detail": "Method Not Allowed"})
             raise _HTTPError(404, {"detail": "Not Found"})
         return route(self, body)
 
+    def _authorized(self, method, path, headers) -> bool:
+        """SGLang's ``decide_request_auth`` for a server with ``--api-key`` and no admin key."""
+        if method == "OPTIONS" or path.startswith(AUTH_EXEMPT_PREFIXES):
+            return True
+        scheme, _, token = (headers.get("Authorization") or "").partition(" ")
+        if scheme.lower() == "bearer" and token == self.api_key:
+            return True
+        return headers.get("x-api-key") == self.api_key
+
     def _wait_until_serving(self):
         with self._cond:
-            while (self._session_open or self._paused) and self._httpd is not None:
+            while self._paused and self._httpd is not None:
                 self._cond.wait(timeout=0.1)
             if self._httpd is None:
                 raise ConnectionAbortedError("server is going down")
@@ -236,24 +280,71 @@ class SGLangTestServer:
         if not isinstance(body, dict):
             raise _invalid_request("request body must be a JSON object")
         prompts, single = self._prompts(body)
-        params = body.get("sampling_params") or {}
+        raw = body.get("sampling_params") or {}
+        if isinstance(raw, list):  # one params dict per prompt of a batch
+            if len(raw) != len(prompts):
+                raise _invalid_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
+            per_prompt = raw
+        else:
+            per_prompt = [raw] * len(prompts)
+        checked = [self._sampling(params, prompt) for params, prompt in zip(per_prompt, prompts)]
+        if self._weights_lost:  # SGLang would generate garbage here; the double refuses
+            raise _bad_value("weights were released without --enable-weights-cpu-backup and not reloaded since")
+        self._wait_until_serving()
+        return_logprob = bool(body.get("return_logprob", False))
+        with self._cond:
+            self._running += 1
+            epoch = self._abort_epoch
+        try:
+            outputs = []
+            for prompt, (n, sampling) in zip(prompts, checked):
+                for sample in self._sample(prompt, n, sampling, return_logprob):
+                    outputs.append(self._output(sample, len(prompt), sampling, return_logprob))
+        finally:
+            with self._cond:
+                self._running -= 1
+                aborted = epoch != self._abort_epoch
+        if aborted:  # an "abort" pause arrived while this request ran
+            for out in outputs:
+                out["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue"}
+        return outputs[0] if single and len(outputs) == 1 else outputs
+
+    def _sampling(self, params, prompt) -> tuple:
+        """``(n, SamplingParams | None)``; None for ``max_new_tokens`` 0. Refuses what SGLang refuses."""
         if not isinstance(params, dict):
             raise _HTTPError(400, {"error": "sampling_params must be a JSON object"})
         unknown = sorted(set(params) - SUPPORTED_SAMPLING_KEYS - set(NOOP_SAMPLING_DEFAULTS))
         if unknown:
             raise _HTTPError(400, {"error": f"Unknown sampling parameter(s): {', '.join(unknown)}"})
+        for key in INT_SAMPLING_KEYS:  # a JSON float where SGLang's field is an int
+            if key in params and params[key] is not None and (type(params[key]) is not int):
+                raise _HTTPError(400, {"error": f"sampling_params.{key}: expected int, got {params[key]!r}"})
         for key, default in NOOP_SAMPLING_DEFAULTS.items():
             if key in params and params[key] != default:
                 raise _bad_value(f"sampling parameter {key}={params[key]!r} is not supported by the test server")
-        n = params.get("n", 1)
-        if not isinstance(n, int) or n < 1:
+        n, max_new, top_k = params.get("n", 1), params.get("max_new_tokens", 128), params.get("top_k", -1)
+        if n < 1:
             raise _bad_value(f"n must be a positive integer, got {n!r}")
+        if max_new < 0:
+            raise _bad_value(f"max_new_tokens must be at least 0, got {max_new}.")
+        if not (top_k == -1 or top_k >= 1):  # SamplingParams.verify
+            raise _bad_value(f"top_k must be -1 (disable), or at least 1, got {top_k}.")
+        context = self.context_length
+        if context is not None and len(prompt) + max_new > context:  # the tokenizer manager's check
+            raise _bad_value(
+                f"Requested token count exceeds the model's maximum context length of {context} tokens. "
+                f"You requested a total of {len(prompt) + max_new} tokens: {len(prompt)} tokens from the input "
+                f"messages and {max_new} tokens for the completion. Please reduce the number of tokens in the "
+                "input messages or the completion to fit within the limit."
+            )
+        if max_new == 0:
+            return n, None
         try:
             sampling = SamplingParams(
-                max_new_tokens=params.get("max_new_tokens", 128),
+                max_new_tokens=max_new,
                 temperature=params.get("temperature", 1.0),
                 top_p=params.get("top_p", 1.0),
-                top_k=params.get("top_k", -1),
+                top_k=top_k,
                 stop_token_ids=tuple(params.get("stop_token_ids") or ()),
                 stop=tuple([params["stop"]] if isinstance(params.get("stop"), str) else params.get("stop") or ()),
                 ignore_eos=bool(params.get("ignore_eos", False)),
@@ -261,17 +352,20 @@ class SGLangTestServer:
             )
         except (TypeError, ValueError) as e:
             raise _bad_value(str(e)) from None
-        if self._memory_released:
-            raise _bad_value("memory occupation is released; call /resume_memory_occupation first")
-        if self._weights_lost:  # SGLang would generate garbage here; the double refuses
-            raise _bad_value("weights were released without --enable-weights-cpu-backup and not reloaded since")
-        self._wait_until_serving()
-        return_logprob = bool(body.get("return_logprob", False))
-        groups = self.engine.generate(prompts, n, sampling, return_logprob=return_logprob)
-        outputs = [
-            self._output(s, len(prompts[i]), sampling, return_logprob) for i, group in enumerate(groups) for s in group
-        ]
-        return outputs[0] if single and n == 1 else outputs
+        return n, sampling
+
+    @property
+    def context_length(self) -> int | None:
+        return (self.engine.hf_config or {}).get("max_position_embeddings")
+
+    def _sample(self, prompt, n, sampling, return_logprob):
+        """The n samples of one prompt. Seeded: every copy draws with the same seed, as SGLang does."""
+        if sampling is None:  # max_new_tokens 0: nothing generated
+            empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
+            return [empty] * n
+        if sampling.seed is None:
+            return self.engine.generate([prompt], n, sampling, return_logprob=return_logprob)[0]
+        return [self.engine.generate([prompt], 1, sampling, return_logprob=return_logprob)[0][0] for _ in range(n)]
 
     def _prompts(self, body):
         if "input_ids" in body:
@@ -301,7 +395,7 @@ class SGLangTestServer:
         if aborted:
             reason = {"type": "abort", "message": "injected abort"}
         elif sample.finish_reason == "length":
-            reason = {"type": "length", "length": sampling.max_new_tokens}
+            reason = {"type": "length", "length": sampling.max_new_tokens if sampling else 0}
         else:
             last = sample.token_ids[-1]
             matched = (
@@ -319,7 +413,7 @@ class SGLangTestServer:
             "weight_version": sample.weight_version,
         }
         if return_logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.logprobs, sample.token_ids)]
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(sample.logprobs or (), sample.token_ids)]
         return {"text": sample.text, "output_ids": list(sample.token_ids), "meta_info": meta}
 
     # -- weights
@@ -409,40 +503,78 @@ class SGLangTestServer:
 
     def destroy_weights_update_group(self, body):
         group = self._groups.pop(body.get("group_name"), None)
-        if group is not None:
-            group.destroy()
+        if group is None:
+            raise _failed_update(f"Group {body.get('group_name')!r} not in model_update_group.")
+        group.destroy()
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     # -- memory, pause, misc
 
+    def _memory_tags(self, body, what):
+        tags = (body or {}).get("tags") or list(MEMORY_TAGS)
+        unknown = sorted(set(tags) - set(MEMORY_TAGS))
+        if unknown:
+            raise _bad_value(f"unknown memory tag(s) {unknown}; SGLang knows {list(MEMORY_TAGS)}")
+        with self._cond:
+            if self._running and not self._paused:  # the scheduler only does this when idle
+                raise _bad_value(f"{what} needs an idle server: {self._running} request(s) running; pause first")
+        return set(tags)
+
     def release_memory_occupation(self, body):
-        tags = (body or {}).get("tags") or ["weights", "kv_cache"]
-        self._memory_released = True
+        tags = self._memory_tags(body, "release_memory_occupation")
+        self._released |= tags
         if "weights" in tags and not self.weights_cpu_backup:
             self._weights_lost = True  # resuming restores the memory, not its contents
-        return {"success": True, "message": "released"}
+        return JSON_NULL
 
     def resume_memory_occupation(self, body):
-        self._memory_released = False
-        return {"success": True, "message": "resumed"}
+        self._released -= self._memory_tags(body, "resume_memory_occupation")
+        return JSON_NULL
 
     def pause_generation(self, body):
         if not isinstance(body, dict):
             raise _invalid_request("pause_generation needs a JSON body")
+        mode = body.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise _invalid_request(f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode")
         with self._cond:
-            self._paused = True
-        return {"success": True, "message": "Generation paused."}
+            self._paused, self.pause_mode = True, mode
+            if mode == "abort":
+                self._abort_epoch += 1
+        return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, body):
         with self._cond:
             self._paused = False
             self._cond.notify_all()
-        return {"success": True, "message": "Generation continued."}
+        return {"message": "Generation continued successfully.", "status": "ok"}
 
     def health_generate(self, body):
-        if self._paused or self._memory_released:
+        if self._paused:
             raise _HTTPError(503, {"error": "server is paused"})
         return None
+
+    def update_weight_version(self, body):
+        version = (body or {}).get("new_version")
+        if not isinstance(version, str):
+            raise _invalid_request("new_version must be a string", "new_version")
+        self.engine.weight_version = version
+        return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
+
+    def server_info(self, body):
+        return {
+            "model_path": self.model_path,
+            "context_length": self.context_length,
+            "weight_version": self.engine.weight_version,
+            "version": "test-double",
+        }
+
+    def models(self, body):
+        name = self.model_path or "default"
+        return {
+            "object": "list",
+            "data": [{"id": name, "object": "model", "root": name, "max_model_len": self.context_length}],
+        }
 
     def model_info(self, body):
         return {
@@ -452,16 +584,15 @@ class SGLangTestServer:
             "weight_version": self.engine.weight_version,
         }
 
-    def weight_version(self, body):
-        return {"weight_version": self.engine.weight_version}
-
 
 ROUTES = {
     ("GET", "/health"): lambda s, b: None,
     ("GET", "/health_generate"): SGLangTestServer.health_generate,
     ("GET", "/model_info"): SGLangTestServer.model_info,
     ("GET", "/get_model_info"): SGLangTestServer.model_info,
-    ("GET", "/get_weight_version"): SGLangTestServer.weight_version,
+    ("GET", "/get_server_info"): SGLangTestServer.server_info,
+    ("GET", "/v1/models"): SGLangTestServer.models,
+    ("POST", "/update_weight_version"): SGLangTestServer.update_weight_version,
     ("POST", "/generate"): SGLangTestServer.generate,
     ("POST", "/flush_cache"): lambda s, b: "Cache flushed.",
     ("GET", "/flush_cache"): lambda s, b: "Cache flushed.",
@@ -523,7 +654,12 @@ class _Handler(BaseHTTPRequestHandler):
         if self.owner._httpd is None:  # crashed while we worked: no answer
             self.close_connection = True
             return
-        payload = (result if isinstance(result, str) else json.dumps(result)).encode() if result is not None else b""
+        if result is JSON_NULL:
+            result = payload = b"null"
+        else:
+            payload = (
+                (result if isinstance(result, str) else json.dumps(result)).encode() if result is not None else b""
+            )
         try:
             self.send_response(status)
             self.send_header("Content-Type", "text/plain" if isinstance(result, str) else "application/json")
@@ -538,6 +674,15 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self):
         self._serve("POST")
+
+    def do_PUT(self):
+        self._serve("PUT")
+
+    def do_DELETE(self):
+        self._serve("DELETE")
+
+    def do_OPTIONS(self):
+        self._serve("OPTIONS")
 
 
 def main(argv=None) -> None:

@@ -30,9 +30,8 @@ def test_round_trip(load_format):
 def test_flattened_metadata_has_sglang_fields():
     named = [("w", torch.zeros(2, 3)), ("b", torch.zeros(2))]
     import base64
-    import pickle
 
-    obj = pickle.loads(base64.b64decode(tensor_payload.serialize(named)))
+    obj = tensor_payload.restricted_loads(base64.b64decode(tensor_payload.serialize(named)))
     assert obj["flattened_tensor"].shape == (8,)
     m = obj["metadata"][1]
     assert (m.name, tuple(m.shape), m.dtype, m.start_idx, m.end_idx, m.numel) == ("b", (2,), torch.float32, 6, 8, 2)
@@ -41,3 +40,45 @@ def test_flattened_metadata_has_sglang_fields():
 def test_mixed_dtypes_cannot_be_flattened():
     with pytest.raises(ValueError, match="one dtype"):
         tensor_payload.serialize([("a", torch.zeros(1)), ("b", torch.zeros(1, dtype=torch.int64))])
+
+
+def _globals_named(payload: str) -> set:
+    """Every (module, name) the payload's pickle asks its unpickler to import (recorded, not checked)."""
+    import base64
+    import io
+    import pickle
+
+    found = set()
+
+    class Recorder(pickle.Unpickler):
+        def find_class(self, module, name):
+            found.add((module, name))
+            if module == tensor_payload.SGLANG_METADATA_MODULE:
+                return tensor_payload.FlattenedTensorMetadata
+            return super().find_class(module, name)
+
+    Recorder(io.BytesIO(base64.b64decode(payload))).load()
+    return found
+
+
+def test_flattened_payload_names_only_classes_sglangs_unpickler_admits():
+    # SGLang 0.5.x unpickles payloads with SafeUnpickler (sglang/srt/utils/common.py): module
+    # prefixes builtins, collections, torch, sglang.srt.weight_sync.tensor_bucket, ... only.
+    named = [("w", torch.zeros(2, 3)), ("b", torch.zeros(2))]
+    names = _globals_named(tensor_payload.serialize(named))
+    assert ("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata") in names
+    assert not [n for n in names if n[0].startswith("armor_megatron")]
+    assert all(tensor_payload.sglang_admits(module, name) for module, name in names)
+
+
+def test_restricted_unpickler_refuses_classes_outside_sglangs_allowlist():
+    import base64
+    import pickle
+
+    outsider = base64.b64encode(pickle.dumps(tensor_payload.FlattenedTensorMetadata("w", (1,), None, 0, 1, 1))).decode()
+    with pytest.raises(pickle.UnpicklingError, match="armor_megatron.rollout.sglang.tensor_payload"):
+        tensor_payload.deserialize(outsider, None)
+    evil = base64.b64encode(pickle.dumps(print)).decode()  # builtins is admitted, eval/exec/compile are not
+    assert tensor_payload.sglang_admits("builtins", "print")
+    assert not tensor_payload.sglang_admits("builtins", "eval") and not tensor_payload.sglang_admits("os", "system")
+    assert tensor_payload.restricted_loads(base64.b64decode(evil)) is print

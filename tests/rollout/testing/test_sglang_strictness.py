@@ -1,0 +1,119 @@
+"""The double refuses what SGLang 0.5.23 refuses (each rule names the SGLang source it copies)."""
+
+import threading
+
+import pytest
+
+from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError
+from armor_megatron.rollout.sglang.engine import SGLangEngine
+from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+from armor_megatron.rollout.testing.tiny_models import encode
+
+pytestmark = pytest.mark.timeout(60)
+ONCE = RetryPolicy(max_attempts=1)
+
+
+@pytest.fixture
+def server(tiny_ckpt):
+    path, _, _ = tiny_ckpt
+    with SGLangTestServer(LocalEngine.from_pretrained(path), model_path=path) as s:
+        yield s
+
+
+def status(client, method, path, body=None):
+    try:
+        client.request(method, path, body, retry=False)
+    except SGLangHTTPError as e:
+        return e.status
+    return 200
+
+
+def test_sampling_params_are_validated_like_sglang(server, tiny_ckpt):
+    _, cfg, tok = tiny_ckpt
+    client, p = SGLangClient(server.url, retry=ONCE), encode(tok, "12")
+    gen = lambda params: status(client, "POST", "/generate", {"input_ids": p, "sampling_params": params})  # noqa: E731
+    assert gen({"top_k": 0, "max_new_tokens": 1}) == 400  # SamplingParams.verify: -1 or >= 1
+    assert gen({"max_new_tokens": 2.0}) == 400  # an int field
+    assert gen({"max_new_tokens": 0}) == 200  # 0 is allowed
+    context = cfg["max_position_embeddings"]
+    assert gen({"max_new_tokens": context - len(p)}) == 200
+    assert gen({"max_new_tokens": context - len(p) + 1}) == 400  # prompt + max_new_tokens over the context
+
+
+def test_client_sends_what_sglang_accepts(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine = SGLangEngine([server.url], retry=ONCE)
+    sampling = SamplingParams(max_new_tokens=2.0, top_k=0, temperature=1.0)  # "disabled" top_k, a float length
+    assert engine.generate([encode(tok, "1")], 2, sampling)[0][1].num_tokens == 2
+
+
+def test_seeded_samples_of_one_request_differ(server, tiny_ckpt):
+    # SGLang gives every copy of an n > 1 request the same sampling_seed: identical samples.
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(server.url, retry=ONCE)
+    same = client.generate(encode(tok, "7"), {"max_new_tokens": 8, "n": 3, "sampling_seed": 1, "ignore_eos": True})
+    assert len({tuple(o["output_ids"]) for o in same}) == 1
+    engine = SGLangEngine([server.url], retry=ONCE)
+    group = engine.generate([encode(tok, "7")], 3, SamplingParams(max_new_tokens=8, ignore_eos=True, seed=1))[0]
+    assert len({s.token_ids for s in group}) == 3
+
+
+def test_reseed_repeats_the_samples(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine, sampling = SGLangEngine([server.url], retry=ONCE), SamplingParams(max_new_tokens=8, ignore_eos=True)
+    draws = []
+    for _ in range(2):
+        engine.reseed(123)
+        draws.append([s.token_ids for s in engine.generate([encode(tok, "5")], 3, sampling)[0]])
+    assert draws[0] == draws[1] and len(set(draws[0])) == 3
+
+
+def test_pause_keeps_requests_in_flight_and_generate_runs_during_a_session(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    engine, client = SGLangEngine([server.url], retry=ONCE), SGLangClient(server.url, retry=ONCE)
+    engine.pause()
+    assert server.pause_mode == "retract"  # SGLang's default ("abort") would abort requests in flight
+    engine.resume()
+    client.post("/begin_weight_update", {})
+    done = threading.Event()
+    threading.Thread(target=lambda: (client.generate(encode(tok, "1"), {"max_new_tokens": 1}), done.set())).start()
+    assert done.wait(20)  # an open weight-update session does not hold /generate back
+    client.post("/end_weight_update", {})
+
+
+def test_memory_release_per_tag_answers_null_and_needs_an_idle_or_paused_server(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(server.url, retry=ONCE)
+    assert client.post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) is None
+    assert client.generate(encode(tok, "1"), {"max_new_tokens": 1})  # accepted while released
+    assert client.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) is None
+    assert status(client, "POST", "/release_memory_occupation", {"tags": ["nope"]}) == 400
+    server._running = 1  # a request in flight
+    try:
+        assert status(client, "POST", "/release_memory_occupation", {"tags": ["kv_cache"]}) == 400
+        client.post("/pause_generation", {"mode": "in_place"})
+        assert client.post("/release_memory_occupation", {"tags": ["kv_cache"]}) is None
+    finally:
+        server._running = 0
+        client.post("/continue_generation", {})
+
+
+def test_routes_methods_groups_and_auth(tiny_ckpt):
+    path, _, _ = tiny_ckpt
+    with SGLangTestServer(LocalEngine.from_pretrained(path), api_key="k", model_path=path) as s:
+        client = SGLangClient(s.url, api_key="k", retry=ONCE)
+        assert status(client, "GET", "/get_weight_version") == 404
+        assert status(client, "GET", "/get_server_info") == status(client, "GET", "/v1/models") == 200
+        assert client.post("/update_weight_version", {"new_version": "v7"})["success"]
+        assert client.weight_version() == "v7"
+        assert status(client, "GET", "/generate") == 405
+        assert status(client, "POST", "/destroy_weights_update_group", {"group_name": "none"}) == 400
+        anonymous = SGLangClient(s.url, retry=ONCE)
+        assert status(anonymous, "GET", "/health_generate") == 200
+        assert status(anonymous, "GET", "/metrics") == 404  # exempt from the key (no metrics route in the double)
+        assert status(anonymous, "GET", "/get_server_info") == 401
+        lower = s.handle("GET", "/get_server_info", {"Authorization": "bearer k"}, None)
+        assert lower["weight_version"] == "v7"
+        assert s.handle("GET", "/get_server_info", {"x-api-key": "k"}, None)["weight_version"] == "v7"
