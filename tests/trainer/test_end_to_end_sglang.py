@@ -98,5 +98,5 @@ def test_training_through_sglang_servers(tiny, tmp_path, servers):
     # initial weights + one sync per step (policy); initial + one per reset (reference)
     assert policy["/update_weights_from_disk"] == 3 and reference["/update_weights_from_disk"] == 3
     assert reference["/generate"] >= 2 and policy["/generate"] >= 2
-    assert _get(policy_url + "/get_weight_version")["weight_version"] == "step-2"
-    assert _get(reference_url + "/get_weight_version")["weight_version"] == "ref-2"
+    assert _get(policy_url + "/model_info")["weight_version"] == "step-2"
+    assert _get(reference_url + "/model_info")["weight_version"] == "ref-2"
