@@ -121,6 +121,12 @@ def _check_rollout(cfg: RunConfig) -> None:
         raise ConfigError(
             "anchor.tries_per_request", f"{anchor.tries_per_request} exceeds anchor.max_tries={anchor.max_tries}"
         )
+    if anchor.enabled and anchor.temperature not in (None, ro.temperature) and algo.alpha < 1.0:
+        raise ConfigError(
+            "anchor.temperature",
+            f"{anchor.temperature} differs from rollout.temperature={ro.temperature}: with alpha < 1 the "
+            "mixed ratio reads π_ref at the rollout temperature, so anchors must be sampled at it",
+        )
     if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:
         raise ConfigError(
             "algorithm.overlong.buffer_len",
