@@ -63,7 +63,8 @@ def test_export_gives_back_every_hf_tensor_exactly(tmp_path, family, layout):
 
 
 def expert_layouts_worker(rank, hf_dir, mcore_dir, layout):
-    """The same checkpoint exported from SequentialMLP, TEGroupedMLP-named and GroupedMLP experts."""
+    """The same checkpoint exported from SequentialMLP, TEGroupedMLP-named and GroupedMLP experts;
+    with layer 0's expert parameter shapes by name, per layout."""
     from armor_megatron.megatron.checkpoint import load_model_weights
     from armor_megatron.megatron.weight_export import export_to_list
     from tests.megatron.expert_layouts import build_legacy_grouped_chunks, use_te_grouped_experts
@@ -71,38 +72,48 @@ def expert_layouts_worker(rank, hf_dir, mcore_dir, layout):
     arch, parallel, chunks = loaded_model(hf_dir, mcore_dir, layout)
     legacy = build_legacy_grouped_chunks(arch, parallel)
     load_model_weights(legacy, mcore_dir)
-    exports, expert_names = {}, {}
+    exports, expert_params = {}, {}
     for name, model in [("sequential", chunks), ("te_grouped", None), ("legacy_grouped", legacy)]:
         if model is None:
             use_te_grouped_experts(chunks)
             model = chunks
-        expert_names[name] = sorted(n for n, _ in model[0].named_parameters() if "layers.0.mlp.experts." in n)
+        expert_params[name] = {
+            n: tuple(p.shape) for n, p in model[0].named_parameters() if n.startswith("decoder.layers.0.mlp.experts.")
+        }
         exports[name] = export_to_list(model, arch)
-    return exports, expert_names
+    return exports, expert_params
 
 
 @pytest.mark.parametrize(
-    "family, ep",
-    [("mixtral", 2), ("qwen3_moe", 4)],
-    ids=["mixtral-ep2-edp2", "qwen3_moe-ep4"],
+    "family, layout",
+    [("mixtral", dict(ep=2)), ("mixtral", dict(ep=2, etp=2)), ("qwen3_moe", dict(ep=4))],
+    ids=["mixtral-ep2-edp2", "mixtral-ep2-etp2", "qwen3_moe-ep4"],
 )
-def test_every_expert_layout_exports_every_expert_exactly_once(tmp_path, family, ep):
+def test_every_expert_layout_exports_every_expert_exactly_once(tmp_path, family, layout):
     """4 ranks, 8 experts: at ep=2 the expert-data-parallel replicas (edp=2) must not push twice;
-    at ep=4 each rank holds 2 experts (GroupedMLP stacks them in one parameter)."""
+    with etp=2 expert shards are gathered first; at ep=4 each rank holds 2 experts (GroupedMLP
+    stacks them in one parameter)."""
     from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.models import ModelArch
 
     experts = {"mixtral": "num_local_experts", "qwen3_moe": "num_experts"}[family]
     hf_dir = save_tiny_model(family, str(tmp_path / "hf"), **{experts: 8})
     convert_hf_to_mcore(hf_dir, str(tmp_path / "mcore"), progress_stream=None)
-    results = run_ranks(expert_layouts_worker, 4, hf_dir, str(tmp_path / "mcore"), dict(ep=ep), timeout=360)
-    exports, names = results[0]
+    results = run_ranks(expert_layouts_worker, 4, hf_dir, str(tmp_path / "mcore"), layout, timeout=360)
+    exports, params = results[0]
+    arch = ModelArch.from_hf_dir(hf_dir)
+    local, h, f = 8 // layout["ep"], arch.hidden_size, arch.moe_ffn_hidden_size // layout.get("etp", 1)
     prefix = "decoder.layers.0.mlp.experts."
-    assert names["sequential"] == [
-        f"{prefix}local_experts.{j}.linear_fc{k}.weight" for j in range(8 // ep) for k in (1, 2)
-    ]
-    assert names["te_grouped"] == sorted(f"{prefix}linear_fc{k}.weight{j}" for k in (1, 2) for j in range(8 // ep))
-    assert names["legacy_grouped"] == [f"{prefix}weight1", f"{prefix}weight2"]
-    assert all(r[0] == {layout: None for layout in names} for r in results[1:])
+    assert params["sequential"] == {
+        **{f"{prefix}local_experts.{j}.linear_fc1.weight": (2 * f, h) for j in range(local)},
+        **{f"{prefix}local_experts.{j}.linear_fc2.weight": (h, f) for j in range(local)},
+    }
+    assert params["te_grouped"] == {
+        **{f"{prefix}linear_fc1.weight{j}": (2 * f, h) for j in range(local)},
+        **{f"{prefix}linear_fc2.weight{j}": (h, f) for j in range(local)},
+    }
+    assert params["legacy_grouped"] == {f"{prefix}weight1": (h, local * 2 * f), f"{prefix}weight2": (local * f, h)}
+    assert all(r[0] == dict.fromkeys(params) for r in results[1:])
     expected = hf_tensors(hf_dir)
     for exported in exports.values():
         assert_exact(exported, expected)
