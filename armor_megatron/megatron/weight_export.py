@@ -82,11 +82,15 @@ def export_hf_weights(
     """Yield every HF tensor of the model on global rank 0 (full, detached, on CPU).
 
     Raises `WeightExportError` on every rank, before any tensor is gathered or yielded, when
-    the ranks' owned tensors do not cover the model's HF tensors exactly once."""
-    params = _plan(model_chunks, arch)
-    _check_complete(
-        arch, [name for p in params if _owns(p.expert) for piece in p.pieces for name in piece.ref.hf_names]
-    )
+    the ranks' owned tensors do not cover the model's HF tensors exactly once or a rank holds a
+    parameter the family's rules do not know."""
+    try:
+        params = _plan(model_chunks, arch)
+        owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
+        problem = None
+    except (KeyError, ValueError) as e:  # reported through the collective check: no rank is left waiting
+        params, owned_names, problem = [], [], e.args[0] if e.args else repr(e)
+    _check_complete(arch, owned_names, problem)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Materialised first: the TP all-gathers must run in lockstep on every rank of a group,
     # before any rank starts its blocking sends to rank 0.
@@ -190,19 +194,25 @@ def _owns(expert: bool) -> bool:
 
 
 # ---------------------------------------------------------------------- completeness
-def _check_complete(arch: ModelArch, owned_names: list[str]) -> None:
+def _check_complete(arch: ModelArch, owned_names: list[str], problem: str | None = None) -> None:
     """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
-    ``hf_tensor_names(arch)``, each once (a collective when distributed)."""
+    ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
+    (a collective when distributed)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        error = incompleteness(hf_tensor_names(arch), {0: owned_names})
+        reports = {0: (owned_names, problem)}
     else:
         gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(owned_names, gathered, dst=0)
-        verdict = [incompleteness(hf_tensor_names(arch), dict(enumerate(gathered))) if gathered else None]
+        dist.gather_object((owned_names, problem), gathered, dst=0)
+        reports = dict(enumerate(gathered)) if gathered else None
+    verdict = [None]
+    if reports is not None:
+        problems = [f"rank {r}: {p}" for r, (_, p) in reports.items() if p]
+        names = {r: n for r, (n, _) in reports.items()}
+        verdict = ["; ".join(problems) if problems else incompleteness(hf_tensor_names(arch), names)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0)
-        error = verdict[0]
-    if error:
-        raise WeightExportError(f"weight export of {arch.family} is incomplete, nothing was pushed: {error}")
+    if verdict[0]:
+        raise WeightExportError(f"weight export of {arch.family} refused, nothing was pushed: {verdict[0]}")
 
 
 def incompleteness(expected: Sequence[str], names_by_rank: dict[int, list[str]]) -> str | None:

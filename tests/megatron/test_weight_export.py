@@ -120,8 +120,9 @@ def test_every_expert_layout_exports_every_expert_exactly_once(tmp_path, family,
 
 
 def broken_export_worker(rank, hf_dir):
-    """ep=2 on 2 ranks: export the chunks twice (every rank duplicates), then with rank 1's last
-    local expert of layer 0 gone (global expert 3 missing); every rank must raise, in lockstep."""
+    """ep=2 on 2 ranks: export the chunks twice (every rank duplicates), then with a parameter no
+    rule knows on rank 1, then with rank 1's last local expert of layer 0 gone (global expert 3
+    missing); every rank must raise each time, in lockstep."""
     from armor_megatron.megatron.dist import ParallelConfig, initialize
     from armor_megatron.megatron.model import build_model_chunks
     from armor_megatron.megatron.weight_export import WeightExportError, export_to_list
@@ -135,8 +136,16 @@ def broken_export_worker(rank, hf_dir):
     with pytest.raises(WeightExportError) as duplicated:
         export_to_list(chunks + chunks, arch)
     errors["duplicated"] = str(duplicated.value)
+    experts = chunks[0].decoder.layers[0].mlp.experts
     if rank == 1:
-        del chunks[0].decoder.layers[0].mlp.experts.local_experts[-1]
+        experts.register_parameter("stray", torch.nn.Parameter(torch.zeros(1)))
+    with pytest.raises(WeightExportError) as unknown:
+        export_to_list(chunks, arch)
+    errors["unknown"] = str(unknown.value)
+    if rank == 1:
+        del experts.stray
+    if rank == 1:
+        del experts.local_experts[-1]
     with pytest.raises(WeightExportError) as missing:
         export_to_list(chunks, arch)
     errors["missing"] = str(missing.value)
@@ -154,6 +163,9 @@ def test_missing_or_duplicated_tensors_fail_the_export_on_every_rank(tmp_path):
         assert errors["missing"].endswith(f"nothing was pushed: 3 missing: {', '.join(expert3)}")
         assert f"{total} duplicated: model.embed_tokens.weight (ranks 0, 0), " in errors["duplicated"]
         assert errors["duplicated"].endswith(f"(+{total - 8} more)")
+        assert errors["unknown"].endswith(
+            "nothing was pushed: rank 1: decoder.layers.0.mlp.experts.stray: not a Megatron parameter of a qwen3_moe model"
+        )
 
 
 def test_incompleteness_names_missing_duplicated_and_unexpected_names_truncated():
