@@ -106,6 +106,15 @@ def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     return _tensor_rules(_hashable(arch))
 
 
+def hf_tensor_names(arch: ModelArch) -> list[str]:
+    """Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
+    (embedding, per layer and expert, final norm, lm_head unless tied): what a complete export
+    must yield."""
+    return [
+        name for rule in tensor_rules(arch) for layer, expert in rule.indices(arch) for name in rule.hf(layer, expert)
+    ]
+
+
 def _hashable(arch: ModelArch) -> ModelArch:
     """``arch`` without its rope-scaling dict (which decides no name or shape), as a cache key."""
     return dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch

@@ -6,13 +6,29 @@ rank must iterate the generator to the end (it drives collectives); rank 0 recei
 
 Per parameter of this rank's model chunks:
 
-1. its Megatron name is made global: ``decoder.layers.{i}`` -> the layer's global index
-   (``layer_number − 1``), ``local_experts.{j}`` -> ``ep_rank · experts_per_rank + j``;
-2. tensor-parallel shards are all-gathered in the (expert-)TP group and merged with the
-   converter's layout rules (``convert.tp_gather``); the padded vocabulary is trimmed;
-3. the owner of the full tensor (TP rank 0 of the first data-parallel replica) maps it to HF
+1. it is split into Megatron tensors of one layer (and one expert) with global indices:
+   ``decoder.layers.{i}`` -> the layer's global index (``layer_number − 1``); a local expert j
+   -> ``ep_rank · E_local + j`` (E_local = num_experts / ep). Experts come in the three layouts
+   megatron-core builds:
+
+   * SequentialMLP: ``experts.local_experts.{j}.linear_fc{1,2}.weight``, one expert each;
+   * TEGroupedMLP: ``experts.linear_fc{1,2}.weight{j}``, one expert each, same shapes;
+   * GroupedMLP (legacy grouped GEMM): ``experts.weight1`` [h, E_local·2f/etp] and
+     ``experts.weight2`` [E_local·f/etp, h] hold all local experts. Expert j's fc1 shard is
+     ``weight1.view(E_local, h, 2f/etp)[j].T`` and its fc2 shard ``weight2.view(E_local, f/etp,
+     h)[j].T``, the SequentialMLP shards (how GroupedMLP's forward and sharded_state_dict read them);
+
+2. tensor-parallel shards are all-gathered in the TP group (expert-TP group for experts) and
+   merged with the converter's layout rules (``convert.tp_gather``); the padded vocabulary is
+   trimmed;
+3. one replica owns each full tensor: TP rank 0 of data-parallel (with context-parallel) rank 0,
+   or for experts expert-TP rank 0 of expert-data-parallel rank 0. The owner maps it to HF
    names (the converter's rules) and ships it to rank 0 in buckets of at most ``bucket_bytes``
    (point-to-point object messages), rank by rank.
+
+Completeness: before any tensor moves, rank 0 collects every rank's owned HF names and checks
+them against ``rules.hf_tensor_names(arch)``; a missing, duplicated or unknown name raises
+`WeightExportError` on every rank, so nothing is pushed from an incomplete export.
 
 Memory: an owner rank holds its stage's full (TP-gathered) tensors on the host while it
 ships them; rank 0 receives one bucket at a time. With tied embeddings the last pipeline
@@ -21,29 +37,64 @@ stage's copy of the output layer is skipped (the embedding is the HF tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 
-from armor_megatron.convert import resolve_param, tp_gather
-from armor_megatron.convert.rules import mcore_to_hf
+from armor_megatron.convert import ParamRef, resolve_param, tp_gather
+from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
 from armor_megatron.models.arch import ModelArch
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
-_EXPERT = re.compile(r"local_experts\.(\d+)\.")
+_SEQUENTIAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight\Z")
+_TE_GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)\Z")
+_LEGACY_GROUPED_EXPERTS = re.compile(r"\.experts\.weight([12])\Z")
+_LISTED = 8  # names shown per kind in an incompleteness error
+
+
+class WeightExportError(RuntimeError):
+    """The export would not hold every HF tensor of the model exactly once."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """One Megatron tensor (one layer, one expert) inside a parameter: its global name resolved
+    to a rule, and how to take its TP shard from the parameter's TP shard (None: the whole)."""
+
+    ref: ParamRef
+    take: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Param:
+    tensor: torch.Tensor
+    expert: bool
+    pieces: tuple[_Piece, ...]
 
 
 def export_hf_weights(
     model_chunks: Sequence[torch.nn.Module], arch: ModelArch, bucket_bytes: int = DEFAULT_BUCKET_BYTES
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every HF tensor of the model on global rank 0 (full, detached, on CPU)."""
+    """Yield every HF tensor of the model on global rank 0 (full, detached, on CPU).
+
+    Raises `WeightExportError` on every rank, before any tensor is gathered or yielded, when
+    the ranks' owned tensors do not cover the model's HF tensors exactly once or a rank holds a
+    parameter the family's rules do not know."""
+    try:
+        params = _plan(model_chunks, arch)
+        owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
+        problem = None
+    except (KeyError, ValueError) as e:  # reported through the collective check: no rank is left waiting
+        params, owned_names, problem = [], [], e.args[0] if e.args else repr(e)
+    _check_complete(arch, owned_names, problem)
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     # Materialised first: the TP all-gathers must run in lockstep on every rank of a group,
     # before any rank starts its blocking sends to rank 0.
-    owned = list(_owned_hf_tensors(model_chunks, arch))
+    owned = list(_owned_hf_tensors(params, arch))
     if not distributed:
         yield from owned
         return
@@ -64,10 +115,10 @@ def export_hf_weights(
                 yield from msg[0]
 
 
-def _owned_hf_tensors(model_chunks, arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share: full-TP tensors of its stage, only where it is the owner."""
-    from megatron.core import parallel_state as ps
-
+# ---------------------------------------------------------------------- names -> global tensors
+def _plan(model_chunks, arch: ModelArch) -> list[_Param]:
+    """This rank's parameters, each split into its global (layer, expert) Megatron tensors."""
+    params = []
     for chunk in model_chunks:
         module = getattr(chunk, "module", chunk)
         layer_of = (
@@ -78,44 +129,146 @@ def _owned_hf_tensors(model_chunks, arch: ModelArch) -> Iterator[tuple[str, torc
         for name, param in module.named_parameters():
             if arch.tie_word_embeddings and name == "output_layer.weight":
                 continue
-            expert = "local_experts." in name
-            full_name = _global_name(name, layer_of, expert, arch)
-            ref = resolve_param(arch, full_name)
-            group = ps.get_expert_tensor_parallel_group() if expert else ps.get_tensor_model_parallel_group()
-            tensor = _gather_tp(arch, ref.rule, param.detach(), group)
-            if ref.rule.tp == "vocab":
-                tensor = tensor[: arch.vocab_size]
-            owner = (
-                (ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0)
-                if expert
-                else (ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0)
-            )
-            if owner:
-                for hf_name, hf_tensor in zip(ref.hf_names, mcore_to_hf(arch, ref.rule, tensor)):
-                    yield hf_name, hf_tensor.to("cpu", copy=True).contiguous()
+            match = _LAYER.search(name)
+            if match:
+                name = name.replace(match.group(0), f"decoder.layers.{layer_of[int(match.group(1))]}.", 1)
+            tensor = param.detach()
+            pieces = _expert_pieces(arch, name, tensor)
+            expert = pieces is not None
+            params.append(_Param(tensor, expert, pieces if expert else (_Piece(resolve_param(arch, name)),)))
+    return params
 
 
-def _global_name(name: str, layer_of: dict, expert: bool, arch: ModelArch) -> str:
+def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_Piece, ...] | None:
+    """The global experts an expert parameter holds (None: not an expert parameter)."""
+    sequential, te_grouped = _SEQUENTIAL_EXPERT.search(name), _TE_GROUPED_EXPERT.search(name)
+    legacy = _LEGACY_GROUPED_EXPERTS.search(name)
+    if not (sequential or te_grouped or legacy):
+        return None
+    local = _local_expert_count(arch)
+    offset = _ep_rank() * local
+
+    def piece(match, local_index: int, fc: str, take=None) -> _Piece:
+        if local_index >= local:
+            raise ValueError(f"{name}: local expert {local_index} >= num_experts/ep = {local}")
+        global_name = name[: match.start()] + f".experts.local_experts.{offset + local_index}.{fc}.weight"
+        return _Piece(resolve_param(arch, global_name), take)
+
+    if sequential:
+        return (piece(sequential, int(sequential.group(1)), sequential.group(2)),)
+    if te_grouped:
+        return (piece(te_grouped, int(te_grouped.group(2)), te_grouped.group(1)),)
+    h, fc1 = arch.hidden_size, legacy.group(1) == "1"
+    stacked_dim = 1 if fc1 else 0  # weight1 [h, E_local·2f/etp], weight2 [E_local·f/etp, h]
+    if tensor.dim() != 2 or tensor.shape[1 - stacked_dim] != h or tensor.shape[stacked_dim] % local:
+        raise ValueError(f"{name}: shape {tuple(tensor.shape)} is not GroupedMLP's for {local} experts of hidden {h}")
+    view = (local, h, -1) if fc1 else (local, -1, h)
+    return tuple(
+        piece(legacy, j, "linear_fc1" if fc1 else "linear_fc2", lambda shard, j=j: shard.reshape(view)[j].t())
+        for j in range(local)
+    )
+
+
+def _local_expert_count(arch: ModelArch) -> int:
     from megatron.core import parallel_state as ps
 
-    match = _LAYER.search(name)
-    if match:
-        name = name.replace(match.group(0), f"decoder.layers.{layer_of[int(match.group(1))]}.", 1)
+    ep = ps.get_expert_model_parallel_world_size()
+    if arch.num_experts % ep:
+        raise ValueError(f"num_experts={arch.num_experts} is not divisible by ep={ep}")
+    return arch.num_experts // ep
+
+
+def _ep_rank() -> int:
+    from megatron.core import parallel_state as ps
+
+    return ps.get_expert_model_parallel_rank()
+
+
+def _owns(expert: bool) -> bool:
+    """Whether this rank is the one replica that exports a (TP-gathered) tensor."""
+    from megatron.core import parallel_state as ps
+
     if expert:
-        per_rank = arch.num_experts // ps.get_expert_model_parallel_world_size()
-        local = _EXPERT.search(name)
-        global_index = ps.get_expert_model_parallel_rank() * per_rank + int(local.group(1))
-        name = name.replace(local.group(0), f"local_experts.{global_index}.", 1)
-    return name
+        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
 
 
-def _gather_tp(arch: ModelArch, rule, shard: torch.Tensor, group) -> torch.Tensor:
+# ---------------------------------------------------------------------- completeness
+def _check_complete(arch: ModelArch, owned_names: list[str], problem: str | None = None) -> None:
+    """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
+    ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
+    (a collective when distributed)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        reports = {0: (owned_names, problem)}
+    else:
+        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object((owned_names, problem), gathered, dst=0)
+        reports = dict(enumerate(gathered)) if gathered else None
+    verdict = [None]
+    if reports is not None:
+        problems = [f"rank {r}: {p}" for r, (_, p) in reports.items() if p]
+        names = {r: n for r, (n, _) in reports.items()}
+        verdict = ["; ".join(problems) if problems else incompleteness(hf_tensor_names(arch), names)]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(verdict, src=0)
+    if verdict[0]:
+        raise WeightExportError(f"weight export of {arch.family} refused, nothing was pushed: {verdict[0]}")
+
+
+def incompleteness(expected: Sequence[str], names_by_rank: dict[int, list[str]]) -> str | None:
+    """What keeps the ranks' names from being ``expected`` exactly once (None: nothing).
+
+    One line: missing names, duplicated names (with the ranks that export them) and names not
+    in ``expected``, each list cut to its first few with the count of the rest."""
+    ranks_of: dict[str, list[int]] = {}
+    for rank, names in sorted(names_by_rank.items()):
+        for name in names:
+            ranks_of.setdefault(name, []).append(rank)
+    known = set(expected)
+    missing = [n for n in expected if n not in ranks_of]
+    duplicated = [f"{n} (ranks {', '.join(map(str, r))})" for n, r in ranks_of.items() if len(r) > 1 and n in known]
+    unknown = [n for n in ranks_of if n not in known]
+    parts = [
+        _listing(kind, names)
+        for kind, names in (("missing", missing), ("duplicated", duplicated), ("unexpected", unknown))
+        if names
+    ]
+    return "; ".join(parts) or None
+
+
+def _listing(kind: str, names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED])
+    rest = f", … (+{len(names) - _LISTED} more)" if len(names) > _LISTED else ""
+    return f"{len(names)} {kind}: {shown}{rest}"
+
+
+# ---------------------------------------------------------------------- gather and map
+def _owned_hf_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's share: full-TP tensors of its stage, only where it is the owner."""
+    from megatron.core import parallel_state as ps
+
+    for p in params:
+        group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
+        shards = _all_gather(p.tensor, group) if p.pieces[0].ref.rule.tp != "replicated" else [p.tensor]
+        if not _owns(p.expert):
+            continue
+        for piece in p.pieces:
+            rule = piece.ref.rule
+            tensor = tp_gather(arch, rule, [piece.take(s) if piece.take else s for s in shards])
+            if rule.tp == "vocab":
+                tensor = tensor[: arch.vocab_size]
+            for hf_name, hf_tensor in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor)):
+                yield hf_name, hf_tensor.to("cpu", copy=True).contiguous()
+
+
+def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
+    """Every rank's shard of a parameter (rank order in ``group``)."""
     size = dist.get_world_size(group) if dist.is_initialized() else 1
-    if size == 1 or rule.tp == "replicated":
-        return shard
+    if size == 1:
+        return [shard]
     shards = [torch.empty_like(shard) for _ in range(size)]
     dist.all_gather(shards, shard.contiguous(), group=group)
-    return tp_gather(arch, rule, shards)
+    return shards
 
 
 def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[list]:

@@ -158,3 +158,26 @@ def test_hf_shapes_follow_gqa():
     assert qkv.shape == ((2 + 2 * 1) * 2, 4)
     assert hf_shapes(MOE, qkv) == [(4, 4), (2, 4), (2, 4)]
     assert rule(MOE, "decoder.layers.mlp.experts.experts.linear_fc1.weight").stacked_shape(MOE) == (2, 3, 10, 4)
+
+
+def test_hf_tensor_names_are_exactly_the_saved_checkpoints_tensors(tiny_models):
+    from safetensors import safe_open
+
+    from armor_megatron.convert.rules import hf_tensor_names
+
+    for family, hf_dir in tiny_models.items():
+        arch = ModelArch.from_hf_dir(hf_dir)
+        names = hf_tensor_names(arch)
+        with safe_open(f"{hf_dir}/model.safetensors", "pt") as f:
+            saved = set(f.keys())
+        assert len(names) == len(set(names)), family
+        assert set(names) == saved, (family, sorted(set(names) ^ saved)[:5])
+
+
+def test_hf_tensor_names_cover_every_expert_of_every_layer():
+    from armor_megatron.convert.rules import hf_tensor_names
+
+    names = hf_tensor_names(MOE)
+    experts = {n for n in names if ".experts." in n}
+    assert len(experts) == MOE.num_layers * MOE.num_experts * 3
+    assert "model.layers.1.block_sparse_moe.experts.2.w2.weight" in experts
