@@ -27,9 +27,9 @@ def assert_exact(exported: list, expected: dict) -> None:
 
 
 def loaded_model(hf_dir, mcore_dir, layout):
-    from armor_megatron.megatron.checkpoint import load_model_weights
     from armor_megatron.megatron.dist import ParallelConfig, initialize
     from armor_megatron.megatron.model import build_model_chunks
+    from armor_megatron.megatron.model_state import load_model_weights
     from armor_megatron.models import ModelArch
 
     arch = ModelArch.from_hf_dir(hf_dir)
@@ -65,7 +65,7 @@ def test_export_gives_back_every_hf_tensor_exactly(tmp_path, family, layout):
 def expert_layouts_worker(rank, hf_dir, mcore_dir, layout):
     """The same checkpoint exported from SequentialMLP, TEGroupedMLP-named and GroupedMLP experts;
     with layer 0's expert parameter shapes by name, per layout."""
-    from armor_megatron.megatron.checkpoint import load_model_weights
+    from armor_megatron.megatron.model_state import load_model_weights
     from armor_megatron.megatron.weight_export import export_to_list
     from tests.megatron.expert_layouts import build_legacy_grouped_chunks, use_te_grouped_experts
 
