@@ -208,7 +208,10 @@ def _check_complete(arch: ModelArch, owned_names: list[str], problem: str | None
     if reports is not None:
         problems = [f"rank {r}: {p}" for r, (_, p) in reports.items() if p]
         names = {r: n for r, (n, _) in reports.items()}
-        verdict = ["; ".join(problems) if problems else incompleteness(hf_tensor_names(arch), names)]
+        shown = "; ".join(problems[:_LISTED]) + (
+            f"; … (+{len(problems) - _LISTED} more ranks)" if len(problems) > _LISTED else ""
+        )
+        verdict = [shown if problems else incompleteness(hf_tensor_names(arch), names)]
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.broadcast_object_list(verdict, src=0)
     if verdict[0]:
