@@ -8,7 +8,7 @@ and prompt, with group size G:
 
 * baseline ........ G on-policy samples;
 * anchors ......... G−1 on-policy samples + up to ``max_tries`` reference samples
-                    (``tries_per_round`` at once); one more on-policy sample if no anchor;
+                    (``tries_per_request`` at once); one more on-policy sample if no anchor;
 * anchors + cache . the same, but anchors come from the per-prompt pool when it has one
                     (zero cost), pools fill from earlier rounds, are pre-generated for the
                     next batch in the background, and are dropped at every reference reset
@@ -31,9 +31,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # runs from a checkout too
-from armor_megatron.rollout.anchor_cache import AnchorCache
-from armor_megatron.rollout.anchor_source import SeparateReference
-from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.anchor.cache import AnchorCache
+from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.source import SeparateReference
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import ALPHABET, build_char_tokenizer, encode, tiny_config, tiny_weights
@@ -76,7 +76,7 @@ def run(variant: str, args, cfg, weights, tok, prompts, truths) -> dict:
     policy = LocalEngine(cfg, weights, tokenizer=tok, weight_version="policy-0", seed=args.seed)
     reference = SeparateReference(LocalEngine(cfg, weights, tokenizer=tok, weight_version="ref-0", seed=args.seed + 1))
     sampler = AnchorSampler(
-        reference, starts_with, AnchorConfig(args.max_tries, args.tries_per_round, sampling=sampling)
+        reference, starts_with, AnchorSamplingConfig(args.max_tries, args.tries_per_request, sampling=sampling)
     )
     cache = None
     if variant.startswith("cache"):
@@ -120,7 +120,7 @@ def main(argv=None) -> None:
     ap.add_argument("--epochs", type=int, default=8)
     ap.add_argument("--tau", type=int, default=6, help="reference reset period in steps (the paper uses 160 for 7B)")
     ap.add_argument("--max-tries", type=int, default=4)
-    ap.add_argument("--tries-per-round", type=int, default=2)
+    ap.add_argument("--tries-per-request", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--sharpen", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=0)
@@ -135,7 +135,7 @@ def main(argv=None) -> None:
     steps = args.epochs * -(-args.num_prompts // args.batch_size)
     print(
         f"prompts={args.num_prompts} G={args.group_size} epochs={args.epochs} steps={steps} tau={args.tau} "
-        f"max_tries={args.max_tries} tries_per_round={args.tries_per_round} "
+        f"max_tries={args.max_tries} tries_per_request={args.tries_per_request} "
         f"mean_p_solve_per_try={sum(p_solve) / len(p_solve):.3f}"
     )
     results = {}

@@ -1,5 +1,5 @@
-"""Anchor rollout: assembling training groups of G responses from on-policy samples and
-reference tries.
+"""Anchor groups: assembling training groups of G responses from on-policy samples and
+reference tries (the sampling side of anchors lives in `armor_megatron.rollout.anchor`).
 
 For every prompt the rollout draws G−1 responses from π_old and up to ``max_tries`` responses
 from the frozen reference π_ref (rejection sampling). The first reference try whose verifiable

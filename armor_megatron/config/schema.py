@@ -78,6 +78,7 @@ class AnchorConfig:
     enabled: bool = True
     max_tries: int = checked(4, check=at_least(1), help="reference samples drawn per prompt before giving up")
     tries_per_request: int = checked(4, check=at_least(1), help="tries asked for at once (keep the first correct)")
+    success_reward: float = checked(1.0, help="reward a reference sample must reach to be an anchor (positive only)")
     source: Literal["separate", "swap"] = checked("separate", help="frozen engine group, or swap weights in place")
     reference_urls: list[str] = checked(
         factory=list, help="SGLang servers of the frozen reference group (source: separate, engine: sglang)"

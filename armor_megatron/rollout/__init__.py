@@ -12,9 +12,10 @@ module                            what
 ``sglang.engine``                 ``SGLangEngine``: servers or a router, concurrency
 ``sglang.launcher``               start/stop ``sglang.launch_server`` (+ ``sglang-router``)
 ``sglang.weight_sync``            ``tensor`` / ``distributed`` / ``disk`` weight pushes
-``anchor_source``                 π_ref as a ``separate`` engine or ``swap``-ped in
-``anchors``                       rejection sampling of verified anchors, statistics
-``anchor_cache``                  per-prompt anchor pools valid until a reference reset
+``anchor.source``                 π_ref as a ``separate`` engine or ``swap``-ped in
+``anchor.sampler``                rejection sampling of verified anchors, statistics
+``anchor.cache``                  per-prompt anchor pools valid until a reference reset
+``anchor.build``                  the anchor side of a run from its config
 ``testing.sglang_test_server``    TEST DOUBLE of the SGLang HTTP server (not SGLang)
 ================================  =====================================================
 

@@ -95,8 +95,8 @@ class Sample:
     """One sampled response.
 
     ``token_ids``: the generated tokens only (no prompt), length T.
-    ``logprobs``: length T, ``log softmax(logits)[token]`` of each generated token under the
-    engine's model at temperature 1 (see the engine's docs for exactly which logits), or
+    ``logprobs``: length T, ``log softmax(logits / temperature)[token]`` of each generated token
+    under the engine's model at the sampling temperature (see the engine's docs), or
     ``None`` if not requested.
     ``finish_reason``: ``stop`` | ``length`` | ``abort``.
     """

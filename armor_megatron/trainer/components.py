@@ -1,19 +1,16 @@
-"""Turn a RunConfig into the pieces the loop uses: losses, reset schedule, sampling, rollout settings,
-the rollout engine factories and the anchor cache. Nothing here runs a step."""
+"""Turn a RunConfig into the pieces the loop uses: losses, reset schedule, sampling, rollout settings
+and the rollout engine factories (the anchor side: `armor_megatron.rollout.anchor.build`).
+Nothing here runs a step."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import make_policy_loss_config
 from armor_megatron.config.schema import RunConfig
-from armor_megatron.rollout.anchor_cache import AnchorCache
-from armor_megatron.rollout.anchor_source import make_anchor_source
-from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
-from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
@@ -82,56 +79,12 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
         estimator=algo.estimator,
         estimator_kwargs=kwargs,
         verifier=cfg.reward.verifier,
+        anchor_success_reward=cfg.anchor.success_reward,
         overlong_buffer=algo.overlong.buffer_len if algo.overlong.enabled else None,
         overlong_penalty=algo.overlong.penalty,
         reward_workers=cfg.reward.workers,
         timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
     )
-
-
-def anchor_reward(text: str, truth) -> float:
-    """An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group will score it with."""
-    from armor_megatron.rewards import load_verifier
-
-    spec, answer = truth
-    return load_verifier(spec)(text, answer).score
-
-
-def anchor_cache(
-    cfg: RunConfig,
-    sampling: SamplingParams,
-    *,
-    reference_engine: RolloutEngine | None,
-    policy_engine: RolloutEngine | None = None,
-    reference_weights=None,
-    policy_weights=None,
-    reference_version: str = "ref-0",
-) -> AnchorCache | None:
-    """The anchor side: rejection sampler over the configured source, wrapped in the cache.
-
-    With ``anchor.cache: false`` the loop empties the cache at every step, so anchors are never
-    reused and the same code path serves both.
-    """
-    an = cfg.anchor
-    if not an.enabled:
-        return None
-    source = make_anchor_source(
-        an.source,
-        policy_engine=policy_engine,
-        reference_engine=reference_engine,
-        reference_weights=reference_weights,
-        reference_version=reference_version,
-        policy_weights=policy_weights,
-    )
-    if an.temperature is not None:
-        sampling = dataclasses.replace(sampling, temperature=an.temperature)
-    sampler = AnchorSampler(
-        source,
-        anchor_reward,
-        AnchorConfig(max_tries=an.max_tries, tries_per_round=an.tries_per_request, sampling=sampling),
-    )
-    return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)
 
 
 # ----------------------------------------------------------------------------- engines

@@ -34,7 +34,8 @@ from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
-from armor_megatron.rollout.anchor_cache import AnchorCache
+from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
+from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
@@ -152,12 +153,12 @@ class ArmorTrainer:
         """Build the engines from the actor's and reference's current weights (after load/resume).
 
         Weights stream from the export into the engines: every rank drives the export's
-        collectives, the policy's first, then the reference's. Only the ``swap`` anchor source
-        keeps host copies on the driver, to push them again around anchor requests.
+        collectives, the policy's first, then the reference's. Only an anchor source that keeps
+        host copies (``swap``, to push them again around anchor requests) gets lists.
         """
         policy = self.export_weights(self.actor)
         ref = self.export_weights(self.reference) if self.reference is not None else None
-        if self._swaps_reference or not self.is_driver:
+        if source_keeps_host_weights(self.cfg) or not self.is_driver:
             policy, ref = _materialise(policy), _materialise(ref)
         if not self.is_driver:
             return
@@ -165,13 +166,13 @@ class ArmorTrainer:
             policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
         )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
         _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
-        self.anchors = components.anchor_cache(
+        self.anchors = build_anchor_cache(
             self.cfg,
             self.sampling,
             reference_engine=self.reference_engine,
             policy_engine=self.policy_engine,
-            reference_weights=ref if self._swaps_reference else None,
-            policy_weights=(lambda: policy) if self._swaps_reference else None,
+            reference_weights=ref,  # host lists where the source keeps them, else spent streams it ignores
+            policy_weights=policy,
             reference_version=self._ref_version(),
         )
         if self.anchors is not None and self._anchor_state is not None:
@@ -336,19 +337,13 @@ class ArmorTrainer:
                             metrics.setdefault(f"critic/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
-    @property
-    def _swaps_reference(self) -> bool:
-        """Anchors come from π_ref swapped into the policy engine, which then needs the policy back."""
-        return self.cfg.anchor.enabled and self.cfg.anchor.source == "swap"
-
     def sync_weights(self, timer: StepTimer) -> None:
         """All ranks: push the new policy to the engine (the driver talks to it)."""
         with timer.phase("weight_sync"):
             weights = self.export_weights(self.actor)
             if self.is_driver:
-                if self._swaps_reference:  # kept on the host: swapped back in after each anchor request
-                    weights = _materialise(weights)
-                    self.anchors.sampler.source.set_policy_weights(weights)
+                if self.anchors is not None:  # the anchor source keeps what it swaps back in
+                    weights = self.anchors.sampler.source.policy_weights_pushed(weights)
                 self.policy_engine.update_weights(weights, f"step-{self.step}")
             else:
                 _materialise(weights)
@@ -363,9 +358,7 @@ class ArmorTrainer:
             ref_weights = self.export_weights(self.reference)
             if self.is_driver and self.anchors is not None:
                 self.anchors.wait()
-                # the swap source keeps π_ref on the host; a separate engine takes the stream
-                weights = _materialise(ref_weights) if self._swaps_reference else ref_weights
-                self.anchors.sampler.source.reset(weights, self._ref_version())
+                self.anchors.sampler.source.reset(ref_weights, self._ref_version())
                 self.anchors.reset(self._ref_version())
             _materialise(ref_weights)  # drives the export's collectives wherever nothing consumed it
         return {"reference/reset": 1.0}

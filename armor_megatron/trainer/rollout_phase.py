@@ -6,8 +6,12 @@ For a batch of P prompts:
    cache while the reference is frozen); none when every try failed;
 2. on-policy: G−1 samples from π_old per prompt with an anchor, G without (the anchor slot is
    filled by one more on-policy sample);
-3. rewards from the verifiers; accuracy = the verifier score, the training reward adds DAPO's
-   overlong shaping;
+3. rewards: on-policy samples are scored by their row's verifier; an anchor keeps the reward it
+   was verified with when sampled (never scored twice; one below ``anchor_success_reward`` is
+   dropped and counted in ``anchor/dropped``). accuracy = that score; the training reward adds
+   DAPO's overlong shaping to every row, anchors included: an anchor near the length limit is
+   penalised like any response of that length (the shaping is part of the reward function
+   the whole group is compared under);
 4. groups of G (anchor last); DAPO dynamic sampling then filters groups with all-equal accuracy
    (the caller refills from more prompts) and `trainer.advantages` computes the advantages of
    the batch that trains, over each whole group, anchor included.
@@ -48,6 +52,7 @@ class RolloutSettings:
     estimator: str = "dapo"  # read by trainer.advantages
     estimator_kwargs: dict = dataclasses.field(default_factory=dict)
     verifier: str = "math"
+    anchor_success_reward: float = 1.0  # an anchor's carried reward must reach it (positive anchors only)
     overlong_buffer: int | None = None  # tokens; None disables overlong shaping
     overlong_penalty: float = 1.0
     reward_workers: int | None = None
@@ -77,17 +82,19 @@ def collect_groups(
         if anchors
         else None
     )
-    found = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
+    offered = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
+    # Anchors were verified once, by the sampler: their rewards travel with them. One below the
+    # success reward (a pooled anchor verified under another threshold) is dropped before the
+    # on-policy samples are drawn, so its slot gets one more of them; it is never trained on.
+    found = [ok and a.reward >= settings.anchor_success_reward for a, ok in zip(anchor_results or [], offered)]
+    found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
     policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
     anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
-    anchor_scores = _score(
-        [[s.text for s in group] for group in anchor_samples], answers, verifiers, settings.reward_workers
-    )
-    # The anchor side already did the rejection sampling: every anchor it returns is taken.
+    anchor_scores = [[a.reward] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
     groups = assemble_anchor_groups(
-        policy_scores, anchor_scores if anchors else None, G, max_tries=1, success_reward=float("-inf")
+        policy_scores, anchor_scores if anchors else None, G, max_tries=1, success_reward=settings.anchor_success_reward
     )
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
@@ -115,7 +122,8 @@ def collect_groups(
     if anchors:
         metrics.update(
             {
-                "anchor/found_rate": sum(found) / len(found),
+                "anchor/found_rate": sum(found) / len(found),  # anchors in the groups
+                "anchor/dropped": float(sum(offered) - sum(found)),
                 "anchor/tries": float(sum(a.tries for a in anchor_results)),
                 "anchor/cached_rate": sum(bool(a.cached) for a in anchor_results if a.found) / max(sum(found), 1),
                 "anchor/generated_tokens": float(sum(a.generated_tokens for a in anchor_results)),

@@ -13,14 +13,14 @@ import torch
 from armor_megatron.algo import compute_advantages
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import RewardResult, register_verifier
-from armor_megatron.rollout.anchor_cache import AnchorCache
-from armor_megatron.rollout.anchor_source import SeparateReference
-from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.anchor.build import anchor_reward
+from armor_megatron.rollout.anchor.cache import AnchorCache
+from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.source import SeparateReference
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
-from armor_megatron.trainer.components import anchor_reward
 from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
@@ -35,6 +35,16 @@ def _starts_with(response, ground_truth):
 @register_verifier("test_never", replace=True)
 def _never(response, ground_truth):
     return RewardResult(0.0, {})
+
+
+SEEN: dict[str, int] = {}
+
+
+@register_verifier("test_starts_with_once", replace=True)
+def _starts_with_once(response, ground_truth):
+    """Passes a response the first time it is checked, fails it afterwards (a flaky verifier)."""
+    SEEN[response] = SEEN.get(response, 0) + 1
+    return RewardResult(float(response.startswith(ground_truth) and SEEN[response] == 1), {})
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +64,7 @@ def setup():
     sampler = AnchorSampler(
         SeparateReference(ref),
         anchor_reward,  # the trainer's: each row's own verifier
-        AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING),
+        AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING),
     )
     return tok, policy, sampler, rows
 
@@ -135,3 +145,50 @@ def test_advantages_see_only_the_groups_that_train(setup, estimator):
     kept = group_advantages(batch.slice(0, 2 * G), settings)[0]["advantages"]  # two groups survive
     assert torch.equal(kept, compute_advantages(estimator, rewards=batch["rewards"][: 2 * G].view(2, G)).reshape(-1))
     assert torch.equal(kept, whole_round) == (estimator == "dapo")
+
+
+def test_an_anchor_is_verified_once_and_trained_with_that_reward(setup):
+    """A re-check would fail it (the verifier passes a text only once): the group still holds the
+    anchor, with the reward it was verified with (a re-score would make it a negative anchor)."""
+    tok, policy, sampler, rows = setup
+    rows = [dataclasses.replace(r, verifier="test_starts_with_once") for r in rows]
+    SEEN.clear()
+    batch, metrics = _collect((tok, policy, sampler, rows), AnchorCache(sampler))
+    anchors = batch["is_anchor"]
+    assert anchors.view(len(rows), G)[:3, -1].all()
+    assert batch["accuracy"][anchors].tolist() == [1.0] * int(anchors.sum())
+    assert metrics["anchor/dropped"] == 0.0
+
+
+def test_an_anchor_below_the_success_reward_is_dropped_not_trained_on(setup):
+    """A pooled anchor verified under a lower threshold (reward 0.5) meets a run that asks for 1."""
+    tok, policy, sampler, rows = setup
+    cache = AnchorCache(sampler)
+    cache.load_state_dict(
+        {
+            "version": "ref-0",
+            "pools": [[rows[0].index, [[dataclasses.asdict(_a_sample(tok, rows[0])), 0, 0.5]]]],
+            "failures": [],
+            "stats": {"lookups": 0, "hits": 0, "skipped": 0, "invalidations": 0},
+            "rng": list(__import__("random").Random(0).getstate()),
+        }
+    )
+    batch, metrics = _collect((tok, policy, sampler, rows[:1]), cache)
+    assert not batch["is_anchor"].any() and metrics["anchor/dropped"] == 1.0
+    assert metrics["anchor/found_rate"] == 0.0  # served by the cache, refused for the group
+
+
+def _a_sample(tok, row):
+    from armor_megatron.rollout.engine import Sample
+
+    ids = tuple(encode(tok, row.answer + "xyz"))
+    return Sample(0, ids, tok.decode(list(ids)), None, "length", "ref-0")
+
+
+def test_overlong_shaping_applies_to_anchors_too(setup):
+    _, _, sampler, rows = setup
+    batch, _ = _collect(setup, AnchorCache(sampler), overlong_buffer=2)
+    anchors = batch["is_anchor"]
+    assert anchors.any()
+    # every response, anchors included, is 4 tokens against a max of 4 with a buffer of 2: penalty 1
+    assert torch.equal(batch["rewards"][anchors], batch["accuracy"][anchors] - 1.0)

@@ -25,7 +25,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from typing import Any
 
-from armor_megatron.rollout.anchors import AnchorResult, AnchorSampler
+from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample
 from armor_megatron.rollout.engine import Sample
 
 
@@ -47,6 +47,7 @@ class CacheStats:
 @dataclasses.dataclass
 class _Entry:
     sample: Sample
+    reward: float  # as verified when it was sampled
     uses: int = 0
 
 
@@ -94,12 +95,13 @@ class AnchorCache:
             misses = []
             for i, key in enumerate(keys):
                 self.stats.lookups += 1
-                sample = self._draw(key)
+                entry = self._draw(key)
                 prefetch_failed = key in self._prefetch_failed
                 self._prefetch_failed.discard(key)
-                if sample is not None:
+                if entry is not None:
                     self.stats.hits += 1
-                    results[i] = AnchorResult(i, dataclasses.replace(sample, prompt_index=i), 0, 0, cached=True)
+                    anchor = dataclasses.replace(entry.sample, prompt_index=i)
+                    results[i] = AnchorResult(i, anchor, 0, 0, cached=True, reward=entry.reward)
                 elif self._given_up(key):
                     self.stats.skipped += 1
                     results[i] = AnchorResult(i, None, 0, 0)
@@ -187,7 +189,10 @@ class AnchorCache:
             return {
                 "version": self.version,
                 "pools": [
-                    [list(k) if isinstance(k, tuple) else k, [[dataclasses.asdict(e.sample), e.uses] for e in p]]
+                    [
+                        list(k) if isinstance(k, tuple) else k,
+                        [[dataclasses.asdict(e.sample), e.uses, e.reward] for e in p],
+                    ]
                     for k, p in self._pools.items()
                 ],
                 "failures": [[list(k) if isinstance(k, tuple) else k, n] for k, n in self._failures.items()],
@@ -208,7 +213,12 @@ class AnchorCache:
 
         with self._lock:
             self.version = state["version"]
-            self._pools = {key(k): [_Entry(sample(s), uses) for s, uses in p] for k, p in state["pools"]}
+            # entries saved before rewards were kept passed the sampler's success reward
+            success = self.sampler.config.success_reward
+            self._pools = {
+                key(k): [_Entry(sample(e[0]), e[2] if len(e) > 2 else success, e[1]) for e in p]
+                for k, p in state["pools"]
+            }
             self._failures = {key(k): n for k, n in state["failures"]}
             self._prefetch_failed = {key(k) for k in state.get("prefetch_failed", [])}
             self.stats = CacheStats(**state["stats"])
@@ -241,13 +251,13 @@ class AnchorCache:
     def _given_up(self, key) -> bool:
         return self.give_up_after is not None and self._failures.get(key, 0) >= self.give_up_after
 
-    def _draw(self, key) -> Sample | None:
+    def _draw(self, key) -> _Entry | None:
         pool = self._pools.get(key)
         if not pool:
             return None
         entry = self._rng.choice(pool)
         self._use(pool, entry)
-        return entry.sample
+        return entry
 
     def _use(self, pool: list[_Entry], entry: _Entry) -> None:
         entry.uses += 1
@@ -259,9 +269,9 @@ class AnchorCache:
             self._failures[key] = self._failures.get(key, 0) + 1
             return
         pool = self._pools.setdefault(key, [])
-        for s in [result.anchor, *result.extra]:
+        for v in [VerifiedSample(result.anchor, result.reward), *result.extra]:
             if len(pool) < self.max_pool:
-                pool.append(_Entry(s))
+                pool.append(_Entry(v.sample, v.reward))
 
     def _count_use(self, key, sample: Sample | None) -> None:
         pool = self._pools.get(key, [])

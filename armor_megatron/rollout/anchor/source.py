@@ -9,14 +9,17 @@ pushes per request, and nothing else may use the engines meanwhile (no backgroun
 pre-generation).
 
 Either way :meth:`reset` is the reference reset θ_ref ← θ: it installs new reference weights
-under a new ``version``; anchor caches keyed by that version drop their pools.
+under a new ``version``; anchor caches keyed by that version drop their pools. The trainer
+hands every policy push through :meth:`policy_weights_pushed`, so the source keeps what it
+needs (``swap``: a host copy to push back after each anchor request); ``keeps_host_weights``
+says whether it needs the weights as host copies rather than a stream.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 
@@ -24,13 +27,17 @@ WeightProvider = WeightSource | Callable[[], WeightSource]
 
 
 def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
-    """A zero-argument callable giving fresh weights each call (iterators can be read only once)."""
+    """A zero-argument callable giving fresh weights each call: an iterator (a weight export
+    stream, readable once) is read into a host list first."""
     if callable(weights):
         return weights
     if isinstance(weights, (str, os.PathLike, list, tuple)):
         return lambda: weights
+    if isinstance(weights, Iterable):
+        kept = list(weights)
+        return lambda: kept
     raise TypeError(
-        "reference weights must be a checkpoint directory, a list of (name, tensor) or a callable returning one"
+        "reference weights must be a checkpoint directory, (name, tensor) pairs or a callable returning them"
     )
 
 
@@ -38,6 +45,7 @@ class SeparateReference:
     """π_ref on its own engine; ``supports_background`` because nothing else uses it."""
 
     supports_background = True
+    keeps_host_weights = False
 
     def __init__(self, engine: RolloutEngine):
         self.engine = engine
@@ -58,6 +66,9 @@ class SeparateReference:
     def reset(self, weights: WeightSource, version: str) -> None:
         self.engine.update_weights(weights, version)
 
+    def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        return weights  # the policy engine is not ours
+
 
 class SwapReference:
     """π_ref swapped into the policy ``engine`` around each anchor request.
@@ -72,6 +83,7 @@ class SwapReference:
     """
 
     supports_background = False
+    keeps_host_weights = True
 
     def __init__(
         self,
@@ -105,8 +117,11 @@ class SwapReference:
                 if self.swap_back and policy_version != self.version:
                     self.engine.update_weights(self._policy(), policy_version)
 
-    def set_policy_weights(self, policy_weights: WeightProvider) -> None:
-        self._policy = _provider(policy_weights)
+    def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        """The policy the trainer pushes next, kept to be swapped back after anchor requests;
+        returns what to push (a host list when given a stream)."""
+        self._policy = _provider(weights)
+        return self._policy()
 
     def reset(self, weights: WeightProvider, version: str) -> None:
         with self._lock:
@@ -114,7 +129,7 @@ class SwapReference:
             self.version = str(version)
 
 
-ANCHOR_SOURCES = ("separate", "swap")
+ANCHOR_SOURCES = {"separate": SeparateReference, "swap": SwapReference}
 
 
 def make_anchor_source(
@@ -144,4 +159,4 @@ def make_anchor_source(
         if missing:
             raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
         return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)
-    raise ValueError(f"anchor_source must be one of {ANCHOR_SOURCES}, got {kind!r}")
+    raise ValueError(f"anchor_source must be one of {tuple(ANCHOR_SOURCES)}, got {kind!r}")

@@ -1,16 +1,19 @@
-"""ARMOR anchor rollout: rejection sampling of one verified response per prompt from π_ref.
+"""Rejection sampling of one verified anchor per prompt from π_ref.
 
-For each prompt draw up to ``max_tries`` responses from the reference, ``tries_per_round`` at
-once (one request with ``n = tries_per_round``), and keep the first whose reward is at
-least ``threshold`` (positive anchors only). A prompt whose tries all fail gets no anchor;
+For each prompt draw up to ``max_tries`` responses from the reference, ``tries_per_request`` at
+once (one request with ``n = tries_per_request``), and keep the first whose reward reaches
+``success_reward`` (positive anchors only). A prompt whose tries all fail gets no anchor;
 the trainer fills that group slot with one more on-policy sample.
+
+Each anchor is verified once, here: its reward travels with it (``AnchorResult.reward``, and
+into the anchor cache) and is the reward its group is trained with; nothing scores it again.
 
 ``reward_fn(response_text, ground_truth) -> float`` is any verifier, e.g.
 ``lambda text, gt: compute_score(text, gt, verifier).score`` from the rewards package.
 
 Every generated token counts in the cost, also those of failed tries and of the other
 samples of a round after the first correct one (they were paid for; an anchor cache can
-keep the correct ones, see :mod:`armor_megatron.rollout.anchor_cache`).
+keep the correct ones, see :mod:`armor_megatron.rollout.anchor.cache`).
 """
 
 from __future__ import annotations
@@ -26,22 +29,46 @@ RewardFn = Callable[[str, Any], float]
 
 
 @dataclasses.dataclass(frozen=True)
-class AnchorConfig:
+class AnchorSamplingConfig:
+    """The rejection sampler's knobs; the run config's ``anchor`` section names them the same."""
+
     max_tries: int = 4
-    tries_per_round: int = 4
-    threshold: float = 1.0
+    tries_per_request: int = 4
+    success_reward: float = 1.0
     sampling: SamplingParams = SamplingParams()
 
     def __post_init__(self):
-        if self.max_tries < 1 or self.tries_per_round < 1:
+        if self.max_tries < 1 or self.tries_per_request < 1:
             raise ValueError(
-                f"max_tries and tries_per_round must be >= 1, got {self.max_tries} and {self.tries_per_round}"
+                f"max_tries and tries_per_request must be >= 1, got {self.max_tries} and {self.tries_per_request}"
             )
+
+    @classmethod
+    def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
+        """From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
+        ``anchor.temperature`` when that is set."""
+        if anchor_section.temperature is not None:
+            sampling = dataclasses.replace(sampling, temperature=anchor_section.temperature)
+        return cls(
+            max_tries=anchor_section.max_tries,
+            tries_per_request=anchor_section.tries_per_request,
+            success_reward=anchor_section.success_reward,
+            sampling=sampling,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifiedSample:
+    """A reference sample and the reward its verifier gave it."""
+
+    sample: Sample
+    reward: float
 
 
 @dataclasses.dataclass
 class AnchorResult:
-    """The outcome for one prompt: ``anchor`` (or None), the tries and tokens it cost.
+    """The outcome for one prompt: ``anchor`` (or None) with its verified ``reward``, the tries
+    and tokens it cost.
 
     ``extra``: further verified samples from the same rounds (candidates for a cache).
     ``cached``: the anchor came from an anchor cache at no generation cost.
@@ -51,8 +78,9 @@ class AnchorResult:
     anchor: Sample | None
     tries: int
     generated_tokens: int
-    extra: list[Sample] = dataclasses.field(default_factory=list)
+    extra: list[VerifiedSample] = dataclasses.field(default_factory=list)
     cached: bool = False
+    reward: float | None = None
 
     @property
     def found(self) -> bool:
@@ -92,7 +120,7 @@ class AnchorStats:
 class AnchorSampler:
     """Rejection sampling from ``source`` (a reference policy with ``generate`` and ``version``)."""
 
-    def __init__(self, source, reward_fn: RewardFn, config: AnchorConfig = AnchorConfig()):
+    def __init__(self, source, reward_fn: RewardFn, config: AnchorSamplingConfig = AnchorSamplingConfig()):
         self.source = source
         self.reward_fn = reward_fn
         self.config = config
@@ -103,8 +131,8 @@ class AnchorSampler:
     def version(self) -> str:
         return self.source.version
 
-    def is_correct(self, sample: Sample, ground_truth: Any) -> bool:
-        return float(self.reward_fn(sample.text, ground_truth)) >= self.config.threshold
+    def verify(self, sample: Sample, ground_truth: Any) -> VerifiedSample:
+        return VerifiedSample(sample, float(self.reward_fn(sample.text, ground_truth)))
 
     def sample(
         self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], timeout: float | None = None
@@ -117,18 +145,17 @@ class AnchorSampler:
         pending = list(range(len(prompts_token_ids)))
         tries_done = 0
         while pending and tries_done < cfg.max_tries:
-            k = min(cfg.tries_per_round, cfg.max_tries - tries_done)
+            k = min(cfg.tries_per_request, cfg.max_tries - tries_done)
             groups = self.source.generate([prompts_token_ids[i] for i in pending], k, cfg.sampling, timeout=timeout)
             still = []
             for i, group in zip(pending, groups):
                 r = results[i]
                 r.tries += k
                 r.generated_tokens += sum(s.num_tokens for s in group)
-                correct = [
-                    dataclasses.replace(s, prompt_index=i) for s in group if self.is_correct(s, ground_truths[i])
-                ]
+                verified = [self.verify(dataclasses.replace(s, prompt_index=i), ground_truths[i]) for s in group]
+                correct = [v for v in verified if v.reward >= cfg.success_reward]
                 if correct:
-                    r.anchor, r.extra = correct[0], correct[1:]
+                    r.anchor, r.reward, r.extra = correct[0].sample, correct[0].reward, correct[1:]
                 else:
                     still.append(i)
             pending, tries_done = still, tries_done + k

@@ -1,17 +1,17 @@
 import pytest
 
-from armor_megatron.rollout.anchor_cache import AnchorCache
-from armor_megatron.rollout.anchor_source import SeparateReference, SwapReference
-from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.anchor.cache import AnchorCache
+from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.source import SeparateReference, SwapReference
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import tiny_weights
 
-from .test_anchors import SAMPLING, UNSOLVABLE, setup, starts_with  # noqa: F401 - fixture
+from .test_sampler import SAMPLING, UNSOLVABLE, setup, starts_with  # noqa: F401 - fixture
 
 
 def make_cache(ref, **kw):
     sampler = AnchorSampler(
-        SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+        SeparateReference(ref), starts_with, AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING)
     )
     return AnchorCache(sampler, **kw)
 

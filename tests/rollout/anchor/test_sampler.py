@@ -10,8 +10,8 @@ that no response can contain.
 import pytest
 import torch
 
-from armor_megatron.rollout.anchor_source import SeparateReference, SwapReference, make_anchor_source
-from armor_megatron.rollout.anchors import AnchorConfig, AnchorSampler
+from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.source import SeparateReference, SwapReference, make_anchor_source
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
@@ -45,7 +45,7 @@ def setup():
 def test_anchor_found_exactly_where_the_reference_can_solve(setup):
     _, _, ref, prompts, truths = setup
     sampler = AnchorSampler(
-        SeparateReference(ref), starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+        SeparateReference(ref), starts_with, AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING)
     )
     results = sampler.sample(prompts, truths)
     for i, r in enumerate(results):
@@ -64,9 +64,9 @@ def test_anchor_found_exactly_where_the_reference_can_solve(setup):
 def test_positive_anchors_only(setup):
     _, _, ref, prompts, truths = setup
     half_credit = lambda text, gt: 0.5  # noqa: E731 - never a full reward
-    results = AnchorSampler(SeparateReference(ref), half_credit, AnchorConfig(max_tries=2, sampling=SAMPLING)).sample(
-        prompts, truths
-    )
+    results = AnchorSampler(
+        SeparateReference(ref), half_credit, AnchorSamplingConfig(max_tries=2, sampling=SAMPLING)
+    ).sample(prompts, truths)
     assert not any(r.found for r in results)
 
 
@@ -85,7 +85,7 @@ def test_swap_reference_pushes_reference_in_and_policy_back(setup):
     before = engine.generate(prompts, 1, greedy)
     source = SwapReference(engine, reference_weights, "ref-0", policy_weights)
     results = AnchorSampler(
-        source, starts_with, AnchorConfig(max_tries=4, tries_per_round=2, sampling=SAMPLING)
+        source, starts_with, AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING)
     ).sample(prompts, truths)
     assert [r.found for r in results] == [True] * 4 + [False] * 2
     assert all(r.anchor.weight_version == "ref-0" for r in results if r.found)
