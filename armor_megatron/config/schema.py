@@ -188,6 +188,11 @@ class TrainConfig:
     collective_timeout_minutes: int = checked(
         180, check=at_least(1), help="process-group timeout; non-driver ranks wait in a collective through each rollout"
     )
+    offload_during_rollout: bool | None = checked(
+        None,
+        help="move trainer weights, grads and optimizer state to host memory while engines generate "
+        "(rollout, evaluation); None: when SGLang engines are colocated",
+    )
 
 
 @dataclasses.dataclass

@@ -21,6 +21,7 @@ and reference live on all ranks (TP/PP/DP as configured).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Callable
@@ -34,6 +35,7 @@ from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
@@ -104,6 +106,8 @@ class ArmorTrainer:
         self.eval_sampling = components.eval_sampling(cfg, eos)
         self.settings = components.rollout_settings(cfg, self.sampling)
         # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
+        # trainer memory handed to colocated engines while they generate (bit-exact round trip)
+        self.trainer_memory = HostOffload.of(actor, reference, critic) if offloads_during_rollout(cfg) else None
         self._make_engines = make_engines
         self.policy_engine: RolloutEngine | None = None
         self.reference_engine: RolloutEngine | None = None
@@ -388,6 +392,13 @@ class ArmorTrainer:
                 engine.resume_memory(tags=tags)
         barrier()
 
+    def _trainer_memory_released(self, enabled: bool = True):
+        """Every rank: the trainer's device memory on the host while engines generate (when
+        configured, `offloads_during_rollout`), back before anything computes on it."""
+        if self.trainer_memory is None:
+            return contextlib.nullcontext()
+        return self.trainer_memory.released(enabled)
+
     def evaluate(self) -> dict:
         """Driver: avg@k / pass@k of the current policy on every eval set."""
         if not self.eval_sets:
@@ -443,8 +454,9 @@ class ArmorTrainer:
         cfg = self.cfg
         timer = StepTimer()
         started = time.perf_counter()
-        batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
-        tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        with self._trainer_memory_released():
+            batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+            tensors = broadcast_tensors(batch, BATCH_TENSORS)
         if tensors is None:
             metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
         else:
@@ -453,14 +465,16 @@ class ArmorTrainer:
             metrics["train/tokens"] = float(tensors["response_mask"].sum())
         self.step += 1
         self.sync_weights(timer)
-        if self.is_driver:
-            # the policy's own accuracy: anchors score 1 by construction
-            train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
-            self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
-            if cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0:
-                with timer.phase("eval"):  # the policy of this step: its weights are in the engine
-                    metrics.update(self.evaluate())
-        metrics = broadcast_object(metrics)
+        eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
+        with self._trainer_memory_released(eval_due):
+            if self.is_driver:
+                # the policy's own accuracy: anchors score 1 by construction
+                train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
+                self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
+                if eval_due:
+                    with timer.phase("eval"):  # the policy of this step: its weights are in the engine
+                        metrics.update(self.evaluate())
+            metrics = broadcast_object(metrics)
         metrics.update(self.maybe_reset_reference(metrics, timer))
         saved = bool(cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0)
         saved = saved or self.step == cfg.train.steps
@@ -499,6 +513,13 @@ class ArmorTrainer:
         if progress is not None:
             progress.update(1)
             progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics})
+
+
+def offloads_during_rollout(cfg: RunConfig) -> bool:
+    """``train.offload_during_rollout``, by default on exactly when SGLang engines share the GPUs."""
+    if cfg.train.offload_during_rollout is not None:
+        return cfg.train.offload_during_rollout
+    return cfg.rollout.engine == "sglang" and cfg.rollout.sglang.placement == "colocated"
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
