@@ -70,6 +70,9 @@ class RolloutConfig:
     max_prompt_len: int = checked(1024, check=at_least(1))
     max_response_len: int = checked(8192, check=at_least(1))
     seed: int = 0
+    local_device: str = checked(
+        "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
+    )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
 
 

@@ -82,6 +82,7 @@ class MegatronActor(TrainedModel):
         seed: int = 1234,
         temperature: float = 1.0,
         loss_name: str = "armor",
+        use_te: bool | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -93,6 +94,7 @@ class MegatronActor(TrainedModel):
             micro_batch_size=micro_batch_size,
             total_steps=total_steps,
             seed=seed,
+            use_te=use_te,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

@@ -108,6 +108,7 @@ class MegatronCritic(TrainedModel):
         total_steps: int,
         seed: int = 1234,
         value_head_init_std: float = 0.0,
+        use_te: bool | None = None,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
@@ -120,11 +121,12 @@ class MegatronCritic(TrainedModel):
             micro_batch_size=micro_batch_size,
             total_steps=total_steps,
             seed=seed,
+            use_te=use_te,
         )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
         untied = dataclasses.replace(self.arch, tie_word_embeddings=False)
-        chunks = build_model_chunks(untied, self.parallel, dtype=dtype, config=config)
+        chunks = build_model_chunks(untied, self.parallel, dtype=dtype, config=config, use_te=self.use_te)
         for chunk in chunks:
             if chunk.post_process:
                 device = next(chunk.parameters()).device

@@ -43,11 +43,12 @@ class ReferenceModel:
         offload: bool = False,
         micro_batch_size: int = 1,
         temperature: float = 1.0,
+        use_te: bool | None = None,
     ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
-        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype)
+        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype, use_te=use_te)
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
         # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep

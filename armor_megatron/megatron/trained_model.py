@@ -68,6 +68,7 @@ class TrainedModel:
         micro_batch_size: int,
         total_steps: int,
         seed: int = 1234,
+        use_te: bool | None = None,
     ):
         from megatron.core import tensor_parallel
 
@@ -75,10 +76,11 @@ class TrainedModel:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.arch, self.parallel, self.micro_batch_size = arch, parallel, micro_batch_size
+        self.use_te = use_te  # the layer spec: Transformer Engine's, the local one, or None (TE when importable)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
-        config = transformer_config_from_arch(arch, parallel, dtype=dtype, calculate_per_token_loss=True)
+        config = transformer_config_from_arch(arch, parallel, dtype=dtype, use_te=use_te, calculate_per_token_loss=True)
         self.model_chunks = self._build_chunks(config, dtype, seed)
         self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
         no_sync = [c.no_sync for c in self.ddp_chunks]
@@ -90,7 +92,7 @@ class TrainedModel:
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
-        return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config)
+        return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config, use_te=self.use_te)
 
     @property
     def _interleaved(self) -> bool:

@@ -65,7 +65,8 @@ class LocalEngine(RolloutEngine):
     ``hf_config``: the HF ``config.json`` as a dict; ``weights``: HF-named tensors or an HF
     checkpoint directory; ``tokenizer``: optional (``text`` is empty without it). ``seed``
     seeds the generator of every call that has no ``SamplingParams.seed``: call i uses
-    ``seed + i``, so a run is reproducible call by call.
+    ``seed + i``, so a run is reproducible call by call (on one device: a GPU draws other
+    numbers than the CPU from the same seed). ``device``: where the model runs and samples.
     """
 
     def __init__(
@@ -77,11 +78,13 @@ class LocalEngine(RolloutEngine):
         seed: int = 0,
         max_batch_size: int = 64,
         dtype=None,
+        device="cpu",
     ):
         import torch
 
         self.hf_config = dict(hf_config)
-        self.model = hf_checkpoint.build_causal_lm(self.hf_config, dtype=dtype or torch.float32)
+        self.device = torch.device(device)
+        self.model = hf_checkpoint.build_causal_lm(self.hf_config, dtype=dtype or torch.float32).to(self.device)
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self._seed = seed
@@ -157,7 +160,7 @@ class LocalEngine(RolloutEngine):
         deadline = None if timeout is None else time.monotonic() + timeout
         rows = [(i, list(map(int, p))) for i, p in enumerate(prompts_token_ids) for _ in range(n)]
         seed = sampling.seed if sampling.seed is not None else self._seed + next(self._calls)
-        generator = torch.Generator().manual_seed(int(seed))
+        generator = torch.Generator(device=self.device).manual_seed(int(seed))
         groups = [[] for _ in prompts_token_ids]
         with self._lock:
             version = self.weight_version
@@ -186,10 +189,11 @@ class LocalEngine(RolloutEngine):
         for r, p in enumerate(prompts):
             input_ids[r, width - len(p) :] = torch.tensor(p)
             mask[r, width - len(p) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | set(self.eos_token_ids)
 
-        tokens = [[] for _ in range(batch)]
+        tokens: list[list[int]] = [[] for _ in range(batch)]
         logprobs = [[] for _ in range(batch)]
         reasons = [None] * batch
         stop_at = [None] * batch  # character offset of a matched stop string
@@ -202,12 +206,13 @@ class LocalEngine(RolloutEngine):
                 nxt = sample_next_tokens(logits, sampling, generator)
                 scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
                 lps = torch.log_softmax(scaled, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
+                step_tokens, step_logprobs = nxt.tolist(), lps.tolist()  # one device-to-host copy
                 for r in range(batch):
                     if reasons[r] is not None:
                         continue
-                    tok = int(nxt[r])
+                    tok = step_tokens[r]
                     tokens[r].append(tok)
-                    logprobs[r].append(float(lps[r]))
+                    logprobs[r].append(step_logprobs[r])
                     if tok in stop_ids:
                         reasons[r] = "stop"
                     elif sampling.stop:
@@ -216,7 +221,7 @@ class LocalEngine(RolloutEngine):
                             reasons[r] = "stop"
                 if all(r is not None for r in reasons):
                     break
-                mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+                mask = torch.cat([mask, torch.ones((batch, 1), dtype=torch.long, device=self.device)], dim=1)
                 positions = positions[:, -1:] + 1
                 out = self.model(
                     input_ids=nxt[:, None],

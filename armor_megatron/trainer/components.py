@@ -104,12 +104,22 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
 
     def make(policy, reference, *, policy_version, reference_version):
         policy_engine = LocalEngine(
-            hf_config, policy, tokenizer=tokenizer, weight_version=policy_version, seed=cfg.rollout.seed
+            hf_config,
+            policy,
+            tokenizer=tokenizer,
+            weight_version=policy_version,
+            seed=cfg.rollout.seed,
+            device=cfg.rollout.local_device,
         )
         reference_engine = None
         if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":
             reference_engine = LocalEngine(
-                hf_config, reference, tokenizer=tokenizer, weight_version=reference_version, seed=cfg.rollout.seed + 1
+                hf_config,
+                reference,
+                tokenizer=tokenizer,
+                weight_version=reference_version,
+                seed=cfg.rollout.seed + 1,
+                device=cfg.rollout.local_device,
             )
         return policy_engine, reference_engine
 

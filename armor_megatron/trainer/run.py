@@ -59,6 +59,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         timeout_minutes=cfg.train.collective_timeout_minutes,
     )
     dtype = resolve_dtype(cfg.model.dtype)
+    use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
         arch,
@@ -71,6 +72,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         seed=cfg.train.seed,
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
         loss_name=cfg.algorithm.policy_loss,
+        use_te=use_te,
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -86,6 +88,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             total_steps=total_updates,
             seed=cfg.train.seed,
             value_head_init_std=cfg.critic.value_head_init_std,
+            use_te=use_te,
         )
     reference = None
     if needs_reference(cfg):
@@ -96,6 +99,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             offload=cfg.reference.offload,
             micro_batch_size=cfg.train.micro_batch_size,
             temperature=cfg.rollout.temperature,
+            use_te=use_te,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

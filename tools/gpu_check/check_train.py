@@ -19,7 +19,7 @@ most 1e-6 above ten times step 1's, when both started from one checkpoint): the 
 its checkpoint round trip kept the reference.
 
 The trainer picks its device itself (CUDA whenever torch sees one, megatron/dist.py); the local
-rollout engine has no device setting and runs on the CPU (see tools/README.md).
+rollout engine runs where ``rollout.local_device`` says: the GPU with ``--device cuda``.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def armor_train(args, run_dir: str, *overrides: str) -> tuple[int, str]:
         *tiny_paths(args.work),
         f"checkpoint.dir={run_dir}/ckpt",
         f"logging.dir={run_dir}/runs",
-        *(["launch.gpus_per_node=0"] if args.device == "cpu" else []),
+        *(["launch.gpus_per_node=0"] if args.device == "cpu" else ["rollout.local_device=cuda"]),
         *args.overrides,
         *overrides,
     ]
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     m = {s: metrics.get(s, {}) for s in (1, 2, 3)}
     gap = max(m[s].get("rollout/logprob_abs_diff", math.nan) for s in (1, 2, 3))
     line = (
-        f"armor-train 3 steps on {where} (bf16, local spec, local engine on cpu): steps 1-2, reset at 2, "
+        f"armor-train 3 steps on {where} (bf16, local spec, local engine on {args.device}): steps 1-2, reset at 2, "
         f"checkpoint, resume at 2 -> step 3; anchors found {_rates(m, 'anchor/found_rate')}, "
         f"accuracy {_rates(m, 'rollout/on_policy_accuracy')}, engine-trainer mean|d| <= {gap:.2e}, "
         f"kl_ref@3={m[3].get('train/approx_kl_ref', math.nan):.1e}, {seconds:.0f} s"
