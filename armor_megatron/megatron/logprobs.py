@@ -81,8 +81,8 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
             target = z.gather(1, local[a:b, None]).squeeze(1) if valid else z.new_zeros(b - a)
             e = torch.exp(z, out=work[1, : b - a])
             sums = [e.sum(dim=-1), torch.where(owned[a:b], target, 0.0)]
-            if with_entropy:
-                sums.append(torch.linalg.vecdot(e, z))  # Σ exp(z−m)·(z−m)
+            if with_entropy:  # Σ exp(z−m)·(z−m), with 0·(−inf) := 0 for masked (−inf) logits
+                sums.append(torch.linalg.vecdot(e, z.clamp_(min=_FP32_MIN)))
             sums = torch.stack(sums)
             _all_reduce(sums, dist.ReduceOp.SUM, group)
             log_s = sums[0].log()
@@ -92,6 +92,8 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
                 entropy[a:b] = log_s - sums[2] / sums[0]
         ctx.save_for_backward(logits, local, owned, lse, entropy if with_entropy else lse)
         ctx.args = (valid, temperature, chunk, with_entropy)
+        # an entropy that only feeds metrics gets no gradient: backward then skips its term
+        ctx.set_materialize_grads(False)
         return logprobs, (entropy if with_entropy else lse.new_zeros(0))
 
     @staticmethod
@@ -105,8 +107,8 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
             b = min(a + chunk, logits.shape[0])
             logp = _scaled_fp32(work[0, : b - a], logits[a:b, :valid], temperature).sub_(lse[a:b, None])
             g = torch.exp(logp, out=work[1, : b - a])  # p
-            if use_entropy:  # logp := g_H · p · (log p + H)
-                logp.add_(entropy[a:b, None]).mul_(g).mul_(grad_entropy[a:b, None])
+            if use_entropy:  # logp := g_H · p · (log p + H), 0 where p = 0 (masked logits)
+                logp.clamp_(min=_FP32_MIN).add_(entropy[a:b, None]).mul_(g).mul_(grad_entropy[a:b, None])
             if grad_logprobs is None:
                 g.zero_()
             else:  # g_lp · (1[v = y] − p)
@@ -119,6 +121,9 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
                 g.div_(temperature)
             grad[a:b, :valid].copy_(g)
         return grad, None, None, None, None, None, None, None
+
+
+_FP32_MIN = torch.finfo(torch.float32).min
 
 
 def _workspace(logits: torch.Tensor, chunk: int, valid: int) -> torch.Tensor:

@@ -130,3 +130,25 @@ def test_tensor_parallel_split_matches_naive():
         torch.testing.assert_close(ent.double(), ref_ent.detach(), atol=1e-5, rtol=0)
     grad = torch.cat([g for _, _, g in results], dim=-1)
     torch.testing.assert_close(grad.double(), ref.grad, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("entropy_weight", [0.0, 0.3])
+def test_masked_logits_give_finite_entropy_and_gradients(entropy_weight):
+    """Logits of -inf (a masked vocabulary entry) contribute 0·(-inf) := 0 to the entropy; an
+    entropy that only feeds metrics (weight 0: unused in the loss) gets no backward pass at all."""
+    torch.manual_seed(1)
+    logits = torch.randn(3, 6, dtype=torch.float64)
+    logits[:, 5] = -math.inf
+    labels = torch.tensor([0, 1, 2])
+    ours = logits.clone().float().requires_grad_()
+    lp, ent = vocab_parallel_logprobs(ours, labels, with_entropy=True, temperature=0.8)
+    loss = lp.sum() + (entropy_weight * ent.sum() if entropy_weight else 0.0)
+    loss.backward()
+
+    ref = logits[:, :5].clone().requires_grad_()  # the distribution without its impossible entry
+    logp = torch.log_softmax(ref / 0.8, dim=-1)
+    ref_ent = -(logp.exp() * logp).sum(-1)
+    (logp.gather(-1, labels[:, None]).sum() + entropy_weight * ref_ent.sum()).backward()
+    assert torch.isfinite(ent).all() and torch.allclose(ent.double(), ref_ent.detach(), atol=1e-5)
+    assert torch.isfinite(ours.grad).all() and (ours.grad[:, 5] == 0).all()
+    assert torch.allclose(ours.grad[:, :5].double(), ref.grad, atol=1e-5)
