@@ -16,7 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 SCRIPT = os.path.join(ROOT, "tools", "gpu_check.sh")
 sys.path.insert(0, os.path.join(ROOT, "tools", "gpu_check"))
 
-import check_throughput  # noqa: E402
 import check_train  # noqa: E402
 
 VERDICT = re.compile(r"^gpu_ok=([01]) tokens_per_s=(\S+) mfu=(\S+)$")
@@ -137,37 +136,3 @@ def test_train_verdict_needs_the_resume_and_the_last_checkpoint():
     found = check_train.problems(good_steps(), "started fresh\n", "iter_0000002")
     assert "the second process did not resume at step 2" in found
     assert "latest checkpoint is iter_0000002, not iter_0000003" in found
-
-
-def test_flops_per_token_counts_the_matmul_weights_of_the_hf_model():
-    """6 × (weights of every nn.Linear of transformers' model, lm_head included) + the causal
-    attention term 6·L·s·nq·d: the formula's weight count must be the model's."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from armor_megatron.models import ModelArch
-
-    shape = check_throughput.SHAPES["tiny"]
-    arch = ModelArch.from_hf_config(shape)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**shape))
-    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
-    s = 100
-    attention = arch.num_layers * s * arch.num_attention_heads * arch.head_dim
-    assert check_throughput.train_flops_per_token(arch, s) == 6 * linear + 6 * attention
-
-
-def test_flops_per_token_of_the_benchmarked_shape():
-    from armor_megatron.models import ModelArch
-
-    arch = ModelArch.from_hf_config(check_throughput.SHAPES["qwen2.5-0.5b"])
-    # per layer: 896·(14+2·2)·64 + 14·64·896 + 3·896·4864 = 1032192 + 802816 + 13074432 = 14909440;
-    # ×24 + lm_head 896·151936 = 357826560 + 136134656 = 493961216 weights -> ×6 = 2963767296;
-    # attention 6·24·4096·14·64 = 528482304; total 3492249600 FLOP per token (~3.5 GFLOP)
-    assert check_throughput.train_flops_per_token(arch, 4096) == 3492249600
-
-
-def test_flops_per_token_refuses_moe():
-    from armor_megatron.models import ModelArch
-
-    moe = {**check_throughput.SHAPES["tiny"], "model_type": "qwen3_moe", "num_experts": 4, "num_experts_per_tok": 2}
-    with pytest.raises(ValueError, match="dense"):
-        check_throughput.train_flops_per_token(ModelArch.from_hf_config(moe), 64)

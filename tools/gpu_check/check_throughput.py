@@ -13,15 +13,9 @@ Adam update. After ``--warmup`` steps, ``--steps`` steps are timed (device synch
     tokens/s = batch · seq_len · steps / seconds
     MFU      = tokens/s · F / peak,   peak = 989e12 FLOP/s (H200 SXM bf16 dense, datasheet)
 
-F, the model FLOPs of training per token (forward + backward = 3 × forward, a multiply-add = 2):
-
-    F = 6 · (L · (h·(nq + 2·nkv)·d + nq·d·h + 3·h·f) + h·V) + 6 · L · s · nq · d
-
-the first term the weight matmuls (QKV, attention output, SwiGLU gate/up/down per layer, the
-output layer; the embedding lookup does none), the second the attention scores and the
-weighted sum under the causal mask (Q·Kᵀ and A·V, 2·(s/2)·d each per head and token,
-forward). Norms, RoPE, softmax and the loss are left out (O(h) per token). With the local
-spec attention is computed unfused over the full s×s matrix, so the hardware does more than F.
+F, the model FLOPs of training per token: `armor_megatron.models.flops` (the trainer's perf/mfu
+uses the same count). With the local spec attention is computed unfused over the full s×s
+matrix, so the hardware does more than F.
 """
 
 from __future__ import annotations
@@ -33,6 +27,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_lines import report, select_device, single_process_env  # noqa: E402
+
+from armor_megatron.models.flops import train_flops_per_token  # noqa: E402
 
 H200_BF16_DENSE_TFLOPS = 989.0
 
@@ -65,23 +61,6 @@ SHAPES = {
         "tie_word_embeddings": True,
     },
 }
-
-
-def train_flops_per_token(arch, seq_len: int) -> float:
-    """F of the module docstring for a dense `arch` (a ModelArch) at sequence length `seq_len`."""
-    if arch.is_moe:
-        raise ValueError(f"train_flops_per_token counts dense models; {arch.family} has {arch.num_experts} experts")
-    h, d, nq, nkv, f = (
-        arch.hidden_size,
-        arch.head_dim,
-        arch.num_attention_heads,
-        arch.num_key_value_heads,
-        arch.ffn_hidden_size,
-    )
-    per_layer = h * (nq + 2 * nkv) * d + nq * d * h + 3 * h * f
-    weights = arch.num_layers * per_layer + h * arch.vocab_size
-    attention = arch.num_layers * seq_len * nq * d
-    return 6.0 * weights + 6.0 * attention
 
 
 def parse_args(argv=None) -> argparse.Namespace:
