@@ -167,6 +167,36 @@ class OptimizerConfig:
 
 
 @dataclasses.dataclass
+class StabilityConfig:
+    """The StabilityGuard of each trained model's optimizer step (``megatron/stability.py``). Its
+    grad-norm spike threshold stays ``optimizer.skip_grad_norm_ratio`` (the critic's:
+    ``critic.optimizer.skip_grad_norm_ratio``); the drift thresholds below are off when null."""
+
+    enabled: bool = checked(True, help="false: only non-finite steps are skipped; no spike rule, signals or reductions")
+    window: int = checked(50, check=at_least(1), help="accepted grad norms whose median the spike rule compares with")
+    min_history: int = checked(5, check=at_least(1), help="accepted grad norms before the spike rule acts (<= window)")
+    max_consecutive_skips: int = checked(
+        3, check=at_least(1), help="K: unhealthy steps in a row after which the guard lowers LR/clip or rolls back"
+    )
+    recover_after: int = checked(20, check=at_least(1), help="N: healthy steps in a row that undo one reduction")
+    lr_factor: float = checked(0.5, check=in_range(0, 1, lo_open=True), help="LR multiplier of each reduction")
+    clip_factor: float = checked(
+        0.5, check=in_range(0, 1, lo_open=True), help="eps_low/eps_high multiplier per reduction"
+    )
+    max_reductions: int = checked(3, check=at_least(0), help="reductions before a rollback is asked for")
+    max_rollbacks: int = checked(0, check=at_least(0), help="rollbacks to the last good checkpoint; 0: never")
+    max_clip_frac: float | None = checked(
+        None, check=in_range(0, 1, lo_open=True), help="drift: clip_frac_low + clip_frac_high above this"
+    )
+    max_abs_log_ratio: float | None = checked(None, check=positive, help="drift: max |log r| of the step above this")
+    max_kl_ref: float | None = checked(None, check=positive, help="drift: approx_kl_ref above this")
+    min_entropy: float | None = checked(None, check=positive, help="drift: mean token entropy below this")
+    max_logprob_gap: float | None = checked(
+        None, check=positive, help="drift: engine-vs-trainer mean |log-prob| gap above this"
+    )
+
+
+@dataclasses.dataclass
 class CriticConfig:
     """The value model of ``algorithm.estimator: gae`` (PPO): the actor's architecture with a
     hidden→1 value head, started from the actor's checkpoint; GAE uses algorithm.gamma / lam."""
@@ -284,6 +314,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    stability: StabilityConfig = dataclasses.field(default_factory=StabilityConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     reward: RewardConfig = dataclasses.field(default_factory=RewardConfig)

@@ -17,6 +17,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
+    _check_stability(cfg)
 
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
@@ -173,4 +174,16 @@ def _check_critic(cfg: RunConfig) -> None:
     if critic.optimizer.min_lr > critic.optimizer.lr:
         raise ConfigError(
             "critic.optimizer.min_lr", f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}"
+        )
+
+
+def _check_stability(cfg: RunConfig) -> None:
+    st = cfg.stability
+    if st.min_history > st.window:
+        raise ConfigError("stability.min_history", f"{st.min_history} exceeds stability.window={st.window}")
+    if st.max_rollbacks > 0:
+        raise ConfigError(
+            "stability.max_rollbacks",
+            "rolling back to the last good checkpoint is not available in the trainer yet; use 0 "
+            "(the guard then stays at its lowest learning rate and clip range)",
         )

@@ -6,13 +6,13 @@ weights, so a seed gives the same initial weights whatever ran before)::
 
     actor = MegatronActor(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
                           loss=PolicyLossConfig(alpha=0.9), micro_batch_size=2, total_steps=500,
-                          seed=1234, temperature=1.0)
+                          seed=1234, temperature=1.0, stability=StabilityConfig(...))
     actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
     actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
     actor.load_weights(mcore_dir)           # torch_dist model checkpoint, any TP/PP/EP layout
     out = actor.compute_logprobs(input_ids, lengths, with_entropy=False)   # LogProbs, no grad
     metrics = actor.train_step(batch)       # one optimizer step over the whole batch
-    actor.guard                             # StabilityGuard (skip rule and counters)
+    actor.guard                             # StabilityGuard (skips, LR / clip scales, counters)
     actor.sharded_state_dict() / actor.load_sharded_state_dict(...)   # used by `checkpoint`
 
 The base class `trained_model.TrainedModel` (shared with the critic) holds the model chunks,
@@ -40,11 +40,14 @@ Padding rows (a rank without rows; under VPP, full micro-batches of the batch's 
 a multiple of pp of them, as the interleaved schedule needs) carry an all-zero response mask:
 zero loss, zero gradient.
 
-Then: grad norm (pre-clipping) -> `StabilityGuard` -> clip to ``clip_grad`` and Adam step, or
-skip (no update, LR schedule not advanced, counted, logged by rank 0). Returned on every rank,
-identical (lr: the rate of this step's update)::
+The loss clips with ε_low, ε_high × ``guard.clip_scale``. Then: grad norm (pre-clipping) ->
+`StabilityGuard` -> clip to ``clip_grad`` and Adam step at lr(k) × the guard's LR scale, or skip
+(no update, LR schedule not advanced, counted); each intervention is logged by rank 0. Returned
+on every rank, identical (lr: the rate of this step's update; the guard's metrics see
+`stability.GuardDecision.metrics`)::
 
-    loss, grad_norm, lr, skipped (0/1), skipped_total,
+    loss, grad_norm, lr, skipped (0/1), skipped_total, lr_scale, clip_scale, guard_level, guard_unhealthy,
+    guard_reduce, guard_rebaseline, guard_relax, guard_rollback, guard_exhausted (0/1),
     clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, ratio_min, ratio_max,
     approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), entropy, log_ratio_clamped_frac,
     num_tokens
@@ -59,7 +62,7 @@ from collections.abc import Mapping
 import torch
 
 from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_normalizer
-from armor_megatron.config.schema import OptimizerConfig
+from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
@@ -83,6 +86,7 @@ class MegatronActor(TrainedModel):
         temperature: float = 1.0,
         loss_name: str = "armor",
         use_te: bool | None = None,
+        stability: StabilityConfig | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -95,6 +99,7 @@ class MegatronActor(TrainedModel):
             total_steps=total_steps,
             seed=seed,
             use_te=use_te,
+            stability=stability,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
@@ -113,6 +118,7 @@ class MegatronActor(TrainedModel):
         """One optimizer step over all rows of `batch` (see module docstring)."""
         batch = _checked_batch(batch, self.loss_config)
         normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
+        loss_config = _clip_scaled(self.loss_config, self.guard.clip_scale)
 
         def loss_of(tmb: TrainMicroBatch, logits: torch.Tensor):
             lp, ent = token_logprobs(
@@ -125,7 +131,7 @@ class MegatronActor(TrainedModel):
                 rows.get("ref_logprobs"),
                 rows["advantages"],
                 rows["response_mask"],
-                self.loss_config,
+                loss_config,
                 normalizer=normalizer.to(lp.device),
                 entropy=ent,
                 token_weights=rows.get("tis_weights"),
@@ -135,6 +141,11 @@ class MegatronActor(TrainedModel):
 
 
 # ----------------------------------------------------------------------------- helpers
+def _clip_scaled(cfg: PolicyLossConfig, scale: float) -> PolicyLossConfig:
+    """The loss config with the clip range tightened by the stability guard: ε_low, ε_high × scale."""
+    return cfg if scale == 1.0 else cfg.replace(eps_low=cfg.eps_low * scale, eps_high=cfg.eps_high * scale)
+
+
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
     """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
     out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs", "tis_weights"))

@@ -109,6 +109,7 @@ class MegatronCritic(TrainedModel):
         seed: int = 1234,
         value_head_init_std: float = 0.0,
         use_te: bool | None = None,
+        stability=None,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
@@ -122,6 +123,7 @@ class MegatronCritic(TrainedModel):
             total_steps=total_steps,
             seed=seed,
             use_te=use_te,
+            stability=stability,
         )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from armor_megatron.algo.metrics import reduce_loss_metrics
-from armor_megatron.config.schema import OptimizerConfig
+from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron import optimizer as optim
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import model_forward
@@ -69,6 +69,7 @@ class TrainedModel:
         total_steps: int,
         seed: int = 1234,
         use_te: bool | None = None,
+        stability: StabilityConfig | None = None,
     ):
         from megatron.core import tensor_parallel
 
@@ -89,7 +90,7 @@ class TrainedModel:
         self.optimizer, self.scheduler = optim.build_optimizer(
             self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps
         )
-        self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio)
+        self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio, stability)
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
         return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config, use_te=self.use_te)
@@ -126,16 +127,22 @@ class TrainedModel:
         self._forward_backward(self._local_microbatches(batch), forward_step)
         metrics = _step_metrics(calls, losses)
         norm = optim.grad_norm(self.optimizer)
-        lr = optim.current_lr(self.optimizer)
-        skip_reason = self.guard.check(metrics["loss"], norm)
-        if skip_reason is None:
+        decision = self.guard.check({**metrics, "grad_norm": norm})
+        lr = self._scale_lr(decision.lr_scale)
+        if not decision.skip:
             optim.apply_update(self.optimizer, self.scheduler, norm)
-        elif dist.get_rank() == 0:
-            logger.warning("optimizer step skipped (%d so far): %s", self.guard.skipped_total, skip_reason)
-        metrics.update(
-            grad_norm=norm, lr=lr, skipped=float(skip_reason is not None), skipped_total=float(self.guard.skipped_total)
-        )
+        line = decision.log_line()
+        if line is not None and dist.get_rank() == 0:
+            logger.warning(line)
+        metrics.update(grad_norm=norm, lr=lr, **decision.metrics())
         return metrics
+
+    def _scale_lr(self, scale: float) -> float:
+        """Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
+        step's update (the schedule resets it when it advances); returns the lr now in force."""
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.scheduler.get_lr(group) * scale
+        return optim.current_lr(self.optimizer)
 
     def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
         """Zero the grads, then forward and backward of every micro-batch through megatron's

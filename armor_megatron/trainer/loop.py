@@ -475,6 +475,9 @@ class ArmorTrainer:
                     with timer.phase("eval"):  # the policy of this step: its weights are in the engine
                         metrics.update(self.evaluate())
             metrics = broadcast_object(metrics)
+        # the guard judges the next updates with this step's engine-vs-trainer gap; rollbacks are
+        # refused at --check (stability.max_rollbacks: 0) until the loop restores checkpoints
+        self.actor.guard.observe_step(metrics)
         metrics.update(self.maybe_reset_reference(metrics, timer))
         saved = bool(cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0)
         saved = saved or self.step == cfg.train.steps

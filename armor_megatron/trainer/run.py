@@ -73,6 +73,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
         loss_name=cfg.algorithm.policy_loss,
         use_te=use_te,
+        stability=cfg.stability,
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -89,6 +90,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             seed=cfg.train.seed,
             value_head_init_std=cfg.critic.value_head_init_std,
             use_te=use_te,
+            stability=cfg.stability,
         )
     reference = None
     if needs_reference(cfg):

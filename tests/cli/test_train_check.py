@@ -109,6 +109,12 @@ MALFORMED = [
     (TINY, ["algorithm.estimator=grpoo"], "algorithm.estimator: unknown advantage estimator 'grpoo'; known: grpo"),
     (TINY, ["algorithm.policy_loss=ppo"], "algorithm.policy_loss: unknown policy loss 'ppo'; known: armor"),
     (TINY, ["algorithm.tis.cap=0"], "algorithm.tis.cap"),
+    (
+        TINY,
+        ["stability.min_history=50", "stability.window=10"],
+        "stability.min_history: 50 exceeds stability.window=10",
+    ),
+    (TINY, ["stability.max_rollbacks=1"], "stability.max_rollbacks: rolling back"),
     (TINY, ["algorithm.alpha.value=1"], "algorithm.alpha: is a value, not a section"),
     (TINY, ["no_equals_sign"], "no_equals_sign: override must look like section.key=value"),
     (TINY, ["rollout_cfg.x=1"], "rollout_cfg: unknown key (did you mean 'rollout'?)"),
