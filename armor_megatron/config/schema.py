@@ -299,6 +299,9 @@ class LaunchConfig:
     account: str | None = None
     time: str = "48:00:00"
     requeue_exit_code: int = checked(85, check=in_range(1, 255))
+    gpu_peak_tflops: float | None = checked(
+        None, check=positive, help="dense bf16 peak of one GPU (989 for H100/H200 SXM); perf/mfu is logged when set"
+    )
 
 
 @dataclasses.dataclass

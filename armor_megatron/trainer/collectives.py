@@ -35,6 +35,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def max_over_ranks(value: float) -> float:
+    """The largest ``value`` of all ranks, on every rank."""
+    if not _distributed():
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank if ``flag`` is True on any (a host tensor: the group's gloo side)."""
     if not _distributed():

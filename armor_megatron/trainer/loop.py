@@ -47,6 +47,7 @@ from armor_megatron.trainer.metrics_log import MetricsLogger
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups
+from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
@@ -454,6 +455,7 @@ class ArmorTrainer:
         cfg = self.cfg
         timer = StepTimer()
         started = time.perf_counter()
+        reset_peak_memory()
         with self._trainer_memory_released():
             batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
             tensors = broadcast_tensors(batch, BATCH_TENSORS)
@@ -488,6 +490,17 @@ class ArmorTrainer:
         elapsed = time.perf_counter() - started
         metrics["time/step"] = elapsed
         metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
+        metrics.update(
+            throughput_metrics(
+                self.arch,
+                None if tensors is None else tensors["lengths"],
+                step_seconds=elapsed,
+                update_seconds=timer.times.get("time/update", 0.0),
+                epochs=cfg.train.epochs_per_step,
+                world_size=dist.get_world_size() if dist.is_initialized() else 1,
+                peak_tflops=cfg.launch.gpu_peak_tflops,
+            )
+        )
         return metrics, saved
 
     def _evaluate_start(self, logger: MetricsLogger | None) -> dict:
