@@ -288,6 +288,9 @@ class LoggingConfig:
     tensorboard: bool = False
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
     progress_bar: bool = True
+    reference_kl: bool = checked(
+        False, help="with algorithm.alpha = 1 (no mixed ratio), still compute π_ref log-probs for train/approx_kl_ref"
+    )
 
 
 @dataclasses.dataclass

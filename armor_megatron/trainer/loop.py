@@ -305,7 +305,7 @@ class ArmorTrainer:
         cfg = self.cfg
         with timer.phase("logprobs"):
             batch["old_logprobs"] = to_host(self.actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs)
-            if self.reference is not None:
+            if self.reference is not None and (cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl):
                 ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
                 batch["ref_logprobs"] = to_host(ref.logprobs)
         metrics: dict = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
