@@ -37,9 +37,15 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError("extends", f"circular extends through {path}")
     if not os.path.isfile(path):
         raise ConfigError("", f"config file not found: {path}")
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ConfigError("", f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

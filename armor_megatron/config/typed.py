@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -161,14 +162,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected an integer, got {_type_name(value)} {value!r}")
         return value
     if tp is float:
+        number = value
         if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(key, f"expected a number, got {_type_name(value)} {value!r}")
-        return float(value)
+        if not math.isfinite(number):
+            raise ConfigError(key, f"{value!r} is not a finite number")
+        return float(number)
     if tp is str:
         if not isinstance(value, str):
             hint = (

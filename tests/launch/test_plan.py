@@ -4,6 +4,7 @@ import subprocess
 
 import pytest
 
+from armor_megatron.config import ConfigError
 from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.render import render_shell, render_text
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
@@ -217,30 +218,6 @@ def test_master_port_steps_over_engine_ports(load):
         ),
         (
             "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.tp_per_engine=3"],
-            env_of(["a"]),
-            "tp_per_engine=3 does not divide",
-        ),
-        (
-            "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"],
-            env_of(["a"]),
-            "10 engines (9 policy + 1 reference) x tp 1 need 10 GPUs",
-        ),
-        ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
-        (
-            "qwen25_math_7b_dapo_armor",
-            [
-                "rollout.sglang.placement=disaggregated",
-                "launch.engine_gpus=4",
-                "rollout.sglang.num_engines=1",
-                "rollout.sglang.tp_per_engine=1",
-            ],
-            env_of(["a"]),
-            "engines need engines x rollout.sglang.tp_per_engine = 2 (1 policy + 1 reference) x 1 = 2",
-        ),
-        (
-            "qwen25_math_7b_dapo_armor",
             ["rollout.engine=local", "launch.engine_gpus=2"],
             env_of(["a"]),
             "none are launched",
@@ -251,13 +228,6 @@ def test_master_port_steps_over_engine_ports(load):
             env_of(["a", "b"]),
             "weight_sync=tensor sends CUDA IPC handles, which only engines on the driver's node a can open, but engine 4 runs on b",
         ),
-        (
-            "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.weight_sync=distributed"],
-            env_of(["a"]),
-            "weight_sync=distributed puts the driver and the engines in one NCCL group",
-        ),
-        ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
         ("tiny_cpu", ["launch.nodes=3"], env_of(["a", "b", "c"], gpus=None), "do not spread evenly over 3 nodes"),
         (
             "llama3_70b_armor",
@@ -278,6 +248,44 @@ def test_master_port_steps_over_engine_ports(load):
 def test_layout_errors_name_the_setting(load, name, overrides, env, message):
     with pytest.raises(LaunchPlanError) as err:
         plan_job(load(name, *overrides), env, train_args=ARGS)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.tp_per_engine=3"],
+            "rollout.sglang.tp_per_engine: 3 does not divide",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"],
+            "rollout.sglang.num_engines: 10 engines (9 policy + 1 reference) x tp_per_engine 1 need 10 GPUs",
+        ),
+        ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], "launch.engine_gpus: 2 reserves GPUs, but"),
+        (
+            "qwen25_math_7b_dapo_armor",
+            [
+                "rollout.sglang.placement=disaggregated",
+                "launch.engine_gpus=4",
+                "rollout.sglang.num_engines=1",
+                "rollout.sglang.tp_per_engine=1",
+            ],
+            "launch.engine_gpus: 4, but disaggregated engines need 2 (1 policy + 1 reference) x tp_per_engine 1 = 2",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.weight_sync=distributed"],
+            "rollout.sglang.weight_sync: distributed puts the driver and the engines in one NCCL group",
+        ),
+        ("tiny_cpu", ["rollout.engine=sglang"], "rollout.engine: sglang launches engines on GPUs"),
+    ],
+)
+def test_engine_layouts_that_cannot_start_are_refused_when_the_config_loads(load, name, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(name, *overrides)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
