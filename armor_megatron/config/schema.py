@@ -227,7 +227,11 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    dir: str = checked("checkpoints", check=non_empty)
+    dir: str | None = checked(
+        None,
+        check=lambda d: None if d is None else non_empty(d),
+        help="this run's checkpoints; default checkpoints/<name>",
+    )
     every_steps: int = checked(20, check=at_least(0), help="0 saves only at the end and on preemption")
     keep_last: int = checked(3, check=at_least(1))
     resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")
