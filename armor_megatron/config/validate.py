@@ -260,6 +260,12 @@ def _check_engines(cfg: RunConfig) -> None:
         )
     if ro.engine != "sglang":
         return
+    if sg.host in ALL_INTERFACES and not sg.api_key and not sg.allow_unauthenticated and not sg.urls:
+        raise ConfigError(
+            "rollout.sglang.host",
+            f"{sg.host} exposes the engines (generation and weight updates) to the whole network without "
+            "rollout.sglang.api_key; set one, or rollout.sglang.allow_unauthenticated: true on a trusted network",
+        )
     if sg.weight_sync == "distributed" and sg.placement == "colocated":
         raise ConfigError(
             "rollout.sglang.weight_sync",
@@ -301,6 +307,9 @@ def _check_engines(cfg: RunConfig) -> None:
             "launch.engine_gpus",
             f"{launch.engine_gpus}, but disaggregated engines need {n}{groups} x tp_per_engine {t} = {n * t} GPUs",
         )
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "")
 
 
 def launched_reference_engines(cfg: RunConfig) -> int:

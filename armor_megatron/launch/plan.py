@@ -40,6 +40,8 @@ Launcher = Literal["srun", "torchrun"]
 LAUNCHERS = ("srun", "torchrun")
 DEFAULT_TRAIN_ENTRY = ("python", "-m", "armor_megatron.cli.train")
 ALL_INTERFACES = ("0.0.0.0", "::")
+ENGINE_KEY_WRAPPER = "armor_megatron.rollout.sglang.launcher"  # a module name, not an import (layering)
+API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
 # Signals torchrun forwards to its workers; SIGUSR1 is SLURM's "time is nearly up" (sbatch --signal).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -277,10 +279,13 @@ def _engine_step(
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
     url_host = node if sg.host in ALL_INTERFACES else sg.host
+    # With an API key the server starts through the wrapper that reads it from $ARMOR_ENGINE_API_KEY
+    # (exported by the batch script), so no command line that `ps` shows carries it.
+    entry = [ENGINE_KEY_WRAPPER, "sglang.launch_server"] if sg.api_key else ["sglang.launch_server"]
     server = [
         opts.python,
         "-m",
-        "sglang.launch_server",
+        *entry,
         "--model-path",
         cfg.model.path,
         "--tp-size",
@@ -300,8 +305,6 @@ def _engine_step(
     ]
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
-    if sg.api_key:
-        server += ["--api-key", sg.api_key]
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *_srun_common(opts)]
     url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{port}"

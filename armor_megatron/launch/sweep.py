@@ -182,8 +182,10 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
                 f.write(
                     f"# sweep run {run.index}: {run.name}\n# from {sweep.base_config} with {shlex.join(run.overrides)}\n"
                 )
-                yaml.safe_dump(to_dict(run.config), f, sort_keys=False)
-            if to_dict(load_config(path)) != to_dict(run.config):  # the file alone reproduces the run
+                yaml.safe_dump(to_dict(run.config, secrets=True), f, sort_keys=False)  # the job needs its key
+            if to_dict(load_config(path), secrets=True) != to_dict(
+                run.config, secrets=True
+            ):  # the file alone reproduces the run
                 raise SweepError(f"{path}: the written config does not read back to the same run")
         manifest = {
             "base_config": sweep.base_config,

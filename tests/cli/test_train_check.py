@@ -174,6 +174,8 @@ MALFORMED = [
         "launch.engine_gpus: 2, but disaggregated engines need 4 (3 policy + 1 reference) x tp_per_engine 2 = 8",
     ),
     (TINY, ["rollout.engine=sglang"], "rollout.engine: sglang launches engines on GPUs, but launch.gpus_per_node=0"),
+    # engines reachable from the whole network need a key, or an explicit opt-out
+    (SEVEN_B, ["rollout.sglang.host=0.0.0.0"], "rollout.sglang.host: 0.0.0.0 exposes the engines"),
 ]
 
 
@@ -236,3 +238,18 @@ def test_console_process_has_no_traceback(tmp_path):
         [sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--config" in proc.stderr
+
+
+def test_check_redacts_the_engine_api_key(capsys):
+    assert main(["--config", SEVEN_B, "--check", "rollout.sglang.api_key=s3cret", "rollout.sglang.host=0.0.0.0"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "api_key: <redacted>" in out
+
+
+def test_check_accepts_all_interfaces_when_explicitly_allowed(capsys):
+    assert (
+        main(
+            ["--config", SEVEN_B, "--check", "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true"]
+        )
+        == 0
+    )

@@ -130,3 +130,12 @@ def test_model_dir_config_json_sizes_are_checked_before_a_model_is_built(tmp_pat
     (model / "config.json").write_text("{" + base + ', "num_hidden_layers": 3, "num_attention_heads": 6,')
     with pytest.raises(ConfigError, match=r"^model\.path: .*config\.json: unreadable"):
         load_config(str(run))
+
+
+def test_to_dict_redacts_the_api_key_unless_asked_for_secrets():
+    from armor_megatron.config import to_dict
+
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml"), ["rollout.sglang.api_key=k1"])
+    assert to_dict(cfg)["rollout"]["sglang"]["api_key"] == "<redacted>"
+    assert to_dict(cfg, secrets=True)["rollout"]["sglang"]["api_key"] == "k1"
+    assert to_dict(load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")))["rollout"]["sglang"]["api_key"] is None

@@ -119,7 +119,9 @@ def test_the_reference_group_is_launched_only_when_anchors_need_it(load, overrid
 
 
 def test_disaggregated_engines_get_the_last_whole_nodes(load):
-    cfg = load("llama3_70b_armor", "rollout.sglang.host=0.0.0.0")  # 8 nodes, 32 engine GPUs, 4 engines of tp 8
+    cfg = load(
+        "llama3_70b_armor", "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true"
+    )  # 8 nodes, 32 engine GPUs, 4 engines of tp 8
     plan = plan_job(cfg, env_of([f"gpu{i}" for i in range(1, 9)], job_id="17"), train_args=ARGS)
     assert plan.trainer_nodes == ("gpu1", "gpu2", "gpu3", "gpu4") and plan.world_size == 32
     assert [(e.node, e.gpus[0], len(e.gpus)) for e in plan.engines] == [(f"gpu{i}", 0, 8) for i in (5, 6, 7, 8)]
@@ -132,6 +134,7 @@ def test_disaggregated_engines_share_each_node_when_gpus_do_not_make_whole_nodes
     cfg = load(
         "qwen3_8b_base_two_stage",
         "rollout.sglang.host=0.0.0.0",
+        "rollout.sglang.allow_unauthenticated=true",
         "rollout.sglang.placement=disaggregated",
         "launch.engine_gpus=4",
         "rollout.sglang.num_engines=1",
@@ -233,6 +236,7 @@ def test_master_port_steps_over_engine_ports(load):
             "llama3_70b_armor",
             [
                 "rollout.sglang.host=0.0.0.0",
+                "rollout.sglang.allow_unauthenticated=true",
                 "launch.engine_gpus=12",
                 "rollout.sglang.num_engines=2",
                 "rollout.sglang.tp_per_engine=4",
@@ -297,7 +301,7 @@ def test_every_shipped_recipe_plans_on_its_own_allocation(load):
         "qwen3_30b_a3b_moe_armor",
         "tiny_cpu",
     ]:
-        cfg = load(name, "rollout.sglang.host=0.0.0.0")
+        cfg = load(name, "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true")
         plan = plan_job(cfg, preview_allocation(cfg), train_args=ARGS)
         assert plan.world_size % (cfg.parallelism.tp * cfg.parallelism.pp) == 0
 
@@ -336,3 +340,28 @@ def test_text_rendering_lists_layout_and_commands(load):
     assert "# engine 0 (policy): n1 GPUs 0 -> http://127.0.0.1:30000" in text
     assert "# engine 1 (reference): n1 GPUs 1 -> http://127.0.0.1:30001" in text
     assert text.splitlines()[-1] == shlex.join(plan.trainer_command)
+
+
+def test_the_api_key_reaches_engines_by_environment_and_is_never_printed(load):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.api_key=s3cret")
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    for engine in plan.engines:  # `ps` on the node shows these
+        assert "s3cret" not in engine.command and "--api-key" not in engine.command
+        module = engine.command.index("-m")
+        assert engine.command[module + 1 : module + 3] == (
+            "armor_megatron.rollout.sglang.launcher",
+            "sglang.launch_server",
+        )
+    assert "s3cret" not in render_text(plan) and "ARMOR_ENGINE_API_KEY=<redacted>" in render_text(plan)
+    script = render_shell(plan) + 'sh -c \'printf "%s" "$ARMOR_ENGINE_API_KEY"\''  # exported to child processes
+    out = subprocess.run(
+        ["bash", "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
+    )
+    assert out.stdout == "s3cret"
+    no_key = plan_job(
+        load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1"), env_of(["n1"]), train_args=ARGS
+    )
+    assert (
+        "sglang.launch_server" in no_key.engines[0].command
+        and "armor_megatron.rollout.sglang.launcher" not in no_key.engines[0].command
+    )
