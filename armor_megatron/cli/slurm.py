@@ -25,7 +25,14 @@ from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParse
 from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
 from armor_megatron.launch.nodelist import NodeListError
-from armor_megatron.launch.plan import LAUNCHERS, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.plan import (
+    API_KEY_ENV,
+    LAUNCHERS,
+    LaunchOptions,
+    LaunchPlanError,
+    plan_job,
+    preview_allocation,
+)
 from armor_megatron.launch.render import render_shell, render_text
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
@@ -59,7 +66,11 @@ def build_parser() -> OneLineArgumentParser:
     wait.add_argument("urls", nargs="+")
     wait.add_argument("--timeout", type=float, default=1800.0, help="seconds (default 1800)")
     wait.add_argument("--pid", type=int, action="append", default=[], help="engine step process; its exit is a failure")
-    wait.add_argument("--api-key", default=None)
+    wait.add_argument(
+        "--api-key",
+        default=None,
+        help="engines' API key (default: $ARMOR_ENGINE_API_KEY; prefer the variable: ps shows arguments)",
+    )
     return parser
 
 
@@ -82,7 +93,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return _plan(args, env)
         if args.command == "submit":
             return _submit(args, env)
-        waited = wait_for_engines(args.urls, timeout_s=args.timeout, pids=args.pid, api_key=args.api_key)
+        api_key = args.api_key or env.get(API_KEY_ENV) or None
+        waited = wait_for_engines(args.urls, timeout_s=args.timeout, pids=args.pid, api_key=api_key)
         print(f"{PROG}: {len(args.urls)} engine(s) healthy after {waited:.0f}s", file=sys.stderr)
         return EXIT_OK
     except _BAD_INPUT as err:

@@ -19,15 +19,25 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError, from_dict
 from armor_megatron.config.validate import validate_run_config
 
+DEFAULT_CHECKPOINT_ROOT = "checkpoints"
+
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
+    """The checked RunConfig; an unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory)."""
+    cfg = from_dict(RunConfig, config_tree(path, overrides))
+    if cfg.checkpoint.dir is None:
+        cfg.checkpoint.dir = os.path.join(DEFAULT_CHECKPOINT_ROOT, cfg.name)
+    validate_run_config(cfg)
+    return cfg
+
+
+def config_tree(path: str, overrides: Iterable[str] = ()) -> dict:
+    """The plain data of ``path`` (``extends`` resolved) with the dotted ``overrides`` applied, unchecked."""
     data = read_yaml_tree(path)
     for item in overrides:
         key, value = parse_override(item)
         set_dotted(data, key, value)
-    cfg = from_dict(RunConfig, data)
-    validate_run_config(cfg)
-    return cfg
+    return data
 
 
 def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
@@ -37,9 +47,15 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
         raise ConfigError("extends", f"circular extends through {path}")
     if not os.path.isfile(path):
         raise ConfigError("", f"config file not found: {path}")
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw[: err.start].count(b"\n") + 1
+        raise ConfigError("", f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
+    try:
+        data = yaml.safe_load(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""

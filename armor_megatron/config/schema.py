@@ -45,7 +45,12 @@ class SGLangConfig:
     tp_per_engine: int = checked(1, check=at_least(1))
     host: str = "127.0.0.1"
     base_port: int = checked(30000, check=in_range(1024, 65535))
-    api_key: str | None = None
+    api_key: str | None = checked(
+        None, secret=True, help="required by the engines; redacted in printed configs, passed to servers by environment"
+    )
+    allow_unauthenticated: bool = checked(
+        False, help="let engines listen on all interfaces (host 0.0.0.0) without an api_key: a trusted network only"
+    )
     mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
     placement: Literal["colocated", "disaggregated"] = "colocated"
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
@@ -266,7 +271,11 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
-    dir: str = checked("checkpoints", check=non_empty)
+    dir: str | None = checked(
+        None,
+        check=lambda d: None if d is None else non_empty(d),
+        help="this run's checkpoints; default checkpoints/<name>",
+    )
     every_steps: int = checked(20, check=at_least(0), help="0 saves only at the end and on preemption")
     keep_last: int = checked(3, check=at_least(1))
     resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from collections.abc import Callable
@@ -26,9 +27,20 @@ class ConfigError(ValueError):
 Check = Callable[[Any], str | None]
 
 
-def checked(default: Any = dataclasses.MISSING, *, check: Check | None = None, factory=None, help: str = ""):
-    """A dataclass field with an optional value check (returns an error text or None) and a help text."""
-    meta = {"check": check, "help": help}
+REDACTED = "<redacted>"
+
+
+def checked(
+    default: Any = dataclasses.MISSING,
+    *,
+    check: Check | None = None,
+    factory=None,
+    help: str = "",
+    secret: bool = False,
+):
+    """A dataclass field with an optional value check (returns an error text or None) and a help text;
+    a ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets."""
+    meta = {"check": check, "help": help, "secret": secret}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -100,14 +112,20 @@ def from_dict(cls: type, data: Any, key: str = "") -> Any:
     return cls(**values)
 
 
-def to_dict(obj: Any) -> Any:
-    """The plain-data form of a config (for printing and saving beside checkpoints)."""
+def to_dict(obj: Any, *, secrets: bool = False) -> Any:
+    """The plain-data form of a config (for printing and saving beside checkpoints); a set secret
+    field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config another job runs)."""
     if dataclasses.is_dataclass(obj):
-        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            hide = f.metadata.get("secret") and value is not None and not secrets
+            out[f.name] = REDACTED if hide else to_dict(value, secrets=secrets)
+        return out
     if isinstance(obj, (list, tuple)):
-        return [to_dict(v) for v in obj]
+        return [to_dict(v, secrets=secrets) for v in obj]
     if isinstance(obj, dict):
-        return {k: to_dict(v) for k, v in obj.items()}
+        return {k: to_dict(v, secrets=secrets) for k, v in obj.items()}
     return obj
 
 
@@ -161,14 +179,17 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise ConfigError(key, f"expected an integer, got {_type_name(value)} {value!r}")
         return value
     if tp is float:
+        number = value
         if isinstance(value, str):  # PyYAML reads 1e-4 (no dot) as a string
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(number, bool) or not isinstance(number, (int, float)):
             raise ConfigError(key, f"expected a number, got {_type_name(value)} {value!r}")
-        return float(value)
+        if not math.isfinite(number):
+            raise ConfigError(key, f"{value!r} is not a finite number")
+        return float(number)
     if tp is str:
         if not isinstance(value, str):
             hint = (

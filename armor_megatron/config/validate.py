@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from armor_megatron.config.schema import RunConfig
@@ -18,20 +19,94 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_eval(cfg)
     _check_critic(cfg)
     _check_stability(cfg)
+    _check_engines(cfg)
+    _check_user_code(cfg)
 
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
     """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None."""
+    source = hf_config_of(cfg)
+    if source is None:
+        return None
+    hf_config, key, where = source
     try:
-        if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-            return ModelArch.from_hf_config(load_hf_config(cfg.model.path))
-        if cfg.model.arch:
-            return ModelArch.from_hf_config(cfg.model.arch)
+        return ModelArch.from_hf_config(hf_config)
     except UnsupportedModelError as err:
         raise ConfigError("model", str(err)) from None
     except (KeyError, TypeError, ValueError) as err:
-        raise ConfigError("model.arch", f"incomplete or invalid HF config ({err})") from None
-    return None
+        raise ConfigError(key, f"{where}incomplete or invalid HF config ({err})") from None
+
+
+def hf_config_of(cfg: RunConfig) -> tuple[dict, str, str] | None:
+    """``(hf_config, key, where)`` from ``model.path``/config.json when present, else from ``model.arch``,
+    else None; its values are checked (:func:`check_hf_config`) so no ModelArch divides by zero."""
+    config_file = os.path.join(cfg.model.path, "config.json")
+    if os.path.isfile(config_file):
+        try:
+            hf_config = load_hf_config(cfg.model.path)
+        except (OSError, UnicodeDecodeError, ValueError) as err:
+            raise ConfigError("model.path", f"{config_file}: unreadable ({str(err).splitlines()[0]})") from None
+        if not isinstance(hf_config, dict):
+            raise ConfigError("model.path", f"{config_file}: must hold a JSON object")
+        source = (hf_config, "model.path", f"{config_file}: ")
+    elif cfg.model.arch:
+        source = (cfg.model.arch, "model.arch", "")
+    else:
+        return None
+    check_hf_config(*source)
+    return source
+
+
+_POSITIVE_INTS = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_OPTIONAL_POSITIVE_INTS = (
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "num_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+_OPTIONAL_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
+
+
+def check_hf_config(hf: dict, key: str, where: str = "") -> None:
+    """The sizes a model is built from: required ones positive integers, kv heads dividing the heads.
+
+    ``key`` names the config key in errors (``model.arch`` -> ``model.arch.<field>``;
+    ``model.path`` -> ``model.path`` with ``where`` naming the config.json file).
+    """
+
+    def bad(name: str, problem: str) -> ConfigError:
+        if key == "model.arch":
+            return ConfigError(f"model.arch.{name}", problem)
+        return ConfigError(key, f"{where}{name}: {problem}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    for name in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
+        if name not in hf or (hf[name] is None and name in _OPTIONAL_POSITIVE_INTS):
+            continue
+        value = hf[name]
+        if not is_int(value) or value < 1:
+            raise bad(name, f"{value!r} must be a positive integer")
+    for name in _OPTIONAL_POSITIVE_FLOATS:
+        value = hf.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise bad(name, f"{value!r} must be a positive finite number")
+    heads, kv = hf.get("num_attention_heads"), hf.get("num_key_value_heads")
+    if heads and kv and heads % kv:
+        raise bad("num_key_value_heads", f"{kv} does not divide num_attention_heads={heads}")
+    hidden = hf.get("hidden_size")
+    if heads and hidden and not hf.get("head_dim") and hidden % heads:
+        raise bad("num_attention_heads", f"{heads} does not divide hidden_size={hidden} (and no head_dim is given)")
+    experts = hf.get("num_experts") or hf.get("num_local_experts")
+    topk = hf.get("num_experts_per_tok")
+    if experts and topk and topk > experts:
+        raise bad("num_experts_per_tok", f"{topk} exceeds the {experts} experts")
 
 
 def _check_parallelism(cfg: RunConfig) -> None:
@@ -86,10 +161,8 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
     The context is read from the model's config.json (or ``model.arch``); without one, or
     without the key there, nothing is checked (ModelArch's 4096 is a default, not a fact).
     """
-    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        hf_config = load_hf_config(cfg.model.path)
-    else:
-        hf_config = cfg.model.arch or {}
+    source = hf_config_of(cfg)
+    hf_config = source[0] if source else {}
     if not hf_config.get("max_position_embeddings"):
         return
     context, prompt = int(hf_config["max_position_embeddings"]), cfg.rollout.max_prompt_len
@@ -187,3 +260,91 @@ def _check_stability(cfg: RunConfig) -> None:
             "rolling back to the last good checkpoint is not available in the trainer yet; use 0 "
             "(the guard then stays at its lowest learning rate and clip range)",
         )
+
+
+def _check_engines(cfg: RunConfig) -> None:
+    """Engine settings the launcher or the engines would refuse only once the job runs."""
+    ro, sg, anchor, launch = cfg.rollout, cfg.rollout.sglang, cfg.anchor, cfg.launch
+    if anchor.enabled and anchor.source == "swap" and anchor.reference_urls:
+        raise ConfigError(
+            "anchor.reference_urls",
+            "set, but anchor.source is 'swap' (the reference is swapped into the policy engines); "
+            "use anchor.source separate to sample anchors from those servers",
+        )
+    if ro.engine != "sglang":
+        return
+    if sg.host in ALL_INTERFACES and not sg.api_key and not sg.allow_unauthenticated and not sg.urls:
+        raise ConfigError(
+            "rollout.sglang.host",
+            f"{sg.host} exposes the engines (generation and weight updates) to the whole network without "
+            "rollout.sglang.api_key; set one, or rollout.sglang.allow_unauthenticated: true on a trusted network",
+        )
+    if sg.weight_sync == "distributed" and sg.placement == "colocated":
+        raise ConfigError(
+            "rollout.sglang.weight_sync",
+            "distributed puts the driver and the engines in one NCCL group, which cannot hold two ranks on one "
+            "GPU as colocated engines do: use tensor (single node) or disk, or placement disaggregated",
+        )
+    if sg.urls:
+        return
+    gpn, t = launch.gpus_per_node, sg.tp_per_engine
+    n = sg.num_engines + launched_reference_engines(cfg)
+    groups = f" ({sg.num_engines} policy + {n - sg.num_engines} reference)" if n > sg.num_engines else ""
+    if gpn == 0:
+        raise ConfigError(
+            "rollout.engine",
+            "sglang launches engines on GPUs, but launch.gpus_per_node=0 (use rollout.engine local on CPU, "
+            "or give rollout.sglang.urls of running servers)",
+        )
+    if gpn % t:
+        raise ConfigError(
+            "rollout.sglang.tp_per_engine",
+            f"{t} does not divide launch.gpus_per_node={gpn} (an engine stays on one node)",
+        )
+    total = launch.nodes * gpn
+    if sg.placement == "colocated":
+        if launch.engine_gpus:
+            raise ConfigError(
+                "launch.engine_gpus",
+                f"{launch.engine_gpus} reserves GPUs, but rollout.sglang.placement is colocated "
+                "(engines share the trainer's GPUs); set it to 0 or use placement disaggregated",
+            )
+        if n * t > total:
+            raise ConfigError(
+                "rollout.sglang.num_engines",
+                f"{n} engines{groups} x tp_per_engine {t} need {n * t} GPUs, the job has {total} "
+                f"(launch.nodes={launch.nodes} x gpus_per_node={gpn})",
+            )
+    elif launch.engine_gpus != n * t:
+        raise ConfigError(
+            "launch.engine_gpus",
+            f"{launch.engine_gpus}, but disaggregated engines need {n}{groups} x tp_per_engine {t} = {n * t} GPUs",
+        )
+
+
+ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
+def launched_reference_engines(cfg: RunConfig) -> int:
+    """Reference-group servers a job launches: anchors from a separate frozen π_ref, no URLs given."""
+    anchor, sg = cfg.anchor, cfg.rollout.sglang
+    launches = cfg.rollout.engine == "sglang" and not sg.urls and anchor.enabled and anchor.source == "separate"
+    return anchor.reference_engines if launches and not anchor.reference_urls else 0
+
+
+def _check_user_code(cfg: RunConfig) -> None:
+    """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must
+    ``reference.validation_hook`` when the reset uses it (the trainer would fail on its first step)."""
+    from armor_megatron.algo.reset import load_callable
+    from armor_megatron.rewards.registry import load_verifier
+
+    try:
+        load_verifier(cfg.reward.verifier)
+    except ValueError as err:  # VerifierSpecError
+        raise ConfigError("reward.verifier", str(err).splitlines()[0]) from None
+    hook = cfg.reference.validation_hook
+    if hook and cfg.reference.reset == "validation_hook":
+        try:
+            load_callable(hook)
+        except ValueError as err:
+            raise ConfigError("reference.validation_hook", str(err).splitlines()[0]) from None

@@ -54,6 +54,37 @@ def read_rows(path: str) -> list[dict]:
     return rows
 
 
+def peek_rows(path: str, n: int) -> list[dict]:
+    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
+    list is parsed); the same one-line errors as :func:`read_rows`."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"dataset not found: {path}")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        try:
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError on a damaged file
+            raise ValueError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+        return [] if batch is None else batch.to_pylist()
+    if path.endswith(".json"):
+        return read_rows(path)[:n]
+    rows = []
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if len(rows) == n:
+                break
+            if not line.strip():
+                continue
+            try:
+                rows.append(json.loads(line.decode("utf-8")))
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+    return rows
+
+
 class PromptDataset:
     """Rows of one dataset file, with the prompt / answer / type columns picked by name."""
 

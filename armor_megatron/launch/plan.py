@@ -33,12 +33,15 @@ from collections.abc import Mapping, Sequence
 from typing import Literal
 
 from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.launch.slurm_env import SlurmEnv
 
 Launcher = Literal["srun", "torchrun"]
 LAUNCHERS = ("srun", "torchrun")
 DEFAULT_TRAIN_ENTRY = ("python", "-m", "armor_megatron.cli.train")
 ALL_INTERFACES = ("0.0.0.0", "::")
+ENGINE_KEY_WRAPPER = "armor_megatron.rollout.sglang.launcher"  # a module name, not an import (layering)
+API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
 # Signals torchrun forwards to its workers; SIGUSR1 is SLURM's "time is nearly up" (sbatch --signal).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -234,35 +237,14 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
             )
         return _Layout(nodes, model_parallel // len(nodes), ())
 
-    if not gpn:
-        raise LaunchPlanError(
-            "rollout.engine=sglang needs GPUs, but launch.gpus_per_node=0 (use rollout.engine=local on CPU)"
-        )
+    # load_config has checked the engine arithmetic (GPUs per node, tp_per_engine dividing them,
+    # engines x tp fitting the job or launch.engine_gpus): see config.validate._check_engines.
     t, n = sg.tp_per_engine, sg.num_engines + launched_reference_engines(cfg)
-    if gpn % t:
-        raise LaunchPlanError(
-            f"rollout.sglang.tp_per_engine={t} does not divide launch.gpus_per_node={gpn} (an engine stays on one node)"
-        )
     if sg.placement == "colocated":
-        if launch.engine_gpus:
-            raise LaunchPlanError(
-                f"launch.engine_gpus={launch.engine_gpus} reserves GPUs, but rollout.sglang.placement is colocated "
-                "(engines share the trainer's GPUs); set it to 0 or use placement disaggregated"
-            )
-        if n * t > len(nodes) * gpn:
-            raise LaunchPlanError(
-                f"rollout.sglang: {n} engines{_groups_note(cfg)} x tp {t} need {n * t} GPUs, "
-                f"the job has {len(nodes) * gpn}"
-            )
         slots = tuple((nodes[(i * t) // gpn], (i * t) % gpn) for i in range(n))
         return _Layout(nodes, gpn, slots)
 
     e = launch.engine_gpus
-    if e != n * t:
-        raise LaunchPlanError(
-            f"launch.engine_gpus={e} but disaggregated engines need engines x rollout.sglang.tp_per_engine = "
-            f"{n}{_groups_note(cfg)} x {t} = {n * t}"
-        )
     if e % gpn == 0:
         engine_nodes = nodes[len(nodes) - e // gpn :]
         slots = tuple((engine_nodes[(i * t) // gpn], (i * t) % gpn) for i in range(n))
@@ -289,23 +271,6 @@ def _check_weight_sync(cfg: RunConfig, engines: Sequence[EngineStep], driver_nod
                 f"{driver_node} can open, but engine {away.index} runs on {away.node}: use weight_sync disk "
                 "(engines load from a shared file system) or, with disaggregated engines, distributed"
             )
-    if sg.weight_sync == "distributed" and engines and sg.placement == "colocated":
-        raise LaunchPlanError(
-            "rollout.sglang.weight_sync=distributed puts the driver and the engines in one NCCL group, which cannot "
-            "hold two ranks on one GPU as colocated engines do: use tensor (single node) or disk"
-        )
-
-
-def launched_reference_engines(cfg: RunConfig) -> int:
-    """Reference-group servers the job starts: anchors from a separate frozen π_ref, no URLs given."""
-    anchor, sg = cfg.anchor, cfg.rollout.sglang
-    launches = cfg.rollout.engine == "sglang" and not sg.urls and anchor.enabled and anchor.source == "separate"
-    return anchor.reference_engines if launches and not anchor.reference_urls else 0
-
-
-def _groups_note(cfg: RunConfig) -> str:
-    ref = launched_reference_engines(cfg)
-    return f" ({cfg.rollout.sglang.num_engines} policy + {ref} reference)" if ref else ""
 
 
 def _engine_step(
@@ -314,10 +279,13 @@ def _engine_step(
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
     url_host = node if sg.host in ALL_INTERFACES else sg.host
+    # With an API key the server starts through the wrapper that reads it from $ARMOR_ENGINE_API_KEY
+    # (exported by the batch script), so no command line that `ps` shows carries it.
+    entry = [ENGINE_KEY_WRAPPER, "sglang.launch_server"] if sg.api_key else ["sglang.launch_server"]
     server = [
         opts.python,
         "-m",
-        "sglang.launch_server",
+        *entry,
         "--model-path",
         cfg.model.path,
         "--tp-size",
@@ -337,8 +305,6 @@ def _engine_step(
     ]
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
-    if sg.api_key:
-        server += ["--api-key", sg.api_key]
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *_srun_common(opts)]
     url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{port}"

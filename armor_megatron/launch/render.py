@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import shlex
 
-from armor_megatron.launch.plan import JobPlan
+from armor_megatron.launch.plan import API_KEY_ENV, JobPlan
 
 
 def render_shell(plan: JobPlan) -> str:
@@ -24,8 +24,8 @@ def render_shell(plan: JobPlan) -> str:
     lines += [f'[ -n "${{{k}:-}}" ] || {k}={q(v)}; export {k}' for k, v in plan.env.items()]
     lines.append("ARMOR_ENGINE_URLS=(" + " ".join(q(u) for u in plan.engine_urls) + ")")
     lines.append("ARMOR_ENGINE_CMDS=(" + " ".join(q(shlex.join(e.command)) for e in plan.engines) + ")")
-    if plan.engine_api_key:
-        lines.append(f"ARMOR_ENGINE_API_KEY={q(plan.engine_api_key)}")
+    if plan.engine_api_key:  # exported: srun hands it to the engine steps' environment, never their argv
+        lines.append(f"export {API_KEY_ENV}={q(plan.engine_api_key)}")
     lines.append(f"ARMOR_TRAINER_CMD={q(shlex.join(plan.trainer_command))}")
     return "\n".join(lines) + "\n"
 
@@ -41,6 +41,14 @@ def render_text(plan: JobPlan) -> str:
         out.append(f"# engine {e.index} ({e.group}): {e.node} GPUs {','.join(map(str, e.gpus))} -> {e.url}")
     out += [f"export MASTER_ADDR={plan.master_addr}", f"export MASTER_PORT={plan.master_port}"]
     out += [f"export {k}={shlex.quote(v)}" for k, v in plan.env.items()]
+    if plan.engine_api_key:
+        out.append(f"export {API_KEY_ENV}=<redacted>  # from rollout.sglang.api_key")
     out += [shlex.join(e.command) + " &" for e in plan.engines]
-    out.append(shlex.join(plan.trainer_command))
+    out.append(shlex.join(_redacted(plan.trainer_command)))
     return "\n".join(out) + "\n"
+
+
+def _redacted(command: tuple[str, ...]) -> list[str]:
+    """A key given as a command-line override is not printed (put it in the config file instead)."""
+    key = "rollout.sglang.api_key="
+    return [f"{key}<redacted>" if arg.startswith(key) else arg for arg in command]

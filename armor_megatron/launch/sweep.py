@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
-from armor_megatron.config.load import parse_override
+from armor_megatron.config.load import config_tree, parse_override
 from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
@@ -118,6 +118,8 @@ def plan_sweep(
     if max_parallel is not None and max_parallel < 1:
         raise SweepError(f"--max-parallel {max_parallel} must be >= 1")
     base = load_config(config_path, fixed_overrides)
+    # An unset checkpoint.dir already gives each run checkpoints/<name>; a set one is a root for the runs.
+    checkpoint_root = (config_tree(config_path, fixed_overrides).get("checkpoint") or {}).get("dir")
     labels = _labels(list(grid))
     options = LaunchOptions(launcher=launcher, signal_grace_s=signal_grace_s)
     runs = []
@@ -127,9 +129,10 @@ def plan_sweep(
             *fixed_overrides,
             *(f"{k}={json.dumps(v)}" for k, v in values.items()),
             f"name={name}",
-            f"checkpoint.dir={os.path.join(base.checkpoint.dir, name)}",
             f"logging.dir={os.path.join(base.logging.dir, name)}",
         )
+        if checkpoint_root:
+            overrides += (f"checkpoint.dir={os.path.join(checkpoint_root, name)}",)
         try:
             cfg = load_config(config_path, overrides)
         except ConfigError as err:
@@ -179,8 +182,10 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
                 f.write(
                     f"# sweep run {run.index}: {run.name}\n# from {sweep.base_config} with {shlex.join(run.overrides)}\n"
                 )
-                yaml.safe_dump(to_dict(run.config), f, sort_keys=False)
-            if to_dict(load_config(path)) != to_dict(run.config):  # the file alone reproduces the run
+                yaml.safe_dump(to_dict(run.config, secrets=True), f, sort_keys=False)  # the job needs its key
+            if to_dict(load_config(path), secrets=True) != to_dict(
+                run.config, secrets=True
+            ):  # the file alone reproduces the run
                 raise SweepError(f"{path}: the written config does not read back to the same run")
         manifest = {
             "base_config": sweep.base_config,

@@ -1,5 +1,9 @@
 """Build a whole ARMOR run from a RunConfig on every rank, resume it if asked, and train.
 
+``resume``: ``auto`` (the newest checkpoint in ``checkpoint.dir``), ``none``, a checkpoint path,
+or ``force`` (auto, even when ``checkpoint.dir`` holds another run's checkpoints: see
+``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``.
+
 Called by ``armor-train`` inside each distributed process (torchrun / srun start them).
 """
 
@@ -9,6 +13,7 @@ import os
 
 import torch.distributed as dist
 
+from armor_megatron.config.identity import check_run_identity, write_run_record
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
@@ -49,6 +54,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron.weight_export import export_hf_weights
     from armor_megatron.models.arch import load_hf_config
 
+    resume = resume or cfg.checkpoint.resume
+    check_run_identity(cfg, resume)  # before any model is built: another run's checkpoint is refused
+    if resume == "force":
+        resume = "auto"
     arch = model_arch_of(cfg)
     parallel = ParallelConfig.from_run_config(cfg.parallelism)
     initialize(
@@ -118,7 +127,6 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         critic=critic,
     )
 
-    resume = resume or cfg.checkpoint.resume
     path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
@@ -138,6 +146,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         reference.load_weights(cfg.reference.init_from)
         trainer.reference_replaced()
         _log(f"reference initialised from {cfg.reference.init_from}")
+    if trainer.is_driver:
+        write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
     trainer.start_engines()
 
     logger = None

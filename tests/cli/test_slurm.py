@@ -146,3 +146,22 @@ def test_wait_for_engines_fails_fast_on_a_dead_engine_and_on_timeout():
         wait_for_engines(["http://127.0.0.1:9"], timeout_s=20, pids=[dead.pid], poll_s=0.05)
     with pytest.raises(EngineStartError, match="1 engine\\(s\\) not healthy after"):
         wait_for_engines(["http://127.0.0.1:9"], timeout_s=0.2, poll_s=0.05)
+
+
+def test_plan_dry_run_never_prints_the_api_key(capsys):
+    args = ["--config", QWEN7B, "rollout.sglang.api_key=s3cret", "--dry-run"]
+    assert main(args, environ={}) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "export ARMOR_ENGINE_API_KEY=<redacted>" in out
+
+
+@pytest.mark.timeout(30)
+def test_wait_engines_takes_the_key_from_the_environment(capsys):
+    _Health.calls = 0
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert main(["wait-engines", "--timeout", "20", url], environ={"ARMOR_ENGINE_API_KEY": "k"}) == 0
+    finally:
+        server.shutdown()

@@ -118,6 +118,70 @@ MALFORMED = [
     (TINY, ["algorithm.alpha.value=1"], "algorithm.alpha: is a value, not a section"),
     (TINY, ["no_equals_sign"], "no_equals_sign: override must look like section.key=value"),
     (TINY, ["rollout_cfg.x=1"], "rollout_cfg: unknown key (did you mean 'rollout'?)"),
+    # numbers that are not numbers
+    (TINY, ["algorithm.alpha=.nan"], "algorithm.alpha: nan is not a finite number"),
+    (TINY, ["optimizer.lr=.inf"], "optimizer.lr: inf is not a finite number"),
+    (TINY, ["optimizer.lr=-.inf"], "optimizer.lr: -inf is not a finite number"),
+    (TINY, ["algorithm.eps_high=nan"], "algorithm.eps_high: 'nan' is not a finite number"),
+    # model sizes the model would be built from (a ModelArch divides by them)
+    (TINY, ["model.arch.num_attention_heads=0"], "model.arch.num_attention_heads: 0 must be a positive integer"),
+    (TINY, ["model.arch.num_hidden_layers=0"], "model.arch.num_hidden_layers: 0 must be a positive integer"),
+    (TINY, ["model.arch.hidden_size=-64"], "model.arch.hidden_size: -64 must be a positive integer"),
+    (TINY, ["model.arch.vocab_size=6.4"], "model.arch.vocab_size: 6.4 must be a positive integer"),
+    (
+        TINY,
+        ["model.arch.num_key_value_heads=3"],
+        "model.arch.num_key_value_heads: 3 does not divide num_attention_heads=4",
+    ),
+    (
+        TINY,
+        ["model.arch.num_attention_heads=3"],
+        "model.arch.num_key_value_heads: 2 does not divide num_attention_heads=3",
+    ),
+    (TINY, ["model.arch.rms_norm_eps=0"], "model.arch.rms_norm_eps: 0 must be a positive finite number"),
+    # user code named by the config
+    (TINY, ["reward.verifier=maths"], "reward.verifier: unknown verifier 'maths'; did you mean 'math'?"),
+    (TINY, ["reward.verifier=no_such_pkg.rewards:judge"], "reward.verifier: verifier spec 'no_such_pkg.rewards:judge'"),
+    (
+        TINY,
+        ["reward.verifier=os.path:no_such_fn"],
+        "reward.verifier: verifier spec 'os.path:no_such_fn': module 'os.path'",
+    ),
+    (
+        TINY,
+        ["reference.reset=validation_hook", "reference.validation_hook=no_such_pkg:hook"],
+        "reference.validation_hook: cannot load 'no_such_pkg:hook'",
+    ),
+    (
+        TINY,
+        ["reference.reset=validation_hook", "reference.validation_hook=no_colon"],
+        "reference.validation_hook: expected 'module:function'",
+    ),
+    # conflicts the SLURM launcher used to refuse only when the job started
+    (
+        SEVEN_B,
+        ["anchor.source=swap", "anchor.reference_urls=[http://h:1]"],
+        "anchor.reference_urls: set, but anchor.source is 'swap'",
+    ),
+    (SEVEN_B, ["rollout.sglang.weight_sync=distributed"], "rollout.sglang.weight_sync: distributed puts the driver"),
+    (
+        SEVEN_B,
+        ["rollout.sglang.num_engines=8", "rollout.sglang.tp_per_engine=2"],
+        "rollout.sglang.num_engines: 9 engines (8 policy + 1 reference) x tp_per_engine 2 need 18 GPUs, the job has 8",
+    ),
+    (
+        SEVEN_B,
+        ["rollout.sglang.tp_per_engine=3"],
+        "rollout.sglang.tp_per_engine: 3 does not divide launch.gpus_per_node=8",
+    ),
+    (
+        SEVEN_B,
+        ["rollout.sglang.placement=disaggregated", "launch.engine_gpus=2"],
+        "launch.engine_gpus: 2, but disaggregated engines need 4 (3 policy + 1 reference) x tp_per_engine 2 = 8",
+    ),
+    (TINY, ["rollout.engine=sglang"], "rollout.engine: sglang launches engines on GPUs, but launch.gpus_per_node=0"),
+    # engines reachable from the whole network need a key, or an explicit opt-out
+    (SEVEN_B, ["rollout.sglang.host=0.0.0.0"], "rollout.sglang.host: 0.0.0.0 exposes the engines"),
 ]
 
 
@@ -139,6 +203,7 @@ def test_malformed_files(tmp_path, capsys):
         "no_model.yaml": "data: {train_path: d}\n",
         "no_data.yaml": "model: {path: m}\n",
         "loop.yaml": "extends: loop.yaml\n",
+        "latin1.yaml": "# a comment\nname: caf\xe9\n",
     }
     expected = {
         "missing.yaml": "config file not found",
@@ -147,11 +212,12 @@ def test_malformed_files(tmp_path, capsys):
         "no_model.yaml": "model: required key is missing",
         "no_data.yaml": "data: required key is missing",
         "loop.yaml": "extends: circular extends",
+        "latin1.yaml": "latin1.yaml line 2: not UTF-8 text (byte 0xe9)",
     }
     for name, text in cases.items():
         path = tmp_path / name
         if text is not None:
-            path.write_text(text)
+            path.write_bytes(text.encode("latin-1"))
         assert main(["--config", str(path), "--check"]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and expected[name] in err[0], (name, err)
@@ -178,3 +244,18 @@ def test_console_process_has_no_traceback(tmp_path):
         [sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120
     )
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "--config" in proc.stderr
+
+
+def test_check_redacts_the_engine_api_key(capsys):
+    assert main(["--config", SEVEN_B, "--check", "rollout.sglang.api_key=s3cret", "rollout.sglang.host=0.0.0.0"]) == 0
+    out = capsys.readouterr().out
+    assert "s3cret" not in out and "api_key: <redacted>" in out
+
+
+def test_check_accepts_all_interfaces_when_explicitly_allowed(capsys):
+    assert (
+        main(
+            ["--config", SEVEN_B, "--check", "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true"]
+        )
+        == 0
+    )

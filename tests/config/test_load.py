@@ -71,7 +71,9 @@ def test_model_dir_config_json_is_used_for_checks(tmp_path):
         ' "num_hidden_layers": 3, "num_attention_heads": 6, "num_key_value_heads": 3}'
     )
     run = tmp_path / "run.yaml"
-    run.write_text(f"model: {{path: {model}}}\ndata: {{train_path: d}}\nlaunch: {{gpus_per_node: 0}}\n")
+    run.write_text(
+        f"model: {{path: {model}}}\ndata: {{train_path: d}}\nlaunch: {{gpus_per_node: 0}}\nrollout: {{engine: local}}\n"
+    )
     load_config(str(run), ["parallelism.tp=3"])
     with pytest.raises(ConfigError, match=r"^parallelism\.tp: num_attention_heads=6 is not divisible by tp=4"):
         load_config(str(run), ["parallelism.tp=4"])
@@ -112,3 +114,28 @@ def test_critic_settings_are_checked(overrides, message):
 def test_critic_checks_apply_only_with_gae():
     cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), ["critic.warmup_steps=20"])
     assert cfg.algorithm.estimator == "dapo"  # no critic is built, its warm-up cannot starve the actor
+
+
+def test_model_dir_config_json_sizes_are_checked_before_a_model_is_built(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    run = tmp_path / "run.yaml"
+    run.write_text(
+        f"model: {{path: {model}}}\ndata: {{train_path: d}}\nlaunch: {{gpus_per_node: 0}}\nrollout: {{engine: local}}\n"
+    )
+    base = '"model_type": "llama", "vocab_size": 32, "hidden_size": 48, "intermediate_size": 64'
+    (model / "config.json").write_text("{" + base + ', "num_hidden_layers": 3, "num_attention_heads": 0}')
+    with pytest.raises(ConfigError, match=r"^model\.path: .*config\.json: num_attention_heads: 0 must be a positive"):
+        load_config(str(run))
+    (model / "config.json").write_text("{" + base + ', "num_hidden_layers": 3, "num_attention_heads": 6,')
+    with pytest.raises(ConfigError, match=r"^model\.path: .*config\.json: unreadable"):
+        load_config(str(run))
+
+
+def test_to_dict_redacts_the_api_key_unless_asked_for_secrets():
+    from armor_megatron.config import to_dict
+
+    cfg = load_config(os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml"), ["rollout.sglang.api_key=k1"])
+    assert to_dict(cfg)["rollout"]["sglang"]["api_key"] == "<redacted>"
+    assert to_dict(cfg, secrets=True)["rollout"]["sglang"]["api_key"] == "k1"
+    assert to_dict(load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")))["rollout"]["sglang"]["api_key"] is None

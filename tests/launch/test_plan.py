@@ -4,6 +4,7 @@ import subprocess
 
 import pytest
 
+from armor_megatron.config import ConfigError
 from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.render import render_shell, render_text
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
@@ -118,7 +119,9 @@ def test_the_reference_group_is_launched_only_when_anchors_need_it(load, overrid
 
 
 def test_disaggregated_engines_get_the_last_whole_nodes(load):
-    cfg = load("llama3_70b_armor", "rollout.sglang.host=0.0.0.0")  # 8 nodes, 32 engine GPUs, 4 engines of tp 8
+    cfg = load(
+        "llama3_70b_armor", "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true"
+    )  # 8 nodes, 32 engine GPUs, 4 engines of tp 8
     plan = plan_job(cfg, env_of([f"gpu{i}" for i in range(1, 9)], job_id="17"), train_args=ARGS)
     assert plan.trainer_nodes == ("gpu1", "gpu2", "gpu3", "gpu4") and plan.world_size == 32
     assert [(e.node, e.gpus[0], len(e.gpus)) for e in plan.engines] == [(f"gpu{i}", 0, 8) for i in (5, 6, 7, 8)]
@@ -131,6 +134,7 @@ def test_disaggregated_engines_share_each_node_when_gpus_do_not_make_whole_nodes
     cfg = load(
         "qwen3_8b_base_two_stage",
         "rollout.sglang.host=0.0.0.0",
+        "rollout.sglang.allow_unauthenticated=true",
         "rollout.sglang.placement=disaggregated",
         "launch.engine_gpus=4",
         "rollout.sglang.num_engines=1",
@@ -217,30 +221,6 @@ def test_master_port_steps_over_engine_ports(load):
         ),
         (
             "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.tp_per_engine=3"],
-            env_of(["a"]),
-            "tp_per_engine=3 does not divide",
-        ),
-        (
-            "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"],
-            env_of(["a"]),
-            "10 engines (9 policy + 1 reference) x tp 1 need 10 GPUs",
-        ),
-        ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], env_of(["a"]), "placement is colocated"),
-        (
-            "qwen25_math_7b_dapo_armor",
-            [
-                "rollout.sglang.placement=disaggregated",
-                "launch.engine_gpus=4",
-                "rollout.sglang.num_engines=1",
-                "rollout.sglang.tp_per_engine=1",
-            ],
-            env_of(["a"]),
-            "engines need engines x rollout.sglang.tp_per_engine = 2 (1 policy + 1 reference) x 1 = 2",
-        ),
-        (
-            "qwen25_math_7b_dapo_armor",
             ["rollout.engine=local", "launch.engine_gpus=2"],
             env_of(["a"]),
             "none are launched",
@@ -251,18 +231,12 @@ def test_master_port_steps_over_engine_ports(load):
             env_of(["a", "b"]),
             "weight_sync=tensor sends CUDA IPC handles, which only engines on the driver's node a can open, but engine 4 runs on b",
         ),
-        (
-            "qwen25_math_7b_dapo_armor",
-            ["rollout.sglang.weight_sync=distributed"],
-            env_of(["a"]),
-            "weight_sync=distributed puts the driver and the engines in one NCCL group",
-        ),
-        ("tiny_cpu", ["rollout.engine=sglang"], env_of(["a"], gpus=None), "rollout.engine=sglang needs GPUs"),
         ("tiny_cpu", ["launch.nodes=3"], env_of(["a", "b", "c"], gpus=None), "do not spread evenly over 3 nodes"),
         (
             "llama3_70b_armor",
             [
                 "rollout.sglang.host=0.0.0.0",
+                "rollout.sglang.allow_unauthenticated=true",
                 "launch.engine_gpus=12",
                 "rollout.sglang.num_engines=2",
                 "rollout.sglang.tp_per_engine=4",
@@ -281,6 +255,44 @@ def test_layout_errors_name_the_setting(load, name, overrides, env, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "name, overrides, message",
+    [
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.tp_per_engine=3"],
+            "rollout.sglang.tp_per_engine: 3 does not divide",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.num_engines=9", "rollout.sglang.tp_per_engine=1"],
+            "rollout.sglang.num_engines: 10 engines (9 policy + 1 reference) x tp_per_engine 1 need 10 GPUs",
+        ),
+        ("qwen25_math_7b_dapo_armor", ["launch.engine_gpus=2"], "launch.engine_gpus: 2 reserves GPUs, but"),
+        (
+            "qwen25_math_7b_dapo_armor",
+            [
+                "rollout.sglang.placement=disaggregated",
+                "launch.engine_gpus=4",
+                "rollout.sglang.num_engines=1",
+                "rollout.sglang.tp_per_engine=1",
+            ],
+            "launch.engine_gpus: 4, but disaggregated engines need 2 (1 policy + 1 reference) x tp_per_engine 1 = 2",
+        ),
+        (
+            "qwen25_math_7b_dapo_armor",
+            ["rollout.sglang.weight_sync=distributed"],
+            "rollout.sglang.weight_sync: distributed puts the driver and the engines in one NCCL group",
+        ),
+        ("tiny_cpu", ["rollout.engine=sglang"], "rollout.engine: sglang launches engines on GPUs"),
+    ],
+)
+def test_engine_layouts_that_cannot_start_are_refused_when_the_config_loads(load, name, overrides, message):
+    with pytest.raises(ConfigError) as err:
+        load(name, *overrides)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
 def test_every_shipped_recipe_plans_on_its_own_allocation(load):
     for name in [
         "qwen25_math_7b_dapo_armor",
@@ -289,7 +301,7 @@ def test_every_shipped_recipe_plans_on_its_own_allocation(load):
         "qwen3_30b_a3b_moe_armor",
         "tiny_cpu",
     ]:
-        cfg = load(name, "rollout.sglang.host=0.0.0.0")
+        cfg = load(name, "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true")
         plan = plan_job(cfg, preview_allocation(cfg), train_args=ARGS)
         assert plan.world_size % (cfg.parallelism.tp * cfg.parallelism.pp) == 0
 
@@ -328,3 +340,28 @@ def test_text_rendering_lists_layout_and_commands(load):
     assert "# engine 0 (policy): n1 GPUs 0 -> http://127.0.0.1:30000" in text
     assert "# engine 1 (reference): n1 GPUs 1 -> http://127.0.0.1:30001" in text
     assert text.splitlines()[-1] == shlex.join(plan.trainer_command)
+
+
+def test_the_api_key_reaches_engines_by_environment_and_is_never_printed(load):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1", "rollout.sglang.api_key=s3cret")
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    for engine in plan.engines:  # `ps` on the node shows these
+        assert "s3cret" not in engine.command and "--api-key" not in engine.command
+        module = engine.command.index("-m")
+        assert engine.command[module + 1 : module + 3] == (
+            "armor_megatron.rollout.sglang.launcher",
+            "sglang.launch_server",
+        )
+    assert "s3cret" not in render_text(plan) and "ARMOR_ENGINE_API_KEY=<redacted>" in render_text(plan)
+    script = render_shell(plan) + 'sh -c \'printf "%s" "$ARMOR_ENGINE_API_KEY"\''  # exported to child processes
+    out = subprocess.run(
+        ["bash", "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=30
+    )
+    assert out.stdout == "s3cret"
+    no_key = plan_job(
+        load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1"), env_of(["n1"]), train_args=ARGS
+    )
+    assert (
+        "sglang.launch_server" in no_key.engines[0].command
+        and "armor_megatron.rollout.sglang.launcher" not in no_key.engines[0].command
+    )

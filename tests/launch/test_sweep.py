@@ -75,7 +75,7 @@ def test_a_run_that_fails_validation_names_its_grid_values(tmp_path):
         plan_sweep(BASE, {"algorithm.alpha": [0.9, 1.5]}, str(tmp_path / "s"))
     with pytest.raises(SweepError, match="changes the launch section"):
         plan_sweep(BASE, {"launch.time": ["1:00:00", "2:00:00"]}, str(tmp_path / "s"))
-    with pytest.raises(SweepError, match="tp_per_engine=3 does not divide"):
+    with pytest.raises(SweepError, match="rollout.sglang.tp_per_engine: 3 does not divide"):
         plan_sweep(BASE, {"rollout.sglang.tp_per_engine": [1, 3]}, str(tmp_path / "s"))
 
 

@@ -2,7 +2,10 @@
 
 One process per engine, tensor parallelism inside it (``--tp-size``, GPUs
 ``base_gpu_id + e·tp_size ...``), ports ``base_port + e``, bound to 127.0.0.1 unless
-``host`` says otherwise, optional ``--api-key``. Several engines are used round-robin by
+``host`` says otherwise, optional API key. The key never appears on a command line (where
+``ps`` shows it to every user of the node): the process starts as
+``python -m armor_megatron.rollout.sglang.launcher <server module> <args>``, which reads it from
+the ``ARMOR_ENGINE_API_KEY`` environment variable and hands ``--api-key`` to the server in-process. Several engines are used round-robin by
 :class:`~armor_megatron.rollout.sglang.engine.SGLangEngine` or put behind ``sglang-router``
 (``use_router``). :meth:`SGLangLauncher.start` returns once every engine answers
 ``/health_generate``; a process that exits first is an error carrying its log tail.
@@ -31,6 +34,7 @@ from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
 
 logger = logging.getLogger(__name__)
+API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
 
 
 @dataclasses.dataclass
@@ -89,9 +93,7 @@ class SGLangLauncher:
     def server_command(self, engine_index: int, port: int) -> list[str]:
         c = self.config
         cmd = [
-            c.python,
-            "-m",
-            c.server_module,
+            *self._entry(c.server_module),
             "--model-path",
             c.model_path,
             "--host",
@@ -103,8 +105,6 @@ class SGLangLauncher:
             "--base-gpu-id",
             str(c.base_gpu_id + engine_index * c.tp_size),
         ]
-        if c.api_key:
-            cmd += ["--api-key", c.api_key]
         if c.colocated:
             cmd += ["--enable-memory-saver"]
         if c.mem_fraction_static is not None:
@@ -114,9 +114,7 @@ class SGLangLauncher:
     def router_command(self, port: int) -> list[str]:
         c = self.config
         cmd = [
-            c.python,
-            "-m",
-            c.router_module,
+            *self._entry(c.router_module),
             "--host",
             c.host,
             "--port",
@@ -124,9 +122,12 @@ class SGLangLauncher:
             "--worker-urls",
             *self.worker_urls,
         ]
-        if c.api_key:
-            cmd += ["--api-key", c.api_key]
         return cmd
+
+    def _entry(self, module: str) -> list[str]:
+        """``python -m module``, or, with an API key, this module's key-from-environment wrapper of it."""
+        c = self.config
+        return [c.python, "-m", __name__, module] if c.api_key else [c.python, "-m", module]
 
     @property
     def worker_urls(self) -> list[str]:
@@ -166,6 +167,8 @@ class SGLangLauncher:
 
     def _spawn(self, cmd: list[str], log_path: str) -> None:
         env = {**os.environ, **self.config.env}
+        if self.config.api_key:
+            env[API_KEY_ENV] = self.config.api_key
         if self.config.original_logprobs:
             env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
         with open(log_path, "ab") as log:
@@ -234,6 +237,21 @@ class SGLangLauncher:
         self.stop()
 
 
+def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
+    """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``: run ``MODULE`` as
+    ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added to this
+    process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``)."""
+    import runpy
+
+    if not argv:
+        raise SystemExit(f"usage: python -m {__name__} MODULE [ARGS...] (key in ${API_KEY_ENV})")
+    key = environ.get(API_KEY_ENV)
+    if not key:
+        raise SystemExit(f"{__name__}: {API_KEY_ENV} is not set (the API key for {argv[0]})")
+    sys.argv = [argv[0], *argv[1:], "--api-key", key]
+    runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     if proc.poll() is not None:
         return
@@ -249,3 +267,7 @@ def _tail(path: str, lines: int = 20) -> str:
             return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
     except OSError:
         return "(no log)"
+
+
+if __name__ == "__main__":
+    run_server_with_env_key(sys.argv[1:])

@@ -25,13 +25,15 @@ def test_commands_follow_sglang_flags():
     )
     launcher = SGLangLauncher(cfg)
     cmd = launcher.server_command(1, 30001)
-    assert cmd[1:3] == ["-m", "sglang.launch_server"]
-    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    # the key travels in $ARMOR_ENGINE_API_KEY through the launcher's wrapper, never on a command line
+    assert cmd[1:4] == ["-m", "armor_megatron.rollout.sglang.launcher", "sglang.launch_server"]
+    flags = dict(zip(cmd[4::2], cmd[5::2]))
     assert flags["--tp-size"] == "4" and flags["--base-gpu-id"] == "4" and flags["--host"] == "127.0.0.1"
-    assert flags["--api-key"] == "k" and "--enable-memory-saver" in cmd
+    assert "--api-key" not in cmd and "k" not in cmd and "--enable-memory-saver" in cmd
     launcher.ports = [30000, 30001]
     router = launcher.router_command(31000)
-    assert router[2] == "sglang_router.launch_router"
+    assert router[3] == "sglang_router.launch_router" and "--api-key" not in router
+    assert SGLangLauncher(LauncherConfig(model_path="/m")).server_command(0, 1)[1:3] == ["-m", "sglang.launch_server"]
     assert router[router.index("--worker-urls") + 1 :][:2] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
 
 
@@ -54,6 +56,9 @@ def test_two_engines_round_robin_with_api_key_then_clean_stop(tiny_ckpt, tmp_pat
         groups = engine.generate([encode(tok, f"{i}") for i in range(4)], 2, SamplingParams(max_new_tokens=3))
         assert [len(g) for g in groups] == [2] * 4
         procs = list(launcher._procs)
+        for p in procs:  # what `ps` shows to every user of the node
+            with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                assert b"secret" not in f.read()
     finally:
         engine.shutdown()
     assert all(p.poll() is not None for p in procs)

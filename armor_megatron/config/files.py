@@ -1,0 +1,90 @@
+"""Checks of what a run config names on this machine: paths, the first rows of each dataset,
+optional packages it turns on, and the run that owns its checkpoint directory.
+
+``armor-train --check`` runs them after the config's own checks (``validate``); a run started
+on a machine without the files (a laptop preparing a cluster recipe) skips them with
+``--check --no-files``. Each problem is one ConfigError naming the key (and the file).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+from armor_megatron.config.identity import check_run_identity
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.typed import ConfigError
+from armor_megatron.data.prompts import peek_rows
+
+PEEK_ROWS = 8  # rows of each dataset parsed at check time
+RESUME_WORDS = ("auto", "none", "force")
+
+
+def check_files(cfg: RunConfig) -> None:
+    _check_model(cfg)
+    _check_dataset("data.train_path", cfg.data.train_path, cfg)
+    for i, ds in enumerate(cfg.eval.datasets):
+        _check_dataset(f"eval.datasets[{i}].path", ds.path, cfg)
+    resume = cfg.checkpoint.resume
+    if resume not in RESUME_WORDS and not os.path.isdir(resume):
+        raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
+    if cfg.reference.init_from and not os.path.isdir(cfg.reference.init_from):
+        raise ConfigError("reference.init_from", f"{cfg.reference.init_from}: no such checkpoint directory")
+    _check_packages(cfg)
+    check_run_identity(cfg, resume)
+
+
+def _check_model(cfg: RunConfig) -> None:
+    path = cfg.model.path
+    if not os.path.isdir(path):
+        raise ConfigError("model.path", f"{path}: no such directory (a Hugging Face model directory)")
+    config_file = os.path.join(path, "config.json")
+    if not os.path.isfile(config_file):
+        raise ConfigError("model.path", f"{path}: no config.json (not a Hugging Face model directory)")
+    # its contents were read and checked with the config (validate.hf_config_of)
+    mcore = cfg.model.mcore_path
+    if mcore and not os.path.isdir(mcore):
+        raise ConfigError(
+            "model.mcore_path",
+            f"{mcore}: no such directory (convert first: armor-convert hf-to-mcore {path} {mcore}, or unset it)",
+        )
+
+
+def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
+    """The file exists, its first rows parse and carry the prompt/answer columns, and a row's
+    ``type`` column names a verifier that loads."""
+    from armor_megatron.rewards.registry import load_verifier
+
+    data = cfg.data
+    try:
+        rows = peek_rows(path, PEEK_ROWS)
+    except FileNotFoundError:
+        raise ConfigError(key, f"{path}: no such file") from None
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, str(err).splitlines()[0]) from None
+    if not rows:
+        raise ConfigError(key, f"{path}: dataset is empty")
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise ConfigError(key, f"{path}: row {i} is {type(row).__name__}, not an object with columns")
+        for column, setting in ((data.prompt_key, "data.prompt_key"), (data.answer_key, "data.answer_key")):
+            if column not in row:
+                raise ConfigError(
+                    key, f"{path}: row {i} has no {column!r} column ({setting}; columns: {', '.join(sorted(row))})"
+                )
+        verifier = row.get(data.type_key)
+        if verifier is not None:
+            try:
+                load_verifier(verifier)
+            except ValueError as err:
+                raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
+
+
+def _check_packages(cfg: RunConfig) -> None:
+    lg = cfg.logging
+    if lg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError(
+            "logging.tensorboard", "true, but the tensorboard package is not installed (pip install tensorboard)"
+        )
+    if lg.wandb.project and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("logging.wandb.project", "set, but the wandb package is not installed (pip install wandb)")

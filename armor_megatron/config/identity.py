@@ -1,0 +1,130 @@
+"""One run, one checkpoint directory: the run's config recorded beside its checkpoints, and the
+refusal to resume a checkpoint that another run wrote.
+
+``<checkpoint.dir>/run_config.yaml`` holds the whole resolved config (secrets redacted), so
+tools that look for a run's config beside its checkpoints (as for Megatron-LM's) find it.
+Resuming compares the *defining* part of the config: everything except what may change
+between the jobs of one run without changing what is trained:
+
+* where things go and how often: ``logging``, ``checkpoint``, ``eval`` (how the run is watched);
+* how long: ``train.steps`` (extending a run), ``train.collective_timeout_minutes``;
+* where it runs: ``launch``, ``parallelism`` (torch_dist checkpoints load at any TP/PP/EP),
+  ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
+  every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``,
+  ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
+  (the starting weights, already consumed);
+* resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import yaml
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.typed import ConfigError, to_dict
+
+RECORD_NAME = "run_config.yaml"
+NOT_DEFINING = (
+    "logging",
+    "checkpoint",
+    "eval",
+    "launch",
+    "parallelism",
+    "train.steps",
+    "train.collective_timeout_minutes",
+    "rollout.sglang",
+    "anchor.reference_urls",
+    "anchor.reference_engines",
+    "reward.workers",
+    "reference.offload",
+    "reference.init_from",
+    "model.spec",
+    "model.arch",
+    "model.mcore_path",
+)
+
+
+def record_path(cfg: RunConfig) -> str:
+    return os.path.join(cfg.checkpoint.dir, RECORD_NAME)
+
+
+def defining_config(data: dict) -> dict[str, Any]:
+    """``{dotted key: value}`` of a config's plain-data form, without the NOT_DEFINING keys."""
+    flat: dict[str, Any] = {}
+
+    def walk(node: Any, prefix: str) -> None:
+        if prefix in NOT_DEFINING:
+            return
+        if isinstance(node, dict) and node:
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        else:
+            flat[prefix] = node
+
+    walk(data, "")
+    return flat
+
+
+def differences(recorded: dict, cfg: RunConfig) -> list[str]:
+    """``key: recorded -> now`` for each defining key that differs, in key order."""
+    before, now = defining_config(recorded), defining_config(to_dict(cfg))
+    return [
+        f"{key}: {before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}"
+        for key in sorted(set(before) | set(now))
+        if before.get(key, "<unset>") != now.get(key, "<unset>")
+    ]
+
+
+def has_checkpoint(root: str) -> bool:
+    """A complete ``iter_*`` checkpoint directory (not a ``.tmp-`` one being written) is in ``root``."""
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return False
+    return any(n.startswith("iter_") and ".tmp-" not in n and os.path.isdir(os.path.join(root, n)) for n in names)
+
+
+def check_run_identity(cfg: RunConfig, resume: str) -> None:
+    """Refuse (ConfigError, one line) to resume a checkpoint another run recorded.
+
+    ``resume``: ``auto`` checks ``checkpoint.dir`` when it holds a checkpoint; a path checks the
+    record in the directory above it (its run's root); ``none`` and ``force`` check nothing.
+    A root without a record (written before records existed) is accepted.
+    """
+    if resume in ("none", "force"):
+        return
+    root = cfg.checkpoint.dir if resume == "auto" else os.path.dirname(os.path.normpath(resume))
+    if resume == "auto" and not has_checkpoint(root):
+        return
+    path = os.path.join(root, RECORD_NAME)
+    if not os.path.isfile(path):
+        return
+    try:
+        with open(path, encoding="utf-8") as f:
+            recorded = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
+        raise ConfigError("checkpoint.dir", f"{path}: unreadable run record ({str(err).splitlines()[0]})") from None
+    if not isinstance(recorded, dict):
+        raise ConfigError("checkpoint.dir", f"{path}: a run record must be a mapping")
+    diff = differences(recorded, cfg)
+    if diff:
+        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+        raise ConfigError(
+            "checkpoint.dir",
+            f"{root} holds the checkpoints of another run ({shown}); give this run its own checkpoint.dir "
+            "(or name), start fresh with --resume none, or resume it anyway with --resume force",
+        )
+
+
+def write_run_record(cfg: RunConfig) -> str:
+    """Write ``run_config.yaml`` into ``checkpoint.dir`` (atomically: temporary file, then rename)."""
+    path = record_path(cfg)
+    os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        yaml.safe_dump(to_dict(cfg), f, sort_keys=False)
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,110 @@
+"""``check_files``: what a config names on this machine, one ConfigError line naming the key and file."""
+
+import json
+import os
+
+import pytest
+
+from armor_megatron.config import ConfigError, load_config
+from armor_megatron.config.files import check_files
+from armor_megatron.config.identity import write_run_record
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TINY = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+HF_CONFIG = {"model_type": "qwen2", "vocab_size": 64, "hidden_size": 64, "intermediate_size": 128}
+HF_CONFIG.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+@pytest.fixture
+def run(tmp_path):
+    """A tiny run whose model directory and datasets exist; ``run(*overrides)`` -> RunConfig."""
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "val.jsonl").write_text(rows)
+    paths = [
+        f"model.path={tmp_path / 'hf'}",
+        f"data.train_path={tmp_path / 'train.jsonl'}",
+        f"eval.datasets=[{{name: val, path: {tmp_path / 'val.jsonl'}, k: 1}}]",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
+    return lambda *overrides: load_config(TINY, [*paths, *overrides])
+
+
+def _refused(cfg, expected: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        check_files(cfg)
+    line = str(err.value)
+    assert expected in line and "\n" not in line, line
+    return line
+
+
+def test_a_complete_run_passes(run):
+    check_files(run())
+
+
+def test_missing_paths_name_their_key(run, tmp_path):
+    _refused(run(f"model.path={tmp_path / 'nope'}"), f"model.path: {tmp_path / 'nope'}: no such directory")
+    (tmp_path / "empty").mkdir()
+    _refused(run(f"model.path={tmp_path / 'empty'}"), "no config.json")
+    _refused(
+        run(f"model.mcore_path={tmp_path / 'mcore'}"), f"model.mcore_path: {tmp_path / 'mcore'}: no such directory"
+    )
+    _refused(run(f"data.train_path={tmp_path / 'x.jsonl'}"), f"data.train_path: {tmp_path / 'x.jsonl'}: no such file")
+    _refused(
+        run(f"eval.datasets=[{{name: v, path: {tmp_path / 'v.parquet'}}}]"),
+        f"eval.datasets[0].path: {tmp_path / 'v.parquet'}: no such file",
+    )
+    _refused(run(f"checkpoint.resume={tmp_path / 'iter_1'}"), "checkpoint.resume: ")
+    _refused(run(f"reference.init_from={tmp_path / 'best'}"), f"reference.init_from: {tmp_path / 'best'}: no such")
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": \n', "train.jsonl:2: invalid JSON"),
+        ('{"question": "1+1=", "answer": "2"}\n', "row 0 has no 'prompt' column (data.prompt_key; columns: answer"),
+        ('{"prompt": "1+1=", "solution": "2"}\n', "row 0 has no 'answer' column (data.answer_key"),
+        ('{"prompt": "1+1=", "answer": "2", "type": "maths"}\n', "row 0 type: unknown verifier 'maths'"),
+        ('{"prompt": "1+1=", "answer": "2", "type": "nopkg:fn"}\n', "row 0 type: verifier spec 'nopkg:fn'"),
+        ("[1, 2]\n", "row 0 is list, not an object with columns"),
+        ("\n\n", "dataset is empty"),
+        (b'{"prompt": "caf\xe9", "answer": "2"}\n', "train.jsonl:1: not UTF-8 text"),
+    ],
+)
+def test_the_first_rows_of_a_dataset_are_read(run, tmp_path, content, expected):
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    line = _refused(run(), "data.train_path: ")
+    assert expected in line
+
+
+def test_parquet_rows_are_peeked(run, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["1+1="], "ans": ["2"]}), tmp_path / "train.parquet")
+    _refused(run(f"data.train_path={tmp_path / 'train.parquet'}"), "row 0 has no 'answer' column")
+    check_files(run(f"data.train_path={tmp_path / 'train.parquet'}", "data.answer_key=ans", "eval.datasets=[]"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    _refused(run(f"data.train_path={tmp_path / 'bad.parquet'}"), "not a readable Parquet file")
+
+
+def test_optional_packages_turned_on_must_be_installed(run, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("tensorboard", "wandb") else real(name, *a)
+    )
+    _refused(run("logging.tensorboard=true"), "logging.tensorboard: true, but the tensorboard package is not installed")
+    _refused(run("logging.wandb.project=p"), "logging.wandb.project: set, but the wandb package is not installed")
+
+
+def test_another_runs_checkpoint_directory_is_refused(run):
+    first = run()
+    write_run_record(first)
+    os.makedirs(os.path.join(first.checkpoint.dir, "iter_0000005"))
+    _refused(run("name=other"), "checkpoint.dir: ")
+    check_files(run("name=other", "checkpoint.resume=force"))
