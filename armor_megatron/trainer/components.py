@@ -129,6 +129,7 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
 def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
     (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``."""
+    from armor_megatron.launch.plan import API_KEY_ENV
     from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
@@ -149,7 +150,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
         )
         client = SGLangEngine(
             urls,
-            api_key=sg.api_key,
+            api_key=sg.api_key or os.environ.get(API_KEY_ENV),  # the SLURM plan exports it
             weight_sync=sync,
             retry=RetryPolicy(max_attempts=1 + sg.max_retries),
             request_timeout=sg.request_timeout_s,

@@ -30,11 +30,11 @@ import threading
 import time
 from collections.abc import Sequence
 
+from armor_megatron.launch.plan import API_KEY_ENV
 from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
 
 logger = logging.getLogger(__name__)
-API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
 
 
 @dataclasses.dataclass
