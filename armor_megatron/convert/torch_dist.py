@@ -200,6 +200,8 @@ def write_checkpoint(
 # ---------------------------------------------------------------------- reading
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
+    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to
+    the HF vocabulary size.
 
     A chunk the checkpoint stores as one item (this converter's output; a layer saved at TP=1)
     is read straight from the file into a reused buffer of ``buffer_bytes`` (at least the
@@ -227,7 +229,7 @@ class TorchDistReader:
             key = next((k for k in (rule.ckpt_key, *rule.alt_ckpt_keys) if k in stored), None)
             if key is None:
                 raise CheckpointError(f"{ckpt_dir}: tensor {rule.ckpt_key} is missing")
-            if tuple(stored[key].size) != rule.stacked_shape(arch):
+            if not _shape_fits(tuple(stored[key].size), rule.stacked_shape(arch), rule.tp == "vocab"):
                 raise CheckpointError(
                     f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
                     f"expected {list(rule.stacked_shape(arch))}"
@@ -312,6 +314,15 @@ class TorchDistReader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
+    """The stored global shape is the expected one or, for a vocabulary tensor (embedding,
+    output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
+    128·TP) and the rows past the HF vocabulary are padding, left unread."""
+    if stored == expected:
+        return True
+    return vocabulary and len(stored) == len(expected) and stored[0] > expected[0] and stored[1:] == expected[1:]
 
 
 def _check_megatron_config(ckpt_dir: str) -> None:

@@ -181,3 +181,25 @@ def test_progress_lines(capsys):
 def test_vocab_not_divisible_by_tp(capsys, tmp_path):
     hf = save_tiny_model("llama", str(tmp_path / "hf"), vocab_size=255)
     assert_bad_input(capsys, tmp_path, "vocab_size=255 is not divisible by tp=2", "hf-to-mcore", hf, "--tp", 2)
+
+
+def test_a_padded_vocabulary_is_exported_at_the_hf_vocabulary_size(capsys, tmp_path):
+    """A training checkpoint stores embedding and output layer with the vocabulary padded (here
+    200 -> 256 rows); mcore-to-hf with the model's HF config strips the padding rows."""
+    small = save_tiny_model("llama", str(tmp_path / "hf200"), vocab_size=200)
+    padded = tmp_path / "hf256"
+    shutil.copytree(small, padded)
+    weights = load_file(padded / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = torch.cat([weights[name], torch.randn(56, weights[name].shape[1])])
+    save_file(weights, padded / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    assert run(capsys, "hf-to-mcore", padded, tmp_path / "mcore", "--quiet")[0] == 0
+
+    code, _, err = run(capsys, "mcore-to-hf", tmp_path / "mcore", tmp_path / "out", "--hf-config", small, "--quiet")
+    assert code == 0, err
+    exported, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(f"{small}/model.safetensors")
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
