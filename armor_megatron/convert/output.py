@@ -22,7 +22,8 @@ def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
     """Yield a fresh temporary directory next to ``out_dir``; rename it to ``out_dir`` on success.
 
     An existing ``out_dir`` raises FileExistsError unless ``overwrite``; on any error the
-    temporary directory is removed and ``out_dir`` is left as it was.
+    temporary directory is removed and ``out_dir`` is left as it was. The directory gets the
+    permissions the umask gives a new directory.
     """
     out_dir = os.path.abspath(out_dir)
     if os.path.lexists(out_dir) and not overwrite:
@@ -32,6 +33,7 @@ def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
         raise FileNotFoundError(f"{parent}: parent of the output directory does not exist")
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
     try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; the output is a plain directory
         yield tmp
         if os.path.lexists(out_dir):
             old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
@@ -43,6 +45,13 @@ def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:

@@ -185,6 +185,9 @@ def _save_atomically(fig, out: str) -> None:
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
     try:
+        mask = os.umask(0o077)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes it 0600; the plot is a plain new file
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
             f.flush()

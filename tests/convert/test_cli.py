@@ -203,3 +203,18 @@ def test_a_padded_vocabulary_is_exported_at_the_hf_vocabulary_size(capsys, tmp_p
     assert exported.keys() == original.keys()
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_outputs_honour_the_umask(capsys, tmp_path, tiny_models, umask, mode):
+    previous = os.umask(umask)
+    try:
+        assert run(capsys, "hf-to-mcore", tiny_models["qwen2"], tmp_path / "mcore", "--quiet")[0] == 0
+        assert run(capsys, "mcore-to-hf", tmp_path / "mcore", tmp_path / "hf", "--quiet")[0] == 0
+    finally:
+        os.umask(previous)
+    for out in ("mcore", "hf"):
+        assert (tmp_path / out).stat().st_mode & 0o777 == mode, out
+        for name in os.listdir(tmp_path / out):  # the files it writes (side files keep their source's mode)
+            if name.endswith((".safetensors", ".distcp", "index.json", "armor_convert.json")):
+                assert (tmp_path / out / name).stat().st_mode & 0o777 == mode & 0o666, name
