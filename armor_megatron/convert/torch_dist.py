@@ -245,6 +245,7 @@ class TorchDistReader:
         """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
         chunk) per call; the tensors are valid until the next call."""
         from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.api import CheckpointException
 
         out, used = {}, 0
         for i, chunk in enumerate(wanted):
@@ -257,7 +258,13 @@ class TorchDistReader:
             if i not in out
         }
         if targets:
-            dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+            try:
+                dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a short or corrupt file, however DCP says it
+                reason = _root_cause(e)
+                raise CheckpointError(f"{self.ckpt_dir}: a data file is truncated or corrupt ({reason})") from None
         return [
             out[i].reshape(c.rule.shape)
             if i in out
@@ -314,6 +321,16 @@ class TorchDistReader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the underlying error (DCP's CheckpointException wraps each rank's)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))  # (exception, its frames)
+        error = error[0] if isinstance(error, tuple) else error
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0]}" if text else type(error).__name__
 
 
 def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
