@@ -5,17 +5,18 @@
     armor-convert verify HF_DIR MCORE_DIR [--no-logits] [--atol 1e-4]
 
 Exit status: 0 success, 2 bad input (one line on stderr, nothing written), 1 failed
-verification. Conversions print progress on long runs and a summary line at the end.
+verification, 130 interrupted (Ctrl-C or SIGTERM; the partial output is removed). Conversions print progress on long runs and a summary line at the end.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import signal
 import sys
 from collections.abc import Sequence
 
-from armor_megatron.cli.common import quiet_third_party_warnings
+from armor_megatron.cli.common import OneLineArgumentParser, quiet_third_party_warnings
 
 # What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
 # parallel sizes that do not divide, an existing output directory.
@@ -32,11 +33,14 @@ def parse_size(text: str) -> int:
     number, unit = float(match.group(1)), (match.group(2) or "B").upper()
     base = 1024 if "I" in unit else 1000
     power = "BKMGT".index(unit[0]) if unit != "B" else 0
-    return int(number * base**power)
+    size = int(number * base**power)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive size (examples: 5GB, 512MiB, 1000000)")
+    return size
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="armor-convert", description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog="armor-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron torch_dist checkpoint")
@@ -114,11 +118,21 @@ def _verify(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     quiet_third_party_warnings()
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # clean up like Ctrl-C does
     try:
         return _run(args)
     except BAD_INPUT as e:
         print(f"armor-convert: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("armor-convert: interrupted; the partial output was removed", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

@@ -3,20 +3,31 @@
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
 by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
 ``launch.gpus_per_node``), it re-launches itself under ``torchrun --standalone``.
-Exit codes: 0 done, 1 failed, 2 bad input, ``launch.requeue_exit_code`` (85) preempted after a
-checkpoint, so ``sbatch --requeue`` can restart it.
+Exit codes: 0 done, 1 failed, 2 bad input (also found at run time: a missing file, a damaged
+checkpoint), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
+``sbatch --requeue`` can restart it. SIGTERM/SIGUSR1 (SLURM's preemption and time-limit
+warnings) make the ranks checkpoint and exit with the requeue code, whether they reach the
+relaunching process, the ranks, or the whole process group (`relaunch`).
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import yaml
 
-from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail, quiet_third_party_warnings
+from armor_megatron.cli import relaunch
+from armor_megatron.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_OK,
+    OneLineArgumentParser,
+    fail,
+    quiet_third_party_warnings,
+)
 from armor_megatron.config import ConfigError, load_config, to_dict
+from armor_megatron.trainer import preemption
 
 PROG = "armor-train"
 LAUNCHER_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
@@ -50,34 +61,69 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{PROG}: config OK ({args.config})", file=sys.stderr)
         return EXIT_OK
     nprocs = processes_needed(cfg)
+    if nprocs > 1 and _inside_one_slurm_task():
+        return fail(
+            PROG,
+            f"running as a single SLURM task, but this config needs {nprocs} processes: start it with "
+            f"`srun --ntasks-per-node={nprocs} --cpus-per-task=<cores per GPU> python -m armor_megatron.cli.train ...` "
+            "(one task per GPU) or submit tools/slurm/armor.sbatch",
+        )
     if nprocs > 1 and not any(v in os.environ for v in LAUNCHER_VARS):
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc-per-node={nprocs}",
-            "-m",
-            "armor_megatron.cli.train",
-            *argv,
-        ]
-        return subprocess.call(cmd)
+        return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
     return _train(cfg, args.resume)
+
+
+def _inside_one_slurm_task() -> bool:
+    """Inside a batch script (or ``srun -n1``): SLURM names this process task 0 of a 1-task step."""
+    tasks = os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS"))
+    return "SLURM_PROCID" in os.environ and "RANK" not in os.environ and tasks in (None, "1")
 
 
 def _train(cfg, resume) -> int:
     quiet_third_party_warnings()
+    preemption.record_early_signals()
     from armor_megatron.trainer.loop import Preempted
     from armor_megatron.trainer.run import train
 
     try:
         train(cfg, resume)
     except Preempted as why:
-        print(f"{PROG}: preempted: {why}; exiting {cfg.launch.requeue_exit_code} for requeue", file=sys.stderr)
+        report = relaunch.RankReport.from_env()
+        if report is not None:
+            report.preempted()
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{PROG}: preempted: {why}; exiting {cfg.launch.requeue_exit_code} for requeue", file=sys.stderr)
         return cfg.launch.requeue_exit_code
     except (ConfigError, FileNotFoundError, ValueError) as err:
-        return fail(PROG, str(err).splitlines()[0] if str(err) else type(err).__name__, EXIT_FAILED)
+        line = str(err).splitlines()[0] if str(err) else type(err).__name__
+        report = relaunch.RankReport.from_env()
+        if report is None:
+            return fail(PROG, line)
+        report.failed(line)  # the relaunching parent prints the first failing rank's line
+        return EXIT_BAD_INPUT
+    except Exception:
+        report = relaunch.RankReport.from_env()
+        if report is not None and report.others_failed():
+            return EXIT_FAILED  # a consequence (e.g. a collective's peer left): that rank's line says why
+        raise
     return EXIT_OK
+
+
+def relaunch_under_torchrun(argv: list[str], nprocs: int, requeue_code: int) -> int:
+    """Run ``nprocs`` ranks of this command under torchrun's agent, in this process: SIGTERM and
+    SIGUSR1 go to the ranks (which checkpoint), the exit code is the requeue code when they did,
+    and a rank's bad-input line is printed once."""
+    result = relaunch.run_ranks(
+        ["--standalone", f"--nproc-per-node={nprocs}", "-m", "armor_megatron.cli.train", *argv],
+        signals=preemption.SIGNALS,
+    )
+    if result.preempted:
+        return requeue_code
+    if result.code == EXIT_OK:
+        return EXIT_OK
+    if result.line is not None:
+        return fail(PROG, result.line)
+    return fail(PROG, result.summary, EXIT_FAILED)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import glob
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import tempfile
 from collections.abc import Iterator
 
 import armor_megatron
+from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import INDEX_FILE
 
 METADATA_FILE = "armor_convert.json"
@@ -18,23 +20,35 @@ HF_FILES_DIR = "hf_config"
 
 
 @contextlib.contextmanager
-def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
+def staged_dir(out_dir: str, overwrite: bool = False, sources: tuple[str, ...] = ()) -> Iterator[str]:
     """Yield a fresh temporary directory next to ``out_dir``; rename it to ``out_dir`` on success.
 
-    An existing ``out_dir`` raises FileExistsError unless ``overwrite``; on any error the
-    temporary directory is removed and ``out_dir`` is left as it was.
+    An existing ``out_dir`` raises FileExistsError unless ``overwrite``; an ``out_dir`` that is
+    one of ``sources``, inside one or holds one is refused (replacing it would delete the input).
+    On any error, KeyboardInterrupt included, the temporary directory is removed and ``out_dir``
+    is left as it was; the leftovers of a killed conversion to the same ``out_dir`` are removed
+    when the next one starts. The directory gets the permissions the umask gives a new one.
     """
     out_dir = os.path.abspath(out_dir)
+    _refuse_overlap(out_dir, sources)
     if os.path.lexists(out_dir) and not overwrite:
         raise FileExistsError(f"{out_dir}: output directory already exists (pass --overwrite to replace it)")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise FileNotFoundError(f"{parent}: parent of the output directory does not exist")
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+    prefix = f".{os.path.basename(out_dir)}."
+    for kind in ("tmp-", "old-"):  # what a killed conversion to the same out_dir left behind
+        for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix + kind) + "*")):
+            shutil.rmtree(stale, ignore_errors=True)
     try:
+        tmp = tempfile.mkdtemp(prefix=f"{prefix}tmp-", dir=parent)
+    except OSError as e:
+        raise CheckpointError(f"{parent}: cannot write the output there ({e.strerror or e})") from None
+    try:
+        os.chmod(tmp, 0o777 & ~current_umask())  # mkdtemp makes it 0700; the output is a plain directory
         yield tmp
         if os.path.lexists(out_dir):
-            old = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.old-", dir=parent)
+            old = tempfile.mkdtemp(prefix=f"{prefix}old-", dir=parent)
             os.rename(out_dir, os.path.join(old, "x"))
             os.rename(tmp, out_dir)
             shutil.rmtree(old)
@@ -43,6 +57,24 @@ def staged_dir(out_dir: str, overwrite: bool = False) -> Iterator[str]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _refuse_overlap(out_dir: str, sources: tuple[str, ...]) -> None:
+    real_out = os.path.realpath(out_dir)
+    for source in sources:
+        real_src = os.path.realpath(source)
+        if os.path.commonpath([real_out, real_src]) in (real_out, real_src):
+            raise CheckpointError(
+                f"{out_dir}: the output directory is, contains or lies inside the input {source}; "
+                "choose another output directory"
+            )
+
+
+def current_umask() -> int:
+    """The process umask (read by setting it and putting it back at once)."""
+    mask = os.umask(0o077)
+    os.umask(mask)
+    return mask
 
 
 def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:

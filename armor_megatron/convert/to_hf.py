@@ -74,7 +74,7 @@ def convert_mcore_to_hf(
         raise CheckpointError(f"{mcore_dir}: not a directory")
     config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
     arch = ModelArch.from_hf_config(load_hf_config(config_dir))
-    with staged_dir(out_dir, overwrite) as tmp:
+    with staged_dir(out_dir, overwrite, sources=tuple({mcore_dir, config_dir})) as tmp:
         reader = torch_dist.TorchDistReader(mcore_dir, arch, buffer_bytes=bucket_bytes)
         chunks = layer_major(torch_dist.chunks(arch))
         planned = [

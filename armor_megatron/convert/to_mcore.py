@@ -97,7 +97,7 @@ def convert_hf_to_mcore(
         progress.advance(total_bytes(hf_segments), tensors=len(hf_segments))
         return [hf_segments[i].rows(hf_row, rows, hf_rows[i]) for i, hf_row, _, rows in blocks]
 
-    with hf, staged_dir(out_dir, overwrite) as tmp:
+    with hf, staged_dir(out_dir, overwrite, sources=(hf_dir,)) as tmp:
         torch_dist.write_checkpoint(tmp, arch, dtypes.__getitem__, produce)
         digest.wait()
         copy_side_files(hf_dir, os.path.join(tmp, HF_FILES_DIR))

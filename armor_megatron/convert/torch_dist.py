@@ -200,6 +200,8 @@ def write_checkpoint(
 # ---------------------------------------------------------------------- reading
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
+    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to
+    the HF vocabulary size.
 
     A chunk the checkpoint stores as one item (this converter's output; a layer saved at TP=1)
     is read straight from the file into a reused buffer of ``buffer_bytes`` (at least the
@@ -227,7 +229,7 @@ class TorchDistReader:
             key = next((k for k in (rule.ckpt_key, *rule.alt_ckpt_keys) if k in stored), None)
             if key is None:
                 raise CheckpointError(f"{ckpt_dir}: tensor {rule.ckpt_key} is missing")
-            if tuple(stored[key].size) != rule.stacked_shape(arch):
+            if not _shape_fits(tuple(stored[key].size), rule.stacked_shape(arch), rule.tp == "vocab"):
                 raise CheckpointError(
                     f"{ckpt_dir}: tensor {key} has shape {list(stored[key].size)}, "
                     f"expected {list(rule.stacked_shape(arch))}"
@@ -243,6 +245,7 @@ class TorchDistReader:
         """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
         chunk) per call; the tensors are valid until the next call."""
         from torch.distributed.checkpoint import load as dcp_load
+        from torch.distributed.checkpoint.api import CheckpointException
 
         out, used = {}, 0
         for i, chunk in enumerate(wanted):
@@ -255,7 +258,13 @@ class TorchDistReader:
             if i not in out
         }
         if targets:
-            dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+            try:
+                dcp_load({}, storage_reader=self._storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+            except CheckpointError:
+                raise
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - a short or corrupt file, however DCP says it
+                reason = _root_cause(e)
+                raise CheckpointError(f"{self.ckpt_dir}: a data file is truncated or corrupt ({reason})") from None
         return [
             out[i].reshape(c.rule.shape)
             if i in out
@@ -312,6 +321,25 @@ class TorchDistReader:
 
     def __del__(self) -> None:
         self.close()
+
+
+def _root_cause(error: BaseException) -> str:
+    """The first line of the underlying error (DCP's CheckpointException wraps each rank's)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        error = next(iter(failures.values()))  # (exception, its frames)
+        error = error[0] if isinstance(error, tuple) else error
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0].split('. ')[0]}" if text else type(error).__name__
+
+
+def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
+    """The stored global shape is the expected one or, for a vocabulary tensor (embedding,
+    output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
+    128·TP) and the rows past the HF vocabulary are padding, left unread."""
+    if stored == expected:
+        return True
+    return vocabulary and len(stored) == len(expected) and stored[0] > expected[0] and stored[1:] == expected[1:]
 
 
 def _check_megatron_config(ckpt_dir: str) -> None:

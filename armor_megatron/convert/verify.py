@@ -14,6 +14,7 @@ import tempfile
 
 import torch
 
+from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint
 from armor_megatron.convert.to_hf import convert_mcore_to_hf
 from armor_megatron.models import ModelArch
@@ -71,7 +72,27 @@ def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, 
     return len(names), mismatched
 
 
+def check_same_model(hf_dir: str, mcore_dir: str) -> None:
+    """Refuse to compare checkpoints of different models (family or shapes), in one line, when
+    the torch_dist checkpoint carries its HF config (this converter's outputs do)."""
+    from armor_megatron.convert.output import HF_FILES_DIR
+    from armor_megatron.models import load_hf_config
+
+    config_dir = os.path.join(mcore_dir, HF_FILES_DIR)
+    if not os.path.isfile(os.path.join(config_dir, "config.json")):
+        return
+    ours, theirs = HFCheckpoint(hf_dir).arch, ModelArch.from_hf_config(load_hf_config(config_dir))
+    differ = [f.name for f in dataclasses.fields(ModelArch) if getattr(ours, f.name) != getattr(theirs, f.name)]
+    if differ:
+        name = differ[0]
+        raise CheckpointError(
+            f"{mcore_dir} holds another model than {hf_dir}: {name} is {getattr(theirs, name)!r} there, "
+            f"{getattr(ours, name)!r} here"
+        )
+
+
 def round_trip(hf_dir: str, mcore_dir: str) -> tuple[int, list[str]]:
+    check_same_model(hf_dir, mcore_dir)
     with tempfile.TemporaryDirectory(prefix="armor_verify_", dir=os.path.dirname(os.path.abspath(mcore_dir))) as tmp:
         out = os.path.join(tmp, "hf")
         convert_mcore_to_hf(mcore_dir, out, progress_stream=None)

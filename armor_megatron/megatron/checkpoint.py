@@ -3,15 +3,19 @@
 Public interface (every rank calls every function)::
 
     path = save_checkpoint(root, step, actor, reference, extra, critic=None)   # -> "{root}/iter_{step:07d}"
-    path = find_latest(root)                                      # the dir `latest` names, or None
+    path = find_latest(root)                                      # newest intact checkpoint, or None
+    verify_checkpoint(path)                                       # DamagedCheckpointError naming the bad file
     step, extra = load_checkpoint(path_or_root, actor, reference, load_optimizer=True, critic=None)
     removed = prune_checkpoints(root, keep_last)
 
 Layout of ``{root}``::
 
     iter_0000100/            a complete checkpoint (torch_dist files + common.pt + metadata.json)
-        trainer_state.pt     `extra` (small picklable trainer state), written by rank 0
+        trainer_state.pt     `extra` (trainer state: containers of str/int/float/bool/None and
+                             tensors; loaded with ``weights_only=True``, so it cannot run code)
+        armor_manifest.json  size and xxh3 checksum of every other file (`checkpoint_manifest`)
     latest                   text: "iter_0000100", the newest complete checkpoint
+    latest_checkpointed_iteration.txt   text: "100", megatron's own tracker, for megatron's tools
 
 What a checkpoint holds: the actor's model (keys exactly ``model.sharded_state_dict()``, no
 prefix, so `load_model_weights` and the converter read it too), its optimizer state (Adam
@@ -27,6 +31,15 @@ complete checkpoint: before the rename the new one is only a ``.tmp-`` directory
 rename and ``latest`` it is complete but unnamed (a later save of the same step replaces it).
 Saving over the checkpoint ``latest`` names is refused.
 
+Damage: `load_checkpoint` checks every file against the manifest first and names the first bad
+one in a `DamagedCheckpointError` (one line). `find_latest` (what ``--resume auto`` uses) skips a
+damaged ``latest`` for the newest intact ``iter_*`` and removes the ``.tmp-`` leftovers of
+interrupted saves.
+
+Preemption signals: SIGTERM/SIGUSR1 are held (blocked) in the saving thread while megatron
+starts its writer processes, which inherit the mask and so survive a signal sent to the whole
+process group; the rank receives a held signal as soon as the save returns.
+
 Resharding: model weights (actor and reference) and the Adam moments load at any TP/PP/EP
 layout (megatron stores every tensor at its global shape). RNG states are restored only when
 the layout and world size are the ones saved (otherwise each rank keeps its seeded streams).
@@ -34,21 +47,30 @@ the layout and world size are the ones saved (otherwise each rank keeps its seed
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import shutil
+import signal
+import sys
 import uuid
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from armor_megatron.megatron.model_state import (  # find_latest: part of this module's interface
-    LATEST,
-    find_latest,  # noqa: F401
-    latest_name,
-    resolve_checkpoint_dir,
+from armor_megatron.megatron import model_state
+from armor_megatron.megatron.checkpoint_manifest import (
+    DamagedCheckpointError,
+    damaged_file,
+    describe_files,
+    list_files,
+    write_manifest,
 )
+from armor_megatron.megatron.model_state import LATEST, latest_name, resolve_checkpoint_dir
+
+TRACKER = "latest_checkpointed_iteration.txt"  # megatron's name for `latest` (it holds the step)
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
 class ModelState(Protocol):
@@ -105,15 +127,51 @@ def save_checkpoint(
         critic_has_optimizer=critic is not None and critic.has_optimizer_state,
         rng=_rng_sharded_object(),
     )
-    dist_checkpointing.save(state, tmp)
+    with preemption_signals_held():
+        dist_checkpointing.save(state, tmp)
     if dist.get_rank() == 0:
         torch.save(extra, os.path.join(tmp, EXTRA_FILE))
     dist.barrier()
+    _write_agreed_manifest(tmp)
     if dist.get_rank() == 0:
         _publish(tmp, os.path.join(root, name))
         _write_latest(root, name)
     dist.barrier()
     return os.path.join(root, name)
+
+
+@contextlib.contextmanager
+def preemption_signals_held():
+    """Block SIGTERM/SIGUSR1 in this thread: processes started meanwhile inherit the mask (across
+    exec too) and never see them; this process gets a held signal when the block ends.
+
+    multiprocessing's resource tracker unblocks the signals after starting itself, so it is
+    started first."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _write_agreed_manifest(path: str) -> None:
+    """Every rank hashes its share of the files; rank 0 writes the manifest."""
+    names = list_files(path) if dist.get_rank() == 0 else None
+    names = _broadcast(names)
+    share = describe_files(path, names, dist.get_rank(), dist.get_world_size())
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, share)
+    if dist.get_rank() == 0:
+        write_manifest(path, {k: v for s in shares for k, v in s.items()})
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _agreed_tmp_name(root: str, name: str) -> str:
@@ -138,6 +196,7 @@ def _agreed_tmp_name(root: str, name: str) -> str:
 def _publish(tmp: str, final: str) -> None:
     """Rename the finished temporary directory into place (an unnamed leftover of the same step,
     from a save interrupted before `latest` was written, is replaced)."""
+    _VERIFIED.discard(os.path.abspath(final))
     if os.path.exists(final):
         shutil.rmtree(final)
     os.rename(tmp, final)
@@ -145,13 +204,19 @@ def _publish(tmp: str, final: str) -> None:
 
 
 def _write_latest(root: str, name: str) -> None:
-    tmp = os.path.join(root, f"{LATEST}.tmp-{uuid.uuid4().hex[:12]}")
+    """``latest`` names the checkpoint; megatron's tracker, written first, holds its step."""
+    _replace_text(root, TRACKER, str(int(name.removeprefix("iter_"))))
+    _replace_text(root, LATEST, name)
+    _fsync_dir(root)
+
+
+def _replace_text(root: str, filename: str, text: str) -> None:
+    tmp = os.path.join(root, f"{filename}.tmp-{uuid.uuid4().hex[:12]}")
     with open(tmp, "w") as f:
-        f.write(name + "\n")
+        f.write(text + "\n")
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(root, LATEST))
-    _fsync_dir(root)
+    os.replace(tmp, os.path.join(root, filename))
 
 
 def _fsync_dir(path: str) -> None:
@@ -162,7 +227,75 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-# ----------------------------------------------------------------------------- find / prune
+# ----------------------------------------------------------------------------- find / verify / prune
+def find_latest(root: str) -> str | None:
+    """The checkpoint to resume from in ``root``: the one ``latest`` names when it is intact,
+    else the newest intact ``iter_*`` (each damaged one skipped with a one-line warning); None
+    when ``root`` has no ``latest``. Removes the leftovers of interrupted saves first. Every
+    rank of a job calls it (the checks are split between them)."""
+    if latest_name(root) is None:
+        return None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        remove_save_leftovers(root)
+    if dist.is_initialized():
+        dist.barrier()
+    try:
+        candidates = [model_state.find_latest(root)]
+    except FileNotFoundError as e:
+        _warn(str(e))
+        candidates = []
+    older = sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True)
+    candidates += [os.path.join(root, n) for n in older if os.path.join(root, n) not in candidates]
+    for path in candidates:
+        problem = agreed_damage(path)
+        if problem is None:
+            _VERIFIED.add(os.path.abspath(path))
+            return path
+        _warn(f"skipping a damaged checkpoint: {problem}")
+    raise DamagedCheckpointError(f"{root}: every checkpoint is damaged (see the lines above)")
+
+
+def verify_checkpoint(path: str) -> None:
+    """Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
+    manifest (all ranks agree on the answer; each hashes a share of the files)."""
+    if os.path.abspath(path) in _VERIFIED:
+        return
+    problem = agreed_damage(path)
+    if problem is not None:
+        raise DamagedCheckpointError(problem)
+
+
+_VERIFIED: set[str] = set()  # checkpoints this process found intact (find_latest, then load: hash once)
+
+
+def agreed_damage(path: str) -> str | None:
+    if not dist.is_initialized():
+        return damaged_file(path)
+    problems = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, damaged_file(path, dist.get_rank(), dist.get_world_size()))
+    return next((p for p in problems if p is not None), None)
+
+
+def remove_save_leftovers(root: str) -> list[str]:
+    """Delete the ``*.tmp-*`` folders and files interrupted saves left in ``root``."""
+    removed = []
+    for n in os.listdir(root):
+        if ".tmp-" in n:
+            path = os.path.join(root, n)
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+            removed.append(path)
+    return removed
+
+
+def _is_complete_name(name: str) -> bool:
+    return name.startswith("iter_") and ".tmp-" not in name
+
+
+def _warn(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(f"[armor] warning: {message}", file=sys.stderr, flush=True)
+
+
 def adopt_as_latest(root: str, path: str) -> None:
     """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
     run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
@@ -185,15 +318,13 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     if dist.is_initialized() and dist.get_rank() != 0:
         return []
     latest = latest_name(root)
-    complete = sorted(n for n in os.listdir(root) if n.startswith("iter_") and ".tmp-" not in n)
-    doomed = [n for n in complete[:-keep_last] if n != latest]
-    doomed += [n for n in os.listdir(root) if ".tmp-" in n]
+    complete = sorted(n for n in os.listdir(root) if _is_complete_name(n))
     removed = []
-    for n in doomed:
-        path = os.path.join(root, n)
-        shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        removed.append(path)
-    return removed
+    for n in complete[:-keep_last]:
+        if n != latest:
+            shutil.rmtree(os.path.join(root, n))
+            removed.append(os.path.join(root, n))
+    return removed + remove_save_leftovers(root)
 
 
 # ----------------------------------------------------------------------------- load
@@ -210,6 +341,7 @@ def load_checkpoint(
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint_dir(path_or_root)
+    verify_checkpoint(path)
     common = dist_checkpointing.load_common_state_dict(path)
     if reference is not None and not common["has_reference"]:
         raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
@@ -238,8 +370,18 @@ def load_checkpoint(
         critic.load_sharded_state_dict(loaded["critic"])
     if same_layout:
         _set_rng_state(loaded["rng"])
-    extra = torch.load(os.path.join(path, EXTRA_FILE), weights_only=False)
-    return int(common["step"]), extra
+    return int(common["step"]), load_trainer_state(path)
+
+
+def load_trainer_state(path: str) -> dict:
+    """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``: only containers,
+    numbers, strings and tensors come back, so a checkpoint from elsewhere cannot run code."""
+    full = os.path.join(path, EXTRA_FILE)
+    try:
+        return torch.load(full, weights_only=True)
+    except Exception as e:  # noqa: BLE001 - the unpickler raises many kinds; the line names the file
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DamagedCheckpointError(f"{full}: cannot be loaded safely ({reason})") from None
 
 
 # ----------------------------------------------------------------------------- layout, RNG

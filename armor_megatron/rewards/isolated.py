@@ -17,6 +17,10 @@ replaced at once: a background thread starts a fresh one with the same modules i
 (seconds for math-verify), while the failed call returns within its timeout. A later call
 that needs that slot waits for the replacement before its clock starts, so its timeout
 measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
+
+Preemption: workers start with SIGTERM and SIGUSR1 blocked (a signal mask survives exec), so a
+signal to the trainer's whole process group, as SLURM sends it, does not kill them under a
+trainer that is finishing its step and checkpoint; they still exit when their stdin closes.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import logging
 import os
 import pickle
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -40,6 +45,7 @@ _HEADER = struct.Struct("!Q")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 STARTUP_TIMEOUT_S = 120.0
 """Seconds a new worker (or a module import in it) may take before it counts as broken."""
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's; workers must not die of them
 
 
 class IsolatedTimeout(TimeoutError):
@@ -60,12 +66,16 @@ class _Worker:
     def __init__(self, memory_limit_mb: int) -> None:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "armor_megatron.rewards._worker", str(memory_limit_mb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            env=env,
-        )
+        previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)  # inherited by the worker
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "armor_megatron.rewards._worker", str(memory_limit_mb)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                env=env,
+            )
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, previous)
         self.imported: set[str] = set()
         try:
             self._receive(time.monotonic() + STARTUP_TIMEOUT_S)  # the worker's "ready"

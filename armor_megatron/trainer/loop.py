@@ -43,14 +43,13 @@ from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
-from armor_megatron.trainer.metrics_log import MetricsLogger
+from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
-PROGRESS_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs", "tis_weights")
 CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
@@ -433,20 +432,22 @@ class ArmorTrainer:
         """
         cfg = self.cfg
         last: dict = {}
-        progress = self._progress_bar()
+        reporter = self._progress_bar(logger)
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
                 last, saved = self._step(save)
                 if self.is_driver:
-                    self._report(last, logger, progress)
+                    last = self._report(last, reporter)
                 if any_rank(preemption.requested()):
                     if not saved:
                         save()
+                    if reporter is not None:
+                        reporter.close()
                     raise Preempted(f"signal {preemption.received} at step {self.step}: checkpoint saved")
-        if progress is not None:
-            progress.close()
+        if reporter is not None:
+            reporter.close()
         return last if self.is_driver else {}
 
     def _step(self, save: Callable[[], None]) -> tuple[dict, bool]:
@@ -511,24 +512,26 @@ class ArmorTrainer:
         self.reset_schedule.observe_start(broadcast_object(start))
         return start
 
-    def _progress_bar(self):
-        if not (self.is_driver and self.cfg.logging.progress_bar):
+    def _progress_bar(self, logger: MetricsLogger | None) -> StepReporter | None:
+        """Driver: the step reporter (text line per step; a tqdm bar only on a terminal)."""
+        if not self.is_driver:
             return None
-        from tqdm import tqdm
-
         cfg = self.cfg
-        return tqdm(total=cfg.train.steps, initial=self.step, desc=cfg.name, unit="step", dynamic_ncols=True)
+        return StepReporter(
+            logger,
+            every_steps=cfg.logging.every_steps,
+            total_steps=cfg.train.steps,
+            initial_step=self.step,
+            name=cfg.name,
+            progress_bar=cfg.logging.progress_bar,
+        )
 
-    def _report(self, metrics: dict, logger: MetricsLogger | None, progress) -> None:
-        """Driver: anchor statistics into the step's metrics, then the log and the progress bar."""
+    def _report(self, metrics: dict, reporter: StepReporter) -> dict:
+        """Driver: anchor statistics into the step's metrics, then the log and the step line."""
         if self.anchors is not None:
             metrics.update(self.anchors.stats.as_dict())
             metrics.update(self._anchor_cost(metrics))
-        if logger and self.step % self.cfg.logging.every_steps == 0:
-            logger.log(self.step, metrics)
-        if progress is not None:
-            progress.update(1)
-            progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3f}" for k in PROGRESS_KEYS if k in metrics})
+        return reporter.report(self.step, metrics)
 
 
 def offloads_during_rollout(cfg: RunConfig) -> bool:

@@ -1,8 +1,14 @@
 """Per-step metrics to JSONL (always), TensorBoard and Weights & Biases (when configured).
 
-Every record is one JSON line ``{"step": int, "time": float, <name>: float, ...}``, flushed per
-step so a killed run keeps every completed step. Backends that are not installed fail at
-construction with one line naming the package, never mid-run.
+Every record is one JSON line ``{"step": int, "time": float, <name>: float | null, ...}`` (NaN
+is ``null``, ±inf the strings "inf"/"-inf"), flushed per step so a killed run keeps every
+completed step. Backends that are not installed fail at construction with one line naming the
+package, never mid-run. W&B keeps one run across requeues: its id is kept in ``wandb_run_id``
+beside the JSONL.
+
+`StepReporter` (the driver's view of each step): the logging policy (every ``every_steps``
+steps, and every step that evaluated, so no evaluation is dropped), one plain text line per
+step on stdout (what a SLURM ``.out`` file needs), and a tqdm bar instead only on a terminal.
 """
 
 from __future__ import annotations
@@ -10,7 +16,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
+import uuid
 from collections.abc import Mapping
 from typing import Any
 
@@ -59,6 +67,7 @@ class MetricsLogger:
                 name=run_name,
                 config=dict(config or {}),
                 dir=log_dir,
+                id=wandb_run_id(log_dir),
                 resume="allow",
             )
 
@@ -82,6 +91,19 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def wandb_run_id(log_dir: str) -> str:
+    """The W&B run id of this run directory: made once, then read back (a requeued job continues
+    the same W&B run instead of starting a new one)."""
+    path = os.path.join(log_dir, "wandb_run_id")
+    if os.path.exists(path):
+        with open(path) as f:
+            return f.read().strip()
+    run_id = uuid.uuid4().hex[:16]
+    with open(path, "w") as f:
+        f.write(run_id + "\n")
+    return run_id
 
 
 def read_metrics(path: str) -> list[dict]:
@@ -117,4 +139,109 @@ def _is_scalar(v: Any) -> bool:
 
 
 def _json_float(v: float):
+    if math.isnan(v):
+        return None
     return v if math.isfinite(v) else str(v)
+
+
+# ----------------------------------------------------------------------------- the step report
+# short name in the text line -> metric key, in the order shown
+LINE_FIELDS = (
+    ("reward", "rollout/reward"),
+    ("acc", "rollout/accuracy"),
+    ("len", "rollout/response_len"),
+    ("len_max", "rollout/response_len_max"),
+    ("trunc", "rollout/truncated_rate"),
+    ("val", "eval/mean/pass@1"),
+)
+PHASES = ("rollout", "logprobs", "values", "update", "weight_sync", "eval", "reference_reset", "checkpoint")
+BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
+RENAMED_PREFIXES = {"dynamic_sampling_": "dynamic_sampling/"}  # flat keys into their namespace
+
+
+def namespaced(metrics: Mapping[str, Any]) -> dict:
+    """``dynamic_sampling_rounds`` -> ``dynamic_sampling/rounds`` (every other key unchanged)."""
+    out = {}
+    for key, value in metrics.items():
+        for flat, namespace in RENAMED_PREFIXES.items():
+            if key.startswith(flat):
+                key = namespace + key.removeprefix(flat)
+        out[key] = value
+    return out
+
+
+def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
+    """One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
+    rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out)."""
+    parts = [f"step {step}/{total}"]
+    for short, key in LINE_FIELDS:
+        if key in metrics:
+            parts.append(f"{short} {_fmt(metrics[key])}")
+    phases = [f"{p} {float(metrics[f'time/{p}']):.2f}s" for p in PHASES if f"time/{p}" in metrics]
+    if phases:
+        parts.append(" ".join(phases))
+    if "perf/tokens_per_s" in metrics:
+        parts.append(f"{float(metrics['perf/tokens_per_s']):.0f} tok/s")
+    if "time/step" in metrics:
+        parts.append(f"{float(metrics['time/step']):.2f} s/step")
+    return " | ".join(parts)
+
+
+def _fmt(value) -> str:
+    v = float(value)
+    return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
+
+
+class StepReporter:
+    """Reports each completed step on the driver: to ``logger`` by the policy below, and as one
+    text line on ``stream``, or, when ``progress_bar`` and ``stream`` is a terminal, as a tqdm bar.
+
+    Logging policy: a step is logged when ``step % every_steps == 0`` or when it carries an
+    evaluation (``eval/`` keys): evaluations are never dropped."""
+
+    def __init__(
+        self,
+        logger: MetricsLogger | None,
+        *,
+        every_steps: int,
+        total_steps: int,
+        initial_step: int = 0,
+        name: str = "",
+        progress_bar: bool = True,
+        stream=None,
+    ):
+        self.logger, self.every_steps, self.total_steps = logger, every_steps, total_steps
+        self.stream = sys.stdout if stream is None else stream
+        self.bar = None
+        if progress_bar and _is_tty(self.stream):
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total_steps, initial=initial_step, desc=name, unit="step", dynamic_ncols=True, file=self.stream
+            )
+
+    def should_log(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        return step % self.every_steps == 0 or any(k.startswith("eval/") for k in metrics)
+
+    def report(self, step: int, metrics: Mapping[str, Any]) -> dict:
+        """Log and show one step; returns the metrics as logged (namespaced keys)."""
+        metrics = namespaced(metrics)
+        if self.logger is not None and self.should_log(step, metrics):
+            self.logger.log(step, metrics)
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3f}" for k in BAR_KEYS if k in metrics})
+        else:
+            print(f"[armor] {step_line(step, self.total_steps, metrics)}", file=self.stream, flush=True)
+        return metrics
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -73,8 +73,8 @@ def unique_labels(runs: Sequence[Run]) -> None:
 
 
 def series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of the records that have ``key``, in step order; "nan"/"inf" strings -> floats."""
-    points = sorted((r["step"], float(r[key])) for r in records if key in r)
+    """(steps, values) of the records that have ``key``, in step order; null and "nan"/"inf" -> floats."""
+    points = sorted((r["step"], _float(r[key])) for r in records if key in r)
     return [s for s, _ in points], [v for _, v in points]
 
 
@@ -98,8 +98,13 @@ def phase_timings(records: Sequence[dict]) -> tuple[list[int], dict[str, list[fl
     return [r["step"] for r in timed], out
 
 
+def _float(value) -> float:
+    """A logged value as a float: null (NaN in the JSONL) and "nan"/"inf" strings included."""
+    return math.nan if value is None else float(value)
+
+
 def _finite(value) -> float:
-    v = float(value)
+    v = _float(value)
     return v if math.isfinite(v) else 0.0
 
 
@@ -185,6 +190,9 @@ def _save_atomically(fig, out: str) -> None:
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
     try:
+        mask = os.umask(0o077)
+        os.umask(mask)
+        os.fchmod(fd, 0o666 & ~mask)  # mkstemp makes it 0600; the plot is a plain new file
         with os.fdopen(fd, "wb") as f:
             fig.savefig(f, format="png", dpi=100)
             f.flush()

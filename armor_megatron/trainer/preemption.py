@@ -4,6 +4,14 @@ SLURM sends SIGUSR1 ahead of the time limit (``#SBATCH --signal=B:USR1@120``) an
 preemption. The handler only records the request; the training loop checks
 ``requested()`` between steps (agreeing across ranks), saves a checkpoint and exits with
 ``REQUEUE_EXIT_CODE`` so the sbatch script can ``scontrol requeue`` the job.
+
+A signal that arrives while the run is still being built is not fatal either: the CLI calls
+`record_early_signals` first, and the loop's handler takes such a signal over when installed
+(the run then checkpoints after its first step). Installing also unblocks the signals, which a
+process may have inherited blocked.
+
+Helpers (megatron's checkpoint writers, reward workers) are started with the signals blocked,
+so a signal to the whole process group, as SLURM sends it, leaves them working.
 """
 
 from __future__ import annotations
@@ -12,6 +20,18 @@ import signal
 
 REQUEUE_EXIT_CODE = 85
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+_early: list[int] = []  # signals recorded before a PreemptionHandler was installed
+
+
+def record_early_signals(signals=SIGNALS) -> None:
+    """Record (instead of dying of) ``signals`` until a `PreemptionHandler` takes over."""
+    for sig in signals:
+        signal.signal(sig, _record_early)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+
+def _record_early(signum, frame) -> None:
+    _early.append(signum)
 
 
 class PreemptionHandler:
@@ -23,6 +43,10 @@ class PreemptionHandler:
     def install(self) -> PreemptionHandler:
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
+        if _early:
+            self.received = _early[-1]
+            _early.clear()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, self.signals)
         return self
 
     def uninstall(self) -> None:

@@ -1,5 +1,6 @@
 """``armor-plot`` end to end: metrics.jsonl files written by MetricsLogger -> a PNG; bad input -> one line."""
 
+import os
 import struct
 import sys
 
@@ -54,6 +55,17 @@ def test_plot_two_runs_overlaid_with_extra_metric(tmp_path, capsys):
     assert (width, height) == (1200, 1280)
     assert out.stat().st_size > 20_000  # drawn content, not a blank canvas
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp file left
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_the_png_honours_the_umask(tmp_path, umask, mode):
+    run = _write_run(tmp_path / "run", 0.01)
+    previous = os.umask(umask)
+    try:
+        assert main([run, "--out", str(tmp_path / "run.png")]) == 0
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "run.png").stat().st_mode & 0o777 == mode
 
 
 def test_replot_replaces_the_png(tmp_path):

@@ -181,3 +181,128 @@ def test_progress_lines(capsys):
 def test_vocab_not_divisible_by_tp(capsys, tmp_path):
     hf = save_tiny_model("llama", str(tmp_path / "hf"), vocab_size=255)
     assert_bad_input(capsys, tmp_path, "vocab_size=255 is not divisible by tp=2", "hf-to-mcore", hf, "--tp", 2)
+
+
+def test_a_padded_vocabulary_is_exported_at_the_hf_vocabulary_size(capsys, tmp_path):
+    """A training checkpoint stores embedding and output layer with the vocabulary padded (here
+    200 -> 256 rows); mcore-to-hf with the model's HF config strips the padding rows."""
+    small = save_tiny_model("llama", str(tmp_path / "hf200"), vocab_size=200)
+    padded = tmp_path / "hf256"
+    shutil.copytree(small, padded)
+    weights = load_file(padded / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        weights[name] = torch.cat([weights[name], torch.randn(56, weights[name].shape[1])])
+    save_file(weights, padded / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((padded / "config.json").read_text())
+    (padded / "config.json").write_text(json.dumps({**config, "vocab_size": 256}))
+    assert run(capsys, "hf-to-mcore", padded, tmp_path / "mcore", "--quiet")[0] == 0
+
+    code, _, err = run(capsys, "mcore-to-hf", tmp_path / "mcore", tmp_path / "out", "--hf-config", small, "--quiet")
+    assert code == 0, err
+    exported, original = load_file(tmp_path / "out" / "model.safetensors"), load_file(f"{small}/model.safetensors")
+    assert exported.keys() == original.keys()
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+@pytest.mark.parametrize("umask, mode", [(0o022, 0o755), (0o027, 0o750)])
+def test_outputs_honour_the_umask(capsys, tmp_path, tiny_models, umask, mode):
+    previous = os.umask(umask)
+    try:
+        assert run(capsys, "hf-to-mcore", tiny_models["qwen2"], tmp_path / "mcore", "--quiet")[0] == 0
+        assert run(capsys, "mcore-to-hf", tmp_path / "mcore", tmp_path / "hf", "--quiet")[0] == 0
+    finally:
+        os.umask(previous)
+    for out in ("mcore", "hf"):
+        assert (tmp_path / out).stat().st_mode & 0o777 == mode, out
+        for name in os.listdir(tmp_path / out):  # the files it writes (side files keep their source's mode)
+            if name.endswith((".safetensors", ".distcp", "index.json", "armor_convert.json")):
+                assert (tmp_path / out / name).stat().st_mode & 0o777 == mode & 0o666, name
+
+
+# ----------------------------------------------------------------------------- converter edges
+@pytest.mark.parametrize("where", ["same", "inside", "parent"])
+def test_an_output_that_would_replace_the_source_is_refused(capsys, tmp_path, tiny_models, where):
+    hf = tmp_path / "model" / "hf"
+    shutil.copytree(tiny_models["qwen2"], hf)
+    before = sorted(os.listdir(hf))
+    out = {"same": hf, "inside": hf / "mcore", "parent": tmp_path / "model"}[where]
+    code, _, err = run(capsys, "hf-to-mcore", hf, out, "--overwrite")
+    assert code == 2 and err.count("\n") == 1 and "is, contains or lies inside the input" in err, err
+    assert sorted(os.listdir(hf)) == before  # the source weights are still there
+
+
+def test_a_read_only_output_location_is_one_line(capsys, tmp_path, tiny_models):
+    code, _, err = run(capsys, "hf-to-mcore", tiny_models["qwen2"], "/proc/armor_out")
+    assert (
+        code == 2
+        and err.startswith("armor-convert: error: /proc: cannot write the output there")
+        and err.count("\n") == 1
+    ), err
+
+
+def test_a_truncated_torch_dist_is_one_line(capsys, tmp_path, tiny_models):
+    mcore = tmp_path / "mcore"
+    assert run(capsys, "hf-to-mcore", tiny_models["llama"], mcore, "--quiet")[0] == 0
+    data = next(f for f in os.listdir(mcore) if f.endswith(".distcp"))
+    os.truncate(mcore / data, 1000)
+    assert_bad_input(capsys, tmp_path, "mcore: a data file is truncated or corrupt", "mcore-to-hf", mcore)
+
+
+def test_verify_across_families_is_one_line(capsys, tmp_path, tiny_models):
+    mcore = tmp_path / "mcore"
+    assert run(capsys, "hf-to-mcore", tiny_models["qwen2"], mcore, "--quiet")[0] == 0
+    code, out, err = run(capsys, "verify", tiny_models["llama"], mcore, "--no-logits")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "holds another model than" in err and "family is 'qwen2' there, 'llama' here" in err
+
+
+@pytest.mark.parametrize("size, message", [("5XB", "not a size: '5XB'"), ("0", "'0' is not a positive size")])
+def test_a_bad_shard_size_is_one_line(capsys, tmp_path, size, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["mcore-to-hf", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", size])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_an_interrupted_conversion_removes_its_output_and_old_leftovers(capsys, tmp_path, tiny_models, monkeypatch):
+    import armor_megatron.convert.torch_dist as torch_dist
+
+    (tmp_path / ".out.tmp-killed").mkdir()  # a conversion killed with -9 earlier
+    (tmp_path / ".out.tmp-killed" / "big").write_bytes(b"x" * 1000)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch_dist, "write_checkpoint", interrupted)
+    code, _, err = run(capsys, "hf-to-mcore", tiny_models["qwen2"], tmp_path / "out")
+    assert code == 130 and err == "armor-convert: interrupted; the partial output was removed\n"
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_sigterm_during_a_conversion_cleans_up(tmp_path, tiny_models):
+    """A real process: SIGTERM while it converts (a slowed-down writer) leaves nothing behind."""
+    script = (
+        "import sys, time, armor_megatron.convert.torch_dist as td\n"
+        "real = td.write_checkpoint\n"
+        "def slow(*a, **k):\n"
+        "    print('writing', flush=True); time.sleep(60); return real(*a, **k)\n"
+        "td.write_checkpoint = slow\n"
+        "from armor_megatron.cli.convert import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, "hf-to-mcore", tiny_models["qwen2"], str(tmp_path / "out")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+    )
+    assert proc.stdout.readline() == "writing\n"
+    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # the staged output exists now
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().endswith("interrupted; the partial output was removed"), err
+    assert os.listdir(tmp_path) == []

@@ -9,6 +9,14 @@ import torch
 
 from armor_megatron.megatron import checkpoint as ckpt
 from armor_megatron.megatron import dist as mdist
+from armor_megatron.megatron.checkpoint_manifest import (
+    MANIFEST_FILE,
+    DamagedCheckpointError,
+    describe_files,
+    list_files,
+    read_manifest,
+    write_manifest,
+)
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import ARCH, TP1, _actor, _logprobs, make_batch
 
@@ -71,6 +79,43 @@ def test_killed_saves_leave_the_previous_checkpoint_latest_and_loadable(tmp_path
     assert os.path.isfile(root / "iter_0000002" / ckpt.EXTRA_FILE)
 
 
+def damaged_worker(rank, root):
+    """Save steps 1 and 2 (2 ranks), truncate one file of step 2, then resume as ``--resume auto`` does."""
+    import torch.distributed as dist
+
+    mdist.initialize(TP1, ARCH, seed=5)
+    actor = _actor(TP1)
+    ckpt.save_checkpoint(root, 1, actor, None, {"cursor": 1})
+    ckpt.save_checkpoint(root, 2, actor, None, {"cursor": 2})
+    manifest = read_manifest(os.path.join(root, "iter_0000002"))
+    victim = os.path.join(root, "iter_0000002", sorted(n for n in manifest if n.endswith(".distcp"))[-1])
+    dist.barrier()
+    if rank == 0:
+        with open(victim, "r+b") as f:
+            f.truncate(os.path.getsize(victim) // 2)
+    dist.barrier()
+    try:
+        ckpt.load_checkpoint(os.path.join(root, "iter_0000002"), actor, None)
+        refused = None
+    except DamagedCheckpointError as e:
+        refused = str(e)
+    path = ckpt.find_latest(root)
+    step, extra = ckpt.load_checkpoint(path, actor, None)
+    return sorted(manifest), victim, refused, path, step, extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_truncated_shard_is_named_and_resume_falls_back_to_the_intact_checkpoint(tmp_path):
+    results = run_ranks(damaged_worker, 2, str(tmp_path), timeout=240)
+    files, victim, refused, path, step, extra = results[0]
+    assert {"common.pt", "metadata.json", ckpt.EXTRA_FILE} <= set(files) and any(f.endswith(".distcp") for f in files)
+    assert refused.startswith(f"{victim}: ") and "truncated or half-written" in refused
+    assert (path, step, extra) == (str(tmp_path / "iter_0000001"), 1, {"cursor": 1})
+    assert results[1][2:] == results[0][2:]  # every rank agrees
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "2\n"
+
+
 # ----------------------------------------------------------------------------- file logic only
 def _fake_checkpoint(root, name):
     os.makedirs(root / name)
@@ -84,12 +129,18 @@ def test_find_latest_and_resolve(tmp_path):
     assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000003")
     assert ckpt.resolve_checkpoint_dir(str(tmp_path)) == str(tmp_path / "iter_0000003")
     assert ckpt.resolve_checkpoint_dir(str(tmp_path / "iter_0000003")) == str(tmp_path / "iter_0000003")
-    assert [n for n in os.listdir(tmp_path) if n.startswith("latest")] == ["latest"]  # no temp file left
+    # no temp file left; megatron's tracker holds the step
+    assert sorted(n for n in os.listdir(tmp_path) if n.startswith("latest")) == [
+        "latest",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "3\n"
     with pytest.raises(FileNotFoundError, match="is neither a torch_dist checkpoint nor a root with a `latest` file"):
         ckpt.resolve_checkpoint_dir(str(tmp_path / "nowhere"))
     ckpt._write_latest(str(tmp_path), "iter_0000009")
     with pytest.raises(FileNotFoundError, match=r"latest names 'iter_0000009', which is not a directory"):
-        ckpt.find_latest(str(tmp_path))
+        ckpt.resolve_checkpoint_dir(str(tmp_path))
+    assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000003")  # resume falls back
 
 
 def test_publish_replaces_an_unnamed_leftover_of_the_same_step(tmp_path):
@@ -109,7 +160,13 @@ def test_prune_keeps_the_newest_and_latest_and_removes_leftovers(tmp_path):
     ckpt._write_latest(str(tmp_path), "iter_0000002")  # e.g. resumed from an older one
     removed = ckpt.prune_checkpoints(str(tmp_path), keep_last=2)
     assert sorted(os.path.basename(p) for p in removed) == ["iter_0000001", "iter_0000005.tmp-dead", "latest.tmp-dead"]
-    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000003", "iter_0000004", "latest"]
+    assert sorted(os.listdir(tmp_path)) == [
+        "iter_0000002",
+        "iter_0000003",
+        "iter_0000004",
+        "latest",
+        "latest_checkpointed_iteration.txt",
+    ]
     with pytest.raises(ValueError, match="keep_last must be >= 1"):
         ckpt.prune_checkpoints(str(tmp_path), keep_last=0)
 
@@ -127,3 +184,76 @@ def test_resuming_an_earlier_checkpoint_makes_it_latest(tmp_path):
     _fake_checkpoint(elsewhere, ckpt.checkpoint_name(7))
     ckpt.adopt_as_latest(str(tmp_path), str(elsewhere / "iter_0000007"))  # not in this run's root: untouched
     assert ckpt.find_latest(str(tmp_path)) == str(tmp_path / "iter_0000080")
+
+
+# ----------------------------------------------------------------------------- damaged checkpoints
+def _checkpoint_with_manifest(root, step, payload=b"weights" * 100):
+    name = ckpt.checkpoint_name(step)
+    _fake_checkpoint(root, name)
+    (root / name / "__0_0.distcp").write_bytes(payload)
+    torch.save({"step": step}, root / name / ckpt.EXTRA_FILE)
+    path = str(root / name)
+    write_manifest(path, describe_files(path, list_files(path)))
+    ckpt._write_latest(str(root), name)
+    return root / name
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda d: (d / "__0_0.distcp").write_bytes(b"weights" * 50), r"__0_0.distcp: 350 bytes, .* says 700"),
+        (lambda d: (d / "__0_0.distcp").write_bytes(b"WEIGHTS" * 100), r"__0_0.distcp: checksum differs"),
+        (lambda d: (d / ckpt.EXTRA_FILE).write_bytes(b""), r"trainer_state.pt: 0 bytes"),
+        (lambda d: (d / "metadata.json").unlink(), r"metadata.json: missing"),
+        (lambda d: (d / MANIFEST_FILE).write_text('{"files": '), r"unreadable checkpoint manifest"),
+    ],
+    ids=["truncated", "corrupted", "empty-trainer-state", "missing", "torn-manifest"],
+)
+def test_a_damaged_latest_is_named_in_one_line_and_resume_falls_back(tmp_path, capsys, damage, message):
+    intact = _checkpoint_with_manifest(tmp_path, 2)
+    damaged = _checkpoint_with_manifest(tmp_path, 4)
+    (tmp_path / "iter_0000006.tmp-dead").mkdir()  # an interrupted save's leftover
+    ckpt.verify_checkpoint(str(damaged))
+    damage(damaged)
+    ckpt._VERIFIED.clear()
+    with pytest.raises(DamagedCheckpointError, match=message) as err:
+        ckpt.verify_checkpoint(str(damaged))
+    assert "\n" not in str(err.value)
+    assert ckpt.find_latest(str(tmp_path)) == str(intact)
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and "skipping a damaged checkpoint" in warning and "iter_0000004" in warning
+    assert not (tmp_path / "iter_0000006.tmp-dead").exists()  # cleaned on start-up
+
+
+def test_every_checkpoint_damaged_is_one_error_and_none_without_latest(tmp_path):
+    assert ckpt.find_latest(str(tmp_path)) is None
+    only = _checkpoint_with_manifest(tmp_path, 1)
+    (only / "__0_0.distcp").write_bytes(b"")
+    with pytest.raises(DamagedCheckpointError, match="every checkpoint is damaged"):
+        ckpt.find_latest(str(tmp_path))
+
+
+def test_a_latest_naming_a_missing_folder_falls_back_to_the_newest_intact(tmp_path):
+    intact = _checkpoint_with_manifest(tmp_path, 3)
+    ckpt._write_latest(str(tmp_path), "iter_0000009")
+    assert ckpt.find_latest(str(tmp_path)) == str(intact)
+
+
+class _Payload:
+    def __reduce__(self):
+        return (os.system, ("echo pwned > /dev/null",))
+
+
+def test_trainer_state_is_unpickled_safely(tmp_path):
+    """A trainer_state.pt from elsewhere cannot run code: a pickled callable is refused in one line,
+    the real trainer state (containers, numbers, strings, python RNG state) loads."""
+    import random
+
+    state = {"step": 3, "loader": {"epoch": 0}, "rng": random.Random(1).getstate(), "none": None, "t": torch.ones(2)}
+    torch.save(state, tmp_path / ckpt.EXTRA_FILE)
+    loaded = ckpt.load_trainer_state(str(tmp_path))
+    assert loaded["rng"] == state["rng"] and torch.equal(loaded["t"], state["t"])
+    torch.save({"evil": _Payload()}, tmp_path / ckpt.EXTRA_FILE)
+    with pytest.raises(DamagedCheckpointError, match=r"trainer_state.pt: cannot be loaded safely") as err:
+        ckpt.load_trainer_state(str(tmp_path))
+    assert "\n" not in str(err.value)

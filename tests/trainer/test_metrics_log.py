@@ -1,8 +1,16 @@
+import io
 import math
 
+import pytest
 import torch
 
-from armor_megatron.trainer.metrics_log import MetricsLogger, read_metrics
+from armor_megatron.trainer.metrics_log import (
+    MetricsLogger,
+    StepReporter,
+    read_metrics,
+    step_line,
+    wandb_run_id,
+)
 
 
 def test_jsonl_records_scalars_and_survives_resume(tmp_path):
@@ -29,3 +37,89 @@ def test_torn_last_line_is_ignored(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "x": 1.0}\n{"step": 2, "x"')
     assert read_metrics(str(path)) == [{"step": 1, "x": 1.0}]
+
+
+def test_nan_is_json_null(tmp_path):
+    log = MetricsLogger(str(tmp_path))
+    log.log(1, {"x": math.nan, "y": -math.inf})
+    log.close()
+    assert '"x": null' in (tmp_path / "metrics.jsonl").read_text()
+    assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["y"] == "-inf"
+
+
+def test_the_wandb_run_id_survives_a_requeue(tmp_path):
+    first = wandb_run_id(str(tmp_path))
+    assert wandb_run_id(str(tmp_path)) == first and len(first) == 16
+
+
+def _steps(every_steps, evals_every, total=6):
+    """Metrics of ``total`` steps with an evaluation every ``evals_every`` steps."""
+    for step in range(1, total + 1):
+        m = {"rollout/reward": 0.5, "time/step": 1.0}
+        if step % evals_every == 0:
+            m["eval/mean/pass@1"] = 0.25
+        yield step, m
+
+
+def test_logging_every_steps_never_drops_an_evaluation(tmp_path):
+    log = MetricsLogger(str(tmp_path))
+    reporter = StepReporter(log, every_steps=3, total_steps=6, progress_bar=False, stream=io.StringIO())
+    for step, m in _steps(3, 2):
+        reporter.report(step, m)
+    log.close()
+    records = read_metrics(str(tmp_path / "metrics.jsonl"))
+    assert [r["step"] for r in records] == [2, 3, 4, 6]
+    assert [r["step"] for r in records if "eval/mean/pass@1" in r] == [2, 4, 6]
+
+
+@pytest.mark.parametrize("progress_bar", [True, False])
+def test_one_plain_line_per_step_off_a_terminal(progress_bar):
+    out = io.StringIO()  # a SLURM .out file: not a TTY
+    reporter = StepReporter(None, every_steps=1, total_steps=6, progress_bar=progress_bar, stream=out)
+    for step, m in _steps(1, 2):
+        reporter.report(step, m)
+    reporter.close()
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 6 and "\r" not in out.getvalue()
+    assert lines[0] == "[armor] step 1/6 | reward 0.500 | 1.00 s/step"
+    assert "val 0.250" in lines[1] and "val" not in lines[2]
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_a_terminal_gets_the_bar_and_no_lines():
+    out = _Terminal()
+    reporter = StepReporter(None, every_steps=1, total_steps=2, progress_bar=True, stream=out)
+    for step, m in _steps(1, 2, total=2):
+        reporter.report(step, m)
+    reporter.close()
+    assert "[armor] step" not in out.getvalue() and "2/2" in out.getvalue()
+
+
+def test_the_step_line_shows_phases_throughput_and_namespaces_dynamic_sampling(tmp_path):
+    metrics = {
+        "rollout/reward": 0.25,
+        "rollout/accuracy": 0.5,
+        "rollout/response_len": 6.25,
+        "rollout/response_len_max": 8.0,
+        "rollout/truncated_rate": 0.125,
+        "time/rollout": 1.5,
+        "time/update": 0.25,
+        "perf/tokens_per_s": 123.4,
+        "time/step": 2.0,
+        "dynamic_sampling_rounds": 2.0,
+    }
+    assert step_line(3, 20, metrics) == (
+        "step 3/20 | reward 0.250 | acc 0.500 | len 6.250 | len_max 8.000 | trunc 0.125 | "
+        "rollout 1.50s update 0.25s | 123 tok/s | 2.00 s/step"
+    )
+    log = MetricsLogger(str(tmp_path))
+    logged = StepReporter(log, every_steps=1, total_steps=20, progress_bar=False, stream=io.StringIO()).report(
+        3, metrics
+    )
+    log.close()
+    assert logged["dynamic_sampling/rounds"] == 2.0 and "dynamic_sampling_rounds" not in logged
+    assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["dynamic_sampling/rounds"] == 2.0

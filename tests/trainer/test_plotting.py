@@ -66,3 +66,11 @@ def test_load_run_rejects_missing_and_empty(tmp_path):
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
     with pytest.raises(ValueError, match="no metrics in"):
         load_run(str(tmp_path / "empty"))
+
+
+def test_null_values_read_as_nan():
+    """MetricsLogger writes NaN as JSON null."""
+    records = [{"step": 1, "rollout/accuracy": None, "time/rollout": None, "time/step": 1.0}]
+    steps, values = series(records, "rollout/accuracy")
+    assert steps == [1] and math.isnan(values[0])
+    assert phase_timings(records)[1]["rollout"] == [0.0]

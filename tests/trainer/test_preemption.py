@@ -1,7 +1,13 @@
 import os
 import signal
+import subprocess
+import time
 
+import pytest
+
+from armor_megatron.trainer.metrics_log import read_metrics
 from armor_megatron.trainer.preemption import PreemptionHandler
+from tests.trainer.test_end_to_end import _args, _env, _latest, _train
 
 
 def test_signals_are_recorded_not_fatal_and_handlers_restored():
@@ -13,3 +19,74 @@ def test_signals_are_recorded_not_fatal_and_handlers_restored():
         os.kill(os.getpid(), signal.SIGTERM)
         assert handler.received == signal.SIGTERM
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+# ----------------------------------------------------------------------------- whole runs (armor-train)
+def _descendants(pid):
+    import psutil
+
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize(
+    "layout, delivery",
+    [("tp1", "group"), ("tp2", "group"), ("tp2", "ranks"), ("tp2", "parent")],
+    ids=["srun-task-group", "relaunch-group", "relaunch-ranks", "relaunch-parent"],
+)
+def test_preemption_checkpoints_exits_85_and_leaves_no_process(tiny, tmp_path, layout, delivery):
+    """SIGTERM as SLURM delivers it: to the process group of a task (helpers included: checkpoint
+    writers, reward workers), to the ranks only, or to the relaunching ``armor-train`` only. The
+    run checkpoints (saving every step, so a signal may land mid-save), exits with the requeue
+    code, leaves no process behind, and the requeued run resumes bit-exactly."""
+    import psutil
+
+    common = [f"parallelism.tp={layout[-1]}", "train.steps=5", "checkpoint.every_steps=1", "eval.every_steps=0"]
+    proc = subprocess.Popen(
+        _args(tiny, tmp_path / "preempted", *common),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    metrics = tmp_path / "preempted" / "runs" / "run" / "metrics.jsonl"
+    try:
+        deadline = time.time() + 400
+        while not (metrics.exists() and read_metrics(str(metrics))):
+            assert proc.poll() is None and time.time() < deadline, "the run ended before its first step"
+            time.sleep(0.05)
+        everyone = _descendants(proc.pid)
+        ranks = [p for p in everyone if "armor_megatron.cli.train" in " ".join(p.cmdline())]
+        if delivery == "group":
+            os.killpg(proc.pid, signal.SIGTERM)
+        elif delivery == "ranks":
+            assert len(ranks) == 2
+            for rank in ranks:
+                rank.send_signal(signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 85, err[-3000:]
+    assert err.count("preempted") == 1, err[-3000:]  # said once, not per rank
+    _, alive = psutil.wait_procs(everyone, timeout=30)
+    assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "processes left behind"
+    step = max(r["step"] for r in read_metrics(str(metrics)))
+    assert 0 < step < 5 and _latest(tmp_path / "preempted") == f"iter_{step:07d}"
+    assert not [n for n in os.listdir(tmp_path / "preempted" / "ckpt") if ".tmp-" in n]
+
+    if (layout, delivery) == ("tp1", "group"):  # the requeued job continues exactly where it stopped
+        resumed = _train(tiny, tmp_path / "preempted", *common)
+        straight = _train(tiny, tmp_path / "straight", *common)
+        assert sorted(resumed) == [1, 2, 3, 4, 5]
+        for s in range(step + 1, 6):
+            for key in ("rollout/accuracy", "train/loss", "train/grad_norm"):
+                assert resumed[s][key] == straight[s][key], (s, key)

@@ -1,0 +1,99 @@
+"""Per-file checksums of a checkpoint directory: written when a save completes, checked before a load.
+
+``{checkpoint}/armor_manifest.json``::
+
+    {"format": 1, "files": {"<relative path>": {"size": <bytes>, "xxh3_64": "<hex>"}, ...}}
+
+Every regular file of the checkpoint but the manifest is listed. A file that is missing, has
+another size (truncated, half-written) or another hash (corrupted) makes the checkpoint
+*damaged*; `damaged_file` names the first such file in one line. Checkpoints without a
+manifest (written before it existed, converter outputs) are taken as they are.
+
+The work splits across ranks: file ``i`` (in sorted order) is hashed by rank ``i % world``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+MANIFEST_FILE = "armor_manifest.json"
+_CHUNK = 8 << 20
+
+
+class DamagedCheckpointError(ValueError):
+    """A checkpoint file does not match the manifest written with it."""
+
+
+def list_files(path: str) -> list[str]:
+    """Relative paths of the regular files under ``path``, sorted, the manifest excluded."""
+    found = []
+    for folder, _, names in os.walk(path):
+        for name in names:
+            rel = os.path.relpath(os.path.join(folder, name), path)
+            if rel != MANIFEST_FILE:
+                found.append(rel)
+    return sorted(found)
+
+
+def file_digest(path: str) -> str:
+    import xxhash
+
+    digest = xxhash.xxh3_64()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def describe_files(path: str, names: list[str], rank: int = 0, world: int = 1) -> dict:
+    """{name: {"size", "xxh3_64"}} for this rank's share of ``names``."""
+    share = {}
+    for i, name in enumerate(names):
+        if i % world == rank:
+            full = os.path.join(path, name)
+            share[name] = {"size": os.path.getsize(full), "xxh3_64": file_digest(full)}
+    return share
+
+
+def write_manifest(path: str, files: dict) -> None:
+    """Write the manifest of ``path`` from the gathered `describe_files` results (durably)."""
+    tmp = os.path.join(path, MANIFEST_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump({"format": 1, "files": dict(sorted(files.items()))}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, MANIFEST_FILE))
+
+
+def read_manifest(path: str) -> dict | None:
+    """The manifest's ``files`` table; None when the checkpoint has no manifest."""
+    full = os.path.join(path, MANIFEST_FILE)
+    if not os.path.exists(full):
+        return None
+    try:
+        with open(full) as f:
+            return json.load(f)["files"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpointError(f"{full}: unreadable checkpoint manifest ({type(e).__name__})") from None
+
+
+def damaged_file(path: str, rank: int = 0, world: int = 1) -> str | None:
+    """One line naming the first damaged file of this rank's share (sizes: every rank checks
+    all of them, they are cheap), or None when the share is intact or there is no manifest."""
+    try:
+        files = read_manifest(path)
+    except DamagedCheckpointError as e:
+        return str(e)
+    if files is None:
+        return None
+    for i, (name, want) in enumerate(sorted(files.items())):
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            return f"{full}: missing (the checkpoint manifest lists it)"
+        size = os.path.getsize(full)
+        if size != want["size"]:
+            return f"{full}: {size} bytes, the checkpoint manifest says {want['size']} (truncated or half-written)"
+        if i % world == rank and file_digest(full) != want["xxh3_64"]:
+            return f"{full}: checksum differs from the checkpoint manifest (corrupted)"
+    return None
