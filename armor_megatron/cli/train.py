@@ -1,4 +1,4 @@
-"""``armor-train --config FILE [section.key=value ...] [--check] [--resume auto|none|PATH]``.
+"""``armor-train --config FILE [section.key=value ...] [--check] [--no-files] [--resume auto|none|force|PATH]``.
 
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
 by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
@@ -27,6 +27,7 @@ from armor_megatron.cli.common import (
     quiet_third_party_warnings,
 )
 from armor_megatron.config import ConfigError, load_config, to_dict
+from armor_megatron.config.files import check_files
 from armor_megatron.trainer import preemption
 
 PROG = "armor-train"
@@ -38,7 +39,15 @@ def build_parser() -> OneLineArgumentParser:
     parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
     parser.add_argument("--check", action="store_true", help="validate, print the resolved config and exit")
-    parser.add_argument("--resume", default=None, help="auto | none | checkpoint path (default: checkpoint.resume)")
+    parser.add_argument(
+        "--resume", default=None, help="auto | none | force | checkpoint path (default: checkpoint.resume)"
+    )
+    parser.add_argument(
+        "--no-files",
+        action="store_true",
+        help="skip the checks of files, datasets, optional packages and checkpoint ownership on this machine "
+        "(e.g. --check on a machine without the model)",
+    )
     return parser
 
 
@@ -54,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.resume:
+            cfg.checkpoint.resume = args.resume
+        if not args.no_files:  # before any process starts: a missing file fails in a second, not after the build
+            check_files(cfg)
     except ConfigError as err:
         return fail(PROG, f"config: {err}")
     if args.check:

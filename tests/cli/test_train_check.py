@@ -224,7 +224,7 @@ def test_malformed_files(tmp_path, capsys):
 
 
 def test_check_prints_resolved_config(capsys):
-    assert main(["--config", TINY, "--check", "algorithm.alpha=0.875"]) == 0
+    assert main(["--config", TINY, "--check", "--no-files", "algorithm.alpha=0.875"]) == 0
     out = capsys.readouterr().out
     assert "alpha: 0.875" in out and "group_size: 8" in out
 
@@ -247,7 +247,19 @@ def test_console_process_has_no_traceback(tmp_path):
 
 
 def test_check_redacts_the_engine_api_key(capsys):
-    assert main(["--config", SEVEN_B, "--check", "rollout.sglang.api_key=s3cret", "rollout.sglang.host=0.0.0.0"]) == 0
+    assert (
+        main(
+            [
+                "--config",
+                SEVEN_B,
+                "--check",
+                "--no-files",
+                "rollout.sglang.api_key=s3cret",
+                "rollout.sglang.host=0.0.0.0",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "s3cret" not in out and "api_key: <redacted>" in out
 
@@ -255,7 +267,22 @@ def test_check_redacts_the_engine_api_key(capsys):
 def test_check_accepts_all_interfaces_when_explicitly_allowed(capsys):
     assert (
         main(
-            ["--config", SEVEN_B, "--check", "rollout.sglang.host=0.0.0.0", "rollout.sglang.allow_unauthenticated=true"]
+            [
+                "--config",
+                SEVEN_B,
+                "--check",
+                "--no-files",
+                "rollout.sglang.host=0.0.0.0",
+                "rollout.sglang.allow_unauthenticated=true",
+            ]
         )
         == 0
     )
+
+
+def test_check_looks_at_the_files_unless_told_not_to(tmp_path, capsys):
+    missing = str(tmp_path / "nowhere")
+    assert main(["--config", TINY, "--check", f"model.path={missing}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "model.path" in err[0] and "nowhere" in err[0]
+    assert main(["--config", TINY, "--check", "--no-files", f"model.path={missing}"]) == 0
