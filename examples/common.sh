@@ -25,12 +25,12 @@ armor_example() {
     "$PY" -m armor_megatron.cli.slurm plan --dry-run --config "$CONFIG" "${overrides[@]}"
     return
   fi
-  # config errors first (the converted checkpoint may not exist yet), then the files once it does
+  # config errors before converting (the checkpoint does not exist yet; the job checks the files
+  # on the compute nodes before any model is built)
   "$PY" -m armor_megatron.cli.train --check --no-files --config "$CONFIG" "${overrides[@]}" >/dev/null
   if [[ ! -d $MCORE_DIR ]]; then  # the converter writes to a temporary directory and renames it: present = complete
     echo "converting $HF_DIR -> $MCORE_DIR" >&2
     "${convert[@]}"
   fi
-  "$PY" -m armor_megatron.cli.train --check --config "$CONFIG" "${overrides[@]}" >/dev/null
   "$PY" -m armor_megatron.cli.slurm submit --config "$CONFIG" "${overrides[@]}"
 }
