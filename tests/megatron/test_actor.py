@@ -380,10 +380,13 @@ def test_bf16_model_keeps_fp32_master_weights_and_resumes_bitwise(two_ranks):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_interleaved_pp2_with_more_micro_batches_than_stages_trains_on_the_right_activations(two_ranks):
-    # on-policy: the training forward must reproduce compute_logprobs exactly (ratio 1), and the
-    # loss is -Σ A / #tokens; swapped activation/gradient messages broke both (ratio 0.95 .. 1.08)
+    # on-policy: the training forward must reproduce compute_logprobs (ratio 1), and the loss is
+    # -Σ A / #tokens; swapped activation/gradient messages broke both (ratio 0.95 .. 1.08). Not
+    # bit for bit: training pads every micro-batch to the batch length L (the interleaved schedule
+    # exchanges fixed shapes) while compute_logprobs trims each to its longest row, and CPU GEMM
+    # kernels may block the two shapes differently (measured: ratio_max 1 + 4.8e-7).
     m = two_ranks["vpp_on_policy"]
-    assert m["ratio_min"] == 1.0 and m["ratio_max"] == 1.0, m
+    assert m["ratio_min"] == pytest.approx(1.0, abs=1e-5) and m["ratio_max"] == pytest.approx(1.0, abs=1e-5), m
     batch = make_batch()
     expected = -(batch["advantages"][:, None] * batch["response_mask"]).sum() / batch["response_mask"].sum()
     assert m["loss"] == pytest.approx(expected.item(), abs=1e-6)
