@@ -47,9 +47,19 @@ decoder.layers.pre_mlp_layernorm.weight                     [L, h]              
 decoder.layers.mlp.router.weight                            [L, E, h]            mlp.gate / block_sparse_moe.gate
 decoder.layers.mlp.experts.experts.linear_fc1.weight        [L, E, 2fe, h]       experts.{e}.[gate; up] (w1; w3)
 decoder.layers.mlp.experts.experts.linear_fc2.weight        [L, E, h, fe]        experts.{e}.down (w2)
+decoder.layers.mlp.shared_experts.linear_fc1.weight         [L, 2fs, h]          shared_expert(s).[gate; up]
+decoder.layers.mlp.shared_experts.linear_fc2.weight         [L, h, fs]           shared_expert(s).down_proj
+decoder.layers.mlp.shared_experts.gate_weight               [L, 1, h]            mlp.shared_expert_gate (qwen2_moe)
 decoder.final_layernorm.weight                              [h]                  model.norm.weight
 output_layer.weight                                         [V_pad, h]           lm_head.weight (untied only)
 ==========================================================  ===================  ==========================
+
+DeepSeek (MLA, see `convert.rules`): ``decoder.layers.input_layernorm.weight``, ``self_attention.
+linear_q_proj`` (or ``linear_q_down_proj`` + ``linear_q_up_proj.layer_norm_weight`` + ``linear_q_up_proj``),
+``linear_kv_down_proj``, ``linear_kv_up_proj.layer_norm_weight``, ``linear_kv_up_proj``, ``linear_proj``;
+the local spec's core attention is `local_mla_attention.LocalMLACoreAttention` (q/k and v head
+sizes differ). With dense first layers (``first_k_dense_replace``) megatron's ``moe_layer_freq`` is
+a list and every layer is stored under its own key, ``decoder.layers.{i}.<rest>`` (no layer axis).
 
 Besides these, every linear layer has a ``<same prefix>._extra_state`` entry (TE's fp8
 metadata; None under the local spec). The fused QKV rows are ordered per query group g:
