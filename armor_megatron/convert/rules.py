@@ -122,10 +122,6 @@ def _hashable(arch: ModelArch) -> ModelArch:
 
 @functools.cache
 def _tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
-    h, d, f = arch.hidden_size, arch.head_dim, arch.ffn_hidden_size
-    qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
-    L, A = _DECODER, _HF_LAYER
-    qkv_hf = [f"{A}self_attn.{x}_proj" for x in "qkv"]
     rules = [
         _rule(
             "embedding.word_embeddings.weight",
@@ -133,10 +129,70 @@ def _tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
             "model.embed_tokens.weight",
             "copy",
             "vocab",
-            (arch.vocab_size, h),
+            (arch.vocab_size, arch.hidden_size),
         )
     ]
-    rules += [
+    if arch.homogeneous_layers:
+        rules += _layer_rules(arch, moe=arch.is_moe)
+    else:  # Megatron keeps each layer under its own key (no layer axis) when layers differ
+        for layer in range(arch.num_layers):
+            rules += [_at_layer(rule, layer) for rule in _layer_rules(arch, moe=arch.is_moe_layer(layer))]
+    rules.append(
+        _rule(
+            "decoder.final_layernorm.weight",
+            "decoder.final_layernorm.weight",
+            "model.norm.weight",
+            "copy",
+            "replicated",
+            (arch.hidden_size,),
+        )
+    )
+    if not arch.tie_word_embeddings:
+        rules.append(
+            _rule(
+                "output_layer.weight",
+                "output_layer.weight",
+                "lm_head.weight",
+                "copy",
+                "vocab",
+                (arch.vocab_size, arch.hidden_size),
+            )
+        )
+    return tuple(rules)
+
+
+def _at_layer(rule: TensorRule, layer: int) -> TensorRule:
+    """``rule`` for one layer of a model whose layers differ: ``{layer}`` filled in everywhere and
+    the layer index in the checkpoint key (``decoder.layers.{i}.<rest>``, Megatron's key for
+    non-homogeneous layers)."""
+
+    def fill(template):
+        return None if template is None else template.replace("{layer}", str(layer))
+
+    rest = rule.ckpt_key.removeprefix("decoder.layers.")
+    return dataclasses.replace(
+        rule,
+        ckpt_key=f"decoder.layers.{layer}.{rest}",
+        local_name=fill(rule.local_name),
+        te_name=fill(rule.te_name),
+        grouped_name=fill(rule.grouped_name),
+        hf_names=tuple(map(fill, rule.hf_names)),
+        alt_ckpt_keys=tuple(f"decoder.layers.{layer}.{k.removeprefix('decoder.layers.')}" for k in rule.alt_ckpt_keys),
+    )
+
+
+def _layer_rules(arch: ModelArch, moe: bool) -> list[TensorRule]:
+    """One decoder layer's rules (``{layer}`` templates): attention, then the MLP."""
+    attention = _mla_rules(arch) if arch.is_mla else _attention_rules(arch)
+    return attention + (_mlp_rules(arch) if moe else _dense_mlp_rules(arch.hidden_size, arch.ffn_hidden_size))
+
+
+def _attention_rules(arch: ModelArch) -> list[TensorRule]:
+    h, d = arch.hidden_size, arch.head_dim
+    qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
+    L, A = _DECODER, _HF_LAYER
+    qkv_hf = [f"{A}self_attn.{x}_proj" for x in "qkv"]
+    rules = [
         _rule(
             "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
             L + "input_layernorm.weight",
@@ -185,25 +241,75 @@ def _tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
             A + "self_attn.o_proj.weight",
             "copy",
             "row",
-            (h, arch.num_attention_heads * d),
+            (h, arch.attention_out_dim),
         )
     )
-    rules += _mlp_rules(arch) if arch.is_moe else _dense_mlp_rules(h, f)
-    rules.append(
+    return rules
+
+
+def _mla_rules(arch: ModelArch) -> list[TensorRule]:
+    """DeepSeek multi-head latent attention. Megatron's projections hold the HF rows in HF order
+    (per head [nope | rope] for q, [nope | v] for kv_up; [c_kv | k_rope] for kv_down), so every
+    tensor is a copy. The local spec splits the down projections over TP by rows (column
+    parallel); the q/kv norms are kept under the TE spec's fused-norm keys for both specs."""
+    h, n, d = arch.hidden_size, arch.num_attention_heads, arch.head_dim
+    S, A = _DECODER + "self_attention.", _HF_LAYER + "self_attn."
+    key = "decoder.layers.self_attention."
+
+    def r(name, hf, tp, shape, te=None):
+        return _rule(key + name, S + name, A + hf, "copy", tp, shape, te=te and S + te)
+
+    rules = [
         _rule(
-            "decoder.final_layernorm.weight",
-            "decoder.final_layernorm.weight",
-            "model.norm.weight",
+            "decoder.layers.input_layernorm.weight",
+            _DECODER + "input_layernorm.weight",
+            _HF_LAYER + "input_layernorm.weight",
             "copy",
             "replicated",
             (h,),
         )
-    )
-    if not arch.tie_word_embeddings:
-        rules.append(
-            _rule("output_layer.weight", "output_layer.weight", "lm_head.weight", "copy", "vocab", (arch.vocab_size, h))
-        )
-    return tuple(rules)
+    ]
+    if arch.q_lora_rank:
+        rules += [
+            r("linear_q_down_proj.weight", "q_a_proj.weight", "column", (arch.q_lora_rank, h)),
+            _rule(
+                key + "linear_q_up_proj.layer_norm_weight",
+                S + "q_layernorm.weight",
+                A + "q_a_layernorm.weight",
+                "copy",
+                "replicated",
+                (arch.q_lora_rank,),
+                te=S + "linear_q_up_proj.layer_norm_weight",
+            ),
+            r("linear_q_up_proj.weight", "q_b_proj.weight", "column", (n * d, arch.q_lora_rank)),
+        ]
+    else:
+        rules.append(r("linear_q_proj.weight", "q_proj.weight", "column", (n * d, h)))
+    rules += [
+        r(
+            "linear_kv_down_proj.weight",
+            "kv_a_proj_with_mqa.weight",
+            "column",
+            (arch.kv_lora_rank + arch.qk_rope_head_dim, h),
+        ),
+        _rule(
+            key + "linear_kv_up_proj.layer_norm_weight",
+            S + "kv_layernorm.weight",
+            A + "kv_a_layernorm.weight",
+            "copy",
+            "replicated",
+            (arch.kv_lora_rank,),
+            te=S + "linear_kv_up_proj.layer_norm_weight",
+        ),
+        r(
+            "linear_kv_up_proj.weight",
+            "kv_b_proj.weight",
+            "column",
+            (n * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+        ),
+        r("linear_proj.weight", "o_proj.weight", "row", (h, arch.attention_out_dim)),
+    ]
+    return rules
 
 
 def _dense_mlp_rules(h: int, f: int) -> list[TensorRule]:
@@ -238,8 +344,10 @@ def _dense_mlp_rules(h: int, f: int) -> list[TensorRule]:
 
 
 def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
-    """Router + experts. Qwen3-MoE: mlp.gate, mlp.experts.{e}.{gate,up,down}_proj;
-    Mixtral: block_sparse_moe.gate, block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down)."""
+    """Router + experts (+ shared experts). Qwen3-MoE, Qwen2-MoE, DeepSeek: mlp.gate,
+    mlp.experts.{e}.{gate,up,down}_proj; Mixtral: block_sparse_moe.gate,
+    block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down). Shared experts: Qwen2-MoE
+    mlp.shared_expert.* with mlp.shared_expert_gate [1, h]; DeepSeek mlp.shared_experts.*."""
     h, f = arch.hidden_size, arch.moe_ffn_hidden_size
     if arch.family == "mixtral":
         moe, gate, up, down = _HF_LAYER + "block_sparse_moe.", "w1", "w3", "w2"
@@ -247,7 +355,7 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
         moe, gate, up, down = _HF_LAYER + "mlp.", "gate_proj", "up_proj", "down_proj"
     expert = moe + "experts.{expert}."
     L = _DECODER + "mlp."
-    return [
+    rules = [
         # The project's builder keeps the MoE pre-MLP norm under the TE key for both specs;
         # megatron's stock local spec files it under the dense fused-norm key (accepted on read).
         _rule(
@@ -286,6 +394,39 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
             grouped=L + "experts.linear_fc2.weight{expert}",
         ),
     ]
+    fs = arch.moe_shared_expert_ffn_hidden_size
+    if fs:
+        shared = moe + ("shared_expert." if arch.family == "qwen2_moe" else "shared_experts.")
+        rules += [
+            _rule(
+                "decoder.layers.mlp.shared_experts.linear_fc1.weight",
+                L + "shared_experts.linear_fc1.weight",
+                [shared + "gate_proj.weight", shared + "up_proj.weight"],
+                "glu",
+                "glu",
+                (2 * fs, h),
+            ),
+            _rule(
+                "decoder.layers.mlp.shared_experts.linear_fc2.weight",
+                L + "shared_experts.linear_fc2.weight",
+                shared + "down_proj.weight",
+                "copy",
+                "row",
+                (h, fs),
+            ),
+        ]
+    if arch.moe_shared_expert_gate:
+        rules.append(
+            _rule(
+                "decoder.layers.mlp.shared_experts.gate_weight",
+                L + "shared_experts.gate_weight",
+                moe + "shared_expert_gate.weight",
+                "copy",
+                "replicated",
+                (1, h),
+            )
+        )
+    return rules
 
 
 # ---------------------------------------------------------------------- layouts over single tensors

@@ -28,6 +28,8 @@ Work-arounds (megatron-core behaviour covered -> what we do):
   moves split sizes to the host on it and converts them to numpy only for CUDA tensors (so
   ``all_to_all_single`` gets tensors as split sizes and refuses them) -> a stand-in stream whose
   context and events are no-ops, and the host copy converts CPU tensors to numpy too.
+* `mla_without_te`: ``MLASelfAttention`` calls ``isinstance(linear_proj, TELinear)`` with
+  a MagicMock ``TELinear`` when Transformer Engine is absent -> a class nothing is an instance of.
 * `optimizer_on_cpu`: the (non-distributed) Megatron optimizers create their loss-scale and
   overflow tensors with ``device='cuda'``, the grad-norm / clipping / zero-count helpers their
   work buffers too, and ``clip_grad_by_total_norm_fp32`` and the bf16 optimizer assert
@@ -245,6 +247,20 @@ def moe_router_gemm_without_te() -> None:
         moe_utils.te_general_gemm = None
 
 
+class _NoTELinear:
+    """A class no module is an instance of: stands in for an absent ``TELinear``."""
+
+
+def mla_without_te() -> None:
+    """``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
+    ``HAVE_TE`` flag that is True whenever megatron's TE extension module imports, even when
+    ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not isinstance(multi_latent_attention.TELinear, type):
+        multi_latent_attention.TELinear = _NoTELinear
+
+
 class _HostStream:
     """Stands in for ``torch.cuda.Stream`` where megatron-core only orders host copies."""
 
@@ -341,4 +357,5 @@ WORKAROUNDS = (
     moe_router_gemm_without_te,
     moe_alltoall_dispatcher_on_cpu,
     optimizer_on_cpu,
+    mla_without_te,
 )

@@ -47,9 +47,19 @@ decoder.layers.pre_mlp_layernorm.weight                     [L, h]              
 decoder.layers.mlp.router.weight                            [L, E, h]            mlp.gate / block_sparse_moe.gate
 decoder.layers.mlp.experts.experts.linear_fc1.weight        [L, E, 2fe, h]       experts.{e}.[gate; up] (w1; w3)
 decoder.layers.mlp.experts.experts.linear_fc2.weight        [L, E, h, fe]        experts.{e}.down (w2)
+decoder.layers.mlp.shared_experts.linear_fc1.weight         [L, 2fs, h]          shared_expert(s).[gate; up]
+decoder.layers.mlp.shared_experts.linear_fc2.weight         [L, h, fs]           shared_expert(s).down_proj
+decoder.layers.mlp.shared_experts.gate_weight               [L, 1, h]            mlp.shared_expert_gate (qwen2_moe)
 decoder.final_layernorm.weight                              [h]                  model.norm.weight
 output_layer.weight                                         [V_pad, h]           lm_head.weight (untied only)
 ==========================================================  ===================  ==========================
+
+DeepSeek (MLA, see `convert.rules`): ``decoder.layers.input_layernorm.weight``, ``self_attention.
+linear_q_proj`` (or ``linear_q_down_proj`` + ``linear_q_up_proj.layer_norm_weight`` + ``linear_q_up_proj``),
+``linear_kv_down_proj``, ``linear_kv_up_proj.layer_norm_weight``, ``linear_kv_up_proj``, ``linear_proj``;
+the local spec's core attention is `local_mla_attention.LocalMLACoreAttention` (q/k and v head
+sizes differ). With dense first layers (``first_k_dense_replace``) megatron's ``moe_layer_freq`` is
+a list and every layer is stored under its own key, ``decoder.layers.{i}.<rest>`` (no layer axis).
 
 Besides these, every linear layer has a ``<same prefix>._extra_state`` entry (TE's fp8
 metadata; None under the local spec). The fused QKV rows are ordered per query group g:
@@ -120,6 +130,7 @@ def transformer_config_from_arch(
 ):
     """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last."""
     from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = resolve_dtype(dtype)
     use_te = te_available() if use_te is None else use_te
@@ -183,27 +194,110 @@ def transformer_config_from_arch(
             moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_grouped_gemm=use_te,
             moe_permute_fusion=False,
+            moe_router_score_function=arch.moe_router_score_function,
+            moe_router_topk_scaling_factor=(
+                arch.moe_router_scaling_factor if arch.moe_router_scaling_factor != 1.0 else None
+            ),
+            moe_router_num_groups=arch.moe_router_num_groups or None,
+            moe_router_group_topk=arch.moe_router_group_topk or None,
+            moe_router_enable_expert_bias=arch.moe_router_expert_bias,
+            moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size or None,
+            moe_shared_expert_gate=arch.moe_shared_expert_gate,
         )
+        if arch.moe_router_score_function == "sigmoid":
+            kwargs.pop("moe_router_pre_softmax")
+        if not arch.homogeneous_layers:
+            kwargs["moe_layer_freq"] = [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)]
+    if use_te and arch.sliding_window:  # the local spec's attention has no window (exact up to it)
+        kwargs["window_size"] = (arch.sliding_window - 1, 0)
+    if arch.is_mla:
+        kwargs.update(_mla_kwargs(arch))
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(arch: ModelArch, use_te: bool):
-    """Transformer layer spec: TE fused modules on GPU, megatron-core local modules otherwise."""
+def _mla_kwargs(arch: ModelArch) -> dict:
+    """MLA fields of megatron's ``MLATransformerConfig``: LoRA ranks, head dims, RoPE or YaRN
+    (YaRN with the HF config's factor, context, β and mscale values; megatron applies them as
+    HF does: scaled inverse frequencies, cos/sin times mscale(factor, mscale)/mscale(factor,
+    mscale_all_dim), and softmax scale mscale(factor, mscale_all_dim)² / √(d_nope + d_rope))."""
+    s = arch.rope_scaling or {}
+    out = dict(
+        multi_latent_attention=True,
+        q_lora_rank=arch.q_lora_rank or None,
+        kv_lora_rank=arch.kv_lora_rank,
+        qk_head_dim=arch.qk_nope_head_dim,
+        qk_pos_emb_head_dim=arch.qk_rope_head_dim,
+        v_head_dim=arch.v_head_dim,
+        qk_layernorm=True,  # the q / kv LoRA norms
+        rotary_base=arch.rope_theta,
+        rope_type="yarn" if s else "rope",
+    )
+    if s:
+        out.update(
+            rotary_scaling_factor=float(s["factor"]),
+            original_max_position_embeddings=int(s.get("original_max_position_embeddings", 4096)),
+            beta_fast=float(s.get("beta_fast", 32)),
+            beta_slow=float(s.get("beta_slow", 1)),
+            mscale=float(s.get("mscale", 1.0)),
+            mscale_all_dim=float(s.get("mscale_all_dim", 0.0)),
+        )
+    return out
+
+
+def layer_spec(arch: ModelArch, use_te: bool, config=None, vp_stage: int | None = None):
+    """Transformer layer spec: TE fused modules on GPU, megatron-core local modules otherwise.
+
+    Models whose layers differ (DeepSeek's first dense layers) get a block spec holding this
+    pipeline stage's layers (needs ``config``)."""
+    if arch.homogeneous_layers:
+        return _one_layer_spec(arch, use_te, moe=arch.is_moe)
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    if config is None:
+        raise ValueError(f"{arch.family} has dense and MoE layers: layer_spec needs the TransformerConfig")
+    specs = [_one_layer_spec(arch, use_te, moe=arch.is_moe_layer(i)) for i in range(arch.num_layers)]
+    first = gpt_layer_specs.get_transformer_layer_offset(config, vp_stage=vp_stage)
+    count = gpt_layer_specs.get_num_layers_to_build(config, vp_stage=vp_stage)
+    norm = gpt_layer_specs.TENorm if use_te else gpt_layer_specs.LNImpl
+    return TransformerBlockSubmodules(layer_specs=specs[first : first + count], layer_norm=norm)
+
+
+def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
-    experts = arch.num_experts or None
+    experts = arch.num_experts if moe else None
+    qk_norm = arch.qk_norm or arch.is_mla  # MLA: the q / kv LoRA norms
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=arch.is_moe, qk_layernorm=arch.qk_norm
+            num_experts=experts, moe_grouped_gemm=moe, qk_layernorm=qk_norm, multi_latent_attention=arch.is_mla
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=experts, moe_grouped_gemm=False, qk_layernorm=arch.qk_norm, normalization="RMSNorm"
+        num_experts=experts,
+        moe_grouped_gemm=False,
+        qk_layernorm=qk_norm,
+        multi_latent_attention=arch.is_mla,
+        normalization="RMSNorm",
     )
-    if arch.is_moe:  # keep the MoE pre-MLP norm under the TE spec's key (see module docstring)
-        keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
+    # Keep every norm under the TE spec's key (see module docstring): the MoE pre-MLP norm is not
+    # fused in TE; the MLA q / kv norms are fused into the up projections.
+    keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
+    if arch.is_mla:
+        from armor_megatron.megatron.local_mla_attention import LocalMLACoreAttention
+
+        # the local DotProductAttention takes no separate q/k and v head sizes
+        spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
+        keys_map = {
+            "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
+            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
+            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+        }
+    if moe:
         keys_map.pop("pre_mlp_layernorm.", None)
-        spec.submodules.sharded_state_dict_keys_map = keys_map
+    spec.submodules.sharded_state_dict_keys_map = keys_map
     return spec
 
 
@@ -231,10 +325,10 @@ def build_gpt_model(
     use_te = te_available() if use_te is None else use_te
     if config is None:
         config = transformer_config_from_arch(arch, parallel, dtype=dtype, use_te=use_te, **config_kwargs)
-    scaling = arch.rope_scaling or {}
+    scaling = {} if arch.is_mla else arch.rope_scaling or {}  # MLA: YaRN lives in the config
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(arch, use_te),
+        transformer_layer_spec=layer_spec(arch, use_te, config, vp_stage),
         vocab_size=padded_vocab_size(arch, parallel.tp),
         max_sequence_length=arch.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),

@@ -17,6 +17,35 @@ SMALL = dict(
     max_position_embeddings=256,
 )
 
+# DeepSeek-V2-Lite's layout scaled down: no q LoRA, a kv LoRA rank, YaRN rope, the first layer
+# dense, then routed experts (softmax, greedy top-k, not renormalised) plus two shared experts.
+DEEPSEEK_V2_LITE_TINY = dict(
+    num_key_value_heads=4,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    head_dim=8,
+    n_routed_experts=4,
+    n_shared_experts=2,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    first_k_dense_replace=1,
+    topk_method="greedy",
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    rope_scaling={
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 0.707,
+        "mscale_all_dim": 0.707,
+    },
+)
+
 # family -> (transformers config class name, extra config)
 FAMILIES = {
     "llama": (
@@ -38,8 +67,28 @@ FAMILIES = {
         dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
     "mixtral": ("MixtralConfig", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "mistral": ("MistralConfig", dict(sliding_window=128, rope_theta=1e6)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            norm_topk_prob=False,
+            use_sliding_window=False,
+        ),
+    ),
 }
-MOE_FAMILIES = ("qwen3_moe", "mixtral")
+MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
+# Built by save_tiny_model but not (yet) in FAMILIES: Megatron keeps DeepSeek's layers under
+# per-layer keys (dense and MoE layers differ), whose _extra_state objects the torch_dist writer
+# does not emit yet, so the converted checkpoint does not load in Megatron (tests/convert/test_families.py).
+DEEPSEEK_FAMILIES = {
+    "deepseek": ("DeepseekV2Config", DEEPSEEK_V2_LITE_TINY),
+    # V2-shaped attention (q LoRA rank) with every layer dense: homogeneous, stacked keys, TP=2
+    "deepseek_dense": ("DeepseekV2Config", {**DEEPSEEK_V2_LITE_TINY, "q_lora_rank": 24, "first_k_dense_replace": 2}),
+}
 
 
 def save_tokenizer(path: str) -> None:
@@ -62,7 +111,7 @@ def save_tiny_model(family: str, path: str, dtype: torch.dtype = torch.float32, 
     changes the logits."""
     import transformers
 
-    config_cls, extra = FAMILIES[family]
+    config_cls, extra = {**FAMILIES, **DEEPSEEK_FAMILIES}[family]
     config = getattr(transformers, config_cls)(**{**SMALL, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

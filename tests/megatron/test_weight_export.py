@@ -49,8 +49,14 @@ def export_worker(rank, hf_dir, mcore_dir, layout):
 
 @pytest.mark.parametrize(
     "family, layout",
-    [("qwen2", dict(tp=2)), ("qwen3", dict(tp=2, pp=2)), ("mixtral", dict(ep=2))],
-    ids=["qwen2-tp2", "qwen3-tp2pp2", "mixtral-ep2"],
+    [
+        ("qwen2", dict(tp=2)),
+        ("qwen3", dict(tp=2, pp=2)),
+        ("mixtral", dict(ep=2)),
+        ("mistral", dict(tp=2)),
+        ("qwen2_moe", dict(ep=2)),
+    ],
+    ids=["qwen2-tp2", "qwen3-tp2pp2", "mixtral-ep2", "mistral-tp2", "qwen2_moe-ep2"],
 )
 def test_export_gives_back_every_hf_tensor_exactly(tmp_path, family, layout):
     from armor_megatron.convert import convert_hf_to_mcore

@@ -67,3 +67,95 @@ def test_parallel_divisibility_names_the_key():
         arch.validate_parallelism(tp=4)
     with pytest.raises(ValueError, match="needs a MoE model"):
         arch.validate_parallelism(ep=2)
+
+
+def test_mistral_is_llama_layout_with_its_window_recorded():
+    from transformers import MistralConfig
+
+    arch = ModelArch.from_hf_config(MistralConfig(**SMALL, sliding_window=4096).to_dict())
+    assert (arch.family, arch.qkv_bias, arch.qk_norm, arch.num_experts, arch.sliding_window) == (
+        "mistral",
+        False,
+        False,
+        0,
+        4096,
+    )
+
+
+def test_qwen2_moe_has_a_gated_shared_expert():
+    from transformers import Qwen2MoeConfig
+
+    cfg = Qwen2MoeConfig(
+        **SMALL, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48
+    )
+    arch = ModelArch.from_hf_config(cfg.to_dict())
+    assert (arch.family, arch.qkv_bias, arch.moe_norm_topk_prob) == ("qwen2_moe", True, False)
+    assert (arch.moe_shared_expert_ffn_hidden_size, arch.moe_shared_expert_gate) == (48, True)
+    with pytest.raises(UnsupportedModelError, match="mlp_only_layers"):
+        ModelArch.from_hf_config({**cfg.to_dict(), "mlp_only_layers": [0]})
+
+
+DEEPSEEK = dict(
+    SMALL,
+    q_lora_rank=None,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+    n_routed_experts=8,
+    n_shared_experts=2,
+    num_experts_per_tok=2,
+    moe_intermediate_size=24,
+    first_k_dense_replace=1,
+)
+
+
+def test_deepseek_v2_lite_layout():
+    from transformers import DeepseekV2Config
+
+    arch = ModelArch.from_hf_config(DeepseekV2Config(**DEEPSEEK).to_dict())
+    assert (arch.family, arch.is_mla, arch.q_lora_rank, arch.head_dim, arch.qk_nope_head_dim) == (
+        "deepseek",
+        True,
+        0,
+        24,
+        16,
+    )
+    assert arch.num_key_value_heads == arch.num_attention_heads and arch.attention_out_dim == 4 * 12
+    assert (arch.num_experts, arch.moe_shared_expert_ffn_hidden_size, arch.moe_norm_topk_prob) == (8, 48, False)
+    assert [arch.is_moe_layer(i) for i in range(2)] == [False, True] and not arch.homogeneous_layers
+
+
+def test_deepseek_v3_routing_and_mtp():
+    from transformers import DeepseekV3Config
+
+    cfg = DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": 24}, n_group=4, topk_group=1, routed_scaling_factor=2.5)
+    arch = ModelArch.from_hf_config(cfg.to_dict())
+    assert (arch.moe_router_score_function, arch.moe_router_expert_bias, arch.moe_norm_topk_prob) == (
+        "sigmoid",
+        True,
+        True,
+    )
+    assert (arch.moe_router_num_groups, arch.moe_router_group_topk, arch.moe_router_scaling_factor) == (4, 1, 2.5)
+    assert arch.mtp_layers == 1 and arch.q_lora_rank == 24
+    # megatron-core ranks groups by their top (topk // topk_group) experts; V3 by its top 2
+    with pytest.raises(UnsupportedModelError, match="top-2"):
+        ModelArch.from_hf_config({**cfg.to_dict(), "topk_group": 2})
+
+
+def test_deepseek_v2_group_limited_routing_only_where_megatron_matches():
+    from transformers import DeepseekV2Config
+
+    cfg = DeepseekV2Config(**DEEPSEEK, topk_method="group_limited_greedy", n_group=4, topk_group=2).to_dict()
+    arch = ModelArch.from_hf_config(cfg)
+    assert (arch.moe_router_num_groups, arch.moe_router_group_topk) == (4, 2)
+    with pytest.raises(UnsupportedModelError, match="group_limited_greedy"):
+        ModelArch.from_hf_config({**cfg, "topk_group": 1})
+    with pytest.raises(UnsupportedModelError, match="norm_topk_prob"):
+        ModelArch.from_hf_config({**cfg, "norm_topk_prob": True})
+
+
+def test_yarn_only_for_deepseek():
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+    with pytest.raises(UnsupportedModelError, match="'yarn'"):
+        ModelArch.from_hf_config({"model_type": "llama", **SMALL, "rope_scaling": yarn})
