@@ -12,6 +12,7 @@ relaunching process, the ranks, or the whole process group (`relaunch`).
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -52,9 +53,12 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def processes_needed(cfg) -> int:
+    """Ranks of the job: on CPU the fewest the layout admits (tp·pp·cp, also divisible by the
+    expert layout ep·pp: expert parallelism takes its ranks from data parallelism), on a GPU
+    node its trainer GPUs."""
     par = cfg.parallelism
     if cfg.launch.gpus_per_node == 0:
-        return par.tp * par.pp * par.cp
+        return math.lcm(par.tp * par.pp * par.cp, par.ep * par.pp)
     return cfg.launch.gpus_per_node - cfg.launch.engine_gpus
 
 

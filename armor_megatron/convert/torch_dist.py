@@ -40,7 +40,18 @@ from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.convert.segments import FileSegment, HoleFillingWriter
 from armor_megatron.models import ModelArch
 
-_LINEAR_MODULES = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
+_LINEAR_MODULES = (
+    "linear_qkv.weight",
+    "linear_proj.weight",
+    "linear_fc1.weight",
+    "linear_fc2.weight",
+    # multi-latent attention (DeepSeek)
+    "linear_q_proj.weight",
+    "linear_q_down_proj.weight",
+    "linear_q_up_proj.weight",
+    "linear_kv_down_proj.weight",
+    "linear_kv_up_proj.weight",
+)
 # megatron.core.dist_checkpointing.core.CheckpointingConfig, as metadata.json
 MEGATRON_CONFIG = {
     "sharded_backend": "torch_dist",
@@ -79,14 +90,18 @@ def chunks(arch: ModelArch) -> list[Chunk]:
 def extra_state_keys(arch: ModelArch) -> list[str]:
     """Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
     linear layers put in the sharded state dict: ``<key>/shard_<offset>_<global shape>``, dims
-    joined by '.', as ``ShardedObject.unique_key`` spells them."""
+    joined by '.', as ``ShardedObject.unique_key`` spells them. Layers stacked on a leading axis
+    count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none."""
     keys = []
     for rule in tensor_rules(arch):
-        if rule.per_layer and rule.ckpt_key.endswith(_LINEAR_MODULES):
+        if rule.ckpt_key.startswith("decoder.layers.") and rule.ckpt_key.endswith(_LINEAR_MODULES):
             key = rule.ckpt_key.removesuffix("weight") + "_extra_state"
-            shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
+            if rule.per_layer:
+                shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
+            else:
+                shape = (arch.num_experts,) if rule.per_expert else (1,)
             for layer, expert in rule.indices(arch):
-                offset = (layer, expert) if rule.per_expert else (layer,)
+                offset = tuple(i for i in (layer, expert) if i is not None) or (0,)
                 keys.append(f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
     return keys
 

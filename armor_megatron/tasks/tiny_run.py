@@ -19,14 +19,15 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.tasks.arithmetic import build_tokenizer, solution, split_problems, write_jsonl
 from armor_megatron.tasks.warmup import supervised_warmup
 
-_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-
 
 def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
     hf = dict(cfg.model.arch)
     if len(tokenizer) > hf["vocab_size"]:
         raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
-    hf.setdefault("architectures", [_ARCHITECTURES[hf["model_type"]]])
+    if "architectures" not in hf:
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        hf["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[hf["model_type"]]]
     hf.update(
         pad_token_id=tokenizer.pad_token_id,
         eos_token_id=tokenizer.eos_token_id,

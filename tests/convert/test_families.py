@@ -21,11 +21,6 @@ from tests.convert.test_megatron_parity import assert_megatron_saves_convert_bac
 
 NEW = ("mistral", "qwen2_moe")
 NEW_MOE = ("qwen2_moe",)
-# Megatron cannot load a converted DeepSeek checkpoint until the torch_dist writer emits the
-# _extra_state objects of per-layer keys and MLA projections (see conftest.DEEPSEEK_FAMILIES).
-needs_extra_state = pytest.mark.xfail(
-    strict=True, reason="torch_dist.extra_state_keys: per-layer keys and MLA projections", raises=AssertionError
-)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +83,6 @@ def test_ep2_moe(cases, models, tmp_path):
     assert_megatron_saves_convert_back(tmp_path / "saved", NEW_MOE, models, tmp_path)
 
 
-@needs_extra_state
 @pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_deepseek_tp1_exact_keys_and_logits(cases):
