@@ -115,6 +115,12 @@ def collect_groups(
         "rollout/accuracy": accuracy.mean().item(),
         "rollout/reward": rewards.mean().item(),
         "rollout/response_len": lengths.mean().item(),
+        "rollout/response_len_min": lengths.min().item(),
+        "rollout/response_len_max": lengths.max().item(),
+        "rollout/response_len_std": lengths.std(unbiased=False).item(),
+        "rollout/reward_min": rewards.min().item(),
+        "rollout/reward_max": rewards.max().item(),
+        "rollout/reward_std": rewards.std(unbiased=False).item(),
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
     }

@@ -127,6 +127,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         critic=critic,
     )
 
+    if os.path.isdir(cfg.checkpoint.dir) and (not dist.is_initialized() or dist.get_rank() == 0):
+        ckpt.remove_save_leftovers(cfg.checkpoint.dir)  # interrupted saves, whatever the resume mode
     path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)

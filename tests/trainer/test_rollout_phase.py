@@ -192,3 +192,14 @@ def test_overlong_shaping_applies_to_anchors_too(setup):
     assert anchors.any()
     # every response, anchors included, is 4 tokens against a max of 4 with a buffer of 2: penalty 1
     assert torch.equal(batch["rewards"][anchors], batch["accuracy"][anchors] - 1.0)
+
+
+def test_length_and_reward_spread_metrics(setup):
+    batch, metrics = _collect(setup, None, overlong_buffer=2)
+    lengths = batch["response_mask"].sum(1)
+    assert metrics["rollout/response_len_min"] == lengths.min().item() == 4.0
+    assert metrics["rollout/response_len_max"] == lengths.max().item()
+    assert metrics["rollout/response_len_std"] == pytest.approx(lengths.std(unbiased=False).item())
+    assert metrics["rollout/reward_min"] == batch["rewards"].min().item()
+    assert metrics["rollout/reward_max"] == batch["rewards"].max().item()
+    assert metrics["rollout/reward_std"] == pytest.approx(batch["rewards"].std(unbiased=False).item())
