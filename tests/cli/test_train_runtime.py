@@ -18,7 +18,7 @@ def test_a_single_slurm_task_needing_more_ranks_says_how_to_launch(monkeypatch, 
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_NTASKS", "1")
-    assert main(["--config", TINY, f"checkpoint.dir={tmp_path}/ckpt"]) == 2  # tiny_cpu: tp=2
+    assert main(["--config", TINY, "--no-files", f"checkpoint.dir={tmp_path}/ckpt"]) == 2  # tiny_cpu: tp=2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "needs 2 processes" in err
     assert "srun --ntasks-per-node=2 --cpus-per-task=" in err and "tools/slurm/armor.sbatch" in err
@@ -27,21 +27,30 @@ def test_a_single_slurm_task_needing_more_ranks_says_how_to_launch(monkeypatch, 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_bad_input_found_by_the_ranks_is_one_line_under_the_relaunch(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "armor_megatron.cli.train",
-            "--config",
-            TINY,
-            f"model.path={tmp_path}/nowhere",
-            f"checkpoint.dir={tmp_path}/ckpt",
-            f"logging.dir={tmp_path}/runs",
-        ],
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
+    def run(*flags):
+        return subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "armor_megatron.cli.train",
+                "--config",
+                TINY,
+                *flags,
+                f"model.path={tmp_path}/nowhere",
+                f"checkpoint.dir={tmp_path}/ckpt",
+                f"logging.dir={tmp_path}/runs",
+            ],
+            env=dict(os.environ, PYTHONPATH=ROOT),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    # --no-files: nothing is looked at before the relaunch, so the ranks find it
+    proc = run("--no-files")
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert proc.stderr == f"armor-train: error: {tmp_path}/nowhere: not a directory\n"
+    # by default the files are checked before any process starts
+    proc = run()
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr[-3000:]
+    assert proc.stderr.startswith("armor-train: error: config: model.path: ") and "nowhere" in proc.stderr
