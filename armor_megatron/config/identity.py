@@ -8,6 +8,7 @@ between the jobs of one run without changing what is trained:
 
 * where things go and how often: ``logging``, ``checkpoint``, ``eval`` (how the run is watched);
 * how long: ``train.steps`` (extending a run), ``train.collective_timeout_minutes``;
+* where memory and engines live: ``train.offload_during_rollout`` (bit-exact), ``rollout.local_device``;
 * where it runs: ``launch``, ``parallelism`` (torch_dist checkpoints load at any TP/PP/EP),
   ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
   every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``,
@@ -35,6 +36,8 @@ NOT_DEFINING = (
     "parallelism",
     "train.steps",
     "train.collective_timeout_minutes",
+    "train.offload_during_rollout",
+    "rollout.local_device",
     "rollout.sglang",
     "anchor.reference_urls",
     "anchor.reference_engines",
