@@ -1,4 +1,7 @@
-"""``armor-train --config FILE [section.key=value ...] [--check] [--no-files] [--resume auto|none|force|PATH]``.
+"""``armor-train --config FILE [section.key=value ...] [--check] [--plan] [--no-files] [--resume auto|none|force|PATH]``.
+
+``--plan`` prints the memory of one GPU per pipeline stage (``launch.memory``) and exits 2 with one
+line when the layout does not fit ``launch.gpu_memory_gib``.
 
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
 by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
@@ -44,6 +47,11 @@ def build_parser() -> OneLineArgumentParser:
         "--resume", default=None, help="auto | none | force | checkpoint path (default: checkpoint.resume)"
     )
     parser.add_argument(
+        "--plan",
+        action="store_true",
+        help="print the device memory per GPU of the layout and exit; exit 2 when it does not fit launch.gpu_memory_gib",
+    )
+    parser.add_argument(
         "--no-files",
         action="store_true",
         help="skip the checks of files, datasets, optional packages and checkpoint ownership on this machine "
@@ -69,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.config, args.overrides)
         if args.resume:
             cfg.checkpoint.resume = args.resume
-        if not args.no_files:  # before any process starts: a missing file fails in a second, not after the build
+        if not (
+            args.no_files or args.plan
+        ):  # before any process starts: a missing file fails in a second, not after the build
             check_files(cfg)
     except ConfigError as err:
         return fail(PROG, f"config: {err}")
+    if args.plan:
+        return plan(cfg)
     if args.check:
         yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
         print(f"{PROG}: config OK ({args.config})", file=sys.stderr)
@@ -88,6 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     if nprocs > 1 and not any(v in os.environ for v in LAUNCHER_VARS):
         return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
     return _train(cfg, args.resume)
+
+
+def plan(cfg) -> int:
+    """``--plan``: the memory table of `launch.memory`; one line and exit 2 when a GPU overflows."""
+    from armor_megatron.config.validate import model_arch_of
+    from armor_megatron.launch.memory import plan_memory
+
+    arch = model_arch_of(cfg)
+    if arch is None:
+        return fail(PROG, "plan: no model architecture (set model.arch or a model.path with config.json)")
+    memory = plan_memory(cfg, arch)
+    print(memory.table())
+    problem = memory.problem()
+    return EXIT_OK if problem is None else fail(PROG, f"plan: {problem}")
 
 
 def _inside_one_slurm_task() -> bool:

@@ -231,6 +231,19 @@ class TrainConfig:
         help="move trainer weights, grads and optimizer state to host memory while engines generate "
         "(rollout, evaluation); None: when SGLang engines are colocated",
     )
+    recompute: Literal["none", "selective", "full"] = checked(
+        "none",
+        help="activation recomputation of actor, critic (and reference) layers: selective = core attention only "
+        "(megatron's 'core_attn'), full = whole layers, keeping only their inputs",
+    )
+    recompute_method: Literal["uniform", "block"] = checked(
+        "uniform",
+        help="full: uniform = every layer in units of recompute_num_layers; block = only the first "
+        "recompute_num_layers layers of each pipeline chunk",
+    )
+    recompute_num_layers: int = checked(
+        1, check=at_least(1), help="full: layers per recomputed unit (uniform) or recomputed layers per chunk (block)"
+    )
 
 
 @dataclasses.dataclass
@@ -313,6 +326,9 @@ class LaunchConfig:
     requeue_exit_code: int = checked(85, check=in_range(1, 255))
     gpu_peak_tflops: float | None = checked(
         None, check=positive, help="dense bf16 peak of one GPU (989 for H100/H200 SXM); perf/mfu is logged when set"
+    )
+    gpu_memory_gib: float = checked(
+        80.0, check=positive, help="device memory of one GPU; `armor-train --plan` refuses layouts that exceed it"
     )
 
 

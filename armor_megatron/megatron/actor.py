@@ -65,6 +65,7 @@ from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_nor
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
+from armor_megatron.megatron.model import Recompute
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
 
@@ -87,6 +88,7 @@ class MegatronActor(TrainedModel):
         loss_name: str = "armor",
         use_te: bool | None = None,
         stability: StabilityConfig | None = None,
+        recompute: Recompute | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -100,6 +102,7 @@ class MegatronActor(TrainedModel):
             seed=seed,
             use_te=use_te,
             stability=stability,
+            recompute=recompute,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

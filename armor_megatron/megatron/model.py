@@ -4,7 +4,7 @@ Public interface::
 
     config = transformer_config_from_arch(arch, parallel, dtype=torch.float32, use_te=None,
                                           sequence_parallel=None, moe_aux_loss_coeff=0.0,
-                                          moe_token_dispatcher="alltoall")
+                                          moe_token_dispatcher="alltoall", recompute=Recompute())
     model  = build_gpt_model(arch, parallel, dtype=..., vp_stage=None, ...)   # this rank's stage
     chunks = build_model_chunks(arch, parallel, dtype=..., ...)               # list, one per VPP chunk
     padded_vocab_size(arch, tp)     # rows of embedding / output layer (vocab padded to a multiple of 128)
@@ -74,6 +74,7 @@ mapping (MoE has no fused fc1 norm, so TE files it as ``pre_mlp_layernorm.weight
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 
@@ -116,6 +117,43 @@ def padded_vocab_size(arch: ModelArch, tp: int = 1, divisible_by: int = 128) -> 
     return -(-arch.vocab_size // multiple) * multiple
 
 
+@dataclasses.dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation (``train.recompute*``) as megatron's ``recompute_*`` fields.
+
+    ``selective``: each layer's core attention (QKᵀ, softmax, ·V) runs again in backward, so
+    its [b, heads, s, s] scores are never kept (megatron's ``recompute_modules=["core_attn"]``).
+    ``full``: only the input of each unit of layers is kept; the unit runs again in backward.
+    ``uniform`` splits every chunk's layers into units of ``num_layers``; ``block`` recomputes
+    the first ``num_layers`` layers of each pipeline chunk (one layer each) and keeps the rest.
+    Values are unchanged either way: recomputation replays the same ops with the same RNG state.
+    Only training forwards (``model.train()``) recompute; forward-only log-probs keep nothing.
+    """
+
+    mode: str = "none"  # none | selective | full
+    method: str = "uniform"  # uniform | block (full only)
+    num_layers: int = 1  # (full only)
+
+    @classmethod
+    def of(cls, train) -> Recompute:
+        """From a run config's ``train`` section."""
+        return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
+
+    def config_kwargs(self, layers_per_chunk: int) -> dict:
+        if self.mode == "none":
+            return {}
+        if self.mode == "selective":
+            return dict(recompute_granularity="selective", recompute_modules=["core_attn"])
+        if self.mode != "full" or self.method not in ("uniform", "block") or self.num_layers < 1:
+            raise ValueError(f"recompute {self} is not none | selective | full with method uniform | block")
+        if self.method == "uniform" and layers_per_chunk % self.num_layers:
+            raise ValueError(
+                f"recompute_num_layers={self.num_layers} does not divide the {layers_per_chunk} layers of a "
+                "pipeline chunk (uniform recompute)"
+            )
+        return dict(recompute_granularity="full", recompute_method=self.method, recompute_num_layers=self.num_layers)
+
+
 def transformer_config_from_arch(
     arch: ModelArch,
     parallel: ParallelConfig = ParallelConfig(),
@@ -126,6 +164,7 @@ def transformer_config_from_arch(
     moe_aux_loss_coeff: float = 0.0,
     moe_token_dispatcher: str = "alltoall",
     init_method_std: float = 0.02,
+    recompute: Recompute = Recompute(),
     **overrides,
 ):
     """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last."""
@@ -183,6 +222,7 @@ def transformer_config_from_arch(
         # and backward overlap (more micro-batches than pp). The unbatched path orders even/odd ranks.
         batch_p2p_comm=not (parallel.vpp is not None and parallel.pp == 2),
         moe_token_dispatcher_type=moe_token_dispatcher,
+        **recompute.config_kwargs(arch.num_layers // (parallel.pp * (parallel.vpp or 1))),
     )
     if arch.is_moe:
         kwargs.update(

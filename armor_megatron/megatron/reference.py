@@ -25,7 +25,7 @@ import torch
 
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
-from armor_megatron.megatron.model import build_model_chunks
+from armor_megatron.megatron.model import Recompute, build_model_chunks
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.trained_model import TrainedModel, check_layout
 from armor_megatron.models.arch import ModelArch
@@ -44,11 +44,15 @@ class ReferenceModel:
         micro_batch_size: int = 1,
         temperature: float = 1.0,
         use_te: bool | None = None,
+        recompute: Recompute | None = None,
     ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
-        self.model_chunks = build_model_chunks(arch, parallel, dtype=dtype, use_te=use_te)
+        # `recompute` only keeps the config equal to the actor's: a frozen forward keeps no activations.
+        self.model_chunks = build_model_chunks(
+            arch, parallel, dtype=dtype, use_te=use_te, recompute=recompute or Recompute()
+        )
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
         # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep

@@ -34,7 +34,7 @@ from armor_megatron.megatron.microbatch import (
     sequence_multiple,
     split_microbatches,
 )
-from armor_megatron.megatron.model import build_model_chunks, transformer_config_from_arch
+from armor_megatron.megatron.model import Recompute, build_model_chunks, transformer_config_from_arch
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
@@ -70,6 +70,7 @@ class TrainedModel:
         seed: int = 1234,
         use_te: bool | None = None,
         stability: StabilityConfig | None = None,
+        recompute: Recompute | None = None,
     ):
         from megatron.core import tensor_parallel
 
@@ -81,7 +82,14 @@ class TrainedModel:
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
-        config = transformer_config_from_arch(arch, parallel, dtype=dtype, use_te=use_te, calculate_per_token_loss=True)
+        config = transformer_config_from_arch(
+            arch,
+            parallel,
+            dtype=dtype,
+            use_te=use_te,
+            recompute=recompute or Recompute(),
+            calculate_per_token_loss=True,
+        )
         self.model_chunks = self._build_chunks(config, dtype, seed)
         self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
         no_sync = [c.no_sync for c in self.ddp_chunks]

@@ -49,7 +49,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
-    from armor_megatron.megatron.model import resolve_dtype
+    from armor_megatron.megatron.model import Recompute, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import export_hf_weights
     from armor_megatron.models.arch import load_hf_config
@@ -69,6 +69,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     )
     dtype = resolve_dtype(cfg.model.dtype)
     use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
+    recompute = Recompute.of(cfg.train)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
         arch,
@@ -82,6 +83,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
         loss_name=cfg.algorithm.policy_loss,
         use_te=use_te,
+        recompute=recompute,
         stability=cfg.stability,
     )
     critic = None
@@ -99,6 +101,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             seed=cfg.train.seed,
             value_head_init_std=cfg.critic.value_head_init_std,
             use_te=use_te,
+            recompute=recompute,
             stability=cfg.stability,
         )
     reference = None
@@ -111,6 +114,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             micro_batch_size=cfg.train.micro_batch_size,
             temperature=cfg.rollout.temperature,
             use_te=use_te,
+            recompute=recompute,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

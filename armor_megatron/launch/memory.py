@@ -1,0 +1,387 @@
+"""Device memory of a run, per GPU of its layout: what ``armor-train --config F --plan`` prints.
+
+    plan = plan_memory(cfg, arch)          # MemoryPlan: one StageMemory per pipeline stage
+    print(plan.table())                    # GiB per term and stage, the rollout phase, the verdict
+    plan.problem()                         # None, or one line naming the stage and its largest term
+
+Every GPU of a pipeline stage holds the same (TP, DP, EP ranks are alike), so a stage is a
+column. Notation: h hidden, q = nq·d query width, kv = nkv·d key/value width, f dense FFN,
+fe / fs expert / shared-expert FFN, E experts, k router top-k, V_p padded vocabulary, L layers,
+s = max_prompt_len + max_response_len (micro-batches are padded to their longest row: the
+worst case is a full-length row), b = micro_batch_size, e bytes per element of model.dtype
+(bf16: 2), t = tp, p = pp, v = vpp (1 without), dp = trainer GPUs / (t·p·cp).
+
+**Parameters** of a stage (``params_per_gpu``): its L/p layers (the first stage also the
+embedding [V_p/t, h], the last the output layer [V_p/t, h], also when tied and p > 1) with
+attention h·(q + 2kv) + q·h (+ q + 2kv qkv bias), dense MLP 3·h·f, MoE router E·h + experts
+E·3·h·fe + shared 3·h·fs, MLA per `ModelArch`'s shapes; matrices split over t (experts over
+ep·etp), norms replicated.
+
+**Bytes per parameter** (megatron DDP keeps fp32 gradient buffers, ``grad_reduce_in_fp32``):
+weights e, gradients 4, optimizer: Adam's two fp32 moments 8, plus an fp32 master copy 4 when
+e < 4. GPU runs use megatron's distributed optimizer: the optimizer bytes are divided by dp
+(expert parameters by their expert-data-parallel size trainer GPUs / (ep·etp·p)); CPU runs
+(``launch.gpus_per_node: 0``) do not shard it. bf16 + distributed optimizer: 2 + 4 + 12/dp.
+
+**Activations** (Korthikanti et al. 2022, "Reducing activation recomputation in large
+transformer models"): per layer and token, a standard GPT layer (MHA, 4h GeLU MLP, dropout)
+keeps s·b·h·(34 + 5·a·s/h) bytes at e = 2; with sequence parallelism all of it is divided by t
+(without it the norm inputs and dropout masks, 10·s·b·h, are not). Our layers have no dropout,
+SwiGLU and GQA, so the terms are counted from the shapes (``layer_bytes_per_token``), elements
+kept for backward per token:
+
+    te (Transformer Engine: fused norms, flash attention, what GPUs run)
+      attention  2h (norm input, qkv input) + q + 2kv (q, k, v) [+ q + kv q/k-norm outputs] + q (attention output)
+      MLP        2h + 2f (SwiGLU input) + f (fc2 input)
+      scores     none: flash attention keeps only [nq] softmax statistics per token
+    local (megatron's local spec: torch norms and attention; CPU runs; measured, see below)
+      attention  h (qkv input) + 8/e·(h [+ q + kv]) (torch RMSNorm keeps fp32 copies of input and
+                 normalised input) + 3q (rotated q, k and v expanded to nq heads) [+ kv at fp32 with
+                 q/k norms; + q + 2kv without them: the qkv output] + q (projection input)
+      MLP        h + 8/e·h (norm) + 5f (fc1 output 2f, silu and gate halves 2f, fc2 input f)
+      scores     nq·s·(4 + e if e < 4 else 4) bytes: fp32 softmax output (+ its cast to e)
+
+ (bytes: elements × e, scores as stated; a standard GPT layer in these terms is Korthikanti's
+ 32·s·b·h + the 2·s·b·h of dropout masks we do not have). MoE layers replace the MLP with the
+ router input h, and per routed copy (k of them) h + 3fe (+ h of the weighted output), plus a
+ shared expert's 3h-free 3fs; averaged over experts (balanced routing). MLA counts its latent
+ and per-head widths in place of q, kv.
+
+Recompute (``train.recompute``): ``selective`` drops the scores term (te has none);
+``full`` keeps e·h per token for each unit of ``recompute_num_layers`` layers (uniform), or
+for the first ``recompute_num_layers`` layers of a chunk and everything for the rest (block),
+and adds one unit's full activations while it is recomputed in backward.
+
+Pipeline: 1F1B keeps min(m, p − i) micro-batches in flight on stage i (m micro-batches per
+data-parallel rank and optimizer step); interleaved (v chunks), megatron's estimate for the
+first stage, p·(1 + (p − 1)/(p·v)), shifted by i. The first stage adds the embedding output
+e·s·b·h/t per micro-batch in flight.
+
+**Log-prob / entropy chunk** (last stage, one micro-batch: 1F1B alternates there): the logits
+[s, b, V_p/t] in e, their gradient (same size; `logprobs` writes it into one buffer) and the two
+fp32 work buffers of ``vocab_parallel_logprobs``, 2·min(s·b, 2^26 / (V_p/t))·(V_p/t)·4 bytes.
+
+**Reference model**: e bytes per parameter, no gradients or optimizer; 0 with
+``reference.offload`` (then on the device only while it computes log-probs, not while the actor
+trains). **Critic** (``algorithm.estimator: gae``): the actor's parameters without the LM head,
+with gradients and optimizer; it trains after the actor, so its activations do not add.
+
+**Colocated engines** (``rollout.sglang.placement: colocated``): while the trainer computes,
+the policy engines release weights and KV cache and the frozen-reference engine its KV cache
+only, so a GPU of the reference group still holds its weights, e·P/tp_per_engine, plus a
+released engine's CUDA context and graphs, an allowance of ``ENGINE_RESIDUAL_GIB``. While
+engines generate they hold ``mem_fraction_static`` of the GPU; the trainer then keeps nothing
+on it when it offloads (``train.offload_during_rollout``, default when colocated), else its
+weights, gradients, optimizer state, reference and critic. A layout fits when both phases fit
+``launch.gpu_memory_gib``.
+
+Validation (tests/launch/test_memory.py): the local-spec activation terms against the bytes
+autograd keeps for backward in megatron's own forward on CPU (saved-tensor hooks, peak over
+forward and backward, parameters excluded), Qwen3 / Qwen2 / Qwen3-MoE tiny models, fp32 and
+bf16, none / selective / full: planned / measured − 1 between −5.4 % and +11.7 % (most within
+±5 %; the unaccounted bytes are small saved views and rstd vectors); parameter counts against
+built models exactly. The te terms cannot be measured here
+(no Transformer Engine on CPU): they follow the same counting with TE's fused modules.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.validate import launched_reference_engines
+from armor_megatron.models.arch import ModelArch
+
+GIB = 2**30
+ENGINE_RESIDUAL_GIB = 1.0  # a released SGLang engine's CUDA context and graphs (an allowance, not measured)
+LOGPROB_CHUNK_ELEMENTS = 2**26  # logprobs.DEFAULT_CHUNK_ELEMENTS (launch/ does not import megatron/)
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+TERMS = (
+    ("weights", "weights"),
+    ("gradients", "gradients (fp32)"),
+    ("optimizer", "optimizer state"),
+    ("activations", "activations"),
+    ("logits", "log-prob/entropy chunk"),
+    ("reference", "reference model"),
+    ("critic", "critic"),
+    ("engine", "colocated engine (released)"),
+)
+
+
+# ----------------------------------------------------------------------------- parameters
+def layer_params(arch: ModelArch, layer: int) -> tuple[int, int, int]:
+    """(tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`."""
+    h, d, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads
+    if arch.is_mla:
+        dv, rope = arch.v_head_dim, arch.qk_rope_head_dim
+        q = h * nq * d if not arch.q_lora_rank else arch.q_lora_rank * h + nq * d * arch.q_lora_rank
+        kv = (arch.kv_lora_rank + rope) * h + nq * (arch.qk_nope_head_dim + dv) * arch.kv_lora_rank
+        split, replicated = q + kv + h * nq * dv, 2 * h + arch.kv_lora_rank + arch.q_lora_rank
+    else:
+        split = h * (nq + 2 * nkv) * d + nq * d * h + (nq + 2 * nkv) * d * arch.qkv_bias
+        replicated = 2 * h + 2 * d * arch.qk_norm
+    expert = 0
+    if arch.is_moe_layer(layer):
+        replicated += arch.num_experts * h
+        expert = arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
+        fs = arch.moe_shared_expert_ffn_hidden_size
+        split += 3 * h * fs
+        replicated += h * arch.moe_shared_expert_gate
+    else:
+        split += 3 * h * arch.ffn_hidden_size
+    return split, replicated, expert
+
+
+def padded_vocab(arch: ModelArch, tp: int) -> int:
+    """megatron's padded vocabulary (`megatron.model.padded_vocab_size`): a multiple of lcm(128, tp)."""
+    multiple = math.lcm(128, tp)
+    return -(-arch.vocab_size // multiple) * multiple
+
+
+def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
+    per = arch.num_layers // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+def params_per_gpu(arch: ModelArch, tp: int, pp: int, ep: int, stage: int, etp: int | None = None, lm_head=True):
+    """(dense, expert) parameters held by one GPU of pipeline `stage` (module docstring)."""
+    dense = expert = 0.0
+    for layer in stage_layers(arch, pp, stage):
+        split, replicated, experts = layer_params(arch, layer)
+        dense += split / tp + replicated
+        expert += experts / (ep * (etp or tp))
+    vocab = padded_vocab(arch, tp) * arch.hidden_size / tp
+    if stage == 0:
+        dense += vocab
+    if stage == pp - 1:
+        dense += arch.hidden_size  # final norm
+        if lm_head and (not arch.tie_word_embeddings or pp > 1):
+            dense += vocab
+        elif not lm_head:
+            dense += arch.hidden_size + 1  # the critic's value head
+    return dense, expert
+
+
+def total_params(arch: ModelArch) -> int:
+    """Parameters of the whole model (unpadded vocabulary), e.g. 8.19e9 for Qwen3-8B."""
+    n = sum(sum(layer_params(arch, i)) for i in range(arch.num_layers))
+    return n + arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+
+
+# ----------------------------------------------------------------------------- activations
+def layer_bytes_per_token(arch: ModelArch, layer: int, *, spec: str, dtype_bytes: int, seq_len: int, scores=True):
+    """Bytes one decoder layer keeps for backward per token (module docstring), undivided by tp."""
+    e, h = dtype_bytes, arch.hidden_size
+    nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
+    q, kv = nq * d, nkv * d
+    if arch.is_mla:  # per-head widths; the latents (kv_lora_rank + rope, q_lora_rank) are kept too
+        kv, v_out = q, nq * arch.v_head_dim
+        latent = arch.kv_lora_rank + arch.qk_rope_head_dim + arch.q_lora_rank
+    else:
+        v_out, latent = q, 0
+    local = spec == "local"
+    if local:  # torch RMSNorm keeps fp32 copies of its input and normalised input, whatever e
+        norms = 8 * (h + (q + kv if arch.qk_norm else 0)) / e
+        qkv = 3 * q + (kv if arch.qk_norm and e == 4 else 0 if arch.qk_norm else q + 2 * kv)
+        attn = h + norms + qkv + v_out + latent
+    else:
+        attn = 2 * h + q + 2 * kv + (q + kv if arch.qk_norm else 0) + v_out + latent
+    if arch.is_moe_layer(layer):
+        fe, fs, k = arch.moe_ffn_hidden_size, arch.moe_shared_expert_ffn_hidden_size, arch.moe_router_topk
+        per_ffn = 5 if local else 3
+        norm = h + 8 * h / e if local else 2 * h
+        mlp = norm + k * (2 * h + per_ffn * fe) + per_ffn * fs
+    else:
+        mlp = (h + 8 * h / e if local else 2 * h) + (5 if local else 3) * arch.ffn_hidden_size
+    total = e * (attn + mlp)
+    if scores and local:
+        total += nq * seq_len * (4 + (e if e < 4 else 0))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationSettings:
+    """What decides a stage's activation memory (see `activation_bytes`)."""
+
+    seq_len: int
+    micro_batch_size: int
+    tp: int
+    sequence_parallel: bool
+    spec: str = "te"  # te | local
+    dtype_bytes: int = 2
+    recompute: str = "none"  # none | selective | full
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+
+
+def activation_bytes(arch: ModelArch, layers: range, a: ActivationSettings, in_flight: float) -> float:
+    """Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
+    kept, plus one recomputed unit under full recompute."""
+    tokens = a.seq_len * a.micro_batch_size
+    keep_scores = a.recompute != "selective"  # a fully recomputed layer keeps them while it runs again
+    per_layer = [
+        tokens
+        * layer_bytes_per_token(arch, i, spec=a.spec, dtype_bytes=a.dtype_bytes, seq_len=a.seq_len, scores=keep_scores)
+        for i in layers
+    ]
+    if not a.sequence_parallel and a.tp > 1:  # norm inputs (and the layer input) stay whole on every TP rank
+        whole = tokens * a.dtype_bytes * arch.hidden_size * (6 if a.spec == "local" else 4)
+        per_layer = [whole + (x - whole) / a.tp for x in per_layer]
+    else:
+        per_layer = [x / a.tp for x in per_layer]
+    layer_input = tokens * a.dtype_bytes * arch.hidden_size / (a.tp if a.sequence_parallel else 1)
+    if a.recompute != "full":
+        return in_flight * sum(per_layer)
+    n = a.recompute_num_layers
+    if a.recompute_method == "block":
+        kept = [layer_input if j < n else x for j, x in enumerate(per_layer)]
+        return in_flight * sum(kept) + (max(per_layer[:n]) if n else 0.0)
+    units = math.ceil(len(per_layer) / n)
+    unit = max(sum(per_layer[j : j + n]) for j in range(0, len(per_layer), n))
+    return in_flight * units * layer_input + unit
+
+
+def in_flight_microbatches(pp: int, vpp: int | None, stage: int, microbatches: int) -> float:
+    """Micro-batches whose activations stage `stage` holds at its peak (1F1B / interleaved)."""
+    if pp == 1:
+        return 1.0
+    held = (pp - stage) + ((pp - 1) / vpp if vpp else 0.0)
+    return float(min(held, max(microbatches, 1)))
+
+
+def logits_bytes(arch: ModelArch, tp: int, tokens: int, dtype_bytes: int) -> float:
+    v_local = padded_vocab(arch, tp) // tp
+    rows = min(tokens, max(1, LOGPROB_CHUNK_ELEMENTS // v_local))
+    return 2 * tokens * v_local * dtype_bytes + 2 * rows * v_local * 4
+
+
+# ----------------------------------------------------------------------------- the plan
+@dataclasses.dataclass
+class StageMemory:
+    """Bytes of each term (`TERMS`) on one GPU of a pipeline stage."""
+
+    stage: int
+    terms: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.terms.values())
+
+    def largest(self) -> tuple[str, float]:
+        return max(self.terms.items(), key=lambda kv: kv[1])
+
+
+@dataclasses.dataclass
+class MemoryPlan:
+    stages: list[StageMemory]
+    gpu_bytes: float
+    rollout_engine: float  # bytes the colocated engine holds while generating (0: none colocated)
+    rollout_trainer: float  # bytes the trainer keeps on the GPU meanwhile (worst stage)
+    layout: str
+
+    def problem(self) -> str | None:
+        """One line when a stage (or the rollout phase) exceeds the GPU, naming the largest term."""
+        cap = self.gpu_bytes / GIB
+        worst = max(self.stages, key=lambda st: st.total)
+        if worst.total > self.gpu_bytes:
+            name, size = worst.largest()
+            return (
+                f"{self.layout}: pipeline stage {worst.stage} needs {worst.total / GIB:.1f} GiB per GPU > "
+                f"launch.gpu_memory_gib {cap:g} (largest: {dict(TERMS)[name]} {size / GIB:.1f} GiB)"
+            )
+        rollout = self.rollout_engine + self.rollout_trainer
+        if rollout > self.gpu_bytes:
+            return (
+                f"{self.layout}: while engines generate a GPU needs {rollout / GIB:.1f} GiB > launch.gpu_memory_gib "
+                f"{cap:g} (largest: {'engine mem_fraction_static' if self.rollout_engine >= self.rollout_trainer else 'trainer state kept on the GPU'} "
+                f"{max(self.rollout_engine, self.rollout_trainer) / GIB:.1f} GiB)"
+            )
+        return None
+
+    def table(self) -> str:
+        """GiB per term (rows) and pipeline stage (columns), Markdown."""
+        head = ["term (GiB per GPU)"] + [f"stage {st.stage}" for st in self.stages]
+        rows = [head, ["---"] + ["---:"] * len(self.stages)]
+        for key, label in TERMS:
+            rows.append([label] + [f"{st.terms[key] / GIB:.2f}" for st in self.stages])
+        rows.append(["**total (training)**"] + [f"**{st.total / GIB:.2f}**" for st in self.stages])
+        rollout = (self.rollout_engine + self.rollout_trainer) / GIB
+        rows.append(["while engines generate"] + [f"{rollout:.2f}"] * len(self.stages))
+        lines = ["| " + " | ".join(r) + " |" for r in rows]
+        verdict = self.problem() or f"fits launch.gpu_memory_gib {self.gpu_bytes / GIB:g}"
+        return "\n".join([f"memory plan: {self.layout}", "", *lines, "", verdict])
+
+
+def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
+    """The memory of every pipeline stage of `cfg` (see the module docstring)."""
+    par, launch, train, sg = cfg.parallelism, cfg.launch, cfg.train, cfg.rollout.sglang
+    tp, pp, ep, cp = par.tp, par.pp, par.ep, par.cp
+    on_gpu = launch.gpus_per_node > 0
+    trainer_gpus = (launch.nodes * launch.gpus_per_node - launch.engine_gpus) if on_gpu else tp * pp * cp
+    dp = max(1, trainer_gpus // (tp * pp * cp))
+    expert_dp = max(1, trainer_gpus // (ep * tp * pp))
+    e = _BYTES[cfg.model.dtype]
+    optimizer_bytes = 8 + (4 if e < 4 else 0)
+    spec = "local" if cfg.model.spec == "local" or not on_gpu else "te"
+    seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size / train.mini_batches_per_step
+    microbatches = math.ceil(rows_per_step / dp / train.micro_batch_size)
+    act = ActivationSettings(
+        seq_len=seq,
+        micro_batch_size=train.micro_batch_size,
+        tp=tp,
+        sequence_parallel=par.sp and tp > 1,
+        spec=spec,
+        dtype_bytes=e,
+        recompute=train.recompute,
+        recompute_method=train.recompute_method,
+        recompute_num_layers=train.recompute_num_layers,
+    )
+    colocated = cfg.rollout.engine == "sglang" and sg.placement == "colocated" and on_gpu
+    reference = (cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled) and not cfg.reference.offload
+    engine = 0.0
+    if colocated:
+        engine = ENGINE_RESIDUAL_GIB * GIB
+        if launched_reference_engines(cfg):
+            engine += e * total_params(arch) / sg.tp_per_engine
+    stages = []
+    for stage in range(pp):
+        dense, expert = params_per_gpu(arch, tp, pp, ep, stage)
+        shard = (dp, expert_dp) if on_gpu else (1, 1)
+        params = dense + expert
+        opt = optimizer_bytes * (dense / shard[0] + expert / shard[1])
+        c_dense, c_expert = params_per_gpu(arch, tp, pp, ep, stage, lm_head=False)
+        critic = 0.0
+        if cfg.algorithm.estimator == "gae":
+            critic = (e + 4) * (c_dense + c_expert) + optimizer_bytes * (c_dense / shard[0] + c_expert / shard[1])
+        held = in_flight_microbatches(pp, par.vpp, stage, microbatches)
+        activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)
+        if stage == 0:
+            activations += held * seq * train.micro_batch_size * e * arch.hidden_size / tp
+        terms = dict(
+            weights=e * params,
+            gradients=4.0 * params,
+            optimizer=opt,
+            activations=activations,
+            logits=logits_bytes(arch, tp, seq * train.micro_batch_size, e) if stage == pp - 1 else 0.0,
+            reference=e * params if reference else 0.0,
+            critic=critic,
+            engine=engine,
+        )
+        stages.append(StageMemory(stage, terms))
+    offloads = train.offload_during_rollout if train.offload_during_rollout is not None else colocated
+    rollout_trainer = 0.0
+    if colocated and not offloads:
+        keep = ("weights", "gradients", "optimizer", "reference", "critic")
+        rollout_trainer = max(sum(st.terms[k] for k in keep) for st in stages)
+    layout = f"tp={tp} pp={pp}" + (f" vpp={par.vpp}" if par.vpp else "") + (f" ep={ep}" if ep > 1 else "")
+    layout += f" dp={dp}, micro-batch {train.micro_batch_size} x {seq} tokens, recompute {train.recompute}"
+    return MemoryPlan(
+        stages=stages,
+        gpu_bytes=launch.gpu_memory_gib * GIB,
+        rollout_engine=sg.mem_fraction_static * launch.gpu_memory_gib * GIB if colocated else 0.0,
+        rollout_trainer=rollout_trainer,
+        layout=layout,
+    )
