@@ -149,6 +149,13 @@ def _check_model_fits_parallelism(cfg: RunConfig) -> None:
         raise ConfigError(f"parallelism.{err.axis}", f"{err} (model {cfg.model.path})") from None
     if arch.is_moe and par.tp > 1 and not par.sp:
         raise ConfigError("parallelism.sp", "MoE training with tp > 1 needs sequence parallelism (sp: true)")
+    train, chunk_layers = cfg.train, arch.num_layers // (par.pp * (par.vpp or 1))
+    if train.recompute == "full" and train.recompute_method == "uniform" and chunk_layers % train.recompute_num_layers:
+        raise ConfigError(
+            "train.recompute_num_layers",
+            f"{train.recompute_num_layers} does not divide the {chunk_layers} layers of a pipeline chunk "
+            "(uniform recomputation groups them evenly)",
+        )
 
 
 def _check_lengths_fit_context(cfg: RunConfig) -> None:

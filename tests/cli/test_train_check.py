@@ -111,6 +111,11 @@ MALFORMED = [
     (TINY, ["algorithm.tis.cap=0"], "algorithm.tis.cap"),
     (
         TINY,
+        ["train.recompute=full", "train.recompute_num_layers=3"],
+        "train.recompute_num_layers: 3 does not divide the 2 layers of a pipeline chunk",
+    ),
+    (
+        TINY,
         ["stability.min_history=50", "stability.window=10"],
         "stability.min_history: 50 exceeds stability.window=10",
     ),
