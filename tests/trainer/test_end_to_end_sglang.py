@@ -11,7 +11,7 @@ import urllib.request
 
 import pytest
 
-from tests.trainer.test_end_to_end import _env, _train
+from tests.trainer.test_end_to_end import _env, _train, assert_anchors_found_and_trained_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -92,11 +92,12 @@ def test_training_through_sglang_servers(tiny, tmp_path, servers):
     assert sorted(metrics) == [0, 1, 2]
     for step in (1, 2):
         m = metrics[step]
-        assert m["train/num_tokens"] > 0 and 0.0 <= m["anchor/found_rate"] <= 1.0
+        assert m["train/num_tokens"] > 0
         # the engine sampled with exactly the trainer's weights, pushed through safetensors on disk
         assert m["rollout/logprob_abs_diff"] < 1e-5
         assert m["reference/reset"] == 1.0  # tau = 1: the reference group got the new weights too
     assert "eval/val/pass@1" in metrics[2]
+    assert_anchors_found_and_trained_on(metrics, steps=(1, 2))  # sampled by the reference group's server
 
     policy, reference = (_get(url + "/test_double/requests") for url in servers)
     # colocated: memory released around each of the 2 updates and taken back before the weight sync
