@@ -287,6 +287,7 @@ def padded_sequence_worker(rank):
         mdist.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_sequence_parallel_rounding_of_micro_batch_lengths_changes_nothing():
     out = run_ranks(padded_sequence_worker, 1, timeout=180)[0]
