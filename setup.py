@@ -38,7 +38,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=2.4", "tensorboard"],
         "sglang": ["sglang==0.5.23", "sglang-router"],
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ruff==0.17.6"],
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ruff==0.17.6", "coverage>=7.6"],
     },
     entry_points={
         "console_scripts": [

@@ -41,6 +41,14 @@ def register_verifier(name: str, *, replace: bool = False) -> Callable[[Callable
     return decorator
 
 
+def unregister_verifier(name: str) -> None:
+    """Remove the verifier registered as ``name`` (a test or plugin undoing its
+    :func:`register_verifier`); an unknown name raises VerifierSpecError."""
+    if name not in _REGISTRY:
+        raise VerifierSpecError(f"verifier {name!r} is not registered, so it cannot be unregistered")
+    del _REGISTRY[name]
+
+
 def registered_verifiers() -> list[str]:
     return sorted(_REGISTRY)
 

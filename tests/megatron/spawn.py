@@ -3,21 +3,43 @@
 `run_ranks(fn, world_size, *args, timeout=...)` sets the torchrun variables for each child,
 calls ``fn(rank, *args)`` there and returns the per-rank results; a rank that raises, dies
 or outlives the timeout fails the caller with its traceback.
+
+No port race: the parent hosts the rendezvous store itself, bound to port 0 and held for the
+whole run, and the children join it as clients, exactly as under torchrun, whose agent hosts the
+store and sets ``TORCHELASTIC_USE_AGENT_STORE=True`` (torch.distributed then connects every rank,
+rank 0 included, to ``MASTER_ADDR:MASTER_PORT`` instead of starting a server there). A port picked
+free, released and bound again seconds later by a child can be taken in between by another test.
 """
 
+import datetime
 import os
 import pickle
 import socket
 import tempfile
+import time
 import traceback
 
+import torch.distributed
 import torch.multiprocessing as mp
+
+HOST = "127.0.0.1"
 
 
 def free_port() -> int:
+    """A port free right now. RACY: it is released before the caller binds it, so another process
+    can take it in between. Kept for tests/launch/test_sbatch_template.py only; new code lets the
+    server bind port 0 and report its port, or holds the socket (see `rendezvous_store`)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((HOST, 0))
         return s.getsockname()[1]
+
+
+def rendezvous_store(timeout_s: float = 300.0) -> torch.distributed.TCPStore:
+    """A TCPStore server on a port the OS picked (held until the store is dropped); children reach
+    it through ``MASTER_PORT=store.port`` with ``TORCHELASTIC_USE_AGENT_STORE=True``."""
+    return torch.distributed.TCPStore(
+        HOST, 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def _entry(fn, rank, world_size, port, out_dir, args):
@@ -25,8 +47,9 @@ def _entry(fn, rank, world_size, port, out_dir, args):
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
+        MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
+        TORCHELASTIC_USE_AGENT_STORE="True",
         OMP_NUM_THREADS="1",
     )
     try:
@@ -39,13 +62,13 @@ def _entry(fn, rank, world_size, port, out_dir, args):
 
 def run_ranks(fn, world_size, *args, timeout=240):
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = rendezvous_store(timeout)
     with tempfile.TemporaryDirectory() as out_dir:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, out_dir, args)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, args)) for r in range(world_size)
+        ]
         for p in procs:
             p.start()
-        import time
-
         deadline = time.monotonic() + timeout
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -54,6 +77,7 @@ def run_ranks(fn, world_size, *args, timeout=240):
             if p.is_alive():
                 p.kill()
                 p.join()
+        del store  # the port is held until every rank is gone
         results, errors = [], []
         for r in range(world_size):
             path = os.path.join(out_dir, f"{r}.pkl")

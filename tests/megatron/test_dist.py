@@ -116,7 +116,9 @@ def test_valid_layouts():
     assert ParallelConfig(tp=2, pp=2).data_parallel_size(8) == 2
 
 
-def slurm_worker(rank, port):
+def slurm_worker(rank):
+    import os
+
     import torch
     import torch.distributed as tdist
     from megatron.core import parallel_state
@@ -128,7 +130,7 @@ def slurm_worker(rank, port):
         "SLURM_NTASKS": "2",
         "SLURM_LOCALID": str(rank),
         "SLURM_JOB_NODELIST": "localhost",
-        "MASTER_PORT": str(port),
+        "MASTER_PORT": os.environ["MASTER_PORT"],  # the store run_ranks holds for this run
     }
     try:
         dist.initialize(ParallelConfig(tp=2), DENSE, environ={**slurm, "SLURM_NTASKS": "3"})
@@ -156,9 +158,9 @@ def slurm_worker(rank, port):
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_initialize_from_slurm_variables():
-    from tests.megatron.spawn import free_port, run_ranks
+    from tests.megatron.spawn import run_ranks
 
-    results = run_ranks(slurm_worker, 2, free_port(), timeout=100)
+    results = run_ranks(slurm_worker, 2, timeout=100)
     error = "world size 3 is not divisible by tp·pp·cp = 2·1·1 = 2"
     assert results == [
         (error, "slurm", "gloo", "cpu", 3.0, 0, 1, True),

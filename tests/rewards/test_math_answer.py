@@ -115,11 +115,14 @@ def test_pathological_answer_times_out_with_score_zero():
     result, elapsed = _timed(verify, PATHOLOGICAL, "5")
     assert result.score == 0.0
     assert result.breakdown == {"answer_found": 1.0, "correct": 0.0, "timed_out": 1.0}
-    assert 2.0 <= elapsed < 5.0
+    # the comparison ran for its whole budget and was cut there: without the timeout the power tower
+    # never finishes, so a generous upper bound (any load) still tells the two apart
+    assert 2.0 <= elapsed < 60.0
     # the killed worker is replaced: the next comparison works
     assert verify(r"\boxed{\frac{1}{2}}", "0.5").score == 1.0
 
 
+@pytest.mark.slow  # 16 s on a loaded 2-core machine (worker start-up, the 2 s budget, a replacement)
 @pytest.mark.timeout(120)
 def test_timeout_works_off_the_main_thread():
     # math-verify's own signal.alarm timeout raises ValueError in a thread; ours must not.
@@ -135,7 +138,7 @@ def test_timeout_works_off_the_main_thread():
     thread.start()
     thread.join(60)
     result, elapsed = results["pathological"]
-    assert result.breakdown["timed_out"] == 1.0 and elapsed < 5.0
+    assert result.breakdown["timed_out"] == 1.0 and 2.0 <= elapsed < 60.0
     assert results["normal"].score == 1.0
 
 
@@ -202,13 +205,27 @@ def test_adversarial_responses_score_within_the_timeout_end_to_end():
     for response in ("\\boxed{" * 14286, "answer" + " " * 100_000, "Answer:" + " " * 100_000 + "x" * 10):
         result, elapsed = _timed(verify, response, "204")
         assert result.score == 0.0
-        assert elapsed < 5.0, (response[:20], elapsed)
+        # catastrophic backtracking in answer extraction (outside the worker's timeout) would take
+        # minutes to hours on these inputs; linear extraction takes milliseconds
+        assert elapsed < 60.0, (response[:20], elapsed)
 
 
 @pytest.mark.timeout(120)
-def test_acceptable_answers_share_one_timeout():
+def test_acceptable_answers_share_one_timeout(monkeypatch):
+    from armor_megatron.rewards import math_answer
+
+    calls = []
+
+    def recording(target, *args, timeout_s):
+        calls.append((args, timeout_s))
+        return run_isolated(target, *args, timeout_s=timeout_s)
+
+    run_isolated = math_answer.run_isolated
+    monkeypatch.setattr(math_answer, "run_isolated", recording)
     verify = make_math_verifier(timeout_s=2.0)
-    verify(r"\boxed{2}", "3")
-    result, elapsed = _timed(verify, PATHOLOGICAL, ["5", "6", "7", "8"])
+    result = verify(PATHOLOGICAL, ["5", "6", "7", "8"])
     assert result.breakdown["timed_out"] == 1.0
-    assert elapsed < 5.0  # one 2 s budget for the response, not 2 s per acceptable answer
+    # one isolated comparison against all four answers under one 2 s budget, not 2 s per answer
+    assert len(calls) == 1
+    (answer, golds), budget = calls[0]
+    assert golds == ["5", "6", "7", "8"] and 0 < budget <= 2.0

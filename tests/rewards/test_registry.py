@@ -104,6 +104,19 @@ def test_register_rejects_duplicates_bad_names_and_signatures(scratch_registry):
         register_verifier("two_kw")(lambda *, a, b: 0.0)
 
 
+def test_unregister_verifier(scratch_registry):
+    register_verifier("scratch_one")(lambda r, g: 1.0)
+    assert "scratch_one" in registered_verifiers()
+    registry.unregister_verifier("scratch_one")
+    assert "scratch_one" not in registered_verifiers()
+    with pytest.raises(VerifierSpecError, match="unknown verifier 'scratch_one'"):
+        get_verifier("scratch_one")
+    with pytest.raises(VerifierSpecError, match="'scratch_one' is not registered, so it cannot be unregistered"):
+        registry.unregister_verifier("scratch_one")
+    register_verifier("scratch_one")(lambda r, g: 0.5)  # the name is free again
+    assert get_verifier("scratch_one")("", None).score == 0.5
+
+
 def test_compute_score_rejects_non_string_response():
     with pytest.raises(TypeError, match="response must be a str, got list"):
         compute_score(["x"], "1")

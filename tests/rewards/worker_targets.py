@@ -40,3 +40,15 @@ def die_comparing(answer, golds):
 
 def raise_comparing(answer, golds):
     raise ModuleNotFoundError("No module named 'math_verify'")
+
+
+def rendezvous_then_pid(directory, parties, wait_s):
+    """Mark this call in ``directory`` and wait (at most ``wait_s``) until ``parties`` calls have
+    marked theirs: calls that return their pid at once were running at the same time."""
+    import uuid
+
+    open(os.path.join(directory, uuid.uuid4().hex), "w").close()
+    deadline = time.monotonic() + wait_s
+    while len(os.listdir(directory)) < parties and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return os.getpid()

@@ -24,7 +24,3 @@ def tiny_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "policy")
     cfg, tok = make_tiny_checkpoint(path, seed=0, sharpen=8.0)
     return path, cfg, tok
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "double_only: needs the SGLang test double's fault-injection hooks")

@@ -97,9 +97,16 @@ def test_update_weights_changes_outputs_and_version(tiny_ckpt):
     prompt = [encode(tok, "5+5=")]
     greedy = SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True)
     before = engine.generate(prompt, 1, greedy)[0][0]
-    engine.update_weights(tiny_weights(cfg, seed=1, sharpen=8.0), version="v1")
+    new = tiny_weights(cfg, seed=1, sharpen=8.0)
+    engine.update_weights(new, version="v1")
     after = engine.generate(prompt, 1, greedy)[0][0]
-    assert after.weight_version == "v1" and after.logprobs != before.logprobs
+    params = dict(engine.model.named_parameters())
+    for name, tensor in new:  # every pushed tensor landed, bit for bit
+        assert torch.equal(params[name].detach(), tensor.to(params[name].dtype)), name
+    # and the engine samples what an engine built from those weights samples
+    fresh = LocalEngine(cfg, new, tokenizer=tok, weight_version="v1").generate(prompt, 1, greedy)[0][0]
+    assert after == fresh and after.weight_version == "v1"
+    assert after.logprobs != before.logprobs
     with pytest.raises(WeightUpdateError, match="missing"):
         engine.update_weights(tiny_weights(cfg, seed=2)[:-1], version="v2")
     # All or nothing: the refused update changed no weight.
@@ -111,6 +118,7 @@ def test_update_weights_changes_outputs_and_version(tiny_ckpt):
 def test_stale_version_is_caught(engine, tiny_ckpt, monkeypatch):
     _, _, tok = tiny_ckpt
     # A sample stamped with another version than the engine holds must not pass silently.
+    monkeypatch.setattr(engine, "weight_version", "v0")  # restored after the test, even when it fails
     real = engine._generate_batch
 
     def swap_weights_midway(*args, **kwargs):
@@ -121,7 +129,6 @@ def test_stale_version_is_caught(engine, tiny_ckpt, monkeypatch):
     monkeypatch.setattr(engine, "_generate_batch", swap_weights_midway)
     with pytest.raises(StaleWeightsError, match="'v0'.*expected 'v9'"):
         engine.generate([encode(tok, "1")], 1, SamplingParams(max_new_tokens=2))
-    engine.weight_version = "v0"
 
 
 def test_bad_input_is_one_clear_error(engine):

@@ -47,6 +47,16 @@ def _train(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
     return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
 
 
+def assert_anchors_found_and_trained_on(metrics, steps=(1, 2, 3)):
+    """Every step trained on anchors and some of them carried a non-zero advantage into the loss
+    (``anchor/zero_advantage_rate`` is logged only when the trained batch holds anchors), and π_ref
+    found a rewarded response somewhere in the run. ``anchor/found_rate`` describes the first
+    dynamic-sampling round only: a step may train on anchors of a later round while it reads 0."""
+    for step in steps:
+        assert metrics[step].get("anchor/zero_advantage_rate", 1.0) < 1.0, (step, metrics[step])
+    assert max(metrics[step]["anchor/found_rate"] for step in steps) > 0.0
+
+
 def _latest(run_dir):
     path = os.path.join(run_dir, "ckpt", "latest")
     return open(path).read().strip() if os.path.exists(path) else None
@@ -70,9 +80,12 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
         assert m["train/skipped"] == 0.0 and m["train/num_tokens"] > 0
         # the engine sampled with exactly the trainer's weights (weight sync after every step)
         assert m["rollout/logprob_abs_diff"] < 1e-5
-        assert 0.0 <= m["anchor/found_rate"] <= 1.0
+        # dynamic sampling (on by default): every kept group has signal, the batch came from >= 1 round
+        assert m["dynamic_sampling_rounds"] >= 1 and m["dynamic_sampling_groups_seen"] >= 8
+        assert 0.0 < m["dynamic_sampling_keep_rate"] <= 1.0 and "train/skipped_no_signal" not in m
         # π_ref's tokens since the last step include this step's misses (and pre-generated anchors)
         assert m["anchor/reference_tokens"] >= m["anchor/generated_tokens"] and m["anchor/generation_cost"] >= 1.0
+    assert_anchors_found_and_trained_on(metrics)
     assert metrics[2]["reference/reset"] == 1.0 and "reference/reset" not in metrics[3]
     # π_ref = π_θ at the first step and again right after the reset at step 2; it has drifted at step 2
     kl = {step: metrics[step]["train/approx_kl_ref"] for step in (1, 2, 3)}
@@ -124,8 +137,10 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     assert recovered[1]["train/approx_kl_ref"] > 1e-6 and reference[1]["train/approx_kl_ref"] < 1e-9
 
 
-def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
-    # one process (tp=1), as srun starts every task: the signal reaches the trainer itself
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_preemption_signal_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path, signum):
+    # one process (tp=1), as srun starts every task: the signal reaches the trainer itself.
+    # SLURM sends SIGUSR1 ahead of the time limit (--signal=B:USR1@...) and SIGTERM on preemption.
     proc = subprocess.Popen(
         _args(tiny, tmp_path, "parallelism.tp=1", "train.steps=200", "checkpoint.every_steps=0", "eval.every_steps=0"),
         env=_env(),
@@ -138,10 +153,10 @@ def test_sigterm_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path):
     while not (metrics.exists() and read_metrics(str(metrics))):
         assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 85, err[-2000:]
-    assert "preempted" in err
+    assert f"preempted: signal {int(signum)} at step" in err
     step = max(r["step"] for r in read_metrics(str(metrics)))
     assert _latest(tmp_path) == f"iter_{step:07d}"
     assert 0 < step < 200  # stopped by the signal, long before the configured 200 steps

@@ -5,16 +5,26 @@ import json
 import pytest
 
 from armor_megatron.data.prompts import PromptDataset, encode_prompt
-from armor_megatron.rewards import RewardResult, register_verifier
+from armor_megatron.rewards import RewardResult
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, tiny_config, tiny_weights
 from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
+from tests.registered_verifiers import registered
 
 
-@register_verifier("test_exact_text", replace=True)
 def _exact(response, ground_truth):
     return RewardResult(float(response == ground_truth), {})
+
+
+def _always(response, ground_truth):
+    return RewardResult(1.0, {})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def verifiers():
+    with registered(test_exact_text=_exact, test_always=_always):
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +57,17 @@ def test_greedy_eval_scores_exactly_the_rows_whose_answer_is_the_models_output(t
 
 def test_row_verifier_overrides_the_default(tmp_path, engine_and_tokenizer):
     engine, tok = engine_and_tokenizer
-    (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2", "type": "math"}) + "\n")
+    # the default verifier fails both rows (no response is "<never>"); only the first row names another
+    rows = [{"prompt": "1+1=", "answer": "<never>", "type": "test_always"}, {"prompt": "2+2=", "answer": "<never>"}]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     sets = [EvalSet("m", PromptDataset(str(tmp_path / "d.jsonl")), k=2)]
     encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
     result = evaluate(
         engine, encode, sets, SamplingParams(max_new_tokens=3, temperature=1.0, seed=1), verifier="test_exact_text"
     )
-    assert result.metrics["m"]["pass@1"] == 0.0  # a random tiny model never writes \boxed{2}
+    scores = {(r["index"], r["score"]) for r in result.records}
+    assert scores == {(0, 1.0), (1, 0.0)}  # row 0 scored by its own verifier, row 1 by the default
+    assert result.metrics["m"]["pass@1"] == 0.5
 
 
 def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path):

@@ -12,7 +12,7 @@ import torch
 
 from armor_megatron.algo import compute_advantages
 from armor_megatron.data.prompts import PromptRow
-from armor_megatron.rewards import RewardResult, register_verifier
+from armor_megatron.rewards import RewardResult
 from armor_megatron.rollout.anchor.build import anchor_reward
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
@@ -22,17 +22,16 @@ from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
 from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
+from tests.registered_verifiers import registered
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
 G = 4
 
 
-@register_verifier("test_starts_with", replace=True)
 def _starts_with(response, ground_truth):
     return RewardResult(float(response.startswith(ground_truth)), {})
 
 
-@register_verifier("test_never", replace=True)
 def _never(response, ground_truth):
     return RewardResult(0.0, {})
 
@@ -40,11 +39,16 @@ def _never(response, ground_truth):
 SEEN: dict[str, int] = {}
 
 
-@register_verifier("test_starts_with_once", replace=True)
 def _starts_with_once(response, ground_truth):
     """Passes a response the first time it is checked, fails it afterwards (a flaky verifier)."""
     SEEN[response] = SEEN.get(response, 0) + 1
     return RewardResult(float(response.startswith(ground_truth) and SEEN[response] == 1), {})
+
+
+@pytest.fixture(scope="module", autouse=True)
+def verifiers():
+    with registered(test_starts_with=_starts_with, test_never=_never, test_starts_with_once=_starts_with_once):
+        yield
 
 
 @pytest.fixture(scope="module")

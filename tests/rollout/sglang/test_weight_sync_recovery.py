@@ -83,6 +83,7 @@ def test_a_failed_group_init_surfaces_the_servers_error_within_seconds(tiny_ckpt
         start = time.monotonic()
         with pytest.raises(WeightUpdateError, match="init_weights_update_group.*injected failure"):
             engine.update_weights(tiny_weights(cfg, seed=3), version="v1")
-        assert time.monotonic() - start < 15
+        # the server's refusal ends the push, not the 90 s group timeout (bound generous for any load)
+        assert time.monotonic() - start < 60
     finally:
         a.stop()

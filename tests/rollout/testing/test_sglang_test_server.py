@@ -1,7 +1,6 @@
 """The test double keeps SGLang's protocol rules (so the client is tested against them)."""
 
 import threading
-import time
 
 import pytest
 
@@ -49,15 +48,24 @@ def test_text_input_and_single_prompt_shape(server, tiny_ckpt):
     assert out["meta_info"]["weight_version"] == "0"
 
 
-def test_generate_waits_while_paused(server, tiny_ckpt):
+def test_generate_waits_while_paused(server, tiny_ckpt, monkeypatch):
     _, _, tok = tiny_ckpt
     client = SGLangClient(server.url, api_key="k", retry=ONCE)
     client.post("/pause_generation", {})
+    held = threading.Event()  # set once the request has reached the server and found it paused
+    serve = server._wait_until_serving
+
+    def wait_until_serving():
+        if server._paused:
+            held.set()
+        serve()
+
+    monkeypatch.setattr(server, "_wait_until_serving", wait_until_serving)
     done = threading.Event()
     worker = threading.Thread(target=lambda: (client.generate(encode(tok, "1"), {"max_new_tokens": 1}), done.set()))
     worker.start()
-    time.sleep(0.3)
-    assert not done.is_set() and not client.health(generate=True)
+    assert held.wait(30), "the request never reached the paused server"
+    assert not done.is_set() and not client.health(generate=True)  # held until we continue
     client.post("/continue_generation", {})
     worker.join(timeout=30)
     assert done.is_set()

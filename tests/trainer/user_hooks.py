@@ -1,0 +1,12 @@
+"""User code the end-to-end runs load by ``module:function`` (the trainer subprocess imports it
+through PYTHONPATH): a verifier and a reset hook."""
+
+
+def never_right(response, ground_truth):
+    """A verifier no response satisfies: every group's rewards are equal (all 0) and no anchor is found."""
+    return 0.0
+
+
+def reset_when_evaluated(step, metrics):
+    """validation_hook: reset θ_ref after every step that was evaluated (its metrics hold the evaluation)."""
+    return "eval/mean/pass@1" in metrics
