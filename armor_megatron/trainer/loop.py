@@ -259,14 +259,15 @@ class ArmorTrainer:
                 cfg.rollout.prompts_per_step,
                 pad_values={"input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0},
             )
-            metrics: dict = {}
+            rounds: list[dict] = []
             for _ in range(1 + ds.max_oversample_rounds):
                 batch, round_metrics = one_round()
-                metrics = metrics or round_metrics  # the first round describes the policy's samples
+                rounds.append(round_metrics)
                 sampler.add(batch, batch["accuracy"].view(-1, G))
                 if sampler.done:
                     break
         self._pregenerate_anchors()
+        metrics = _merge_rounds(rounds)
         metrics.update(sampler.stats())
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
 
@@ -275,6 +276,10 @@ class ArmorTrainer:
         if batch is None:
             return None, metrics
         batch, adv_metrics = group_advantages(batch, self.settings)
+        if self.anchors is not None:  # of the groups that train (dynamic sampling keeps some of them)
+            adv_metrics["anchor/trained_groups_rate"] = (
+                batch["is_anchor"].view(-1, self.cfg.rollout.group_size).any(1).float().mean().item()
+            )
         return batch, {**metrics, **adv_metrics}
 
     def _pregenerate_anchors(self) -> None:
@@ -532,6 +537,20 @@ class ArmorTrainer:
             metrics.update(self.anchors.stats.as_dict())
             metrics.update(self._anchor_cost(metrics))
         return reporter.report(self.step, metrics)
+
+
+def _merge_rounds(rounds: list[dict]) -> dict:
+    """The metrics of a step's rollout rounds: the first round describes the policy's samples
+    (``rollout/*``, before dynamic sampling filtered anything); anchor rates are averaged over
+    every round, since anchors of later rounds train too, and what generation cost is summed."""
+    merged = dict(rounds[0])
+    for key in {k for r in rounds for k in r if k.startswith("anchor/") or k in _SUMMED_OVER_ROUNDS}:
+        values = [r[key] for r in rounds if key in r]
+        merged[key] = sum(values) if key in _SUMMED_OVER_ROUNDS else sum(values) / len(values)
+    return merged
+
+
+_SUMMED_OVER_ROUNDS = ("anchor/tries", "anchor/generated_tokens", "anchor/dropped", "rollout/generated_tokens")
 
 
 def offloads_during_rollout(cfg: RunConfig) -> bool:
