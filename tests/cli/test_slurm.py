@@ -1,5 +1,6 @@
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -8,6 +9,7 @@ import pytest
 
 from armor_megatron.cli.slurm import main
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
+from tests.launch.conftest import ROOT
 
 TINY = os.path.join("configs", "tiny_cpu.yaml")
 QWEN7B = os.path.join("configs", "qwen25_math_7b_dapo_armor.yaml")
@@ -15,8 +17,6 @@ QWEN7B = os.path.join("configs", "qwen25_math_7b_dapo_armor.yaml")
 
 @pytest.fixture(autouse=True)
 def repo_root(monkeypatch):
-    from tests.launch.conftest import ROOT
-
     monkeypatch.chdir(ROOT)
 
 
@@ -88,9 +88,24 @@ def test_submit_refuses_a_layout_that_cannot_start(capsys):
     assert capsys.readouterr().err.startswith("armor-slurm: error: rollout.sglang.host=127.0.0.1: in a multi-node job")
 
 
-def test_submit_without_sbatch_is_one_clear_line(capsys):
-    assert main(["submit", "--config", QWEN7B], environ={}) == 2
+def test_submit_without_sbatch_is_one_clear_line(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # never a real scheduler, whatever this host has
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", os.path.join(ROOT, QWEN7B)], environ={}) == 2
     assert "sbatch not found on PATH" in capsys.readouterr().err
+
+
+def test_submit_runs_sbatch_and_creates_the_log_directory(capsys, monkeypatch, tmp_path):
+    bin_dir, calls = tmp_path / "bin", tmp_path / "sbatch.calls"
+    bin_dir.mkdir()
+    fake = bin_dir / "sbatch"
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {calls}\necho "Submitted batch job 7"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}/usr/bin:/bin")
+    monkeypatch.chdir(tmp_path)
+    assert main(["submit", "--config", os.path.join(ROOT, QWEN7B)], environ={}) == 0
+    assert calls.read_text().startswith("--job-name=qwen25-math-7b-dapo-armor --nodes=1")
+    assert (tmp_path / "runs" / "slurm").is_dir()  # SLURM does not create the directory of --output
 
 
 def test_module_runs_as_a_program():
@@ -142,10 +157,13 @@ def test_wait_for_engines_polls_until_healthy():
 def test_wait_for_engines_fails_fast_on_a_dead_engine_and_on_timeout():
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
-    with pytest.raises(EngineStartError, match=f"engine step\\(s\\) {dead.pid} exited before http://127.0.0.1:9"):
-        wait_for_engines(["http://127.0.0.1:9"], timeout_s=20, pids=[dead.pid], poll_s=0.05)
-    with pytest.raises(EngineStartError, match="1 engine\\(s\\) not healthy after"):
-        wait_for_engines(["http://127.0.0.1:9"], timeout_s=0.2, poll_s=0.05)
+    with socket.socket() as closed:  # bound, never listening: connections are refused while we hold it
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        with pytest.raises(EngineStartError, match=f"engine step\\(s\\) {dead.pid} exited before {url}"):
+            wait_for_engines([url], timeout_s=20, pids=[dead.pid], poll_s=0.05)
+        with pytest.raises(EngineStartError, match="1 engine\\(s\\) not healthy after"):
+            wait_for_engines([url], timeout_s=0.2, poll_s=0.05)
 
 
 def test_plan_dry_run_never_prints_the_api_key(capsys):

@@ -1,4 +1,6 @@
 import os
+import random
+import socket
 
 import pytest
 
@@ -19,3 +21,26 @@ def load():
         return load_config(os.path.join(ROOT, config_path(name)), list(overrides))
 
     return _load
+
+
+def consecutive_free_ports(count: int) -> int:
+    """The first of `count` consecutive ports that are free now, below Linux's ephemeral range
+    (32768-60999): the OS never hands those out on its own, so only a process that binds them
+    explicitly can take them between this check and the job's engines binding them (the SLURM
+    plan gives engines consecutive ports from ``rollout.sglang.base_port``)."""
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(20000, 32000 - count)
+        sockets = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket()
+                sockets.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in sockets:
+                s.close()
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000")

@@ -11,8 +11,7 @@ import time
 
 import pytest
 
-from tests.launch.conftest import ROOT
-from tests.megatron.spawn import free_port
+from tests.launch.conftest import ROOT, consecutive_free_ports
 
 TEMPLATE = os.path.join(ROOT, "tools", "slurm", "armor.sbatch")
 SHELL_SCRIPTS = sorted(
@@ -138,6 +137,7 @@ def test_every_shell_script_parses():
 TWO_NODES = {"SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_NUM_NODES": "2", "SLURM_GPUS_ON_NODE": "8"}
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
     # one policy engine and the frozen reference's engine (anchor.source: separate)
     args = [
@@ -174,6 +174,7 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
     ]
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 def test_dry_run_of_a_two_node_torchrun_job_uses_scontrol_for_the_node_list(job):
     args = ["--launcher", "torchrun", "--config", "configs/tiny_cpu.yaml", "launch.nodes=2", "launch.gpus_per_node=4"]
     out = job.run(
@@ -196,6 +197,7 @@ def test_dry_run_of_a_two_node_torchrun_job_uses_scontrol_for_the_node_list(job)
     assert "srun" not in (job.stub_log.read_text())
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 def test_bad_config_fails_with_one_line_before_running_anything(job):
     out = job.run(["--config", "configs/tiny_cpu.yaml", "algorithm.alpha=2"])
     assert out.returncode == 2
@@ -206,6 +208,7 @@ def test_bad_config_fails_with_one_line_before_running_anything(job):
     assert not job.trainer_log.exists()
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 @pytest.mark.parametrize("mode, rc, requeued", [("exit85", 85, True), ("exit0", 0, False), ("exit3", 3, False)])
 def test_requeue_exit_code_leads_to_scontrol_requeue(job, mode, rc, requeued):
     out = job.run(["--config", "configs/tiny_cpu.yaml"], mode=mode)
@@ -215,6 +218,7 @@ def test_requeue_exit_code_leads_to_scontrol_requeue(job, mode, rc, requeued):
     assert job.scontrol_calls() == expected
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 def test_configured_requeue_exit_code_is_the_one_that_counts(job):
     out = job.run(["--config", "configs/tiny_cpu.yaml", "launch.requeue_exit_code=42"], mode="exit85")
     assert out.returncode == 85 and "scontrol requeue 4242" not in job.scontrol_calls()
@@ -222,12 +226,14 @@ def test_configured_requeue_exit_code_is_the_one_that_counts(job):
     assert out.returncode == 42 and job.scontrol_calls()[-1] == "scontrol requeue 4242"
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 def test_requeue_stops_after_max_requeues(job):
     out = job.run(["--config", "configs/tiny_cpu.yaml"], mode="exit85", SLURM_RESTART_COUNT="3", ARMOR_MAX_REQUEUES="3")
     assert out.returncode == 85 and "scontrol requeue 4242" not in job.scontrol_calls()
     assert "not requeueing: the job was already restarted 3 times" in out.stderr
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("exit_on_usr1", ["85", "1"])
 def test_time_limit_signal_is_forwarded_and_the_job_requeued(job, exit_on_usr1):
@@ -246,9 +252,10 @@ def test_time_limit_signal_is_forwarded_and_the_job_requeued(job, exit_on_usr1):
     assert job.scontrol_calls()[-1] == "scontrol requeue 4242"
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 @pytest.mark.timeout(90)
 def test_engines_start_before_the_trainer_and_stop_after_it(job):
-    port = free_port()
+    port = consecutive_free_ports(2)  # the policy engine's and the frozen reference's
     args = [
         "--config",
         "configs/qwen25_math_7b_dapo_armor.yaml",
@@ -268,11 +275,12 @@ def test_engines_start_before_the_trainer_and_stop_after_it(job):
             socket.create_connection(("127.0.0.1", engine_port), timeout=1).close()
 
 
+@pytest.mark.slow  # a simulated job: seconds each
 @pytest.mark.timeout(90)
 def test_an_engine_that_dies_fails_the_job_without_starting_the_trainer(job, tmp_path):
     (tmp_path / "fakes" / "sglang" / "launch_server.py").write_text("raise SystemExit('no GPU here')\n")
     out = job.run(
-        ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={free_port()}"],
+        ["--config", "configs/qwen25_math_7b_dapo_armor.yaml", f"rollout.sglang.base_port={consecutive_free_ports(2)}"],
         SLURM_GPUS_ON_NODE="8",
     )
     assert out.returncode == 1

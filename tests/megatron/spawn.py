@@ -14,7 +14,6 @@ free, released and bound again seconds later by a child can be taken in between 
 import datetime
 import os
 import pickle
-import socket
 import tempfile
 import time
 import traceback
@@ -23,15 +22,6 @@ import torch.distributed
 import torch.multiprocessing as mp
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    """A port free right now. RACY: it is released before the caller binds it, so another process
-    can take it in between. Kept for tests/launch/test_sbatch_template.py only; new code lets the
-    server bind port 0 and report its port, or holds the socket (see `rendezvous_store`)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_store(timeout_s: float = 300.0) -> torch.distributed.TCPStore:
