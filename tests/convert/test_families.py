@@ -206,3 +206,30 @@ def test_deepseek_v3_router_bias_is_megatrons_expert_bias(models):
     assert ref.hf_names == ["model.layers.1.mlp.gate.e_score_correction_bias"]
     v2 = HFCheckpoint(models["deepseek"]).arch
     assert not [r for r in tensor_rules(v2) if "expert_bias" in r.ckpt_key]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(450)
+def test_deepseek_convert_and_verify_as_a_user_runs_them(models, tmp_path):
+    """``armor-convert hf-to-mcore`` then ``verify`` (round trip + logits at TP=1) for V2-Lite and
+    for V3 with a multi-token-prediction layer in its checkpoint (the notice on stderr)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, os.path.join(root, "tools", "convert_checkpoint.py")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": root}
+    v3 = HFCheckpoint(models["deepseek_v3"]).arch
+    for name, hf_dir in [
+        ("deepseek", models["deepseek"]),
+        ("deepseek_v3", with_extra_tensors(models["deepseek_v3"], str(tmp_path / "v3-mtp"), mtp_layer(v3, 2))),
+    ]:
+        mcore = str(tmp_path / f"{name}-mcore")
+        converted = subprocess.run(
+            cmd + ["hf-to-mcore", hf_dir, mcore], capture_output=True, text=True, env=env, timeout=200
+        )
+        assert converted.returncode == 0, converted.stderr[-3000:]
+        assert ("multi-token-prediction" in converted.stderr) == (name == "deepseek_v3"), converted.stderr
+        proc = subprocess.run(cmd + ["verify", hf_dir, mcore], capture_output=True, text=True, env=env, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+        assert "logits: max |megatron - transformers|" in proc.stdout and "verify: OK" in proc.stdout, proc.stdout
