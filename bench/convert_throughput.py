@@ -1,12 +1,15 @@
 """Converter throughput and memory, side by side with ``cp`` of the same bytes.
 
-    python bench/convert_throughput.py [--workdir DIR] [--only llama|70b-slice]
+    python bench/convert_throughput.py [--workdir DIR] [--only llama|70b-slice|v2-lite-slice]
 
-Builds two synthetic bf16 HF checkpoints in a temporary directory (removed at the end):
+Builds synthetic bf16 HF checkpoints in a temporary directory (removed at the end):
 
 * ``llama``: Llama-2-7B-shaped (hidden 4096, 32 heads, ffn 11008, vocab 32000), 4 layers, ~2.1 GB;
 * ``70b-slice``: Llama-3-70B-shaped (hidden 8192, 64 heads / 8 kv heads, ffn 28672,
-  vocab 128256), 2 layers, ~7.6 GB.
+  vocab 128256), 2 layers, ~7.6 GB;
+* ``v2-lite-slice`` (only when asked for with ``--only``): DeepSeek-V2-Lite-shaped (hidden 2048,
+  MLA with kv LoRA rank 512, vocab 102400, 64 routed experts of ffn 1408 + 2 shared), its first
+  (dense, ffn 10944) and second (MoE) layers, ~2.1 GB: many small expert tensors, per-layer keys.
 
 For each it converts HF -> torch_dist -> HF (each direction in a fresh process, whose own
 peak RSS is recorded), checks the round trip bit for bit, and times ``cp -r`` of the same
@@ -32,8 +35,16 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "max_position_embeddings": 8192,
+}
 SHAPES = {
     "llama": dict(
+        **LLAMA,
         hidden_size=4096,
         num_attention_heads=32,
         num_key_value_heads=32,
@@ -42,6 +53,7 @@ SHAPES = {
         num_hidden_layers=4,
     ),
     "70b-slice": dict(
+        **LLAMA,
         hidden_size=8192,
         num_attention_heads=64,
         num_key_value_heads=8,
@@ -49,28 +61,54 @@ SHAPES = {
         vocab_size=128256,
         num_hidden_layers=2,
     ),
+    "v2-lite-slice": dict(
+        architectures=["DeepseekV2ForCausalLM"],
+        model_type="deepseek_v2",
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=163840,
+        hidden_size=2048,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=10944,
+        vocab_size=102400,
+        num_hidden_layers=2,
+        q_lora_rank=None,
+        kv_lora_rank=512,
+        qk_nope_head_dim=128,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        n_routed_experts=64,
+        n_shared_experts=2,
+        num_experts_per_tok=6,
+        moe_intermediate_size=1408,
+        first_k_dense_replace=1,
+        topk_method="greedy",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 40,
+            "original_max_position_embeddings": 4096,
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+        },
+    ),
 }
+DEFAULT = ["llama", "70b-slice"]
 
 
 def write_synthetic(path: str, shape: dict) -> int:
-    """Write a bf16 Llama checkpoint (5 GB shards, streamed); returns the largest tensor's bytes."""
+    """Write a bf16 checkpoint of config ``shape`` (5 GB shards, streamed); returns the largest tensor's bytes."""
     import torch
 
     from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
     from armor_megatron.convert.rules import hf_shapes, tensor_rules
     from armor_megatron.models import ModelArch
 
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "torch_dtype": "bfloat16",
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "max_position_embeddings": 8192,
-        "tie_word_embeddings": False,
-        "hidden_act": "silu",
-        **shape,
-    }
+    config = {"torch_dtype": "bfloat16", "tie_word_embeddings": False, "hidden_act": "silu", **shape}
     os.makedirs(path)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
@@ -201,7 +239,7 @@ def main() -> None:
         child(*args.child)
         return
     with tempfile.TemporaryDirectory(prefix="armor_convert_bench_", dir=args.workdir) as workdir:
-        results = [bench(name, workdir, args.repeat) for name in (args.only or ["llama", "70b-slice"])]
+        results = [bench(name, workdir, args.repeat) for name in (args.only or DEFAULT)]
     print(
         f"time_ratio_vs_cp={max(r[0] for r in results):.3f} "
         f"peak_rss_over_largest_tensor={max(r[1] for r in results):.3f}"

@@ -115,6 +115,17 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     ]
 
 
+_HF_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def is_mtp_tensor(arch: ModelArch, name: str) -> bool:
+    """Whether ``name`` belongs to one of DeepSeek-V3's multi-token-prediction layers,
+    ``model.layers.{n}.*`` with num_layers <= n < num_layers + mtp_layers (a draft head that
+    transformers and this project's models leave out; the converter skips these tensors)."""
+    match = _HF_LAYER_INDEX.match(name)
+    return bool(match) and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.mtp_layers
+
+
 def _hashable(arch: ModelArch) -> ModelArch:
     """``arch`` without its rope-scaling dict (which decides no name or shape), as a cache key."""
     return dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch
@@ -347,7 +358,8 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
     """Router + experts (+ shared experts). Qwen3-MoE, Qwen2-MoE, DeepSeek: mlp.gate,
     mlp.experts.{e}.{gate,up,down}_proj; Mixtral: block_sparse_moe.gate,
     block_sparse_moe.experts.{e}.{w1,w3,w2} (gate, up, down). Shared experts: Qwen2-MoE
-    mlp.shared_expert.* with mlp.shared_expert_gate [1, h]; DeepSeek mlp.shared_experts.*."""
+    mlp.shared_expert.* with mlp.shared_expert_gate [1, h]; DeepSeek mlp.shared_experts.*.
+    DeepSeek-V3's router bias mlp.gate.e_score_correction_bias [E] is megatron's router.expert_bias."""
     h, f = arch.hidden_size, arch.moe_ffn_hidden_size
     if arch.family == "mixtral":
         moe, gate, up, down = _HF_LAYER + "block_sparse_moe.", "w1", "w3", "w2"
@@ -375,6 +387,21 @@ def _mlp_rules(arch: ModelArch) -> list[TensorRule]:
             "replicated",
             (arch.num_experts, h),
         ),
+    ]
+    if arch.moe_router_expert_bias:
+        # DeepSeek-V3's selection bias: megatron keeps it as the router's fp32 buffer (a tensor of
+        # the sharded state dict, not a parameter), added to the sigmoid scores for top-k only.
+        rules.append(
+            _rule(
+                "decoder.layers.mlp.router.expert_bias",
+                L + "router.expert_bias",
+                moe + "gate.e_score_correction_bias",
+                "copy",
+                "replicated",
+                (arch.num_experts,),
+            )
+        )
+    rules += [
         _rule(
             "decoder.layers.mlp.experts.experts.linear_fc1.weight",
             L + "experts.local_experts.{expert}.linear_fc1.weight",

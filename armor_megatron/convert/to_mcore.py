@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 import torch
@@ -21,7 +22,7 @@ from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import HFCheckpoint, TensorDigest
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir, write_metadata
 from armor_megatron.convert.progress import Progress, Summary
-from armor_megatron.convert.rules import TensorRule, hf_shapes, row_blocks, tensor_rules
+from armor_megatron.convert.rules import TensorRule, hf_shapes, is_mtp_tensor, row_blocks, tensor_rules
 from armor_megatron.convert.segments import FileSegment, total_bytes
 from armor_megatron.models import ModelArch
 
@@ -29,10 +30,20 @@ from armor_megatron.models import ModelArch
 _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
 
 
-def plan_hf_tensors(hf: HFCheckpoint) -> dict[TensorRule, torch.dtype]:
+def plan_hf_tensors(hf: HFCheckpoint, notice: Callable[[str], None] | None = None) -> dict[TensorRule, torch.dtype]:
     """Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
-    no weight would be dropped; return the dtype of each rule."""
+    no weight would be dropped; return the dtype of each rule. DeepSeek-V3's multi-token-prediction
+    layers are left out, said in one line to ``notice``."""
     arch, dtypes, used = hf.arch, {}, set()
+    mtp = [n for n in hf.tensors if is_mtp_tensor(arch, n)]
+    if mtp and notice is not None:
+        last = arch.num_layers + arch.mtp_layers - 1
+        layers = f"model.layers.{arch.num_layers}" + (f"..{last}" if last > arch.num_layers else "")
+        notice(
+            f"{hf.path}: ignoring the {len(mtp)} tensors of {arch.mtp_layers} multi-token-prediction "
+            f"layer(s) ({layers}): they are not part of the converted model"
+        )
+    used.update(mtp)
     for rule in tensor_rules(arch):
         for layer, expert in rule.indices(arch):
             for name, shape in zip(rule.hf(layer, expert), hf_shapes(arch, rule)):
@@ -77,7 +88,7 @@ def convert_hf_to_mcore(
             f"vocab_size={arch.vocab_size} is not divisible by tp={tp}: the model would pad "
             f"its embedding and this checkpoint (unpadded) would not load"
         )
-    dtypes = plan_hf_tensors(hf)
+    dtypes = plan_hf_tensors(hf, None if progress_stream is None else lambda line: print(line, file=progress_stream))
     chunks = torch_dist.chunks(arch)
     names = {c: c.rule.hf(c.layer, c.expert) for c in chunks}
     count = sum(len(n) for n in names.values())

@@ -60,6 +60,8 @@ linear_q_proj`` (or ``linear_q_down_proj`` + ``linear_q_up_proj.layer_norm_weigh
 the local spec's core attention is `local_mla_attention.LocalMLACoreAttention` (q/k and v head
 sizes differ). With dense first layers (``first_k_dense_replace``) megatron's ``moe_layer_freq`` is
 a list and every layer is stored under its own key, ``decoder.layers.{i}.<rest>`` (no layer axis).
+DeepSeek-V3's ``mlp.gate.e_score_correction_bias`` [E] is the router's fp32 buffer
+``mlp.router.expert_bias`` (a checkpoint tensor, not a parameter; never updated here).
 
 Besides these, every linear layer has a ``<same prefix>._extra_state`` entry (TE's fp8
 metadata; None under the local spec). The fused QKV rows are ordered per query group g:
@@ -241,6 +243,10 @@ def transformer_config_from_arch(
             moe_router_num_groups=arch.moe_router_num_groups or None,
             moe_router_group_topk=arch.moe_router_group_topk or None,
             moe_router_enable_expert_bias=arch.moe_router_expert_bias,
+            # DeepSeek-V3's selection bias stays as the checkpoint has it: megatron's aux-loss-free
+            # balancing would move it after every step (by 1e-3·sign(load error)), changing the
+            # policy's routing outside the loss (slime sets the same).
+            moe_router_bias_update_rate=0.0,
             moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size or None,
             moe_shared_expert_gate=arch.moe_shared_expert_gate,
         )

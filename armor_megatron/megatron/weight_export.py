@@ -4,7 +4,8 @@ Used for weight sync (trainer -> rollout engine) and for exporting a reference p
 rank must iterate the generator to the end (it drives collectives); rank 0 receives
 ``(hf_name, tensor)`` pairs, the others yield nothing.
 
-Per parameter of this rank's model chunks:
+Per parameter of this rank's model chunks (and per buffer that is an HF tensor: DeepSeek-V3's
+router ``expert_bias``, HF ``e_score_correction_bias``):
 
 1. it is split into Megatron tensors of one layer (and one expert) with global indices:
    ``decoder.layers.{i}`` -> the layer's global index (``layer_number − 1``); a local expert j
@@ -20,7 +21,9 @@ Per parameter of this rank's model chunks:
 
 2. tensor-parallel shards are all-gathered in the TP group (expert-TP group for experts) and
    merged with the converter's layout rules (``convert.tp_gather``); the padded vocabulary is
-   trimmed;
+   trimmed. A parameter its rule splits but every TP rank holds whole is taken as it is: the TE
+   spec's MLA down projections (``TELinear(parallel_mode="duplicated")``; the local spec splits
+   them by rows). Any other shape that is not the rule's TP shard refuses the export;
 3. one replica owns each full tensor: TP rank 0 of data-parallel (with context-parallel) rank 0,
    or for experts expert-TP rank 0 of expert-data-parallel rank 0. The owner maps it to HF
    names (the converter's rules) and ships it to rank 0 in buckets of at most ``bucket_bytes``
@@ -44,7 +47,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
-from armor_megatron.convert import ParamRef, resolve_param, tp_gather
+from armor_megatron.convert import ParamRef, resolve_param, tp_gather, tp_split
 from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
 from armor_megatron.models.arch import ModelArch
 
@@ -54,6 +57,7 @@ _SEQUENTIAL_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.(linear_fc[12
 _TE_GROUPED_EXPERT = re.compile(r"\.experts\.(linear_fc[12])\.weight(\d+)\Z")
 _LEGACY_GROUPED_EXPERTS = re.compile(r"\.experts\.weight([12])\Z")
 _LISTED = 8  # names shown per kind in an incompleteness error
+_EXPORTED_BUFFERS = (".router.expert_bias",)  # buffers that are HF tensors (e_score_correction_bias)
 
 
 class WeightExportError(RuntimeError):
@@ -71,9 +75,13 @@ class _Piece:
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
+    """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to all-gather
+    (False: each holds the whole tensor)."""
+
     tensor: torch.Tensor
     expert: bool
     pieces: tuple[_Piece, ...]
+    gather: bool = True
 
 
 def export_hf_weights(
@@ -126,7 +134,7 @@ def _plan(model_chunks, arch: ModelArch) -> list[_Param]:
             if hasattr(module, "decoder")
             else {}
         )
-        for name, param in module.named_parameters():
+        for name, param in _exported(module):
             if arch.tie_word_embeddings and name == "output_layer.weight":
                 continue
             match = _LAYER.search(name)
@@ -134,9 +142,41 @@ def _plan(model_chunks, arch: ModelArch) -> list[_Param]:
                 name = name.replace(match.group(0), f"decoder.layers.{layer_of[int(match.group(1))]}.", 1)
             tensor = param.detach()
             pieces = _expert_pieces(arch, name, tensor)
-            expert = pieces is not None
-            params.append(_Param(tensor, expert, pieces if expert else (_Piece(resolve_param(arch, name)),)))
+            if pieces is not None:
+                params.append(_Param(tensor, True, pieces))
+            else:
+                ref = resolve_param(arch, name)
+                params.append(_Param(tensor, False, (_Piece(ref),), _is_tp_shard(arch, ref, name, tensor)))
     return params
+
+
+def _exported(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters, then the buffers that are HF tensors too (DeepSeek-V3's router bias)."""
+    yield from module.named_parameters()
+    yield from ((n, b) for n, b in module.named_buffers() if n.endswith(_EXPORTED_BUFFERS) and b is not None)
+
+
+def _is_tp_shard(arch: ModelArch, ref: ParamRef, name: str, tensor: torch.Tensor) -> bool:
+    """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor: False when
+    the rule replicates it, and when a column/row rule's tensor is whole on every TP rank -- the
+    TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the local
+    spec splits them by rows. Any other shape is an error (a layout the rules do not describe)."""
+    from megatron.core import parallel_state as ps
+
+    rule, tp = ref.rule, ps.get_tensor_model_parallel_world_size()
+    if rule.tp == "replicated" or tp == 1:
+        return rule.tp != "replicated"
+    if rule.tp == "vocab":  # padded rows: checked by the gather
+        return True
+    shard = tuple(tp_split(arch, rule, torch.empty(rule.shape, device="meta"), tp)[0].shape)
+    if tuple(tensor.shape) == shard:
+        return True
+    if rule.tp in ("column", "row") and tuple(tensor.shape) == rule.shape:
+        return False
+    raise ValueError(
+        f"{name}: shape {tuple(tensor.shape)} is neither the tp={tp} shard {shard} of {rule.ckpt_key} nor its whole "
+        f"{rule.shape}"
+    )
 
 
 def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_Piece, ...] | None:
@@ -252,12 +292,13 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[s
 
     for p in params:
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
-        shards = _all_gather(p.tensor, group) if p.pieces[0].ref.rule.tp != "replicated" else [p.tensor]
+        shards = _all_gather(p.tensor, group) if p.gather else [p.tensor]
         if not _owns(p.expert):
             continue
         for piece in p.pieces:
             rule = piece.ref.rule
-            tensor = tp_gather(arch, rule, [piece.take(s) if piece.take else s for s in shards])
+            taken = [piece.take(s) if piece.take else s for s in shards]
+            tensor = tp_gather(arch, rule, taken) if p.gather else taken[0]
             if rule.tp == "vocab":
                 tensor = tensor[: arch.vocab_size]
             for hf_name, hf_tensor in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor)):

@@ -28,7 +28,10 @@ gives n·(d_nope + d_rope); kv_a(x) gives [c_kv (kv_lora_rank) | k_rope (d_rope,
 heads)]; kv_b(norm(c_kv)) gives n·(d_nope + d_v). Routing: V2 softmax over all experts then
 top-k (group-limited only where the group score is the group's best expert), V3 sigmoid + a
 selection bias, groups scored by their top-2 experts, top-k renormalised; both scaled by
-``routed_scaling_factor``. V3's multi-token-prediction layers are not part of the model here.
+``routed_scaling_factor``. V3's multi-token-prediction layers (``model.layers.{n}``, n ≥
+``num_hidden_layers``; ``mtp_layers`` of them) are not part of the model here: the converter skips
+them with a notice. The rope dims of q and k are interleaved (megatron's MLA reads them so; a V3
+config with ``rope_interleave: false`` is refused).
 """
 
 from __future__ import annotations
@@ -279,6 +282,10 @@ def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict, dict]:
     group_topk = int(cfg.get("topk_group") or groups)
     method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
     norm = bool(cfg.get("norm_topk_prob", v3))
+    if v3 and cfg.get("rope_interleave", True) is False:
+        raise UnsupportedModelError(
+            "deepseek_v3 with rope_interleave false is not supported (megatron's MLA takes the rope dims interleaved)"
+        )
     if v3:  # sigmoid scores + selection bias; groups ranked by the sum of their top-2 scores
         if method != "noaux_tc" or not norm:
             raise UnsupportedModelError("deepseek_v3 needs topk_method 'noaux_tc' with norm_topk_prob")

@@ -46,6 +46,30 @@ DEEPSEEK_V2_LITE_TINY = dict(
     },
 )
 
+# DeepSeek-V3's layout scaled down: q LoRA, sigmoid routing with a selection bias
+# (e_score_correction_bias), experts in 2 groups ranked by their top-2, top-k renormalised and
+# scaled, one shared expert, the first layer dense, one multi-token-prediction layer in the config
+# (transformers builds none; tests/convert/test_families.py appends its tensors).
+DEEPSEEK_V3_TINY = dict(
+    num_key_value_heads=4,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    head_dim=8,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    moe_intermediate_size=24,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    routed_scaling_factor=2.5,
+    num_nextn_predict_layers=1,
+)
+
 # family -> (transformers config class name, extra config)
 FAMILIES = {
     "llama": (
@@ -81,13 +105,13 @@ FAMILIES = {
     ),
 }
 MOE_FAMILIES = ("qwen3_moe", "mixtral", "qwen2_moe")
-# Built by save_tiny_model but not (yet) in FAMILIES: Megatron keeps DeepSeek's layers under
-# per-layer keys (dense and MoE layers differ), whose _extra_state objects the torch_dist writer
-# does not emit yet, so the converted checkpoint does not load in Megatron (tests/convert/test_families.py).
+# Built by save_tiny_model, tested end to end in tests/convert/test_families.py (MLA, mixed dense
+# and MoE layers under per-layer keys).
 DEEPSEEK_FAMILIES = {
     "deepseek": ("DeepseekV2Config", DEEPSEEK_V2_LITE_TINY),
     # V2-shaped attention (q LoRA rank) with every layer dense: homogeneous, stacked keys, TP=2
     "deepseek_dense": ("DeepseekV2Config", {**DEEPSEEK_V2_LITE_TINY, "q_lora_rank": 24, "first_k_dense_replace": 2}),
+    "deepseek_v3": ("DeepseekV3Config", DEEPSEEK_V3_TINY),
 }
 
 
@@ -107,8 +131,8 @@ def save_tokenizer(path: str) -> None:
 def save_tiny_model(family: str, path: str, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides) -> str:
     """Build a random ``family`` model with transformers and ``save_pretrained`` it to ``path``.
 
-    Every tensor is drawn at random (norm weights around 1), so a swapped or mis-ordered tensor
-    changes the logits."""
+    Every tensor is drawn at random (norm weights around 1; DeepSeek-V3's router bias buffer too),
+    so a swapped or mis-ordered tensor changes the logits."""
     import transformers
 
     config_cls, extra = {**FAMILIES, **DEEPSEEK_FAMILIES}[family]
@@ -118,6 +142,9 @@ def save_tiny_model(family: str, path: str, dtype: torch.dtype = torch.float32, 
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.normal_(1.0 if name.endswith("norm.weight") else 0.0, 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.1)
     model.to(dtype).save_pretrained(path)
     save_tokenizer(path)
     return path

@@ -11,7 +11,7 @@ local-spec GPTModel stage (fp32) at the given parallelism and checks that:
   parameter's global layer / expert index (the weight-sync direction of the same rules);
 * the last stage's logits match transformers' (EXPECTED_LOGITS) within 1e-4;
 * (``--save-dir DIR``) then saves the model with Megatron's own ``dist_checkpointing.save`` at
-  this parallelism into DIR/<family>, for the test to convert back to HF.
+  this parallelism into DIR/<name of HF_DIR>, for the test to convert back to HF.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def check_case(args, hf_dir: str, mcore_dir: str, expected_path: str) -> str:
         assert diff <= 1e-4, f"{arch.family}: logits differ from transformers by {diff}"
         result += f", logits max diff {diff:.2e}"
     if args.save_dir:
-        out = os.path.join(args.save_dir, arch.family)
+        out = os.path.join(args.save_dir, os.path.basename(os.path.normpath(hf_dir)))  # the test's model name
         if torch.distributed.get_rank() == 0:
             os.makedirs(out)
         torch.distributed.barrier()

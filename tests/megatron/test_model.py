@@ -223,3 +223,19 @@ def test_llama3_inv_freq_matches_transformers():
     config = LlamaConfig(**SMALL, rope_theta=500000.0, rope_scaling=LLAMA3_SCALING)
     ref, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     torch.testing.assert_close(llama3_inv_freq(ModelArch.from_hf_config(config.to_dict())), ref.float())
+
+
+def test_deepseek_v3_router_bias_is_enabled_and_frozen():
+    """The V3 selection bias is loaded (router.expert_bias) and megatron's aux-loss-free balancing
+    leaves it alone (update rate 0); V2 has none."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    from armor_megatron.megatron.model import transformer_config_from_arch
+    from tests.convert.conftest import DEEPSEEK_V2_LITE_TINY, DEEPSEEK_V3_TINY
+
+    v3 = ModelArch.from_hf_config(DeepseekV3Config(**{**SMALL, **DEEPSEEK_V3_TINY}).to_dict())
+    config = transformer_config_from_arch(v3, use_te=False)
+    assert (config.moe_router_enable_expert_bias, config.moe_router_bias_update_rate) == (True, 0.0)
+    assert (config.moe_router_score_function, config.moe_router_topk_scaling_factor) == ("sigmoid", 2.5)
+    v2 = ModelArch.from_hf_config(DeepseekV2Config(**{**SMALL, **DEEPSEEK_V2_LITE_TINY}).to_dict())
+    assert not transformer_config_from_arch(v2, use_te=False).moe_router_enable_expert_bias

@@ -55,8 +55,10 @@ def export_worker(rank, hf_dir, mcore_dir, layout):
         ("mixtral", dict(ep=2)),
         ("mistral", dict(tp=2)),
         ("qwen2_moe", dict(ep=2)),
+        ("deepseek_dense", dict(tp=2)),
+        ("deepseek_v3", dict(ep=2)),
     ],
-    ids=["qwen2-tp2", "qwen3-tp2pp2", "mixtral-ep2", "mistral-tp2", "qwen2_moe-ep2"],
+    ids=["qwen2-tp2", "qwen3-tp2pp2", "mixtral-ep2", "mistral-tp2", "qwen2_moe-ep2", "deepseek-tp2", "deepseek_v3-ep2"],
 )
 def test_export_gives_back_every_hf_tensor_exactly(tmp_path, family, layout):
     from armor_megatron.convert import convert_hf_to_mcore
@@ -184,3 +186,51 @@ def test_incompleteness_names_missing_duplicated_and_unexpected_names_truncated(
         "11 missing: t8, t10, t11, t12, t13, t14, t15, t16, … (+3 more); 1 duplicated: t0 (ranks 0, 0); 1 unexpected: x"
     )
     assert incompleteness(expected, {0: expected, 3: ["t5"]}) == "1 duplicated: t5 (ranks 0, 3)"
+
+
+def duplicated_down_projections_worker(rank, hf_dir, mcore_dir):
+    """tp=2 DeepSeek with the MLA down projections whole on both TP ranks, as the TE spec builds
+    them (TELinear(parallel_mode="duplicated"); Transformer Engine needs CUDA, so the local spec's
+    row shards are replaced by the gathered tensor): the export must be exact. Then one rank's
+    down projection gets a shape that is neither: every rank must refuse."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from armor_megatron.megatron.weight_export import WeightExportError, export_to_list
+
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, dict(tp=2))
+    group = ps.get_tensor_model_parallel_group()
+    replaced = []
+    for layer in chunks[0].decoder.layers:
+        attention = layer.self_attention
+        for proj in (attention.linear_q_down_proj, attention.linear_kv_down_proj):
+            shards = [torch.empty_like(proj.weight) for _ in range(2)]
+            dist.all_gather(shards, proj.weight.detach().contiguous(), group=group)
+            proj.weight = torch.nn.Parameter(torch.cat(shards))
+            replaced.append(tuple(proj.weight.shape))
+    exported = export_to_list(chunks, arch)
+    proj = chunks[0].decoder.layers[0].self_attention.linear_kv_down_proj
+    if rank == 1:
+        proj.weight = torch.nn.Parameter(proj.weight[:-1].detach().clone())
+    with pytest.raises(WeightExportError) as refused:
+        export_to_list(chunks, arch)
+    return exported, replaced, str(refused.value)
+
+
+def test_te_duplicated_mla_down_projections_export_exactly(tmp_path):
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.models import ModelArch
+
+    hf_dir = save_tiny_model("deepseek_dense", str(tmp_path / "hf"))
+    convert_hf_to_mcore(hf_dir, str(tmp_path / "mcore"), progress_stream=None)
+    arch = ModelArch.from_hf_dir(hf_dir)
+    results = run_ranks(duplicated_down_projections_worker, 2, hf_dir, str(tmp_path / "mcore"), timeout=300)
+    h, kv_rows = arch.hidden_size, arch.kv_lora_rank + arch.qk_rope_head_dim
+    for _, replaced, refused in results:
+        assert replaced == [(arch.q_lora_rank, h), (kv_rows, h)] * arch.num_layers
+        assert refused.endswith(
+            f"nothing was pushed: rank 1: decoder.layers.0.self_attention.linear_kv_down_proj.weight: shape "
+            f"({kv_rows - 1}, {h}) is neither the tp=2 shard ({kv_rows // 2}, {h}) of "
+            f"decoder.layers.self_attention.linear_kv_down_proj.weight nor its whole ({kv_rows}, {h})"
+        )
+    assert_exact(results[0][0], hf_tensors(hf_dir))

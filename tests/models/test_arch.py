@@ -141,6 +141,8 @@ def test_deepseek_v3_routing_and_mtp():
     # megatron-core ranks groups by their top (topk // topk_group) experts; V3 by its top 2
     with pytest.raises(UnsupportedModelError, match="top-2"):
         ModelArch.from_hf_config({**cfg.to_dict(), "topk_group": 2})
+    with pytest.raises(UnsupportedModelError, match="rope_interleave false"):
+        ModelArch.from_hf_config({**cfg.to_dict(), "rope_interleave": False})
 
 
 def test_deepseek_v2_group_limited_routing_only_where_megatron_matches():

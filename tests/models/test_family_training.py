@@ -1,6 +1,6 @@
-"""A 3-step ``armor-train`` run on CPU for each family added after the first five: the tiny CPU
-config with ``model.arch`` swapped for a tiny model of the family (converted, trained with
-weight sync to the local engine every step)."""
+"""A 3-step ``armor-train`` run on CPU for each family added after the first five (Mistral,
+Qwen2-MoE, DeepSeek-V2-Lite's layout): the tiny CPU config with ``model.arch`` swapped for a tiny
+model of the family (converted, trained with weight sync to the local engine every step)."""
 
 import os
 import subprocess
@@ -36,6 +36,30 @@ ARCHS = {
             "model.arch.norm_topk_prob=false",
         ],
         # MoE with tp > 1 needs sequence parallelism (Transformer Engine): experts over ep instead
+        ["parallelism.tp=1", "parallelism.ep=2"],
+    ),
+    # DeepSeek-V2-Lite's layout (MLA without q LoRA, YaRN, first layer dense, routed + 2 shared experts)
+    "deepseek": (
+        [
+            "model.arch.model_type=deepseek_v2",
+            "model.arch.architectures=[DeepseekV2ForCausalLM]",
+            "model.arch.num_key_value_heads=4",
+            "model.arch.q_lora_rank=null",
+            "model.arch.kv_lora_rank=32",
+            "model.arch.qk_nope_head_dim=16",
+            "model.arch.qk_rope_head_dim=8",
+            "model.arch.head_dim=8",
+            "model.arch.v_head_dim=16",
+            "model.arch.n_routed_experts=4",
+            "model.arch.n_shared_experts=2",
+            "model.arch.num_experts_per_tok=2",
+            "model.arch.moe_intermediate_size=24",
+            "model.arch.first_k_dense_replace=1",
+            "model.arch.topk_method=greedy",
+            "model.arch.norm_topk_prob=false",
+            "model.arch.rope_scaling={rope_type: yarn, factor: 4.0, original_max_position_embeddings: 64, "
+            "beta_fast: 32.0, beta_slow: 1.0, mscale: 0.707, mscale_all_dim: 0.707}",
+        ],
         ["parallelism.tp=1", "parallelism.ep=2"],
     ),
 }
