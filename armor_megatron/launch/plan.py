@@ -69,6 +69,9 @@ class LaunchOptions:
     container_image: str | None = None  # pyxis/enroot: srun --container-image
     container_mounts: str | None = None
     signal_grace_s: int = 120  # sbatch --signal=B:USR1@<this>; torchrun's worker shutdown timeout
+    # CPU cores per GPU for --cpus-per-task (a task gets this many per GPU it drives); without it
+    # srun gives each task one core, which starves data loading, reward workers and the engines
+    cpus_per_gpu: int | None = None
 
     def __post_init__(self):
         if self.launcher not in LAUNCHERS:
@@ -79,6 +82,8 @@ class LaunchOptions:
             )
         if self.signal_grace_s < 1:
             raise LaunchPlanError(f"signal grace {self.signal_grace_s}s must be >= 1")
+        if self.cpus_per_gpu is not None and self.cpus_per_gpu < 1:
+            raise LaunchPlanError(f"cpus per GPU {self.cpus_per_gpu} must be >= 1")
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], launcher: str | None = None) -> LaunchOptions:
@@ -95,6 +100,7 @@ class LaunchOptions:
             container_image=env.get("ARMOR_CONTAINER_IMAGE") or None,
             container_mounts=env.get("ARMOR_CONTAINER_MOUNTS") or None,
             signal_grace_s=int(grace),
+            cpus_per_gpu=_cpus_per_gpu(env),
         )
 
 
@@ -306,7 +312,8 @@ def _engine_step(
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
-    srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}", *_srun_common(opts)]
+    srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
+    srun += _cpus_per_task(opts, sg.tp_per_engine) + _srun_common(opts)
     url = f"http://{'[' + url_host + ']' if ':' in url_host else url_host}:{port}"
     return EngineStep(index, group, node, gpus, port, url, tuple(srun + server))
 
@@ -334,7 +341,7 @@ def _trainer_command(
     ]
     if overlap:
         srun.append("--overlap")
-    srun += _srun_common(opts)
+    srun += _cpus_per_task(opts, 1 if opts.launcher == "srun" else per_node) + _srun_common(opts)
     if opts.launcher == "srun":
         return tuple(srun + list(opts.train_entry) + args)
     entry = list(opts.train_entry)
@@ -353,6 +360,24 @@ def _trainer_command(
         f"--shutdown-timeout={opts.signal_grace_s}",
     ]
     return tuple(srun + torchrun + entry + args)
+
+
+def _cpus_per_gpu(env: Mapping[str, str]) -> int | None:
+    """``ARMOR_CPUS_PER_GPU``, else the allocation's cores per GPU (``SLURM_CPUS_ON_NODE`` over
+    ``SLURM_GPUS_ON_NODE``), else None (srun's default)."""
+    explicit = env.get("ARMOR_CPUS_PER_GPU")
+    if explicit is not None:
+        if not explicit.isdigit():
+            raise LaunchPlanError(f"ARMOR_CPUS_PER_GPU={explicit!r} is not a number of cores")
+        return int(explicit)
+    cpus, gpus = env.get("SLURM_CPUS_ON_NODE", ""), env.get("SLURM_GPUS_ON_NODE", "")
+    if cpus.isdigit() and gpus.isdigit() and int(gpus) > 0:
+        return max(1, int(cpus) // int(gpus))
+    return None
+
+
+def _cpus_per_task(opts: LaunchOptions, gpus: int) -> list[str]:
+    return [] if opts.cpus_per_gpu is None else [f"--cpus-per-task={opts.cpus_per_gpu * gpus}"]
 
 
 def _srun_common(opts: LaunchOptions) -> list[str]:

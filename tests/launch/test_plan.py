@@ -365,3 +365,21 @@ def test_the_api_key_reaches_engines_by_environment_and_is_never_printed(load):
         "sglang.launch_server" in no_key.engines[0].command
         and "armor_megatron.rollout.sglang.launcher" not in no_key.engines[0].command
     )
+
+
+def test_every_task_gets_the_cores_of_its_gpus(load):
+    """Without --cpus-per-task srun confines a task to one core: each rank gets the allocation's
+    cores per GPU, a torchrun task those of all its ranks, an engine those of its tp GPUs."""
+    cfg = load("qwen25_math_7b_dapo_armor")
+    env = {**TWO_NODES, "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "node01", "SLURM_CPUS_ON_NODE": "96"}
+    plan = plan_job(cfg, env, train_args=ARGS)
+    assert "--cpus-per-task=12" in plan.trainer_command  # srun: one task per GPU, 96 / 8 cores each
+    tp = cfg.rollout.sglang.tp_per_engine
+    assert all(f"--cpus-per-task={12 * tp}" in e.command for e in plan.engines)
+    torchrun = plan_job(cfg, env, train_args=ARGS, options=LaunchOptions.from_environ(env, launcher="torchrun"))
+    per_node = cfg.launch.gpus_per_node - cfg.launch.engine_gpus
+    assert f"--cpus-per-task={12 * per_node}" in torchrun.trainer_command
+    explicit = LaunchOptions.from_environ({**env, "ARMOR_CPUS_PER_GPU": "4"})
+    assert "--cpus-per-task=4" in plan_job(cfg, env, train_args=ARGS, options=explicit).trainer_command
+    with pytest.raises(LaunchPlanError, match="ARMOR_CPUS_PER_GPU='many' is not a number of cores"):
+        LaunchOptions.from_environ({"ARMOR_CPUS_PER_GPU": "many"})
