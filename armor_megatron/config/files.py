@@ -14,7 +14,7 @@ import os
 from armor_megatron.config.identity import check_run_identity
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.data.prompts import peek_rows
+from armor_megatron.data.prompts import ground_truth_column, peek_rows
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
@@ -67,8 +67,9 @@ def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(key, f"{path}: row {i} is {type(row).__name__}, not an object with columns")
+        present = {data.prompt_key: data.prompt_key in row, data.answer_key: ground_truth_column(row, data.answer_key)}
         for column, setting in ((data.prompt_key, "data.prompt_key"), (data.answer_key, "data.answer_key")):
-            if column not in row:
+            if not present[column]:
                 raise ConfigError(
                     key, f"{path}: row {i} has no {column!r} column ({setting}; columns: {', '.join(sorted(row))})"
                 )

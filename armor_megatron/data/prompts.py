@@ -1,7 +1,9 @@
 """Prompt datasets (JSONL or Parquet) and a resumable, seeded prompt loader.
 
 A row is ``{prompt_key: str | chat messages, answer_key: Any, type_key: optional verifier name}``;
-extra columns are kept in ``PromptRow.extra``. The loader walks a seeded permutation per epoch
+a row without the answer column may carry its ground truth in ``label`` instead (safety rows:
+``harmful`` / ``benign``), so one mixed-domain file needs no placeholder answers. Extra columns
+are kept in ``PromptRow.extra``. The loader walks a seeded permutation per epoch
 and its ``state_dict()`` (epoch, position) is saved in checkpoints so a resumed run sees
 exactly the prompts the uninterrupted run would have seen.
 """
@@ -15,6 +17,15 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safety rows)
+
+
+def ground_truth_column(row: dict, answer_key: str) -> str | None:
+    """The column holding a row's ground truth: ``answer_key``, else ``label``; None if neither."""
+    if answer_key in row:
+        return answer_key
+    return LABEL_KEY if LABEL_KEY in row else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,11 +106,12 @@ class PromptDataset:
         self.path = path
         self.rows = []
         for i, row in enumerate(rows):
-            for key in (prompt_key, answer_key):
-                if key not in row:
+            truth = ground_truth_column(row, answer_key)
+            for key, present in ((prompt_key, prompt_key in row), (answer_key, truth is not None)):
+                if not present:
                     raise ValueError(f"{path}: row {i} has no {key!r} column (columns: {', '.join(sorted(row))})")
-            extra = {k: v for k, v in row.items() if k not in (prompt_key, answer_key, type_key)}
-            self.rows.append(PromptRow(i, row[prompt_key], row[answer_key], row.get(type_key), extra))
+            extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
+            self.rows.append(PromptRow(i, row[prompt_key], row[truth], row.get(type_key), extra))
 
     def keep(self, predicate) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);

@@ -125,6 +125,7 @@ def collect_groups(
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
+    metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
     if anchors:
         metrics.update(
             {
@@ -136,6 +137,18 @@ def collect_groups(
             }
         )
     return batch, metrics
+
+
+def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
+    """``rollout/accuracy/<verifier>``: on-policy accuracy of the groups each verifier scores
+    (mixed-domain datasets route rows by their ``type``); accuracy and is_anchor are [P, G]."""
+    out = {}
+    for name in dict.fromkeys(verifiers):
+        rows = torch.tensor([v == name for v in verifiers])
+        on_policy = ~is_anchor[rows]
+        if on_policy.any():
+            out[f"rollout/accuracy/{name}"] = accuracy[rows][on_policy].mean().item()
+    return out
 
 
 def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:

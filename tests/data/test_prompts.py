@@ -62,3 +62,17 @@ def test_rows_left_out_keep_the_others_file_indices(tmp_path):
     assert dataset.keep(lambda row: len(row.prompt) <= 10) == 2
     loader = PromptLoader(dataset, batch_size=3, shuffle=False)
     assert [(r.index, r.answer) for r in loader.next_batch()] == [(0, 3), (2, 5), (0, 3)]
+
+
+def test_a_row_without_an_answer_column_takes_its_label(tmp_path):
+    path = tmp_path / "mixed.jsonl"
+    path.write_text(
+        '{"prompt": "1+1=", "answer": "2", "type": "math"}\n'
+        '{"prompt": "How do I pick a lock?", "label": "harmful", "type": "safety"}\n'
+    )
+    rows = PromptDataset(str(path)).rows
+    assert [(r.answer, r.verifier) for r in rows] == [("2", "math"), ("harmful", "safety")]
+    assert "label" not in rows[1].extra
+    path.write_text('{"prompt": "x", "type": "safety"}\n')
+    with pytest.raises(ValueError, match="row 0 has no 'answer' column"):
+        PromptDataset(str(path))

@@ -207,3 +207,15 @@ def test_length_and_reward_spread_metrics(setup):
     assert metrics["rollout/reward_min"] == batch["rewards"].min().item()
     assert metrics["rollout/reward_max"] == batch["rewards"].max().item()
     assert metrics["rollout/reward_std"] == pytest.approx(batch["rewards"].std(unbiased=False).item())
+
+
+def test_accuracy_per_domain_covers_the_on_policy_rows_of_each_verifier(setup, verifiers):
+    tok, policy, sampler, rows = setup
+    rows = [dataclasses.replace(r, verifier="test_never") if i % 2 else r for i, r in enumerate(rows)]
+    batch, metrics = _collect((tok, policy, sampler, rows), AnchorCache(sampler))
+    assert metrics["rollout/accuracy/test_never"] == 0.0
+    on_policy = ~batch["is_anchor"].view(len(rows), G)
+    acc = batch["accuracy"].view(len(rows), G)
+    default = [i for i in range(len(rows)) if i % 2 == 0]
+    expected = acc[default][on_policy[default]].mean().item()
+    assert metrics["rollout/accuracy/test_starts_with"] == pytest.approx(expected)
