@@ -86,7 +86,7 @@ class DynamicSampler:
     def stats(self) -> dict[str, float]:
         """rounds, groups seen, and the kept share (1 − share of all-equal groups)."""
         return {
-            "dynamic_sampling_rounds": float(self.rounds),
-            "dynamic_sampling_groups_seen": float(self.groups_seen),
-            "dynamic_sampling_keep_rate": self.groups_kept / max(self.groups_seen, 1),
+            "dynamic_sampling/rounds": float(self.rounds),
+            "dynamic_sampling/groups_seen": float(self.groups_seen),
+            "dynamic_sampling/keep_rate": self.groups_kept / max(self.groups_seen, 1),
         }

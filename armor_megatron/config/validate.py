@@ -24,11 +24,19 @@ def validate_run_config(cfg: RunConfig) -> None:
 
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
-    """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None."""
+    """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None.
+    A ``model.arch`` given beside a config.json is checked too (it describes the model to build
+    in tiny runs and may not be contradictory nonsense), whether or not the file exists yet."""
     source = hf_config_of(cfg)
     if source is None:
         return None
-    hf_config, key, where = source
+    if cfg.model.arch and source[1] != "model.arch":
+        check_hf_config(cfg.model.arch, "model.arch")
+        _arch_from(cfg.model.arch, "model.arch", "")
+    return _arch_from(*source)
+
+
+def _arch_from(hf_config: dict, key: str, where: str) -> ModelArch:
     try:
         return ModelArch.from_hf_config(hf_config)
     except UnsupportedModelError as err:

@@ -156,18 +156,6 @@ LINE_FIELDS = (
 )
 PHASES = ("rollout", "logprobs", "values", "update", "weight_sync", "eval", "reference_reset", "checkpoint")
 BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
-RENAMED_PREFIXES = {"dynamic_sampling_": "dynamic_sampling/"}  # flat keys into their namespace
-
-
-def namespaced(metrics: Mapping[str, Any]) -> dict:
-    """``dynamic_sampling_rounds`` -> ``dynamic_sampling/rounds`` (every other key unchanged)."""
-    out = {}
-    for key, value in metrics.items():
-        for flat, namespace in RENAMED_PREFIXES.items():
-            if key.startswith(flat):
-                key = namespace + key.removeprefix(flat)
-        out[key] = value
-    return out
 
 
 def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
@@ -224,8 +212,8 @@ class StepReporter:
         return step % self.every_steps == 0 or any(k.startswith("eval/") for k in metrics)
 
     def report(self, step: int, metrics: Mapping[str, Any]) -> dict:
-        """Log and show one step; returns the metrics as logged (namespaced keys)."""
-        metrics = namespaced(metrics)
+        """Log and show one step; returns the metrics as logged."""
+        metrics = dict(metrics)
         if self.logger is not None and self.should_log(step, metrics):
             self.logger.log(step, metrics)
         if self.bar is not None:

@@ -31,9 +31,9 @@ def test_sampler_fills_target_over_rounds_and_pads():
     assert out["row_id"].tolist() == [2, 3, 4, 5, 8, 9] and out["text"][0] == "r2"
     assert out["tokens"].shape == (6, 3) and out["tokens"][0].tolist() == [1, 1, 0]
     assert sampler.stats() == {
-        "dynamic_sampling_rounds": 2.0,
-        "dynamic_sampling_groups_seen": 5.0,
-        "dynamic_sampling_keep_rate": 3 / 5,
+        "dynamic_sampling/rounds": 2.0,
+        "dynamic_sampling/groups_seen": 5.0,
+        "dynamic_sampling/keep_rate": 3 / 5,
     }
 
 

@@ -81,8 +81,8 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
         # the engine sampled with exactly the trainer's weights (weight sync after every step)
         assert m["rollout/logprob_abs_diff"] < 1e-5
         # dynamic sampling (on by default): every kept group has signal, the batch came from >= 1 round
-        assert m["dynamic_sampling_rounds"] >= 1 and m["dynamic_sampling_groups_seen"] >= 8
-        assert 0.0 < m["dynamic_sampling_keep_rate"] <= 1.0 and "train/skipped_no_signal" not in m
+        assert m["dynamic_sampling/rounds"] >= 1 and m["dynamic_sampling/groups_seen"] >= 8
+        assert 0.0 < m["dynamic_sampling/keep_rate"] <= 1.0 and "train/skipped_no_signal" not in m
         # π_ref's tokens since the last step include this step's misses (and pre-generated anchors)
         assert m["anchor/reference_tokens"] >= m["anchor/generated_tokens"] and m["anchor/generation_cost"] >= 1.0
     assert_anchors_found_and_trained_on(metrics)

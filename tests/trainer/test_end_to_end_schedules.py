@@ -35,8 +35,8 @@ def test_no_signal_steps_are_skipped_and_validation_best_waits_for_the_start_eva
         m = metrics[step]
         # all groups scored 0: dynamic sampling drew 1 + max_oversample_rounds rounds, kept none
         assert m["train/skipped_no_signal"] == 1.0 and "train/loss" not in m and "train/tokens" not in m
-        assert m["dynamic_sampling_rounds"] == 2.0 and m["dynamic_sampling_groups_seen"] == 16.0
-        assert m["dynamic_sampling_keep_rate"] == 0.0
+        assert m["dynamic_sampling/rounds"] == 2.0 and m["dynamic_sampling/groups_seen"] == 16.0
+        assert m["dynamic_sampling/keep_rate"] == 0.0
         assert m["anchor/found_rate"] == 0.0 and m["anchor/dropped"] == 0.0
     # pass@1 is 0 at steps 0, 1 and 2: never better than the evaluation before training, which the
     # schedule saw (observe_start); without it step 1's first evaluation would count as a new best

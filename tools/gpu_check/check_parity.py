@@ -71,9 +71,9 @@ def response_positions(tokens, lengths):
 
 def megatron_logprobs(arch, mcore_dir: str, tokens, lengths, dtype):
     """The package's GPTModel in `dtype` on this process's device, through ``compute_logprobs``."""
-    from armor_megatron.megatron.checkpoint import load_model_weights
     from armor_megatron.megatron.logprobs import compute_logprobs
     from armor_megatron.megatron.model import build_gpt_model
+    from armor_megatron.megatron.model_state import load_model_weights
 
     model = build_gpt_model(arch, dtype=dtype, use_te=False)
     load_model_weights([model], mcore_dir)
