@@ -228,7 +228,7 @@ def train(name: str, base: TinyPolicy, train_prompts, val_prompts, args) -> dict
                 f"{step:>5} {m['train_acc']:>8.3f} {m['val_acc']:>7.3f} {m.get('entropy', 0):>8.3f} "
                 f"{m.get('clip_frac_low', 0):>8.4f} {m.get('clip_frac_high', 0):>8.4f} "
                 f"{m.get('approx_kl_ref', 0):>7.3f} {m['anchor_found']:>7.2f} {m.get('anchor_zero_adv', 0):>7.2f} "
-                f"{m['dynamic_sampling_keep_rate']:>5.2f} {'yes' if did_reset else '':>5}"
+                f"{m['dynamic_sampling/keep_rate']:>5.2f} {'yes' if did_reset else '':>5}"
             )
     return m
 
