@@ -244,6 +244,19 @@ class TrainConfig:
     recompute_num_layers: int = checked(
         1, check=at_least(1), help="full: layers per recomputed unit (uniform) or recomputed layers per chunk (block)"
     )
+    max_tokens_per_micro_batch: int | None = checked(
+        None,
+        check=lambda n: None if n is None or n >= 1 else f"{n!r} must be >= 1 or null",
+        help="token-budget micro-batches: rows packed back to back (THD) into micro-batches of at most this many "
+        "tokens, data-parallel ranks balanced by tokens; null: micro_batch_size padded rows per micro-batch. Must "
+        "hold rollout.max_prompt_len + rollout.max_response_len",
+    )
+    forward_max_tokens_per_micro_batch: int | None = checked(
+        None,
+        check=lambda n: None if n is None or n >= 1 else f"{n!r} must be >= 1 or null",
+        help="the same for the no-grad log-prob / value forwards (they keep no activations, so it can be larger); "
+        "null: max_tokens_per_micro_batch",
+    )
 
 
 @dataclasses.dataclass

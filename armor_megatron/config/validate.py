@@ -14,6 +14,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
     _check_lengths_fit_context(cfg)
+    _check_token_budget(cfg)
     _check_rollout(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
@@ -191,6 +192,31 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
                 f"{response} + rollout.max_prompt_len={prompt} = {prompt + response} tokens exceed the model's "
                 f"context of {context} (max_position_embeddings); the engine would refuse every such request",
             )
+
+
+def _check_token_budget(cfg: RunConfig) -> None:
+    """A packed micro-batch holds whole rows: each token budget must fit the longest train row,
+    rollout.max_prompt_len + rollout.max_response_len tokens (under sequence parallelism within
+    the budget rounded down to a multiple of tp, as packs are padded to one)."""
+    longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    multiple = cfg.parallelism.tp if cfg.parallelism.sp else 1
+    train = cfg.train
+    for key, budget in (
+        ("train.max_tokens_per_micro_batch", train.max_tokens_per_micro_batch),
+        ("train.forward_max_tokens_per_micro_batch", train.forward_max_tokens_per_micro_batch),
+    ):
+        if budget is not None and budget // multiple * multiple < longest:
+            raise ConfigError(
+                key,
+                f"{budget} tokens cannot hold a row of rollout.max_prompt_len + rollout.max_response_len = {longest} "
+                "tokens" + (f" (packs are padded to a multiple of tp={multiple})" if multiple > 1 else ""),
+            )
+    if train.forward_max_tokens_per_micro_batch is not None and train.max_tokens_per_micro_batch is None:
+        raise ConfigError(
+            "train.forward_max_tokens_per_micro_batch",
+            "needs train.max_tokens_per_micro_batch (token-budget micro-batches are on for training and forwards "
+            "together)",
+        )
 
 
 def _check_rollout(cfg: RunConfig) -> None:

@@ -21,7 +21,9 @@ DDP, optimizer, LR schedule, guard, micro-batching and the guarded optimizer ste
 ``train_step(batch)``: the batch is identical on every rank; rows are split over data-parallel
 ranks (contiguous shares whose sizes differ by at most one), each share over micro-batches
 of ``micro_batch_size`` rows run through megatron's pipeline schedule with gradient
-accumulation. Keys (N rows, L positions):
+accumulation -- or with ``token_budget`` (`microbatch.TokenBudget`) balanced over ranks by
+tokens and packed into micro-batches of at most ``token_budget.train`` tokens (log-prob
+forwards: ``token_budget.forward``). Keys (N rows, L positions):
 
     input_ids      [N, L] long    prompt + response tokens, any padding beyond `lengths`
     lengths        [N]    long    true lengths
@@ -65,6 +67,7 @@ from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_nor
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
+from armor_megatron.megatron.microbatch import TokenBudget
 from armor_megatron.megatron.model import Recompute
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
@@ -89,6 +92,7 @@ class MegatronActor(TrainedModel):
         use_te: bool | None = None,
         stability: StabilityConfig | None = None,
         recompute: Recompute | None = None,
+        token_budget: TokenBudget | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -103,6 +107,7 @@ class MegatronActor(TrainedModel):
             use_te=use_te,
             stability=stability,
             recompute=recompute,
+            token_budget=token_budget,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
@@ -115,6 +120,7 @@ class MegatronActor(TrainedModel):
             vocab_size=self.arch.vocab_size,
             temperature=self.temperature,
             with_entropy=with_entropy,
+            max_tokens=self.token_budget.forward,
         )
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:

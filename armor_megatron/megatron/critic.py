@@ -53,7 +53,7 @@ from armor_megatron.algo.value_loss import ValueLossConfig, explained_variance_f
 from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
-from armor_megatron.megatron.microbatch import MicroBatch
+from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget
 from armor_megatron.megatron.model import Recompute, build_model_chunks, resolve_dtype
 from armor_megatron.megatron.model_state import load_model_weights
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
@@ -89,8 +89,9 @@ class ValueHead(torch.nn.Module):
 
 
 def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """The value head's output [b, s, 1] of a micro-batch -> values [b, s] per predicted token."""
-    return shift_to_predicted(output.squeeze(-1).float(), mb)
+    """The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
+    [b, mb.width] per predicted token."""
+    return shift_to_predicted(mb.unpack(output.squeeze(-1).float()), mb)
 
 
 class MegatronCritic(TrainedModel):
@@ -111,6 +112,7 @@ class MegatronCritic(TrainedModel):
         use_te: bool | None = None,
         stability=None,
         recompute: Recompute | None = None,
+        token_budget: TokenBudget | None = None,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
@@ -126,6 +128,7 @@ class MegatronCritic(TrainedModel):
             use_te=use_te,
             stability=stability,
             recompute=recompute,
+            token_budget=token_budget,
         )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
@@ -158,6 +161,7 @@ class MegatronCritic(TrainedModel):
             micro_batch_size=self.micro_batch_size,
             names=("values",),
             collect=lambda mb, output: (token_values(output, mb),),
+            max_tokens=self.token_budget.forward,
         )["values"]
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:

@@ -10,7 +10,8 @@ MLA layer spec (CPU, and GPU runs without TE):
     probs  = softmax(scores + causal mask (+ the given mask)), in fp32
     out    = probs · v                  v [sk, b, n, d_v] -> [sq, b, n·d_v]
 
-``attention_mask`` follows megatron: True marks a position that may not be attended to.
+``attention_mask`` follows megatron: True marks a position that may not be attended to. Packed
+(THD) micro-batches run segment by segment (`packed_attention.attend_per_segment`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import math
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
+
+from armor_megatron.megatron.packed_attention import attend_per_segment
 
 
 class LocalMLACoreAttention(MegatronModule):
@@ -56,8 +59,13 @@ class LocalMLACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("LocalMLACoreAttention supports neither packed sequences nor attention bias")
+        if attention_bias is not None:
+            raise ValueError("LocalMLACoreAttention does not support attention bias")
+        if packed_seq_params is not None:  # THD: q, k, v [t, n, d], see packed_attention
+            if attention_mask is not None:
+                raise ValueError("packed sequences take no attention_mask: segments are bounded by cu_seqlens")
+            dense = lambda q, k, v: self.forward(q, k, v, None, attn_mask_type)  # noqa: E731
+            return attend_per_segment(dense, query, key, value, packed_seq_params)
         sq, b, n, _ = query.shape
         sk = key.shape[0]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))  # [b, n, s, d]

@@ -49,6 +49,7 @@ from armor_megatron.megatron.microbatch import (
     MicroBatch,
     data_parallel_shares,
     filler_microbatch,
+    local_packed_microbatches,
     padded_rows,
     round_up,
     sequence_multiple,
@@ -189,28 +190,31 @@ class LogProbs:
 
 
 def model_forward(model, mb: MicroBatch) -> torch.Tensor:
-    """One stage's forward: logits [b, s, V_local] on the last stage, hidden states elsewhere."""
+    """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage,
+    hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``)."""
     device = _device_of(model)
-    return model(mb.tokens.to(device), mb.position_ids.to(device), None)
+    return model(mb.tokens.to(device), mb.position_ids.to(device), None, packed_seq_params=mb.packed_seq_params(device))
 
 
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, s] of a micro-batch from its logits [b, s, V_local]; column 0 and padding are 0.
+    """Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
+    [1, t, V_local] packed); column 0 and padding are 0.
 
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
     are read whole (slicing off the last position would force a copy of [b, s−1, V_local]); the
-    last position gets a placeholder label and its value is dropped.
+    last position of each sequence gets a placeholder label (the next token, or 0) and its value
+    is dropped.
     """
     from megatron.core import parallel_state
 
     tokens = mb.tokens.to(logits.device)
     labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # [b, s]
     lp, ent = vocab_parallel_logprobs(logits, labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
-    return shift_to_predicted(lp, mb), (shift_to_predicted(ent, mb) if ent is not None else None)
+    return shift_to_predicted(mb.unpack(lp), mb), (shift_to_predicted(mb.unpack(ent), mb) if ent is not None else None)
 
 
 def shift_to_predicted(x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """[b, s] per-position outputs -> [b, s] indexed by the token they predict.
+    """[b, s] per-position outputs (unpacked, ``mb.unpack``) -> [b, s] indexed by the token they predict.
 
     The output at t (from tokens ≤ t) belongs to token t + 1: it is kept when t + 1 < length and
     moved right by one, so position 0 and positions ≥ length hold 0.
@@ -229,11 +233,14 @@ def compute_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
+    max_tokens: int | None = None,
 ) -> LogProbs:
     """Per-token log-probs (and entropy) of `input_ids` [B, T] with true `lengths` [B].
 
     `model_chunks`: this rank's model (a list of VPP chunks, or one model). `vocab_size`: the
-    HF vocabulary (padding columns are excluded). Same result on every rank.
+    HF vocabulary (padding columns are excluded). `max_tokens`: packed micro-batches of at most
+    that many tokens instead of `micro_batch_size` rows (see `forward_only`). Same result on
+    every rank.
     """
     kwargs = dict(
         vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements
@@ -246,6 +253,7 @@ def compute_logprobs(
         micro_batch_size=micro_batch_size,
         names=names,
         collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)],
+        max_tokens=max_tokens,
     )
     return LogProbs(out["logprobs"], out.get("entropy"))
 
@@ -258,38 +266,49 @@ def forward_only(
     micro_batch_size: int,
     names: Sequence[str],
     collect: Callable[[MicroBatch, torch.Tensor], Sequence[torch.Tensor]],
+    max_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
     schedule, forward only, no grad, and gather per-token results on every rank.
 
-    Each data-parallel rank runs only its share of the rows, ceil(B / dp) of them (padded with
-    one-token rows, so every rank runs as many micro-batches: the expert all-to-alls of an MoE
-    model span these ranks); the shares are then all-gathered over data parallelism.
-    ``collect(mb, output)`` turns the last stage's output for a micro-batch into one [b, s]
-    tensor per entry of `names`; they are written into fp32 zeros at the micro-batch's rows and
-    broadcast from the last pipeline stage. Returns {name: [B, T]}, the same on every rank.
+    Each data-parallel rank runs only its share of the rows: ceil(B / dp) consecutive rows in
+    micro-batches of `micro_batch_size` (padded with one-token rows, so every rank runs as many
+    micro-batches: the expert all-to-alls of an MoE model span these ranks), or with
+    `max_tokens` set, rows balanced over ranks by tokens and packed into micro-batches of at
+    most that many tokens (`microbatch.local_packed_microbatches`). The shares are then
+    all-gathered over data parallelism. ``collect(mb, output)`` turns the last stage's output
+    for a micro-batch into one [b, mb.width] tensor per entry of `names`; they are written into
+    fp32 zeros at the micro-batch's rows and broadcast from the last pipeline stage. Returns
+    {name: [B, T]}, the same on every rank.
     """
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
     multiple = sequence_multiple(chunks)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
     B, T = input_ids.shape
-    shares, per_rank = data_parallel_shares(B)
-    own = shares[parallel_state.get_data_parallel_rank()]
-    local = padded_rows({"input_ids": input_ids.cpu()[own], "lengths": lengths.cpu()[own]}, per_rank - len(own))
-    mbs = split_microbatches(local["input_ids"], local["lengths"], micro_batch_size, multiple_of=multiple)
-    if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
-        pp = parallel_state.get_pipeline_model_parallel_world_size()
-        mbs += [filler_microbatch(input_ids, multiple)] * (-len(mbs) % pp)
+    input_ids, lengths = input_ids.cpu(), lengths.cpu()
+    if max_tokens is None:
+        shares, per_rank = data_parallel_shares(B)
+        own = shares[parallel_state.get_data_parallel_rank()]
+        local = padded_rows({"input_ids": input_ids[own], "lengths": lengths[own]}, per_rank - len(own))
+        mbs = split_microbatches(local["input_ids"], local["lengths"], micro_batch_size, multiple_of=multiple)
+        if len(chunks) > 1:  # the interleaved schedule needs a multiple of pp micro-batches
+            mbs += [filler_microbatch(input_ids, multiple)] * (-len(mbs) % pp)
+    else:
+        mbs, shares = local_packed_microbatches(
+            input_ids, lengths, max_tokens, multiple, count_multiple=pp if len(chunks) > 1 else 1
+        )
+        per_rank = max(len(rows) for rows in shares)
     device = _device_of(chunks[0])
     width = round_up(T, multiple)  # micro-batches may run past T; their extra columns are dropped
     results = {name: torch.zeros(per_rank, width, dtype=torch.float32, device=device) for name in names}
 
     def loss_func(mb, output):
-        rows, s = len(mb.index), mb.tokens.shape[1]
+        rows = len(mb.index)
         for name, value in zip(names, collect(mb, output), strict=True):
-            results[name][mb.index, :s] = value[:rows]
+            results[name][mb.index, : value.shape[1]] = value[:rows]
         return output.new_zeros(()), {}
 
     def forward_step(data_iterator, model):
@@ -307,24 +326,33 @@ def forward_only(
                 model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=len(mbs),
                 seq_length=max(mb.tokens.shape[1] for mb in mbs),
-                micro_batch_size=micro_batch_size,
+                micro_batch_size=max(mb.tokens.shape[0] for mb in mbs),
                 forward_only=True,
             )
     finally:
         for m, training in zip(chunks, was_training):
             m.train(training)
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+    if pp > 1:
         src = parallel_state.get_pipeline_model_parallel_last_rank()
         group = parallel_state.get_pipeline_model_parallel_group()
         for t in results.values():
             dist.broadcast(t, src=src, group=group)
+    return {name: _gathered_rows(t, shares)[:, :T] for name, t in results.items()}
+
+
+def _gathered_rows(local: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
+    batch rows shares[r], in that order) -> the batch's [B, w], on every rank."""
+    from megatron.core import parallel_state
+
+    parts = [local]
     if len(shares) > 1:
-        group = parallel_state.get_data_parallel_group()
-        for name, t in results.items():
-            parts = [torch.empty_like(t) for _ in shares]
-            dist.all_gather(parts, t, group=group)
-            results[name] = torch.cat([part[: len(rows)] for part, rows in zip(parts, shares)])
-    return {name: t[:, :T] for name, t in results.items()}
+        parts = [torch.empty_like(local) for _ in shares]
+        dist.all_gather(parts, local, group=parallel_state.get_data_parallel_group())
+    out = local.new_zeros(sum(len(rows) for rows in shares), local.shape[1])
+    for part, rows in zip(parts, shares):
+        out[rows.to(out.device)] = part[: len(rows)]
+    return out
 
 
 def _device_of(model: torch.nn.Module) -> torch.device:

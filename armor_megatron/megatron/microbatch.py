@@ -7,9 +7,21 @@ Public interface::
     rows = padded_rows(rows, count)                # zero-loss padding rows appended
     multiple = sequence_multiple(model_chunks)     # tp under sequence parallelism, else 1
     mb = filler_microbatch(input_ids)              # a one-token stand-in for no row
+    mb = packed_microbatch(input_ids, lengths, index, multiple_of=1, width=None)   # rows back to back
+    plan = token_budget_microbatches(lengths, budget, multiple_of)   # plan[dp rank] = [row indices]
+    mbs, shares = local_packed_microbatches(input_ids, lengths, TokenBudget(...).train, multiple_of)
 
-A `MicroBatch` holds rows ``index`` of the batch right-padded to their own longest length:
-tokens [b, s], lengths [b]; positions at or beyond a row's length hold token 0.
+A `MicroBatch` holds rows ``index`` of the batch in one of two layouts:
+
+* padded: right-padded to their own longest length, tokens [b, s], lengths [b]; positions at or
+  beyond a row's length hold token 0;
+* packed (``cu_seqlens`` set; megatron's THD format): tokens [1, t], the rows back to back, then
+  one padding segment of token 0 up to a multiple of ``multiple_of`` (or a fixed width).
+  ``cu_seqlens`` [k + 1] (int32) bounds the segments: the b rows, then the padding segment if
+  any. Positions restart at 0 in every segment, and attention stays inside a segment.
+
+Either way ``mb.unpack(x)`` turns a per-position output of the micro-batch ([b, s] or [1, t],
+trailing dims kept) into [b, mb.width] rows, so everything downstream sees the padded layout.
 """
 
 from __future__ import annotations
@@ -17,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+
+from armor_megatron.data.token_budget import token_budget_plan
 
 
 @dataclasses.dataclass
@@ -26,10 +40,50 @@ class MicroBatch:
     index: torch.Tensor
     tokens: torch.Tensor
     lengths: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None  # packed layout: segment bounds [k + 1], int32
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def width(self) -> int:
+        """Columns of the rows once unpacked: s (padded layout) or the longest row (packed)."""
+        return int(self.lengths.max()) if self.packed else self.tokens.shape[1]
 
     @property
     def position_ids(self) -> torch.Tensor:
-        return torch.arange(self.tokens.shape[1], device=self.tokens.device).expand_as(self.tokens)
+        t = self.tokens.shape[1]
+        positions = torch.arange(t, device=self.tokens.device)
+        if self.packed:
+            starts = self.cu_seqlens[:-1].long().to(positions.device)
+            positions = positions - starts.repeat_interleave(self.cu_seqlens.diff().long().to(positions.device))
+        return positions.expand_as(self.tokens)
+
+    def packed_seq_params(self, device=None):
+        """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
+        if not self.packed:
+            return None
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
+        longest = int(self.cu_seqlens.diff().max())
+        return PackedSeqParams(
+            qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+        )
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """Per-position values of this micro-batch -> [b, width, ...] rows (identity when padded).
+
+        Packed: row i's position j is packed position cu_seqlens[i] + j for j < lengths[i];
+        positions past a row's length hold values of the next segment (callers mask them).
+        """
+        if not self.packed:
+            return x
+        t = x.shape[1]
+        starts = self.cu_seqlens[: len(self.lengths)].long().to(x.device)
+        where = (starts[:, None] + torch.arange(self.width, device=x.device)[None, :]).clamp(max=t - 1)
+        return x[0][where]
 
 
 def split_microbatches(
@@ -99,8 +153,104 @@ def sequence_multiple(model_chunks) -> int:
     return 1
 
 
-def filler_microbatch(input_ids: torch.Tensor, multiple_of: int = 1) -> MicroBatch:
-    """A one-token sequence (padded to ``multiple_of``) standing for no batch row (``index`` is
-    empty); its output is dropped."""
+def packed_microbatch(
+    input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, multiple_of: int = 1, width: int | None = None
+) -> MicroBatch:
+    """Rows ``index`` of [B, T] packed back to back into tokens [1, t]: t = round_up(Σ lengths,
+    multiple_of), or `width` when given (fixed shapes), the rest one padding segment of token 0."""
+    lengths = lengths[index]
+    total = int(lengths.sum())
+    t = round_up(total, multiple_of) if width is None else width
+    if t < total:
+        raise ValueError(f"{total} packed tokens exceed the micro-batch width {t}")
+    tokens = torch.zeros(1, t, dtype=input_ids.dtype)
+    bounds = [0]
+    for row, n in zip(index.tolist(), lengths.tolist()):
+        tokens[0, bounds[-1] : bounds[-1] + n] = input_ids[row, :n]
+        bounds.append(bounds[-1] + n)
+    if t > total:
+        bounds.append(t)
+    return MicroBatch(index, tokens, lengths, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
+
+
+def token_budget_microbatches(lengths: torch.Tensor, budget: int, multiple_of: int = 1) -> list[list[torch.Tensor]]:
+    """``plan[r]``: data-parallel rank r's micro-batches as row-index tensors of at most `budget`
+    packed tokens, ranks balanced by tokens, every rank as many micro-batches (empty index: a
+    filler). See `data.token_budget.token_budget_plan`."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    plan = token_budget_plan(lengths.tolist(), budget, dp, multiple_of)
+    return [[torch.tensor(rows, dtype=torch.long) for rows in rank] for rank in plan]
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenBudget:
+    """Token-budget micro-batches (``train.max_tokens_per_micro_batch``): rows packed into
+    micro-batches of at most ``train`` tokens for training and ``forward`` tokens for the no-grad
+    log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per micro-batch."""
+
+    train: int | None = None
+    forward: int | None = None
+
+    @classmethod
+    def of(cls, train) -> TokenBudget:
+        """From a run config's ``train`` section (the forward budget defaults to the train one)."""
+        budget = train.max_tokens_per_micro_batch
+        return cls(budget, train.forward_max_tokens_per_micro_batch or budget)
+
+    def __post_init__(self):
+        for name in ("train", "forward"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"token budget {name} must be >= 1 or None, got {value}")
+
+
+def local_packed_microbatches(
+    input_ids: torch.Tensor,
+    lengths: torch.Tensor,
+    budget: int,
+    multiple_of: int = 1,
+    *,
+    count_multiple: int = 1,
+    fixed_width: bool = False,
+) -> tuple[list[MicroBatch], list[torch.Tensor]]:
+    """This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
+    batch rows of every rank r in the order its micro-batches hold them (`token_budget_microbatches`).
+
+    A micro-batch's ``index`` counts positions in this rank's ``shares[rank]``; fillers (empty
+    index) stand in for micro-batches a rank lacks, and pad the count to a multiple of
+    `count_multiple` (the interleaved schedule needs a multiple of pp). ``fixed_width``: every
+    micro-batch is ``budget`` (rounded down to `multiple_of`) tokens wide, as the interleaved
+    schedule exchanges fixed shapes.
+    """
+    from megatron.core import parallel_state
+
+    plan = token_budget_microbatches(lengths, budget, multiple_of)
+    shares = [torch.cat(rank) if rank else torch.zeros(0, dtype=torch.long) for rank in plan]
+    width = budget // multiple_of * multiple_of if fixed_width else None
+    out, offset = [], 0
+    for rows in plan[parallel_state.get_data_parallel_rank()]:
+        if len(rows) == 0:
+            out.append(filler_microbatch(input_ids, multiple_of, packed=True, width=width))
+            continue
+        mb = packed_microbatch(input_ids, lengths, rows, multiple_of, width)
+        out.append(dataclasses.replace(mb, index=torch.arange(offset, offset + len(rows))))
+        offset += len(rows)
+    out += [filler_microbatch(input_ids, multiple_of, packed=True, width=width)] * (-len(out) % count_multiple)
+    return out, shares
+
+
+def filler_microbatch(
+    input_ids: torch.Tensor, multiple_of: int = 1, packed: bool = False, width: int | None = None
+) -> MicroBatch:
+    """A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
+    (``index`` is empty); its output is dropped. ``packed``: in the packed layout."""
+    one = torch.zeros(1, 1, dtype=input_ids.dtype)
+    if packed:
+        mb = packed_microbatch(
+            one, torch.ones(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), multiple_of, width
+        )
+        return dataclasses.replace(mb, index=torch.zeros(0, dtype=torch.long))
     tokens = torch.zeros(1, multiple_of, dtype=input_ids.dtype)
     return MicroBatch(torch.zeros(0, dtype=torch.long), tokens, torch.ones(1, dtype=torch.long))

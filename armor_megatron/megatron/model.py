@@ -331,6 +331,10 @@ def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool):
     # Keep every norm under the TE spec's key (see module docstring): the MoE pre-MLP norm is not
     # fused in TE; the MLA q / kv norms are fused into the up projections.
     keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
+    if not arch.is_mla:  # the local DotProductAttention refuses packed (THD) micro-batches
+        from armor_megatron.megatron.packed_attention import PackedDotProductAttention
+
+        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
     if arch.is_mla:
         from armor_megatron.megatron.local_mla_attention import LocalMLACoreAttention
 

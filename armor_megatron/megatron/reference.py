@@ -2,7 +2,8 @@
 
 Public interface (after `dist.initialize(parallel, arch)`; every rank calls every method)::
 
-    ref = ReferenceModel(arch, parallel, dtype="bfloat16", offload=False, micro_batch_size=2)
+    ref = ReferenceModel(arch, parallel, dtype="bfloat16", offload=False, micro_batch_size=2,
+                         max_tokens_per_micro_batch=None)   # or packed forwards of that many tokens
     ref.compute_logprobs(input_ids, lengths) -> LogProbs     # log π_ref [N, L], every rank
     ref.reset_from(actor)                                    # θ_ref <- θ, bit for bit
     ref.load_weights(mcore_dir)                              # torch_dist model checkpoint, any layout
@@ -45,10 +46,12 @@ class ReferenceModel:
         temperature: float = 1.0,
         use_te: bool | None = None,
         recompute: Recompute | None = None,
+        max_tokens_per_micro_batch: int | None = None,
     ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # packed forwards (None: rows)
         # `recompute` only keeps the config equal to the actor's: a frozen forward keeps no activations.
         self.model_chunks = build_model_chunks(
             arch, parallel, dtype=dtype, use_te=use_te, recompute=recompute or Recompute()
@@ -72,6 +75,7 @@ class ReferenceModel:
                 micro_batch_size=self.micro_batch_size,
                 vocab_size=self.arch.vocab_size,
                 temperature=self.temperature,
+                max_tokens=self.max_tokens_per_micro_batch,
             )
 
     @torch.no_grad()

@@ -28,7 +28,9 @@ from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import model_forward
 from armor_megatron.megatron.microbatch import (
     MicroBatch,
+    TokenBudget,
     data_parallel_shares,
+    local_packed_microbatches,
     padded_rows,
     round_up,
     sequence_multiple,
@@ -44,8 +46,8 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainMicroBatch:
-    """One micro-batch and the per-row loss inputs of its rows, trimmed to its length s:
-    ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones."""
+    """One micro-batch and the per-row loss inputs of its rows, trimmed to its width s
+    (``mb.width``): ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones."""
 
     mb: MicroBatch
     rows: dict
@@ -71,6 +73,7 @@ class TrainedModel:
         use_te: bool | None = None,
         stability: StabilityConfig | None = None,
         recompute: Recompute | None = None,
+        token_budget: TokenBudget | None = None,
     ):
         from megatron.core import tensor_parallel
 
@@ -78,6 +81,7 @@ class TrainedModel:
         if micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
         self.arch, self.parallel, self.micro_batch_size = arch, parallel, micro_batch_size
+        self.token_budget = token_budget or TokenBudget()
         self.use_te = use_te  # the layer spec: Transformer Engine's, the local one, or None (TE when importable)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -172,23 +176,26 @@ class TrainedModel:
                 model=self.ddp_chunks if many else self.ddp_chunks[0],
                 num_microbatches=len(microbatches),
                 seq_length=max(t.mb.tokens.shape[1] for t in microbatches),
-                micro_batch_size=self.micro_batch_size,
+                micro_batch_size=max(t.mb.tokens.shape[0] for t in microbatches),
                 forward_only=False,
             )
         finally:
             config.variable_seq_lengths = variable
 
     def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
-        """This data-parallel rank's rows cut into micro-batches.
+        """This data-parallel rank's rows cut into micro-batches: `micro_batch_size` rows each, or
+        with ``token_budget.train`` set, packed into micro-batches of at most that many tokens.
 
         Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
-        data-parallel rank the same number of rows, ceil(n / dp) -- hence the same number of
-        micro-batches, which the expert all-to-alls of an MoE model (one per micro-batch,
-        across these ranks) require -- and keep a rank without rows in the gradient all-reduce.
-        For the interleaved (VPP) schedule, which exchanges fixed [L, micro_batch_size, h]
-        activations, they also fill every micro-batch to micro_batch_size rows of length L and
-        their number to a multiple of pp.
+        data-parallel rank as many micro-batches -- which the expert all-to-alls of an MoE model
+        (one per micro-batch, across these ranks) require -- and keep a rank without rows in the
+        gradient all-reduce. For the interleaved (VPP) schedule, which exchanges fixed
+        [L, micro_batch_size, h] activations, they also fill every micro-batch to
+        micro_batch_size rows of length L (packed: to the budget) and their number to a
+        multiple of pp.
         """
+        if self.token_budget.train is not None:
+            return self._packed_local_microbatches(batch, self.token_budget.train)
         from megatron.core import parallel_state
 
         shares, per_rank = data_parallel_shares(batch["input_ids"].shape[0])
@@ -203,13 +210,34 @@ class TrainedModel:
         local = _padded_columns(local, round_up(batch["input_ids"].shape[1], multiple))
         out = []
         for mb in split_microbatches(local["input_ids"], local["lengths"], self.micro_batch_size, multiple_of=multiple):
-            i = mb.index
             s = local["input_ids"].shape[1] if self._interleaved else mb.tokens.shape[1]
             tokens = torch.nn.functional.pad(mb.tokens, (0, s - mb.tokens.shape[1]))
-            per_row = {
-                k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")
-            }
-            out.append(TrainMicroBatch(mb=MicroBatch(i, tokens, mb.lengths), rows=per_row))
+            mb = MicroBatch(mb.index, tokens, mb.lengths)
+            out.append(TrainMicroBatch(mb=mb, rows=_loss_rows(local, mb)))
+        return out
+
+    def _packed_local_microbatches(self, batch: dict, budget: int) -> list[TrainMicroBatch]:
+        """Token-budget micro-batches (`microbatch.local_packed_microbatches`); a filler runs one
+        padding row, appended after this rank's rows."""
+        from megatron.core import parallel_state
+
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        mbs, shares = local_packed_microbatches(
+            batch["input_ids"],
+            batch["lengths"],
+            budget,
+            sequence_multiple(self.model_chunks),
+            count_multiple=pp if self._interleaved else 1,
+            fixed_width=self._interleaved,
+        )
+        rows = shares[parallel_state.get_data_parallel_rank()]
+        local = padded_rows({k: v[rows] for k, v in batch.items() if v is not None}, 1)
+        filler = torch.tensor([len(rows)])
+        out = []
+        for mb in mbs:
+            if len(mb.index) == 0:
+                mb = dataclasses.replace(mb, index=filler)
+            out.append(TrainMicroBatch(mb=mb, rows=_loss_rows(local, mb)))
         return out
 
     # ------------------------------------------------------------------ checkpoint hooks
@@ -284,6 +312,12 @@ def _padded_columns(rows: dict, width: int) -> dict:
         else t
         for k, t in rows.items()
     }
+
+
+def _loss_rows(local: dict, mb: MicroBatch) -> dict:
+    """The per-row loss inputs of `mb`'s rows: [b, mb.width] of [N, L] tensors, [b] of [N] ones."""
+    i, s = mb.index, mb.width
+    return {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")}
 
 
 def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:

@@ -49,6 +49,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
+    from armor_megatron.megatron.microbatch import TokenBudget
     from armor_megatron.megatron.model import Recompute, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import export_hf_weights
@@ -70,6 +71,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     dtype = resolve_dtype(cfg.model.dtype)
     use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
     recompute = Recompute.of(cfg.train)
+    token_budget = TokenBudget.of(cfg.train)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
         arch,
@@ -85,6 +87,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         use_te=use_te,
         recompute=recompute,
         stability=cfg.stability,
+        token_budget=token_budget,
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -103,6 +106,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             use_te=use_te,
             recompute=recompute,
             stability=cfg.stability,
+            token_budget=token_budget,
         )
     reference = None
     if needs_reference(cfg):
@@ -115,6 +119,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             temperature=cfg.rollout.temperature,
             use_te=use_te,
             recompute=recompute,
+            max_tokens_per_micro_batch=token_budget.forward,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
