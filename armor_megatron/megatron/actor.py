@@ -65,7 +65,7 @@ from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_nor
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
-from armor_megatron.megatron.model import Recompute
+from armor_megatron.megatron.model import MoESettings, Recompute, Throughput
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
 
@@ -89,6 +89,8 @@ class MegatronActor(TrainedModel):
         use_te: bool | None = None,
         stability: StabilityConfig | None = None,
         recompute: Recompute | None = None,
+        throughput: Throughput | None = None,
+        moe: MoESettings | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -103,6 +105,8 @@ class MegatronActor(TrainedModel):
             use_te=use_te,
             stability=stability,
             recompute=recompute,
+            throughput=throughput,
+            moe=moe,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

@@ -49,7 +49,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
-    from armor_megatron.megatron.model import Recompute, resolve_dtype
+    from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import export_hf_weights
     from armor_megatron.models.arch import load_hf_config
@@ -70,6 +70,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     dtype = resolve_dtype(cfg.model.dtype)
     use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
     recompute = Recompute.of(cfg.train)
+    throughput, moe = Throughput.of(cfg.throughput), MoESettings.of(cfg.moe)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
         arch,
@@ -84,6 +85,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         loss_name=cfg.algorithm.policy_loss,
         use_te=use_te,
         recompute=recompute,
+        throughput=throughput,
+        moe=moe,
         stability=cfg.stability,
     )
     critic = None
@@ -102,6 +105,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             value_head_init_std=cfg.critic.value_head_init_std,
             use_te=use_te,
             recompute=recompute,
+            throughput=throughput,
+            moe=moe,
             stability=cfg.stability,
         )
     reference = None
@@ -115,6 +120,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             temperature=cfg.rollout.temperature,
             use_te=use_te,
             recompute=recompute,
+            throughput=throughput,
+            moe=moe,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
