@@ -346,6 +346,68 @@ class LaunchConfig:
 
 
 @dataclasses.dataclass
+class ThroughputConfig:
+    """Speed options of the trained models (``models.megatron_options.Throughput``): overlapped communication
+    and fused kernels, none changing what is computed. Off by default (CPU runs cannot use them);
+    the GPU recipes turn them on. ``armor-train --check`` refuses the CUDA-only ones for a CPU run
+    (``launch.gpus_per_node: 0``) or the local spec; the job refuses them, in one line, on a machine
+    without the kernels."""
+
+    overlap_grad_reduce: bool = checked(
+        False, help="reduce each gradient bucket during backward (megatron DDP overlap_grad_reduce)"
+    )
+    overlap_param_gather: bool = checked(
+        False,
+        help="all-gather updated parameters during the next forward (distributed optimizer, GPU; needs "
+        "overlap_grad_reduce); refused for now: the trainer reads parameters outside forward after each update",
+    )
+    gradient_accumulation_fusion: bool = checked(
+        False, help="accumulate weight grads into the fp32 main_grad inside the GEMM (CUDA + APEX)"
+    )
+    apply_rope_fusion: bool | None = checked(None, help="TE's fused RoPE; null: on with the TE spec (not for MLA)")
+    bias_activation_fusion: bool | None = checked(None, help="fused SwiGLU; null: on with the TE spec")
+    bias_dropout_fusion: bool | None = checked(None, help="fused bias-dropout-add; null: on with the TE spec")
+
+
+@dataclasses.dataclass
+class MoEConfig:
+    """Routing and token dispatch of MoE models (``models.megatron_options.MoESettings``; ignored for dense
+    models). Defaults: dropless, no load-balancing loss, fp32 router, all-to-all dispatch."""
+
+    aux_loss_coeff: float = checked(
+        0.0,
+        check=in_range(0, None),
+        help="megatron moe_aux_loss_coeff; > 0 is refused for now (its per-token scaling does not match the "
+        "trainer's globally normalised loss)",
+    )
+    load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] | None = checked(
+        None,
+        help="megatron moe_router_load_balancing_type; null: aux_loss (DeepSeek: seq_aux_loss) when "
+        "aux_loss_coeff > 0, else none; sinkhorn is refused (it routes differently in training)",
+    )
+    token_dispatcher_type: Literal["alltoall", "allgather", "flex"] = checked(
+        "alltoall",
+        help="alltoall; allgather only at ep = pp = 1 (it needs one token count on every rank); flex needs "
+        "DeepEP on the GPUs (checked when the job starts, not by --check)",
+    )
+    router_dtype: Literal["fp32", "fp64"] | None = checked(
+        "fp32", help="precision of router logits, softmax and expert-output weighting; null: the model dtype"
+    )
+    expert_capacity_factor: float | None = checked(
+        None,
+        check=positive,
+        help="null: dropless; c > 0: at most c·tokens·topk/experts tokens per expert and micro-batch (drops "
+        "depend on the micro-batch's other tokens; the rollout engine never drops)",
+    )
+    token_drop_policy: Literal["probs", "position"] = checked(
+        "probs", help="with a capacity: drop the lowest router probabilities (probs) or the last tokens (position)"
+    )
+    pad_expert_input_to_capacity: bool = checked(
+        False, help="pad every expert's input to its capacity (static shapes; needs expert_capacity_factor)"
+    )
+
+
+@dataclasses.dataclass
 class RunConfig:
     """A whole run; YAML top-level keys are these section names."""
 
@@ -366,3 +428,5 @@ class RunConfig:
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+    throughput: ThroughputConfig = dataclasses.field(default_factory=ThroughputConfig)
+    moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)

@@ -8,6 +8,7 @@ import os
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
+from armor_megatron.models.megatron_options import MoESettings
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -21,6 +22,8 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_critic(cfg)
     _check_stability(cfg)
     _check_engines(cfg)
+    _check_throughput(cfg)
+    _check_moe(cfg)
     _check_user_code(cfg)
 
 
@@ -361,6 +364,65 @@ def _check_engines(cfg: RunConfig) -> None:
             "launch.engine_gpus",
             f"{launch.engine_gpus}, but disaggregated engines need {n}{groups} x tp_per_engine {t} = {n * t} GPUs",
         )
+
+
+def _check_throughput(cfg: RunConfig) -> None:
+    """CUDA-only kernels on a CPU run (``launch.gpus_per_node: 0``) or TE-only ones with the local spec.
+    Whether the job's machines have APEX / Transformer Engine is checked when the models are built."""
+    th, cpu_run, local = cfg.throughput, cfg.launch.gpus_per_node == 0, cfg.model.spec == "local"
+    if th.gradient_accumulation_fusion and cpu_run:
+        raise ConfigError(
+            "throughput.gradient_accumulation_fusion", "needs CUDA (APEX's fused kernel), but launch.gpus_per_node=0"
+        )
+    for key in ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion"):
+        if getattr(th, key) and (cpu_run or local):
+            where = "launch.gpus_per_node=0" if cpu_run else "model.spec is local"
+            raise ConfigError(f"throughput.{key}", f"needs Transformer Engine's kernels (GPU, TE spec), but {where}")
+    if th.overlap_param_gather:
+        if cpu_run:
+            raise ConfigError(
+                "throughput.overlap_param_gather",
+                "needs the distributed optimizer, which CPU runs do not use (launch.gpus_per_node=0)",
+            )
+        if not th.overlap_grad_reduce:
+            raise ConfigError("throughput.overlap_param_gather", "needs throughput.overlap_grad_reduce: true")
+        raise ConfigError(
+            "throughput.overlap_param_gather",
+            "not supported yet: after an update the trainer reads parameters outside forward (weight sync to "
+            "the engines, reference reset, checkpoints) before the deferred all-gather has run; use false",
+        )
+    arch = model_arch_of(cfg)
+    if th.apply_rope_fusion and arch is not None and arch.is_mla:
+        raise ConfigError("throughput.apply_rope_fusion", "megatron's fused MLA RoPE is training-only; use null")
+
+
+def _check_moe(cfg: RunConfig) -> None:
+    """MoE settings megatron, the trainer or the job's layout refuse (for MoE models; see MoESettings)."""
+    moe, par = cfg.moe, cfg.parallelism
+    arch = model_arch_of(cfg)
+    if arch is not None and not arch.is_moe:
+        return
+    settings = MoESettings.of(moe)
+    if arch is not None:
+        problem = settings.trainer_problem(arch)
+        if problem:
+            key = "aux_loss_coeff" if problem.startswith("aux_loss_coeff") else "load_balancing_type"
+            raise ConfigError(f"moe.{key}", problem.split(" ", 1)[1])
+    if moe.expert_capacity_factor is not None and moe.load_balancing_type == "sinkhorn":
+        raise ConfigError("moe.expert_capacity_factor", "does not work with load_balancing_type sinkhorn")
+    if moe.pad_expert_input_to_capacity and moe.expert_capacity_factor is None:
+        raise ConfigError("moe.pad_expert_input_to_capacity", "needs moe.expert_capacity_factor")
+    if moe.token_dispatcher_type == "allgather" and (par.ep > 1 or par.pp > 1):
+        raise ConfigError(
+            "moe.token_dispatcher_type",
+            f"allgather needs one token count on every expert-parallel rank and fixed pipeline shapes, but the "
+            f"trainer pads each micro-batch to its own length (ep={par.ep}, pp={par.pp}); use alltoall",
+        )
+    if moe.token_dispatcher_type == "flex":
+        if cfg.launch.gpus_per_node == 0:
+            raise ConfigError("moe.token_dispatcher_type", "flex needs DeepEP on GPUs, but launch.gpus_per_node=0")
+        if moe.pad_expert_input_to_capacity:
+            raise ConfigError("moe.pad_expert_input_to_capacity", "is not supported by the flex (DeepEP) dispatcher")
 
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")

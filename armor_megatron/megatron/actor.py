@@ -68,7 +68,7 @@ from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
 from armor_megatron.megatron.microbatch import TokenBudget
-from armor_megatron.megatron.model import Recompute
+from armor_megatron.megatron.model import MoESettings, Recompute, Throughput
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
 
@@ -93,6 +93,8 @@ class MegatronActor(TrainedModel):
         stability: StabilityConfig | None = None,
         recompute: Recompute | None = None,
         token_budget: TokenBudget | None = None,
+        throughput: Throughput | None = None,
+        moe: MoESettings | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -108,6 +110,8 @@ class MegatronActor(TrainedModel):
             stability=stability,
             recompute=recompute,
             token_budget=token_budget,
+            throughput=throughput,
+            moe=moe,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

@@ -54,7 +54,7 @@ from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
 from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget
-from armor_megatron.megatron.model import Recompute, build_model_chunks, resolve_dtype
+from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks, resolve_dtype
 from armor_megatron.megatron.model_state import load_model_weights
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
@@ -113,6 +113,8 @@ class MegatronCritic(TrainedModel):
         stability=None,
         recompute: Recompute | None = None,
         token_budget: TokenBudget | None = None,
+        throughput: Throughput | None = None,
+        moe: MoESettings | None = None,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
@@ -129,6 +131,8 @@ class MegatronCritic(TrainedModel):
             stability=stability,
             recompute=recompute,
             token_budget=token_budget,
+            throughput=throughput,
+            moe=moe,
         )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:

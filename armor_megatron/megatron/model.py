@@ -3,8 +3,8 @@
 Public interface::
 
     config = transformer_config_from_arch(arch, parallel, dtype=torch.float32, use_te=None,
-                                          sequence_parallel=None, moe_aux_loss_coeff=0.0,
-                                          moe_token_dispatcher="alltoall", recompute=Recompute())
+                                          sequence_parallel=None, recompute=Recompute(),
+                                          throughput=Throughput(), moe=MoESettings())
     model  = build_gpt_model(arch, parallel, dtype=..., vp_stage=None, ...)   # this rank's stage
     chunks = build_model_chunks(arch, parallel, dtype=..., ...)               # list, one per VPP chunk
     padded_vocab_size(arch, tp)     # rows of embedding / output layer (vocab padded to a multiple of 128)
@@ -85,6 +85,7 @@ import torch.nn.functional as F
 
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.megatron_options import MoESettings, Throughput
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -167,13 +168,21 @@ def transformer_config_from_arch(
     moe_token_dispatcher: str = "alltoall",
     init_method_std: float = 0.02,
     recompute: Recompute = Recompute(),
+    throughput: Throughput | None = None,
+    moe: MoESettings | None = None,
     **overrides,
 ):
-    """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last."""
+    """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last.
+
+    `moe` (`MoESettings`) replaces the shorthands ``moe_aux_loss_coeff`` / ``moe_token_dispatcher``
+    when given. With ``calculate_per_token_loss=True`` (the trainer's convention: losses already
+    divided by the global normalizer, gradients finalized without token scaling) settings the
+    trainer cannot train (`MoESettings.trainer_problem`) raise ValueError."""
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
     dtype = resolve_dtype(dtype)
+    throughput = throughput or Throughput()
     use_te = te_available() if use_te is None else use_te
     if sequence_parallel is None:
         sequence_parallel = parallel.sp if parallel.sp is not None else use_te and parallel.tp > 1
@@ -186,6 +195,11 @@ def transformer_config_from_arch(
             f"MoE with tp={parallel.tp} needs sequence parallelism, which needs Transformer Engine; use tp=1 with ep"
         )
     on_cpu = not torch.cuda.is_available()
+    if moe is None:
+        moe = MoESettings(aux_loss_coeff=moe_aux_loss_coeff, token_dispatcher_type=moe_token_dispatcher)
+    problem = moe.trainer_problem(arch) if arch.is_moe and overrides.get("calculate_per_token_loss") else None
+    if problem:
+        raise ValueError(f"moe.{problem}")
     kwargs = dict(
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
@@ -210,11 +224,8 @@ def transformer_config_from_arch(
         bf16=dtype == torch.bfloat16,
         use_cpu_initialization=on_cpu,
         # Fused kernels need CUDA (and TE / apex); the torch paths compute the same values.
-        gradient_accumulation_fusion=False,
-        bias_activation_fusion=use_te,
-        bias_dropout_fusion=use_te,
+        **throughput.config_kwargs(arch, use_te=use_te, on_gpu=not on_cpu),
         masked_softmax_fusion=use_te,
-        apply_rope_fusion=False,
         persist_layer_norm=False,
         # Micro-batches are padded to their own longest sequence, so PP stages exchange shapes.
         variable_seq_lengths=True,
@@ -223,17 +234,15 @@ def transformer_config_from_arch(
         # first receive (an activation) is matched with the first send (a gradient) once forward
         # and backward overlap (more micro-batches than pp). The unbatched path orders even/odd ranks.
         batch_p2p_comm=not (parallel.vpp is not None and parallel.pp == 2),
-        moe_token_dispatcher_type=moe_token_dispatcher,
         **recompute.config_kwargs(arch.num_layers // (parallel.pp * (parallel.vpp or 1))),
     )
+    kwargs.update(moe.config_kwargs(arch))
     if arch.is_moe:
         kwargs.update(
             num_moe_experts=arch.num_experts,
             moe_router_topk=arch.moe_router_topk,
             moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
-            moe_router_load_balancing_type="aux_loss" if moe_aux_loss_coeff > 0 else "none",
-            moe_aux_loss_coeff=moe_aux_loss_coeff,
             moe_grouped_gemm=use_te,
             moe_permute_fusion=False,
             moe_router_score_function=arch.moe_router_score_function,

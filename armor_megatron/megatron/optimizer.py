@@ -2,7 +2,7 @@
 
 Public interface::
 
-    ddp_chunks = wrap_ddp(model_chunks, on_gpu=...)          # megatron DistributedDataParallel per chunk
+    ddp_chunks = wrap_ddp(model_chunks, on_gpu=..., throughput=None)    # megatron DDP per chunk
     optimizer, scheduler = build_optimizer(ddp_chunks, cfg, dtype=..., total_steps=...)
     scheduler = build_scheduler(optimizer, cfg, total_steps=...)   # (part of build_optimizer)
     norm = grad_norm(optimizer)                                # after backward; pre-clipping L2 norm
@@ -28,17 +28,26 @@ from __future__ import annotations
 import torch
 
 from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron.model import resolve_dtype
+from armor_megatron.megatron.model import Throughput, resolve_dtype
 
 
-def wrap_ddp(model_chunks: list, *, on_gpu: bool) -> list:
-    """Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers, reduced after
-    the last micro-batch; only the first chunk is bucketed, as Megatron-LM does)."""
+def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None = None) -> list:
+    """Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
+    chunk is bucketed, as Megatron-LM does). Grads are reduced after the last micro-batch's backward,
+    or bucket by bucket during it with ``throughput.overlap_grad_reduce``; with
+    ``throughput.overlap_param_gather`` the distributed optimizer's parameter all-gather is left
+    to the next forward (GPU only: it needs the distributed optimizer, and overlap_grad_reduce)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
+    throughput = throughput or Throughput()
+    if throughput.overlap_param_gather and not (on_gpu and throughput.overlap_grad_reduce):
+        raise ValueError(
+            "throughput.overlap_param_gather needs the distributed optimizer (GPU runs) and overlap_grad_reduce"
+        )
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=throughput.overlap_grad_reduce,
+        overlap_param_gather=throughput.overlap_param_gather,
         use_distributed_optimizer=on_gpu,
         check_for_nan_in_grad=False,
     )

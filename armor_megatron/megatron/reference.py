@@ -26,7 +26,7 @@ import torch
 
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
-from armor_megatron.megatron.model import Recompute, build_model_chunks
+from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.trained_model import TrainedModel, check_layout
 from armor_megatron.models.arch import ModelArch
@@ -47,14 +47,23 @@ class ReferenceModel:
         use_te: bool | None = None,
         recompute: Recompute | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        throughput: Throughput | None = None,
+        moe: MoESettings | None = None,
     ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
         self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # packed forwards (None: rows)
-        # `recompute` only keeps the config equal to the actor's: a frozen forward keeps no activations.
+        # `recompute` and `throughput` only keep the config equal to the actor's: a frozen forward keeps
+        # no activations and has no gradients; `moe` routes and dispatches tokens as the actor does.
         self.model_chunks = build_model_chunks(
-            arch, parallel, dtype=dtype, use_te=use_te, recompute=recompute or Recompute()
+            arch,
+            parallel,
+            dtype=dtype,
+            use_te=use_te,
+            recompute=recompute or Recompute(),
+            throughput=throughput or Throughput(),
+            moe=moe,
         )
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"

@@ -36,7 +36,13 @@ from armor_megatron.megatron.microbatch import (
     sequence_multiple,
     split_microbatches,
 )
-from armor_megatron.megatron.model import Recompute, build_model_chunks, transformer_config_from_arch
+from armor_megatron.megatron.model import (
+    MoESettings,
+    Recompute,
+    Throughput,
+    build_model_chunks,
+    transformer_config_from_arch,
+)
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
@@ -74,6 +80,8 @@ class TrainedModel:
         stability: StabilityConfig | None = None,
         recompute: Recompute | None = None,
         token_budget: TokenBudget | None = None,
+        throughput: Throughput | None = None,
+        moe: MoESettings | None = None,
     ):
         from megatron.core import tensor_parallel
 
@@ -92,10 +100,12 @@ class TrainedModel:
             dtype=dtype,
             use_te=use_te,
             recompute=recompute or Recompute(),
+            throughput=throughput or Throughput(),
+            moe=moe,
             calculate_per_token_loss=True,
         )
         self.model_chunks = self._build_chunks(config, dtype, seed)
-        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available())
+        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available(), throughput=throughput)
         no_sync = [c.no_sync for c in self.ddp_chunks]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = _finalize_grads_without_token_scaling

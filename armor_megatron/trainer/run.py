@@ -50,7 +50,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
     from armor_megatron.megatron.microbatch import TokenBudget
-    from armor_megatron.megatron.model import Recompute, resolve_dtype
+    from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import export_hf_weights
     from armor_megatron.models.arch import load_hf_config
@@ -72,6 +72,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
     recompute = Recompute.of(cfg.train)
     token_budget = TokenBudget.of(cfg.train)
+    throughput, moe = Throughput.of(cfg.throughput), MoESettings.of(cfg.moe)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
         arch,
@@ -86,6 +87,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         loss_name=cfg.algorithm.policy_loss,
         use_te=use_te,
         recompute=recompute,
+        throughput=throughput,
+        moe=moe,
         stability=cfg.stability,
         token_budget=token_budget,
     )
@@ -105,6 +108,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             value_head_init_std=cfg.critic.value_head_init_std,
             use_te=use_te,
             recompute=recompute,
+            throughput=throughput,
+            moe=moe,
             stability=cfg.stability,
             token_budget=token_budget,
         )
@@ -120,6 +125,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             use_te=use_te,
             recompute=recompute,
             max_tokens_per_micro_batch=token_budget.forward,
+            throughput=throughput,
+            moe=moe,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

@@ -1,0 +1,190 @@
+"""Megatron options a run config chooses, as pure data: ``throughput.*`` and ``moe.*``.
+
+`Throughput` and `MoESettings` map their config sections onto megatron-core's
+``TransformerConfig`` / ``DistributedDataParallelConfig`` fields (plain dicts; nothing here
+imports megatron), so `config.validate` checks a config with the same rules the trainer
+applies when it builds the model (`megatron.model.transformer_config_from_arch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+from armor_megatron.models.arch import ModelArch
+
+TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def grad_accumulation_fusion_available() -> bool:
+    """True when APEX's ``fused_weight_gradient_mlp_cuda`` imports: megatron's own linear layers (the
+    local spec, and the output layer under the TE spec too) refuse ``gradient_accumulation_fusion``
+    without it; TE's layers would fuse on their own, but the output layer is megatron's."""
+    return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
+
+
+def deep_ep_available() -> bool:
+    """True when DeepEP (the ``flex`` token dispatcher's all-to-all kernels, GPU only) imports."""
+    return importlib.util.find_spec("deep_ep") is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """Speed options of a model's megatron config and DDP wrapper (``throughput.*``); none changes
+    the values computed, only how (fused kernels) or when (communication overlapped with compute).
+
+    ``overlap_grad_reduce``: DDP starts each bucket's gradient reduction as soon as backward
+    fills it (megatron's ``DistributedDataParallelConfig.overlap_grad_reduce``).
+    ``overlap_param_gather``: the distributed optimizer's parameter all-gather runs in the next
+    forward instead of right after the step (needs the distributed optimizer, i.e. a GPU run, and
+    ``overlap_grad_reduce``).
+    ``gradient_accumulation_fusion``: weight gradients accumulate straight into the fp32 main_grad
+    buffers inside the GEMM (CUDA, APEX's ``fused_weight_gradient_mlp_cuda``).
+    ``apply_rope_fusion`` / ``bias_activation_fusion`` / ``bias_dropout_fusion``: fused RoPE,
+    SwiGLU and bias-dropout-add kernels; None = on exactly when the Transformer Engine spec is
+    used (TE provides them; the local spec on CPU keeps the torch paths). RoPE fusion stays off
+    for MLA models (megatron's fused MLA RoPE is training-only; log-prob passes run in eval).
+    """
+
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    gradient_accumulation_fusion: bool = False
+    apply_rope_fusion: bool | None = None
+    bias_activation_fusion: bool | None = None
+    bias_dropout_fusion: bool | None = None
+
+    @classmethod
+    def of(cls, throughput) -> Throughput:
+        """From a run config's ``throughput`` section."""
+        return cls(**{f.name: getattr(throughput, f.name) for f in dataclasses.fields(cls)})
+
+    def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict:
+        """The TransformerConfig fields; raises ValueError (one line naming the key) for a kernel
+        this process cannot run."""
+        if self.gradient_accumulation_fusion:
+            if not on_gpu:
+                raise ValueError("throughput.gradient_accumulation_fusion needs CUDA; this process has no GPU")
+            if not grad_accumulation_fusion_available():
+                raise ValueError(
+                    "throughput.gradient_accumulation_fusion needs APEX's fused_weight_gradient_mlp_cuda "
+                    "(megatron's output layer refuses the fusion without it); install APEX or set it false"
+                )
+        fused = {}
+        for key in ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion"):
+            wanted = getattr(self, key)
+            if wanted and not use_te:
+                raise ValueError(f"throughput.{key} needs the Transformer Engine spec (GPU); the local spec is in use")
+            fused[key] = use_te if wanted is None else wanted
+        if arch.is_mla and fused["apply_rope_fusion"]:
+            if self.apply_rope_fusion:
+                raise ValueError("throughput.apply_rope_fusion: megatron's fused MLA RoPE is training-only")
+            fused["apply_rope_fusion"] = False
+        return dict(gradient_accumulation_fusion=self.gradient_accumulation_fusion, **fused)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESettings:
+    """Routing and token-dispatch options of MoE layers (``moe.*``) as megatron's ``moe_*`` fields.
+
+    ``aux_loss_coeff`` (megatron ``moe_aux_loss_coeff``) weights the load-balancing loss of
+    ``load_balancing_type`` (``moe_router_load_balancing_type``); None = the family default:
+    ``aux_loss`` when the coefficient is > 0 (``seq_aux_loss`` for DeepSeek, whose V2/V3 balance
+    per sequence), else ``none``. DeepSeek-V3's aux-loss-free expert bias stays frozen either
+    way (see `transformer_config_from_arch`). ``token_dispatcher_type`` moves tokens to the
+    experts' ranks: ``alltoall`` (exchanges only routed tokens), ``allgather`` (every rank gets
+    every token of the TP×EP group; needs the same token count on each of those ranks and fixed
+    sequence lengths) or ``flex`` (DeepEP kernels, GPU). ``router_dtype`` (``fp32``/``fp64``/None)
+    is the precision of the router's logits, softmax and the weighted sum of expert outputs.
+    ``expert_capacity_factor``: None = dropless; c > 0 keeps at most c·tokens·topk/experts tokens
+    per expert and micro-batch, dropping by ``token_drop_policy`` (``probs``: lowest router
+    probability first; ``position``: last tokens first); ``pad_expert_input_to_capacity`` pads
+    every expert's input to exactly that capacity (static shapes).
+    """
+
+    aux_loss_coeff: float = 0.0
+    load_balancing_type: str | None = None
+    token_dispatcher_type: str = "alltoall"
+    router_dtype: str | None = "fp32"
+    expert_capacity_factor: float | None = None
+    token_drop_policy: str = "probs"
+    pad_expert_input_to_capacity: bool = False
+
+    @classmethod
+    def of(cls, moe) -> MoESettings:
+        """From a run config's ``moe`` section."""
+        return cls(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(cls)})
+
+    def balancing_type(self, arch: ModelArch) -> str:
+        if self.load_balancing_type is not None:
+            return self.load_balancing_type
+        if self.aux_loss_coeff > 0:
+            return "seq_aux_loss" if arch.family == "deepseek" else "aux_loss"
+        return "none"
+
+    def config_kwargs(self, arch: ModelArch) -> dict:
+        """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather);
+        raises ValueError (one line naming the key) for a setting megatron or this process refuses."""
+        if self.token_dispatcher_type not in TOKEN_DISPATCHERS:
+            raise ValueError(
+                f"moe.token_dispatcher_type {self.token_dispatcher_type!r} is not one of {TOKEN_DISPATCHERS}"
+            )
+        balancing = self.balancing_type(arch)
+        if balancing not in LOAD_BALANCING_TYPES:
+            raise ValueError(f"moe.load_balancing_type {balancing!r} is not one of {LOAD_BALANCING_TYPES}")
+        if self.aux_loss_coeff < 0:
+            raise ValueError(f"moe.aux_loss_coeff {self.aux_loss_coeff} must be >= 0")
+        if self.router_dtype not in (None, "fp32", "fp64"):
+            raise ValueError(f"moe.router_dtype {self.router_dtype!r} is not fp32, fp64 or None")
+        capacity = self.expert_capacity_factor
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"moe.expert_capacity_factor {capacity} must be > 0 (None: dropless)")
+        if capacity is not None and balancing == "sinkhorn":
+            raise ValueError("moe.expert_capacity_factor does not work with load_balancing_type sinkhorn")
+        if self.pad_expert_input_to_capacity and capacity is None:
+            raise ValueError("moe.pad_expert_input_to_capacity needs moe.expert_capacity_factor")
+        if not arch.is_moe:  # no dispatcher; megatron's post-init refuses allgather with variable lengths
+            return dict(moe_token_dispatcher_type="alltoall")
+        out = dict(moe_token_dispatcher_type=self.token_dispatcher_type)
+        if self.token_dispatcher_type == "flex":
+            if not deep_ep_available():
+                raise ValueError("moe.token_dispatcher_type flex needs DeepEP (deep_ep does not import here)")
+            if self.pad_expert_input_to_capacity:
+                raise ValueError("moe.pad_expert_input_to_capacity is not supported by the flex (DeepEP) dispatcher")
+            out.update(moe_flex_dispatcher_backend="deepep")
+        if self.token_dispatcher_type == "allgather":
+            # megatron's post-init refuses allgather with variable lengths (only pipeline p2p reads the
+            # flag): the caller must give every micro-batch one shape on all TP×EP ranks and stages
+            out.update(variable_seq_lengths=False)
+        out.update(
+            moe_router_load_balancing_type=balancing,
+            moe_aux_loss_coeff=self.aux_loss_coeff,
+            moe_router_dtype=self.router_dtype,
+            moe_expert_capacity_factor=capacity,
+            moe_token_drop_policy=self.token_drop_policy,
+            moe_pad_expert_input_to_capacity=self.pad_expert_input_to_capacity,
+        )
+        return out
+
+    def trainer_problem(self, arch: ModelArch) -> str | None:
+        """Why the trainer cannot train `arch` with these settings, or None.
+
+        * An aux loss (coefficient > 0 with aux_loss / seq_aux_loss / global_aux_loss): under
+          ``calculate_per_token_loss`` megatron multiplies each micro-batch's aux loss by its token
+          count, expecting ``finalize_model_grads`` to divide every gradient by the step's total;
+          the trainer's finalize skips that division (its policy loss is already divided by the
+          global normalizer), so the aux gradient would come out ~tokens-per-step times too large.
+        * ``sinkhorn`` routes by Sinkhorn-normalised scores only in training mode and by plain
+          top-k in eval mode, so the update's π_θ and the log-prob passes' π_old would differ
+          before any update (and from the engine's routing).
+        """
+        balancing = self.balancing_type(arch)
+        if self.aux_loss_coeff > 0 and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
+            return (
+                f"aux_loss_coeff {self.aux_loss_coeff} > 0 is not supported yet: megatron scales the {balancing} "
+                "gradient by each micro-batch's token count for a finalize step the trainer skips, which would "
+                "inflate it ~tokens-per-step times; use 0"
+            )
+        if balancing == "sinkhorn":
+            return "load_balancing_type sinkhorn routes differently in training than in the log-prob passes; use none"
+        return None
