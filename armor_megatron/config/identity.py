@@ -8,17 +8,24 @@ between the jobs of one run without changing what is trained:
 
 * where things go and how often: ``logging``, ``checkpoint``, ``eval`` (how the run is watched);
 * how long: ``train.steps`` (extending a run), ``train.collective_timeout_minutes``;
-* where memory and engines live: ``train.offload_during_rollout`` (bit-exact), ``rollout.local_device``;
+* where memory and engines live: ``train.offload_during_rollout`` (bit-exact), ``rollout.local_device``,
+  how rows become micro-batches (``train.micro_batch_size``, ``train.*max_tokens_per_micro_batch``),
+  activation recomputation (``train.recompute*``, bit-exact) and ``throughput`` (fused kernels,
+  overlapped communication): they change memory and speed, not the loss;
 * where it runs: ``launch``, ``parallelism`` (torch_dist checkpoints load at any TP/PP/EP),
   ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
   every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``,
   ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
   (the starting weights, already consumed);
 * resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
+
+A key the record lacks (a run recorded before the key existed) counts as the schema default, so
+adding a config key never locks older runs out of resuming.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -37,6 +44,13 @@ NOT_DEFINING = (
     "train.steps",
     "train.collective_timeout_minutes",
     "train.offload_during_rollout",
+    "train.micro_batch_size",
+    "train.max_tokens_per_micro_batch",
+    "train.forward_max_tokens_per_micro_batch",
+    "train.recompute",
+    "train.recompute_method",
+    "train.recompute_num_layers",
+    "throughput",
     "rollout.local_device",
     "rollout.sglang",
     "anchor.reference_urls",
@@ -72,13 +86,38 @@ def defining_config(data: dict) -> dict[str, Any]:
 
 
 def differences(recorded: dict, cfg: RunConfig) -> list[str]:
-    """``key: recorded -> now`` for each defining key that differs, in key order."""
+    """``key: recorded -> now`` for each defining key that differs, in key order (a key the record
+    lacks is read as its schema default)."""
     before, now = defining_config(recorded), defining_config(to_dict(cfg))
+    for key in now.keys() - before.keys():
+        default = schema_default(key)
+        if default is not _NO_DEFAULT:
+            before[key] = default
     return [
         f"{key}: {before.get(key, '<unset>')!r} -> {now.get(key, '<unset>')!r}"
         for key in sorted(set(before) | set(now))
         if before.get(key, "<unset>") != now.get(key, "<unset>")
     ]
+
+
+_NO_DEFAULT = object()
+
+
+def schema_default(key: str) -> Any:
+    """The plain-data default of dotted `key` in the RunConfig schema (``_NO_DEFAULT`` if none)."""
+    node: Any = RunConfig
+    for name in key.split("."):
+        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        field = fields.get(name)
+        if field is None:
+            return _NO_DEFAULT
+        if field.default is not dataclasses.MISSING:
+            node = field.default
+        elif field.default_factory is not dataclasses.MISSING:
+            node = field.default_factory()
+        else:
+            return _NO_DEFAULT
+    return to_dict(node) if dataclasses.is_dataclass(node) else node
 
 
 def has_checkpoint(root: str) -> bool:

@@ -95,3 +95,31 @@ def test_train_refuses_before_building_anything(tmp_path):
     _fake_checkpoint(first)
     with pytest.raises(ConfigError, match="holds the checkpoints of another run"):
         train(_run(tmp_path, "name=other"))
+
+
+def test_a_record_from_before_a_key_existed_reads_it_as_its_default(tmp_path):
+    first = _run(tmp_path)
+    write_run_record(first)
+    _fake_checkpoint(first)
+    path = os.path.join(first.checkpoint.dir, "run_config.yaml")
+    record = yaml.safe_load(open(path))
+    del record["moe"]  # recorded by a version without these keys
+    del record["algorithm"]["tis"]
+    yaml.safe_dump(record, open(path, "w"))
+    check_run_identity(_run(tmp_path), "auto")
+    with pytest.raises(ConfigError, match=r"another run \(moe.router_dtype: 'fp32' -> 'fp64'\)"):
+        check_run_identity(_run(tmp_path, "moe.router_dtype=fp64"), "auto")
+
+
+def test_memory_and_speed_settings_do_not_define_a_run(tmp_path):
+    first = _run(tmp_path)
+    write_run_record(first)
+    _fake_checkpoint(first)
+    again = _run(
+        tmp_path,
+        "train.micro_batch_size=1",
+        "train.max_tokens_per_micro_batch=20000",
+        "train.recompute=selective",
+        "throughput.overlap_grad_reduce=false",
+    )
+    check_run_identity(again, "auto")
