@@ -246,3 +246,30 @@ def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp
         for s in servers:
             s.stop()
     assert not policy.router_process.running and not reference.router_process.running
+
+
+@needs_router
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_port_taken_between_choosing_and_binding_is_retried_on_fresh_ports(tiny_ckpt, tmp_path, monkeypatch):
+    import socket
+
+    from armor_megatron.rollout.sglang import router as router_module
+
+    path, _, _ = tiny_ckpt
+    server = _double(path)
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    picks = iter([taken.getsockname()[1]])  # the first port chosen is taken by the time the router binds it
+    real_free_port = router_module.free_port
+    monkeypatch.setattr(router_module, "free_port", lambda host: next(picks, None) or real_free_port(host))
+    router = SGLangRouter([server.url], startup_timeout=60, log_path=str(tmp_path / "router.log"))
+    try:
+        router.start()
+        assert router.port != taken.getsockname()[1] and router.workers() == {server.url: True}
+        assert "Address already in use" in (tmp_path / "router.log").read_text()
+    finally:
+        router.stop()
+        taken.close()
+        server.stop()
