@@ -36,9 +36,16 @@ setup(
     extras_require={
         # NVIDIA Apex is not on the package index; README explains the source build.
         "gpu": ["transformer-engine[pytorch]>=2.4", "tensorboard"],
-        "sglang": ["sglang==0.5.23", "sglang-router"],
+        "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         "plot": ["matplotlib>=3.7"],
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "matplotlib>=3.7", "ruff==0.17.6", "coverage>=7.6"],
+        "test": [
+            "pytest>=8",
+            "pytest-timeout>=2.3",
+            "matplotlib>=3.7",
+            "ruff==0.17.6",
+            "coverage>=7.6",
+            "sglang-router==0.3.2",  # the real router binary (CPU): tests/rollout/sglang/test_router.py
+        ],
     },
     entry_points={
         "console_scripts": [

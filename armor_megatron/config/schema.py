@@ -39,6 +39,27 @@ class ParallelismConfig:
 
 
 @dataclasses.dataclass
+class SGLangRouterConfig:
+    """``sglang-router`` in front of each engine group (policy, reference), started by the trainer's driver."""
+
+    enabled: bool = checked(
+        False, help="route generation through sglang-router (weight sync and memory release still go to each engine)"
+    )
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    host: str = checked("127.0.0.1", check=non_empty, help="where the routers listen (they run on the driver's node)")
+    port: int = checked(
+        0,
+        check=lambda p: None if p == 0 or 1024 <= p <= 65534 else f"{p!r} must be 0 (a free port) or in [1024, 65534]",
+        help="the policy group's router; the reference group's gets port + 1",
+    )
+    health_check_interval_s: int = checked(5, check=at_least(1), help="seconds between the router's engine checks")
+    health_failure_threshold: int = checked(
+        2, check=at_least(1), help="failed checks in a row before the router stops sending to an engine"
+    )
+    startup_timeout_s: float = checked(300.0, check=positive, help="until the router routes to every engine")
+
+
+@dataclasses.dataclass
 class SGLangConfig:
     urls: list[str] = checked(factory=list, help="attach to running servers instead of launching")
     num_engines: int = checked(1, check=at_least(1))
@@ -62,6 +83,7 @@ class SGLangConfig:
     request_timeout_s: float = checked(600.0, check=positive)
     max_retries: int = checked(5, check=at_least(0))
     max_concurrency: int = checked(256, check=at_least(1))
+    router: SGLangRouterConfig = dataclasses.field(default_factory=SGLangRouterConfig)
 
 
 @dataclasses.dataclass

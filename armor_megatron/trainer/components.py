@@ -128,14 +128,40 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
 
 def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
-    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``."""
+    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``.
+
+    With ``rollout.sglang.router.enabled`` each group gets its own ``sglang-router`` process on
+    this node (the policy group's on ``router.port``, the reference group's on ``port + 1``; 0:
+    free ports), started before the engine client and stopped by its ``shutdown``: generation
+    goes through it, weight sync and memory release to each engine directly."""
     from armor_megatron.launch.plan import API_KEY_ENV
     from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
+    from armor_megatron.rollout.sglang.router import SGLangRouter
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     sg = cfg.rollout.sglang
     disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
+    api_key = sg.api_key or os.environ.get(API_KEY_ENV)  # the SLURM plan exports it
+
+    def router(urls, group: str) -> SGLangRouter | None:
+        rc = sg.router
+        if not rc.enabled:
+            return None
+        log_dir = os.path.join(cfg.logging.dir, cfg.name)  # beside the run's metrics.jsonl
+        os.makedirs(log_dir, exist_ok=True)
+        return SGLangRouter(
+            urls,
+            host=rc.host,
+            port=rc.port + (group == "reference") if rc.port else 0,
+            policy=rc.policy,
+            api_key=api_key,
+            health_check_interval_s=rc.health_check_interval_s,
+            health_failure_threshold=rc.health_failure_threshold,
+            request_timeout=sg.request_timeout_s,
+            startup_timeout=rc.startup_timeout_s,
+            log_path=os.path.join(log_dir, f"sglang-router-{group}.log"),
+        ).start()
 
     def engine(urls, group: str, weights, version: str) -> SGLangEngine:
         sync = WeightSyncConfig(
@@ -148,15 +174,26 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
             timeout=sg.request_timeout_s,
             group_name=f"armor_{group}_weights",
         )
-        client = SGLangEngine(
-            urls,
-            api_key=sg.api_key or os.environ.get(API_KEY_ENV),  # the SLURM plan exports it
-            weight_sync=sync,
-            retry=RetryPolicy(max_attempts=1 + sg.max_retries),
-            request_timeout=sg.request_timeout_s,
-            max_concurrency=sg.max_concurrency,
-        )
-        client.update_weights(weights, version)
+        front = router(urls, group)
+        try:
+            client = SGLangEngine(
+                urls,
+                api_key=api_key,
+                weight_sync=sync,
+                retry=RetryPolicy(max_attempts=1 + sg.max_retries),
+                request_timeout=sg.request_timeout_s,
+                max_concurrency=sg.max_concurrency,
+                router_process=front,
+            )
+        except BaseException:
+            if front is not None:
+                front.stop()
+            raise
+        try:
+            client.update_weights(weights, version)
+        except BaseException:
+            client.shutdown()
+            raise
         return client
 
     def make(policy, reference, *, policy_version, reference_version):

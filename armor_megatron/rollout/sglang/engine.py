@@ -5,6 +5,14 @@ one engine and shares its prefix cache), at most ``max_concurrency`` in flight, 
 router if there is one, else round-robin over the engines. Admin calls (weight updates,
 memory release, pause) go to every engine directly.
 
+Behind ``sglang-router`` (:mod:`armor_megatron.rollout.sglang.router`): seeded samples, which
+go to an engine as one batch with a params dict per sample, go through the router as one
+request per sample (it takes one params dict per request; its cache-aware policy still sends
+a prompt's requests to the engine holding its prefix). An engine that dies is dropped by the
+router's health checks and generation goes on through the others; :meth:`SGLangEngine.health`
+names it; when none is left, generation fails with one line naming the router and the dead
+engines. (Weight updates still go to every engine, so the next one fails naming the dead one.)
+
 Log-probs: SGLang reports ``log_softmax(logits / temperature)`` of the sampled tokens unless
 the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, then the model's own log-probs at
 temperature 1 (what the local engine returns and a trainer recomputes). The launcher sets
@@ -21,12 +29,14 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import os
 import threading
 import time
 from collections.abc import Sequence
 
 from armor_megatron.rollout.engine import (
+    EngineUnavailableError,
     RolloutEngine,
     SamplingParams,
     WeightSource,
@@ -41,6 +51,8 @@ MEMORY_TAGS = ("weights", "kv_cache")
 # the requests in flight; "retract" puts them back in the queue (KV cache freed) and
 # "in_place" keeps them where they are; both finish them after /continue_generation.
 PAUSE_MODES = ("abort", "retract", "in_place")
+
+logger = logging.getLogger(__name__)
 
 
 def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None) -> dict | list[dict]:
@@ -62,11 +74,13 @@ def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None) -
 
 
 class SGLangEngine(RolloutEngine):
-    """Engines at ``worker_urls`` (optionally fronted by ``router_url``).
+    """Engines at ``worker_urls`` (optionally fronted by the router at ``router_url``).
 
     ``weight_sync``: how :meth:`update_weights` pushes tensors (default: ``tensor`` mode).
     ``weight_version``: the version the engines hold now; read from the engines if not given
-    (they must all report the same). ``launcher``: stopped by :meth:`shutdown` if given.
+    (they must all report the same). ``launcher``, ``router_process`` (a started
+    :class:`~armor_megatron.rollout.sglang.router.SGLangRouter`, whose URL is the default
+    ``router_url``): stopped by :meth:`shutdown` if given.
     """
 
     def __init__(
@@ -80,11 +94,15 @@ class SGLangEngine(RolloutEngine):
         max_concurrency: int = 256,
         weight_version: str | None = None,
         launcher=None,
+        router_process=None,
     ):
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL")
         make = lambda url: SGLangClient(url, api_key=api_key, request_timeout=request_timeout, retry=retry)  # noqa: E731
         self.workers = [make(u) for u in worker_urls]
+        self.router_process = router_process
+        if router_url is None and router_process is not None:
+            router_url = router_process.url
         self.router = make(router_url) if router_url else None
         self.sync = make_weight_sync(self.workers, weight_sync or WeightSyncConfig())
         self.launcher = launcher
@@ -118,6 +136,13 @@ class SGLangEngine(RolloutEngine):
             return self.router
         return self.workers[next(self._next) % len(self.workers)]
 
+    def _prompt_requests(self, params: dict | list[dict]) -> list[tuple[SGLangClient, dict | list]]:
+        """The ``(client, sampling_params)`` requests of one prompt: one, except per-sample params through the router."""
+        client = self._generation_client()
+        if client is self.router and isinstance(params, list):
+            return [(client, p) for p in params]  # sglang-router 0.3.2 answers 422 to a list of params
+        return [(client, params)]
+
     def generate(
         self,
         prompts_token_ids: Sequence[Sequence[int]],
@@ -128,26 +153,37 @@ class SGLangEngine(RolloutEngine):
     ) -> list:
         check_prompts(prompts_token_ids, n)
         deadline = None if timeout is None else time.monotonic() + timeout
-        futures = [
-            self._pool.submit(
-                self._generation_client().generate,
-                list(p),
-                sglang_sampling_params(sampling, n, self._request_seed(sampling, n)),
-                return_logprob,
-                timeout,
-            )
+        per_prompt = [
+            [
+                self._pool.submit(client.generate, list(p), params, return_logprob, timeout)
+                for client, params in self._prompt_requests(
+                    sglang_sampling_params(sampling, n, self._request_seed(sampling, n))
+                )
+            ]
             for p in prompts_token_ids
         ]
+        futures = [f for fs in per_prompt for f in fs]
         try:
             groups = []
-            for i, f in enumerate(futures):
-                left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                outputs = f.result(timeout=left)
+            for i, fs in enumerate(per_prompt):
+                outputs = []
+                for f in fs:
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    outputs += f.result(timeout=left)
                 if len(outputs) != n:
                     raise RuntimeError(f"prompt {i}: engine returned {len(outputs)} samples, asked for {n}")
                 groups.append([parse_output(o, i, return_logprob) for o in outputs])
         except concurrent.futures.TimeoutError:
-            raise TimeoutError(f"generation of {len(futures)} prompts passed its {timeout}s timeout") from None
+            raise TimeoutError(
+                f"generation of {len(prompts_token_ids)} prompts passed its {timeout}s timeout"
+            ) from None
+        except EngineUnavailableError as e:
+            if self.router is None:
+                raise
+            raise EngineUnavailableError(
+                f"generation through the SGLang router {self.router.url} failed, engines down: "
+                f"{self.unhealthy_workers(timeout=5.0) or 'none'} of {len(self.workers)} ({e})"
+            ) from None
         finally:
             for f in futures:
                 f.cancel()
@@ -183,8 +219,26 @@ class SGLangEngine(RolloutEngine):
                 self.sync.push(weights, str(version))
             self.weight_version = str(version)
 
+    def unhealthy_workers(self, timeout: float | None = None) -> list[str]:
+        """URLs of the engines that do not answer ``/health_generate`` within ``timeout`` (checked concurrently)."""
+        with concurrent.futures.ThreadPoolExecutor(len(self.workers), thread_name_prefix="sglang-health") as pool:
+            healthy = list(pool.map(lambda c: c.health(generate=True, timeout=timeout or 30.0), self.workers))
+        return [c.url for c, ok in zip(self.workers, healthy) if not ok]
+
     def health(self, timeout: float | None = None) -> bool:
-        return all(c.health(generate=True, timeout=timeout or 30.0) for c in self.workers)
+        """True if every engine (and the router, if any) is healthy; logs the engines that are not."""
+        dead = self.unhealthy_workers(timeout)
+        if dead:
+            logger.warning(
+                "SGLang engines not healthy: %s of %d%s",
+                dead,
+                len(self.workers),
+                f"; the router {self.router.url} routes around them" if self.router is not None else "",
+            )
+        router_ok = self.router is None or self.router.health(timeout=timeout or 30.0)
+        if not router_ok:
+            logger.warning("SGLang router %s not healthy", self.router.url)
+        return not dead and router_ok
 
     def _post_all(self, path: str, body: dict, timeout: float | None) -> None:
         for c in self.workers:
@@ -221,5 +275,7 @@ class SGLangEngine(RolloutEngine):
     def shutdown(self, timeout: float | None = None) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
+        if self.router_process is not None:
+            self.router_process.stop(timeout=timeout or 30.0)
         if self.launcher is not None:
             self.launcher.stop(timeout=timeout or 30.0)

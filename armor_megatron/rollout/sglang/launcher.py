@@ -7,10 +7,12 @@ One process per engine, tensor parallelism inside it (``--tp-size``, GPUs
 ``python -m armor_megatron.rollout.sglang.launcher <server module> <args>``, which reads it from
 the ``ARMOR_ENGINE_API_KEY`` environment variable and hands ``--api-key`` to the server in-process. Several engines are used round-robin by
 :class:`~armor_megatron.rollout.sglang.engine.SGLangEngine` or put behind ``sglang-router``
-(``use_router``). :meth:`SGLangLauncher.start` returns once every engine answers
-``/health_generate``; a process that exits first is an error carrying its log tail.
-Processes run in their own sessions and are stopped (SIGTERM, then SIGKILL after a grace
-period) by :meth:`SGLangLauncher.stop`, at interpreter exit and on SIGTERM.
+(``use_router``: a :class:`~armor_megatron.rollout.sglang.router.SGLangRouter` started once the
+engines are up). :meth:`SGLangLauncher.start` returns once every engine answers
+``/health_generate`` (and the router routes to all of them); a process that exits first is an
+error carrying its log tail. Processes run in their own sessions and are stopped (SIGTERM,
+then SIGKILL after a grace period) by :meth:`SGLangLauncher.stop`, at interpreter exit and on
+SIGTERM.
 
 To use servers started elsewhere, skip the launcher: ``SGLangEngine(worker_urls=[...])``.
 """
@@ -22,7 +24,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -33,6 +34,14 @@ from collections.abc import Sequence
 from armor_megatron.launch.plan import API_KEY_ENV
 from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
+from armor_megatron.rollout.sglang.router import (
+    ROUTER_MODULE,
+    SGLangRouter,
+    free_port,
+    local_url,
+    log_tail,
+    signal_group,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +56,10 @@ class LauncherConfig:
     base_gpu_id: int = 0
     api_key: str | None = None
     use_router: bool = False
-    router_port: int = 0
+    router_port: int = 0  # 0: a free port chosen at start
+    router_policy: str = "cache_aware"
+    router_health_check_interval_s: int = 5
+    router_health_failure_threshold: int = 2
     colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
     # SGLang reports log_softmax(logits / temperature) unless SGLANG_RETURN_ORIGINAL_LOGPROB=1;
     # True asks for the model's own (temperature-1) log-probs, as the local engine returns.
@@ -55,7 +67,7 @@ class LauncherConfig:
     mem_fraction_static: float | None = None
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
-    router_module: str = "sglang_router.launch_router"
+    router_module: str = ROUTER_MODULE
     python: str = sys.executable
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     log_dir: str | None = None
@@ -67,22 +79,14 @@ class LauncherConfig:
             raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {self.num_engines} and {self.tp_size}")
 
 
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def _url(host: str, port: int) -> str:
-    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+__all__ = ["LauncherConfig", "SGLangLauncher", "free_port", "run_server_with_env_key"]
 
 
 class SGLangLauncher:
     def __init__(self, config: LauncherConfig):
         self.config = config
         self.ports: list[int] = []
-        self.router_port: int | None = None
+        self.router: SGLangRouter | None = None
         self._procs: list[subprocess.Popen] = []
         self._logs: list[str] = []
         self._lock = threading.Lock()
@@ -111,18 +115,26 @@ class SGLangLauncher:
             cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
         return cmd + list(c.extra_args)
 
-    def router_command(self, port: int) -> list[str]:
+    def make_router(self, log_path: str | None = None) -> SGLangRouter:
+        """The router in front of this launcher's engines (not started)."""
         c = self.config
-        cmd = [
-            *self._entry(c.router_module),
-            "--host",
-            c.host,
-            "--port",
-            str(port),
-            "--worker-urls",
-            *self.worker_urls,
-        ]
-        return cmd
+        return SGLangRouter(
+            self.worker_urls,
+            host=c.host,
+            port=c.router_port,
+            policy=c.router_policy,
+            api_key=c.api_key,
+            health_check_interval_s=c.router_health_check_interval_s,
+            health_failure_threshold=c.router_health_failure_threshold,
+            startup_timeout=c.startup_timeout,
+            stop_grace=c.stop_grace,
+            log_path=log_path,
+            python=c.python,
+            module=c.router_module,
+        )
+
+    def router_command(self, port: int) -> list[str]:
+        return self.make_router().command(port, free_port(self.config.host))
 
     def _entry(self, module: str) -> list[str]:
         """``python -m module``, or, with an API key, this module's key-from-environment wrapper of it."""
@@ -131,11 +143,11 @@ class SGLangLauncher:
 
     @property
     def worker_urls(self) -> list[str]:
-        return [_url(self.config.host, p) for p in self.ports]
+        return [local_url(self.config.host, p) for p in self.ports]
 
     @property
     def router_url(self) -> str | None:
-        return None if self.router_port is None else _url(self.config.host, self.router_port)
+        return None if self.router is None else self.router.url
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -154,9 +166,9 @@ class SGLangLauncher:
             for e, url in enumerate(self.worker_urls):
                 self._wait_healthy(e, url, deadline)
             if c.use_router:
-                self.router_port = c.router_port or free_port(c.host)
-                self._spawn(self.router_command(self.router_port), os.path.join(log_dir, "router.log"))
-                self._wait_healthy(len(self.ports), self.router_url, deadline, path_generate=False)
+                self.router = self.make_router(os.path.join(log_dir, "router.log"))
+                self.router.startup_timeout = max(1.0, deadline - time.monotonic())
+                self.router.start()
         except BaseException:
             self.stop()
             raise
@@ -184,35 +196,37 @@ class SGLangLauncher:
             if proc.poll() is not None:
                 raise EngineUnavailableError(
                     f"SGLang process {' '.join(proc.args[:3])} for {url} exited with code {proc.returncode}; "
-                    f"log tail ({self._logs[index]}):\n{_tail(self._logs[index])}"
+                    f"log tail ({self._logs[index]}):\n{log_tail(self._logs[index])}"
                 )
             if client.health(generate=path_generate, timeout=5.0):
                 return
             time.sleep(0.5)
         raise EngineUnavailableError(
-            f"SGLang server {url} not healthy after {self.config.startup_timeout:.0f}s; log tail:\n{_tail(self._logs[index])}"
+            f"SGLang server {url} not healthy after {self.config.startup_timeout:.0f}s; log tail:\n{log_tail(self._logs[index])}"
         )
 
     def stop(self, timeout: float | None = None) -> None:
         """SIGTERM every process group, SIGKILL what is still alive after the grace period."""
         with self._lock:
             procs, self._procs = self._procs, []
+            router, self.router = self.router, None
         grace = self.config.stop_grace if timeout is None else timeout
-        for p in reversed(procs):  # router first
-            _signal_group(p, signal.SIGTERM)
+        if router is not None:  # the router first: it stops sending requests to engines going away
+            router.stop(timeout=grace)
+        for p in procs:
+            signal_group(p, signal.SIGTERM)
         deadline = time.monotonic() + grace
         for p in procs:
             try:
                 p.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("SGLang process %d ignored SIGTERM for %.0fs; killing it", p.pid, grace)
-                _signal_group(p, signal.SIGKILL)
+                signal_group(p, signal.SIGKILL)
                 p.wait(timeout=10)
-        self.router_port = None
 
     @property
     def running(self) -> bool:
-        return any(p.poll() is None for p in self._procs)
+        return any(p.poll() is None for p in self._procs) or (self.router is not None and self.router.running)
 
     def _install_exit_handlers(self) -> None:
         atexit.register(self.stop)
@@ -250,23 +264,6 @@ def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
         raise SystemExit(f"{__name__}: {API_KEY_ENV} is not set (the API key for {argv[0]})")
     sys.argv = [argv[0], *argv[1:], "--api-key", key]
     runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
-
-
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, sig)  # the server's own children (TP workers, detokenizer) too
-    except ProcessLookupError:
-        pass
-
-
-def _tail(path: str, lines: int = 20) -> str:
-    try:
-        with open(path, "rb") as f:
-            return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
-    except OSError:
-        return "(no log)"
 
 
 if __name__ == "__main__":
