@@ -323,6 +323,12 @@ def _check_engines(cfg: RunConfig) -> None:
             f"{sg.host} exposes the engines (generation and weight updates) to the whole network without "
             "rollout.sglang.api_key; set one, or rollout.sglang.allow_unauthenticated: true on a trusted network",
         )
+    if sg.router.enabled and sg.router.host in ALL_INTERFACES and not sg.api_key and not sg.allow_unauthenticated:
+        raise ConfigError(
+            "rollout.sglang.router.host",
+            f"{sg.router.host} exposes the routers (generation on every engine) to the whole network without "
+            "rollout.sglang.api_key; set one, or rollout.sglang.allow_unauthenticated: true on a trusted network",
+        )
     if sg.weight_sync == "distributed" and sg.placement == "colocated":
         raise ConfigError(
             "rollout.sglang.weight_sync",

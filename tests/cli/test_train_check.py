@@ -187,6 +187,24 @@ MALFORMED = [
     (TINY, ["rollout.engine=sglang"], "rollout.engine: sglang launches engines on GPUs, but launch.gpus_per_node=0"),
     # engines reachable from the whole network need a key, or an explicit opt-out
     (SEVEN_B, ["rollout.sglang.host=0.0.0.0"], "rollout.sglang.host: 0.0.0.0 exposes the engines"),
+    (
+        SEVEN_B,
+        ["rollout.sglang.router.enabled=true", "rollout.sglang.router.host=0.0.0.0"],
+        "rollout.sglang.router.host: 0.0.0.0 exposes the routers",
+    ),
+    # a packed micro-batch holds whole rows
+    (
+        SEVEN_B,
+        ["train.max_tokens_per_micro_batch=4000"],
+        "train.max_tokens_per_micro_batch: 4000 tokens cannot hold a row of rollout.max_prompt_len + "
+        "rollout.max_response_len = 4096 tokens",
+    ),
+    (
+        SEVEN_B,
+        ["train.forward_max_tokens_per_micro_batch=9000"],
+        "train.forward_max_tokens_per_micro_batch: needs train.max_tokens_per_micro_batch",
+    ),
+    (SEVEN_B, ["train.max_tokens_per_micro_batch=0"], "train.max_tokens_per_micro_batch: 0 must be >= 1 or null"),
 ]
 
 
