@@ -63,11 +63,14 @@ def _latest(run_dir):
 
 
 # tp2: anchors sampled afresh every step (no cache); pp2: the next batch's anchors pre-generated
-# in the background while the trainer updates.
+# in the background while the trainer updates, and token-budget micro-batches (rows packed, THD).
 @pytest.mark.parametrize(
     "layout",
-    [["parallelism.tp=2", "anchor.cache=false"], ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true"]],
-    ids=["tp2", "pp2"],
+    [
+        ["parallelism.tp=2", "anchor.cache=false"],
+        ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true", "train.max_tokens_per_micro_batch=60"],
+    ],
+    ids=["tp2", "pp2_packed"],
 )
 def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
     metrics = _train(
