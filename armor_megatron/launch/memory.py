@@ -11,6 +11,11 @@ s = max_prompt_len + max_response_len (micro-batches are padded to their longest
 worst case is a full-length row), b = micro_batch_size, e bytes per element of model.dtype
 (bf16: 2), t = tp, p = pp, v = vpp (1 without), dp = trainer GPUs / (t·p·cp).
 
+Token-budget micro-batches (``train.max_tokens_per_micro_batch`` = B): a packed micro-batch
+holds B tokens at most, so every s·b below reads B, while attention scores stay per sequence
+(at most s long: packed rows never attend to each other). The micro-batch count of a step is
+taken at its worst, full-length rows: floor(B / s) rows per micro-batch.
+
 **Parameters** of a stage (``params_per_gpu``): its L/p layers (the first stage also the
 embedding [V_p/t, h], the last the output layer [V_p/t, h], also when tied and p > 1) with
 attention h·(q + 2kv) + q·h (+ q + 2kv qkv bias), dense MLP 3·h·f, MoE router E·h + experts
@@ -214,12 +219,18 @@ class ActivationSettings:
     recompute: str = "none"  # none | selective | full
     recompute_method: str = "uniform"
     recompute_num_layers: int = 1
+    packed_tokens: int | None = None  # token-budget micro-batches: tokens per micro-batch
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of one micro-batch: the budget when packed, else micro_batch_size full rows."""
+        return self.packed_tokens if self.packed_tokens is not None else self.seq_len * self.micro_batch_size
 
 
 def activation_bytes(arch: ModelArch, layers: range, a: ActivationSettings, in_flight: float) -> float:
     """Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
     kept, plus one recomputed unit under full recompute."""
-    tokens = a.seq_len * a.micro_batch_size
+    tokens = a.tokens
     keep_scores = a.recompute != "selective"  # a fully recomputed layer keeps them while it runs again
     per_layer = [
         tokens
@@ -327,7 +338,9 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
     spec = "local" if cfg.model.spec == "local" or not on_gpu else "te"
     seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size / train.mini_batches_per_step
-    microbatches = math.ceil(rows_per_step / dp / train.micro_batch_size)
+    budget = train.max_tokens_per_micro_batch
+    rows_per_microbatch = max(1, budget // seq) if budget else train.micro_batch_size
+    microbatches = math.ceil(rows_per_step / dp / rows_per_microbatch)
     act = ActivationSettings(
         seq_len=seq,
         micro_batch_size=train.micro_batch_size,
@@ -338,6 +351,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         recompute=train.recompute,
         recompute_method=train.recompute_method,
         recompute_num_layers=train.recompute_num_layers,
+        packed_tokens=budget,
     )
     colocated = cfg.rollout.engine == "sglang" and sg.placement == "colocated" and on_gpu
     reference = (cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled) and not cfg.reference.offload
@@ -359,13 +373,13 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         held = in_flight_microbatches(pp, par.vpp, stage, microbatches)
         activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)
         if stage == 0:
-            activations += held * seq * train.micro_batch_size * e * arch.hidden_size / tp
+            activations += held * act.tokens * e * arch.hidden_size / tp
         terms = dict(
             weights=e * params,
             gradients=4.0 * params,
             optimizer=opt,
             activations=activations,
-            logits=logits_bytes(arch, tp, seq * train.micro_batch_size, e) if stage == pp - 1 else 0.0,
+            logits=logits_bytes(arch, tp, act.tokens, e) if stage == pp - 1 else 0.0,
             reference=e * params if reference else 0.0,
             critic=critic,
             engine=engine,
@@ -377,7 +391,10 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         keep = ("weights", "gradients", "optimizer", "reference", "critic")
         rollout_trainer = max(sum(st.terms[k] for k in keep) for st in stages)
     layout = f"tp={tp} pp={pp}" + (f" vpp={par.vpp}" if par.vpp else "") + (f" ep={ep}" if ep > 1 else "")
-    layout += f" dp={dp}, micro-batch {train.micro_batch_size} x {seq} tokens, recompute {train.recompute}"
+    batching = (
+        f"packed micro-batches of {budget} tokens" if budget else f"micro-batch {train.micro_batch_size} x {seq} tokens"
+    )
+    layout += f" dp={dp}, {batching}, recompute {train.recompute}"
     return MemoryPlan(
         stages=stages,
         gpu_bytes=launch.gpu_memory_gib * GIB,

@@ -201,7 +201,7 @@ MALFORMED = [
     ),
     (
         SEVEN_B,
-        ["train.forward_max_tokens_per_micro_batch=9000"],
+        ["train.max_tokens_per_micro_batch=null", "train.forward_max_tokens_per_micro_batch=9000"],
         "train.forward_max_tokens_per_micro_batch: needs train.max_tokens_per_micro_batch",
     ),
     (SEVEN_B, ["train.max_tokens_per_micro_batch=0"], "train.max_tokens_per_micro_batch: 0 must be >= 1 or null"),

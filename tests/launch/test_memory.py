@@ -90,7 +90,10 @@ def test_distributed_optimizer_shards_adam_over_data_parallel_ranks():
     stage = plan_memory(cfg, arch).stages[0]
     assert stage.terms["weights"] == 2 * dense and stage.terms["gradients"] == 4 * dense
     assert stage.terms["optimizer"] == pytest.approx(12 * dense / 8)  # 16 GPUs / TP2 = DP8
-    cpu = load_config("configs/qwen3_8b_base_two_stage.yaml", ["launch.gpus_per_node=0", "rollout.engine=local"])
+    cpu = load_config(
+        "configs/qwen3_8b_base_two_stage.yaml",
+        ["launch.gpus_per_node=0", "rollout.engine=local", "throughput.gradient_accumulation_fusion=false"],
+    )
     assert plan_memory(cpu, arch).stages[0].terms["optimizer"] == pytest.approx(12 * dense)  # no sharding on CPU
 
 
@@ -173,3 +176,23 @@ def test_moe_layers_count_expert_parameters_once_per_expert_parallel_rank():
     _, at_ep1 = params_per_gpu(arch, 1, 1, 1, 0)
     _, at_ep8 = params_per_gpu(arch, 1, 1, 8, 0)
     assert at_ep1 == pytest.approx(8 * at_ep8) and isinstance(arch, ModelArch)
+
+
+def test_token_budget_sets_the_tokens_of_a_micro_batch():
+    """A budget of micro_batch_size full rows plans what padded rows plan; half of it, half the
+    activations and logits, and twice the micro-batches in flight (pp > 1) at most."""
+    name = "configs/qwen3_8b_base_two_stage.yaml"
+    base = load_config(name, ["train.recompute=selective"])
+    arch = model_arch_of(base)
+    seq = base.rollout.max_prompt_len + base.rollout.max_response_len
+    rows = plan_memory(base, arch).stages[0].terms
+    same = plan_memory(
+        load_config(name, ["train.recompute=selective", f"train.max_tokens_per_micro_batch={4 * seq}"]), arch
+    )
+    half = plan_memory(
+        load_config(name, ["train.recompute=selective", f"train.max_tokens_per_micro_batch={2 * seq}"]), arch
+    )
+    for key in ("activations", "logits"):
+        assert same.stages[0].terms[key] == pytest.approx(rows[key])
+        assert half.stages[0].terms[key] == pytest.approx(rows[key] / 2, rel=0.05)
+    assert f"packed micro-batches of {2 * seq} tokens" in half.layout
