@@ -467,8 +467,11 @@ def _listing(kind: str, names: list[str]) -> str:
 
 # ---------------------------------------------------------------------- gather and map
 def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share of ``params``: full-TP tensors, only where it is the owner; each a
-    contiguous copy on ``device`` (None: where the parameters are)."""
+    """This rank's share of ``params``: full-TP tensors, only where it is the owner; each
+    contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
+    memory. At most about twice the largest full tensor is alive at once: the all-gathered
+    shards are dropped once merged, and a merged tensor is copied only where it is not
+    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP)."""
     from megatron.core import parallel_state as ps
 
     for p in params:
@@ -476,14 +479,32 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         shards = _all_gather(p.tensor, group) if p.gather else [p.tensor]
         if not _owns(p.expert):
             continue
-        for piece in p.pieces:
+        for i, piece in enumerate(p.pieces):
             rule = piece.ref.rule
             taken = [piece.take(s) if piece.take else s for s in shards]
+            if i == len(p.pieces) - 1:
+                del shards  # the pieces' own views keep what they still need
             tensor = tp_gather(arch, rule, taken) if p.gather else taken[0]
+            del taken
             if rule.tp == "vocab":
                 tensor = tensor[: arch.vocab_size]
-            for hf_name, hf_tensor in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor)):
-                yield hf_name, hf_tensor.to(device or hf_tensor.device, copy=True).contiguous()
+            out = [
+                (name, _detached_copy(hf, p.tensor, device))
+                for name, hf in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor))
+            ]
+            del tensor
+            while out:
+                yield out.pop(0)
+
+
+def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None) -> torch.Tensor:
+    """``tensor`` contiguous on ``device``, copied where it would share the parameter's memory."""
+    target = torch.device(device) if device else tensor.device
+    if tensor.device != target:
+        return tensor.to(target).contiguous()
+    if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
