@@ -18,7 +18,8 @@ running in this parent process, so rank 0's memory holds no engine. The trainer 
 time runs from that call to every rank being done (the engine has loaded the weights and
 reports the new version). Modes: ``tensor`` and ``disk`` deliver from each stage's owner;
 ``distributed`` has rank 0 broadcast what the owners stream to it (SGLang broadcasts only from
-rank 0 of its group).
+rank 0 of its group). ``export-only`` (a breakdown, not in the last line) delivers into sinks
+that drop every bucket: the cost of the TP all-gathers and HF layout alone.
 
 Baseline: one ``safetensors.torch.save_file`` of all the model's HF tensors (the same bytes)
 in this process, to a file in ``--workdir`` (page cache, no fsync, as the sync), ``--repeat``
@@ -48,6 +49,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from armor_megatron.rollout.engine import ShardDelivery, ShardSink  # noqa: E402
 
 SHAPE = dict(
     architectures=["LlamaForCausalLM"],
@@ -97,6 +100,23 @@ def write_checkpoint(path: str, layers: int) -> dict:
     return tensors
 
 
+class _Drop(ShardSink):
+    def put(self, bucket):
+        pass
+
+    def close(self):
+        return None
+
+
+class _DropAll(ShardDelivery):
+    """A delivery whose sinks drop every bucket: the export's own cost (TP gathers, HF layout)."""
+
+    bucket_bytes = None  # the export's
+
+    def open(self, rank):
+        return _Drop()
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as fh:
         for line in fh:
@@ -125,7 +145,7 @@ def worker(rank, hf_dir, mcore_dir, url, modes, bucket_bytes, disk_root, repeat)
     results = {}
     for mode in modes * repeat:
         engine = None
-        if rank == 0:
+        if rank == 0 and mode != "export-only":
             from armor_megatron.rollout.sglang.engine import SGLangEngine
             from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
@@ -147,7 +167,9 @@ def worker(rank, hf_dir, mcore_dir, url, modes, bucket_bytes, disk_root, repeat)
                 fh.write("5")  # VmHWM := VmRSS
             before = _status_kib("VmRSS")
         start = time.perf_counter()
-        if rank == 0:
+        if rank == 0 and mode == "export-only":
+            export.deliver(_DropAll())
+        elif rank == 0:
             engine.update_weights(export, f"{mode}-{len(results.get(mode, []))}")
         else:
             list(export)
@@ -155,7 +177,8 @@ def worker(rank, hf_dir, mcore_dir, url, modes, bucket_bytes, disk_root, repeat)
         seconds = time.perf_counter() - start
         if rank == 0:
             results.setdefault(mode, []).append((seconds, (_status_kib("VmHWM") - before) * 1024))
-            engine.shutdown()
+            if engine is not None:
+                engine.shutdown()
         dist.barrier()
     return {"owned": owned, "results": results} if rank == 0 else None
 
@@ -164,7 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--bucket-mb", type=int, default=32)
-    parser.add_argument("--modes", default="tensor,disk,distributed")
+    parser.add_argument("--modes", default="export-only,tensor,disk,distributed")
     parser.add_argument("--repeat", type=int, default=2, help="syncs per mode and saves before and after them")
     parser.add_argument("--workdir", default=None, help="where checkpoints go (default: a temporary directory)")
     args = parser.parse_args()
@@ -224,7 +247,8 @@ def main() -> None:
         for mode, runs in out["results"].items():
             seconds, peak = min(s for s, _ in runs), max(p for _, p in runs)
             time_ratio, peak_ratio = seconds / save_s, peak / stage
-            worst_time, worst_peak = max(worst_time, time_ratio), max(worst_peak, peak_ratio)
+            if mode != "export-only":  # a breakdown, not a sync
+                worst_time, worst_peak = max(worst_time, time_ratio), max(worst_peak, peak_ratio)
             print(
                 f"{mode:>11}: sync best {seconds:.2f} s of {_fmt(s for s, _ in runs)} ({time_ratio:.2f} x save), "
                 f"rank 0 peak extra {peak / 2**30:.3f} GiB, worst of {len(runs)} ({peak_ratio:.2f} x its stage share)"
