@@ -1,8 +1,10 @@
-"""Gather a TP/PP/EP-sharded Megatron model into HF-named full tensors on global rank 0.
+"""Turn a TP/PP/EP-sharded Megatron model into HF-named full tensors, streamed bucket by bucket.
 
-Used for weight sync (trainer -> rollout engine) and for exporting a reference policy. Every
-rank must iterate the generator to the end (it drives collectives); rank 0 receives
-``(hf_name, tensor)`` pairs, the others yield nothing.
+Used for weight sync (trainer -> rollout engine) and for exporting a reference policy.
+`HFWeightExport` is read once, either gathered on global rank 0 (every rank iterates it to the
+end, it drives collectives; rank 0 gets ``(hf_name, tensor)`` pairs, the others nothing;
+`export_hf_weights` is that iterator) or delivered (:meth:`HFWeightExport.deliver`): each
+owner rank streams its own tensors straight to the rollout engines, nothing through rank 0.
 
 Per parameter of this rank's model chunks (and per buffer that is an HF tensor: DeepSeek-V3's
 router ``expert_bias``, HF ``e_score_correction_bias``):
@@ -25,17 +27,19 @@ router ``expert_bias``, HF ``e_score_correction_bias``):
    spec's MLA down projections (``TELinear(parallel_mode="duplicated")``; the local spec splits
    them by rows). Any other shape that is not the rule's TP shard refuses the export;
 3. one replica owns each full tensor: TP rank 0 of data-parallel (with context-parallel) rank 0,
-   or for experts expert-TP rank 0 of expert-data-parallel rank 0. The owner maps it to HF
-   names (the converter's rules) and ships it to rank 0 in buckets of at most ``bucket_bytes``
-   (point-to-point object messages), rank by rank.
+   or for experts expert-TP rank 0 of expert-data-parallel rank 0 (so one owner per pipeline
+   stage, plus one per expert-parallel rank). The owner maps it to HF names (the converter's
+   rules) and hands it on in buckets of at most ``bucket_bytes``: to the delivery's sink, or
+   to rank 0 as raw bytes (see `HFWeightExport`).
 
 Completeness: before any tensor moves, rank 0 collects every rank's owned HF names and checks
 them against ``rules.hf_tensor_names(arch)``; a missing, duplicated or unknown name raises
 `WeightExportError` on every rank, so nothing is pushed from an incomplete export.
 
-Memory: an owner rank holds its stage's full (TP-gathered) tensors on the host while it
-ships them; rank 0 receives one bucket at a time. With tied embeddings the last pipeline
-stage's copy of the output layer is skipped (the embedding is the HF tensor).
+Memory: an owner holds one bucket of its stage's full (TP-gathered) tensors at a time (plus,
+when sending to rank 0, that bucket's bytes); rank 0 holds at most one other rank's bucket.
+With tied embeddings the last pipeline stage's copy of the output layer is skipped (the
+embedding is the HF tensor).
 """
 
 from __future__ import annotations
@@ -92,35 +96,208 @@ def export_hf_weights(
     Raises `WeightExportError` on every rank, before any tensor is gathered or yielded, when
     the ranks' owned tensors do not cover the model's HF tensors exactly once or a rank holds a
     parameter the family's rules do not know."""
-    try:
-        params = _plan(model_chunks, arch)
-        owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
-        problem = None
-    except (KeyError, ValueError) as e:  # reported through the collective check: no rank is left waiting
-        params, owned_names, problem = [], [], e.args[0] if e.args else repr(e)
-    _check_complete(arch, owned_names, problem)
-    distributed = dist.is_initialized() and dist.get_world_size() > 1
-    # Materialised first: the TP all-gathers must run in lockstep on every rank of a group,
-    # before any rank starts its blocking sends to rank 0.
-    owned = list(_owned_hf_tensors(params, arch))
-    if not distributed:
-        yield from owned
+    return iter(HFWeightExport(model_chunks, arch, bucket_bytes))
+
+
+class HFWeightExport:
+    """The model's HF tensors, spread over the ranks that own them; read once, in one of two ways.
+
+    Every rank makes one and hands it on; global rank 0 (the driver) decides how it is read,
+    and every other rank follows when it iterates its own (``list(export)``):
+
+    * **iterated on rank 0** -- gathered there: rank 0 yields every ``(hf_name, tensor)``
+      (full, on CPU), the other ranks yield nothing. The owners send their buckets to rank 0
+      as raw bytes (``dist.send`` of one uint8 tensor per bucket, after a small metadata
+      message: names, dtypes, shapes), in rounds: in round k every rank produces its k-th bucket
+      (TP/EP all-gathers inside its own groups only), then rank 0 yields its own and receives
+      each owner's in rank order. No rank is in a collective while another waits on a send, so
+      an owner that is rank 0's TP partner cannot deadlock it; rank 0 holds one other rank's
+      bucket at a time.
+    * **delivered** (:meth:`deliver`, on rank 0, by a rollout engine that knows how, e.g.
+      SGLang's ``tensor``/``disk`` sync) -- every owner streams its own buckets straight to
+      the engines through the delivery's sink; nothing goes through rank 0. The sinks' reports
+      are gathered on rank 0 (small objects: file names, counts) and returned there.
+
+    Either way each owner holds one bucket of at most ``bucket_bytes`` (a larger tensor goes
+    alone) plus the tensor being gathered, never its whole stage, and the completeness check
+    runs on every rank before any tensor moves. The first read drives the collectives; a
+    second read is empty on every rank (as an exhausted generator).
+    """
+
+    def __init__(
+        self, model_chunks: Sequence[torch.nn.Module], arch: ModelArch, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ):
+        if bucket_bytes <= 0:
+            raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        self.model_chunks, self.arch, self.bucket_bytes = list(model_chunks), arch, bucket_bytes
+        self._read = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        if self._read:
+            return
+        self._read = True
+        how = _driver_says(("gather", None))
+        if how[0] == "deliver":  # only on ranks other than 0: the driver delivers
+            self._deliver_share(how[1])
+            return
+        yield from self._gather_on_rank0()
+
+    def deliver(self, delivery) -> list | None:
+        """Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
+        (:class:`~armor_megatron.rollout.engine.ShardDelivery`); returns each rank's report
+        (None for ranks that own nothing), in rank order. The other ranks take part when they
+        iterate their own export. A sink that fails on any rank fails every rank with
+        `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done."""
+        if _rank() != 0:
+            raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
+        if self._read:
+            raise RuntimeError("this weight export was already read; export the model again")
+        self._read = True
+        _driver_says(("deliver", delivery))
+        return self._deliver_share(delivery)
+
+    # ------------------------------------------------------------------ the two reads
+    def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:
+        """This rank's parameters cut into buckets; the completeness check (every rank);
+        the owner ranks and the number of rounds (the most buckets any rank has)."""
+        try:
+            params = _plan(self.model_chunks, self.arch)
+            owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
+            problem = None
+        except (KeyError, ValueError) as e:  # reported through the collective check: no rank is left waiting
+            params, owned_names, problem = [], [], e.args[0] if e.args else repr(e)
+        chunks = _param_buckets(params, bucket_bytes)
+        owners, rounds = _check_complete(self.arch, owned_names, problem, len(chunks))
+        return chunks, owners, rounds
+
+    def _gather_on_rank0(self) -> Iterator[tuple[str, torch.Tensor]]:
+        chunks, owners, rounds = self._prepare(self.bucket_bytes)
+        rank = _rank()
+        for k in range(rounds):
+            bucket = list(_owned_hf_tensors(chunks[k], self.arch, "cpu")) if k < len(chunks) else []
+            if not _distributed():
+                yield from bucket
+                continue
+            if rank == 0:
+                yield from bucket
+                del bucket
+                for src in owners:
+                    if src != 0:
+                        yield from _receive_bucket(src)
+            elif rank in owners:
+                _send_bucket(bucket, dst=0)
+
+    def _deliver_share(self, delivery) -> list | None:
+        from armor_megatron.rollout.engine import WeightUpdateError
+
+        chunks, owners, _ = self._prepare(getattr(delivery, "bucket_bytes", None) or self.bucket_bytes)
+        rank = _rank()
+        sink, error, report = None, None, None
+        if rank in owners:
+            try:
+                sink = delivery.open(rank)
+            except Exception as e:  # noqa: BLE001 - reported to every rank below
+                error = f"{type(e).__name__}: {e}"
+        for chunk in chunks:  # every rank: its groups' all-gathers run whether or not its sink failed
+            bucket = list(_owned_hf_tensors(chunk, self.arch, None))
+            if sink is not None and bucket and error is None:
+                try:
+                    sink.put(bucket)
+                except Exception as e:  # noqa: BLE001
+                    error = f"{type(e).__name__}: {e}"
+            del bucket
+        if sink is not None and error is None:
+            try:
+                report = sink.close()
+            except Exception as e:  # noqa: BLE001
+                error = f"{type(e).__name__}: {e}"
+        reports = _gather_to_rank0((report, error))
+        verdict = [None]
+        if reports is not None:
+            failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
+            verdict = ["; ".join(failed) or None]
+        if _distributed():
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
+        return [r for r, _ in reports] if reports is not None else None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _distributed() -> bool:
+    return dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _driver_says(message):
+    """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or
+    ("deliver", delivery)); a small object broadcast, no tensors."""
+    if not _distributed():
+        return message
+    box = [message if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather_to_rank0(obj) -> list | None:
+    if not _distributed():
+        return [obj]
+    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
+    """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one
+    alone). Every rank of a pipeline stage has the same parameter shapes, hence the same cuts,
+    so the all-gathers of a bucket run in lockstep within each TP / expert-TP group."""
+    from megatron.core import parallel_state as ps
+
+    tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
+    buckets, bucket, size = [], [], 0
+    for p in params:
+        nbytes = p.tensor.numel() * p.tensor.element_size() * ((etp if p.expert else tp) if p.gather else 1)
+        if bucket and size + nbytes > limit:
+            buckets.append(bucket)
+            bucket, size = [], 0
+        bucket.append(p)
+        size += nbytes
+    if bucket:
+        buckets.append(bucket)
+    return buckets
+
+
+_ALIGN = 16  # byte offset of each tensor in a sent bucket: any dtype can be viewed in place
+
+
+def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int) -> None:
+    """Metadata (names, dtypes, shapes: a small object), then the tensors' bytes as one uint8 tensor."""
+    meta, offset = [], 0
+    for name, t in bucket:
+        meta.append((name, t.dtype, tuple(t.shape), offset))
+        offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    dist.send_object_list([(meta, offset)], dst=dst)
+    if not meta:
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if rank == 0:
-        yield from owned
-    for src in range(1, world):
-        if rank == src:
-            for bucket in _buckets(owned, bucket_bytes):
-                dist.send_object_list([bucket], dst=0)
-            dist.send_object_list([None], dst=0)
-        elif rank == 0:
-            while True:
-                msg = [None]
-                dist.recv_object_list(msg, src=src)
-                if msg[0] is None:
-                    break
-                yield from msg[0]
+    flat = torch.empty(offset, dtype=torch.uint8)
+    for (_, t), (_, _, _, start) in zip(bucket, meta):
+        flat[start : start + t.numel() * t.element_size()] = t.contiguous().reshape(-1).view(torch.uint8)
+    dist.send(flat, dst=dst)
+
+
+def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
+    box = [None]
+    dist.recv_object_list(box, src=src)
+    meta, nbytes = box[0]
+    if not meta:
+        return
+    flat = torch.empty(nbytes, dtype=torch.uint8)
+    dist.recv(flat, src=src)
+    for name, dtype, shape, start in meta:
+        size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        yield name, flat[start : start + size].view(dtype).view(shape)
 
 
 # ---------------------------------------------------------------------- names -> global tensors
@@ -234,28 +411,31 @@ def _owns(expert: bool) -> bool:
 
 
 # ---------------------------------------------------------------------- completeness
-def _check_complete(arch: ModelArch, owned_names: list[str], problem: str | None = None) -> None:
+def _check_complete(
+    arch: ModelArch, owned_names: list[str], problem: str | None = None, buckets: int = 0
+) -> tuple[list[int], int]:
     """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
     ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
-    (a collective when distributed)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        reports = {0: (owned_names, problem)}
-    else:
-        gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object((owned_names, problem), gathered, dst=0)
-        reports = dict(enumerate(gathered)) if gathered else None
+    (a collective when distributed). Returns the ranks that own tensors and the largest number
+    of parameter ``buckets`` any rank has (the rounds of a gather on rank 0)."""
+    gathered = _gather_to_rank0((owned_names, problem, buckets))
     verdict = [None]
-    if reports is not None:
-        problems = [f"rank {r}: {p}" for r, (_, p) in reports.items() if p]
-        names = {r: n for r, (n, _) in reports.items()}
+    if gathered is not None:
+        reports = dict(enumerate(gathered))
+        problems = [f"rank {r}: {p}" for r, (_, p, _) in reports.items() if p]
+        names = {r: n for r, (n, _, _) in reports.items()}
         shown = "; ".join(problems[:_LISTED]) + (
             f"; … (+{len(problems) - _LISTED} more ranks)" if len(problems) > _LISTED else ""
         )
-        verdict = [shown if problems else incompleteness(hf_tensor_names(arch), names)]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+        error = shown if problems else incompleteness(hf_tensor_names(arch), names)
+        owners = [r for r, n in names.items() if n]
+        verdict = [(error, owners, max(b for _, _, b in reports.values()))]
+    if _distributed():
         dist.broadcast_object_list(verdict, src=0)
-    if verdict[0]:
-        raise WeightExportError(f"weight export of {arch.family} refused, nothing was pushed: {verdict[0]}")
+    error, owners, rounds = verdict[0]
+    if error:
+        raise WeightExportError(f"weight export of {arch.family} refused, nothing was pushed: {error}")
+    return owners, rounds
 
 
 def incompleteness(expected: Sequence[str], names_by_rank: dict[int, list[str]]) -> str | None:
@@ -286,8 +466,12 @@ def _listing(kind: str, names: list[str]) -> str:
 
 
 # ---------------------------------------------------------------------- gather and map
-def _owned_hf_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share: full-TP tensors of its stage, only where it is the owner."""
+def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
+    """This rank's share of ``params``: full-TP tensors, only where it is the owner; each
+    contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
+    memory. At most about twice the largest full tensor is alive at once: the all-gathered
+    shards are dropped once merged, and a merged tensor is copied only where it is not
+    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP)."""
     from megatron.core import parallel_state as ps
 
     for p in params:
@@ -295,14 +479,32 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch) -> Iterator[tuple[s
         shards = _all_gather(p.tensor, group) if p.gather else [p.tensor]
         if not _owns(p.expert):
             continue
-        for piece in p.pieces:
+        for i, piece in enumerate(p.pieces):
             rule = piece.ref.rule
             taken = [piece.take(s) if piece.take else s for s in shards]
+            if i == len(p.pieces) - 1:
+                del shards  # the pieces' own views keep what they still need
             tensor = tp_gather(arch, rule, taken) if p.gather else taken[0]
+            del taken
             if rule.tp == "vocab":
                 tensor = tensor[: arch.vocab_size]
-            for hf_name, hf_tensor in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor)):
-                yield hf_name, hf_tensor.to("cpu", copy=True).contiguous()
+            out = [
+                (name, _detached_copy(hf, p.tensor, device))
+                for name, hf in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor))
+            ]
+            del tensor
+            while out:
+                yield out.pop(0)
+
+
+def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None) -> torch.Tensor:
+    """``tensor`` contiguous on ``device``, copied where it would share the parameter's memory."""
+    target = torch.device(device) if device else tensor.device
+    if tensor.device != target:
+        return tensor.to(target).contiguous()
+    if tensor.untyped_storage().data_ptr() == param.untyped_storage().data_ptr():
+        return tensor.clone(memory_format=torch.contiguous_format)
+    return tensor.contiguous()
 
 
 def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
@@ -313,19 +515,6 @@ def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
     shards = [torch.empty_like(shard) for _ in range(size)]
     dist.all_gather(shards, shard.contiguous(), group=group)
     return shards
-
-
-def _buckets(items: Iterator[tuple[str, torch.Tensor]], limit: int) -> Iterator[list]:
-    bucket: list = []
-    size = 0
-    for name, tensor in items:
-        bucket.append((name, tensor))
-        size += tensor.numel() * tensor.element_size()
-        if size >= limit:
-            yield bucket
-            bucket, size = [], 0
-    if bucket:
-        yield bucket
 
 
 def export_to_list(model_chunks, arch: ModelArch) -> list | None:

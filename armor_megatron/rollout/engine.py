@@ -16,12 +16,51 @@ import abc
 import dataclasses
 import os
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 FINISH_REASONS = ("stop", "length", "abort")
 
-NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor)
+NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor); may be ShardedWeights
 WeightSource = NamedTensors | str | os.PathLike
+
+
+class ShardSink(abc.ABC):
+    """One trainer rank's end of a delivery: takes that rank's HF-named tensors bucket by bucket."""
+
+    @abc.abstractmethod
+    def put(self, bucket: list[tuple[str, Any]]) -> None:
+        """Deliver one bucket of ``(HF name, tensor)`` (the caller may free it afterwards)."""
+
+    @abc.abstractmethod
+    def close(self) -> Any:
+        """All of this rank's buckets are in; returns a small picklable report for the driver."""
+
+
+class ShardDelivery(abc.ABC):
+    """How every trainer rank delivers its own share of the weights to the engines.
+
+    Made on the driver by the engine's weight sync, sent (pickled: keep it small, no tensors,
+    no open connections) to every rank, where :meth:`open` makes that rank's sink.
+    ``bucket_bytes``: the most bytes a rank should hand to :meth:`ShardSink.put` at once.
+    """
+
+    bucket_bytes: int
+
+    @abc.abstractmethod
+    def open(self, rank: int) -> ShardSink:
+        """The sink of trainer rank ``rank`` (called only on ranks that own tensors)."""
+
+
+@runtime_checkable
+class ShardedWeights(Protocol):
+    """HF weights spread over the trainer's ranks (a Megatron weight export), read on the
+    driver. Iterating gathers every tensor on the driver; :meth:`deliver` lets each rank send
+    its own share through ``delivery`` and returns the ranks' sink reports (rank order, None
+    for ranks without tensors). Either way every rank takes part."""
+
+    def __iter__(self): ...
+
+    def deliver(self, delivery: ShardDelivery) -> list: ...
 
 
 class RolloutError(RuntimeError):

@@ -52,7 +52,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron.microbatch import TokenBudget
     from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
-    from armor_megatron.megatron.weight_export import export_hf_weights
+    from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.models.arch import load_hf_config
 
     resume = resume or cfg.checkpoint.resume
@@ -139,7 +139,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         reference,
         tokenizer,
         make_engines,
-        export_weights=lambda model: export_hf_weights(model.model_chunks, arch),
+        export_weights=lambda model: HFWeightExport(model.model_chunks, arch),  # each owner delivers its share
         critic=critic,
     )
 

@@ -39,6 +39,7 @@ from armor_megatron.rollout.engine import (
     EngineUnavailableError,
     RolloutEngine,
     SamplingParams,
+    ShardedWeights,
     WeightSource,
     check_prompts,
     check_versions,
@@ -211,10 +212,15 @@ class SGLangEngine(RolloutEngine):
             return self._seed + n * next(self._calls)
 
     def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
-        """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory."""
+        """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory.
+
+        Weights spread over the trainer's ranks (:class:`ShardedWeights`, a Megatron export) are
+        delivered by each owner rank itself where the mode allows (``tensor``, ``disk``)."""
         with self._lock:
             if isinstance(weights, (str, os.PathLike)):
                 self.sync.load_from_disk(os.fspath(weights), str(version))
+            elif isinstance(weights, ShardedWeights):
+                self.sync.push_sharded(weights, str(version))
             else:
                 self.sync.push(weights, str(version))
             self.weight_version = str(version)

@@ -182,7 +182,11 @@ def pack(named_tensors: list[tuple[str, Any]], load_format: str | None = FLATTEN
                 )
             )
             start += t.numel()
-        return {"flattened_tensor": torch.cat([t.detach().reshape(-1) for _, t in named_tensors]), "metadata": metadata}
+        if len(named_tensors) == 1:  # a tensor larger than the bucket goes alone: no copy of it
+            flat = named_tensors[0][1].detach().reshape(-1)
+        else:
+            flat = torch.cat([t.detach().reshape(-1) for _, t in named_tensors])
+        return {"flattened_tensor": flat, "metadata": metadata}
     if load_format is None:
         return [(name, t.detach()) for name, t in named_tensors]
     raise ValueError(f"unknown load_format {load_format!r} (None or {FLATTENED_BUCKET!r})")

@@ -22,6 +22,24 @@ Modes (``WeightSyncConfig.mode``):
 Only the last request of an update carries ``weight_version``, so an engine reports the new
 version only once all weights are in; afterwards every engine's reported version is read
 back and must equal the one pushed (:class:`WeightUpdateError` otherwise).
+
+Sharded weights (:class:`~armor_megatron.rollout.engine.ShardedWeights`, a Megatron export
+spread over the trainer's ranks) are pushed by :meth:`WeightSync.push_sharded`, which lets
+every owner rank deliver its own share (:class:`~armor_megatron.rollout.engine.ShardDelivery`):
+
+``tensor``
+    the driver opens the session on every engine; each owner posts its own buckets (handles
+    of tensors on its own device: engines must share the owners' nodes); the driver holds
+    back its last bucket and posts it with ``weight_version`` once every rank is done.
+``disk``
+    each owner writes its buckets as its own safetensors files (tmp + rename) into a staging
+    directory beside ``disk_dir``; once every rank is done the driver writes
+    ``model.safetensors.index.json`` and ``config.json``, renames the directory into place and
+    calls ``/update_weights_from_disk``. The file system must be shared by owners and engines.
+``distributed``
+    SGLang broadcasts from rank 0 of its group only, and only the driver joins it: the driver
+    stays the broadcaster, fed one bucket at a time (the export gathered on the driver, raw
+    tensor sends from the owners).
 """
 
 from __future__ import annotations
@@ -29,14 +47,17 @@ from __future__ import annotations
 import abc
 import concurrent.futures
 import dataclasses
+import json
 import logging
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from armor_megatron.rollout.engine import WeightUpdateError
-from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
+from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
+from armor_megatron.rollout.hf_checkpoint import SAFETENSORS_INDEX, _replace_dir, write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 from armor_megatron.rollout.sglang.launcher import free_port
@@ -72,6 +93,14 @@ class WeightSyncConfig:
             raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
 
 
+def _on_all(clients: Sequence[SGLangClient], fn) -> list:
+    """Run ``fn(client)`` on every engine concurrently; the first failure is raised."""
+    if len(clients) == 1:
+        return [fn(clients[0])]
+    with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
+        return [f.result() for f in [pool.submit(fn, c) for c in clients]]
+
+
 def _check_success(client: SGLangClient, path: str, result: Any) -> None:
     if isinstance(result, dict) and result.get("success") is False:
         raise WeightUpdateError(f"{client.url}{path} failed: {result.get('message', result)}")
@@ -103,6 +132,11 @@ class WeightSync(abc.ABC):
     def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """Send HF-named tensors to every engine and tag them ``version``."""
 
+    def push_sharded(self, weights: ShardedWeights, version: str) -> None:
+        """Push weights spread over the trainer's ranks (called on the driver; every rank takes
+        part). By default they are gathered on the driver, one bucket at a time, and pushed."""
+        self.push(iter(weights), version)
+
     def load_from_disk(self, path: str, version: str) -> None:
         """``/update_weights_from_disk`` of an existing HF checkpoint on every engine."""
         body = {
@@ -121,11 +155,7 @@ class WeightSync(abc.ABC):
                 raise WeightUpdateError(f"{c.url} reports weight_version {reported!r} after pushing {version!r}")
 
     def _on_all(self, fn) -> list:
-        """Run ``fn(client)`` on every engine concurrently; the first failure is raised."""
-        if len(self.clients) == 1:
-            return [fn(self.clients[0])]
-        with concurrent.futures.ThreadPoolExecutor(len(self.clients)) as pool:
-            return [f.result() for f in [pool.submit(fn, c) for c in self.clients]]
+        return _on_all(self.clients, fn)
 
     def _session(self):
         return _UpdateSession(self)
@@ -220,38 +250,165 @@ def _mark_last(iterable):
     yield prev, True
 
 
+def _post_tensor_bucket(
+    clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
+) -> None:
+    """One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
+    update's last request (it also flushes the cache)."""
+    load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
+    device = cfg.device or _default_handle_device()
+    packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
+
+    def send(client):
+        body = {
+            # Handles are consumed by their receiver: one fresh entry per TP rank.
+            "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
+            "load_format": load_format,
+            "flush_cache": version is not None,
+        }
+        if version is not None:
+            body["weight_version"] = version
+        return _post(client, "/update_weights_from_tensor", body, cfg.timeout)
+
+    _on_all(clients, send)  # the tensors stay alive until every engine has answered
+
+
 class TensorWeightSync(WeightSync):
     def push(self, named_tensors, version):
         cfg = self.config
-        load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
         sent = 0
-        device = cfg.device or _default_handle_device()
         with self._session():
             for bucket, last in _mark_last(tensor_payload.buckets(named_tensors, cfg.bucket_bytes)):
-                packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
-
-                def send(client, packed=packed, last=last):
-                    body = {
-                        # Handles are consumed by their receiver: one fresh entry per TP rank.
-                        "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
-                        "load_format": load_format,
-                        "flush_cache": last,
-                    }
-                    if last:
-                        body["weight_version"] = version
-                    return _post(client, "/update_weights_from_tensor", body, cfg.timeout)
-
-                self._on_all(send)
+                _post_tensor_bucket(self.clients, cfg, bucket, version if last else None)
                 sent += len(bucket)
         if not sent:
             raise WeightUpdateError("no weights to push")
         self.verify(version)
+
+    def push_sharded(self, weights, version):
+        delivery = TensorDelivery([c.url for c in self.clients], self.clients[0].api_key, self.config)
+        with self._session():
+            weights.deliver(delivery)
+            delivery.finish(self.clients, version)
+        self.verify(version)
+
+
+class TensorDelivery(ShardDelivery):
+    """``tensor`` mode, sharded: each owner rank posts its own buckets to every engine."""
+
+    def __init__(self, urls: Sequence[str], api_key: str | None, config: WeightSyncConfig):
+        self.urls, self.api_key, self.config = list(urls), api_key, config
+        self.bucket_bytes = config.bucket_bytes
+        self._driver_sink: _TensorSink | None = None  # never pickled: set on the driver by open()
+
+    def __getstate__(self):
+        return {**self.__dict__, "_driver_sink": None}
+
+    def open(self, rank: int) -> ShardSink:
+        clients = [SGLangClient(u, api_key=self.api_key, request_timeout=self.config.timeout) for u in self.urls]
+        sink = _TensorSink(clients, self.config, hold_last=rank == 0)
+        if rank == 0:
+            self._driver_sink = sink
+        return sink
+
+    def finish(self, clients: Sequence[SGLangClient], version: str) -> None:
+        """Driver, after every rank is done: the held-back bucket goes last, with ``version``."""
+        sink = self._driver_sink
+        if sink is None or sink.pending is None:
+            raise WeightUpdateError("no weights to push (the driver's rank delivered none)")
+        _post_tensor_bucket(clients, self.config, sink.pending, version)
+        sink.pending = None
+
+
+class _TensorSink(ShardSink):
+    def __init__(self, clients, config: WeightSyncConfig, hold_last: bool):
+        self.clients, self.config, self.hold_last = clients, config, hold_last
+        self.pending: list | None = None
+        self.sent = 0
+
+    def put(self, bucket):
+        for part in tensor_payload.buckets(bucket, self.config.bucket_bytes):
+            if self.pending is not None:
+                _post_tensor_bucket(self.clients, self.config, self.pending, None)
+                self.sent += len(self.pending)
+            self.pending = part
+            if not self.hold_last:
+                _post_tensor_bucket(self.clients, self.config, part, None)
+                self.sent += len(part)
+                self.pending = None
+
+    def close(self):
+        return {"tensors": self.sent + len(self.pending or ())}
 
 
 class DiskWeightSync(WeightSync):
     def push(self, named_tensors, version):
         path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
         self.load_from_disk(path, version)
+
+    def push_sharded(self, weights, version):
+        cfg = self.config
+        directory = os.path.abspath(cfg.disk_dir)
+        os.makedirs(os.path.dirname(directory), exist_ok=True)
+        staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
+        try:
+            reports = weights.deliver(DiskDelivery(staging, cfg.bucket_bytes))
+            weight_map, total = {}, 0
+            for report in filter(None, reports):
+                total += report["bytes"]
+                for fname, names in report["files"].items():
+                    for name in names:
+                        if name in weight_map:
+                            raise WeightUpdateError(f"weight {name!r} written twice ({weight_map[name]}, {fname})")
+                        weight_map[name] = fname
+            if not weight_map:
+                raise WeightUpdateError("no weights to push")
+            with open(os.path.join(staging, SAFETENSORS_INDEX), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1, sort_keys=True)
+            with open(os.path.join(staging, "config.json"), "w") as f:
+                json.dump(dict(cfg.hf_config), f, indent=1, sort_keys=True)
+            _replace_dir(staging, directory)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        self.load_from_disk(directory, version)
+
+
+class DiskDelivery(ShardDelivery):
+    """``disk`` mode, sharded: each owner rank writes its own safetensors files into ``directory``."""
+
+    def __init__(self, directory: str, bucket_bytes: int):
+        self.directory, self.bucket_bytes = directory, bucket_bytes
+
+    def open(self, rank: int) -> ShardSink:
+        return _DiskSink(self.directory, rank)
+
+
+class _DiskSink(ShardSink):
+    """One file per bucket, ``model-rank<r>-<i>.safetensors``, written as ``.tmp`` and renamed."""
+
+    def __init__(self, directory: str, rank: int):
+        self.directory, self.rank = directory, rank
+        self.files: dict[str, list[str]] = {}
+        self.bytes = 0
+
+    def put(self, bucket):
+        from safetensors.torch import save_file
+
+        tensors = {}
+        for name, t in bucket:
+            if name in tensors:
+                raise ValueError(f"weight {name!r} given twice")
+            tensors[name] = t.detach().to("cpu").contiguous()
+            self.bytes += t.numel() * t.element_size()
+        fname = f"model-rank{self.rank:05d}-{len(self.files):05d}.safetensors"
+        path = os.path.join(self.directory, fname)
+        save_file(tensors, path + ".tmp", metadata={"format": "pt"})
+        os.replace(path + ".tmp", path)
+        self.files[fname] = list(tensors)
+
+    def close(self):
+        return {"files": self.files, "bytes": self.bytes}
 
 
 class DistributedWeightSync(WeightSync):

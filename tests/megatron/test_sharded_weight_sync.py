@@ -1,0 +1,136 @@
+"""Weight sync from a sharded Megatron model straight into SGLang engines (the TEST DOUBLE on
+loopback, run in this test's process): each owner rank delivers its own share (``tensor``: posts
+its buckets; ``disk``: writes its own safetensors files), or rank 0 broadcasts what the owners
+stream to it (``distributed``). The engine must end with exactly the trainer's tensors, and a
+second export gathered on rank 0 must give the same tensors."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from tests.convert.conftest import save_tiny_model
+from tests.megatron.spawn import run_ranks
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+def hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
+    with safe_open(os.path.join(hf_dir, "model.safetensors"), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir):
+    """Load the trainer's weights at ``layout``, push them to the engine at ``url`` with ``mode``,
+    then gather a second export on rank 0 (the old path, still what local engines read)."""
+    from armor_megatron.megatron.weight_export import HFWeightExport
+    from tests.megatron.test_weight_export import loaded_model
+
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
+    export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)  # many buckets per stage
+    if rank != 0:
+        assert list(export) == []  # takes part in rank 0's delivery
+        assert list(HFWeightExport(chunks, arch)) == []
+        return None
+    from armor_megatron.rollout.sglang.engine import SGLangEngine
+    from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
+
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    sync = WeightSyncConfig(
+        mode=mode, bucket_bytes=16 << 10, disk_dir=disk_dir, hf_config=hf_config, backend="gloo", timeout=120
+    )
+    engine = SGLangEngine([url], weight_sync=sync, request_timeout=120)
+    engine.update_weights(export, "synced")
+    assert list(export) == []  # read once
+    gathered = list(HFWeightExport(chunks, arch))
+    engine.shutdown()
+    return gathered
+
+
+def _served(server) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in server.engine.model.state_dict().items()}
+
+
+@pytest.mark.parametrize(
+    "family, layout, world, mode, writers",
+    [
+        ("qwen3", dict(tp=2, pp=2), 4, "tensor", None),
+        ("qwen3", dict(tp=2, pp=2), 4, "disk", {0, 2}),  # one owner per pipeline stage
+        ("qwen3", dict(tp=2, pp=2), 4, "distributed", None),
+        ("qwen3_moe", dict(ep=2), 2, "disk", {0, 1}),  # rank 1 owns the experts of ep rank 1
+        ("qwen3_moe", dict(ep=2, pp=2), 4, "disk", {0, 1, 2, 3}),
+    ],
+    ids=["qwen3-tp2pp2-tensor", "qwen3-tp2pp2-disk", "qwen3-tp2pp2-distributed", "moe-ep2-disk", "moe-ep2pp2-disk"],
+)
+def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout, world, mode, writers):
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.rollout.hf_checkpoint import read_hf_checkpoint
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    engine_dir = save_tiny_model(family, str(tmp_path / "engine"), seed=1)  # what the engine holds first
+    trainer_dir = save_tiny_model(family, str(tmp_path / "trainer"), seed=2)
+    convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
+    expected = hf_tensors(trainer_dir)
+    disk_dir = str(tmp_path / "sync" / "policy")
+    with SGLangTestServer(LocalEngine.from_pretrained(engine_dir, weight_version="v0"), model_path=engine_dir) as s:
+        assert any(not torch.equal(_served(s)[n], t) for n, t in expected.items() if n in _served(s))
+        results = run_ranks(sync_worker, world, trainer_dir, str(tmp_path / "mcore"), layout, s.url, mode, disk_dir)
+        served = _served(s)
+        assert s.engine.weight_version == "synced"
+        requests = dict(s.requests)
+    gathered = results[0]
+    assert sorted(n for n, _ in gathered) == sorted(expected)
+    for name, tensor in gathered:
+        assert torch.equal(tensor, expected[name]), name
+    if mode == "disk":
+        written = dict(read_hf_checkpoint(disk_dir))
+        assert written.keys() == expected.keys()
+        for name, tensor in written.items():
+            assert torch.equal(tensor, expected[name]), name
+        files = sorted(f for f in os.listdir(disk_dir) if f.endswith(".safetensors"))
+        assert {f.split("-")[1] for f in files} == {f"rank{r:05d}" for r in writers}  # each owner its own files
+        assert os.listdir(os.path.dirname(disk_dir)) == ["policy"]  # no staging directory left
+    for name, tensor in expected.items():
+        if name in served:  # the double fuses MoE experts in memory (transformers 5); checked on disk above
+            assert torch.equal(served[name], tensor.to(served[name].dtype)), name
+    if mode == "tensor":
+        assert requests["/update_weights_from_tensor"] > 4 and requests["/begin_weight_update"] == 1
+
+
+def failing_sink_worker(rank, hf_dir, mcore_dir, url):
+    """tp=2, pp=2, ``tensor`` mode; the engine refuses one request: every rank must raise."""
+    from armor_megatron.megatron.weight_export import HFWeightExport
+    from armor_megatron.rollout.engine import WeightUpdateError
+    from tests.megatron.test_weight_export import loaded_model
+
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, dict(tp=2, pp=2))
+    export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)
+    with pytest.raises(WeightUpdateError) as failed:
+        if rank == 0:
+            from armor_megatron.rollout.sglang.engine import SGLangEngine
+            from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
+
+            engine = SGLangEngine([url], weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=16 << 10))
+            engine.update_weights(export, "synced")
+        else:
+            list(export)
+    return str(failed.value)
+
+
+def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    trainer_dir = save_tiny_model("qwen3", str(tmp_path / "trainer"), seed=2)
+    convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
+    with SGLangTestServer(LocalEngine.from_pretrained(trainer_dir, weight_version="v0"), model_path=trainer_dir) as s:
+        s.inject_failures("/update_weights_from_tensor", 1, status=400)
+        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url)
+        assert s.engine.weight_version == "v0"
+        assert s.requests["/end_weight_update"] == s.requests["/begin_weight_update"] + 1  # + start-up clearing
+    assert all(e.startswith("weight delivery failed: rank ") and "HTTP 400" in e for e in errors), errors
