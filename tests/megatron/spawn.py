@@ -37,6 +37,7 @@ def _entry(fn, rank, world_size, port, out_dir, args):
         RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),  # one node, as torchrun sets it
         MASTER_ADDR=HOST,
         MASTER_PORT=str(port),
         TORCHELASTIC_USE_AGENT_STORE="True",

@@ -22,11 +22,16 @@ def hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
-def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir):
+def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1):
     """Load the trainer's weights at ``layout``, push them to the engine at ``url`` with ``mode``,
-    then gather a second export on rank 0 (the old path, still what local engines read)."""
+    then gather a second export on rank 0 (the old path, still what local engines read).
+    ``nodes`` > 1: the launcher's environment says the ranks span that many nodes."""
     from armor_megatron.megatron.weight_export import HFWeightExport
+    from armor_megatron.rollout.sglang.weight_sync import trainer_on_one_node
     from tests.megatron.test_weight_export import loaded_model
+
+    os.environ["LOCAL_WORLD_SIZE"] = str(int(os.environ["WORLD_SIZE"]) // nodes)
+    assert trainer_on_one_node() == (nodes == 1)
 
     arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
     export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)  # many buckets per stage
@@ -58,12 +63,20 @@ def _served(server) -> dict[str, torch.Tensor]:
     "family, layout, world, mode, writers",
     [
         ("qwen3", dict(tp=2, pp=2), 4, "tensor", None),
+        ("qwen3", dict(tp=2, pp=2), 4, "tensor-2-nodes", None),  # gathered on rank 0 (no IPC across nodes)
         ("qwen3", dict(tp=2, pp=2), 4, "disk", {0, 2}),  # one owner per pipeline stage
         ("qwen3", dict(tp=2, pp=2), 4, "distributed", None),
         ("qwen3_moe", dict(ep=2), 2, "disk", {0, 1}),  # rank 1 owns the experts of ep rank 1
         ("qwen3_moe", dict(ep=2, pp=2), 4, "disk", {0, 1, 2, 3}),
     ],
-    ids=["qwen3-tp2pp2-tensor", "qwen3-tp2pp2-disk", "qwen3-tp2pp2-distributed", "moe-ep2-disk", "moe-ep2pp2-disk"],
+    ids=[
+        "qwen3-tp2pp2-tensor",
+        "qwen3-tp2pp2-tensor-2-nodes",
+        "qwen3-tp2pp2-disk",
+        "qwen3-tp2pp2-distributed",
+        "moe-ep2-disk",
+        "moe-ep2pp2-disk",
+    ],
 )
 def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout, world, mode, writers):
     from armor_megatron.convert import convert_hf_to_mcore
@@ -78,7 +91,11 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
     disk_dir = str(tmp_path / "sync" / "policy")
     with SGLangTestServer(LocalEngine.from_pretrained(engine_dir, weight_version="v0"), model_path=engine_dir) as s:
         assert any(not torch.equal(_served(s)[n], t) for n, t in expected.items() if n in _served(s))
-        results = run_ranks(sync_worker, world, trainer_dir, str(tmp_path / "mcore"), layout, s.url, mode, disk_dir)
+        nodes = 2 if mode.endswith("2-nodes") else 1
+        mode = mode.split("-")[0]
+        results = run_ranks(
+            sync_worker, world, trainer_dir, str(tmp_path / "mcore"), layout, s.url, mode, disk_dir, nodes
+        )
         served = _served(s)
         assert s.engine.weight_version == "synced"
         requests = dict(s.requests)
@@ -134,3 +151,14 @@ def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
         assert s.engine.weight_version == "v0"
         assert s.requests["/end_weight_update"] == s.requests["/begin_weight_update"] + 1  # + start-up clearing
     assert all(e.startswith("weight delivery failed: rank ") and "HTTP 400" in e for e in errors), errors
+
+
+def test_trainer_on_one_node_reads_the_launchers_environment():
+    from armor_megatron.rollout.sglang.weight_sync import trainer_on_one_node
+
+    assert trainer_on_one_node({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"})
+    assert not trainer_on_one_node({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"})
+    assert not trainer_on_one_node({"WORLD_SIZE": "4"})  # unknown: assume spread
+    assert trainer_on_one_node({"SLURM_NTASKS": "8", "SLURM_JOB_NUM_NODES": "1"})
+    assert not trainer_on_one_node({"SLURM_NTASKS": "16", "SLURM_NNODES": "2"})
+    assert trainer_on_one_node({})

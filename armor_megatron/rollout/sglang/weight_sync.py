@@ -29,8 +29,10 @@ every owner rank deliver its own share (:class:`~armor_megatron.rollout.engine.S
 
 ``tensor``
     the driver opens the session on every engine; each owner posts its own buckets (handles
-    of tensors on its own device: engines must share the owners' nodes); the driver holds
-    back its last bucket and posts it with ``weight_version`` once every rank is done.
+    of tensors on its own device: engines must share the owners' node); the driver holds
+    back its last bucket and posts it with ``weight_version`` once every rank is done. A
+    trainer spread over nodes (`trainer_on_one_node`) is gathered on the driver instead, one
+    bucket at a time, as for ``distributed``.
 ``disk``
     each owner writes its buckets as its own safetensors files (tmp + rename) into a staging
     directory beside ``disk_dir``; once every rank is done the driver writes
@@ -51,6 +53,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -286,11 +289,25 @@ class TensorWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
+        if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
+            self.push(iter(weights), version)
+            return
         delivery = TensorDelivery([c.url for c in self.clients], self.clients[0].api_key, self.config)
         with self._session():
             weights.deliver(delivery)
             delivery.finish(self.clients, version)
         self.verify(version)
+
+
+def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether every trainer rank shares the driver's node, from the launcher's environment
+    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process)."""
+    env = os.environ if environ is None else environ
+    if "WORLD_SIZE" in env:
+        return env.get("LOCAL_WORLD_SIZE") == env["WORLD_SIZE"] or env["WORLD_SIZE"] == "1"
+    if "SLURM_NTASKS" in env:
+        return env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES")) == "1"
+    return True
 
 
 class TensorDelivery(ShardDelivery):
@@ -299,12 +316,18 @@ class TensorDelivery(ShardDelivery):
     def __init__(self, urls: Sequence[str], api_key: str | None, config: WeightSyncConfig):
         self.urls, self.api_key, self.config = list(urls), api_key, config
         self.bucket_bytes = config.bucket_bytes
+        self.driver_host = socket.gethostname()
         self._driver_sink: _TensorSink | None = None  # never pickled: set on the driver by open()
 
     def __getstate__(self):
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
+        if socket.gethostname() != self.driver_host:
+            raise WeightUpdateError(
+                f"tensor weight sync: rank {rank} runs on {socket.gethostname()}, but CUDA IPC handles open only on "
+                f"the engines' node {self.driver_host}: use weight_sync disk or distributed"
+            )
         clients = [SGLangClient(u, api_key=self.api_key, request_timeout=self.config.timeout) for u in self.urls]
         sink = _TensorSink(clients, self.config, hold_last=rank == 0)
         if rank == 0:
