@@ -399,8 +399,8 @@ class MoEConfig:
     aux_loss_coeff: float = checked(
         0.0,
         check=in_range(0, None),
-        help="megatron moe_aux_loss_coeff; > 0 is refused for now (its per-token scaling does not match the "
-        "trainer's globally normalised loss)",
+        help="megatron moe_aux_loss_coeff: weight of the load-balancing loss, its mean over micro-batches and "
+        "data-parallel ranks added to the policy (and value) loss; 0: none",
     )
     load_balancing_type: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"] | None = checked(
         None,

@@ -412,8 +412,7 @@ def _check_moe(cfg: RunConfig) -> None:
     if arch is not None:
         problem = settings.trainer_problem(arch)
         if problem:
-            key = "aux_loss_coeff" if problem.startswith("aux_loss_coeff") else "load_balancing_type"
-            raise ConfigError(f"moe.{key}", problem.split(" ", 1)[1])
+            raise ConfigError("moe.load_balancing_type", problem.split(" ", 1)[1])
     if moe.expert_capacity_factor is not None and moe.load_balancing_type == "sinkhorn":
         raise ConfigError("moe.expert_capacity_factor", "does not work with load_balancing_type sinkhorn")
     if moe.pad_expert_input_to_capacity and moe.expert_capacity_factor is None:

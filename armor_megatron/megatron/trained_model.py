@@ -105,6 +105,7 @@ class TrainedModel:
             calculate_per_token_loss=True,
         )
         self.model_chunks = self._build_chunks(config, dtype, seed)
+        _routers_without_token_scaling(self.model_chunks)
         self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available(), throughput=throughput)
         no_sync = [c.no_sync for c in self.ddp_chunks]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -177,8 +178,9 @@ class TrainedModel:
         self.optimizer.zero_grad()
         many = self._interleaved
         config = self.model_chunks[0].config
-        variable = config.variable_seq_lengths
+        variable, aux_coeff = config.variable_seq_lengths, config.moe_aux_loss_coeff
         config.variable_seq_lengths = variable and not many  # the interleaved schedule gets fixed shapes
+        config.moe_aux_loss_coeff = _mean_aux_loss_coeff(aux_coeff, len(microbatches))
         try:
             get_forward_backward_func()(
                 forward_step_func=forward_step,
@@ -190,7 +192,7 @@ class TrainedModel:
                 forward_only=False,
             )
         finally:
-            config.variable_seq_lengths = variable
+            config.variable_seq_lengths, config.moe_aux_loss_coeff = variable, aux_coeff
 
     def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
         """This data-parallel rank's rows cut into micro-batches: `micro_batch_size` rows each, or
@@ -312,6 +314,33 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
+
+
+def _routers_without_token_scaling(model_chunks) -> None:
+    """MoE load-balancing losses as plain per-micro-batch losses (see `_mean_aux_loss_coeff`).
+
+    Under ``calculate_per_token_loss`` megatron's routers multiply each micro-batch's aux loss by
+    its token count, for ``finalize_model_grads`` to divide every gradient by the step's tokens;
+    our finalize skips that division (the policy and value losses are already divided by their
+    global normaliser), which would leave aux gradients ~tokens-per-step times too large."""
+    from megatron.core.transformer.moe.router import Router
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if isinstance(module, Router):
+                module.calculate_per_token_loss = False
+
+
+def _mean_aux_loss_coeff(coeff, microbatches: int):
+    """The aux-loss coefficient for one step of `microbatches` per data-parallel rank: c / (m · dp),
+    so that the gradients, summed over micro-batches and ranks like the main loss's, carry c times
+    the MEAN load-balancing loss over them (megatron's own semantics for it)."""
+    from megatron.core import parallel_state
+
+    scale = microbatches * parallel_state.get_data_parallel_world_size(with_context_parallel=True)
+    if isinstance(coeff, (list, tuple)):
+        return type(coeff)(c / scale for c in coeff)
+    return coeff / scale if coeff else coeff
 
 
 def _padded_columns(rows: dict, width: int) -> dict:

@@ -169,22 +169,12 @@ class MoESettings:
     def trainer_problem(self, arch: ModelArch) -> str | None:
         """Why the trainer cannot train `arch` with these settings, or None.
 
-        * An aux loss (coefficient > 0 with aux_loss / seq_aux_loss / global_aux_loss): under
-          ``calculate_per_token_loss`` megatron multiplies each micro-batch's aux loss by its token
-          count, expecting ``finalize_model_grads`` to divide every gradient by the step's total;
-          the trainer's finalize skips that division (its policy loss is already divided by the
-          global normalizer), so the aux gradient would come out ~tokens-per-step times too large.
-        * ``sinkhorn`` routes by Sinkhorn-normalised scores only in training mode and by plain
-          top-k in eval mode, so the update's π_θ and the log-prob passes' π_old would differ
-          before any update (and from the engine's routing).
+        ``sinkhorn`` routes by Sinkhorn-normalised scores only in training mode and by plain
+        top-k in eval mode, so the update's π_θ and the log-prob passes' π_old would differ
+        before any update (and from the engine's routing). (Aux losses are trained as megatron
+        means them, the mean over micro-batches and data-parallel ranks; see
+        `megatron.trained_model._mean_aux_loss_coeff`.)
         """
-        balancing = self.balancing_type(arch)
-        if self.aux_loss_coeff > 0 and balancing in ("aux_loss", "seq_aux_loss", "global_aux_loss"):
-            return (
-                f"aux_loss_coeff {self.aux_loss_coeff} > 0 is not supported yet: megatron scales the {balancing} "
-                "gradient by each micro-batch's token count for a finalize step the trainer skips, which would "
-                "inflate it ~tokens-per-step times; use 0"
-            )
-        if balancing == "sinkhorn":
+        if self.balancing_type(arch) == "sinkhorn":
             return "load_balancing_type sinkhorn routes differently in training than in the log-prob passes; use none"
         return None
