@@ -93,7 +93,9 @@ def test_sigterm_stops_the_servers(tiny_ckpt, tmp_path):
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     server_pid = int(trainer.stdout.readline())
     trainer.send_signal(signal.SIGTERM)
-    assert trainer.wait(timeout=60) == 128 + signal.SIGTERM
+    # 143 from the launcher's handler; -15 when it chains to an earlier handler that re-raises the
+    # signal (coverage's, in runs that measure subprocesses): terminated by SIGTERM either way
+    assert trainer.wait(timeout=60) in (128 + signal.SIGTERM, -signal.SIGTERM)
     assert _gone(server_pid, within=60.0)
 
 
