@@ -125,6 +125,9 @@ def test_module_runs_as_a_program():
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
+    """An engine that answers 503 to its first health check, then 200 (with the key). Each test
+    serves its own subclass (`_health_server`), so no count leaks from one test into another."""
+
     calls = 0
 
     def do_GET(self):
@@ -141,14 +144,20 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
+def _health_server() -> http.server.HTTPServer:
+    """A running `_Health` server of a fresh handler class (its own call count, from 0)."""
+    server = http.server.HTTPServer(("127.0.0.1", 0), type("Health", (_Health,), {"calls": 0}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
 @pytest.mark.timeout(30)
 def test_wait_for_engines_polls_until_healthy():
-    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _health_server()
     try:
         url = f"http://127.0.0.1:{server.server_port}"
         waited = wait_for_engines([url], timeout_s=20, api_key="k", poll_s=0.05)
-        assert _Health.calls == 2 and waited < 20  # first answer 503, second 200
+        assert server.RequestHandlerClass.calls == 2 and waited < 20  # first answer 503, second 200
     finally:
         server.shutdown()
 
@@ -175,9 +184,7 @@ def test_plan_dry_run_never_prints_the_api_key(capsys):
 
 @pytest.mark.timeout(30)
 def test_wait_engines_takes_the_key_from_the_environment(capsys):
-    _Health.calls = 0
-    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _health_server()
     try:
         url = f"http://127.0.0.1:{server.server_port}"
         assert main(["wait-engines", "--timeout", "20", url], environ={"ARMOR_ENGINE_API_KEY": "k"}) == 0
