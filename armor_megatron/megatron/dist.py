@@ -16,7 +16,8 @@ Where the rank comes from (first match wins):
   ``MASTER_ADDR`` defaults to the first host of ``SLURM_JOB_NODELIST`` (compressed lists such
   as ``gpu[01-03,07]`` are expanded here) and ``MASTER_PORT`` to ``20000 + SLURM_JOB_ID % 20000``
   so that two jobs sharing a node do not collide;
-* neither: a single process on 127.0.0.1.
+* neither: a single process on 127.0.0.1, rendezvousing with itself on a port the OS picks
+  (``MASTER_PORT`` when set).
 
 Each process binds exactly one device: ``cuda:LOCAL_RANK`` when CUDA is available (default group
 ``cpu:gloo,cuda:nccl``: NCCL for device tensors, gloo for host ones), otherwise the CPU with
@@ -79,7 +80,9 @@ class DistEnv:
                 master_port=_int(env, "MASTER_PORT", default_port),
                 launcher="slurm",
             )._checked()
-        return cls(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 29500), "single")
+        # a single process rendezvouses with itself: port 0 lets the OS pick a free one (two single-process
+        # runs on one machine, e.g. tiny CPU jobs side by side, never collide)
+        return cls(0, 1, 0, env.get("MASTER_ADDR", "127.0.0.1"), _int(env, "MASTER_PORT", 0), "single")
 
     def _checked(self) -> DistEnv:
         if not 0 <= self.rank < self.world_size:
@@ -205,12 +208,17 @@ def initialize(
     if deterministic:
         set_deterministic()
     if not torch.distributed.is_initialized():
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        if env.master_port == 0:  # a single process: its own store on a port the OS picks, held by the group
+            rendezvous = dict(store=torch.distributed.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout))
+        else:
+            rendezvous = dict(init_method=f"tcp://{env.master_addr}:{env.master_port}")
         torch.distributed.init_process_group(
             backend=backend,
-            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            **rendezvous,
             rank=env.rank,
             world_size=env.world_size,
-            timeout=datetime.timedelta(minutes=timeout_minutes),
+            timeout=timeout,
             device_id=device if device.type == "cuda" else None,
         )
     elif torch.distributed.get_world_size() != env.world_size:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 
 from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index
@@ -61,7 +63,7 @@ def test_torchrun_variables_win_over_slurm_ones():
 
 
 def test_single_process_without_launcher():
-    assert DistEnv.from_environ({}) == DistEnv(0, 1, 0, "127.0.0.1", 29500, "single")
+    assert DistEnv.from_environ({}) == DistEnv(0, 1, 0, "127.0.0.1", 0, "single")  # 0: the OS picks a port
 
 
 @pytest.mark.parametrize(
@@ -166,3 +168,38 @@ def test_initialize_from_slurm_variables():
         (error, "slurm", "gloo", "cpu", 3.0, 0, 1, True),
         (error, "slurm", "gloo", "cpu", 3.0, 1, 1, True),
     ]
+
+
+_SINGLE = """
+from armor_megatron.megatron import dist
+from armor_megatron.megatron.dist import ParallelConfig
+ctx = dist.initialize(ParallelConfig(), environ={})
+print(ctx.env.launcher, ctx.env.world_size, flush=True)
+dist.shutdown()
+"""
+
+
+@pytest.mark.timeout(120)
+def test_single_processes_side_by_side_do_not_share_a_rendezvous_port():
+    """Two launcher-less runs at once (and a third program on the old default port 29500): each
+    process rendezvouses with itself on a port the OS picks."""
+    import socket
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "SLURM_PROCID")}
+    with socket.socket() as squatter:
+        squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            squatter.bind(("127.0.0.1", 29500))
+            squatter.listen()
+        except OSError:
+            pass  # something else holds it already: just as good
+        procs = [
+            subprocess.Popen([sys.executable, "-c", _SINGLE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            for _ in range(2)
+        ]
+        outs = [p.communicate(timeout=100) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err.decode()[-2000:]
+        assert out.decode().split() == ["single", "1"]
