@@ -7,6 +7,7 @@ import os
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
+from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
 from armor_megatron.models.megatron_options import MoESettings
 
@@ -208,7 +209,7 @@ def _check_token_budget(cfg: RunConfig) -> None:
         ("train.max_tokens_per_micro_batch", train.max_tokens_per_micro_batch),
         ("train.forward_max_tokens_per_micro_batch", train.forward_max_tokens_per_micro_batch),
     ):
-        if budget is not None and budget // multiple * multiple < longest:
+        if budget is not None and packed_capacity(budget, multiple) < longest:
             raise ConfigError(
                 key,
                 f"{budget} tokens cannot hold a row of rollout.max_prompt_len + rollout.max_response_len = {longest} "

@@ -5,6 +5,7 @@ Public interface (pure: integer lengths in, row indices out)::
     parts = balanced_partition(lengths, k)            # k lists of row indices, near-equal Σ length
     bins  = pack_by_tokens(lengths, budget, multiple) # lists of row indices, each Σ length ≤ budget
     plan  = token_budget_plan(lengths, budget, dp, multiple)   # plan[rank] = [[rows of a micro-batch], ...]
+    packed_capacity(budget, multiple)                 # the most row tokens one packed micro-batch holds
 
 A micro-batch of packed rows is laid out as one sequence: its rows back to back, then padding
 up to a multiple of ``multiple`` (the tensor-parallel size under sequence parallelism), so its
@@ -51,12 +52,20 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
     return [sorted(indices) for _, indices in heap[0][2]]
 
 
+def packed_capacity(budget: int, multiple: int = 1) -> int:
+    """Row tokens a packed micro-batch of at most `budget` tokens holds when its length is
+    padded to a multiple of `multiple`: the budget rounded down to that multiple."""
+    return budget // multiple * multiple
+
+
 def pack_by_tokens(lengths: Sequence[int], budget: int, multiple: int = 1) -> list[list[int]]:
     """First-fit decreasing: row indices in bins whose packed length round_up(Σ lengths, multiple)
     is at most `budget`. Longest rows are placed first; bins come in the order they were opened,
     each with its indices in increasing order. A row that cannot fit an empty bin is an error."""
-    capacity = budget // multiple * multiple
-    if multiple < 1 or capacity < 1:
+    if multiple < 1:
+        raise ValueError(f"multiple must be >= 1, got {multiple}")
+    capacity = packed_capacity(budget, multiple)
+    if capacity < 1:
         raise ValueError(f"token budget {budget} holds no multiple of {multiple} tokens")
     longest = max(lengths, default=0)
     if longest > capacity:

@@ -8,8 +8,7 @@ Public interface::
     multiple = sequence_multiple(model_chunks)     # tp under sequence parallelism, else 1
     mb = filler_microbatch(input_ids)              # a one-token stand-in for no row
     mb = packed_microbatch(input_ids, lengths, index, multiple_of=1, width=None)   # rows back to back
-    plan = token_budget_microbatches(lengths, budget, multiple_of)   # plan[dp rank] = [row indices]
-    mbs, shares = local_packed_microbatches(input_ids, lengths, TokenBudget(...).train, multiple_of)
+    mbs, shares = local_packed_microbatches(input_ids, lengths, budget, multiple_of)   # this DP rank's packs
 
 A `MicroBatch` holds rows ``index`` of the batch in one of two layouts:
 
@@ -30,7 +29,7 @@ import dataclasses
 
 import torch
 
-from armor_megatron.data.token_budget import token_budget_plan
+from armor_megatron.data.token_budget import packed_capacity, token_budget_plan
 
 
 @dataclasses.dataclass
@@ -173,17 +172,6 @@ def packed_microbatch(
     return MicroBatch(index, tokens, lengths, cu_seqlens=torch.tensor(bounds, dtype=torch.int32))
 
 
-def token_budget_microbatches(lengths: torch.Tensor, budget: int, multiple_of: int = 1) -> list[list[torch.Tensor]]:
-    """``plan[r]``: data-parallel rank r's micro-batches as row-index tensors of at most `budget`
-    packed tokens, ranks balanced by tokens, every rank as many micro-batches (empty index: a
-    filler). See `data.token_budget.token_budget_plan`."""
-    from megatron.core import parallel_state
-
-    dp = parallel_state.get_data_parallel_world_size()
-    plan = token_budget_plan(lengths.tolist(), budget, dp, multiple_of)
-    return [[torch.tensor(rows, dtype=torch.long) for rows in rank] for rank in plan]
-
-
 @dataclasses.dataclass(frozen=True)
 class TokenBudget:
     """Token-budget micro-batches (``train.max_tokens_per_micro_batch``): rows packed into
@@ -216,7 +204,8 @@ def local_packed_microbatches(
     fixed_width: bool = False,
 ) -> tuple[list[MicroBatch], list[torch.Tensor]]:
     """This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
-    batch rows of every rank r in the order its micro-batches hold them (`token_budget_microbatches`).
+    batch rows of every rank r in the order its micro-batches hold them: rows balanced over ranks by
+    tokens, every rank as many micro-batches (`data.token_budget.token_budget_plan`).
 
     A micro-batch's ``index`` counts positions in this rank's ``shares[rank]``; fillers (empty
     index) stand in for micro-batches a rank lacks, and pad the count to a multiple of
@@ -226,9 +215,13 @@ def local_packed_microbatches(
     """
     from megatron.core import parallel_state
 
-    plan = token_budget_microbatches(lengths, budget, multiple_of)
+    dp = parallel_state.get_data_parallel_world_size()
+    plan = [
+        [torch.tensor(rows, dtype=torch.long) for rows in rank]
+        for rank in token_budget_plan(lengths.tolist(), budget, dp, multiple_of)
+    ]
     shares = [torch.cat(rank) if rank else torch.zeros(0, dtype=torch.long) for rank in plan]
-    width = budget // multiple_of * multiple_of if fixed_width else None
+    width = packed_capacity(budget, multiple_of) if fixed_width else None
     out, offset = [], 0
     for rows in plan[parallel_state.get_data_parallel_rank()]:
         if len(rows) == 0:
