@@ -111,11 +111,11 @@ def format_domain_table(domains: dict[str, dict[str, float]]) -> str:
 
 
 def _engine(model: str, url: str | None):
-    from transformers import AutoTokenizer
+    from armor_megatron.models.tokenizer import load_tokenizer
 
     if not os.path.isdir(model):
         raise OSError(f"model directory not found: {model}")
-    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer = load_tokenizer(model)
     if url:
         from armor_megatron.rollout.sglang.engine import SGLangEngine
 

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from armor_megatron.models.arch import load_hf_config
+from armor_megatron.models.tokenizer import load_tokenizer
 from armor_megatron.rollout import hf_checkpoint
 from armor_megatron.rollout.engine import (
     RolloutEngine,
@@ -99,9 +100,7 @@ class LocalEngine(RolloutEngine):
         """Load ``config.json``, the safetensors and (if present) the tokenizer from ``path``."""
         tokenizer = kwargs.pop("tokenizer", None)
         if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
-            import transformers
-
-            tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+            tokenizer = load_tokenizer(path)
         return cls(load_hf_config(path), path, tokenizer=tokenizer, weight_version=weight_version, **kwargs)
 
     # ---- weights -----------------------------------------------------------------------

@@ -44,8 +44,6 @@ def ensure_mcore_checkpoint(cfg: RunConfig) -> str:
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
     """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
-    from transformers import AutoTokenizer
-
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
@@ -54,6 +52,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.models.arch import load_hf_config
+    from armor_megatron.models.tokenizer import load_tokenizer
 
     resume = resume or cfg.checkpoint.resume
     check_run_identity(cfg, resume)  # before any model is built: another run's checkpoint is refused
@@ -129,7 +128,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             moe=moe,
         )
     mcore_dir = ensure_mcore_checkpoint(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
+    tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
     make_engines = components.engine_factory(cfg, hf_config, tokenizer)
     trainer = ArmorTrainer(
