@@ -116,7 +116,11 @@ class AnchorConfig:
     reference_engines: int = checked(
         1, check=at_least(1), help="servers the SLURM launcher starts for that group when reference_urls is empty"
     )
-    cache: bool = checked(True, help="reuse verified anchors while the reference is frozen")
+    cache: bool = checked(
+        False,
+        help="reuse each prompt's verified anchors until the next reset (more groups hold an anchor, "
+        "the same anchor text repeats; not the paper's estimator)",
+    )
     cache_size_per_prompt: int = checked(4, check=at_least(1))
     pregenerate: bool = checked(False, help="sample next batch's anchors while the trainer updates")
     temperature: float | None = checked(None, check=positive, help="defaults to rollout.temperature")

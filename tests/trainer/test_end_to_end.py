@@ -62,13 +62,19 @@ def _latest(run_dir):
     return open(path).read().strip() if os.path.exists(path) else None
 
 
-# tp2: anchors sampled afresh every step (no cache); pp2: the next batch's anchors pre-generated
-# in the background while the trainer updates, and token-budget micro-batches (rows packed, THD).
+# tp2: anchors sampled afresh every step (no cache); pp2: the anchor cache, the next batch's anchors
+# pre-generated in the background while the trainer updates, and token-budget micro-batches (rows packed, THD).
 @pytest.mark.parametrize(
     "layout",
     [
         ["parallelism.tp=2", "anchor.cache=false"],
-        ["parallelism.tp=1", "parallelism.pp=2", "anchor.pregenerate=true", "train.max_tokens_per_micro_batch=60"],
+        [
+            "parallelism.tp=1",
+            "parallelism.pp=2",
+            "anchor.cache=true",
+            "anchor.pregenerate=true",
+            "train.max_tokens_per_micro_batch=60",
+        ],
     ],
     ids=["tp2", "pp2_packed"],
 )
