@@ -1,4 +1,4 @@
-"""Prepare the tiny CPU run: tokenizer, a warmed-up tiny HF model and the arithmetic data.
+"""Prepare a tiny CPU run: tokenizer, a warmed-up tiny HF model and the task's data.
 
 The architecture is the config's ``model.arch`` (an HF config dict), so ``configs/tiny_cpu.yaml``
 alone describes the model that the trainer then converts and trains. Warm-up is short
@@ -16,8 +16,21 @@ from collections.abc import Callable
 import torch
 
 from armor_megatron.config.schema import RunConfig
-from armor_megatron.tasks.arithmetic import build_tokenizer, solution, split_problems, write_jsonl
+from armor_megatron.tasks import arithmetic, tagged_addition
+from armor_megatron.tasks.arithmetic import solution, write_jsonl
 from armor_megatron.tasks.warmup import supervised_warmup
+
+
+def _arithmetic_split(num_val: int, *, seed: int, max_operand: int):
+    train, val = arithmetic.split_problems(num_val, seed=seed, max_operand=max_operand)
+    return train, val, train
+
+
+# task name -> (tokenizer builder, split(num_val, seed=, max_operand=) -> (train, val, warm-up rows))
+TASKS = {
+    "arithmetic": (arithmetic.build_tokenizer, _arithmetic_split),
+    "tagged_addition": (tagged_addition.build_tokenizer, tagged_addition.split_problems),
+}
 
 
 def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
@@ -41,6 +54,7 @@ def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
 def prepare_tiny_run(
     cfg: RunConfig,
     *,
+    task: str = "arithmetic",
     num_val: int = 64,
     max_operand: int = 30,
     warmup_steps: int = 400,
@@ -48,11 +62,15 @@ def prepare_tiny_run(
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
-    config, unless they exist. Returns {"train": rows, "val": rows}."""
+    config, unless the model exists. ``task`` names an entry of ``TASKS``. Returns
+    {"train": rows, "val": rows}."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    if task not in TASKS:
+        raise ValueError(f"unknown tiny task {task!r}; known: {', '.join(TASKS)}")
+    build_tokenizer, split = TASKS[task]
     val_path = cfg.eval.datasets[0].path if cfg.eval.datasets else None
-    train_rows, val_rows = split_problems(num_val, seed=seed, max_operand=max_operand)
+    train_rows, val_rows, warmup_rows = split(num_val, seed=seed, max_operand=max_operand)
     write_jsonl(cfg.data.train_path, train_rows)
     if val_path:
         write_jsonl(val_path, val_rows)
@@ -64,12 +82,12 @@ def prepare_tiny_run(
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf)
     model = AutoModelForCausalLM.from_config(config)
-    # Warm up on train prompts only (validation prompts stay unseen).
+    # Warm up on the task's warm-up corpus (validation prompts stay unseen).
     supervised_warmup(
         model,
         tokenizer,
-        [r["prompt"] for r in train_rows],
-        [solution(r) for r in train_rows],
+        [r["prompt"] for r in warmup_rows],
+        [solution(r) for r in warmup_rows],
         steps=warmup_steps,
         seed=seed,
         log=log,
@@ -79,6 +97,6 @@ def prepare_tiny_run(
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "armor_tiny_run.json"), "w") as f:
-        json.dump({"warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand}, f)
+        json.dump({"task": task, "warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand}, f)
     os.replace(tmp, cfg.model.path)
     return {"train": train_rows, "val": val_rows}

@@ -1,0 +1,237 @@
+"""The over-optimisation study: training variants × seeds of ``armor-train`` on the tagged-addition
+task (``configs/tiny_overopt.yaml``), side by side on the CPUs, then curves, a table and the verdict.
+
+Variants differ only by config overrides on top of ``configs/tiny_overopt.yaml`` (ARMOR as the
+paper runs it: anchors, α = 0.9375, reset every τ, no anchor cache):
+
+==================  =====================================================================
+dapo                anchors off, α = 1 (plain clipped ratio)
+armor               the config as it is
+mixed_only          mixed ratio without anchors
+anchors_only        anchors with α = 1
+armor_no_reset      ARMOR whose reference is never reset
+armor_cache         ARMOR reusing each prompt's verified anchors until the next reset
+recovery            ARMOR started from DAPO's last checkpoint (same seed), its reference set to
+                    the saved DAPO checkpoint with the best validation accuracy (the warm-up
+                    model counts as step 0), never reset, for a quarter of the other runs' steps
+==================  =====================================================================
+
+Every run is one ``armor-train`` process (TP = 1), with ``train.seed`` and ``rollout.seed`` set
+to the seed; all start from one warmed-up model. A run whose metrics already reach its last step
+with the same command line is not run again, so an interrupted study resumes where it stopped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from armor_megatron.config import load_config
+from armor_megatron.tasks.study_stats import VAL, VariantCurves, variant_curves, verdict
+from armor_megatron.tasks.tiny_run import prepare_tiny_run
+from armor_megatron.trainer.metrics_log import read_metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIG = os.path.join(ROOT, "configs", "tiny_overopt.yaml")
+SEEDS = (1, 2, 3)  # fixed before the first study ran
+TASK = {"task": "tagged_addition", "num_val": 256, "warmup_steps": 500, "seed": 0}
+DAPO_CHECKPOINT_EVERY = 50  # DAPO's saved checkpoints: the recovery run's reference candidates
+RECOVERY_FRACTION = 4  # the recovery run trains a quarter of the other runs' steps
+
+VARIANTS = {
+    "dapo": ("DAPO", ["anchor.enabled=false", "algorithm.alpha=1.0"]),
+    "armor": ("ARMOR", []),
+    "mixed_only": ("mixed ratio, no anchors", ["anchor.enabled=false"]),
+    "anchors_only": ("anchors, α = 1", ["algorithm.alpha=1.0"]),
+    "armor_no_reset": ("ARMOR, no resets", ["reference.reset=never"]),
+    "armor_cache": ("ARMOR + anchor cache", ["anchor.cache=true"]),
+    "recovery": ("ARMOR from DAPO's end", ["reference.reset=never"]),
+}
+
+
+@dataclasses.dataclass
+class StudyResult:
+    curves: dict[str, VariantCurves]
+    table: str
+    png: str
+    minutes: float
+
+
+def run_study(
+    out: str,
+    variants: Sequence[str],
+    seeds: Sequence[int] = SEEDS,
+    *,
+    config: str = CONFIG,
+    overrides: Sequence[str] = (),
+    jobs: int | None = None,
+    task: dict = TASK,
+    log: Callable[[str], None] = print,
+) -> StudyResult:
+    """Run ``variants`` × ``seeds`` in ``out`` with ``jobs`` processes at a time (default: one per
+    CPU), then write ``out/curves.png``, ``out/table.md`` and ``out/summary.json``. ``task`` is
+    passed to ``prepare_tiny_run`` (the task, its sizes and the warm-up)."""
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
+    if "recovery" in variants and "dapo" not in variants:
+        raise ValueError("variant recovery starts from DAPO's checkpoints: add variant dapo")
+    started = time.time()
+    out = os.path.abspath(out)
+    paths = [
+        f"model.path={out}/hf",
+        f"data.train_path={out}/train.jsonl",
+        f"eval.datasets=[{{name: tagged-val, path: {out}/val.jsonl, k: 1}}]",
+        f"logging.dir={out}/runs",
+    ]
+    cfg = load_config(config, paths + list(overrides))
+    log(f"preparing the warmed-up model and the tagged-addition data in {out}")
+    prepare_tiny_run(cfg, log=log, **task)
+    jobs = jobs or os.cpu_count() or 1
+    base = [sys.executable, "-m", "armor_megatron.cli.train", "--config", config, *paths, *overrides]
+
+    def command(variant: str, seed: int, extra: Sequence[str] = ()) -> list[str]:
+        name = f"{variant}-s{seed}"
+        every = DAPO_CHECKPOINT_EVERY if variant == "dapo" else cfg.train.steps
+        return [
+            *base,
+            *VARIANTS[variant][1],
+            *extra,
+            f"name={name}",
+            f"checkpoint.dir={out}/ckpt/{name}",
+            f"checkpoint.every_steps={every}",
+            f"train.seed={seed}",
+            f"rollout.seed={seed}",
+            "checkpoint.resume=none",
+        ]
+
+    first = [(v, s, command(v, s)) for v in variants if v != "recovery" for s in seeds]
+    _run_all(first, out, jobs, log)
+    if "recovery" in variants:
+        recovery = []
+        for s in seeds:
+            policy, reference = _recovery_start(os.path.join(out, "ckpt", f"dapo-s{s}"), _records(out, "dapo", s))
+            log(f"recovery seed {s}: policy {policy}, reference {reference}")
+            extra = [
+                f"model.mcore_path={policy}",
+                f"reference.init_from={reference}",
+                f"train.steps={max(1, cfg.train.steps // RECOVERY_FRACTION)}",
+            ]
+            recovery.append(("recovery", s, command("recovery", s, extra)))
+        _run_all(recovery, out, jobs, log)
+
+    curves = {
+        v: variant_curves(
+            v, [_records(out, v, s) for s in seeds], step_offset=cfg.train.steps if v == "recovery" else 0
+        )
+        for v in variants
+    }
+    from armor_megatron.trainer.plotting import plot_study
+
+    png = os.path.join(out, "curves.png")
+    labels = {v: VARIANTS[v][0] for v in variants}
+    plot_study(curves, labels, png, title=f"tagged addition, {len(seeds)} seed(s) each: mean ± sd over seeds")
+    table = study_table(curves, labels)
+    _write(os.path.join(out, "table.md"), table + "\n")
+    _write(os.path.join(out, "summary.json"), json.dumps({v: dataclasses.asdict(c) for v, c in curves.items()}) + "\n")
+    return StudyResult(curves, table, png, (time.time() - started) / 60)
+
+
+def study_table(curves: dict[str, VariantCurves], labels: dict[str, str]) -> str:
+    """A Markdown table: per variant its validation start, peak (step), end ± sd and training
+    reward at the end; then the verdict lines when DAPO and ARMOR both ran."""
+    lines = [
+        "| variant | seeds | val start | val peak (step) | val end ± sd | train reward end |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, c in curves.items():
+        lines.append(
+            f"| {labels[name]} | {c.seeds} | {c.start:.3f} | {c.peak:.3f} ({c.peak_step}) | "
+            f"{c.end:.3f} ± {_f(c.end_sd)} | {_f(c.train_end)} |"
+        )
+    if "dapo" in curves and "armor" in curves and min(curves["dapo"].seeds, curves["armor"].seeds) < 2:
+        lines += ["", "One seed: no verdict (it needs the spread over seeds; examples/overopt_study.py runs three)."]
+    elif "dapo" in curves and "armor" in curves:
+        v = verdict(curves["dapo"], curves["armor"])
+        lines += [
+            "",
+            f"DAPO peak − end = {v.dapo_drop:+.3f} (2 pooled SE = {_f(2 * v.dapo_drop_se)}): "
+            f"over-optimisation {'seen' if v.overoptimisation_seen else 'not established'}.",
+            f"ARMOR end − DAPO end = {v.armor_gain:+.3f} (2 pooled SE = {_f(2 * v.armor_gain_se)}): "
+            f"ARMOR {'beats DAPO' if v.armor_beats_dapo else 'does not beat DAPO by 2 SE'}.",
+        ]
+    return "\n".join(lines)
+
+
+def _f(x: float) -> str:
+    return "n/a" if math.isnan(x) else f"{x:.3f}"
+
+
+def _records(out: str, variant: str, seed: int) -> list[dict]:
+    return read_metrics(os.path.join(out, "runs", f"{variant}-s{seed}", "metrics.jsonl"))
+
+
+def _recovery_start(ckpt_dir: str, dapo_records: list[dict]) -> tuple[str, str]:
+    """(DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
+    the warm-up model, ``base_mcore``, counting as step 0; the earliest on a tie)."""
+    saved = {
+        int(d.removeprefix("iter_")): os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir) if d.startswith("iter_")
+    }
+    saved[0] = os.path.join(ckpt_dir, "base_mcore")
+    val = {r["step"]: float(r[VAL]) for r in dapo_records if r.get(VAL) is not None}
+    scored = [s for s in saved if s in val]
+    if not scored or max(saved) not in val:
+        raise ValueError(f"{ckpt_dir}: DAPO's saved checkpoints {sorted(saved)} lack validation scores")
+    best = max(scored, key=lambda s: (val[s], -s))
+    return saved[max(saved)], saved[best]
+
+
+def _run_all(runs: list[tuple[str, int, list[str]]], out: str, jobs: int, log: Callable[[str], None]) -> None:
+    """Run the commands ``jobs`` at a time (one torch thread each when several run); the first
+    failure stops the study with the tail of that run's log."""
+    env = dict(os.environ)
+    if jobs > 1:
+        env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+
+    def one(variant: str, seed: int, cmd: list[str]) -> None:
+        name = f"{variant}-s{seed}"
+        done = os.path.join(out, "logs", f"{name}.done")
+        if os.path.isfile(done) and open(done).read() == json.dumps(cmd):
+            log(f"{name}: already done")
+            return
+        log(f"{name}: training")
+        t0 = time.time()
+        log_path = os.path.join(out, "logs", f"{name}.log")
+        with open(log_path, "w") as f:
+            code = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, env=env)
+        if code:
+            with open(log_path) as f:
+                tail = "".join(f.readlines()[-15:])
+            raise RuntimeError(f"{name} failed with exit code {code} (log {log_path}):\n{tail}")
+        _write(done, json.dumps(cmd))
+        log(f"{name}: done in {(time.time() - t0) / 60:.1f} min")
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(one, *run) for run in runs]
+        try:
+            for future in futures:
+                future.result()
+        except BaseException:
+            for future in futures:
+                future.cancel()  # runs not started yet; those running finish
+            raise
+
+
+def _write(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
