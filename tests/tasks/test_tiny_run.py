@@ -1,6 +1,8 @@
 import json
 import os
 
+import pytest
+
 from armor_megatron.config import load_config
 from armor_megatron.models import ModelArch, load_hf_config
 from armor_megatron.tasks.arithmetic import split_problems
@@ -34,3 +36,27 @@ def test_prepare_writes_a_loadable_model_of_the_configs_arch_and_the_data(tmp_pa
     mtime = os.path.getmtime(tmp_path / "hf" / "model.safetensors")
     prepare_tiny_run(cfg, num_val=8, warmup_steps=2, log=None)
     assert os.path.getmtime(tmp_path / "hf" / "model.safetensors") == mtime
+
+
+def test_an_unknown_task_is_refused_naming_the_known_ones(tmp_path):
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+        [f"model.path={tmp_path}/hf", f"data.train_path={tmp_path}/t.jsonl"],
+    )
+    with pytest.raises(ValueError, match="unknown tiny task 'sums'; known: arithmetic, tagged_addition"):
+        prepare_tiny_run(cfg, task="sums", log=None)
+
+
+def test_tagged_addition_warms_up_on_its_own_corpus_and_writes_its_splits(tmp_path):
+    cfg = load_config(
+        os.path.join(ROOT, "configs", "tiny_overopt.yaml"),
+        [
+            f"model.path={tmp_path}/hf",
+            f"data.train_path={tmp_path}/train.jsonl",
+            f"eval.datasets=[{{name: v, path: {tmp_path}/val.jsonl, k: 1}}]",
+        ],
+    )
+    rows = prepare_tiny_run(cfg, task="tagged_addition", num_val=8, warmup_steps=2, log=None)
+    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert train == rows["train"] and all(r["prompt"].startswith("#") for r in train)
+    assert json.loads((tmp_path / "hf" / "armor_tiny_run.json").read_text())["task"] == "tagged_addition"
