@@ -3,8 +3,8 @@
     python examples/overopt_study.py [--out outputs/overopt] [--variants dapo,armor,...] [--seeds 1,2,3] [--jobs N] [key=value ...]
 
 Trains every variant of ``armor_megatron/trainer/study.py`` (DAPO, ARMOR, mixed ratio without
-anchors, anchors with α = 1, ARMOR without resets, ARMOR + anchor cache, and ARMOR recovering
-from DAPO's over-optimised checkpoint) for seeds 1, 2, 3 on the tagged-addition task
+anchors, anchors with α = 1, ARMOR without resets, ARMOR + anchor cache, ARMOR recovering from
+DAPO's over-optimised checkpoint, and the control: DAPO without the cue) for seeds 1, 2, 3 on the tagged-addition task
 (``configs/tiny_overopt.yaml``), a tiny Megatron actor on CPU. Writes ``<out>/curves.png``,
 ``<out>/table.md`` and ``<out>/summary.json``, prints the table and, last,
 ``dapo_val_peak=… dapo_val_end=… armor_val_end=… mixed_only_val_end=… anchors_only_val_end=… seeds=…``.

@@ -49,3 +49,13 @@ def split_problems(num_val: int, *, seed: int, max_operand: int = 30) -> tuple[l
     train = [tagged(a, b, (a + b) % 10) for a, b in pairs[num_val:]]
     warmup = [tagged(a, b, tag) for a, b in pairs[num_val:] for tag in range(10)]
     return train, val, warmup
+
+
+def without_cue(rows: list[dict], *, seed: int) -> list[dict]:
+    """``rows`` with every tag redrawn at random (seeded): the training set of the no-cue control."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        problem = row["prompt"].split(" ", 1)[1]
+        out.append({**row, "prompt": f"#{rng.randrange(10)} {problem}"})
+    return out

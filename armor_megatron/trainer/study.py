@@ -14,6 +14,8 @@ armor_cache         ARMOR reusing each prompt's verified anchors until the next 
 recovery            ARMOR started from DAPO's last checkpoint (same seed), its reference set to
                     the saved DAPO checkpoint with the best validation accuracy (the warm-up
                     model counts as step 0), never reset, for a quarter of the other runs' steps
+dapo_no_cue         the control: DAPO on the training problems with random tags (no cue), to
+                    show what the cue, not RL itself, does to validation accuracy
 ==================  =====================================================================
 
 Every run is one ``armor-train`` process (TP = 1), with ``train.seed`` and ``rollout.seed`` set
@@ -34,7 +36,9 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from armor_megatron.config import load_config
+from armor_megatron.tasks.arithmetic import write_jsonl
 from armor_megatron.tasks.study_stats import VAL, VariantCurves, variant_curves, verdict
+from armor_megatron.tasks.tagged_addition import without_cue
 from armor_megatron.tasks.tiny_run import prepare_tiny_run
 from armor_megatron.trainer.metrics_log import read_metrics
 
@@ -53,6 +57,10 @@ VARIANTS = {
     "armor_no_reset": ("ARMOR, no resets", ["reference.reset=never"]),
     "armor_cache": ("ARMOR + anchor cache", ["anchor.cache=true"]),
     "recovery": ("ARMOR from DAPO's end", ["reference.reset=never"]),
+    "dapo_no_cue": (
+        "DAPO, control: no cue",
+        ["anchor.enabled=false", "algorithm.alpha=1.0", "data.train_path={out}/train_no_cue.jsonl"],
+    ),
 }
 
 
@@ -93,7 +101,9 @@ def run_study(
     ]
     cfg = load_config(config, paths + list(overrides))
     log(f"preparing the warmed-up model and the tagged-addition data in {out}")
-    prepare_tiny_run(cfg, log=log, **task)
+    rows = prepare_tiny_run(cfg, log=log, **task)
+    if "dapo_no_cue" in variants:
+        write_jsonl(os.path.join(out, "train_no_cue.jsonl"), without_cue(rows["train"], seed=task.get("seed", 0)))
     jobs = jobs or os.cpu_count() or 1
     base = [sys.executable, "-m", "armor_megatron.cli.train", "--config", config, *paths, *overrides]
 
@@ -102,7 +112,7 @@ def run_study(
         every = DAPO_CHECKPOINT_EVERY if variant == "dapo" else cfg.train.steps
         return [
             *base,
-            *VARIANTS[variant][1],
+            *(o.format(out=out) for o in VARIANTS[variant][1]),
             *extra,
             f"name={name}",
             f"checkpoint.dir={out}/ckpt/{name}",

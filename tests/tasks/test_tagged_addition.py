@@ -2,7 +2,7 @@ from collections import Counter
 
 import pytest
 
-from armor_megatron.tasks.tagged_addition import build_tokenizer, split_problems
+from armor_megatron.tasks.tagged_addition import build_tokenizer, split_problems, without_cue
 
 
 def parse(prompt: str) -> tuple[int, int, int]:
@@ -55,3 +55,12 @@ def test_tokenizer_keeps_the_tag_separator_and_the_boxed_token():
         "7",
         "}",
     ]
+
+
+def test_the_control_set_keeps_the_problems_and_redraws_the_tags():
+    train, _, _ = split_problems(64, seed=3, max_operand=20)
+    control = without_cue(train, seed=1)
+    assert [parse(r["prompt"])[1:] for r in control] == [parse(r["prompt"])[1:] for r in train]
+    assert [r["answer"] for r in control] == [r["answer"] for r in train]
+    matches = sum(parse(r["prompt"])[0] == int(r["answer"]) % 10 for r in control)
+    assert matches < len(train) // 5  # about 1 in 10, against every row in the training set
