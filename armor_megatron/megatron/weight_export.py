@@ -21,8 +21,9 @@ router ``expert_bias``, HF ``e_score_correction_bias``):
      ``weight1.view(E_local, h, 2f/etp)[j].T`` and its fc2 shard ``weight2.view(E_local, f/etp,
      h)[j].T``, the SequentialMLP shards (how GroupedMLP's forward and sharded_state_dict read them);
 
-2. tensor-parallel shards are all-gathered in the TP group (expert-TP group for experts) and
-   merged with the converter's layout rules (``convert.tp_gather``); the padded vocabulary is
+2. tensor-parallel shards are gathered onto the owner (below) in its TP group (expert-TP group
+   for experts; the TP groups of the other data-parallel replicas move nothing) and merged
+   with the converter's layout rules (``convert.tp_gather``); the padded vocabulary is
    trimmed. A parameter its rule splits but every TP rank holds whole is taken as it is: the TE
    spec's MLA down projections (``TELinear(parallel_mode="duplicated")``; the local spec splits
    them by rows). Any other shape that is not the rule's TP shard refuses the export;
@@ -79,7 +80,7 @@ class _Piece:
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
-    """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to all-gather
+    """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to gather
     (False: each holds the whole tensor)."""
 
     tensor: torch.Tensor
@@ -109,7 +110,7 @@ class HFWeightExport:
       (full, on CPU), the other ranks yield nothing. The owners send their buckets to rank 0
       as raw bytes (``dist.send`` of one uint8 tensor per bucket, after a small metadata
       message: names, dtypes, shapes), in rounds: in round k every rank produces its k-th bucket
-      (TP/EP all-gathers inside its own groups only), then rank 0 yields its own and receives
+      (TP/EP gathers inside its own groups only), then rank 0 yields its own and receives
       each owner's in rank order. No rank is in a collective while another waits on a send, so
       an owner that is rank 0's TP partner cannot deadlock it; rank 0 holds one other rank's
       bucket at a time.
@@ -198,7 +199,7 @@ class HFWeightExport:
                 sink = delivery.open(rank)
             except Exception as e:  # noqa: BLE001 - reported to every rank below
                 error = f"{type(e).__name__}: {e}"
-        for chunk in chunks:  # every rank: its groups' all-gathers run whether or not its sink failed
+        for chunk in chunks:  # every rank: its groups' gathers run whether or not its sink failed
             bucket = list(_owned_hf_tensors(chunk, self.arch, None))
             if sink is not None and bucket and error is None:
                 try:
@@ -252,7 +253,7 @@ def _gather_to_rank0(obj) -> list | None:
 def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
     """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one
     alone). Every rank of a pipeline stage has the same parameter shapes, hence the same cuts,
-    so the all-gathers of a bucket run in lockstep within each TP / expert-TP group."""
+    so the gathers of a bucket run in lockstep within each TP / expert-TP group."""
     from megatron.core import parallel_state as ps
 
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
@@ -401,13 +402,23 @@ def _ep_rank() -> int:
     return ps.get_expert_model_parallel_rank()
 
 
-def _owns(expert: bool) -> bool:
-    """Whether this rank is the one replica that exports a (TP-gathered) tensor."""
+def _in_owner_replica(expert: bool) -> bool:
+    """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports:
+    every rank of a TP group has the same data-parallel (and context-parallel) rank."""
     from megatron.core import parallel_state as ps
 
     if expert:
-        return ps.get_expert_tensor_parallel_rank() == 0 and ps.get_expert_data_parallel_rank() == 0
-    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        return ps.get_expert_data_parallel_rank() == 0
+    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+
+
+def _owns(expert: bool) -> bool:
+    """Whether this rank is the one that exports a (TP-gathered) tensor: TP rank 0 of the
+    exporting replica."""
+    from megatron.core import parallel_state as ps
+
+    tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
+    return tp_rank == 0 and _in_owner_replica(expert)
 
 
 # ---------------------------------------------------------------------- completeness
@@ -469,14 +480,16 @@ def _listing(kind: str, names: list[str]) -> str:
 def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
     """This rank's share of ``params``: full-TP tensors, only where it is the owner; each
     contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
-    memory. At most about twice the largest full tensor is alive at once: the all-gathered
+    memory. At most about twice the largest full tensor is alive at once: the gathered
     shards are dropped once merged, and a merged tensor is copied only where it is not
     contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP)."""
     from megatron.core import parallel_state as ps
 
     for p in params:
+        if not _in_owner_replica(p.expert):
+            continue  # another data-parallel replica exports it: no collective in this TP group
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
-        shards = _all_gather(p.tensor, group) if p.gather else [p.tensor]
+        shards = _gather_to_owner(p.tensor, group) if p.gather else [p.tensor]
         if not _owns(p.expert):
             continue
         for i, piece in enumerate(p.pieces):
@@ -507,13 +520,15 @@ def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None
     return tensor.contiguous()
 
 
-def _all_gather(shard: torch.Tensor, group) -> list[torch.Tensor]:
-    """Every rank's shard of a parameter (rank order in ``group``)."""
+def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
+    """Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
+    owner; None on the others (they only send theirs)."""
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [shard]
-    shards = [torch.empty_like(shard) for _ in range(size)]
-    dist.all_gather(shards, shard.contiguous(), group=group)
+    owner = dist.get_global_rank(group, 0)
+    shards = [torch.empty_like(shard) for _ in range(size)] if dist.get_rank() == owner else None
+    dist.gather(shard.contiguous(), shards, dst=owner, group=group)
     return shards
 
 

@@ -26,6 +26,8 @@ def _arithmetic_split(num_val: int, *, seed: int, max_operand: int):
     return train, val, train
 
 
+RECIPE = "armor_tiny_run.json"  # beside the model: what it was made from
+
 # task name -> (tokenizer builder, split(num_val, seed=, max_operand=) -> (train, val, warm-up rows))
 TASKS = {
     "arithmetic": (arithmetic.build_tokenizer, _arithmetic_split),
@@ -62,8 +64,9 @@ def prepare_tiny_run(
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
-    config, unless the model exists. ``task`` names an entry of ``TASKS``. Returns
-    {"train": rows, "val": rows}."""
+    config. The model is kept when ``armor_tiny_run.json`` there records the same recipe (task,
+    sizes, warm-up, seed, architecture), and rebuilt otherwise. ``task`` names an entry of
+    ``TASKS``. Returns {"train": rows, "val": rows}."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if task not in TASKS:
@@ -74,11 +77,15 @@ def prepare_tiny_run(
     write_jsonl(cfg.data.train_path, train_rows)
     if val_path:
         write_jsonl(val_path, val_rows)
-    if os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        return {"train": train_rows, "val": val_rows}
-
     tokenizer = build_tokenizer()
     hf = tiny_hf_config(cfg, tokenizer)
+    recipe = {"task": task, "warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand, "arch": hf}
+    recorded = _recorded_recipe(cfg.model.path)
+    if recorded == recipe:
+        return {"train": train_rows, "val": val_rows}
+    if recorded is not None and log:
+        log(f"rebuilding {cfg.model.path}: it was made for another recipe")
+
     torch.manual_seed(seed)
     config = AutoConfig.for_model(**hf)
     model = AutoModelForCausalLM.from_config(config)
@@ -96,7 +103,21 @@ def prepare_tiny_run(
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "armor_tiny_run.json"), "w") as f:
-        json.dump({"task": task, "warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand}, f)
+    with open(os.path.join(tmp, RECIPE), "w") as f:
+        json.dump(recipe, f)
+    if os.path.isdir(cfg.model.path):
+        shutil.rmtree(cfg.model.path)  # the model of another recipe: rebuilt, not mixed
     os.replace(tmp, cfg.model.path)
     return {"train": train_rows, "val": val_rows}
+
+
+def _recorded_recipe(path: str) -> dict | None:
+    """What ``armor_tiny_run.json`` in ``path`` records (JSON types), {} for a model without one,
+    None when there is no model."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    try:
+        with open(os.path.join(path, RECIPE)) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return {}

@@ -35,14 +35,22 @@ class MetricsLogger:
         run_name: str | None = None,
         config: Mapping[str, Any] | None = None,
         resume_step: int | None = None,
+        fresh_start: bool = False,
     ):
+        """``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
+        starts from step 0 moves an earlier run's ``metrics.jsonl`` aside (``self.set_aside``:
+        where to) instead of appending to it."""
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.path = os.path.join(log_dir, "metrics.jsonl")
+        self.set_aside = None
         self._jsonl = None
         if jsonl:
             if resume_step is not None:
                 truncate_after_step(self.path, resume_step)
+            elif fresh_start and os.path.isfile(self.path) and os.path.getsize(self.path) > 0:
+                self.set_aside = f"{self.path}.{time.strftime('%Y%m%d-%H%M%S')}.{uuid.uuid4().hex[:6]}.old"
+                os.replace(self.path, self.set_aside)
             self._jsonl = open(self.path, "a")
         self._tb = None
         if tensorboard:

@@ -178,7 +178,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             wandb_entity=lg.wandb.entity,
             run_name=lg.wandb.name or cfg.name,
             resume_step=trainer.step if path else None,
+            fresh_start=not path,
         )
+        if logger.set_aside:
+            _log(f"this run starts at step 0: the earlier metrics in {logger.log_dir} were moved to {logger.set_aside}")
 
     def save():
         root = cfg.checkpoint.dir

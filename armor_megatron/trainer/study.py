@@ -20,15 +20,18 @@ dapo_no_cue         the control: DAPO on the training problems with random tags 
 
 Every run is one ``armor-train`` process (TP = 1), with ``train.seed`` and ``rollout.seed`` set
 to the seed; all start from one warmed-up model. A run whose metrics already reach its last step
-with the same command line is not run again, so an interrupted study resumes where it stopped.
+with the same command line, config file and warmed-up model is not run again, so an interrupted
+study resumes where it stopped (a run cut short starts again from step 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +42,7 @@ from armor_megatron.config import load_config
 from armor_megatron.tasks.arithmetic import write_jsonl
 from armor_megatron.tasks.study_stats import VAL, VariantCurves, variant_curves, verdict
 from armor_megatron.tasks.tagged_addition import without_cue
-from armor_megatron.tasks.tiny_run import prepare_tiny_run
+from armor_megatron.tasks.tiny_run import RECIPE, prepare_tiny_run
 from armor_megatron.trainer.metrics_log import read_metrics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -122,8 +125,10 @@ def run_study(
             "checkpoint.resume=none",
         ]
 
+    with open(config, "rb") as f, open(os.path.join(out, "hf", RECIPE)) as g:  # what a finished run was made from
+        stamp = {"config_sha256": hashlib.sha256(f.read()).hexdigest(), "model": json.load(g)}
     first = [(v, s, command(v, s)) for v in variants if v != "recovery" for s in seeds]
-    _run_all(first, out, jobs, log)
+    _run_all(first, out, jobs, stamp, log)
     if "recovery" in variants:
         recovery = []
         for s in seeds:
@@ -135,7 +140,7 @@ def run_study(
                 f"train.steps={max(1, cfg.train.steps // RECOVERY_FRACTION)}",
             ]
             recovery.append(("recovery", s, command("recovery", s, extra)))
-        _run_all(recovery, out, jobs, log)
+        _run_all(recovery, out, jobs, stamp, log)
 
     curves = {
         v: variant_curves(
@@ -203,9 +208,12 @@ def _recovery_start(ckpt_dir: str, dapo_records: list[dict]) -> tuple[str, str]:
     return saved[max(saved)], saved[best]
 
 
-def _run_all(runs: list[tuple[str, int, list[str]]], out: str, jobs: int, log: Callable[[str], None]) -> None:
+def _run_all(
+    runs: list[tuple[str, int, list[str]]], out: str, jobs: int, stamp: dict, log: Callable[[str], None]
+) -> None:
     """Run the commands ``jobs`` at a time (one torch thread each when several run); the first
-    failure stops the study with the tail of that run's log."""
+    failure stops the study with the tail of that run's log. A run is skipped when its marker
+    records the same command and ``stamp`` (config file, warmed-up model)."""
     env = dict(os.environ)
     if jobs > 1:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -214,10 +222,12 @@ def _run_all(runs: list[tuple[str, int, list[str]]], out: str, jobs: int, log: C
     def one(variant: str, seed: int, cmd: list[str]) -> None:
         name = f"{variant}-s{seed}"
         done = os.path.join(out, "logs", f"{name}.done")
-        if os.path.isfile(done) and open(done).read() == json.dumps(cmd):
+        marker = json.dumps({"command": cmd, **stamp}, sort_keys=True)
+        if os.path.isfile(done) and open(done).read() == marker:
             log(f"{name}: already done")
             return
         log(f"{name}: training")
+        shutil.rmtree(os.path.join(out, "ckpt", name), ignore_errors=True)  # a fresh start: no stale base_mcore
         t0 = time.time()
         log_path = os.path.join(out, "logs", f"{name}.log")
         with open(log_path, "w") as f:
@@ -226,7 +236,7 @@ def _run_all(runs: list[tuple[str, int, list[str]]], out: str, jobs: int, log: C
             with open(log_path) as f:
                 tail = "".join(f.readlines()[-15:])
             raise RuntimeError(f"{name} failed with exit code {code} (log {log_path}):\n{tail}")
-        _write(done, json.dumps(cmd))
+        _write(done, marker)
         log(f"{name}: done in {(time.time() - t0) / 60:.1f} min")
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:

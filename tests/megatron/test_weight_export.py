@@ -70,6 +70,42 @@ def test_export_gives_back_every_hf_tensor_exactly(tmp_path, family, layout):
     assert_exact(exported, hf_tensors(hf_dir))
 
 
+def counted_gathers_worker(rank, hf_dir, mcore_dir, layout):
+    """The export, with this rank's data-parallel rank and how many tensor gathers it joined."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from armor_megatron.megatron.weight_export import export_to_list
+
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
+    calls, gather = [0], dist.gather
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return gather(*args, **kwargs)
+
+    dist.gather = counted
+    try:
+        exported = export_to_list(chunks, arch)
+    finally:
+        dist.gather = gather
+    return exported, ps.get_data_parallel_rank(), calls[0]
+
+
+def test_only_the_exporting_replica_gathers_its_shards(tmp_path):
+    """TP=2 × DP=2: the export is exact, and the second data-parallel replica's TP group joins no
+    gather (it exports nothing), so a sync costs one replica's traffic whatever the DP size."""
+    from armor_megatron.convert import convert_hf_to_mcore
+
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"))
+    convert_hf_to_mcore(hf_dir, str(tmp_path / "mcore"), progress_stream=None)
+    results = run_ranks(counted_gathers_worker, 4, hf_dir, str(tmp_path / "mcore"), dict(tp=2))
+    assert_exact(results[0][0], hf_tensors(hf_dir))
+    gathers = {rank: (dp, calls) for rank, (_, dp, calls) in enumerate(results)}
+    assert all(calls > 0 for dp, calls in gathers.values() if dp == 0), gathers
+    assert all(calls == 0 for dp, calls in gathers.values() if dp == 1), gathers
+
+
 def expert_layouts_worker(rank, hf_dir, mcore_dir, layout):
     """The same checkpoint exported from SequentialMLP, TEGroupedMLP-named and GroupedMLP experts;
     with layer 0's expert parameter shapes by name, per layout."""

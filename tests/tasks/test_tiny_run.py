@@ -60,3 +60,15 @@ def test_tagged_addition_warms_up_on_its_own_corpus_and_writes_its_splits(tmp_pa
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert train == rows["train"] and all(r["prompt"].startswith("#") for r in train)
     assert json.loads((tmp_path / "hf" / "armor_tiny_run.json").read_text())["task"] == "tagged_addition"
+
+
+def test_a_model_made_for_another_recipe_is_rebuilt(tmp_path):
+    overrides = [f"model.path={tmp_path}/hf", f"data.train_path={tmp_path}/train.jsonl"]
+    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides)
+    prepare_tiny_run(cfg, num_val=8, warmup_steps=1, log=None)
+    lines = []
+    prepare_tiny_run(cfg, task="tagged_addition", num_val=8, warmup_steps=1, log=lines.append)
+    assert lines[0] == f"rebuilding {tmp_path}/hf: it was made for another recipe"
+    recipe = json.loads((tmp_path / "hf" / "armor_tiny_run.json").read_text())
+    assert recipe["task"] == "tagged_addition" and recipe["arch"]["hidden_size"] == cfg.model.arch["hidden_size"]
+    assert not os.path.exists(tmp_path / "hf.tmp")

@@ -123,3 +123,15 @@ def test_the_step_line_shows_phases_throughput_and_namespaces_dynamic_sampling(t
     log.close()
     assert logged["dynamic_sampling/rounds"] == 2.0
     assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["dynamic_sampling/rounds"] == 2.0
+
+
+def test_a_fresh_start_moves_an_earlier_runs_metrics_aside(tmp_path):
+    log = MetricsLogger(str(tmp_path))
+    log.log(1, {"reward": 0.5})
+    log.close()
+    log = MetricsLogger(str(tmp_path), fresh_start=True)
+    log.log(1, {"reward": 0.9})
+    log.close()
+    assert [r["reward"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0.9]
+    assert [r["reward"] for r in read_metrics(log.set_aside)] == [0.5]  # nothing lost
+    assert MetricsLogger(str(tmp_path / "new"), fresh_start=True).set_aside is None
