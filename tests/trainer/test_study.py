@@ -53,17 +53,17 @@ def test_unknown_variants_are_refused_in_one_line(tmp_path):
 def test_a_tiny_study_trains_recovers_and_resumes(tmp_path):
     lines = []
     task = {"task": "tagged_addition", "num_val": 16, "warmup_steps": 5, "seed": 0}
-    overrides = ["train.steps=4", "eval.every_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+    overrides = ["train.steps=8", "eval.every_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4"]
     result = run_study(
         str(tmp_path), ["dapo", "recovery"], [1], overrides=overrides, jobs=2, task=task, log=lines.append
     )
     assert set(result.curves) == {"dapo", "recovery"} and os.path.isfile(result.png)
     dapo, recovery = result.curves["dapo"], result.curves["recovery"]
-    assert dapo.steps == [0, 2, 4] and recovery.steps == [4, 6]  # one quarter of 4 steps, after DAPO's end
+    assert dapo.steps == [0, 2, 4, 6, 8] and recovery.steps == [8, 10]  # a quarter of 8 steps, after DAPO's end
     # recovery's step-0 validation is DAPO's last checkpoint evaluated again (greedy: the same accuracy)
     assert recovery.val_mean[0] == pytest.approx(dapo.end)
     start = next(m for m in lines if m.startswith("recovery seed 1"))
-    assert "dapo-s1/iter_0000004" in start and "reference" in start
+    assert "dapo-s1/iter_0000008" in start and "reference" in start
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["dapo"]["val_mean"] == dapo.val_mean
     assert VARIANTS["recovery"][0] in (tmp_path / "table.md").read_text()
