@@ -232,7 +232,11 @@ def parse_output(out: dict, prompt_index: int, return_logprob: bool):
 
     Reads ``output_ids``, ``text`` and ``meta_info`` {``finish_reason.type``, ``weight_version``,
     ``output_token_logprobs`` = [[logprob, token_id, text], ...]}; the logprob rows must name
-    the same tokens as ``output_ids``.
+    the same tokens as ``output_ids``. A ``null`` logprob is SGLang's JSON for a non-finite one
+    (its encoder writes -inf and NaN as null) and reads as -inf. A response generated across a
+    weight update carries ``weight_versions`` spans [{version, start, end}, ...] and, as
+    ``weight_version``, only the last span's: its version here names every span (``"a->b"``),
+    so :func:`~armor_megatron.rollout.engine.check_versions` refuses it as off-policy.
     """
     from armor_megatron.rollout.engine import Sample
 
@@ -247,12 +251,19 @@ def parse_output(out: dict, prompt_index: int, return_logprob: bool):
             raise RolloutError(f"output of prompt {prompt_index} has no meta_info.output_token_logprobs")
         if [int(r[1]) for r in rows] != list(token_ids):
             raise RolloutError(f"output of prompt {prompt_index}: output_token_logprobs tokens differ from output_ids")
-        logprobs = tuple(float(r[0]) for r in rows)
+        logprobs = tuple(float("-inf") if r[0] is None else float(r[0]) for r in rows)
     return Sample(
         prompt_index=prompt_index,
         token_ids=token_ids,
         text=out.get("text", ""),
         logprobs=logprobs,
         finish_reason=reason or "length",
-        weight_version=str(meta.get("weight_version", "default")),
+        weight_version=_weight_version(meta),
     )
+
+
+def _weight_version(meta: dict) -> str:
+    spans = [str(s["version"]) for s in meta.get("weight_versions") or () if isinstance(s, dict) and "version" in s]
+    if len(set(spans)) > 1:
+        return "->".join(spans)
+    return str(meta.get("weight_version", "default"))

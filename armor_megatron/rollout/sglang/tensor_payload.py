@@ -15,17 +15,25 @@ a CUDA IPC handle (the engine must share the node: colocated mode) and a CPU ten
 shared-memory file descriptor. The sender must keep the tensors alive until the server
 has answered.
 
-SGLang unpickles payloads with a restricted unpickler (``SafeUnpickler`` in
-``sglang/srt/utils/common.py``, behind ``MultiprocessingSerializer.deserialize``): it imports
-only from an allowlist of module prefixes (``builtins``, ``collections``, ``torch``, ...,
-``sglang.srt.weight_sync.tensor_bucket``) minus a deny list (``eval``, ``exec``, ``os.system``
-...). Its ``_update_weights_from_flattened_bucket`` reads each ``m`` by attribute and rebuilds
-SGLang's own ``FlattenedTensorMetadata`` (fields ``name, shape, dtype, start_idx, end_idx,
-numel``). So ``m`` is pickled as ``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata``
-with exactly those fields in its ``__dict__``, even where SGLang is not installed (the
-trainer): :func:`dumps` writes that class path for our field-identical dataclass.
-:func:`restricted_loads` is the same allowlist for servers without SGLang (the test double),
-which rebuild the metadata as our dataclass.
+SGLang 0.5.23 unpickles payloads with a restricted unpickler (``SafeUnpickler`` in
+``sglang/srt/utils/common.py``, behind ``MultiprocessingSerializer.deserialize``): an EXACT
+allowlist of ``(module, name)`` pairs (Python data types, torch's tensor/storage types,
+dtypes and rebuild functions, ``multiprocessing.resource_sharer.DupFd``, SGLang's
+``tensor_bucket`` classes); anything else raises inside the scheduler, which takes the server
+down. :data:`SGLANG_ALLOWED_GLOBALS` is the part of that list a tensor payload can need, so a
+payload our unpickler admits is one SGLang admits. Its ``_update_weights_from_flattened_bucket``
+reads each ``m`` by attribute and rebuilds SGLang's own ``FlattenedTensorMetadata`` (fields
+``name, shape, dtype, start_idx, end_idx, numel``). So ``m`` is pickled as
+``sglang.srt.weight_sync.tensor_bucket.FlattenedTensorMetadata`` with exactly those fields in
+its ``__dict__``, even where SGLang is not installed (the trainer): :func:`dumps` writes that
+class path for our field-identical dataclass. :func:`restricted_loads` applies the allowlist
+for servers without SGLang (the test double), which rebuild the metadata as our dataclass.
+
+CUDA tensors name their GPU by UUID, not by index (what SGLang's own senders do through
+``sglang.srt.utils.patch_torch``): torch's CUDA IPC handle carries the sender's device index,
+which names another GPU in an engine process that sees a different ``CUDA_VISIBLE_DEVICES``.
+SGLang's receiving ranks patch ``rebuild_cuda_tensor`` to map a UUID back to their own index
+(an int passes unchanged); :func:`restricted_loads` does the same.
 """
 
 from __future__ import annotations
@@ -41,41 +49,42 @@ from typing import Any
 FLATTENED_BUCKET = "flattened_bucket"
 SGLANG_METADATA_MODULE = "sglang.srt.weight_sync.tensor_bucket"
 
-# SGLang's SafeUnpickler (sglang/srt/utils/common.py): a global is imported only if its module
-# starts with one of these prefixes and (module, name) is not denied.
-SGLANG_UNPICKLE_PREFIXES = (
-    "builtins.",
-    "collections.",
-    "copyreg.",
-    "functools.",
-    "itertools.",
-    "operator.",
-    "types.",
-    "weakref.",
-    "torch.",
-    "multiprocessing.resource_sharer.",
-    "multiprocessing.reduction.",
-    "pickletools.",
-    "peft.",
-    "transformers.",
-    "huggingface_hub.",
-    SGLANG_METADATA_MODULE + ".",
-    "sglang.srt.model_executor.model_runner.",
-    "sglang.srt.layers.",
-    "sglang.srt.utils.",
-    "torch_npu.",
+_REDUCTIONS = "torch.multiprocessing.reductions"
+_DTYPES = (
+    "bfloat16 float16 half float32 float float64 double float8_e4m3fn float8_e4m3fnuz float8_e5m2 float8_e5m2fnuz "
+    "int8 int16 short int32 int int64 long uint8 uint16 uint32 uint64 bool complex64 complex128"
+).split()
+# The part of SGLang 0.5.23's SafeUnpickler.ALLOWED_GLOBALS (exact pairs) that a tensor payload
+# can need; every pair here is on SGLang's list.
+SGLANG_ALLOWED_GLOBALS = frozenset(
+    [("builtins", t) for t in ("bool", "bytearray", "bytes", "dict", "float", "frozenset", "int", "list")]
+    + [("builtins", t) for t in ("set", "slice", "str", "tuple")]
+    + [("collections", "OrderedDict"), ("copyreg", "__newobj__"), ("copyreg", "__newobj_ex__")]
+    + [("multiprocessing.resource_sharer", "DupFd"), ("multiprocessing.reduction", "_rebuild_partial")]
+    + [("torch", "Tensor"), ("torch", "Size"), ("torch", "device"), ("torch", "dtype")]
+    + [("torch", dtype) for dtype in _DTYPES]
+    + [
+        ("torch.nn.parameter", "Parameter"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+        ("torch._utils", "_rebuild_parameter"),
+    ]
+    + [("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"), ("torch", "UntypedStorage")]
+    + [
+        (_REDUCTIONS, f)
+        for f in (
+            "rebuild_tensor",
+            "rebuild_cuda_tensor",
+            "rebuild_meta_tensor",
+            "rebuild_storage_fd",
+            "rebuild_storage_filename",
+            "rebuild_storage_empty",
+            "rebuild_typed_storage",
+            "rebuild_typed_storage_child",
+        )
+    ]
+    + [(SGLANG_METADATA_MODULE, "FlattenedTensorMetadata"), (SGLANG_METADATA_MODULE, "FlattenedTensorBucket")]
 )
-SGLANG_UNPICKLE_DENIED = {
-    ("builtins", "eval"),
-    ("builtins", "exec"),
-    ("builtins", "compile"),
-    ("os", "system"),
-    ("subprocess", "Popen"),
-    ("subprocess", "run"),
-    ("codecs", "decode"),
-    ("types", "CodeType"),
-    ("types", "FunctionType"),
-}
+_CUDA_DEVICE_ARG = 6  # rebuild_cuda_tensor's argument that names the device (torch 2.x, as SGLang relies on)
 
 
 @dataclasses.dataclass
@@ -91,14 +100,13 @@ class FlattenedTensorMetadata:
 
 
 def sglang_admits(module: str, name: str) -> bool:
-    """Whether SGLang's restricted unpickler imports ``module.name``."""
-    if (module, name) in SGLANG_UNPICKLE_DENIED:
-        return False
-    return any((module + ".").startswith(prefix) for prefix in SGLANG_UNPICKLE_PREFIXES)
+    """Whether SGLang's restricted unpickler imports ``module.name`` (as far as a payload goes)."""
+    return (module, name) in SGLANG_ALLOWED_GLOBALS
 
 
 class SGLangUnpickler(pickle.Unpickler):
-    """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed."""
+    """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
+    and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID."""
 
     def find_class(self, module, name):
         if not sglang_admits(module, name):
@@ -108,6 +116,8 @@ class SGLangUnpickler(pickle.Unpickler):
                 return super().find_class(module, name)
             except ImportError:
                 return FlattenedTensorMetadata
+        if (module, name) == (_REDUCTIONS, "rebuild_cuda_tensor"):
+            return _rebuild_cuda_tensor_on_uuid
         return super().find_class(module, name)
 
 
@@ -116,6 +126,45 @@ def restricted_loads(data: bytes) -> Any:
     import torch.multiprocessing  # noqa: F401  (tensor rebuild functions)
 
     return SGLangUnpickler(io.BytesIO(data)).load()
+
+
+def gpu_uuid(index: int) -> str:
+    """The UUID of CUDA device ``index`` of this process, as SGLang writes it."""
+    import torch
+
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
+def _device_index(device: int | str) -> int:
+    """This process's index of the GPU a payload names (by UUID, or by index as torch does)."""
+    import torch
+
+    if isinstance(device, int):
+        return device
+    for index in range(torch.cuda.device_count()):
+        if gpu_uuid(index) == device:
+            return index
+    raise pickle.UnpicklingError(f"the payload's GPU {device} is not visible to this process")
+
+
+def _rebuild_cuda_tensor_on_uuid(*args):
+    from torch.multiprocessing import reductions
+
+    args = (*args[:_CUDA_DEVICE_ARG], _device_index(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1 :])
+    return reductions.rebuild_cuda_tensor(*args)
+
+
+def _naming_gpus_by_uuid(reduce):
+    """A tensor reducer like ``reduce`` whose CUDA IPC handles name their GPU by UUID."""
+
+    def reduce_naming_the_gpu(obj):
+        rebuild, args = reduce(obj)
+        if getattr(rebuild, "__name__", None) == "rebuild_cuda_tensor":
+            index = args[_CUDA_DEVICE_ARG]
+            args = (*args[:_CUDA_DEVICE_ARG], gpu_uuid(index), *args[_CUDA_DEVICE_ARG + 1 :])
+        return rebuild, args
+
+    return reduce_naming_the_gpu
 
 
 class _PayloadPickler(pickle._Pickler):
@@ -133,7 +182,9 @@ class _PayloadPickler(pickle._Pickler):
 
         super().__init__(file, protocol)
         self.dispatch_table = copyreg.dispatch_table.copy()
-        self.dispatch_table.update(ForkingPickler._extra_reducers)
+        self.dispatch_table.update(
+            (cls, _naming_gpus_by_uuid(reduce)) for cls, reduce in ForkingPickler._extra_reducers.items()
+        )
 
     def save_global(self, obj, name=None):
         if obj is FlattenedTensorMetadata:

@@ -137,6 +137,34 @@ def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
     )
 
 
+def _join_weight_update_group(address, port, rank, world_size, group_name, backend, timeout):
+    """The engine's end of a weights update group, built as SGLang 0.5.23's
+    ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
+    trainer's :class:`~armor_megatron.rollout.sglang.process_group.WeightUpdateGroup`: a
+    ``tcp://`` rendezvous, ``PrefixStore(group_name)`` around its store, torch's
+    ``_new_process_group_helper`` (which adds ``"<group_name>/"`` and ``"<device>/"``), the
+    group's ranks registered so ``dist.broadcast(..., group=)`` finds them. A trainer whose
+    rendezvous keys differ from SGLang's times out here as it would against SGLang."""
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    delta = datetime.timedelta(seconds=timeout)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{address}:{port}", rank, world_size, timeout=delta))
+    store.set_timeout(delta)
+    group, _ = c10d._new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        c10d.Backend(backend),
+        c10d.PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=delta,
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
 def _failed_update(message: str) -> _HTTPError:
     return _HTTPError(400, {"success": False, "message": message})
 
@@ -470,10 +498,8 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def init_weights_update_group(self, body):
-        from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup
-
         try:
-            group = WeightUpdateGroup(
+            group = _join_weight_update_group(
                 body["master_address"],
                 body["master_port"],
                 body["rank_offset"],
@@ -489,6 +515,7 @@ class SGLangTestServer:
 
     def update_weights_from_distributed(self, body):
         import torch
+        import torch.distributed as dist
 
         self._require_session("update_weights_from_distributed")
         group = self._groups.get(body.get("group_name"))
@@ -497,15 +524,18 @@ class SGLangTestServer:
         named = []
         for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
             t = torch.empty(shape, dtype=getattr(torch, dtype))
-            named.append((name, group.broadcast(t, src=0)))
+            dist.broadcast(t, src=0, group=group)
+            named.append((name, t))
         self._apply(named, body.get("weight_version"), strict=False)
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
     def destroy_weights_update_group(self, body):
+        import torch.distributed as dist
+
         group = self._groups.pop(body.get("group_name"), None)
         if group is None:
-            raise _failed_update(f"Group {body.get('group_name')!r} not in model_update_group.")
-        group.destroy()
+            raise _failed_update("The group to be destroyed does not exist.")
+        dist.destroy_process_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     # -- memory, pause, misc

@@ -7,7 +7,13 @@ import time
 
 import pytest
 
-from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError, SamplingParams, StaleWeightsError
+from armor_megatron.rollout.engine import (
+    EngineUnavailableError,
+    RolloutError,
+    SamplingParams,
+    StaleWeightsError,
+    check_versions,
+)
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError, error_message, parse_output
 from armor_megatron.rollout.sglang.engine import SGLangEngine
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
@@ -74,6 +80,30 @@ def test_logprob_rows_must_name_the_output_tokens():
     }
     with pytest.raises(RolloutError, match="prompt 3: output_token_logprobs tokens differ from output_ids"):
         parse_output(out, prompt_index=3, return_logprob=True)
+
+
+def test_null_logprobs_read_as_minus_infinity():
+    # SGLang's JSON encoder writes a non-finite logprob as null
+    out = {
+        "output_ids": [5, 6],
+        "meta_info": {
+            "finish_reason": {"type": "stop", "matched": 6},
+            "output_token_logprobs": [[None, 5, None], [-0.5, 6, None]],
+        },
+    }
+    assert parse_output(out, prompt_index=0, return_logprob=True).logprobs == (float("-inf"), -0.5)
+
+
+def test_a_response_generated_across_a_weight_update_is_stale():
+    # SGLang names the last span's version in weight_version and lists every span in weight_versions
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    out = {"output_ids": [1, 2, 3, 4, 5], "meta_info": {"weight_version": "4", "weight_versions": spans}}
+    sample = parse_output(out, prompt_index=0, return_logprob=False)
+    assert sample.weight_version == "3->4"
+    with pytest.raises(StaleWeightsError, match="'3->4', expected '4'"):
+        check_versions([[sample]], "4")
+    one_span = {"output_ids": [1], "meta_info": {"weight_version": "4", "weight_versions": spans[1:]}}
+    assert parse_output(one_span, prompt_index=0, return_logprob=False).weight_version == "4"
 
 
 def test_stop_and_length_finish_reasons(server, tiny_ckpt):

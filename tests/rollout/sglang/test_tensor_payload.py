@@ -78,7 +78,36 @@ def test_restricted_unpickler_refuses_classes_outside_sglangs_allowlist():
     outsider = base64.b64encode(pickle.dumps(tensor_payload.FlattenedTensorMetadata("w", (1,), None, 0, 1, 1))).decode()
     with pytest.raises(pickle.UnpicklingError, match="armor_megatron.rollout.sglang.tensor_payload"):
         tensor_payload.deserialize(outsider, None)
-    evil = base64.b64encode(pickle.dumps(print)).decode()  # builtins is admitted, eval/exec/compile are not
-    assert tensor_payload.sglang_admits("builtins", "print")
-    assert not tensor_payload.sglang_admits("builtins", "eval") and not tensor_payload.sglang_admits("os", "system")
-    assert tensor_payload.restricted_loads(base64.b64decode(evil)) is print
+    # SGLang 0.5.23's list is exact pairs: callables of admitted modules stay out
+    for module, name in [("builtins", "print"), ("builtins", "eval"), ("os", "system"), ("torch", "load")]:
+        assert not tensor_payload.sglang_admits(module, name)
+        with pytest.raises(pickle.UnpicklingError, match=f"refuses .*{name}"):
+            tensor_payload.restricted_loads(pickle.dumps(getattr(__import__(module), name)))
+
+
+def test_cuda_handles_name_their_gpu_by_uuid_and_receivers_map_it_back(monkeypatch):
+    # torch's CUDA IPC handle carries the sender's device index (argument 6 of
+    # rebuild_cuda_tensor); an engine with another CUDA_VISIBLE_DEVICES must get the GPU's UUID
+    from torch.multiprocessing import reductions
+
+    uuids = {0: "GPU-aaaa", 1: "GPU-bbbb", 2: "GPU-cccc"}
+    monkeypatch.setattr(tensor_payload, "gpu_uuid", lambda index: uuids[index])
+    handle = tuple(range(6)) + (2,) + ("rest",)
+    reduce = tensor_payload._naming_gpus_by_uuid(lambda obj: (reductions.rebuild_cuda_tensor, handle))
+    rebuild, args = reduce(object())
+    assert rebuild is reductions.rebuild_cuda_tensor and args == tuple(range(6)) + ("GPU-cccc", "rest")
+    cpu = tensor_payload._naming_gpus_by_uuid(lambda obj: (reductions.rebuild_tensor, (1, 2, 3, 4, 5, 6, 7)))
+    assert cpu(object())[1] == (1, 2, 3, 4, 5, 6, 7)  # not a CUDA handle: untouched
+
+    # the receiver sees the same GPUs in another order: the UUID picks its own index
+    receiver = {0: "GPU-cccc", 1: "GPU-aaaa"}
+    monkeypatch.setattr(tensor_payload, "gpu_uuid", lambda index: receiver[index])
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    rebuilt = []
+    monkeypatch.setattr(reductions, "rebuild_cuda_tensor", lambda *a: rebuilt.append(a) or "tensor")
+    assert tensor_payload._rebuild_cuda_tensor_on_uuid(*args) == "tensor"
+    assert rebuilt[-1][6] == 0 and rebuilt[-1][7] == "rest"
+    tensor_payload._rebuild_cuda_tensor_on_uuid(*handle)  # an index (an unpatched sender) passes as it is
+    assert rebuilt[-1][6] == 2
+    with pytest.raises(Exception, match="GPU-bbbb is not visible"):
+        tensor_payload._rebuild_cuda_tensor_on_uuid(*(tuple(range(6)) + ("GPU-bbbb",)))
