@@ -60,10 +60,12 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"--pass-k values must be in [1, k={k}]")
     try:
         from armor_megatron.data.prompts import PromptDataset, encode_prompt
+        from armor_megatron.rewards import scorable
         from armor_megatron.rollout.engine import SamplingParams
         from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
 
-        eval_sets = [EvalSet(name, PromptDataset(path), k) for name, path in sets]
+        verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
+        eval_sets = [EvalSet(name, scorable(PromptDataset(path), verifier), k) for name, path in sets]
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),
             temperature=args.temperature if args.temperature is not None else (ev.temperature if ev else 0.0),
@@ -80,7 +82,6 @@ def main(argv: list[str] | None = None) -> int:
         apply_chat_template=data.apply_chat_template if data else True,
         template=data.prompt_template if data else None,
     )
-    verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
     with engine:
         result = evaluate(engine, encode, eval_sets, sampling, verifier=verifier, pass_k=pass_k)
     domains = domain_accuracy(result.records, eval_sets, verifier)

@@ -51,9 +51,9 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
-    """The file exists, its first rows parse and carry the prompt/answer columns, and a row's
-    ``type`` column names a verifier that loads."""
-    from armor_megatron.rewards.registry import load_verifier
+    """The file exists, its first rows parse and carry the prompt/answer columns, a row's
+    ``type`` column names a verifier that loads, and that verifier can score the row's ground truth."""
+    from armor_megatron.rewards.registry import check_ground_truth, load_verifier
 
     data = cfg.data
     try:
@@ -79,6 +79,10 @@ def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
+        try:
+            check_ground_truth(verifier or cfg.reward.verifier, row[ground_truth_column(row, data.answer_key)])
+        except ValueError as err:
+            raise ConfigError(key, f"{path}: row {i}: {err}") from None
 
 
 def _check_packages(cfg: RunConfig) -> None:

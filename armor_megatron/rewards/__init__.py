@@ -28,7 +28,14 @@ from armor_megatron.rewards.metrics import (
     metrics_by_dataset,
     pass_at_k,
 )
-from armor_megatron.rewards.registry import get_verifier, load_verifier, register_verifier, registered_verifiers
+from armor_megatron.rewards.registry import (
+    check_ground_truth,
+    get_verifier,
+    load_verifier,
+    register_verifier,
+    registered_verifiers,
+    scorable,
+)
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.safety import verify_safety
 from armor_megatron.rewards.spec import VerifierSpecError
@@ -39,6 +46,7 @@ __all__ = [
     "VerifierSpecError",
     "accuracy_by_domain",
     "avg_at_k",
+    "check_ground_truth",
     "compute_score",
     "configure_pool",
     "flatten_metrics",
@@ -53,6 +61,7 @@ __all__ = [
     "register_verifier",
     "registered_verifiers",
     "score_batch",
+    "scorable",
     "shutdown_workers",
     "verify_knowledge",
     "verify_safety",

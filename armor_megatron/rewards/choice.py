@@ -48,4 +48,6 @@ def gold_letter(ground_truth: Any, letters: str) -> str:
     )
 
 
-register_verifier("multiple_choice")(make_choice_verifier())
+register_verifier("multiple_choice", check_ground_truth=lambda truth: gold_letter(truth, string.ascii_uppercase[:10]))(
+    make_choice_verifier()
+)

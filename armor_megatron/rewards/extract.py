@@ -15,6 +15,10 @@ Answer forms, in priority order:
 3. Multiple-choice letters (``\\boxed{C}``, ``the answer is (C).``, a last line ``C``), see
    :func:`extract_choice`, with the same two rules.
 
+Reasoning models write their thoughts between ``<think>`` and ``</think>``: only the text after
+the last ``</think>`` holds the final answer, and a response whose ``<think>`` is never closed
+(cut off at the length limit while thinking) has none, whatever it boxed on its way.
+
 Every answer is cleaned the same way (:func:`clean_answer`): surrounding ``$``, markdown
 bold and trailing ``.``/``,``/``;`` are dropped, so ``\\boxed{204.}`` reads as ``Answer: 204.``.
 
@@ -220,10 +224,26 @@ def _only_closing(text: str) -> bool:
     return not _without_hope(text).strip(_CLOSING_CHARACTERS)
 
 
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
+def after_reasoning(text: str) -> str | None:
+    """The part of a response after its reasoning: after the last ``</think>``; the whole text
+    if it has no ``<think>``; ``None`` if a ``<think>`` is never closed (no final answer)."""
+    close = text.rfind(THINK_CLOSE)
+    if close >= 0:
+        return text[close + len(THINK_CLOSE) :]
+    return None if THINK_OPEN in text else text
+
+
 def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
-    """The final answer of a math response: the last box's content if the response has a box
-    command (``None`` if that box is unterminated: nothing earlier replaces it), else, with
-    ``answer_line_fallback``, :func:`final_answer_text`."""
+    """The final answer of a math response (after its reasoning, :func:`after_reasoning`): the
+    last box's content if the response has a box command (``None`` if that box is
+    unterminated: nothing earlier replaces it), else, with ``answer_line_fallback``,
+    :func:`final_answer_text`."""
+    text = after_reasoning(text)
+    if text is None:
+        return None
     if last_box_command(text) is not None:
         return last_boxed(text)
     return final_answer_text(text) if answer_line_fallback else None
@@ -251,11 +271,14 @@ def extract_choice(text: str, letters: str) -> str | None:
 
     ``letters`` are the valid options, e.g. ``"ABCD"`` (GPQA) or ``"ABCDEFGHIJ"`` (MMLU-Pro);
     matching is case-sensitive on the letter so the article "a" is never read as option A.
-    Priority: the last ``\\boxed{}`` (``\\boxed{C}``, ``\\boxed{(C)}``, ``\\boxed{\\text{C. 42}}``;
+    Read after the reasoning (:func:`after_reasoning`). Priority: the last ``\\boxed{}`` (``\\boxed{C}``, ``\\boxed{(C)}``, ``\\boxed{\\text{C. 42}}``;
     an unterminated last box means no answer); then, on the last non-empty line, an answer
     phrase (``Answer: C``, ``**Answer:** (C)``, ``the answer is C.``) followed by nothing but
     punctuation, or a line holding nothing but the letter (``C``, ``(C)``, ``**C.**``).
     """
+    text = after_reasoning(text)
+    if text is None:
+        return None
     cls = "[" + re.escape(letters) + "]"
     end = last_box_command(text)
     if end is not None:
@@ -263,7 +286,7 @@ def extract_choice(text: str, letters: str) -> str | None:
         if span is None:
             return None
         inner = _TEXT_WRAPPER.sub(r"\1", text[span[0] : span[1]]).strip()
-        match = re.fullmatch(rf"\(?({cls})\)?(?:[.:)]?(?:\s.*)?)", inner, flags=re.S)
+        match = re.fullmatch(rf"\(?({cls})\)?(?:[.:)]?(?:(?:\s|~|\\[ ,;:!]).*)?)", inner, flags=re.S)
         return match.group(1) if match else None
     line = last_line(text)
     phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*:：]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")

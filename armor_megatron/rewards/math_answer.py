@@ -109,4 +109,4 @@ def gold_answers(ground_truth: Any) -> list[str]:
     return golds
 
 
-register_verifier("math")(make_math_verifier())
+register_verifier("math", check_ground_truth=gold_answers)(make_math_verifier())

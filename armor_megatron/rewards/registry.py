@@ -20,13 +20,19 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 
 _REGISTRY: dict[str, Verifier] = {}
+_GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
 
 
-def register_verifier(name: str, *, replace: bool = False) -> Callable[[Callable], Callable]:
+def register_verifier(
+    name: str, *, replace: bool = False, check_ground_truth: Callable[[Any], Any] | None = None
+) -> Callable[[Callable], Callable]:
     """Decorator registering ``fn(response, ground_truth)`` under ``name``; returns ``fn`` unchanged.
 
     Registering a taken name raises unless ``replace=True`` (e.g. to swap in a ``math``
-    verifier built with another timeout).
+    verifier built with another timeout). ``check_ground_truth(ground_truth)``, if given,
+    raises ValueError/TypeError for a ground truth the verifier cannot score; datasets run it
+    on every row when they load (:func:`check_ground_truth`), so a bad row stops a run at
+    start-up, not at the step that first samples it.
     """
     if not isinstance(name, str) or not name or ":" in name or name != name.strip():
         raise VerifierSpecError(f"verifier name {name!r} must be a non-empty string without ':' or surrounding spaces")
@@ -36,9 +42,38 @@ def register_verifier(name: str, *, replace: bool = False) -> Callable[[Callable
             raise VerifierSpecError(f"verifier {name!r} is already registered (pass replace=True to replace it)")
         _check_signature(fn, name)
         _REGISTRY[name] = _coercing(fn, name)
+        _GROUND_TRUTH_CHECKS.pop(name, None)
+        if check_ground_truth is not None:
+            _GROUND_TRUTH_CHECKS[name] = check_ground_truth
         return fn
 
     return decorator
+
+
+def scorable(dataset, default_verifier: str):
+    """``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
+    :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
+    else ``default_verifier``) has accepted its ground truth: a row no verifier can score
+    stops a run at start-up, in one line naming the file and row, not at the step that first
+    samples it."""
+    for row in dataset.rows:
+        try:
+            check_ground_truth(row.verifier or default_verifier, row.answer)
+        except ValueError as e:
+            raise ValueError(f"{dataset.path}: row {row.index}: {e}") from None
+    return dataset
+
+
+def check_ground_truth(verifier: str, ground_truth: Any) -> None:
+    """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable; verifiers
+    that declare no check (user verifiers) accept anything."""
+    check = _GROUND_TRUTH_CHECKS.get(verifier)
+    if check is None:
+        return
+    try:
+        check(ground_truth)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"ground truth {ground_truth!r:.80} cannot be scored by verifier {verifier!r}: {e}") from None
 
 
 def unregister_verifier(name: str) -> None:
@@ -47,6 +82,7 @@ def unregister_verifier(name: str) -> None:
     if name not in _REGISTRY:
         raise VerifierSpecError(f"verifier {name!r} is not registered, so it cannot be unregistered")
     del _REGISTRY[name]
+    _GROUND_TRUTH_CHECKS.pop(name, None)
 
 
 def registered_verifiers() -> list[str]:

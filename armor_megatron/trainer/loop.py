@@ -36,6 +36,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.megatron.offload import HostOffload
+from armor_megatron.rewards import scorable
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
@@ -123,7 +124,13 @@ class ArmorTrainer:
                 self._training_prompts(), cfg.rollout.prompts_per_step, shuffle=data.shuffle, seed=cfg.train.seed
             )
             self.eval_sets = [
-                EvalSet(d.name, PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), d.k)
+                EvalSet(
+                    d.name,
+                    scorable(
+                        PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), cfg.reward.verifier
+                    ),
+                    d.k,
+                )
                 for d in cfg.eval.datasets
             ]
 
@@ -132,7 +139,9 @@ class ArmorTrainer:
         """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
         encoded for the engine), which are left out once, up front, with a count."""
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
-        dataset = PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key)
+        dataset = scorable(
+            PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key), self.cfg.reward.verifier
+        )
         total = len(dataset)
         dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
         if not len(dataset):

@@ -69,6 +69,8 @@ def test_missing_paths_name_their_key(run, tmp_path):
         ('{"prompt": "1+1=", "answer": "2", "type": "maths"}\n', "row 0 type: unknown verifier 'maths'"),
         ('{"prompt": "1+1=", "answer": "2", "type": "nopkg:fn"}\n', "row 0 type: verifier spec 'nopkg:fn'"),
         ("[1, 2]\n", "row 0 is list, not an object with columns"),
+        ('{"prompt": "1+1=", "answer": null}\n', "row 0: ground truth None cannot be scored by verifier 'math'"),
+        ('{"prompt": "1+1=", "answer": "B"}\n{"prompt": "?", "answer": "Z", "type": "multiple_choice"}\n', "row 1: "),
         ("\n\n", "dataset is empty"),
         (b'{"prompt": "caf\xe9", "answer": "2"}\n', "train.jsonl:1: not UTF-8 text"),
     ],

@@ -14,6 +14,10 @@ from armor_megatron.rewards import get_verifier, make_choice_verifier
         ("Answer: J", 9, 1.0),
         ("Answer: B", "C", 0.0),
         ("I cannot decide.", "C", 0.0),
+        (r"$\boxed{\textbf{(B)}\ 12}$", "B", 1.0),  # AMC: the option, a LaTeX space, its value
+        (r"\boxed{\text{(B)}~12}", "B", 1.0),
+        (r"<think>It is \boxed{A}... or is it</think>\boxed{B}", "B", 1.0),  # after the reasoning
+        (r"<think>It is \boxed{B}, but let me check the other opt", "B", 0.0),  # cut off while thinking
     ],
 )
 def test_multiple_choice(response, gold, score):

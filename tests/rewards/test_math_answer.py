@@ -42,6 +42,25 @@ ACCEPTED = [
     (r"\boxed{12}", r"Adding up, the total is \boxed{12}."),  # reference solution as ground truth
     (r"\boxed{6}", ["5", "6"]),  # any of several accepted answers
     (r"\boxed{(1, \infty)}", r"(1,\infty)"),
+    # AMC answers name the option and its value; MATH's golds are the option (\text{(D)})
+    (r"$\boxed{\textbf{(D)}\ 24}$", "D"),
+    (r"$\boxed{\textbf{(D)}\ 24}$", "24"),
+    (r"$\boxed{\textbf{(D)}\ 24}$", r"\text{(D)}"),
+    (r"\boxed{\text{(D) }24}", r"\textbf{(D) }24"),
+    (r"\boxed{D}", r"\text{(D)}"),
+    # E-notation (Minerva golds, Python floats): math-verify alone reads e as Euler's number
+    (r"\boxed{4.5 \times 10^{33}}", "4.5e33"),
+    (r"\boxed{7.2\times10^{-27}}", "7.2e-27"),
+    (r"\boxed{6.02e23}", r"6.02 \times 10^{23}"),
+    (r"\boxed{0.0000001}", 1e-07),  # str(1e-07) == "1e-07"
+    (r"\boxed{10^{21}}", 1e21),  # str(1e21) == "1e+21"
+    # thousands separated by a LaTeX space
+    (r"\boxed{10\,000}", "10000"),
+    (r"\boxed{\$2\,500}", "2500"),
+    (r"\boxed{033}", "33"),  # AIME's three digits
+    # reasoning models: the answer after </think>
+    (r"<think>maybe \boxed{3}</think>So the answer is \boxed{4}.", "4"),
+    (r"the prompt opened the reasoning... </think> \boxed{4}", "4"),
 ]
 REJECTED = [
     (r"\boxed{2}", "3"),
@@ -57,6 +76,14 @@ REJECTED = [
     (r"\boxed{x=4}", "3"),
     (r"\boxed{12}", ["5", "6"]),
     (r"\boxed{\frac{1}{3}}", "0.3"),
+    (r"$\boxed{\textbf{(D)}\ 24}$", "C"),
+    (r"$\boxed{\textbf{(D)}\ 24}$", "25"),
+    (r"\boxed{0.0000001}", "0.0000002"),  # not equal by rounding to 6 decimals
+    (r"\boxed{1000001}", "1000000"),  # integers exactly
+    (r"\boxed{1\,000}", "0"),  # math-verify alone reads 1\,000 as 1·000
+    (r"\boxed{(A)\cup(B)}", "A"),  # a set expression, not an option
+    # cut off while thinking: what it boxed on its way is no final answer
+    (r"<think>Let me guess \boxed{72} but wait, I need to recompute 48+24 = ", "72"),
 ]
 
 
@@ -173,6 +200,24 @@ def test_gold_answers_normalisation():
 def test_bad_ground_truth_is_one_clear_error(verify, gold, error, match):
     with pytest.raises(error, match=match):
         verify(r"\boxed{1}", gold)
+
+
+@pytest.mark.parametrize(
+    "verifier, gold, match",
+    [
+        ("math", None, "'math': math ground truth must be a string or number, got NoneType"),
+        ("math", {"ground_truth": "5"}, "got dict"),  # a verl-style reward_model column
+        ("math", "  ", "is empty"),
+        ("multiple_choice", "Z", "not one of the option letters A-J"),
+    ],
+)
+def test_registered_verifiers_check_ground_truths_before_any_scoring(verifier, gold, match):
+    from armor_megatron.rewards import check_ground_truth
+
+    with pytest.raises(ValueError, match=match):
+        check_ground_truth(verifier, gold)
+    check_ground_truth(verifier, "B")  # scorable by both
+    check_ground_truth("tests.rewards.user_verifiers:anything", None)  # user verifiers declare no check
 
 
 def test_bad_timeout_rejected():

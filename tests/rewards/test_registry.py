@@ -1,5 +1,8 @@
+import json
+
 import pytest
 
+from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import (
     RewardResult,
     VerifierSpecError,
@@ -9,6 +12,7 @@ from armor_megatron.rewards import (
     register_verifier,
     registered_verifiers,
     registry,
+    scorable,
 )
 
 USER = "tests.rewards.user_verifiers"
@@ -17,6 +21,7 @@ USER = "tests.rewards.user_verifiers"
 @pytest.fixture
 def scratch_registry(monkeypatch):
     monkeypatch.setattr(registry, "_REGISTRY", dict(registry._REGISTRY))
+    monkeypatch.setattr(registry, "_GROUND_TRUTH_CHECKS", dict(registry._GROUND_TRUTH_CHECKS))
 
 
 def test_builtin_verifiers_are_registered():
@@ -128,3 +133,14 @@ def test_reward_result_validation():
         RewardResult("1")
     with pytest.raises(ValueError, match=r"breakdown\['a'\] must be finite"):
         RewardResult(1.0, {"a": float("inf")})
+
+
+def test_a_ground_truth_no_verifier_can_score_is_refused_when_the_dataset_loads(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows += [{"prompt": "pick", "answer": "C", "type": "multiple_choice"}, {"prompt": "9+1=", "answer": None}]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=r"train.jsonl: row 21: ground truth None cannot be scored by verifier 'math'"):
+        scorable(PromptDataset(str(path)), "math")
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
+    assert len(scorable(PromptDataset(str(path)), "math")) == 21
