@@ -4,7 +4,10 @@ score = 1 if the response's final answer equals the ground truth mathematically,
 "Equal" is math-verify's judgement (``verify(parse(gold), parse(answer))``): ``\\frac{1}{2}``,
 ``\\dfrac12``, ``0.5`` and ``1/2`` agree; so do ``50\\%`` and ``0.5``, ``x=3`` and ``3``, sets in any
 order, and intervals written with or without ``\\left``/``\\right``. Floats are compared after
-rounding to 6 decimals, so ``0.333`` is not ``1/3``.
+rounding to 6 decimals, so ``0.333`` is not ``1/3``; two plain numbers are compared as decimals
+(integers exactly, others within a relative 1e-6), and competition forms math-verify misreads
+are read first (``\\textbf{(D)}\\ 24``, ``4.5e33``, ``10\\,000``: see
+:mod:`armor_megatron.rewards.math_equivalence`).
 
 The answer is read by :func:`~armor_megatron.rewards.extract.final_math_answer` (linear time:
 the last box, or without a box a final ``Answer:`` line / ``final answer is`` sentence at the
