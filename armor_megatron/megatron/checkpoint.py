@@ -146,15 +146,61 @@ def preemption_signals_held():
     exec too) and never see them; this process gets a held signal when the block ends.
 
     multiprocessing's resource tracker unblocks the signals after starting itself, so it is
-    started first."""
+    started first; so is megatron's long-lived writer-results server (see
+    `_start_writer_results_server`)."""
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
+    _start_writer_results_server()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+_writer_results_server = None  # keeps the Manager (and so its process) alive with this process
+
+
+def _start_writer_results_server() -> None:
+    """Start the server of megatron's checkpoint-writer results queue ourselves, once.
+
+    megatron's async writer reports through ``filesystem_async._results_queue``, served by a
+    ``multiprocessing`` Manager process it starts on the first save and keeps for the life of
+    the trainer. Started by megatron inside `preemption_signals_held`, that process would
+    ignore SIGTERM/SIGUSR1 forever and, holding the job's stdout/stderr, outlive a trainer
+    that was killed, keeping whatever reads the job's output waiting. Started here, it still
+    holds the signals (a SIGTERM to the process group during a save leaves it serving the
+    save), but it is killed when the trainer dies (``PR_SET_PDEATHSIG``) and its stdio is
+    ``/dev/null``."""
+    global _writer_results_server
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if filesystem_async._results_queue is not None:
+        return
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    server = SyncManager(ctx=multiprocessing.get_context("spawn"))
+    server.start(_serve_only_for, (os.getpid(),))
+    filesystem_async._results_queue = server.Queue()
+    _writer_results_server = server
+
+
+def _serve_only_for(parent: int) -> None:
+    """Initializer of the writer-results server process (see `_start_writer_results_server`)."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent:  # the trainer died before the line above took effect
+        os._exit(0)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
 
 
 def _write_agreed_manifest(path: str) -> None:
@@ -231,19 +277,26 @@ def _fsync_dir(path: str) -> None:
 def find_latest(root: str) -> str | None:
     """The checkpoint to resume from in ``root``: the one ``latest`` names when it is intact,
     else the newest intact ``iter_*`` (each damaged one skipped with a one-line warning); None
-    when ``root`` has no ``latest``. Removes the leftovers of interrupted saves first. Every
-    rank of a job calls it (the checks are split between them)."""
-    if latest_name(root) is None:
+    when ``root`` has neither a ``latest`` nor a complete ``iter_*`` (a fresh run). A missing,
+    empty or garbled ``latest`` beside complete checkpoints (a save that died between
+    publishing and naming its checkpoint, a damaged file) is warned about, never taken for a
+    fresh start that would overwrite them. Removes the leftovers of interrupted saves first.
+    Every rank of a job calls it (the checks are split between them)."""
+    has_latest = latest_name(root) is not None
+    if not has_latest and not any(_is_complete_name(n) for n in _listing(root)):
         return None
     if not dist.is_initialized() or dist.get_rank() == 0:
         remove_save_leftovers(root)
     if dist.is_initialized():
         dist.barrier()
-    try:
-        candidates = [model_state.find_latest(root)]
-    except FileNotFoundError as e:
-        _warn(str(e))
-        candidates = []
+    candidates = []
+    if has_latest:
+        try:
+            candidates = [model_state.find_latest(root)]
+        except FileNotFoundError as e:
+            _warn(str(e))
+    else:
+        _warn(f"{root} has checkpoints but no `{LATEST}` file; resuming from its newest intact one")
     older = sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True)
     candidates += [os.path.join(root, n) for n in older if os.path.join(root, n) not in candidates]
     for path in candidates:
@@ -285,6 +338,10 @@ def remove_save_leftovers(root: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
             removed.append(path)
     return removed
+
+
+def _listing(root: str) -> list[str]:
+    return os.listdir(root) if os.path.isdir(root) else []
 
 
 def _is_complete_name(name: str) -> bool:

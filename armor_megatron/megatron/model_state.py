@@ -49,9 +49,10 @@ def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = 
 
 
 def latest_name(root: str) -> str | None:
+    """What ``{root}/latest`` says (bytes that are not UTF-8 read as U+FFFD); None without one."""
     try:
-        with open(os.path.join(root, LATEST)) as f:
-            return f.read().strip()
+        with open(os.path.join(root, LATEST), "rb") as f:
+            return f.read().decode("utf-8", errors="replace").strip()
     except FileNotFoundError:
         return None
 
@@ -61,6 +62,8 @@ def find_latest(root: str) -> str | None:
     name = latest_name(root)
     if name is None:
         return None
+    if not name or os.sep in name or name in (".", ".."):
+        raise FileNotFoundError(f"{os.path.join(root, LATEST)} is damaged: it names {name!r}, not a checkpoint")
     path = os.path.join(root, name)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{os.path.join(root, LATEST)} names {name!r}, which is not a directory")

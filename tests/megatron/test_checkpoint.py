@@ -239,6 +239,19 @@ def test_a_latest_naming_a_missing_folder_falls_back_to_the_newest_intact(tmp_pa
     assert ckpt.find_latest(str(tmp_path)) == str(intact)
 
 
+@pytest.mark.parametrize("latest", [b"", b"\n", b"\xff\xfe iter", b"../elsewhere", None], ids=str)
+def test_an_empty_garbled_or_missing_latest_beside_checkpoints_resumes_the_newest_intact(tmp_path, capsys, latest):
+    _checkpoint_with_manifest(tmp_path, 2)
+    newest = _checkpoint_with_manifest(tmp_path, 4)
+    if latest is None:  # a save that died between publishing iter_4 and naming it
+        (tmp_path / "latest").unlink()
+    else:
+        (tmp_path / "latest").write_bytes(latest)
+    assert ckpt.find_latest(str(tmp_path)) == str(newest)  # never a fresh start over them
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and ("no `latest` file" in warning or "latest" in warning)
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
@@ -257,3 +270,49 @@ def test_trainer_state_is_unpickled_safely(tmp_path):
     with pytest.raises(DamagedCheckpointError, match=r"trainer_state.pt: cannot be loaded safely") as err:
         ckpt.load_trainer_state(str(tmp_path))
     assert "\n" not in str(err.value)
+
+
+WRITER_SERVER_SCRIPT = """
+import os, sys, time
+from armor_megatron.megatron import checkpoint
+checkpoint._start_writer_results_server()
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+queue = filesystem_async._results_queue
+queue.put("served")
+print(checkpoint._writer_results_server._process.pid, queue.get(), flush=True)
+time.sleep(300)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "\tZ" not in next(line for line in f if line.startswith("State:"))
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+@pytest.mark.timeout(120)
+def test_the_checkpoint_writers_results_server_holds_signals_and_dies_with_the_trainer():
+    """megatron keeps a Manager process for its writers' results for the whole run; it must
+    ignore a group SIGTERM during a save, yet never outlive a killed trainer nor hold its output."""
+    import subprocess
+    import sys
+    import time
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", WRITER_SERVER_SCRIPT], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=root)
+    )
+    pid, served = trainer.stdout.readline().split()
+    pid = int(pid)
+    assert served == b"served"
+    with open(f"/proc/{pid}/status") as f:
+        blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+    assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGUSR1 - 1))
+    trainer.kill()
+    trainer.communicate(timeout=30)  # end of output: the server does not hold the trainer's stdout
+    deadline = time.monotonic() + 30
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(pid), "the writers' results server outlived the killed trainer"
