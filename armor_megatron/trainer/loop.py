@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -53,6 +54,14 @@ from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metr
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs", "tis_weights")
 CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
+
+
+def _signal_name(signum: int | None) -> str:
+    """``SIGUSR1``; a number that names no signal (on this rank: another rank got it) as is."""
+    try:
+        return signal.Signals(signum).name
+    except (TypeError, ValueError):
+        return "a preemption signal" if signum is None else f"signal {signum}"
 
 
 class Preempted(Exception):
@@ -454,12 +463,12 @@ class ArmorTrainer:
                 last, saved = self._step(save)
                 if self.is_driver:
                     last = self._report(last, reporter)
-                if any_rank(preemption.requested()):
+                if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
                     if not saved:
                         save()
                     if reporter is not None:
                         reporter.close()
-                    raise Preempted(f"signal {preemption.received} at step {self.step}: checkpoint saved")
+                    raise Preempted(f"{_signal_name(preemption.received)} at step {self.step}: checkpoint saved")
         if reporter is not None:
             reporter.close()
         return last if self.is_driver else {}

@@ -1,6 +1,12 @@
 """Pure helpers of the loop (trainer/loop.py)."""
 
-from armor_megatron.trainer.loop import _merge_rounds
+import os
+import signal
+from types import SimpleNamespace
+
+import pytest
+
+from armor_megatron.trainer.loop import ArmorTrainer, Preempted, _merge_rounds
 
 
 def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
@@ -12,3 +18,29 @@ def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
     assert merged["rollout/accuracy"] == 0.5  # the first round describes the policy
     assert merged["anchor/found_rate"] == 0.5 and merged["anchor/tries"] == 12.0
     assert merged["rollout/generated_tokens"] == 160.0
+
+
+def _stub_trainer(steps: int, signal_at_step: int, signum):
+    """What ArmorTrainer.run reads of its trainer, with a step that raises ``signum`` at a given step."""
+
+    def step(save):
+        trainer.step += 1
+        if trainer.step == signal_at_step:
+            os.kill(os.getpid(), signum)
+        return {"step": trainer.step}, False
+
+    cfg = SimpleNamespace(train=SimpleNamespace(steps=steps), eval=SimpleNamespace(every_steps=0))
+    trainer = SimpleNamespace(cfg=cfg, step=0, is_driver=False, _step=step, _progress_bar=lambda logger: None)
+    return trainer
+
+
+def test_a_preemption_signal_checkpoints_and_stops_but_not_after_the_last_step():
+    saves = []
+    trainer = _stub_trainer(steps=5, signal_at_step=2, signum=signal.SIGUSR1)
+    with pytest.raises(Preempted, match="SIGUSR1 at step 2: checkpoint saved"):
+        ArmorTrainer.run(trainer, save=lambda: saves.append(trainer.step))
+    assert saves == [2]
+    # during the last step: the run is complete, its final checkpoint is the loop's; no requeue
+    trainer = _stub_trainer(steps=3, signal_at_step=3, signum=signal.SIGTERM)
+    ArmorTrainer.run(trainer, save=lambda: saves.append(trainer.step))
+    assert trainer.step == 3 and saves == [2]
