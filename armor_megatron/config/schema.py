@@ -362,7 +362,9 @@ class LaunchConfig:
     partition: str | None = None
     account: str | None = None
     time: str = "48:00:00"
-    requeue_exit_code: int = checked(85, check=in_range(1, 255))
+    requeue_exit_code: int = checked(
+        85, check=in_range(3, 127), help="3..127: not a failure (1), bad input (2) or a death by signal (128+n)"
+    )
     gpu_peak_tflops: float | None = checked(
         None, check=positive, help="dense bf16 peak of one GPU (989 for H100/H200 SXM); perf/mfu is logged when set"
     )

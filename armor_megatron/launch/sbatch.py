@@ -46,6 +46,8 @@ def sbatch_command(
     cmd += [
         "--requeue",
         f"--signal=B:USR1@{signal_grace_s}",
+        # the same grace inside the job: torchrun's agent waits that long for ranks that are saving
+        f"--export=ALL,ARMOR_SIGNAL_GRACE={signal_grace_s}",
         "--open-mode=append",  # a requeued run appends to the same log
         f"--output={os.path.join(log_dir, log_name)}",
     ]

@@ -65,7 +65,8 @@ def test_submit_dry_run_prints_the_sbatch_command(capsys):
     assert main(args + ["--launcher", "torchrun", "--sbatch-arg=--qos=high", "--signal-grace", "300"], environ=env) == 0
     assert capsys.readouterr().out.strip() == (
         "sbatch --job-name=qwen25-math-7b-dapo-armor --nodes=1 --gpus-per-node=8 --exclusive --time=12:00:00 "
-        "--partition=gpu --account=rl --requeue --signal=B:USR1@300 --open-mode=append "
+        "--partition=gpu --account=rl --requeue --signal=B:USR1@300 --export=ALL,ARMOR_SIGNAL_GRACE=300 "
+        "--open-mode=append "
         "--output=runs/slurm/%x-%j.out --qos=high tools/slurm/armor.sbatch --launcher=torchrun "
         f"--config {QWEN7B} launch.partition=gpu launch.account=rl 'launch.time=\"12:00:00\"'"
     )

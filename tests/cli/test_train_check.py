@@ -105,6 +105,8 @@ MALFORMED = [
     (TINY, ["model.arch.model_type=gpt2"], "model: unsupported architecture 'gpt2'"),
     (TINY, ["launch.engine_gpus=8", "launch.gpus_per_node=8"], "launch.engine_gpus: 8 leaves no GPU"),
     (TINY, ["reward.workers=0"], "reward.workers"),
+    (TINY, ["launch.requeue_exit_code=2"], "launch.requeue_exit_code: 2 is out of range, must be in [3, 127]"),
+    (TINY, ["launch.requeue_exit_code=143"], "launch.requeue_exit_code: 143 is out of range"),
     (TINY, ["anchor.temperature=0.7"], "anchor.temperature: 0.7 differs from rollout.temperature=1.0"),
     (TINY, ["algorithm.estimator=grpoo"], "algorithm.estimator: unknown advantage estimator 'grpoo'; known: grpo"),
     (TINY, ["algorithm.policy_loss=ppo"], "algorithm.policy_loss: unknown policy loss 'ppo'; known: armor"),
