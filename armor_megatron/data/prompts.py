@@ -39,6 +39,16 @@ class PromptRow:
 
 def read_rows(path: str) -> list[dict]:
     """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts; one-line errors on bad input."""
+    return _rows(path, None)
+
+
+def peek_rows(path: str, n: int) -> list[dict]:
+    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
+    list is parsed); the same one-line errors as :func:`read_rows`."""
+    return _rows(path, n)
+
+
+def _rows(path: str, limit: int | None) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset not found: {path}")
     if path.endswith(".parquet"):
@@ -46,44 +56,28 @@ def read_rows(path: str) -> list[dict]:
             import pyarrow.parquet as pq
         except ImportError:  # pragma: no cover - pyarrow is a core dependency
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
-        return pq.read_table(path).to_pylist()
-    if path.endswith(".json"):
-        with open(path) as f:
-            rows = json.load(f)
-        if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must hold a list of rows")
-        return rows
-    rows = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
-    return rows
-
-
-def peek_rows(path: str, n: int) -> list[dict]:
-    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
-    list is parsed); the same one-line errors as :func:`read_rows`."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset not found: {path}")
-    if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
         try:
-            batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+            if limit is None:
+                return pq.read_table(path).to_pylist()
+            batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
         except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError on a damaged file
             raise ValueError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
         return [] if batch is None else batch.to_pylist()
     if path.endswith(".json"):
-        return read_rows(path)[:n]
+        try:
+            with open(path, encoding="utf-8") as f:
+                rows = json.load(f)
+        except UnicodeDecodeError:
+            raise ValueError(f"{path}: not UTF-8 text") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{path}: a .json dataset must hold a list of rows")
+        return rows if limit is None else rows[:limit]
     rows = []
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
-            if len(rows) == n:
+            if len(rows) == limit:
                 break
             if not line.strip():
                 continue
@@ -106,10 +100,17 @@ class PromptDataset:
         self.path = path
         self.rows = []
         for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
             truth = ground_truth_column(row, answer_key)
             for key, present in ((prompt_key, prompt_key in row), (answer_key, truth is not None)):
                 if not present:
                     raise ValueError(f"{path}: row {i} has no {key!r} column (columns: {', '.join(sorted(row))})")
+            if not isinstance(row[prompt_key], (str, list)):
+                raise ValueError(
+                    f"{path}: row {i} {prompt_key!r} is {type(row[prompt_key]).__name__}, "
+                    "not a string or a list of chat messages"
+                )
             extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
             self.rows.append(PromptRow(i, row[prompt_key], row[truth], row.get(type_key), extra))
 

@@ -33,6 +33,23 @@ def test_bad_datasets_give_one_line_errors(tmp_path):
     (tmp_path / "empty.jsonl").write_text("\n")
     with pytest.raises(ValueError, match="dataset is empty"):
         PromptDataset(str(tmp_path / "empty.jsonl"))
+    # past the rows --check peeks at: still the file, the line or row, and the problem
+    good = "".join('{"prompt": "1+1=", "answer": "2"}\n' for _ in range(30))
+    (tmp_path / "latin1.jsonl").write_bytes(good.encode() + b'{"prompt": "caf\xe9", "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"latin1.jsonl:31: not UTF-8 text"):
+        PromptDataset(str(tmp_path / "latin1.jsonl"))
+    (tmp_path / "latin1.json").write_bytes(b'[{"prompt": "caf\xe9", "answer": "2"}]')
+    with pytest.raises(ValueError, match=r"latin1.json: not UTF-8 text"):
+        PromptDataset(str(tmp_path / "latin1.json"))
+    (tmp_path / "types.jsonl").write_text(good + '{"prompt": 7, "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"types.jsonl: row 30 'prompt' is int, not a string or a list of chat"):
+        PromptDataset(str(tmp_path / "types.jsonl"))
+    (tmp_path / "rows.jsonl").write_text(good + "[1, 2]\n")
+    with pytest.raises(ValueError, match=r"rows.jsonl: row 30 is list, not an object with columns"):
+        PromptDataset(str(tmp_path / "rows.jsonl"))
+    (tmp_path / "broken.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(ValueError, match=r"broken.parquet: not a readable Parquet file"):
+        PromptDataset(str(tmp_path / "broken.parquet"))
 
 
 def test_loader_covers_each_epoch_once_and_resumes_exactly(tmp_path):
