@@ -65,6 +65,7 @@ from armor_megatron.megatron.checkpoint_manifest import (
     damaged_file,
     describe_files,
     list_files,
+    read_as_checkpoint,
     write_manifest,
 )
 from armor_megatron.megatron.model_state import LATEST, latest_name, resolve_checkpoint_dir
@@ -399,7 +400,8 @@ def load_checkpoint(
 
     path = resolve_checkpoint_dir(path_or_root)
     verify_checkpoint(path)
-    common = dist_checkpointing.load_common_state_dict(path)
+    with read_as_checkpoint(path):
+        common = dist_checkpointing.load_common_state_dict(path)
     if reference is not None and not common["has_reference"]:
         raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
     if critic is not None and not common.get("has_critic", False):
@@ -415,7 +417,8 @@ def load_checkpoint(
     same_layout = common["layout"] == _layout()
     if same_layout:
         state["rng"] = _rng_sharded_object()
-    loaded = dist_checkpointing.load(state, path)
+    with read_as_checkpoint(path):
+        loaded = dist_checkpointing.load(state, path)
     if not load_optimizer:
         loaded.pop("optimizer", None)
     actor.load_sharded_state_dict(loaded)

@@ -14,6 +14,7 @@ The work splits across ranks: file ``i`` (in sorted order) is hashed by rank ``i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -22,7 +23,21 @@ _CHUNK = 8 << 20
 
 
 class DamagedCheckpointError(ValueError):
-    """A checkpoint file does not match the manifest written with it."""
+    """A checkpoint file does not match the manifest written with it, or cannot be read."""
+
+
+@contextlib.contextmanager
+def read_as_checkpoint(path: str):
+    """Whatever reading the checkpoint at ``path`` raises (megatron's CheckpointingException, a
+    truncated file's EOFError or zip error, a shape mismatch with the model) becomes one
+    `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are."""
+    try:
+        yield
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - torch and megatron raise many kinds; the line names them
+        reason = type(e).__name__ + (f": {str(e).strip().splitlines()[0]}" if str(e).strip() else "")
+        raise DamagedCheckpointError(f"{path}: cannot be loaded ({reason})") from None
 
 
 def list_files(path: str) -> list[str]:

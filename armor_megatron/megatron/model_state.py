@@ -40,12 +40,16 @@ def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = 
     tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
     from megatron.core import dist_checkpointing
 
+    from armor_megatron.megatron.checkpoint_manifest import read_as_checkpoint
+
     path = resolve_checkpoint_dir(mcore_dir)
     state = {
         name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
         for name, sd in chunks_sharded_state_dict(chunks).items()
     }
-    load_chunks_state(chunks, dist_checkpointing.load(state, path), exclude=exclude)
+    with read_as_checkpoint(path):
+        loaded = dist_checkpointing.load(state, path)
+    load_chunks_state(chunks, loaded, exclude=exclude)
 
 
 def latest_name(root: str) -> str | None:

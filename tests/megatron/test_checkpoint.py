@@ -252,6 +252,23 @@ def test_an_empty_garbled_or_missing_latest_beside_checkpoints_resumes_the_newes
     assert warning.count("\n") == 1 and ("no `latest` file" in warning or "latest" in warning)
 
 
+def test_a_checkpoint_without_a_manifest_that_cannot_be_read_is_one_line(tmp_path):
+    # converter outputs and older checkpoints carry no manifest: what reading them raises is named
+    path = tmp_path / "iter_0000002"
+    _fake_checkpoint(tmp_path, "iter_0000002")
+    (path / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, "common_backend": "torch", '
+        '"common_backend_version": 1}'
+    )
+    (path / "common.pt").write_bytes(b"")
+    with pytest.raises(DamagedCheckpointError, match=r"iter_0000002: cannot be loaded \(EOFError\)$") as err:
+        ckpt.load_checkpoint(str(path), None, None)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="our own"):  # our ValueErrors keep their words
+        with ckpt.read_as_checkpoint(str(path)):
+            raise ValueError("our own")
+
+
 class _Payload:
     def __reduce__(self):
         return (os.system, ("echo pwned > /dev/null",))
