@@ -30,8 +30,23 @@ def check_files(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
     if cfg.reference.init_from and not os.path.isdir(cfg.reference.init_from):
         raise ConfigError("reference.init_from", f"{cfg.reference.init_from}: no such checkpoint directory")
+    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+        _check_writable_dir(key, path)
     _check_packages(cfg)
     check_run_identity(cfg, resume)
+
+
+def _check_writable_dir(key: str, path: str) -> None:
+    """``path`` is a directory this process can write, or can be created: its nearest existing
+    ancestor is a writable directory (not a file)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise ConfigError(key, f"{path}: {probe} is a file, so the directory cannot be created")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        what = "is" if probe == os.path.abspath(path) else f"would be created in {probe}, which is"
+        raise ConfigError(key, f"{path}: {what} not writable by this user")
 
 
 def _check_model(cfg: RunConfig) -> None:

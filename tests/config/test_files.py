@@ -44,6 +44,18 @@ def test_a_complete_run_passes(run):
     check_files(run())
 
 
+def test_output_directories_must_be_creatable(run, tmp_path):
+    (tmp_path / "a_file").write_text("")
+    _refused(
+        run(f"checkpoint.dir={tmp_path / 'a_file' / 'ckpt'}"),
+        f"checkpoint.dir: {tmp_path / 'a_file' / 'ckpt'}: {tmp_path / 'a_file'} is a file",
+    )
+    _refused(run(f"logging.dir={tmp_path / 'a_file'}"), "logging.dir: ")
+    if os.geteuid() != 0:  # root writes anywhere
+        (tmp_path / "locked").mkdir(mode=0o500)
+        _refused(run(f"checkpoint.dir={tmp_path / 'locked' / 'c'}"), "which is not writable by this user")
+
+
 def test_missing_paths_name_their_key(run, tmp_path):
     _refused(run(f"model.path={tmp_path / 'nope'}"), f"model.path: {tmp_path / 'nope'}: no such directory")
     (tmp_path / "empty").mkdir()
