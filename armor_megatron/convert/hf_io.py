@@ -73,7 +73,7 @@ class HFCheckpoint:
             raise CheckpointError(f"{path}: not a directory")
         self.path = path
         self.config = load_hf_config(path)
-        self.arch = ModelArch.from_hf_config(self.config)
+        self.arch = ModelArch.from_hf_dir(path)
         self.tensors: dict[str, TensorInfo] = {}
         try:
             for shard in self._shard_files():

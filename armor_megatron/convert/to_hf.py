@@ -22,7 +22,7 @@ from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_
 from armor_megatron.convert.progress import Progress, Summary
 from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks, row_blocks
 from armor_megatron.convert.segments import total_bytes
-from armor_megatron.models import ModelArch, load_hf_config
+from armor_megatron.models import ModelArch
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
 DEFAULT_BUCKET_BYTES = 64 * 2**20
@@ -73,7 +73,7 @@ def convert_mcore_to_hf(
     if not os.path.isdir(mcore_dir):
         raise CheckpointError(f"{mcore_dir}: not a directory")
     config_dir = hf_config_dir_of(mcore_dir, hf_config_dir)
-    arch = ModelArch.from_hf_config(load_hf_config(config_dir))
+    arch = ModelArch.from_hf_dir(config_dir)
     with staged_dir(out_dir, overwrite, sources=tuple({mcore_dir, config_dir})) as tmp:
         reader = torch_dist.TorchDistReader(mcore_dir, arch, buffer_bytes=bucket_bytes)
         chunks = layer_major(torch_dist.chunks(arch))

@@ -81,12 +81,11 @@ def check_same_model(hf_dir: str, mcore_dir: str) -> None:
     """Refuse to compare checkpoints of different models (family or shapes), in one line, when
     the torch_dist checkpoint carries its HF config (this converter's outputs do)."""
     from armor_megatron.convert.output import HF_FILES_DIR
-    from armor_megatron.models import load_hf_config
 
     config_dir = os.path.join(mcore_dir, HF_FILES_DIR)
     if not os.path.isfile(os.path.join(config_dir, "config.json")):
         return
-    ours, theirs = HFCheckpoint(hf_dir).arch, ModelArch.from_hf_config(load_hf_config(config_dir))
+    ours, theirs = HFCheckpoint(hf_dir).arch, ModelArch.from_hf_dir(config_dir)
     differ = [f.name for f in dataclasses.fields(ModelArch) if getattr(ours, f.name) != getattr(theirs, f.name)]
     if differ:
         name = differ[0]

@@ -231,7 +231,17 @@ class ModelArch:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> ModelArch:
-        return cls.from_hf_config(load_hf_config(path))
+        """Build from an HF model directory's ``config.json``; a key it lacks or a value of the
+        wrong type is one ValueError line naming the file."""
+        cfg = load_hf_config(path)
+        try:
+            return cls.from_hf_config(cfg)
+        except UnsupportedModelError:
+            raise
+        except KeyError as e:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: no {e.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
 
 
 def load_hf_config(path: str) -> dict:
@@ -239,8 +249,16 @@ def load_hf_config(path: str) -> dict:
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
-    with open(cfg_path) as f:
-        return json.load(f)
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"{cfg_path}: not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from None
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_path}: must hold a JSON object, not a {type(cfg).__name__}")
+    return cfg
 
 
 def _family_of(cfg: Mapping[str, Any]) -> str:

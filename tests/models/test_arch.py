@@ -161,3 +161,28 @@ def test_yarn_only_for_deepseek():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
     with pytest.raises(UnsupportedModelError, match="'yarn'"):
         ModelArch.from_hf_config({"model_type": "llama", **SMALL, "rope_scaling": yarn})
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"[1]", "config.json: must hold a JSON object, not a list"),
+        (b"{", r"config.json:1: invalid JSON"),
+        (b'{"model_type": "llama\xff"}', "config.json: not UTF-8 text"),
+        (
+            b'{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4}',
+            "config.json: no 'vocab_size'",
+        ),
+        (
+            b'{"model_type": "llama", "hidden_size": "two", "num_attention_heads": 4}',
+            r"config.json: invalid literal for int\(\) with base 10: 'two'",
+        ),
+        (b'{"model_type": "gpt2"}', "unsupported architecture 'gpt2'"),
+    ],
+    ids=["list", "torn", "latin1", "missing-key", "wrong-type", "unsupported"],
+)
+def test_a_broken_config_json_is_one_line_naming_it(tmp_path, content, message):
+    (tmp_path / "config.json").write_bytes(content)
+    with pytest.raises(ValueError, match=message) as err:
+        ModelArch.from_hf_dir(str(tmp_path))
+    assert "\n" not in str(err.value)
