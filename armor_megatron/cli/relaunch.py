@@ -56,6 +56,7 @@ class LaunchResult:
     preempted: bool  # a rank saved the preemption checkpoint
     line: str | None  # the first failing rank's one-line message, when it left one
     summary: str  # one line describing the failure for the user
+    interrupted: str | None = None  # the signal (SIGINT, SIGHUP, SIGQUIT) that made the agent stop the ranks
 
 
 class SignalForwarder:
@@ -110,6 +111,7 @@ class SignalForwarder:
 def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
     """``torchrun <torchrun_args>`` in this process with the forwarding and reports above."""
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     saved_env = os.environ.get(STATUS_DIR_VAR)
@@ -117,12 +119,15 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
         os.environ[STATUS_DIR_VAR] = folder
         logging.disable(logging.CRITICAL)  # the agent's own failure report: the ranks speak for themselves
         forwarder = SignalForwarder(signals).install()
-        first_rank, code = None, 0
+        first_rank, code, interrupted = None, 0, None
         try:
             torchrun.run(torchrun.parse_args([f"--signals-to-handle={AGENT_SIGNALS}", *torchrun_args]))
         except ChildFailedError as failure:
             first_rank, info = failure.get_first_failure()
             code = info.exitcode
+        except SignalException as stop:  # the agent has stopped the ranks (SIGINT, SIGHUP, SIGQUIT)
+            interrupted = signal.Signals(stop.sigval).name
+            code = 128 + int(stop.sigval)
         finally:
             forwarder.uninstall()
             logging.disable(logging.NOTSET)
@@ -132,11 +137,13 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
                 os.environ[STATUS_DIR_VAR] = saved_env
         preempted = os.path.exists(os.path.join(folder, PREEMPTED_FILE))
         line = _first_line(folder, first_rank)
-    if code < 0:
+    if interrupted:
+        summary = f"interrupted by {interrupted}"
+    elif code < 0:
         summary = f"rank {first_rank} was killed by signal {signal.Signals(-code).name}"
     else:
         summary = f"rank {first_rank} exited with code {code} (its output is above)"
-    return LaunchResult(code=code, preempted=preempted, line=line, summary=summary)
+    return LaunchResult(code=code, preempted=preempted, line=line, summary=summary, interrupted=interrupted)
 
 
 def _first_line(folder: str, first_rank: int | None) -> str | None:

@@ -8,7 +8,8 @@ by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU 
 ``launch.gpus_per_node``), it re-launches itself under ``torchrun --standalone``.
 Exit codes: 0 done, 1 failed, 2 bad input (also found at run time: a missing file, a damaged
 checkpoint), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
-``sbatch --requeue`` can restart it. SIGTERM/SIGUSR1 (SLURM's preemption and time-limit
+``sbatch --requeue`` can restart it, 130 interrupted by Ctrl-C (SIGINT: no checkpoint, the last
+complete one stays; one line, no traceback). SIGTERM/SIGUSR1 (SLURM's preemption and time-limit
 warnings) make the ranks checkpoint and exit with the requeue code, whether they reach the
 relaunching process, the ranks, or the whole process group (`relaunch`).
 """
@@ -35,6 +36,7 @@ from armor_megatron.config.files import check_files
 from armor_megatron.trainer import preemption
 
 PROG = "armor-train"
+EXIT_INTERRUPTED = 128 + 2  # SIGINT, as a shell reports a process it ended
 LAUNCHER_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 
@@ -144,6 +146,12 @@ def _train(cfg, resume) -> int:
             return fail(PROG, line)
         report.failed(line)  # the relaunching parent prints the first failing rank's line
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # Ctrl-C: no checkpoint (SIGTERM/SIGUSR1 save one)
+        if relaunch.RankReport.from_env() is not None:
+            return EXIT_INTERRUPTED  # the relaunching parent says it once
+        return fail(
+            PROG, "interrupted by SIGINT: stopped without a checkpoint (the last complete one stays)", EXIT_INTERRUPTED
+        )
     except Exception:
         report = relaunch.RankReport.from_env()
         if report is not None and report.others_failed():
@@ -164,6 +172,8 @@ def relaunch_under_torchrun(argv: list[str], nprocs: int, requeue_code: int) -> 
         return requeue_code
     if result.code == EXIT_OK:
         return EXIT_OK
+    if result.interrupted:
+        return fail(PROG, f"{result.summary}: stopped without a checkpoint (the last complete one stays)", result.code)
     if result.line is not None:
         return fail(PROG, result.line)
     return fail(PROG, result.summary, EXIT_FAILED)

@@ -171,6 +171,30 @@ def test_preemption_signal_checkpoints_and_exits_with_the_requeue_code(tiny, tmp
     assert 0 < step < 200  # stopped by the signal, long before the configured 200 steps
 
 
+@pytest.mark.parametrize("tp", [1, 2], ids=["one-process", "relaunched-tp2"])
+def test_ctrl_c_stops_in_one_line_with_exit_130_and_keeps_the_last_checkpoint(tiny, tmp_path, tp):
+    # Ctrl-C reaches the foreground process: the trainer itself, or the relaunching agent (tp=2)
+    proc = subprocess.Popen(
+        _args(
+            tiny, tmp_path, f"parallelism.tp={tp}", "train.steps=200", "checkpoint.every_steps=1", "eval.every_steps=0"
+        ),
+        env=_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.time() + 300
+    while not (tmp_path / "ckpt" / "latest").exists():
+        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert err.splitlines()[-1].startswith("armor-train: error: interrupted by SIGINT: stopped without a checkpoint")
+    assert "Traceback" not in err, err[-2000:]
+    assert _latest(tmp_path).startswith("iter_")
+
+
 def test_ppo_with_a_critic_trains_and_resumes_the_critic(tiny, tmp_path):
     """configs/tiny_cpu_ppo.yaml at TP=2: GAE from a Megatron critic; step 1 is the critic's warm-up
     (no actor update), step 2 trains both. A run stopped after step 2 and resumed with
