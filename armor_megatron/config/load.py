@@ -45,6 +45,8 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
     real = os.path.realpath(path)
     if real in _seen:
         raise ConfigError("extends", f"circular extends through {path}")
+    if os.path.isdir(path):
+        raise ConfigError("", f"{path} is a directory, not a YAML config file")
     if not os.path.isfile(path):
         raise ConfigError("", f"config file not found: {path}")
     with open(path, "rb") as f:

@@ -40,7 +40,7 @@ def test_eval_cli_bad_input_is_one_line(tmp_path, capsys):
     assert main(["--dataset", "x=y"]) == 2
     assert capsys.readouterr().err.strip() == "armor-eval: error: --model (or --config) is required"
     assert main(["--model", str(tmp_path), "--dataset", "nonsense"]) == 2
-    assert "NAME=PATH" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == "armor-eval: error: --dataset 'nonsense' is not NAME=PATH"
     assert main(["--model", str(tmp_path / "none"), "--dataset", f"v={tmp_path / 'none.jsonl'}"]) == 2
     assert "dataset not found" in capsys.readouterr().err
     (tmp_path / "v.jsonl").write_text('{"prompt": "a", "answer": "b"}\n')

@@ -229,6 +229,7 @@ def test_malformed_files(tmp_path, capsys):
         "no_data.yaml": "model: {path: m}\n",
         "loop.yaml": "extends: loop.yaml\n",
         "latin1.yaml": "# a comment\nname: caf\xe9\n",
+        "a_directory.yaml": "",
     }
     expected = {
         "missing.yaml": "config file not found",
@@ -238,10 +239,13 @@ def test_malformed_files(tmp_path, capsys):
         "no_data.yaml": "data: required key is missing",
         "loop.yaml": "extends: circular extends",
         "latin1.yaml": "latin1.yaml line 2: not UTF-8 text (byte 0xe9)",
+        "a_directory.yaml": "a_directory.yaml is a directory, not a YAML config file",
     }
     for name, text in cases.items():
         path = tmp_path / name
-        if text is not None:
+        if name == "a_directory.yaml":
+            path.mkdir()
+        elif text is not None:
             path.write_bytes(text.encode("latin-1"))
         assert main(["--config", str(path), "--check"]) == 2, name
         err = capsys.readouterr().err.strip().splitlines()
