@@ -26,6 +26,7 @@ from armor_megatron.rewards.extract import (
         (r"\boxed{1} and \fbox{2}", "2"),
         (r"\boxed 5$ more", "5"),  # brace-less form ends at $ or whitespace
         (r"\boxed {3}", "3"),
+        ("\\boxed\n{4}", "4"),  # TeX allows a line break before the argument
         (r"\boxed{1} \boxed{2", None),  # last one unterminated: no answer, not the earlier box
         ("no box", None),
         (r"\boxedfoo{1}", None),  # not the \boxed command
