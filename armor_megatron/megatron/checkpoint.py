@@ -147,14 +147,14 @@ def preemption_signals_held():
     exec too) and never see them; this process gets a held signal when the block ends.
 
     multiprocessing's resource tracker unblocks the signals after starting itself, so it is
-    started first; so is megatron's long-lived writer-results server (see
-    `_start_writer_results_server`)."""
+    started first. megatron's long-lived writer-results server is started inside the block
+    (`_start_writer_results_server`): it holds the signals from its first instruction on."""
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
-    _start_writer_results_server()
     previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
+        _start_writer_results_server()
         yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, previous)
@@ -168,12 +168,12 @@ def _start_writer_results_server() -> None:
 
     megatron's async writer reports through ``filesystem_async._results_queue``, served by a
     ``multiprocessing`` Manager process it starts on the first save and keeps for the life of
-    the trainer. Started by megatron inside `preemption_signals_held`, that process would
-    ignore SIGTERM/SIGUSR1 forever and, holding the job's stdout/stderr, outlive a trainer
-    that was killed, keeping whatever reads the job's output waiting. Started here, it still
-    holds the signals (a SIGTERM to the process group during a save leaves it serving the
-    save), but it is killed when the trainer dies (``PR_SET_PDEATHSIG``) and its stdio is
-    ``/dev/null``."""
+    the trainer. Started by megatron inside `preemption_signals_held`, that process ignores
+    SIGTERM/SIGUSR1 forever and, holding the job's stdout/stderr, outlives a trainer that was
+    killed, keeping whatever reads the job's output waiting. Started here (also inside the
+    block: it is born holding the signals, so a SIGTERM to the process group during a save,
+    even while it starts, leaves it serving the save), it is killed when the trainer dies
+    (``PR_SET_PDEATHSIG``) and its stdio is ``/dev/null``."""
     global _writer_results_server
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -190,7 +190,6 @@ def _start_writer_results_server() -> None:
 
 def _serve_only_for(parent: int) -> None:
     """Initializer of the writer-results server process (see `_start_writer_results_server`)."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
     try:
         import ctypes
 
