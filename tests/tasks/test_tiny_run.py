@@ -17,15 +17,20 @@ def test_split_is_disjoint_and_complete():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in val}
 
 
-def test_prepare_writes_a_loadable_model_of_the_configs_arch_and_the_data(tmp_path):
-    cfg = load_config(
-        os.path.join(ROOT, "configs", "tiny_cpu.yaml"),
+def _config(name: str, tmp_path):
+    """``configs/<name>`` with its model, training set and validation set under ``tmp_path``."""
+    return load_config(
+        os.path.join(ROOT, "configs", name),
         [
             f"model.path={tmp_path}/hf",
             f"data.train_path={tmp_path}/train.jsonl",
             f"eval.datasets=[{{name: val, path: {tmp_path}/val.jsonl, k: 1}}]",
         ],
     )
+
+
+def test_prepare_writes_a_loadable_model_of_the_configs_arch_and_the_data(tmp_path):
+    cfg = _config("tiny_cpu.yaml", tmp_path)
     rows = prepare_tiny_run(cfg, num_val=8, warmup_steps=2, log=None)
     arch = ModelArch.from_hf_config(load_hf_config(str(tmp_path / "hf")))
     assert arch == ModelArch.from_hf_config({**cfg.model.arch, "torch_dtype": "float32"})
@@ -48,14 +53,7 @@ def test_an_unknown_task_is_refused_naming_the_known_ones(tmp_path):
 
 
 def test_tagged_addition_warms_up_on_its_own_corpus_and_writes_its_splits(tmp_path):
-    cfg = load_config(
-        os.path.join(ROOT, "configs", "tiny_overopt.yaml"),
-        [
-            f"model.path={tmp_path}/hf",
-            f"data.train_path={tmp_path}/train.jsonl",
-            f"eval.datasets=[{{name: v, path: {tmp_path}/val.jsonl, k: 1}}]",
-        ],
-    )
+    cfg = _config("tiny_overopt.yaml", tmp_path)
     rows = prepare_tiny_run(cfg, task="tagged_addition", num_val=8, warmup_steps=2, log=None)
     train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     assert train == rows["train"] and all(r["prompt"].startswith("#") for r in train)
