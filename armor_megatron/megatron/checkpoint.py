@@ -283,7 +283,10 @@ def find_latest(root: str) -> str | None:
     fresh start that would overwrite them. Removes the leftovers of interrupted saves first.
     Every rank of a job calls it (the checks are split between them)."""
     has_latest = latest_name(root) is not None
-    if not has_latest and not any(_is_complete_name(n) for n in _listing(root)):
+    complete = (
+        sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True) if os.path.isdir(root) else []
+    )
+    if not has_latest and not complete:
         return None
     if not dist.is_initialized() or dist.get_rank() == 0:
         remove_save_leftovers(root)
@@ -297,8 +300,7 @@ def find_latest(root: str) -> str | None:
             _warn(str(e))
     else:
         _warn(f"{root} has checkpoints but no `{LATEST}` file; resuming from its newest intact one")
-    older = sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True)
-    candidates += [os.path.join(root, n) for n in older if os.path.join(root, n) not in candidates]
+    candidates += [os.path.join(root, n) for n in complete if os.path.join(root, n) not in candidates]
     for path in candidates:
         problem = agreed_damage(path)
         if problem is None:
@@ -338,10 +340,6 @@ def remove_save_leftovers(root: str) -> list[str]:
             shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
             removed.append(path)
     return removed
-
-
-def _listing(root: str) -> list[str]:
-    return os.listdir(root) if os.path.isdir(root) else []
 
 
 def _is_complete_name(name: str) -> bool:
