@@ -51,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or (cfg.model.path if cfg else None)
     if not model:
         return fail(PROG, "--model (or --config) is required")
-    malformed = [d for d in args.dataset if len(d.split("=", 1)) != 2 or not all(d.split("=", 1))]
-    if malformed:
-        return fail(PROG, f"--dataset {malformed[0]!r} is not NAME=PATH")
-    sets = [tuple(d.split("=", 1)) for d in args.dataset] or ([(d.name, d.path) for d in ev.datasets] if ev else [])
+    given = [tuple(d.split("=", 1)) for d in args.dataset]
+    malformed = next((d for d, pair in zip(args.dataset, given) if len(pair) != 2 or not all(pair)), None)
+    if malformed is not None:
+        return fail(PROG, f"--dataset {malformed!r} is not NAME=PATH")
+    sets = given or ([(d.name, d.path) for d in ev.datasets] if ev else [])
     if not sets:
         return fail(PROG, "give at least one --dataset NAME=PATH (or a config with eval.datasets)")
     k = args.k or (max(d.k for d in ev.datasets) if ev and ev.datasets else 1)

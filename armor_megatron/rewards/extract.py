@@ -116,7 +116,7 @@ def _box_argument(text: str, pos: int) -> tuple[int, int] | None:
 
 
 def _skip_blanks(text: str, pos: int) -> int:
-    """Past the whitespace TeX allows between a command and its argument (``\\boxed\n{5}``)."""
+    """Past the whitespace TeX allows between a command and its argument (``\\boxed\\n{5}``)."""
     n = len(text)
     while pos < n and text[pos] in " \t\r\n":
         pos += 1

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from armor_megatron.rewards.extract import box_spans, is_blank
+from armor_megatron.rewards.extract import THINK_CLOSE, THINK_OPEN, box_spans, is_blank
 from armor_megatron.rewards.registry import register_verifier
 from armor_megatron.rewards.result import RewardResult, Verifier
 
@@ -25,8 +25,8 @@ def make_format_verifier(
     *,
     boxed: str | None = "exactly_one",
     think: bool = False,
-    think_open: str = "<think>",
-    think_close: str = "</think>",
+    think_open: str = THINK_OPEN,
+    think_close: str = THINK_CLOSE,
 ) -> Verifier:
     if boxed not in _BOXED_RULES:
         raise ValueError(f"format verifier boxed must be one of {_BOXED_RULES}, got {boxed!r}")
