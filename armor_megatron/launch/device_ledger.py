@@ -176,19 +176,23 @@ REFERENCE_RELEASE = ("kv_cache", "cuda_graph")  # a frozen engine keeps its weig
 KV_AND_GRAPHS = ("kv_cache", "cuda_graph")
 
 
-def replay_colocated_step(ledger: DeviceLedger, *, offload: bool = True, checkpoint: bool = True) -> DeviceLedger:
+def replay_colocated_step(
+    ledger: DeviceLedger, *, offload: bool = True, ref_logprobs: bool = True, reset_and_checkpoint: bool = True
+) -> DeviceLedger:
     """``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
     test checks the loop records these very phases): rollout with the trainer on the host →
     engines released → trainer to the device → log-probs, update → trainer to the host and
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and
-    graphs resumed; a checkpoint step brings the trainer back while the engines keep only their
-    weights. ``offload=False``: the trainer stays on the device throughout."""
+    graphs resumed; a reference reset and a checkpoint bring the trainer back while the engines
+    keep only their weights. ``offload=False``: the trainer stays on the device throughout;
+    ``ref_logprobs``: the reference computes log-probs too (after the actor)."""
     ledger.start("rollout")
     ledger.engine_released("policy", POLICY_RELEASE)
     ledger.engine_released("reference", REFERENCE_RELEASE)
     if offload:
         ledger.trainer_to_device()
-    ledger.compute("logprobs")
+    for _ in range(2 if ref_logprobs else 1):
+        ledger.compute("logprobs")
     ledger.compute("update")
     if offload:
         ledger.trainer_to_host(emptied_cache=True)
@@ -196,11 +200,12 @@ def replay_colocated_step(ledger: DeviceLedger, *, offload: bool = True, checkpo
     ledger.weights_pushed("policy")
     ledger.engine_resumed("policy", KV_AND_GRAPHS)
     ledger.engine_resumed("reference", KV_AND_GRAPHS)
-    if checkpoint:
+    if reset_and_checkpoint:
         ledger.engine_released("policy", KV_AND_GRAPHS)
         ledger.engine_released("reference", KV_AND_GRAPHS)
         if offload:
             ledger.trainer_to_device()
+        ledger.weights_pushed("reference")
         ledger.checkpoint()
         if offload:
             ledger.trainer_to_host(emptied_cache=True)
@@ -209,11 +214,12 @@ def replay_colocated_step(ledger: DeviceLedger, *, offload: bool = True, checkpo
     return ledger
 
 
-def replay_disaggregated_step(ledger: DeviceLedger) -> DeviceLedger:
+def replay_disaggregated_step(ledger: DeviceLedger, *, ref_logprobs: bool = True) -> DeviceLedger:
     """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on
     the device; log-probs, update, then the weight export's bucket."""
     ledger.start("rollout")
-    ledger.compute("logprobs")
+    for _ in range(2 if ref_logprobs else 1):
+        ledger.compute("logprobs")
     ledger.compute("update")
     ledger.weights_pushed("policy")
     ledger.checkpoint()

@@ -301,6 +301,7 @@ class StageMemory:
     stage: int
     terms: dict[str, float]
     phases: list[Phase] = dataclasses.field(default_factory=list)
+    sizes: DeviceSizes | None = None  # what its ledger charged
 
     @property
     def total(self) -> float:
@@ -430,11 +431,13 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
             contexts=contexts,
             bucket=sg.bucket_mb * 2**20 if sglang else 0.0,
         )
+        ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
         if colocated:
-            ledger = replay_colocated_step(DeviceLedger(sizes, trainer_on_device=not offloads), offload=offloads)
+            ledger = DeviceLedger(sizes, trainer_on_device=not offloads)
+            replay_colocated_step(ledger, offload=offloads, ref_logprobs=ref_logprobs)
         else:
-            ledger = replay_disaggregated_step(DeviceLedger(sizes))
-        stages.append(StageMemory(stage, terms, ledger.phases))
+            ledger = replay_disaggregated_step(DeviceLedger(sizes), ref_logprobs=ref_logprobs)
+        stages.append(StageMemory(stage, terms, ledger.phases, sizes))
     engine_phases = []
     if sglang and not colocated:  # an engine GPU: static region, graphs and a received bucket
         engine_gpu = DeviceSizes(
