@@ -49,7 +49,7 @@ class DeviceSizes:
     """The sizes a ledger charges, per GPU (one pipeline stage's worth for the trainer)."""
 
     gpu: float
-    trainer: dict  # term -> bytes: weights, gradients, optimizer, reference, critic
+    trainer: dict  # what the trainer keeps on the device (weights, gradients, ...) -> bytes
     logprobs: float  # peak of a forward-only log-prob pass (the logits chunk)
     update: float  # peak of an update: activations + the logits chunk with its gradient
     engines: dict  # role -> EngineSizes (only the roles with engines on this GPU)
@@ -145,7 +145,7 @@ class DeviceLedger:
     def holdings(self, computing: float = 0.0, bucket: float = 0.0) -> dict:
         parts: dict = {}
         if self.trainer_on_device:
-            parts.update({f"trainer {k}": v for k, v in self.sizes.trainer.items() if v})
+            parts.update({k: v for k, v in self.sizes.trainer.items() if v})
         roles = {
             role: {
                 f"{role} engine {tag}": engine.tag(tag)

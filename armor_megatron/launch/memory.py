@@ -424,7 +424,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         )
         sizes = DeviceSizes(
             gpu=launch.gpu_memory_gib * GIB,
-            trainer={k: terms[k] for k in TRAINER_TERMS},
+            trainer={dict(TERMS)[k]: terms[k] for k in TRAINER_TERMS},
             logprobs=logits,
             update=activations + logits,
             engines=engines if colocated else {},
