@@ -1,5 +1,6 @@
 """Pure helpers of the loop (trainer/loop.py)."""
 
+import contextlib
 import os
 import signal
 from types import SimpleNamespace
@@ -30,7 +31,14 @@ def _stub_trainer(steps: int, signal_at_step: int, signum):
         return {"step": trainer.step}, False
 
     cfg = SimpleNamespace(train=SimpleNamespace(steps=steps), eval=SimpleNamespace(every_steps=0))
-    trainer = SimpleNamespace(cfg=cfg, step=0, is_driver=False, _step=step, _progress_bar=lambda logger: None)
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        step=0,
+        is_driver=False,
+        _step=step,
+        _progress_bar=lambda logger: None,
+        _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
+    )
     return trainer
 
 
