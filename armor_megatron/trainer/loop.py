@@ -492,6 +492,7 @@ class ArmorTrainer:
         cfg = self.cfg
         last: dict = {}
         reporter = self._progress_bar(logger)
+        self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
@@ -517,7 +518,7 @@ class ArmorTrainer:
         timer = StepTimer()
         started = time.perf_counter()
         reset_peak_memory()
-        self._park_trainer()  # a no-op after the first step
+        self._park_trainer()  # a no-op once `run` parked it
         batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
         with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):

@@ -38,6 +38,7 @@ def _stub_trainer(steps: int, signal_at_step: int, signum):
         _step=step,
         _progress_bar=lambda logger: None,
         _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
+        _park_trainer=lambda: None,
     )
     return trainer
 
