@@ -27,6 +27,11 @@ chunk by chunk and writes the gradient straight into one buffer shaped like the 
 Gradients: ∂log p(y)/∂z_v = 1[v=y] − p_v and ∂H/∂z_v = −p_v (log p_v + H), both divided by
 the temperature for the logits.
 
+Host and device: nothing run per micro-batch reads device data on the host (which would wait for
+the device's queue): labels are checked on the host before they travel, host tensors travel
+through `microbatch.to_device` (pinned, non-blocking on GPUs), and the gradient's target term is
+scattered without listing rows. tests/megatron/test_logprobs.py runs this path on meta tensors.
+
 `compute_logprobs` runs the model through megatron-core's pipeline schedule
 (`get_forward_backward_func`, forward only, no grad): the batch is cut into micro-batches of
 `micro_batch_size` sequences, each right-padded only to its own longest sequence (stages
