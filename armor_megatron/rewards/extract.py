@@ -3,10 +3,12 @@
 Answer forms, in priority order:
 
 1. A final-answer statement written after the last box, at the very END of the response: a
-   DAPO-style answer line ``Answer: 42`` (``**Final Answer:** 42``) that starts the last
-   non-empty line, or a Minerva-style ``The final answer is $42$. I hope it is correct.`` on
-   it. The last stated answer wins: an earlier ``\\boxed{200}`` on an intermediate step does
-   not outrank a closing ``Final Answer: The final answer is $10,455$.``
+   DAPO-style answer line ``Answer: 42`` (``**Final Answer:** 42``, ``Answer: The answer is
+   42``) that starts the last non-empty line, or a Minerva-style ``The final answer is $42$.
+   I hope it is correct.`` on it. The last stated answer wins: an earlier ``\\boxed{200}`` on
+   an intermediate step does not outrank a closing ``Final Answer: The final answer is
+   $10,455$.`` A statement in words alone (``Answer: see above``, ``The final answer is boxed
+   above.``) states no answer of its own and leaves the boxes standing.
 2. The boxes ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; escaped ``\\{`` ``\\}`` do not
    count; also the brace-less ``\\boxed 5``) of the FINAL ANSWER SEGMENT. The final answer
    segment is the last box together with the boxes before it that are joined to it by nothing
@@ -62,6 +64,8 @@ _NON_SPACE = re.compile(r"\S")
 _TRAILING_PUNCTUATION = ".,;"
 _ANSWER_LINE = re.compile(r"[\s*#>_]*(?:final\s+)?answer[\s*_]*[:：][\s*_]*", re.I)
 _FINAL_PHRASE = re.compile(r"final answer is\b[ \t:]*", re.I)
+_ANSWER_IS = re.compile(r"answer is\b[ \t:]*", re.I)  # "Answer: The answer is 3"
+_WORDS = re.compile(r"[A-Za-z\s.,;:!?'\"]*")  # "see above": no answer of its own
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
 _SENTENCE_BREAK = re.compile(r"(?<!\\)[.!?;:]\s|,\s*[A-Za-z]{2,}")  # \! \; \: are LaTeX spaces
 _CLOSING_CHARACTERS = " \t.,;!*$)"
@@ -246,7 +250,7 @@ def final_answer_text(text: str) -> str | None:
     answer_line = _ANSWER_LINE.match(line)
     if answer_line is not None:
         line = line[answer_line.end() :]
-        phrase = _last_match(_FINAL_PHRASE, line)
+        phrase = _last_match(_ANSWER_IS, line)
         rest = line[phrase.end() :] if phrase is not None else line
     else:
         phrase = _last_match(_FINAL_PHRASE, line)
@@ -322,7 +326,10 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
     the list of what it states, or ``None`` if it states nothing (module docstring, rules 1-3):
 
     * a final-answer statement (:func:`final_answer_text`) in the text after the last box
-      (with ``answer_line_fallback``): ``[statement]``, the last stated answer;
+      (with ``answer_line_fallback``): ``[statement]``, the last stated answer, unless it is
+      words alone (``Answer: see above``, ``The final answer is boxed above.``, ``three``:
+      letters, blanks and punctuation, other than an option letter), which leave the boxes
+      standing;
     * else the cleaned contents of the boxes of the final answer segment
       (:func:`final_box_segment`), in order, each once (at its last place, so the last box
       comes last); ``None`` if the last box is unterminated (nothing earlier replaces it)
@@ -341,7 +348,7 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
         return None
     if answer_line_fallback:
         statement = final_answer_text(text[last[2] :])
-        if statement:
+        if statement and (_WORDS.fullmatch(statement) is None or option_letter(statement) is not None):
             return [statement]
     answers: list[str] = []
     seen: set[str] = set()

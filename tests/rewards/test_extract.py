@@ -105,6 +105,8 @@ def test_extract_choice_respects_the_option_count():
         ("**Final Answer:** 17", "17"),
         ("### Answer: 3", "3"),
         ("Answer: 204\n\n", "204"),
+        ("Answer: The answer is $7$.", "7"),
+        ("Answer: the answer is 7, but wait", None),
         # not at the end: a mention on the way, or reasoning cut off after it
         ("Answer: 204\nWait, let me check that again", None),
         ("… the candidate answer: \\frac{14}{3}. Hmm, but wait", None),
@@ -180,6 +182,12 @@ def test_final_answer_segment(text, expected):
         ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", ["10,455"]),
         ("so \\boxed{200} is a subtotal. The final answer is $10,455$.", ["10,455"]),
         ("\\boxed{5}\n\nAnswer: 6", ["6"]),
+        ("\\boxed{5}\n\nAnswer: The answer is 6.", ["6"]),
+        ("\\boxed{24}\n\nAnswer: (D)", ["(D)"]),  # an option letter is an answer
+        # a statement in words alone states no answer of its own: the boxes stand
+        ("\\boxed{5}\n\nAnswer: see above", ["5"]),
+        ("\\boxed{5}\n\nThe final answer is boxed above.", ["5"]),
+        ("\\boxed{5}\n\nAnswer: five", ["5"]),
         # ...and only a closing one: a statement inside a box, or followed by more text, does not
         ("Answer: \\boxed{5}", ["5"]),
         ("The final answer is $\\boxed{7}$. I hope it is correct.", ["7"]),

@@ -73,6 +73,8 @@ ACCEPTED = [
     (r"\boxed{1}, wait, \boxed{2}", "2"),  # the last box, once the response moved on
     # the last stated answer wins over an earlier (intermediate) box
     ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", "10455"),
+    ("\\boxed{3}\n\nAnswer: The answer is 3.", "3"),
+    ("\\boxed{3}\n\nAnswer: see above", "3"),  # words alone: the box stands
     # escaped dollars and \! thousands in final-answer statements
     ("The final answer is $\\$32,\\!348$.", "32,\\!348"),
     ("The final answer is $\\$32,\\!348$.", "32348"),
@@ -133,6 +135,7 @@ REJECTED = [
     # the last stated answer wins: the earlier box no longer counts
     ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", "200"),
     ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,456$. I hope it is correct.", "10455"),
+    ("\\boxed{3}\n\nAnswer: 4", "3"),
     # escaped dollars and thousands: twins
     ("The final answer is $\\$32,\\!348$.", "32,\\!349"),
     ("The final answer is $\\$32$, \\!348. Let me check", "32348"),
