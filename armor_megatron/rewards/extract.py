@@ -67,7 +67,8 @@ _FINAL_PHRASE = re.compile(r"final answer is\b[ \t:]*", re.I)
 _ANSWER_IS = re.compile(r"answer is\b[ \t:]*", re.I)  # "Answer: The answer is 3"
 _WORDS = re.compile(r"[A-Za-z\s.,;:!?'\"]*")  # "see above": no answer of its own
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
-_SENTENCE_BREAK = re.compile(r"(?<!\\)[.!?;:]\s|,\s*[A-Za-z]{2,}")  # \! \; \: are LaTeX spaces
+# a sentence's end, or a separator before a word; \! \; \: before a digit are LaTeX spaces
+_SENTENCE_BREAK = re.compile(r"(?<!\\)[.!?;:]\s|[,;:!]\s*[A-Za-z]{2,}")
 _CLOSING_CHARACTERS = " \t.,;!*$)"
 _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 

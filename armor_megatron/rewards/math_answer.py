@@ -58,8 +58,9 @@ def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fall
     or each of them equals it; never when only the last does.
 
     ground_truth: a string (plain ``1/2``, LaTeX ``\\frac{1}{2}``, optionally ``$``-wrapped, or a
-    whole reference solution, whose last ``\\boxed{}`` is then used), a number, or a list of
-    acceptable answers (correct if any matches; all share the one ``timeout_s``).
+    whole reference solution, whose final box segment is then used: ``\\boxed{1}`` and
+    ``\\boxed{-2}`` reads ``1, -2``), a number, or a list of acceptable answers (correct if any
+    matches; all share the one ``timeout_s``).
 
     breakdown: ``answer_found``, ``correct``, ``timed_out`` (each 0 or 1); ``extracted``: the
     answers read, joined by ``", "``.
@@ -112,8 +113,9 @@ def gold_answers(ground_truth: Any) -> list[str]:
             raise TypeError(f"math ground truth must be a string or number, got {type(item).__name__}")
         text = str(item).strip()
         boxed = last_boxed(text)
-        if boxed is not None:
-            text = boxed
+        if boxed is not None:  # a reference solution: its final box segment, read as a response's
+            answers = final_math_answers(text, answer_line_fallback=False)
+            text = ", ".join(answers) if answers else boxed
         elif len(text) >= 2 and text[0] == "$" and text[-1] == "$":
             text = text.strip("$").strip()
         if not text:

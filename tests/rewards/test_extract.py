@@ -219,6 +219,7 @@ def test_the_statement_after_a_box_needs_the_fallback():
         ("The final answer is $\\$32$, \\!348. Let me check", None),
         ("The final answer is $\\$32,\\!348", None),  # math cut off: only the escaped dollar inside
         ("Answer: 11! Hmm, wait", None),
+        ("Answer: 5\\; but actually 6", None),
         ("Answer: 11; 111 more to go", None),
     ],
 )

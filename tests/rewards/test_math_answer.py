@@ -71,6 +71,7 @@ ACCEPTED = [
     (r"\boxed{x = 6}, \boxed{6}", "6"),  # the same answer restated
     (r"\boxed{\frac{1}{2}} \quad \boxed{0.5}", "1/2"),
     (r"\boxed{1}, wait, \boxed{2}", "2"),  # the last box, once the response moved on
+    (r"$\boxed{-2,1}$.", r"\(\boxed{1}\) and \(\boxed{-2}\)."),  # a reference solution with two boxes
     # the last stated answer wins over an earlier (intermediate) box
     ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", "10455"),
     ("\\boxed{3}\n\nAnswer: The answer is 3.", "3"),
@@ -129,6 +130,7 @@ REJECTED = [
     (r"\boxed{1}, wait, \boxed{2}", "1"),  # an alternative the response discarded
     (r"\boxed{1}, wait, \boxed{2}", "1, 2"),
     (r"\boxed{2} or \boxed{3}", "3"),  # a hedge scores nothing
+    (r"$\boxed{-2}$.", r"\(\boxed{1}\) and \(\boxed{-2}\)."),
     (r"\boxed{12}, \boxed{345}", "12345"),  # a union is a set, never one number
     (r"\boxed{1}, \boxed{000}", "1000"),
     (r"\boxed{1}, \boxed{5}", "1.5"),
@@ -251,6 +253,8 @@ def test_worker_death_scores_zero_but_worker_errors_raise(monkeypatch):
 def test_gold_answers_normalisation():
     assert gold_answers(r"$\frac{1}{2}$") == [r"\frac{1}{2}"]
     assert gold_answers(r"... hence \boxed{12}.") == ["12"]
+    assert gold_answers(r"so $n = \boxed{1}$ and $\boxed{-2}$.") == ["1, -2"]  # its final box segment
+    assert gold_answers(r"\boxed{1}, so \boxed{2}") == ["2"]
     assert gold_answers([3, "4"]) == ["3", "4"]
 
 
