@@ -15,8 +15,8 @@ where its LaTeX parser reads them otherwise:
   makes ``1e-7`` equal ``2e-7``); a number in E-notation against LaTeX becomes
   ``m\\times10^{k}`` (math-verify reads ``4.5e33`` as ``4.5·e·33``, e being Euler's number);
 * an option letter in any wrapper (``C``, ``(C)``, ``\\text{C}``, ``\\textbf{(C)}``,
-  ``\\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify reads
-  ``\\text{C}`` as a symbol and ``(C)`` as a parenthesised one, which differ);
+  ``\\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify alone
+  tells ``\\text{(C)}`` and ``(C)`` from ``\\text{C}``);
 * an AMC-style answer that names an option and its value, ``\\textbf{(D)}\\ 24`` (math-verify
   reads ``d·24``), matches the gold letter (``D``, ``(D)``, ``\\text{(D)}``) or, against a gold
   value, by its value. A text naming two options (``\\text{(C)}, \\text{(D)}``,
