@@ -63,17 +63,19 @@ first stage, p·(1 + (p − 1)/(p·v)), shifted by i. The first stage adds the e
 e·s·b·h/t per micro-batch in flight.
 
 **Log-prob / entropy chunk** (last stage, one micro-batch: 1F1B alternates there): the logits
-[s, b, V_p/t] in e, their [b, s, V_p/t] copy (below), their gradient (same size; `logprobs`
-writes it into one buffer) and the two fp32 work buffers of ``vocab_parallel_logprobs``, 2·min(s·b, 2^26 / (V_p/t))·(V_p/t)·4 bytes.
+[s, b, V_p/t] in e, their gradient (same size; `logprobs` writes it into one buffer) and the two
+fp32 work buffers of ``vocab_parallel_logprobs``, 2·min(s·b, 2^26 / (V_p/t))·(V_p/t)·4 bytes.
 
 **Reference model**: e bytes per parameter, no gradients or optimizer; 0 with
 ``reference.offload`` (then on the device only while it computes log-probs, not while the actor
 trains). **Critic** (``algorithm.estimator: gae``): the actor's parameters without the LM head,
 with gradients and optimizer; it trains after the actor, so its activations do not add.
 
-**Log-prob chunk, second copy**: megatron's GPTModel returns ``logits.transpose(0, 1).contiguous()``,
-a second logits-sized tensor next to the output layer's [s, b, V_p/t] while it is made: the
-chunk counts three logits-sized tensors (output, transposed copy, gradient) plus the work buffers.
+**Log-prob chunk, the transposed copy**: megatron's GPTModel returns
+``logits.transpose(0, 1).contiguous()``, a second logits-sized tensor beside the output layer's
+[s, b, V_p/t] while it is made; the first is freed when the forward returns, before the gradient
+and the work buffers exist, so the peak stays two logits-sized tensors plus the work buffers
+(measured in megatron's forward and backward: tests/launch/test_memory.py).
 
 **Phases** (`armor_megatron.launch.device_ledger`): a step holds different things at different
 moments, so the plan replays the step's memory order through a `DeviceLedger` per pipeline stage
@@ -290,7 +292,7 @@ def in_flight_microbatches(pp: int, vpp: int | None, stage: int, microbatches: i
 def logits_bytes(arch: ModelArch, tp: int, tokens: int, dtype_bytes: int) -> float:
     v_local = padded_vocab(arch, tp) // tp
     rows = min(tokens, max(1, LOGPROB_CHUNK_ELEMENTS // v_local))
-    return 3 * tokens * v_local * dtype_bytes + 2 * rows * v_local * 4
+    return 2 * tokens * v_local * dtype_bytes + 2 * rows * v_local * 4
 
 
 # ----------------------------------------------------------------------------- the plan

@@ -49,7 +49,7 @@ def test_check_refuses_a_layout_over_the_gpu_memory_unless_no_plan(capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("armor-train: error: plan: tp=2 pp=1 dp=4")
-    assert "89.0 GiB per GPU in phase 'update' (colocated) > launch.gpu_memory_gib 80" in err
+    assert "86.7 GiB per GPU in phase 'update' (colocated) > launch.gpu_memory_gib 80" in err
     assert err.rstrip().endswith("pass --no-plan to accept it")
     assert main([*args, "--no-plan"]) == 0
     assert main(args[:-1]) == 0  # the recipe as it is (full recompute) fits
