@@ -65,17 +65,14 @@ e·s·b·h/t per micro-batch in flight.
 **Log-prob / entropy chunk** (last stage, one micro-batch: 1F1B alternates there): the logits
 [s, b, V_p/t] in e, their gradient (same size; `logprobs` writes it into one buffer) and the two
 fp32 work buffers of ``vocab_parallel_logprobs``, 2·min(s·b, 2^26 / (V_p/t))·(V_p/t)·4 bytes.
+GPTModel's ``logits.transpose(0, 1).contiguous()`` copy lives beside the output layer's logits
+only while it is made, before the gradient and the work buffers exist: it does not raise the
+peak (measured in megatron's forward and backward, tests/launch/test_memory.py).
 
 **Reference model**: e bytes per parameter, no gradients or optimizer; 0 with
 ``reference.offload`` (then on the device only while it computes log-probs, not while the actor
 trains). **Critic** (``algorithm.estimator: gae``): the actor's parameters without the LM head,
 with gradients and optimizer; it trains after the actor, so its activations do not add.
-
-**Log-prob chunk, the transposed copy**: megatron's GPTModel returns
-``logits.transpose(0, 1).contiguous()``, a second logits-sized tensor beside the output layer's
-[s, b, V_p/t] while it is made; the first is freed when the forward returns, before the gradient
-and the work buffers exist, so the peak stays two logits-sized tensors plus the work buffers
-(measured in megatron's forward and backward: tests/launch/test_memory.py).
 
 **Phases** (`armor_megatron.launch.device_ledger`): a step holds different things at different
 moments, so the plan replays the step's memory order through a `DeviceLedger` per pipeline stage
@@ -86,15 +83,16 @@ trainer is on the host when it offloads, ``train.offload_during_rollout``, defau
 → engines released (the policy group every tag; a frozen-reference group its KV cache and graphs:
 its weights, e·P/tp_per_engine, stay) → trainer to the device → log-probs, update → trainer to the
 host and ``empty_cache`` → policy weights resumed → weights pushed bucket by bucket
-(``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a checkpoint
-brings the trainer back while engines keep only their weights. Disaggregated (or local engines):
+(``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a reference
+reset or a checkpoint brings the trainer back while engines keep only their weights. Disaggregated (or local engines):
 a trainer GPU holds the trainer throughout, plus the export's bucket at the sync; an engine GPU
 its static region, graphs and a received bucket.
 
 Allowances (not derived from shapes): ``CUDA_CONTEXT_GIB`` per process on a GPU (the trainer's
 and, colocated, the engine's: CUDA context, cuBLAS workspace, NCCL buffers), and
 ``ENGINE_CUDA_GRAPH_GIB``, SGLang's CUDA-graph pool outside ``mem_fraction_static``, released
-with the ``cuda_graph`` tag while the trainer computes.
+with the ``cuda_graph`` tag while the trainer computes. Neither is measured with SGLang here
+(``tools/gpu_check`` check 4 prints a torch process's CUDA context on the device).
 
 Validation (tests/launch/test_memory.py): the local-spec activation terms against the bytes
 autograd keeps for backward in megatron's own forward on CPU (saved-tensor hooks, peak over
