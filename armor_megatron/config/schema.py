@@ -75,6 +75,12 @@ class SGLangConfig:
     mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
     placement: Literal["colocated", "disaggregated"] = "colocated"
     weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    deterministic: bool = checked(
+        False,
+        help="reproducible rollouts: servers run with --enable-deterministic-inference and each sample carries its own "
+        "sampling_seed, so a prompt costs n prefills instead of one and SGLang's batch-invariant kernels run slower; "
+        "off: one request with n samples per prompt sharing one prefill, seeds not sent (SGLang ignores them)",
+    )
     disk_dir: str | None = checked(
         None,
         help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)",
@@ -248,7 +254,11 @@ class TrainConfig:
     epochs_per_step: int = checked(1, check=at_least(1))
     micro_batch_size: int = checked(1, check=at_least(1), help="sequences per forward pass")
     seed: int = 1234
-    deterministic: bool = False
+    deterministic: bool = checked(
+        False,
+        help="deterministic trainer kernels (torch deterministic algorithms; on GPUs also megatron's deterministic_mode "
+        "and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0); slower. Rollouts through SGLang: rollout.sglang.deterministic",
+    )
     collective_timeout_minutes: int = checked(
         180, check=at_least(1), help="process-group timeout; non-driver ranks wait in a collective through each rollout"
     )
