@@ -76,3 +76,35 @@ def test_deterministic_mode_seeds_every_sample_and_repeats_after_reseed(tiny_ckp
         # seeds every copy with 42, all n samples alike
         plain = SGLangEngine([server.url], retry=FAST_RETRY).generate(prompts, 3, SAMPLING)
         assert all(len({s.token_ids for s in g}) == 1 for g in plain)
+
+
+def test_the_trainer_factory_makes_deterministic_engines_when_asked(tiny_ckpt, tmp_path, sent):
+    import json
+    import os
+
+    from armor_megatron.config import load_config
+    from armor_megatron.rollout.testing.tiny_models import tiny_weights
+    from armor_megatron.trainer.components import make_sglang_engines
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    _, hf_cfg, tok = tiny_ckpt
+    with _double(tiny_ckpt, deterministic=True) as server:
+        overrides = [
+            "rollout.engine=sglang",
+            "rollout.sglang.urls=" + json.dumps([server.url]),
+            "rollout.sglang.deterministic=true",
+            "anchor.source=swap",
+            f"checkpoint.dir={tmp_path / 'ckpt'}",
+            f"logging.dir={tmp_path / 'runs'}",
+        ]
+        cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), overrides)
+        policy, reference = make_sglang_engines(cfg, hf_cfg)(
+            tiny_weights(hf_cfg, seed=3), None, policy_version="p1", reference_version="r1"
+        )
+        try:
+            assert policy.deterministic and reference is None
+            policy.reseed(11)
+            group = policy.generate([encode(tok, "1+")], 3, SAMPLING)[0]
+        finally:
+            policy.shutdown()
+    assert [p["sampling_seed"] for p in sent[-1]] == [11, 12, 13] and len({s.token_ids for s in group}) == 3
