@@ -181,7 +181,9 @@ class SGLangLauncher:
         self._install_exit_handlers()
         log_dir = c.log_dir or tempfile.mkdtemp(prefix="armor-sglang-")
         os.makedirs(log_dir, exist_ok=True)
-        self.ports = [c.base_port + e if c.base_port else free_port(c.host) for e in range(c.num_engines)]
+        self.ports = []
+        for e in range(c.num_engines):
+            self.ports.append(c.base_port + e if c.base_port else self._new_port())
         try:
             for e, port in enumerate(self.ports):
                 self._spawn(self.server_command(e, port), os.path.join(log_dir, f"engine-{e}.log"))
@@ -229,7 +231,7 @@ class SGLangLauncher:
             except EngineUnavailableError:
                 if self.config.base_port or attempt == self.config.port_retries or not self._lost_its_port(index):
                     raise
-            old, self.ports[index] = self.ports[index], free_port(self.config.host)
+            old, self.ports[index] = self.ports[index], self._new_port()
             logger.warning(
                 "SGLang engine %d: port %d was taken before it bound it; retrying on port %d",
                 index,
@@ -237,6 +239,14 @@ class SGLangLauncher:
                 self.ports[index],
             )
             self._spawn(self.server_command(index, self.ports[index]), self._logs[index], index=index)
+
+    def _new_port(self) -> int:
+        """A free port none of this launcher's engines was given (the OS may hand one out twice)."""
+        for _ in range(100):
+            port = free_port(self.config.host)
+            if port not in self.ports:
+                return port
+        raise EngineUnavailableError(f"no free port on {self.config.host} that the engines do not already use")
 
     def _lost_its_port(self, index: int) -> bool:
         """Whether engine ``index`` exited because its port was in use (read from its part of the log)."""
