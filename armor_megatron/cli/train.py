@@ -31,7 +31,7 @@ from armor_megatron.cli.common import (
     fail,
     quiet_third_party_warnings,
 )
-from armor_megatron.config import ConfigError, load_config, to_dict
+from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
 from armor_megatron.trainer import preemption
 
@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         return plan(cfg)
     if args.check:
         yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
+        if needed := needs.describe(cfg):
+            print(f"{PROG}: {needed}", file=sys.stderr)
         print(f"{PROG}: config OK ({args.config})", file=sys.stderr)
         return EXIT_OK
     nprocs = processes_needed(cfg)

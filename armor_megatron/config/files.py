@@ -1,5 +1,6 @@
 """Checks of what a run config names on this machine: paths, the first rows of each dataset,
-optional packages it turns on, and the run that owns its checkpoint directory.
+optional packages it turns on, what its settings need (`config.needs`), and the run that owns its
+checkpoint directory.
 
 ``armor-train --check`` runs them after the config's own checks (``validate``); a run started
 on a machine without the files (a laptop preparing a cluster recipe) skips them with
@@ -11,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from armor_megatron.config import needs
 from armor_megatron.config.identity import check_run_identity
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
@@ -33,6 +35,7 @@ def check_files(cfg: RunConfig) -> None:
     for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
         _check_writable_dir(key, path)
     _check_packages(cfg)
+    needs.check(cfg)
     check_run_identity(cfg, resume)
 
 

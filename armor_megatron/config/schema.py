@@ -84,6 +84,12 @@ class SGLangConfig:
     max_retries: int = checked(5, check=at_least(0))
     max_concurrency: int = checked(256, check=at_least(1))
     router: SGLangRouterConfig = dataclasses.field(default_factory=SGLangRouterConfig)
+    python: str | None = checked(
+        None,
+        check=lambda x: None if x is None or x.strip() else "must not be empty (null: the trainer's interpreter)",
+        help="interpreter the launched servers run with: the SGLang environment's python (README, GPU "
+        "environments; sglang pins its own torch); null: the trainer's (ARMOR_PYTHON in SLURM jobs)",
+    )
 
 
 @dataclasses.dataclass
@@ -375,11 +381,13 @@ class LaunchConfig:
 
 @dataclasses.dataclass
 class ThroughputConfig:
-    """Speed options of the trained models (``models.megatron_options.Throughput``): overlapped communication
-    and fused kernels, none changing what is computed. Off by default (CPU runs cannot use them);
-    the GPU recipes turn them on. ``armor-train --check`` refuses the CUDA-only ones for a CPU run
-    (``launch.gpus_per_node: 0``) or the local spec; the job refuses them, in one line, on a machine
-    without the kernels."""
+    """Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
+    default is what it is): overlapped communication and fused kernels, none changing what is
+    computed. The defaults run on an image installed from the lock files alone (no APEX, no C
+    compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
+    (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
+    machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a
+    machine without the kernels."""
 
     overlap_grad_reduce: bool = checked(
         False, help="reduce each gradient bucket during backward (megatron DDP overlap_grad_reduce)"
@@ -390,11 +398,22 @@ class ThroughputConfig:
         "overlap_grad_reduce); refused for now: the trainer reads parameters outside forward after each update",
     )
     gradient_accumulation_fusion: bool = checked(
-        False, help="accumulate weight grads into the fp32 main_grad inside the GEMM (CUDA + APEX)"
+        False,
+        help="accumulate weight grads into the fp32 main_grad inside the GEMM; needs CUDA and APEX (a source "
+        "build: not in the lock files)",
     )
     apply_rope_fusion: bool | None = checked(None, help="TE's fused RoPE; null: on with the TE spec (not for MLA)")
-    bias_activation_fusion: bool | None = checked(None, help="fused SwiGLU; null: on with the TE spec")
-    bias_dropout_fusion: bool | None = checked(None, help="fused bias-dropout-add; null: on with the TE spec")
+    bias_activation_fusion: bool | None = checked(
+        None, help="megatron's fused SwiGLU (keeps only its input for backward); null: on with the TE spec"
+    )
+    bias_dropout_fusion: bool = checked(
+        False, help="megatron's fused bias-dropout-add: nothing to fuse without biases and dropout (TE spec)"
+    )
+    torch_compile: bool = checked(
+        False,
+        help="compile megatron's jit_fuser functions with torch.compile (needs Triton and a C compiler on every "
+        "node; compiles at the first step and again as lengths vary); false: they run eagerly",
+    )
 
 
 @dataclasses.dataclass
