@@ -14,7 +14,7 @@ import os
 from armor_megatron.config.identity import check_run_identity
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.data.prompts import ground_truth_column, peek_rows
+from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
@@ -67,8 +67,9 @@ def _check_model(cfg: RunConfig) -> None:
 
 def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
     """The file exists, its first rows parse and carry the prompt/answer columns, a row's
-    ``type`` column names a verifier that loads, and that verifier can score the row's ground truth."""
-    from armor_megatron.rewards.registry import check_ground_truth, load_verifier
+    ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
+    and a user verifier called on it returns a reward (``probe_verifier``)."""
+    from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
 
     data = cfg.data
     try:
@@ -82,20 +83,23 @@ def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(key, f"{path}: row {i} is {type(row).__name__}, not an object with columns")
-        present = {data.prompt_key: data.prompt_key in row, data.answer_key: ground_truth_column(row, data.answer_key)}
+        truth = ground_truth_column(row, data.answer_key)
+        present = {data.prompt_key: has_field(row, data.prompt_key), data.answer_key: truth is not None}
         for column, setting in ((data.prompt_key, "data.prompt_key"), (data.answer_key, "data.answer_key")):
             if not present[column]:
                 raise ConfigError(
-                    key, f"{path}: row {i} has no {column!r} column ({setting}; columns: {', '.join(sorted(row))})"
+                    key,
+                    f"{path}: row {i} has no {column!r} {field_kind(column)} ({setting}; columns: {', '.join(sorted(row))})",
                 )
-        verifier = row.get(data.type_key)
+        verifier = field_of(row, data.type_key) if has_field(row, data.type_key) else None
         if verifier is not None:
             try:
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
         try:
-            check_ground_truth(verifier or cfg.reward.verifier, row[ground_truth_column(row, data.answer_key)])
+            check_ground_truth(verifier or cfg.reward.verifier, field_of(row, truth))
+            probe_verifier(verifier or cfg.reward.verifier, field_of(row, truth))
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
 

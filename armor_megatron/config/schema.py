@@ -300,6 +300,11 @@ class DataConfig:
 class RewardConfig:
     verifier: str = checked("math", check=non_empty, help="registered name or module:function (e.g. a weighted one)")
     workers: int = checked(4, check=at_least(1))
+    python_path: list[str] = checked(
+        factory=lambda: ["."],
+        help="directories searched (after the installed packages) for the modules of module:function verifiers "
+        "and hooks; relative to the config file, whose own directory is the default",
+    )
 
 
 @dataclasses.dataclass
