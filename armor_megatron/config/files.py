@@ -22,9 +22,27 @@ RESUME_WORDS = ("auto", "none", "force")
 
 def check_files(cfg: RunConfig) -> None:
     _check_model(cfg)
-    _check_dataset("data.train_path", cfg.data.train_path, cfg)
+    data = cfg.data
+    _check_dataset(
+        "data.train_path",
+        data.train_path,
+        cfg,
+        (data.prompt_key, "data.prompt_key"),
+        (data.answer_key, "data.answer_key"),
+    )
     for i, ds in enumerate(cfg.eval.datasets):
-        _check_dataset(f"eval.datasets[{i}].path", ds.path, cfg)
+        own = f"eval.datasets[{i}]"
+        prompt = (
+            (ds.prompt_key, f"{own}.prompt_key")
+            if ds.prompt_key
+            else (data.prompt_key, f"data.prompt_key or {own}.prompt_key")
+        )
+        answer = (
+            (ds.answer_key, f"{own}.answer_key")
+            if ds.answer_key
+            else (data.answer_key, f"data.answer_key or {own}.answer_key")
+        )
+        _check_dataset(f"{own}.path", ds.path, cfg, prompt, answer)
     resume = cfg.checkpoint.resume
     if resume not in RESUME_WORDS and not os.path.isdir(resume):
         raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
@@ -65,8 +83,9 @@ def _check_model(cfg: RunConfig) -> None:
         )
 
 
-def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
-    """The file exists, its first rows parse and carry the prompt/answer columns, a row's
+def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]) -> None:
+    """The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
+    ``answer``: the field and the setting that names it), a row's
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
     and a user verifier called on it returns a reward (``probe_verifier``)."""
     from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
@@ -83,10 +102,9 @@ def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(key, f"{path}: row {i} is {type(row).__name__}, not an object with columns")
-        truth = ground_truth_column(row, data.answer_key)
-        present = {data.prompt_key: has_field(row, data.prompt_key), data.answer_key: truth is not None}
-        for column, setting in ((data.prompt_key, "data.prompt_key"), (data.answer_key, "data.answer_key")):
-            if not present[column]:
+        truth = ground_truth_column(row, answer[0])
+        for (column, setting), present in ((prompt, has_field(row, prompt[0])), (answer, truth is not None)):
+            if not present:
                 raise ConfigError(
                     key,
                     f"{path}: row {i} has no {column!r} {field_kind(column)} ({setting}; columns: {', '.join(sorted(row))})",

@@ -431,8 +431,12 @@ class EvalDataset:
     """One validation set."""
 
     name: str = checked(check=non_empty, help="the set's name in metrics (eval/<name>/...)")
-    path: str = checked(check=non_empty, help="JSONL or Parquet, read with data's prompt, answer and type keys")
+    path: str = checked(check=non_empty, help="JSONL or Parquet, read like data.train_path")
     k: int = checked(1, check=at_least(1), help="samples per prompt for avg@k / pass@k")
+    prompt_key: str | None = checked(None, check=non_empty, help="field holding the prompt; null: data.prompt_key")
+    answer_key: str | None = checked(
+        None, check=non_empty, help="field holding the ground truth; null: data.answer_key"
+    )
 
 
 @dataclasses.dataclass

@@ -136,7 +136,10 @@ class ArmorTrainer:
                 EvalSet(
                     d.name,
                     scorable(
-                        PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), cfg.reward.verifier
+                        PromptDataset(
+                            d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, data.type_key
+                        ),
+                        cfg.reward.verifier,
                     ),
                     d.k,
                 )

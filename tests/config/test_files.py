@@ -183,3 +183,20 @@ def test_user_modules_are_found_beside_the_config_or_in_reward_python_path(tmp_p
     cfg = load_config(str(config), [elsewhere, "reward.python_path=[lib]", f"model.path={tmp_path / 'hf'}"])
     assert cfg.reward.python_path == [str(tmp_path / "lib")]
     check_files(cfg)
+
+
+def test_an_eval_set_may_name_its_own_columns(run, tmp_path):
+    (tmp_path / "math500.jsonl").write_text(json.dumps({"problem": "1+1=", "answer": "2"}) + "\n")
+    verl = tmp_path / "verl.jsonl"
+    verl.write_text(json.dumps({"prompt": "2+2=", "reward_model": {"ground_truth": "4"}}) + "\n")
+    common = [f"data.train_path={verl}", "data.answer_key=reward_model.ground_truth"]
+    line = _refused(
+        run(*common, f"eval.datasets=[{{name: m, path: {tmp_path / 'math500.jsonl'}}}]"),
+        "eval.datasets[0].path: ",
+    )
+    assert (
+        "row 0 has no 'prompt' column (data.prompt_key or eval.datasets[0].prompt_key; columns: answer, problem)"
+        in line
+    )
+    own = f"eval.datasets=[{{name: m, path: {tmp_path / 'math500.jsonl'}, prompt_key: problem, answer_key: answer}}]"
+    check_files(run(*common, own))

@@ -37,7 +37,7 @@ def chat_model(tiny, tmp_path_factory):
     return model, rows
 
 
-def _run(chat_model, tmp_path, data_file, overrides):
+def _run(chat_model, tmp_path, data_file, overrides, *evaluation):
     with open(DOC) as f:
         doc = f.read()
     assert all(o in doc for o in overrides), f"docs/data.md no longer gives {overrides}"
@@ -49,9 +49,8 @@ def _run(chat_model, tmp_path, data_file, overrides):
         *overrides,
         "parallelism.tp=1",
         "train.steps=2",
-        "eval.every_steps=0",
-        "eval.datasets=[]",
         "checkpoint.every_steps=0",
+        *(evaluation or ["eval.every_steps=0", "eval.datasets=[]"]),
     )
 
 
@@ -77,7 +76,16 @@ def test_a_verl_parquet_trains_as_it_is(chat_model, tmp_path):
         for i, r in enumerate(chat_model[1])
     ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    _trained(_run(chat_model, tmp_path, tmp_path / "train.parquet", VERL_OVERRIDES))
+    # validated on a plain JSONL with its own columns, as the 7B recipe's MATH-500 / AIME sets
+    (tmp_path / "val.jsonl").write_text(
+        "".join(json.dumps({"problem": r["prompt"], "answer": r["answer"]}) + "\n" for r in chat_model[1][:8])
+    )
+    val = f"{{name: val, path: {tmp_path / 'val.jsonl'}, k: 1, prompt_key: problem, answer_key: answer}}"
+    metrics = _run(
+        chat_model, tmp_path, tmp_path / "train.parquet", VERL_OVERRIDES, "eval.every_steps=2", f"eval.datasets=[{val}]"
+    )
+    assert "eval/val/pass@1" in metrics[2]
+    _trained({step: m for step, m in metrics.items() if step})
 
 
 def test_a_slime_jsonl_trains_as_it_is(chat_model, tmp_path):
