@@ -162,7 +162,7 @@ class ArmorTrainer:
             )
         if dropped:
             print(
-                f"[armor] {data.train_path}: {dropped} of {total} prompts are longer than "
+                f"[{self.cfg.name}] {data.train_path}: {dropped} of {total} prompts are longer than "
                 f"rollout.max_prompt_len={limit} tokens; left out",
                 flush=True,
             )
@@ -447,7 +447,7 @@ class ArmorTrainer:
                 gap, warning = self.monitor.update(self.last_train_accuracy, metrics["eval/mean/pass@1"])
                 metrics.update(gap)
                 if warning:
-                    print(f"[armor] warning: {warning}", flush=True)
+                    print(f"[{self.cfg.name}] warning: {warning}", flush=True)
         return metrics
 
     # ------------------------------------------------------------------ the loop
