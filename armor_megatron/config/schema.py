@@ -444,7 +444,9 @@ class EvalConfig:
     """Periodic validation: the datasets, how they are sampled and which pass@k are reported."""
 
     every_steps: int = checked(10, check=at_least(0), help="0 disables periodic evaluation")
-    datasets: list[EvalDataset] = checked(factory=list, help="validation sets, each {name, path, k}")
+    datasets: list[EvalDataset] = checked(
+        factory=list, help="validation sets, each a mapping of the eval.datasets[] keys (name, path, k, ...)"
+    )
     temperature: float = checked(0.6, check=in_range(0, None), help="sampling temperature of evaluation; 0: greedy")
     top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True), help="nucleus-sampling mass of evaluation")
     max_response_len: int = checked(8192, check=at_least(1), help="tokens generated per evaluation response at most")
