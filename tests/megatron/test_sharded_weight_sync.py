@@ -7,6 +7,7 @@ tensors."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -172,8 +173,8 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
         assert len(updates) > 2 * len(writers) and requests["/begin_weight_update"] == 1
 
 
-def failing_sink_worker(rank, hf_dir, mcore_dir, url):
-    """tp=2, pp=2, ``tensor`` mode; the engine refuses one request: every rank must raise."""
+def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
+    """tp=2, pp=2; the engine refuses one request: every rank must raise."""
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.rollout.engine import WeightUpdateError
     from tests.megatron.test_weight_export import loaded_model
@@ -185,14 +186,18 @@ def failing_sink_worker(rank, hf_dir, mcore_dir, url):
             from armor_megatron.rollout.sglang.engine import SGLangEngine
             from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
-            engine = SGLangEngine([url], weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=16 << 10))
+            sync = WeightSyncConfig(mode=mode, bucket_bytes=16 << 10, backend="gloo", timeout=300)
+            engine = SGLangEngine([url], weight_sync=sync, request_timeout=300)
             engine.update_weights(export, "synced")
         else:
             list(export)
     return str(failed.value)
 
 
-def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
+@pytest.mark.parametrize(
+    "mode, path", [("tensor", "/update_weights_from_tensor"), ("distributed", "/update_weights_from_distributed")]
+)
+def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, mode, path):
     from armor_megatron.convert import convert_hf_to_mcore
     from armor_megatron.rollout.local import LocalEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
@@ -200,8 +205,11 @@ def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
     trainer_dir = save_tiny_model("qwen3", str(tmp_path / "trainer"), seed=2)
     convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
     with SGLangTestServer(LocalEngine.from_pretrained(trainer_dir, weight_version="v0"), model_path=trainer_dir) as s:
-        s.inject_failures("/update_weights_from_tensor", 1, status=400)
-        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url)
+        s.inject_failures(path, 1, status=400)
+        start = time.monotonic()
+        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, timeout=380)
+        # an owner left waiting in a broadcast hears of the refusal, not of the 300 s group timeout
+        assert time.monotonic() - start < 200
         assert s.engine.weight_version == "v0"
         assert s.requests["/end_weight_update"] == s.requests["/begin_weight_update"] + 1  # + start-up clearing
     assert all(e.startswith("weight delivery failed: rank ") and "HTTP 400" in e for e in errors), errors

@@ -26,6 +26,7 @@ import threading
 from typing import Any
 
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
+_ABANDONED: list = []  # aborted groups' backends, never destroyed while their collectives may hang
 
 
 def listen(world_size: int, port: int = 0, timeout: float = 600.0):
@@ -112,10 +113,20 @@ class WeightUpdateGroup:
             while not done.wait(0.5):
                 reason = cancelled()
                 if reason:
-                    self._pg = None
+                    self._abandon()
                     raise RuntimeError(f"broadcast over {self.group_name!r} cancelled: {reason}")
         work.wait()
         return tensor
+
+    def _abandon(self) -> None:
+        """Abort the group (its peers may be stuck in a collective). Its backend object is kept
+        alive: dropping it would wait for the pending collective until the group's timeout."""
+        pg, self._pg = self._pg, None
+        try:
+            pg.abort()
+        except Exception:  # noqa: BLE001 - best effort
+            pass
+        _ABANDONED.append(pg)
 
     def destroy(self) -> None:
         self._pg = None
