@@ -115,9 +115,13 @@ class HFWeightExport:
       an owner that is rank 0's TP partner cannot deadlock it; rank 0 holds one other rank's
       bucket at a time.
     * **delivered** (:meth:`deliver`, on rank 0, by a rollout engine that knows how, e.g.
-      SGLang's ``tensor``/``disk`` sync) -- every owner streams its own buckets straight to
-      the engines through the delivery's sink; nothing goes through rank 0. The sinks' reports
-      are gathered on rank 0 (small objects: file names, counts) and returned there.
+      SGLang's ``tensor``/``disk``/``distributed`` sync) -- every owner streams its own buckets
+      straight to the engines through the delivery's sink; nothing goes through rank 0. The
+      sinks' reports are gathered on rank 0 (small objects: file names, counts) and returned
+      there. A *coordinated* delivery (``delivery.coordinated``, e.g. ``distributed``: the
+      engines must be told of each owner's broadcast) runs in rounds: in round k every rank
+      makes its k-th bucket, the owners' descriptions of them (names, dtypes, shapes) are
+      gathered on rank 0, which conducts the round while each owner puts its own bucket.
 
     Either way each owner holds one bucket of at most ``bucket_bytes`` (a larger tensor goes
     alone) plus the tensor being gathered, never its whole stage, and the completeness check
