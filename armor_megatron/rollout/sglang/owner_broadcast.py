@@ -45,7 +45,8 @@ from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, address_towards, listen
 
 ABORT_KEY = "armor/aborted"  # outside every group's key prefix
-_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str]] = {}  # (prefix, owner rank) -> (group, address)
+# this process's groups: (prefix, owner rank) -> (group, its address, a store client watching for ABORT_KEY)
+_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str, Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,16 +178,18 @@ class OwnerBroadcastDelivery(ShardDelivery):
 def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
     """Tell every owner waiting in a join or a broadcast that the engines will not come (best
     effort): a key in the owner's rendezvous store, which it checks while it waits."""
-    import torch.distributed as dist
 
     for a in announcements:
         try:
-            store = dist.TCPStore(
-                a["address"], a["port"], is_master=False, timeout=datetime.timedelta(seconds=min(timeout, 30))
-            )
-            store.set(ABORT_KEY, reason)
+            _store_client(a["address"], a["port"], min(timeout, 30)).set(ABORT_KEY, reason)
         except Exception:  # noqa: BLE001 - that owner then fails at its own timeout
             pass
+
+
+def _store_client(address: str, port: int, timeout: float):
+    import torch.distributed as dist
+
+    return dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
 
 
 class _OwnerSink(ShardSink):
@@ -194,11 +197,10 @@ class _OwnerSink(ShardSink):
 
     def __init__(self, groups: OwnerGroups, rank: int):
         self.groups, self.rank = groups, rank
-        self.group, self.address = _GROUPS.get((groups.prefix, rank), (None, None))
-        self._store = self.group.store if self.group is not None else None
+        self.group, self.address, self._watch = _GROUPS.get((groups.prefix, rank), (None, None, None))
         if self.group is not None and self._aborted():  # a failed sync left it: the engines may be stuck in it
             _GROUPS.pop((groups.prefix, rank), None)
-            self.group = self._store = None
+            self.group = self._watch = None
         self.tensors = self.bytes = 0
 
     def announce(self) -> dict:
@@ -208,13 +210,15 @@ class _OwnerSink(ShardSink):
             self._name = f"{g.prefix}-rank{self.rank}-{secrets.token_hex(3)}"
             self._store = listen(g.world_size, g.base_port + 1 + self.rank if g.base_port else 0, g.timeout)
             self.address = address_towards(g.engine_address)
+            # a connection of its own: the group's rendezvous blocks the store's in its waits
+            self._watch = _store_client("127.0.0.1", self._store.port, g.timeout)
         else:
             self._name = self.group.group_name
-        return {"group": self._name, "address": self.address, "port": self._store.port, "new": new}
+        return {"group": self._name, "address": self.address, "port": self._watch.port, "new": new}
 
     def _aborted(self) -> str | None:
-        if self._store.check([ABORT_KEY]):
-            return self._store.get(ABORT_KEY).decode()
+        if self._watch.check([ABORT_KEY]):
+            return self._watch.get(ABORT_KEY).decode()
         return None
 
     def join(self) -> None:
@@ -240,7 +244,7 @@ class _OwnerSink(ShardSink):
         if "error" in made:
             raise WeightUpdateError(f"weights update group {self._name!r}: {made['error']}")
         self.group = made["group"]
-        _GROUPS[(g.prefix, self.rank)] = (self.group, self.address)
+        _GROUPS[(g.prefix, self.rank)] = (self.group, self.address, self._watch)
 
     def describe(self, bucket) -> dict:
         parts = tensor_payload.buckets(bucket, bucket_bytes=1 << 62)  # one request per dtype

@@ -60,7 +60,8 @@ double running in the trainer's process (as in the tests), not against one in an
 process. Real SGLang gets CUDA IPC handles, which have no such limit on one node.
 
 Test hooks (not in SGLang): ``GET /test_double/requests`` (request counts per path),
-:attr:`SGLangTestServer.distributed_updates` (``(group_name, names)`` of every distributed update),
+:attr:`SGLangTestServer.distributed_updates` and ``GET /test_double/distributed_updates``
+(``(group_name, names)`` of every distributed update, in order),
 :meth:`SGLangTestServer.inject_failures` (answer the next
 requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
 aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
@@ -714,6 +715,7 @@ ROUTES = {
     ("POST", "/continue_generation"): SGLangTestServer.continue_generation,
     # test hook, not in SGLang: request counts per path, for tests that run the double as a process
     ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
+    ("GET", "/test_double/distributed_updates"): lambda s, b: [[g, n] for g, n in s.distributed_updates],
 }
 
 
