@@ -25,9 +25,11 @@ announces its group (a new one: the address the engines reach it at and the port
 rendezvous store already listens on, so no other process can take it in between); the driver
 posts the engines' joins, owner by owner, while every owner joins; then round by round the
 owners describe their buckets, the driver posts the requests while the owners broadcast. A
-group outlives the sync (it is reused by the next one, in the owner's process); a failed join
-is told to every owner waiting in one (an abort key in its rendezvous store), so they fail at
-once instead of after the timeout.
+group outlives the sync (it is reused by the next one, in the owner's process). An engine that
+refuses a join or a request leaves the owners waiting for engines that will not come: the
+driver tells each of them (an abort key in its rendezvous store, which it watches while it
+waits), so they fail at once instead of after the group's timeout; a group whose broadcast was
+given up is dropped and made anew by the next sync.
 """
 
 from __future__ import annotations

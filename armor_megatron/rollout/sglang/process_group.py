@@ -46,12 +46,15 @@ def listen(world_size: int, port: int = 0, timeout: float = 600.0):
 
 def address_towards(peer: str) -> str:
     """This host's address on the route to ``peer`` (what a process there can reach us at):
-    the source address the kernel picks for it; no packet is sent."""
+    the source address the kernel picks for it (no packet is sent); this host's name when that
+    is a loopback address (``peer`` names this host through a hosts-file alias) and ``peer``
+    itself is not one."""
     if peer in ("localhost", "") or peer.startswith("127."):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((peer, 9))
-        return s.getsockname()[0]
+        address = s.getsockname()[0]
+    return socket.gethostname() if address.startswith("127.") else address
 
 
 class WeightUpdateGroup:
