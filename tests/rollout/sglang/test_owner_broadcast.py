@@ -52,11 +52,14 @@ def _deliver(delivery, shares: dict[int, list[list]]):
     _on_threads([s.join for s in sinks.values()])
     delivery.settle()
     rounds = max(len(b) for b in shares.values())
-    for k in range(rounds):
-        buckets = {r: b[k] for r, b in shares.items() if k < len(b)}
-        delivery.conduct_bucket({r: sinks[r].describe(b) for r, b in buckets.items()}, last=k == rounds - 1)
-        _on_threads([lambda r=r, b=b: sinks[r].put(b) for r, b in buckets.items()])
-        delivery.settle()
+    try:
+        for k in range(rounds):
+            buckets = {r: b[k] for r, b in shares.items() if k < len(b)}
+            delivery.conduct_bucket({r: sinks[r].describe(b) for r, b in buckets.items()}, last=k == rounds - 1)
+            _on_threads([lambda r=r, b=b: sinks[r].put(b) for r, b in buckets.items()])
+            delivery.settle()
+    finally:
+        delivery.shutdown()
 
 
 def _delivery(clients, version, prefix):
@@ -159,6 +162,7 @@ def test_a_refused_join_fails_the_waiting_owners_at_once(tiny_ckpt):
             sink.join()  # told through its rendezvous store, long before the 300 s timeout
         with pytest.raises(WeightUpdateError, match="injected failure"):
             delivery.settle()
+        delivery.shutdown()
         assert server.engine.weight_version != "v1" and weights
     finally:
         server.stop()
