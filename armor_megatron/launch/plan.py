@@ -17,7 +17,8 @@ Layout of the allocation (``N`` nodes of ``g`` GPUs, ``E = launch.engine_gpus``)
 The engines are the policy group (``rollout.sglang.num_engines``) followed, when anchors come
 from a separate frozen reference (``anchor.source: separate`` without ``anchor.reference_urls``),
 by the reference group (``anchor.reference_engines``, same ``tp_per_engine``); every count above
-is over both groups. Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
+is over both groups. Engines run ``rollout.sglang.python`` (the SGLang environment's interpreter;
+the trainer's, ``ARMOR_PYTHON``, when null). Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
 through the ``rollout.sglang.urls`` and ``anchor.reference_urls`` overrides appended to its
 arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
 engine ports if it lands among them. Nothing here runs a command or imports megatron.
@@ -297,7 +298,7 @@ def _engine_step(
     # (exported by the batch script), so no command line that `ps` shows carries it.
     entry = [ENGINE_KEY_WRAPPER, "sglang.launch_server"] if sg.api_key else ["sglang.launch_server"]
     server = [
-        opts.python,
+        sg.python or opts.python,  # the SGLang environment's interpreter
         "-m",
         *entry,
         "--model-path",
@@ -319,6 +320,9 @@ def _engine_step(
     ]
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
+    if sg.deterministic:  # sampling_seed honoured, batch-invariant kernels (SGLangEngine sends per-sample seeds)
+        server.append("--enable-deterministic-inference")
+    # SGLANG_RETURN_ORIGINAL_LOGPROB stays unset: log-probs at the sampling temperature, as the trainer's
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
     srun += _cpus_per_task(opts, sg.tp_per_engine) + _srun_common(opts)

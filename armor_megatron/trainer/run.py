@@ -149,7 +149,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
         ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
         trainer.load_trainer_state(broadcast_object(extra))
-        _log(f"resumed from {path} at step {step}")
+        _log(f"resumed from {path} at step {step}", cfg.name)
     else:
         actor.load_weights(mcore_dir)
         if reference is not None:
@@ -162,7 +162,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         # (the checkpoint then already holds the reference, resets included).
         reference.load_weights(cfg.reference.init_from)
         trainer.reference_replaced()
-        _log(f"reference initialised from {cfg.reference.init_from}")
+        _log(f"reference initialised from {cfg.reference.init_from}", cfg.name)
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
     trainer.start_engines()
@@ -181,7 +181,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             fresh_start=not path,
         )
         if logger.set_aside:
-            _log(f"this run starts at step 0: the earlier metrics in {logger.log_dir} were moved to {logger.set_aside}")
+            _log(
+                f"this run starts at step 0: the earlier metrics in {logger.log_dir} were moved to {logger.set_aside}",
+                cfg.name,
+            )
 
     def save():
         root = cfg.checkpoint.dir
@@ -198,6 +201,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             logger.close()
 
 
-def _log(msg: str) -> None:
+def _log(msg: str, name: str = "armor") -> None:
+    """One line from rank 0, prefixed by the run's name (``[dapo] resumed from ...``)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[armor] {msg}", flush=True)
+        print(f"[{name}] {msg}", flush=True)
