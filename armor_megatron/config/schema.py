@@ -540,7 +540,10 @@ class LaunchConfig:
     )
     network_interface: str | None = checked(
         None,
-        check=lambda x: None if x is None or (x and not any(c.isspace() for c in x)) else f"{x!r} is no interface name",
+        check=described(
+            "an interface name without spaces",
+            lambda x: None if x is None or (x and not any(c.isspace() for c in x)) else f"{x!r} is no interface name",
+        ),
         help="the fabric's network interface (e.g. ib0; NCCL's forms such as ^docker,lo too) for a multi-node job: "
         "the SLURM plan exports it as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the trainer and the engines, so "
         "training collectives and the weight sync's broadcasts use it",
