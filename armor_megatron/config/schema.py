@@ -20,7 +20,9 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 @dataclasses.dataclass
 class ModelConfig:
     path: str = checked(check=non_empty, help="HF model directory (config.json, safetensors, tokenizer)")
-    mcore_path: str | None = checked(None, help="converted torch_dist checkpoint; converted at start when unset")
+    mcore_path: str | None = checked(
+        None, help="torch_dist checkpoint to start from; unset: each rank reads its slices of `path` directly"
+    )
     arch: dict[str, Any] = checked(
         factory=dict, help="HF config.json fields used for checks when `path` is not on this machine"
     )

@@ -3,6 +3,8 @@
 ``resume``: ``auto`` (the newest checkpoint in ``checkpoint.dir``), ``none``, a checkpoint path,
 or ``force`` (auto, even when ``checkpoint.dir`` holds another run's checkpoints: see
 ``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``.
+A fresh start loads ``model.mcore_path`` or, without one, ``model.path`` directly (each rank its
+own slices).
 
 Called by ``armor-train`` inside each distributed process (torchrun / srun start them).
 """
@@ -27,19 +29,11 @@ def needs_reference(cfg: RunConfig) -> bool:
     return cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled
 
 
-def ensure_mcore_checkpoint(cfg: RunConfig) -> str:
-    """``model.mcore_path``, or convert ``model.path`` once into ``<checkpoint.dir>/base_mcore`` (rank 0)."""
-    if cfg.model.mcore_path:
-        return cfg.model.mcore_path
-    out = os.path.join(cfg.checkpoint.dir, "base_mcore")
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.isdir(out):
-        from armor_megatron.convert import convert_hf_to_mcore
-
-        os.makedirs(cfg.checkpoint.dir, exist_ok=True)
-        convert_hf_to_mcore(cfg.model.path, out)
-    if dist.is_initialized():
-        dist.barrier()
-    return out
+def initial_weights(cfg: RunConfig) -> str:
+    """Where a fresh run's weights come from: ``model.mcore_path`` (a torch_dist checkpoint) or
+    else the HF directory ``model.path`` itself, from which every rank reads only its own
+    TP/PP/EP slices (``megatron.hf_weights``): no converted copy is written."""
+    return cfg.model.mcore_path or cfg.model.path
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
@@ -90,6 +84,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         moe=moe,
         stability=cfg.stability,
         token_budget=token_budget,
+        init_weights=False,  # every model's weights are loaded below (checkpoint or initial weights)
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -111,6 +106,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             moe=moe,
             stability=cfg.stability,
             token_budget=token_budget,
+            init_weights=False,  # the value head keeps its own initialisation
         )
     reference = None
     if needs_reference(cfg):
@@ -126,8 +122,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             max_tokens_per_micro_batch=token_budget.forward,
             throughput=throughput,
             moe=moe,
+            init_weights=False,
         )
-    mcore_dir = ensure_mcore_checkpoint(cfg)
+    weights = initial_weights(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
     make_engines = components.engine_factory(cfg, hf_config, tokenizer)
@@ -151,11 +148,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         trainer.load_trainer_state(broadcast_object(extra))
         _log(f"resumed from {path} at step {step}")
     else:
-        actor.load_weights(mcore_dir)
+        actor.load_weights(weights)
         if reference is not None:
-            reference.load_weights(mcore_dir)
+            reference.load_weights(weights)
         if critic is not None:  # the backbone; the value head keeps its initialisation
-            critic.load_weights(mcore_dir)
+            critic.load_weights(weights)
     if reference is not None and cfg.reference.init_from and (not path or resume not in ("auto", None)):
         # Recovery mode: a degraded run restarts with the reference set to an earlier, better
         # checkpoint. Applied on a fresh start or an explicit --resume PATH, never on auto-resume
