@@ -324,6 +324,17 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class SaveHFConfig:
+    """The policy written as an HF model directory during training: safetensors, config.json and
+    the tokenizer files of ``model.path`` under ``<checkpoint.dir>/hf/step_<N>``, by the ranks
+    that own the weights, atomically (loadable by transformers and SGLang as it is)."""
+
+    every_steps: int = checked(0, check=at_least(0), help="write the HF directory every N steps; 0: only at the end")
+    at_end: bool = checked(True, help="also write it after the last step")
+    keep_last: int = checked(0, check=at_least(0), help="HF directories kept (the oldest removed first); 0 keeps all")
+
+
+@dataclasses.dataclass
 class CheckpointConfig:
     dir: str | None = checked(
         None,
@@ -334,6 +345,9 @@ class CheckpointConfig:
     keep_last: int = checked(3, check=at_least(1))
     resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")
     save_anchor_cache: bool = True
+    save_hf: SaveHFConfig = checked(
+        factory=SaveHFConfig, help="HF copies of the policy during training (<checkpoint.dir>/hf/step_<N>)"
+    )
 
 
 @dataclasses.dataclass

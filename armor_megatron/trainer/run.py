@@ -2,9 +2,10 @@
 
 ``resume``: ``auto`` (the newest checkpoint in ``checkpoint.dir``), ``none``, a checkpoint path,
 or ``force`` (auto, even when ``checkpoint.dir`` holds another run's checkpoints: see
-``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``.
+``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``
+and the HF config and tokenizer files of ``model.path`` as ``<checkpoint.dir>/hf_config/``.
 A fresh start loads ``model.mcore_path`` or, without one, ``model.path`` directly (each rank its
-own slices).
+own slices). ``checkpoint.save_hf`` writes the policy as HF directories (``trainer.hf_save``).
 
 Called by ``armor-train`` inside each distributed process (torchrun / srun start them).
 """
@@ -20,6 +21,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
 from armor_megatron.trainer.collectives import broadcast_object
+from armor_megatron.trainer.hf_save import prune_hf, record_hf_files, save_hf
 from armor_megatron.trainer.loop import ArmorTrainer
 from armor_megatron.trainer.metrics_log import MetricsLogger
 
@@ -162,6 +164,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         _log(f"reference initialised from {cfg.reference.init_from}")
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
+        record_hf_files(cfg.model.path, cfg.checkpoint.dir)  # config + tokenizer for HF copies and armor-convert
     trainer.start_engines()
 
     logger = None
@@ -188,8 +191,14 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         if trainer.is_driver:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 
+    def save_hf_copy():
+        path = save_hf(HFWeightExport(actor.model_chunks, arch), cfg.checkpoint.dir, trainer.step)
+        if trainer.is_driver:
+            prune_hf(cfg.checkpoint.dir, cfg.checkpoint.save_hf.keep_last)
+            _log(f"policy of step {trainer.step} written as an HF model to {path}")
+
     try:
-        return trainer.run(save, logger)
+        return trainer.run(save, logger, save_hf=save_hf_copy)
     finally:
         if logger is not None:
             logger.close()
