@@ -38,7 +38,7 @@ import os
 import torch
 
 from armor_megatron.convert.errors import CheckpointError
-from armor_megatron.convert.hf_io import INDEX_FILE, SINGLE_FILE, HFCheckpoint
+from armor_megatron.convert.hf_io import HFCheckpoint
 from armor_megatron.convert.rules import TensorRule, hf_shapes, row_blocks, tensor_rules
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
 
@@ -46,10 +46,9 @@ DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` is an HF model directory (config.json and safetensors weights)."""
-    return os.path.isfile(os.path.join(path, "config.json")) and (
-        os.path.isfile(os.path.join(path, SINGLE_FILE)) or os.path.isfile(os.path.join(path, INDEX_FILE))
-    )
+    """Whether ``path`` is an HF model directory (a config.json; a torch_dist checkpoint has a
+    metadata.json instead). Its weights must be safetensors (`HFCheckpoint` says so otherwise)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
 
 def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None:
@@ -81,7 +80,9 @@ def load_hf_weights(
         for value in nested_values(sharded):
             if isinstance(value, ShardedTensor):
                 reader.fill(value)
-    if all(_in_module(v.data, chunks) for v in nested_values(sharded) if isinstance(v, ShardedTensor)):
+    storages = {t.untyped_storage().data_ptr() for c in chunks for t in (*c.parameters(), *c.buffers())}
+    boxes = [v.data for v in nested_values(sharded) if isinstance(v, ShardedTensor)]
+    if all(t.untyped_storage().data_ptr() in storages for t in boxes):
         return  # every box was a view of a parameter or buffer: the model holds the weights now
     # Some factory built its tensors as copies: finish as dist_checkpointing.load does.
     loaded = dict_list_map_outplace(
@@ -90,11 +91,6 @@ def load_hf_weights(
     merge(loaded, nonpersistent)
     loaded = apply_factory_merges(loaded, factories)
     load_chunks_state(chunks, loaded, exclude=exclude)
-
-
-def _in_module(tensor: torch.Tensor, chunks: list) -> bool:
-    storages = {t.untyped_storage().data_ptr() for c in chunks for t in (*c.parameters(), *c.buffers())}
-    return tensor.untyped_storage().data_ptr() in storages
 
 
 class _SliceReader:

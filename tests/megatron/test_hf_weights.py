@@ -185,3 +185,39 @@ def test_a_missing_tensor_is_one_line(tmp_path):
         model = build_gpt_model(ModelArch.from_hf_dir(hf_dir), use_te=False)
         with pytest.raises(CheckpointError, match=r"tensor model\.layers\.1\.mlp\.up_proj\.weight is missing"):
             load_weights([model], hf_dir)
+
+
+def test_boxes_built_as_copies_are_loaded_as_dist_checkpointing_does(tmp_path, monkeypatch):
+    """Where a sharded state dict's tensors are copies, not views of the parameters, the loaded
+    boxes go through the factories' merges and ``load_state_dict``: the same weights result."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    import armor_megatron.megatron.hf_weights as hf_weights
+    from armor_megatron.megatron.model import build_gpt_model
+    from armor_megatron.megatron.verify import single_process_megatron
+    from armor_megatron.models import ModelArch
+
+    hf_dir = save_tiny_model("qwen3", str(tmp_path / "qwen3"))
+    mcore_dir = str(tmp_path / "mcore")
+    convert_hf_to_mcore(hf_dir, mcore_dir, progress_stream=None)
+    real = hf_weights.chunks_sharded_state_dict
+
+    def copied(chunks, prefix=""):
+        state = real(chunks, prefix)
+        for sd in state.values():
+            for v in sd.values():
+                if isinstance(v, ShardedTensor):
+                    v.data = v.data.detach().clone()
+        return state
+
+    with single_process_megatron():
+        model = build_gpt_model(ModelArch.from_hf_dir(hf_dir), use_te=False)
+        hf_weights.load_weights([model], mcore_dir)
+        expected = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(0.5)
+        monkeypatch.setattr(hf_weights, "chunks_sharded_state_dict", copied)
+        hf_weights.load_weights([model], hf_dir)
+        got = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+        assert [k for k in expected if not torch.equal(got[k], expected[k])] == []
