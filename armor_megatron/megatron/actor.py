@@ -67,7 +67,7 @@ from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_nor
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
-from armor_megatron.megatron.microbatch import TokenBudget
+from armor_megatron.megatron.microbatch import TokenBudget, to_device
 from armor_megatron.megatron.model import MoESettings, Recompute, Throughput
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
@@ -139,7 +139,7 @@ class MegatronActor(TrainedModel):
             lp, ent = token_logprobs(
                 logits, tmb.mb, vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=True
             )
-            rows = {k: v.to(lp.device) for k, v in tmb.rows.items()}
+            rows = {k: to_device(v, lp.device) for k, v in tmb.rows.items()}
             return self.loss_fn(
                 lp,
                 rows["old_logprobs"],
@@ -147,7 +147,7 @@ class MegatronActor(TrainedModel):
                 rows["advantages"],
                 rows["response_mask"],
                 loss_config,
-                normalizer=normalizer.to(lp.device),
+                normalizer=to_device(normalizer, lp.device),
                 entropy=ent,
                 token_weights=rows.get("tis_weights"),
             )

@@ -54,7 +54,7 @@ from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
-from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget
+from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget, to_device
 from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks, resolve_dtype
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
@@ -180,14 +180,14 @@ class MegatronCritic(TrainedModel):
 
         def loss_of(tmb: TrainMicroBatch, output: torch.Tensor):
             values = token_values(output, tmb.mb)
-            rows = {k: v.to(values.device) for k, v in tmb.rows.items()}
+            rows = {k: to_device(v, values.device) for k, v in tmb.rows.items()}
             return value_loss(
                 values,
                 rows["old_values"],
                 rows["returns"],
                 rows["response_mask"],
                 self.loss_config,
-                normalizer=normalizer.to(values.device),
+                normalizer=to_device(normalizer, values.device),
             )
 
         metrics = self._train_on(batch, loss_of)

@@ -27,6 +27,11 @@ chunk by chunk and writes the gradient straight into one buffer shaped like the 
 Gradients: ∂log p(y)/∂z_v = 1[v=y] − p_v and ∂H/∂z_v = −p_v (log p_v + H), both divided by
 the temperature for the logits.
 
+Host and device: nothing run per micro-batch reads device data on the host (which would wait for
+the device's queue): labels are checked on the host before they travel, host tensors travel
+through `microbatch.to_device` (pinned, non-blocking on GPUs), and the gradient's target term is
+scattered without listing rows. tests/megatron/test_logprobs.py runs this path on meta tensors.
+
 `compute_logprobs` runs the model through megatron-core's pipeline schedule
 (`get_forward_backward_func`, forward only, no grad): the batch is cut into micro-batches of
 `micro_batch_size` sequences, each right-padded only to its own longest sequence (stages
@@ -54,6 +59,7 @@ from armor_megatron.megatron.microbatch import (
     round_up,
     sequence_multiple,
     split_microbatches,
+    to_device,
 )
 
 DEFAULT_CHUNK_ELEMENTS = 2**26  # 64 Mi fp32 elements = 256 MiB per work tensor
@@ -112,10 +118,10 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
                 logp.clamp_(min=_FP32_MIN).add_(entropy[a:b, None]).mul_(g).mul_(grad_entropy[a:b, None])
             if grad_logprobs is None:
                 g.zero_()
-            else:  # g_lp · (1[v = y] − p)
+            else:  # g_lp · (1[v = y] − p); rows whose label another rank holds add −0.0 (exact no-op)
                 g.mul_(-grad_logprobs[a:b, None])
-                rows = owned[a:b].nonzero().squeeze(1)
-                g[rows, local[a:b][rows]] += grad_logprobs[a:b][rows]
+                if valid:
+                    g.scatter_add_(1, local[a:b, None], torch.where(owned[a:b], grad_logprobs[a:b], -0.0)[:, None])
             if use_entropy:
                 g.sub_(logp)
             if temperature != 1.0:
@@ -159,6 +165,8 @@ def vocab_parallel_logprobs(
     `vocab_size` is the true vocabulary (default: all columns); `group` the tensor-parallel
     group (None: no split). Returns fp32 tensors shaped like `labels`; differentiable w.r.t.
     logits (log-probs and entropy) with memory bounded as described in the module docstring.
+    Labels outside [0, vocab_size) raise when they are host tensors; device labels are not read
+    on the host (that would wait for the device): their out-of-range entries get NaN log-probs.
     """
     if logits.shape[:-1] != labels.shape:
         raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} disagree on the token dims")
@@ -170,8 +178,9 @@ def vocab_parallel_logprobs(
     vocab_size = v_local * world if vocab_size is None else vocab_size
     if not 0 < vocab_size <= v_local * world:
         raise ValueError(f"vocab_size={vocab_size} does not fit {world} shards of {v_local} columns")
-    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab_size):
-        raise ValueError(f"labels must lie in [0, {vocab_size}); got [{int(labels.min())}, {int(labels.max())}]")
+    on_host = labels.device.type == "cpu"
+    if on_host:
+        check_labels(labels, vocab_size)
     vocab_start = rank * v_local
     valid = max(0, min(v_local, vocab_size - vocab_start))
     chunk = max(1, chunk_elements // max(v_local, 1))
@@ -179,7 +188,21 @@ def vocab_parallel_logprobs(
     lp, ent = _ChunkedVocabParallelLogProbs.apply(
         flat_logits, labels.reshape(-1), vocab_start, valid, float(temperature), chunk, with_entropy, group
     )
+    if not on_host:  # reading the labels' range would wait for the device
+        lp = out_of_range_to_nan(lp, labels.reshape(-1), vocab_size)
     return lp.view(labels.shape), (ent.view(labels.shape) if with_entropy else None)
+
+
+def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """`lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
+    which never reads them on the host."""
+    return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
+
+
+def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
+    """Raise unless every (host) label lies in [0, vocab_size)."""
+    if labels.numel() and (int(labels.min()) < 0 or int(labels.max()) >= vocab_size):
+        raise ValueError(f"labels must lie in [0, {vocab_size}); got [{int(labels.min())}, {int(labels.max())}]")
 
 
 # ----------------------------------------------------------------------------- pipeline forward
@@ -193,7 +216,8 @@ def model_forward(model, mb: MicroBatch) -> torch.Tensor:
     """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage,
     hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``)."""
     device = _device_of(model)
-    return model(mb.tokens.to(device), mb.position_ids.to(device), None, packed_seq_params=mb.packed_seq_params(device))
+    tokens = to_device(mb.tokens, device)
+    return model(tokens, mb.position_ids_on(device), None, packed_seq_params=mb.packed_seq_params(device))
 
 
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -207,9 +231,11 @@ def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torc
     """
     from megatron.core import parallel_state
 
-    tokens = mb.tokens.to(logits.device)
-    labels = torch.cat([tokens[:, 1:], torch.zeros_like(tokens[:, :1])], dim=1)  # [b, s]
-    lp, ent = vocab_parallel_logprobs(logits, labels, group=parallel_state.get_tensor_model_parallel_group(), **kwargs)
+    group = parallel_state.get_tensor_model_parallel_group()
+    labels = torch.cat([mb.tokens[:, 1:], torch.zeros_like(mb.tokens[:, :1])], dim=1)  # [b, s], on the host
+    vocab = kwargs.get("vocab_size") or logits.shape[-1] * (dist.get_world_size(group) if group is not None else 1)
+    check_labels(labels, vocab)  # here, on the host: on the device the check would wait for it
+    lp, ent = vocab_parallel_logprobs(logits, to_device(labels, logits.device), group=group, **kwargs)
     return shift_to_predicted(mb.unpack(lp), mb), (shift_to_predicted(mb.unpack(ent), mb) if ent is not None else None)
 
 
@@ -219,7 +245,7 @@ def shift_to_predicted(x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     The output at t (from tokens ≤ t) belongs to token t + 1: it is kept when t + 1 < length and
     moved right by one, so position 0 and positions ≥ length hold 0.
     """
-    keep = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] < mb.lengths.to(x.device)[:, None]
+    keep = torch.arange(1, x.shape[1] + 1, device=x.device)[None, :] < to_device(mb.lengths, x.device)[:, None]
     return torch.nn.functional.pad(torch.where(keep, x, 0.0)[:, :-1], (1, 0))
 
 
@@ -306,9 +332,9 @@ def forward_only(
     results = {name: torch.zeros(per_rank, width, dtype=torch.float32, device=device) for name in names}
 
     def loss_func(mb, output):
-        rows = len(mb.index)
+        rows, index = len(mb.index), to_device(mb.index, device)
         for name, value in zip(names, collect(mb, output), strict=True):
-            results[name][mb.index, : value.shape[1]] = value[:rows]
+            results[name][index, : value.shape[1]] = value[:rows]
         return output.new_zeros(()), {}
 
     def forward_step(data_iterator, model):
@@ -351,7 +377,7 @@ def _gathered_rows(local: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch
         dist.all_gather(parts, local, group=parallel_state.get_data_parallel_group())
     out = local.new_zeros(sum(len(rows) for rows in shares), local.shape[1])
     for part, rows in zip(parts, shares):
-        out[rows.to(out.device)] = part[: len(rows)]
+        out[to_device(rows, out.device)] = part[: len(rows)]
     return out
 
 

@@ -8,6 +8,7 @@ Public interface::
     multiple = sequence_multiple(model_chunks)     # tp under sequence parallelism, else 1
     mb = filler_microbatch(input_ids)              # a one-token stand-in for no row
     mb = packed_microbatch(input_ids, lengths, index, multiple_of=1, width=None)   # rows back to back
+    t = to_device(host_tensor, device)             # pinned, non-blocking when the device is a GPU
     mbs, shares = local_packed_microbatches(input_ids, lengths, budget, multiple_of)   # this DP rank's packs
 
 A `MicroBatch` holds rows ``index`` of the batch in one of two layouts:
@@ -52,12 +53,17 @@ class MicroBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
-        t = self.tokens.shape[1]
-        positions = torch.arange(t, device=self.tokens.device)
+        return self.position_ids_on(self.tokens.device)
+
+    def position_ids_on(self, device) -> torch.Tensor:
+        """Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
+        copied there; ``output_size`` spares the device a read-back of the repeat counts)."""
+        b, t = self.tokens.shape
+        positions = torch.arange(t, device=device)
         if self.packed:
-            starts = self.cu_seqlens[:-1].long().to(positions.device)
-            positions = positions - starts.repeat_interleave(self.cu_seqlens.diff().long().to(positions.device))
-        return positions.expand_as(self.tokens)
+            cu = to_device(self.cu_seqlens, device).long()
+            positions = positions - cu[:-1].repeat_interleave(cu.diff(), output_size=t)
+        return positions.expand(b, t)
 
     def packed_seq_params(self, device=None):
         """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
@@ -65,8 +71,8 @@ class MicroBatch:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
-        cu = self.cu_seqlens.to(device=device, dtype=torch.int32)
-        longest = int(self.cu_seqlens.diff().max())
+        cu = to_device(self.cu_seqlens.to(torch.int32), device)
+        longest = int(self.cu_seqlens.diff().max())  # from the host copy
         return PackedSeqParams(
             qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
         )
@@ -80,9 +86,27 @@ class MicroBatch:
         if not self.packed:
             return x
         t = x.shape[1]
-        starts = self.cu_seqlens[: len(self.lengths)].long().to(x.device)
+        starts = to_device(self.cu_seqlens[: len(self.lengths)], x.device).long()
         where = (starts[:, None] + torch.arange(self.width, device=x.device)[None, :]).clamp(max=t - 1)
         return x[0][where]
+
+
+def pinned_copy(src: torch.Tensor, device) -> bool:
+    """Whether `src` goes to `device` through pinned host memory, without blocking the host: when
+    it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host wait
+    until the GPU has finished its queued work; pinning needs an accelerator."""
+    return src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda"
+
+
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """`t` on `device` (None: left where it is). Host tensors bound for a GPU are pinned and copied
+    asynchronously (`pinned_copy`): the caching host allocator keeps the pinned buffer until the
+    copy has run."""
+    if device is None:
+        return t
+    if pinned_copy(t, device):
+        return (t if t.is_pinned() else t.pin_memory()).to(device, non_blocking=True)
+    return t.to(device)
 
 
 def split_microbatches(

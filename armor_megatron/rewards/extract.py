@@ -2,18 +2,40 @@
 
 Answer forms, in priority order:
 
-1. ``\\boxed{...}`` / ``\\fbox{...}`` with balanced braces (escaped ``\\{`` ``\\}`` do not count),
-   and the brace-less ``\\boxed 5`` form. Only the LAST box counts; if it is never closed (a
+1. A final-answer statement written after the last box, at the very END of the response: a
+   DAPO-style answer line ``Answer: 42`` (``**Final Answer:** 42``, ``Answer: The answer is
+   42``) that starts the last non-empty line, or a Minerva-style ``The final answer is $42$.
+   I hope it is correct.`` on it. The last stated answer wins: an earlier ``\\boxed{200}`` on
+   an intermediate step does not outrank a closing ``Final Answer: The final answer is
+   $10,455$.`` A statement in words alone (``Answer: see above``, ``The final answer is boxed
+   above.``) states no answer of its own and leaves the boxes standing.
+2. The boxes ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; escaped ``\\{`` ``\\}`` do not
+   count; also the brace-less ``\\boxed 5``) of the FINAL ANSWER SEGMENT. The final answer
+   segment is the last box together with the boxes before it that are joined to it by nothing
+   but joiners, box after box back from the last:
+
+   * blanks and line breaks, ``,`` ``;`` ``&`` and markdown bold ``**``;
+   * math delimiters ``$`` ``$$`` ``\\(`` ``\\)`` ``\\[`` ``\\]`` and LaTeX line breaks ``\\\\``;
+   * LaTeX spacing ``~`` ``\\,`` ``\\;`` ``\\:`` ``\\!`` ``\\ `` ``\\quad`` ``\\qquad``;
+   * the words ``and`` / ``or``, bare or as ``\\text{ and }`` (also ``\\textrm``, ``\\mbox``,
+     ``\\mathrm``);
+   * a variable being assigned: ``x =``, ``x_2 =``, ``x_{2} =``, ``\\lambda =``.
+
+   Any other text between two boxes (``wait``, ``so``, ``hence``, a sentence's ``.``, an
+   operator such as ``=`` or ``-`` without a variable) ends the segment: the boxes before it
+   were said on the way, and the response discarded them. So do a blank box, a box left
+   unclosed, and a box nested in (or overlapping) the argument of the one after it. Thus
+   ``\\boxed{(2, 2)} \\quad\\text{and}\\quad \\boxed{(6, 2)}``, ``\\boxed{1},\\boxed{2},\\boxed{3}``
+   and ``$x = \\boxed{-2}$ and $\\boxed{1}$`` are segments of several boxes, while
+   ``\\boxed{1}, wait, \\boxed{2}`` is the one box ``2``. If the last box is never closed (a
    response cut off at the length limit) there is no final answer, and nothing earlier is
    taken in its place.
-2. Without any box, a final answer written at the very END of the response, on its last
-   non-empty line: a DAPO-style answer line ``Answer: 42`` (``**Final Answer:** 42``) that
-   starts the line, or a Minerva-style ``The final answer is $42$. I hope it is correct.``
-   A mention earlier in the text (``... the candidate answer: 14/3. Hmm, but wait``) or
-   followed by more reasoning is not a final answer: a truncated response must not score
-   by what it said on its way.
-3. Multiple-choice letters (``\\boxed{C}``, ``the answer is (C).``, a last line ``C``), see
-   :func:`extract_choice`, with the same two rules.
+3. Without any box, the final-answer statement of rule 1 ending the response. A mention
+   earlier in the text (``... the candidate answer: 14/3. Hmm, but wait``) or followed by
+   more reasoning is not a final answer: a truncated response must not score by what it said
+   on its way.
+4. Multiple-choice letters (``\\boxed{C}``, ``the answer is (C).``, a last line ``C``), see
+   :func:`extract_choice`, with the same rules (one box, no segment).
 
 Reasoning models write their thoughts between ``<think>`` and ``</think>``: only the text after
 the last ``</think>`` holds the final answer, and a response whose ``<think>`` is never closed
@@ -21,10 +43,14 @@ the last ``</think>`` holds the final answer, and a response whose ``<think>`` i
 
 Every answer is cleaned the same way (:func:`clean_answer`): surrounding ``$``, markdown
 bold and trailing ``.``/``,``/``;`` are dropped, so ``\\boxed{204.}`` reads as ``Answer: 204.``.
+Inside a statement an escaped ``\\$`` is currency, not a math delimiter, and ``\\!`` / ``\\;`` /
+``\\:`` / ``\\.`` are LaTeX, not a sentence's end: ``The final answer is $\\$32,\\!348$.`` reads
+``\\$32,\\!348`` and ``Answer: 11,\\! 111,\\! 100`` reads ``11,\\! 111,\\! 100``.
 
 Every function here runs in time linear in the length of the text, whatever the text
-(no regex with nested or adjacent ambiguous quantifiers, one forward pass for the braces):
-the trainer calls them outside the verifier's worker process.
+(no regex with nested or adjacent ambiguous quantifiers, one forward pass for the braces,
+each gap between boxes scanned once): the trainer calls them outside the verifier's worker
+process.
 """
 
 from __future__ import annotations
@@ -38,8 +64,11 @@ _NON_SPACE = re.compile(r"\S")
 _TRAILING_PUNCTUATION = ".,;"
 _ANSWER_LINE = re.compile(r"[\s*#>_]*(?:final\s+)?answer[\s*_]*[:：][\s*_]*", re.I)
 _FINAL_PHRASE = re.compile(r"final answer is\b[ \t:]*", re.I)
+_ANSWER_IS = re.compile(r"answer is\b[ \t:]*", re.I)  # "Answer: The answer is 3"
+_WORDS = re.compile(r"[A-Za-z\s.,;:!?'\"]*")  # "see above": no answer of its own
 _MATH_DELIMITERS = (("$$", "$$"), ("$", "$"), ("\\(", "\\)"), ("\\[", "\\]"))
-_SENTENCE_BREAK = re.compile(r"[.!?;:]\s|,\s*[A-Za-z]{2,}")
+# a sentence's end, or a separator before a word; \! \; \: before a digit are LaTeX spaces
+_SENTENCE_BREAK = re.compile(r"(?<!\\)[.!?;:]\s|[,;:!]\s*[A-Za-z]{2,}")
 _CLOSING_CHARACTERS = " \t.,;!*$)"
 _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 
@@ -50,16 +79,24 @@ _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 def box_spans(text: str) -> list[tuple[int, int] | None]:
     """``(start, end)`` of every ``\\boxed``/``\\fbox`` argument (``text[start:end]``), in order;
     ``None`` for a command whose argument is missing or never closed. One pass over ``text``."""
+    return [box[:2] if box is not None else None for _, box in _boxes(text)]
+
+
+def _boxes(text: str) -> list[tuple[int, tuple[int, int, int] | None]]:
+    """Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
+    the position past its closing brace; the second item is ``None`` for a command whose
+    argument is missing or never closed. One pass over ``text``."""
     pairs = _matching_braces(text)
-    spans: list[tuple[int, int] | None] = []
+    boxes: list[tuple[int, tuple[int, int, int] | None]] = []
     for match in _BOX_COMMAND.finditer(text):
         pos = _skip_blanks(text, match.end())
         if pos < len(text) and text[pos] == "{":
             close = pairs.get(pos)
-            spans.append((pos + 1, close) if close is not None else None)
+            boxes.append((match.start(), (pos + 1, close, close + 1) if close is not None else None))
         else:
-            spans.append(_bare_span(text, pos))
-    return spans
+            span = _bare_span(text, pos)
+            boxes.append((match.start(), (*span, span[1]) if span is not None else None))
+    return boxes
 
 
 def find_boxed(text: str) -> list[str | None]:
@@ -143,6 +180,45 @@ def _matching_braces(text: str) -> dict[int, int]:
     return pairs
 
 
+_JOINER = re.compile(
+    r"""\s+|[,;&]|\*\*|\$+|\\[()\[\]]|\\\\|~|\\[,;:! ]|\\q?quad(?![A-Za-z])
+    |(?:and|or)(?![A-Za-z])
+    |\\(?:text|textrm|textnormal|mbox|mathrm)\s*\{[\s,;~]*(?:(?:and|or)[\s,;~]*)?\}
+    |(?:[A-Za-z]|\\[A-Za-z]+)(?:_(?:\w|\{\w+\}))?\s*=""",
+    re.X,
+)
+
+
+def final_box_segment(text: str) -> list[tuple[int, int]] | None:
+    """Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
+    in order, the last box last; ``None`` if ``text`` has no box or its last box is never
+    closed. Each gap between two boxes is scanned once: linear time."""
+    return _segment(text, _boxes(text))
+
+
+def _segment(text: str, boxes: list[tuple[int, tuple[int, int, int] | None]]) -> list[tuple[int, int]] | None:
+    if not boxes or boxes[-1][1] is None:
+        return None
+    segment = [boxes[-1][1]]
+    start = boxes[-1][0]
+    for command_start, box in reversed(boxes[:-1]):
+        if box is None or box[2] > start or is_blank(text, box[:2]) or not _only_joiners(text, box[2], start):
+            break
+        segment.append(box)
+        start = command_start
+    return [box[:2] for box in reversed(segment)]
+
+
+def _only_joiners(text: str, pos: int, end: int) -> bool:
+    """Whether ``text[pos:end]`` is a run of joiners (module docstring), scanning it once."""
+    while pos < end:
+        match = _JOINER.match(text, pos, end)
+        if match is None or match.end() == pos:
+            return False
+        pos = match.end()
+    return True
+
+
 # --- answers written at the end -------------------------------------------------------------
 
 
@@ -175,7 +251,7 @@ def final_answer_text(text: str) -> str | None:
     answer_line = _ANSWER_LINE.match(line)
     if answer_line is not None:
         line = line[answer_line.end() :]
-        phrase = _last_match(_FINAL_PHRASE, line)
+        phrase = _last_match(_ANSWER_IS, line)
         rest = line[phrase.end() :] if phrase is not None else line
     else:
         phrase = _last_match(_FINAL_PHRASE, line)
@@ -186,7 +262,7 @@ def final_answer_text(text: str) -> str | None:
     if delimited is not None:
         opening, closing = delimited
         body = rest.lstrip()
-        close = body.find(closing, len(opening))
+        close = _find_closing(body, closing, len(opening))
         if close < 0:
             return None  # math cut off before its closing delimiter
         if _only_closing(body[close + len(closing) :]):
@@ -201,6 +277,15 @@ def final_answer_text(text: str) -> str | None:
             return None  # "5, but wait": reasoning goes on, this is no final answer
     answer = clean_answer(answer)
     return answer or None
+
+
+def _find_closing(text: str, closing: str, pos: int) -> int:
+    """Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
+    (``\\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan."""
+    for token in re.compile(re.escape(closing) + r"|\\.", re.S).finditer(text, pos):
+        if token.group() == closing:
+            return token.start()
+    return -1
 
 
 def _opening_delimiter(text: str) -> tuple[str, str] | None:
@@ -237,17 +322,50 @@ def after_reasoning(text: str) -> str | None:
     return None if THINK_OPEN in text else text
 
 
-def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
-    """The final answer of a math response (after its reasoning, :func:`after_reasoning`): the
-    last box's content if the response has a box command (``None`` if that box is
-    unterminated: nothing earlier replaces it), else, with ``answer_line_fallback``,
-    :func:`final_answer_text`."""
+def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str] | None:
+    """The final answer of a math response (after its reasoning, :func:`after_reasoning`), as
+    the list of what it states, or ``None`` if it states nothing (module docstring, rules 1-3):
+
+    * a final-answer statement (:func:`final_answer_text`) in the text after the last box
+      (with ``answer_line_fallback``): ``[statement]``, the last stated answer, unless it is
+      words alone (``Answer: see above``, ``The final answer is boxed above.``, ``three``:
+      letters, blanks and punctuation, other than an option letter), which leave the boxes
+      standing;
+    * else the cleaned contents of the boxes of the final answer segment
+      (:func:`final_box_segment`), in order, each once (at its last place, so the last box
+      comes last); ``None`` if the last box is unterminated (nothing earlier replaces it)
+      or blank;
+    * without a box, with ``answer_line_fallback``, ``[statement]`` of the whole text.
+    """
     text = after_reasoning(text)
     if text is None:
         return None
-    if last_box_command(text) is not None:
-        return last_boxed(text)
-    return final_answer_text(text) if answer_line_fallback else None
+    boxes = _boxes(text)
+    if not boxes:
+        statement = final_answer_text(text) if answer_line_fallback else None
+        return [statement] if statement else None
+    last = boxes[-1][1]
+    if last is None:
+        return None
+    if answer_line_fallback:
+        statement = final_answer_text(text[last[2] :])
+        if statement and (_WORDS.fullmatch(statement) is None or option_letter(statement) is not None):
+            return [statement]
+    answers: list[str] = []
+    seen: set[str] = set()
+    for start, stop in reversed(_segment(text, boxes)):
+        answer = clean_answer(text[start:stop])
+        if answer not in seen and (answer or not answers):
+            seen.add(answer)
+            answers.append(answer)
+    return answers[::-1] if answers[0] else None  # answers[0]: the last box, blank or not
+
+
+def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
+    """The last answer :func:`final_math_answers` reads (the final-answer statement, or the
+    last box of the final answer segment), ``None`` if there is none."""
+    answers = final_math_answers(text, answer_line_fallback)
+    return answers[-1] if answers else None
 
 
 def last_answer_line(text: str) -> str | None:
@@ -264,7 +382,37 @@ def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
 
 # --- multiple choice ------------------------------------------------------------------------
 
-_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_LETTER_WRAPPER = re.compile(r"\\(?:text|textbf|textrm|textnormal|mathrm|mathbf|mbox)\s*\{(.*)\}", re.S)
+_MAX_LETTER_TEXT = 64  # an option letter in its wrappers is short; longer texts are not read
+
+
+def strip_option_wrappers(text: str) -> str:
+    """``text`` without the wrappers an option letter is written in: surrounding ``$``, text
+    commands (``\\text{}``, ``\\textbf{}``, ``\\textrm{}``, ``\\mathrm{}``, ``\\mathbf{}``,
+    ``\\mbox{}``) and parentheses, any number, in any order: ``\\textbf{(C)}`` -> ``C``,
+    ``(\\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only."""
+    text = text.strip()
+    if len(text) > _MAX_LETTER_TEXT:
+        return text
+    while True:
+        text = text.strip().strip("$").strip()
+        wrapped = _LETTER_WRAPPER.fullmatch(text)
+        if wrapped is not None:
+            text = wrapped.group(1)
+        elif len(text) >= 2 and text[0] == "(" and text[-1] == ")":
+            text = text[1:-1]
+        else:
+            return text
+
+
+def option_letter(text: str) -> str | None:
+    """The option letter ``text`` names and nothing else, or ``None``: one capital letter in
+    any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``, ``\\text{C}``, ``\\textbf{C}``,
+    ``\\mathrm{C}``, ``\\text{(C)}``, ``$\\textbf{(C)}$`` all name ``C``; ``c``, ``CD``,
+    ``\\text{C} + 1`` name none."""
+    letter = strip_option_wrappers(text)
+    return letter if len(letter) == 1 and "A" <= letter <= "Z" else None
 
 
 def extract_choice(text: str, letters: str) -> str | None:
@@ -272,28 +420,43 @@ def extract_choice(text: str, letters: str) -> str | None:
 
     ``letters`` are the valid options, e.g. ``"ABCD"`` (GPQA) or ``"ABCDEFGHIJ"`` (MMLU-Pro);
     matching is case-sensitive on the letter so the article "a" is never read as option A.
-    Read after the reasoning (:func:`after_reasoning`). Priority: the last ``\\boxed{}`` (``\\boxed{C}``, ``\\boxed{(C)}``, ``\\boxed{\\text{C. 42}}``;
-    an unterminated last box means no answer); then, on the last non-empty line, an answer
-    phrase (``Answer: C``, ``**Answer:** (C)``, ``the answer is C.``) followed by nothing but
-    punctuation, or a line holding nothing but the letter (``C``, ``(C)``, ``**C.**``).
+    Read after the reasoning (:func:`after_reasoning`). Priority: an answer phrase on the
+    last non-empty line after the last box (``Answer: C``, ``**Answer:** (C)``,
+    ``the answer is \\text{(C)}.``) followed by nothing but punctuation: the last stated answer
+    wins; else the last ``\\boxed{}`` (``\\boxed{C}``, ``\\boxed{(C)}``, ``\\boxed{\\text{(C)}}``,
+    ``\\boxed{\\text{C. 42}}``; an unterminated last box means no answer); without a box, that
+    answer phrase, or a last line holding nothing but the letter (``C``, ``(C)``, ``**C.**``,
+    ``$\\text{(C)}$``).
     """
     text = after_reasoning(text)
     if text is None:
         return None
     cls = "[" + re.escape(letters) + "]"
-    end = last_box_command(text)
-    if end is not None:
-        span = _box_argument(text, end)
-        if span is None:
+    boxes = _boxes(text)
+    if boxes:
+        last = boxes[-1][1]
+        if last is None:
             return None
-        inner = _TEXT_WRAPPER.sub(r"\1", text[span[0] : span[1]]).strip()
+        stated = _stated_choice(text[last[2] :], cls)
+        if stated is not None:
+            return stated
+        inner = _TEXT_WRAPPER.sub(r"\1", text[last[0] : last[1]]).strip()
         match = re.fullmatch(rf"\(?({cls})\)?(?:[.:)]?(?:(?:\s|~|\\[ ,;:!]).*)?)", inner, flags=re.S)
         return match.group(1) if match else None
-    line = last_line(text)
+    stated = _stated_choice(text, cls)
+    if stated is not None:
+        return stated
+    bare = _TEXT_WRAPPER.sub(r"\1", last_line(text)).strip().strip("*$ ").rstrip(".").strip("* ")
+    match = re.fullmatch(rf"\(?({cls})\)?", bare)
+    return match.group(1) if match else None
+
+
+def _stated_choice(text: str, cls: str) -> str | None:
+    """The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
+    punctuation follows (``the answer is (C).``), or ``None``."""
+    line = _TEXT_WRAPPER.sub(r"\1", last_line(text))
     phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*:：]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")
     match = _last_match(phrase, line)
     if match is not None and _only_closing(line[match.end() :]):
         return match.group(1)
-    last = line.strip().strip("*$ ").rstrip(".").strip("* ")
-    match = re.fullmatch(rf"\(?({cls})\)?", last)
-    return match.group(1) if match else None
+    return None

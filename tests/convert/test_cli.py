@@ -13,6 +13,7 @@ from safetensors.torch import load_file, save_file
 from armor_megatron.cli.convert import main, parse_size
 from armor_megatron.convert.progress import Progress
 from tests.convert.conftest import save_tiny_model
+from tests.processes import stopped_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -320,9 +321,10 @@ def test_sigterm_during_a_conversion_cleans_up(tmp_path, tiny_models):
         text=True,
         env=dict(os.environ, PYTHONPATH=ROOT),
     )
-    assert proc.stdout.readline() == "writing\n"
-    assert [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # the staged output exists now
-    proc.terminate()
-    _, err = proc.communicate(timeout=60)
+    with stopped_after(proc):
+        assert proc.stdout.readline() == "writing\n"
+        assert [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # the staged output exists now
+        proc.terminate()
+        _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().endswith("interrupted; the partial output was removed"), err
     assert os.listdir(tmp_path) == []

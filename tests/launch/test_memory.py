@@ -15,7 +15,6 @@ import pytest
 from armor_megatron.config import load_config
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.launch.memory import (
-    GIB,
     ActivationSettings,
     activation_bytes,
     params_per_gpu,
@@ -28,8 +27,12 @@ from armor_megatron.models.arch import ModelArch
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_parallel_logprobs import QWEN2, QWEN3, QWEN3_MOE
 
-# planned / measured - 1 must lie in this range: a planner may overestimate a little, not underestimate
-# (measured at the time of writing: -5.4 % .. +11.7 %, most within ±5 %).
+# planned / measured - 1 must lie in this range. Below: what the formula leaves out by design, the
+# fp32 1/rms vectors, the causal mask, the RoPE tables and an fp32 view of the qkv output, 4.9 % of a
+# Qwen3 layer at these widths in fp32 and 2.1 % in bf16 (counted by hand and measured, tensor by
+# tensor: tests/launch/test_memory_by_hand.py); the end leaves 1 % for the other families' small
+# tensors, not counted by hand (Qwen2's qkv bias, MoE routing). Above: a plan may overestimate, by
+# at most 12 %, or it refuses layouts that fit.
 TOLERANCE = (-0.06, 0.12)
 SEQ, BATCH = 128, 2
 
@@ -50,19 +53,6 @@ def _arch(name):
 )
 def test_total_parameters_match_the_published_sizes(name, billions):
     assert total_params(_arch(name)) / 1e9 == pytest.approx(billions, abs=0.01)
-
-
-def test_korthikanti_sizes_for_qwen3_8b():
-    # The issue's estimate: micro-batch 4 of 1k + 8k tokens, TP2 + SP, no recompute: ~86 GiB of
-    # activations before logits (34·s·b·h·L/t bytes). Our count for Qwen3-8B's shapes is 33.5·s·b·h.
-    settings = ActivationSettings(seq_len=9216, micro_batch_size=4, tp=2, sequence_parallel=True)
-    arch = _arch("qwen3_8b_base_two_stage")
-    gib = activation_bytes(arch, range(arch.num_layers), settings, in_flight=1) / GIB
-    assert gib == pytest.approx(86.07 * 33.5 / 34, rel=0.01)
-    full = dataclasses.replace(settings, recompute="full")
-    # full: 36 layer inputs (2·s·b·h/t each) + one layer recomputed
-    expected = (36 * 2 * 9216 * 4 * 4096 / 2 + 33.5 * 9216 * 4 * 4096 / 2) / GIB
-    assert activation_bytes(arch, range(arch.num_layers), full, in_flight=1) / GIB == pytest.approx(expected, rel=0.01)
 
 
 def test_every_recipe_fits_and_a_70b_at_tp1_pp1_does_not():

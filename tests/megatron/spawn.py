@@ -58,16 +58,18 @@ def run_ranks(fn, world_size, *args, timeout=240):
         procs = [
             ctx.Process(target=_entry, args=(fn, r, world_size, store.port, out_dir, args)) for r in range(world_size)
         ]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        alive = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        try:
+            for p in procs:
+                p.start()
+            deadline = time.monotonic() + timeout
+            for p in procs:
+                p.join(max(0.0, deadline - time.monotonic()))
+            alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        finally:  # also when the caller is interrupted (Ctrl-C, pytest-timeout) while it waits
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                    p.join()
         del store  # the port is held until every rank is gone
         results, errors = [], []
         for r in range(world_size):

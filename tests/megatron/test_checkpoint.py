@@ -4,6 +4,7 @@
 import os
 import signal
 
+import psutil
 import pytest
 import torch
 
@@ -19,6 +20,7 @@ from armor_megatron.megatron.checkpoint_manifest import (
 )
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import ARCH, TP1, _actor, _logprobs, make_batch
+from tests.processes import kill_tree
 
 
 def _die(*args, **kwargs):
@@ -322,15 +324,22 @@ def test_the_checkpoint_writers_results_server_holds_signals_and_dies_with_the_t
     trainer = subprocess.Popen(
         [sys.executable, "-c", WRITER_SERVER_SCRIPT], stdout=subprocess.PIPE, env=dict(os.environ, PYTHONPATH=root)
     )
-    pid, served = trainer.stdout.readline().split()
-    pid = int(pid)
-    assert served == b"served"
-    with open(f"/proc/{pid}/status") as f:
-        blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
-    assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGUSR1 - 1))
-    trainer.kill()
-    trainer.communicate(timeout=30)  # end of output: the server does not hold the trainer's stdout
-    deadline = time.monotonic() + 30
-    while _alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not _alive(pid), "the writers' results server outlived the killed trainer"
+    server = None
+    try:
+        pid, served = trainer.stdout.readline().split()
+        pid = int(pid)
+        server = psutil.Process(pid)
+        assert served == b"served"
+        with open(f"/proc/{pid}/status") as f:
+            blocked = int(next(line for line in f if line.startswith("SigBlk:")).split()[1], 16)
+        assert blocked & (1 << (signal.SIGTERM - 1)) and blocked & (1 << (signal.SIGUSR1 - 1))
+        trainer.kill()
+        trainer.communicate(timeout=30)  # end of output: the server does not hold the trainer's stdout
+        deadline = time.monotonic() + 30
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(pid), "the writers' results server outlived the killed trainer"
+    finally:  # the trainer (and the server while it is its child), and a server that outlived it
+        kill_tree(trainer)
+        if server is not None and server.is_running():
+            server.kill()

@@ -4,6 +4,7 @@ import pytest
 
 from armor_megatron.megatron.dist import DistEnv, ParallelConfig, _gpu_index
 from armor_megatron.models.arch import ModelArch
+from tests.processes import stopped_after
 
 DENSE = ModelArch(
     family="llama",
@@ -199,7 +200,8 @@ def test_single_processes_side_by_side_do_not_share_a_rendezvous_port():
             subprocess.Popen([sys.executable, "-c", _SINGLE], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for _ in range(2)
         ]
-        outs = [p.communicate(timeout=100) for p in procs]
+        with stopped_after(procs[0]), stopped_after(procs[1]):
+            outs = [p.communicate(timeout=100) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err.decode()[-2000:]
         assert out.decode().split() == ["single", "1"]

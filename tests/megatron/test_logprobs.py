@@ -152,3 +152,116 @@ def test_masked_logits_give_finite_entropy_and_gradients(entropy_weight):
     assert torch.isfinite(ent).all() and torch.allclose(ent.double(), ref_ent.detach(), atol=1e-5)
     assert torch.isfinite(ours.grad).all() and (ours.grad[:, 5] == 0).all()
     assert torch.allclose(ours.grad[:, :5].double(), ref.grad, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- no host reads of device data
+# On a GPU, a host read of device data (.item(), int(), bool(), .tolist(), .cpu(), nonzero(), boolean-mask
+# indexing, repeat_interleave without output_size) waits until the device has run everything queued before
+# it. Meta tensors have shapes and no data, and torch refuses each of those reads on them; the per-micro-batch
+# code run on meta tensors therefore fails on any such read, as torch.cuda.set_sync_debug_mode("error")
+# would on a GPU. Host tensors (the micro-batch's tokens, lengths, segment bounds) may be read freely.
+META = torch.device("meta")
+
+
+def test_meta_tensors_refuse_every_host_read_of_device_data():
+    t = torch.ones(4, dtype=torch.long, device=META)
+    reads = {
+        "item": lambda: t.max().item(),
+        "int": lambda: int(t.min()),
+        "bool": lambda: bool(t.any()),
+        "tolist": t.tolist,
+        "cpu": t.cpu,
+        "nonzero": t.nonzero,
+        "mask index": lambda: t[t > 0],
+        "repeat_interleave": lambda: t.repeat_interleave(t),
+    }
+    for name, read in reads.items():
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            read()
+            pytest.fail(name)
+
+
+@pytest.mark.parametrize("with_entropy, temperature", [(True, 0.7), (False, 1.0)])
+@pytest.mark.parametrize("chunk_elements", [1, 40, 10**6])
+def test_log_probs_and_their_gradient_never_read_device_data(with_entropy, temperature, chunk_elements):
+    logits = torch.empty(3, 5, 13, device=META, requires_grad=True)
+    labels = torch.empty(3, 5, dtype=torch.long, device=META)
+    lp, ent = vocab_parallel_logprobs(
+        logits, labels, vocab_size=11, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements
+    )
+    (lp.sum() + (ent.sum() if with_entropy else 0.0)).backward()
+    assert lp.shape == (3, 5) and logits.grad.shape == logits.shape and logits.grad.device == META
+
+
+def test_device_labels_out_of_range_give_nan_without_a_host_read():
+    """Host labels are checked with a one-line error (`test_bad_input`); checking device labels
+    would need a host read, so an out-of-range one gets a NaN log-prob instead (the step's loss
+    turns NaN and the stability guard skips the step)."""
+    from armor_megatron.megatron.logprobs import out_of_range_to_nan
+
+    lp = torch.tensor([-1.0, -2.0, -3.0, -4.0])
+    marked = out_of_range_to_nan(lp, torch.tensor([0, 4, -1, 3]), vocab_size=4)
+    assert marked[0] == -1.0 and marked[3] == -4.0 and marked[1:3].isnan().all()
+    on_device = vocab_parallel_logprobs(
+        torch.zeros(4, 4, device=META), torch.tensor([0, 4, -1, 3]).to(META), vocab_size=4
+    )[0]
+    assert on_device.device == META  # the check ran on the device, without reading the labels
+
+
+def _micro_batches():
+    from armor_megatron.megatron.microbatch import packed_microbatch, split_microbatches
+
+    ids, lengths = torch.randint(0, 11, (3, 6)), torch.tensor([6, 2, 4])
+    padded = split_microbatches(ids, lengths, 3)[0]
+    packed = packed_microbatch(ids, lengths, torch.tensor([1, 0, 2]), multiple_of=8)  # 12 tokens + a pad segment
+    return {"padded": padded, "packed": packed}
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_a_micro_batchs_forward_and_loss_never_read_device_data(layout, monkeypatch):
+    """What runs per micro-batch on the device: the model's inputs (`model_forward`), log-probs and
+    entropy of its logits (`token_logprobs`), the loss rows moved over and the ARMOR loss with its
+    backward (as `MegatronActor.train_step`'s ``loss_of``)."""
+    from megatron.core import parallel_state
+
+    from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss
+    from armor_megatron.megatron.logprobs import model_forward, token_logprobs
+    from armor_megatron.megatron.microbatch import to_device
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_group", lambda: None)
+    mb = _micro_batches()[layout]
+
+    class Model(torch.nn.Module):  # a last stage on the device: logits [b, s, V] from its inputs
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.empty(1, 13, device=META))
+
+        def forward(self, tokens, positions, mask, packed_seq_params=None):
+            assert tokens.device == positions.device == META and positions.shape == tokens.shape
+            if packed_seq_params is not None:
+                assert packed_seq_params.cu_seqlens_q.device == META
+                assert packed_seq_params.max_seqlen_q == 6  # read from the host copy of the bounds
+            return (tokens + positions)[..., None].float() * self.weight
+
+    logits = model_forward(Model(), mb)
+    lp, ent = token_logprobs(logits, mb, vocab_size=11, temperature=0.7, with_entropy=True)
+    width = mb.width
+    rows = {
+        "old_logprobs": torch.zeros(len(mb.index), width),
+        "ref_logprobs": torch.zeros(len(mb.index), width),
+        "advantages": torch.ones(len(mb.index)),
+        "response_mask": torch.ones(len(mb.index), width, dtype=torch.bool),
+    }
+    rows = {k: to_device(v, lp.device) for k, v in rows.items()}
+    loss, metrics = get_policy_loss("armor")(
+        lp,
+        rows["old_logprobs"],
+        rows["ref_logprobs"],
+        rows["advantages"],
+        rows["response_mask"],
+        PolicyLossConfig(alpha=0.9),
+        normalizer=to_device(torch.tensor(7.0), lp.device),
+        entropy=ent,
+    )
+    loss.backward()
+    assert lp.shape == (len(mb.index), width) and loss.device == META

@@ -23,3 +23,16 @@ def test_microbatch_lengths_round_up_to_the_sequence_parallel_multiple():
     # longest 5 -> 8 (3 zero columns past T = 5), longest 1 -> 4
     assert [tuple(mb.tokens.shape) for mb in mbs] == [(3, 8), (1, 4)]
     assert mbs[0].tokens[2].tolist() == [11, 12, 13, 14, 15, 0, 0, 0] and mbs[1].tokens.tolist() == [[16, 0, 0, 0]]
+
+
+def test_host_tensors_go_to_a_gpu_through_pinned_memory_and_nowhere_else():
+    from armor_megatron.megatron.microbatch import pinned_copy, to_device
+
+    host = torch.ones(3)
+    # a pageable host-to-GPU copy makes the host wait for the GPU's queue; pinned memory needs a GPU
+    assert pinned_copy(host, "cuda") and pinned_copy(host, torch.device("cuda", 1))
+    assert not pinned_copy(host, "cpu") and not pinned_copy(host, "meta") and not pinned_copy(host, None)
+    assert not pinned_copy(host.to("meta"), "cuda")  # device memory is not the host's to pin
+    assert to_device(host, "cpu") is host and to_device(host, None) is host  # no copy, no pinning on CPU
+    moved = to_device(host, "meta")
+    assert moved.device.type == "meta" and not host.is_pinned()

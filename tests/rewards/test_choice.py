@@ -18,6 +18,17 @@ from armor_megatron.rewards import get_verifier, make_choice_verifier
         (r"\boxed{\text{(B)}~12}", "B", 1.0),
         (r"<think>It is \boxed{A}... or is it</think>\boxed{B}", "B", 1.0),  # after the reasoning
         (r"<think>It is \boxed{B}, but let me check the other opt", "B", 0.0),  # cut off while thinking
+        # golds in LaTeX wrappers match the letter in any wrapper, and no other letter
+        (r"\boxed{\text{(C)}}", r"\text{C}", 1.0),
+        ("The answer is (C).", r"\textbf{C}", 1.0),
+        ("C", r"\mathrm{C}", 1.0),
+        (r"\boxed{\mathrm{C}}", r"\textbf{(C)}", 1.0),
+        (r"\boxed{\text{(D)}}", r"\text{C}", 0.0),
+        ("The answer is (D).", r"\textbf{C}", 0.0),
+        ("D", r"\mathrm{C}", 0.0),
+        # the last stated answer wins over an earlier box
+        ("\\boxed{B}\nOn reflection, the answer is (C).", "C", 1.0),
+        ("\\boxed{B}\nOn reflection, the answer is (C).", "B", 0.0),
     ],
 )
 def test_multiple_choice(response, gold, score):
@@ -42,7 +53,15 @@ def test_gpqa_four_options():
 
 
 @pytest.mark.parametrize(
-    "gold, match", [("K", "option letters A-J"), ("CD", "option letters"), (10, "outside 0..9"), (None, "None")]
+    "gold, match",
+    [
+        ("K", "option letters A-J"),
+        ("CD", "option letters"),
+        (r"\text{K}", "option letters A-J"),
+        (r"\text{C} + 1", "option letters"),
+        (10, "outside 0..9"),
+        (None, "None"),
+    ],
 )
 def test_bad_gold_is_one_clear_error(gold, match):
     with pytest.raises(ValueError, match=match):

@@ -61,6 +61,37 @@ ACCEPTED = [
     # reasoning models: the answer after </think>
     (r"<think>maybe \boxed{3}</think>So the answer is \boxed{4}.", "4"),
     (r"the prompt opened the reasoning... </think> \boxed{4}", "4"),
+    # several boxes forming the final answer: their union, as a set
+    (r"so \boxed{(2, 2)} \quad\text{and}\quad \boxed{(6, 2)}", "(2, 2), (6, 2)"),
+    (r"so \boxed{(6, 2)} \quad\text{and}\quad \boxed{(2, 2)}", "(2, 2), (6, 2)"),  # order-free
+    (r"\boxed{1},\boxed{2},\boxed{3}", r"\{1,2,3\}"),
+    (r"\boxed{3},\boxed{1},\boxed{2}", r"\{1,2,3\}"),
+    (r"$x = \boxed{-2}$ and $\boxed{1}$", "-2, 1"),
+    (r"x = \boxed{1} \text{ or } x = \boxed{-2}", "-2, 1"),
+    (r"\boxed{x = 6}, \boxed{6}", "6"),  # the same answer restated
+    (r"\boxed{\frac{1}{2}} \quad \boxed{0.5}", "1/2"),
+    (r"\boxed{1}, wait, \boxed{2}", "2"),  # the last box, once the response moved on
+    (r"$\boxed{-2,1}$.", r"\(\boxed{1}\) and \(\boxed{-2}\)."),  # a reference solution with two boxes
+    # the last stated answer wins over an earlier (intermediate) box
+    ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", "10455"),
+    ("\\boxed{3}\n\nAnswer: The answer is 3.", "3"),
+    ("\\boxed{3}\n\nAnswer: see above", "3"),  # words alone: the box stands
+    # escaped dollars and \! thousands in final-answer statements
+    ("The final answer is $\\$32,\\!348$.", "32,\\!348"),
+    ("The final answer is $\\$32,\\!348$.", "32348"),
+    ("Answer: 11,\\! 111,\\! 111,\\! 100", "11,\\!111,\\!111,\\!100"),
+    ("Answer: 11,\\! 111,\\! 111,\\! 100", "11111111100"),
+    # option letters in any wrapper, with or without parentheses
+    (r"\boxed{\text{(C)}}", r"\text{C}"),
+    (r"\boxed{(C)}", r"\text{C}"),
+    (r"\boxed{C}", r"\text{C}"),
+    (r"\boxed{\text{(C)}}", r"\textbf{C}"),
+    (r"\boxed{(C)}", r"\textbf{C}"),
+    (r"\boxed{\text{(C)}}", r"\mathrm{C}"),
+    (r"\boxed{(C)}", r"\mathrm{C}"),
+    ("Answer: (C)", r"\mathrm{C}"),
+    (r"\boxed{\mathbf{C}}", r"\text{(C)}"),
+    (r"\boxed{\textbf{(C)}\ 24}", r"\mathrm{C}"),
 ]
 REJECTED = [
     (r"\boxed{2}", "3"),
@@ -84,6 +115,42 @@ REJECTED = [
     (r"\boxed{(A)\cup(B)}", "A"),  # a set expression, not an option
     # cut off while thinking: what it boxed on its way is no final answer
     (r"<think>Let me guess \boxed{72} but wait, I need to recompute 48+24 = ", "72"),
+    # several boxes: twins of the accepted ones
+    (r"so \boxed{(2, 2)} \quad\text{and}\quad \boxed{(6, 3)}", "(2, 2), (6, 2)"),  # one pair wrong
+    (r"\boxed{(2, 2)}", "(2, 2), (6, 2)"),  # one pair missing
+    (r"\boxed{(2, 2)} \quad\text{and}\quad \boxed{(6, 2)}", "(6, 2)"),  # one pair too many
+    (r"\boxed{(2, 2)}, wait, \boxed{(6, 2)}", "(2, 2), (6, 2)"),  # the first was discarded
+    (r"\boxed{1},\boxed{2}", r"\{1,2,3\}"),
+    (r"\boxed{1},\boxed{2},\boxed{3},\boxed{4}", r"\{1,2,3\}"),
+    (r"\boxed{1},\boxed{2},\boxed{3}", "3"),  # only the last box matches: not the answer given
+    (r"$x = \boxed{2}$ and $\boxed{1}$", "-2, 1"),
+    (r"$x = \boxed{-2}$ and $\boxed{1}$", "1"),
+    (r"$x = \boxed{-2}$ and $\boxed{1}$", "-2"),
+    (r"$x = \boxed{-2}$, so $\boxed{1}$", "-2, 1"),  # "so": the segment is the last box
+    (r"\boxed{1}, wait, \boxed{2}", "1"),  # an alternative the response discarded
+    (r"\boxed{1}, wait, \boxed{2}", "1, 2"),
+    (r"\boxed{2} or \boxed{3}", "3"),  # a hedge scores nothing
+    (r"$\boxed{-2}$.", r"\(\boxed{1}\) and \(\boxed{-2}\)."),
+    (r"\boxed{12}, \boxed{345}", "12345"),  # a union is a set, never one number
+    (r"\boxed{1}, \boxed{000}", "1000"),
+    (r"\boxed{1}, \boxed{5}", "1.5"),
+    # the last stated answer wins: the earlier box no longer counts
+    ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,455$. I hope it is correct.", "200"),
+    ("First \\boxed{200}.\n\nFinal Answer: The final answer is $10,456$. I hope it is correct.", "10455"),
+    ("\\boxed{3}\n\nAnswer: 4", "3"),
+    # escaped dollars and thousands: twins
+    ("The final answer is $\\$32,\\!348$.", "32,\\!349"),
+    ("The final answer is $\\$32$, \\!348. Let me check", "32348"),
+    ("Answer: 11,\\! 111,\\! 111,\\! 101", "11111111100"),
+    ("Answer: 11! 111", "11111"),
+    # option letters: another letter, or two options, never match
+    (r"\boxed{\text{(D)}}", r"\text{C}"),
+    (r"\boxed{(D)}", r"\textbf{C}"),
+    (r"\boxed{D}", r"\mathrm{C}"),
+    (r"\boxed{\text{(C)}, \text{(D)}}", "C"),
+    (r"\boxed{\text{(C)} \text{ or } \text{(D)}}", r"\text{C}"),
+    (r"\boxed{\textbf{(C)}\ 24 \text{ or } \textbf{(D)}\ 30}", "C"),
+    (r"\boxed{\text{(C)}} \quad \boxed{\text{(D)}}", r"\text{(C)}"),
 ]
 
 
@@ -108,6 +175,7 @@ def test_rejects_wrong_or_missing_answers(verify, response, gold):
 
 def test_breakdown_and_extracted_answer(verify):
     assert verify(r"so \boxed{ \frac{1}{2} }.", "0.5").extracted == r"\frac{1}{2}"
+    assert verify(r"$x = \boxed{-2}$ and $\boxed{1}$", "-2, 1").extracted == "-2, 1"
     missing = verify("I do not know", "1")
     assert missing.extracted is None
     assert missing.breakdown == {"answer_found": 0.0, "correct": 0.0, "timed_out": 0.0}
@@ -185,6 +253,8 @@ def test_worker_death_scores_zero_but_worker_errors_raise(monkeypatch):
 def test_gold_answers_normalisation():
     assert gold_answers(r"$\frac{1}{2}$") == [r"\frac{1}{2}"]
     assert gold_answers(r"... hence \boxed{12}.") == ["12"]
+    assert gold_answers(r"so $n = \boxed{1}$ and $\boxed{-2}$.") == ["1, -2"]  # its final box segment
+    assert gold_answers(r"\boxed{1}, so \boxed{2}") == ["2"]
     assert gold_answers([3, "4"]) == ["3", "4"]
 
 

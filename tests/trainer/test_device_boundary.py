@@ -2,7 +2,6 @@
 an accelerator (tests/trainer/device_harness.py): the trainer must bring every result to the host
 before mixing it with the broadcast batch, and its collectives must run on the GPU job's group."""
 
-import tempfile
 import types
 
 import pytest
@@ -13,7 +12,7 @@ from armor_megatron.config import load_config
 from armor_megatron.megatron.dist import process_group_backend
 from armor_megatron.trainer.collectives import any_rank
 from armor_megatron.trainer.loop import ArmorTrainer, StepTimer
-from tests.trainer.device_harness import MIXED_DEVICES, emulated_backend, is_host, on_accelerator
+from tests.trainer.device_harness import emulated_backend, is_host, on_accelerator
 from tests.trainer.test_advantages import PPO_CONFIG
 
 N, L = 4, 6
@@ -80,29 +79,36 @@ def test_update_brings_every_model_result_to_the_host(with_critic):
         assert trainer.critic.trained_on and "critic/old_explained_var" in metrics
 
 
-def test_the_pre_fix_trainer_would_mix_devices():
-    """What dd0ccb9's update did with the actor's device result: subtract it from the host batch."""
-    batch = step_batch()
-    batch["old_logprobs"] = DeviceModel(0).compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
+@pytest.mark.parametrize("with_critic", [False, True])
+def test_a_trainer_that_keeps_model_results_on_the_device_fails_here(with_critic, monkeypatch):
+    """The test above can fail: with ``to_host`` a no-op (results left on the device, as the trainer
+    once did), update() mixes them with the host batch and the harness raises CUDA's error."""
+    from armor_megatron.trainer import loop
+
+    monkeypatch.setattr(loop, "to_host", lambda t: t.detach())
     with pytest.raises(RuntimeError, match="same device"):
-        batch["engine_logprobs"] - batch["old_logprobs"]
-    assert "cuda:0 and cpu" in MIXED_DEVICES
+        test_update_brings_every_model_result_to_the_host(with_critic)
 
 
-def _any_rank_on(backend: str) -> bool:
-    with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=0, world_size=1)
-        try:
-            # world size 1 skips the collective; run the reduction the way any_rank does at scale
-            flag = torch.tensor([1.0])
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            return any_rank(bool(flag.item()))
-        finally:
-            dist.destroy_process_group()
+def any_rank_worker(rank, backend):
+    """``any_rank`` at world size 2 on a group of `backend`: rank 1 alone raises its flag, then no
+    rank does; returns (both results) or the error a group refusing host tensors raises."""
+    dist.init_process_group(backend)
+    try:
+        return any_rank(rank == 1), any_rank(False)
+    except RuntimeError as e:
+        return str(e)
+    finally:
+        dist.destroy_process_group()
 
 
-@pytest.mark.timeout(60)
-def test_host_collectives_run_on_the_gpu_jobs_default_group():
-    assert _any_rank_on(emulated_backend(process_group_backend(on_cuda=True)))
-    with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
-        _any_rank_on(emulated_backend("nccl"))  # dd0ccb9's NCCL-only default group
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_host_collectives_run_on_the_gpu_jobs_default_group():  # two 2-rank launches
+    from tests.megatron.spawn import run_ranks
+
+    gpu_job = emulated_backend(process_group_backend(on_cuda=True))  # cpu:gloo,cuda:nccl -> cpu:gloo,cuda:gloo
+    assert run_ranks(any_rank_worker, 2, gpu_job, timeout=100) == [(True, False), (True, False)]
+    nccl_only = emulated_backend("nccl")  # the NCCL-only default group: it carries device tensors alone
+    for error in run_ranks(any_rank_worker, 2, nccl_only, timeout=100):
+        assert "No backend type associated with device type cpu" in error

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from armor_megatron.trainer.metrics_log import read_metrics
+from tests.processes import stopped_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")  # the `tiny` fixture (conftest) fills in its paths
@@ -158,12 +159,15 @@ def test_preemption_signal_checkpoints_and_exits_with_the_requeue_code(tiny, tmp
         text=True,
     )
     metrics = tmp_path / "runs" / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while not (metrics.exists() and read_metrics(str(metrics))):
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
-        time.sleep(0.05)
-    proc.send_signal(signum)
-    _, err = proc.communicate(timeout=120)
+    with stopped_after(proc):
+        deadline = time.time() + 300
+        while not (metrics.exists() and read_metrics(str(metrics))):
+            assert proc.poll() is None and time.time() < deadline, (
+                proc.stderr.read() if proc.poll() is not None else "slow"
+            )
+            time.sleep(0.05)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 85, err[-2000:]
     assert f"preempted: {signum.name} at step" in err
     step = max(r["step"] for r in read_metrics(str(metrics)))
@@ -183,12 +187,15 @@ def test_ctrl_c_stops_in_one_line_with_exit_130_and_keeps_the_last_checkpoint(ti
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 300
-    while not (tmp_path / "ckpt" / "latest").exists():
-        assert proc.poll() is None and time.time() < deadline, proc.stderr.read() if proc.poll() is not None else "slow"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=120)
+    with stopped_after(proc):
+        deadline = time.time() + 300
+        while not (tmp_path / "ckpt" / "latest").exists():
+            assert proc.poll() is None and time.time() < deadline, (
+                proc.stderr.read() if proc.poll() is not None else "slow"
+            )
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert err.splitlines()[-1].startswith("armor-train: error: interrupted by SIGINT: stopped without a checkpoint")
     assert "Traceback" not in err, err[-2000:]

@@ -13,6 +13,7 @@ from armor_megatron.rollout.engine import EngineUnavailableError, SamplingParams
 from armor_megatron.rollout.sglang.engine import SGLangEngine
 from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
 from armor_megatron.rollout.testing.tiny_models import encode
+from tests.processes import stopped_after
 
 from .conftest import FAST_RETRY
 
@@ -91,11 +92,12 @@ def test_sigterm_stops_the_servers(tiny_ckpt, tmp_path):
         """
     )
     trainer = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    server_pid = int(trainer.stdout.readline())
-    trainer.send_signal(signal.SIGTERM)
-    # 143 from the launcher's handler; -15 when it chains to an earlier handler that re-raises the
-    # signal (coverage's, in runs that measure subprocesses): terminated by SIGTERM either way
-    assert trainer.wait(timeout=60) in (128 + signal.SIGTERM, -signal.SIGTERM)
+    with stopped_after(trainer):
+        server_pid = int(trainer.stdout.readline())
+        trainer.send_signal(signal.SIGTERM)
+        # 143 from the launcher's handler; -15 when it chains to an earlier handler that re-raises the
+        # signal (coverage's, in runs that measure subprocesses): terminated by SIGTERM either way
+        assert trainer.wait(timeout=60) in (128 + signal.SIGTERM, -signal.SIGTERM)
     assert _gone(server_pid, within=60.0)
 
 

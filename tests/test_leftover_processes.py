@@ -1,0 +1,59 @@
+"""The end-of-run check of tests/conftest.py, run on small suites of its own (pytest in a subprocess,
+so only that session's children count)."""
+
+import os
+
+import psutil
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+LEAKY = """
+import subprocess, sys
+
+def test_starts_a_process_and_forgets_it(tmp_path_factory):
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    open({pid_file!r}, "w").write(str(proc.pid))
+"""
+
+TIDY = """
+import multiprocessing
+
+def _child():
+    pass
+
+def test_spawns_a_process_and_joins_it():
+    # the spawn context starts multiprocessing's resource tracker, which lives as long as this process
+    p = multiprocessing.get_context("spawn").Process(target=_child)
+    p.start()
+    p.join()
+    assert p.exitcode == 0
+"""
+
+
+def _suite(pytester, body):
+    with open(os.path.join(HERE, "conftest.py")) as f:
+        pytester.makeconftest(f.read())
+    pytester.makepyfile(test_inner=body)
+    return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q")
+
+
+@pytest.mark.timeout(120)
+def test_a_process_left_running_fails_the_run_and_is_killed(pytester, tmp_path):
+    pid_file = str(tmp_path / "pid")
+    result = _suite(pytester, LEAKY.format(pid_file=pid_file))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(
+        ["*1 process(es) started by the tests outlived them (killed now):*", "*time.sleep(120)*"]
+    )
+    pid = int(open(pid_file).read())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+@pytest.mark.timeout(120)
+def test_lifetime_helpers_are_stopped_not_reported(pytester):
+    result = _suite(pytester, TIDY)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "outlived" not in result.stdout.str()
