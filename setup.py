@@ -1,7 +1,9 @@
 """Install armor_megatron.
 
 On a CPU machine install torch==2.13.0 first (see README): the open range below would
-otherwise let pip pick a multi-GB CUDA build.
+otherwise let pip pick a multi-GB CUDA build. GPU jobs run two environments, each installed
+from its lock file in tools/envs/ (README, "GPU environments"; tools/check_envs.py writes the
+locks from the requirements below and checks them).
 """
 
 import re
@@ -20,9 +22,12 @@ setup(
     packages=find_packages(include=["armor_megatron", "armor_megatron.*"]),
     python_requires=">=3.10",
     install_requires=[
+        # megatron-core 0.16's floor; Transformer Engine's torch extension compiles against the
+        # installed torch. The GPU lock pins the torch the GPU check ran (tools/check_envs.py).
         "torch>=2.6",
-        # 0.17+ needs Python 3.12; 0.16.1 is the newest release for 3.11.
-        "megatron-core>=0.16.1,<0.18",
+        # The release the CPU compatibility layer and the local layer spec's edits were checked
+        # against (megatron/cpu_compat.py CHECKED_MCORE_VERSIONS); 0.17 moved internals both touch.
+        "megatron-core>=0.16.1,<0.17",
         # megatron-core's checkpoint writer needs psutil but does not declare it.
         "psutil",
         "numpy",
@@ -34,8 +39,12 @@ setup(
         "math-verify>=0.7",
     ],
     extras_require={
+        # The trainer's GPU packages. Transformer Engine: the range megatron-core 0.16 is tested with
+        # (its dev extra: >=2.9,<2.12). The router the trainer starts in front of the engines.
         # NVIDIA Apex is not on the package index; README explains the source build.
-        "gpu": ["transformer-engine[pytorch]>=2.4", "tensorboard"],
+        "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "tensorboard", "sglang-router==0.3.2"],
+        # The SGLang servers' own environment (rollout.sglang.python): sglang pins torch and
+        # transformers (0.5.23: torch 2.14.1, transformers 5.19.0), so it does not share the trainer's.
         "sglang": ["sglang==0.5.23", "sglang-router==0.3.2"],
         "plot": ["matplotlib>=3.7"],
         "test": [

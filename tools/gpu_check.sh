@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# The first-GPU acceptance check: proves the GPU path on ONE GPU in under 8 minutes, offline.
+# The first-GPU acceptance check: proves the GPU path on ONE GPU in under 8 minutes, offline, on
+# any single-GPU machine without network (see tools/README.md for what it needs installed).
 #
-#   tools/gpu_check.sh                    # on the GPU machine (wheels from tools/gpu_wheels.sh in .whl)
+#   tools/gpu_check.sh --logs DIR         # on the GPU machine (wheels from tools/gpu_wheels.sh in .whl)
 #   tools/gpu_check.sh --device cpu       # the same checks on the CPU over gloo, small sizes
 #   tools/gpu_check.sh --only parity,throughput --seq-len 2048    # see: python tools/gpu_check --help
 #
 # Prints one line per check (1. bf16 log-prob parity vs fp32 CPU, 2. a 3-step armor-train with
 # anchors, a reference reset, a checkpoint and a resume, 3. 0.5B-shaped train throughput and
 # MFU), and last `gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>`. Exit 0 when every check passed.
-# Logs: gpu_check.log and gpu_check.json in $OUT when set (the device machine), else in the work
-# directory (--work, default $TMPDIR/armor_gpu_check).
+# Logs: gpu_check.log and gpu_check.json in --logs DIR, default the work directory (--work,
+# default $TMPDIR/armor_gpu_check).
 #
-# Packages the image lacks (megatron-core, math-verify and its parser) are installed from the
+# Packages the machine lacks (megatron-core, math-verify and its parser) are installed from the
 # wheels in GPU_CHECK_WHEELS (default .whl) with `pip install --no-index --no-deps --target`, into
 # GPU_CHECK_SITE (default /tmp/armor_gpu_site), which goes on PYTHONPATH; nothing else is
 # installed, and the repository is used in place (PYTHONPATH). Env: PYTHON (default python3),

@@ -3,13 +3,13 @@
 #
 #   tools/gpu_wheels.sh [DIR]        # default .whl (at the repository root)
 #
-# Run it where pip reaches the index. It downloads, for CPython 3.12 on x86-64 manylinux (the
-# device image: Python 3.12, torch 2.11 cu130 and transformers 5.x, but no megatron-core), the
-# pinned wheels below WITHOUT their dependencies: every one the image lacks is listed here.
-# What setup.py's install_requires needs and the image already holds (torch, numpy, psutil,
-# pyyaml, pyarrow, safetensors, xxhash, transformers; sympy for latex2sympy2_extended;
-# packaging for megatron-core) is not fetched. About 3 MB in all (the carry limit is 64 MiB).
-# A DIR inside the repository is added to its info/exclude: git ignores it and `carry` takes it.
+# Run it where pip reaches the index, then copy DIR to the GPU machine beside the repository. It
+# downloads, for CPython 3.12 on x86-64 manylinux (a CUDA image with Python 3.12, torch and
+# transformers), the pinned wheels below WITHOUT their dependencies: the packages such an image
+# usually lacks. The rest of setup.py's install_requires (torch, numpy, psutil, pyyaml, pyarrow,
+# safetensors, xxhash, transformers; sympy for latex2sympy2_extended; packaging for
+# megatron-core) must already be installed there. About 3 MB in all.
+# A DIR inside the repository is added to its info/exclude, so git ignores it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DEST=${1:-.whl}

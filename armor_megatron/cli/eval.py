@@ -39,6 +39,18 @@ def build_parser() -> OneLineArgumentParser:
     return p
 
 
+def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
+    """The prompt, answer and type keys of evaluation set ``name``: the config's ``data`` keys,
+    an ``eval.datasets`` entry's own keys first; the row defaults without a config."""
+    if cfg is None:
+        return "prompt", "answer", "type"
+    data = cfg.data
+    own = None if from_command_line else next(d for d in cfg.eval.datasets if d.name == name)
+    prompt = (own and own.prompt_key) or data.prompt_key
+    answer = (own and own.answer_key) or data.answer_key
+    return prompt, answer, data.type_key
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from armor_megatron.config import ConfigError, load_config
@@ -69,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
         from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
 
         verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
-        eval_sets = [EvalSet(name, scorable(PromptDataset(path), verifier), k) for name, path in sets]
+        eval_sets = [
+            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, bool(given))), verifier), k)
+            for name, path in sets
+        ]
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),
             temperature=args.temperature if args.temperature is not None else (ev.temperature if ev else 0.0),

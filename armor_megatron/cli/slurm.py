@@ -6,6 +6,8 @@
     python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run]
     # the batch script waits for its engine steps:
     python -m armor_megatron.cli.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
+    # the allocation's hosts where scontrol is not installed, one a line:
+    python -m armor_megatron.cli.slurm hostnames 'node[01-02]'
 
 Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
 A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).
@@ -24,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
 from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
-from armor_megatron.launch.nodelist import NodeListError
+from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
 from armor_megatron.launch.plan import (
     API_KEY_ENV,
     LAUNCHERS,
@@ -38,7 +40,7 @@ from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_comma
 from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 
 PROG = "armor-slurm"
-COMMANDS = ("plan", "submit", "wait-engines")
+COMMANDS = ("plan", "submit", "wait-engines", "hostnames")
 _BAD_INPUT = (ConfigError, LaunchPlanError, SlurmEnvError, NodeListError)
 
 
@@ -71,6 +73,9 @@ def build_parser() -> OneLineArgumentParser:
         default=None,
         help="engines' API key (default: $ARMOR_ENGINE_API_KEY; prefer the variable: ps shows arguments)",
     )
+
+    hosts = sub.add_parser("hostnames", help="expand a SLURM node list, one host a line (scontrol show hostnames)")
+    hosts.add_argument("nodelist", help="e.g. 'node[01-02],gpu5'")
     return parser
 
 
@@ -93,6 +98,9 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
             return _plan(args, env)
         if args.command == "submit":
             return _submit(args, env)
+        if args.command == "hostnames":
+            print("\n".join(expand_nodelist(args.nodelist)))
+            return EXIT_OK
         api_key = args.api_key or env.get(API_KEY_ENV) or None
         waited = wait_for_engines(args.urls, timeout_s=args.timeout, pids=args.pid, api_key=api_key)
         print(f"{PROG}: {len(args.urls)} engine(s) healthy after {waited:.0f}s", file=sys.stderr)

@@ -1,5 +1,8 @@
 """``armor-train --config FILE [section.key=value ...] [--check] [--plan] [--no-files] [--resume auto|none|force|PATH]``.
 
+``armor-train --explain KEY`` prints one config key's entry of the reference (``docs/config.md``):
+its type, default, accepted values and meaning; a config error names its key the same way.
+
 ``--plan`` prints the memory of one GPU per pipeline stage (``launch.memory``) and exits 2 with one
 line when the layout does not fit ``launch.gpu_memory_gib``.
 
@@ -31,7 +34,7 @@ from armor_megatron.cli.common import (
     fail,
     quiet_third_party_warnings,
 )
-from armor_megatron.config import ConfigError, load_config, to_dict
+from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
 from armor_megatron.trainer import preemption
 
@@ -42,7 +45,7 @@ LAUNCHER_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 def build_parser() -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description="Run ARMOR RL post-training from a YAML config.")
-    parser.add_argument("--config", required=True, help="YAML run config (see configs/)")
+    parser.add_argument("--config", help="YAML run config (see configs/); required unless --explain")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
     parser.add_argument("--check", action="store_true", help="validate, print the resolved config and exit")
     parser.add_argument(
@@ -52,6 +55,9 @@ def build_parser() -> OneLineArgumentParser:
         "--plan",
         action="store_true",
         help="print the device memory per GPU of the layout and exit; exit 2 when it does not fit launch.gpu_memory_gib",
+    )
+    parser.add_argument(
+        "--explain", metavar="KEY", help="print one config key's type, default, accepted values and meaning, and exit"
     )
     parser.add_argument(
         "--no-files",
@@ -74,7 +80,12 @@ def processes_needed(cfg) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.explain is not None:
+        return explain(args.explain)
+    if args.config is None:
+        parser.error("the following arguments are required: --config")
     try:
         cfg = load_config(args.config, args.overrides)
         if args.resume:
@@ -84,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
         ):  # before any process starts: a missing file fails in a second, not after the build
             check_files(cfg)
     except ConfigError as err:
-        return fail(PROG, f"config: {err}")
+        return fail(PROG, f"config: {err}{_explain_hint(err.key)}")
     if args.plan:
         return plan(cfg)
     if args.check:
         yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
-        print(f"{PROG}: config OK ({args.config})", file=sys.stderr)
+        if needed := needs.describe(cfg):
+            print(f"{PROG}: {needed}", file=sys.stderr)
+        print(f"{PROG}: config OK ({args.config}); every key: docs/config.md, {PROG} --explain KEY", file=sys.stderr)
         return EXIT_OK
     nprocs = processes_needed(cfg)
     if nprocs > 1 and _inside_one_slurm_task():
@@ -102,6 +115,24 @@ def main(argv: list[str] | None = None) -> int:
     if nprocs > 1 and not any(v in os.environ for v in LAUNCHER_VARS):
         return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
     return _train(cfg, args.resume)
+
+
+def explain(key: str) -> int:
+    """``--explain KEY``: the key's reference entry on stdout; one line and exit 2 for an unknown key."""
+    from armor_megatron.config.reference import explain as entry
+
+    try:
+        print(entry(key))
+    except ConfigError as err:
+        return fail(PROG, f"explain: {err}")
+    return EXIT_OK
+
+
+def _explain_hint(key: str) -> str:
+    """`` (armor-train --explain KEY)`` after an error that names a config key."""
+    from armor_megatron.config.reference import schema_key
+
+    return f" ({PROG} --explain {key})" if key and schema_key(key) else ""
 
 
 def plan(cfg) -> int:

@@ -1,5 +1,6 @@
 """Checks of what a run config names on this machine: paths, the first rows of each dataset,
-optional packages it turns on, and the run that owns its checkpoint directory.
+optional packages it turns on, what its settings need (`config.needs`), and the run that owns its
+checkpoint directory.
 
 ``armor-train --check`` runs them after the config's own checks (``validate``); a run started
 on a machine without the files (a laptop preparing a cluster recipe) skips them with
@@ -11,10 +12,11 @@ from __future__ import annotations
 import importlib.util
 import os
 
+from armor_megatron.config import needs
 from armor_megatron.config.identity import check_run_identity
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.data.prompts import ground_truth_column, peek_rows
+from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
@@ -23,9 +25,27 @@ SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # w
 
 def check_files(cfg: RunConfig) -> None:
     _check_model(cfg)
-    _check_dataset("data.train_path", cfg.data.train_path, cfg)
+    data = cfg.data
+    _check_dataset(
+        "data.train_path",
+        data.train_path,
+        cfg,
+        (data.prompt_key, "data.prompt_key"),
+        (data.answer_key, "data.answer_key"),
+    )
     for i, ds in enumerate(cfg.eval.datasets):
-        _check_dataset(f"eval.datasets[{i}].path", ds.path, cfg)
+        own = f"eval.datasets[{i}]"
+        prompt = (
+            (ds.prompt_key, f"{own}.prompt_key")
+            if ds.prompt_key
+            else (data.prompt_key, f"data.prompt_key or {own}.prompt_key")
+        )
+        answer = (
+            (ds.answer_key, f"{own}.answer_key")
+            if ds.answer_key
+            else (data.answer_key, f"data.answer_key or {own}.answer_key")
+        )
+        _check_dataset(f"{own}.path", ds.path, cfg, prompt, answer)
     resume = cfg.checkpoint.resume
     if resume not in RESUME_WORDS and not os.path.isdir(resume):
         raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
@@ -34,6 +54,7 @@ def check_files(cfg: RunConfig) -> None:
     for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
         _check_writable_dir(key, path)
     _check_packages(cfg)
+    needs.check(cfg)
     check_run_identity(cfg, resume)
 
 
@@ -72,10 +93,12 @@ def _check_model(cfg: RunConfig) -> None:
         )
 
 
-def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
-    """The file exists, its first rows parse and carry the prompt/answer columns, a row's
-    ``type`` column names a verifier that loads, and that verifier can score the row's ground truth."""
-    from armor_megatron.rewards.registry import check_ground_truth, load_verifier
+def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]) -> None:
+    """The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
+    ``answer``: the field and the setting that names it), a row's
+    ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
+    and a user verifier called on it returns a reward (``probe_verifier``)."""
+    from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
 
     data = cfg.data
     try:
@@ -89,20 +112,22 @@ def _check_dataset(key: str, path: str, cfg: RunConfig) -> None:
     for i, row in enumerate(rows):
         if not isinstance(row, dict):
             raise ConfigError(key, f"{path}: row {i} is {type(row).__name__}, not an object with columns")
-        present = {data.prompt_key: data.prompt_key in row, data.answer_key: ground_truth_column(row, data.answer_key)}
-        for column, setting in ((data.prompt_key, "data.prompt_key"), (data.answer_key, "data.answer_key")):
-            if not present[column]:
+        truth = ground_truth_column(row, answer[0])
+        for (column, setting), present in ((prompt, has_field(row, prompt[0])), (answer, truth is not None)):
+            if not present:
                 raise ConfigError(
-                    key, f"{path}: row {i} has no {column!r} column ({setting}; columns: {', '.join(sorted(row))})"
+                    key,
+                    f"{path}: row {i} has no {column!r} {field_kind(column)} ({setting}; columns: {', '.join(sorted(row))})",
                 )
-        verifier = row.get(data.type_key)
+        verifier = field_of(row, data.type_key) if has_field(row, data.type_key) else None
         if verifier is not None:
             try:
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
         try:
-            check_ground_truth(verifier or cfg.reward.verifier, row[ground_truth_column(row, data.answer_key)])
+            check_ground_truth(verifier or cfg.reward.verifier, field_of(row, truth))
+            probe_verifier(verifier or cfg.reward.verifier, field_of(row, truth))
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
 

@@ -14,7 +14,7 @@ between the jobs of one run without changing what is trained:
   overlapped communication): they change memory and speed, not the loss;
 * where it runs: ``launch``, ``parallelism`` (torch_dist checkpoints load at any TP/PP/EP),
   ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
-  every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``,
+  every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``, ``reward.python_path``,
   ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
   (the starting weights, already consumed);
 * resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
@@ -56,6 +56,7 @@ NOT_DEFINING = (
     "anchor.reference_urls",
     "anchor.reference_engines",
     "reward.workers",
+    "reward.python_path",
     "reference.offload",
     "reference.init_from",
     "model.spec",

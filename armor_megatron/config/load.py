@@ -18,15 +18,20 @@ import yaml
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError, from_dict
 from armor_megatron.config.validate import validate_run_config
+from armor_megatron.rewards.spec import add_search_paths
 
 DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
-    """The checked RunConfig; an unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory)."""
+    """The checked RunConfig; an unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one
+    directory). ``reward.python_path`` entries, relative to the config file, become absolute and
+    are searched for user modules (``module:function`` verifiers and hooks) from here on."""
     cfg = from_dict(RunConfig, config_tree(path, overrides))
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = os.path.join(DEFAULT_CHECKPOINT_ROOT, cfg.name)
+    here = os.path.dirname(os.path.abspath(path))
+    cfg.reward.python_path = add_search_paths(os.path.join(here, d) for d in cfg.reward.python_path)
     validate_run_config(cfg)
     return cfg
 

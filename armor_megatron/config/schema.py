@@ -12,13 +12,24 @@ from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import POLICY_LOSSES
-from armor_megatron.config.typed import at_least, checked, in_range, non_empty, positive, registered
+from armor_megatron.config.typed import (
+    at_least,
+    at_least_or_null,
+    checked,
+    described,
+    in_range,
+    non_empty,
+    positive,
+    registered,
+)
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
 
 @dataclasses.dataclass
 class ModelConfig:
+    """The model to train: its HF directory (weights, config, tokenizer) and how Megatron builds it."""
+
     path: str = checked(check=non_empty, help="HF model directory (config.json, safetensors, tokenizer)")
     mcore_path: str | None = checked(
         None, help="torch_dist checkpoint to start from; unset: each rank reads its slices of `path` directly"
@@ -26,12 +37,17 @@ class ModelConfig:
     arch: dict[str, Any] = checked(
         factory=dict, help="HF config.json fields used for checks when `path` is not on this machine"
     )
-    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    dtype: Literal["bfloat16", "float16", "float32"] = checked(
+        "bfloat16",
+        help="dtype of the trained models' weights and compute (bf16/fp16 keep an fp32 master copy and fp32 gradients)",
+    )
     spec: Literal["auto", "local", "te"] = checked("auto", help="Megatron layer spec; auto = TE when importable")
 
 
 @dataclasses.dataclass
 class ParallelismConfig:
+    """How the trained models are split over the trainer's ranks (data parallelism takes the remaining ranks)."""
+
     tp: int = checked(1, check=at_least(1), help="tensor parallel size")
     pp: int = checked(1, check=at_least(1), help="pipeline parallel size")
     ep: int = checked(1, check=at_least(1), help="expert parallel size (MoE)")
@@ -47,11 +63,16 @@ class SGLangRouterConfig:
     enabled: bool = checked(
         False, help="route generation through sglang-router (weight sync and memory release still go to each engine)"
     )
-    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = "cache_aware"
+    policy: Literal["cache_aware", "round_robin", "power_of_two", "random"] = checked(
+        "cache_aware", help="how sglang-router picks the engine of each request"
+    )
     host: str = checked("127.0.0.1", check=non_empty, help="where the routers listen (they run on the driver's node)")
     port: int = checked(
         0,
-        check=lambda p: None if p == 0 or 1024 <= p <= 65534 else f"{p!r} must be 0 (a free port) or in [1024, 65534]",
+        check=described(
+            "0 (a free port) or [1024, 65534]",
+            lambda p: None if p == 0 or 1024 <= p <= 65534 else f"{p!r} must be 0 (a free port) or in [1024, 65534]",
+        ),
         help="the policy group's router; the reference group's gets port + 1",
     )
     health_check_interval_s: int = checked(5, check=at_least(1), help="seconds between the router's engine checks")
@@ -63,42 +84,87 @@ class SGLangRouterConfig:
 
 @dataclasses.dataclass
 class SGLangConfig:
+    """The SGLang servers of ``rollout.engine: sglang``: launched by the SLURM job or given as URLs, and how trained weights reach them."""
+
     urls: list[str] = checked(factory=list, help="attach to running servers instead of launching")
-    num_engines: int = checked(1, check=at_least(1))
-    tp_per_engine: int = checked(1, check=at_least(1))
-    host: str = "127.0.0.1"
-    base_port: int = checked(30000, check=in_range(1024, 65535))
+    num_engines: int = checked(
+        1, check=at_least(1), help="servers of the policy group that the SLURM launcher starts (when urls is empty)"
+    )
+    tp_per_engine: int = checked(1, check=at_least(1), help="GPUs (tensor-parallel size) of each SGLang server")
+    host: str = checked(
+        "127.0.0.1",
+        help="interface the launched servers listen on; all interfaces (0.0.0.0) need api_key or allow_unauthenticated",
+    )
+    base_port: int = checked(
+        30000, check=in_range(1024, 65535), help="port of the first launched server; the others count up from it"
+    )
     api_key: str | None = checked(
         None, secret=True, help="required by the engines; redacted in printed configs, passed to servers by environment"
     )
     allow_unauthenticated: bool = checked(
         False, help="let engines listen on all interfaces (host 0.0.0.0) without an api_key: a trusted network only"
     )
-    mem_fraction_static: float = checked(0.7, check=in_range(0, 1, lo_open=True, hi_open=True))
-    placement: Literal["colocated", "disaggregated"] = "colocated"
-    weight_sync: Literal["tensor", "distributed", "disk"] = "tensor"
+    mem_fraction_static: float = checked(
+        0.7,
+        check=in_range(0, 1, lo_open=True, hi_open=True),
+        help="SGLang's --mem-fraction-static: share of GPU memory for weights and KV cache",
+    )
+    placement: Literal["colocated", "disaggregated"] = checked(
+        "colocated",
+        help="colocated: engines share the trainer's GPUs and release memory in turn; disaggregated: engines on launch.engine_gpus",
+    )
+    weight_sync: Literal["tensor", "distributed", "disk"] = checked(
+        "tensor",
+        help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
+    )
     disk_dir: str | None = checked(
         None,
         help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)",
     )
-    bucket_mb: int = checked(512, check=at_least(1))
-    request_timeout_s: float = checked(600.0, check=positive)
-    max_retries: int = checked(5, check=at_least(0))
-    max_concurrency: int = checked(256, check=at_least(1))
+    bucket_mb: int = checked(512, check=at_least(1), help="size of one bucket of weights sent to the engines")
+    request_timeout_s: float = checked(600.0, check=positive, help="seconds one HTTP request to an engine may take")
+    max_retries: int = checked(5, check=at_least(0), help="retries of a failed engine request before the step fails")
+    max_concurrency: int = checked(
+        256, check=at_least(1), help="generation requests the driver keeps in flight at once"
+    )
     router: SGLangRouterConfig = dataclasses.field(default_factory=SGLangRouterConfig)
+    python: str | None = checked(
+        None,
+        check=described(
+            "a path, or null",
+            lambda x: None if x is None or x.strip() else "must not be empty (null: the trainer's interpreter)",
+        ),
+        help="interpreter the launched servers run with: the SGLang environment's python (README, GPU "
+        "environments; sglang pins its own torch); null: the trainer's (ARMOR_PYTHON in SLURM jobs)",
+    )
 
 
 @dataclasses.dataclass
 class RolloutConfig:
-    engine: Literal["local", "sglang"] = "sglang"
+    """How responses are sampled: batch shape, sampling parameters, lengths and the engine."""
+
+    engine: Literal["local", "sglang"] = checked(
+        "sglang",
+        help="sglang: SGLang servers on GPUs; local: a transformers model in the driver process (CPU runs, tests)",
+    )
     prompts_per_step: int = checked(128, check=at_least(1), help="prompts per RL step (before oversampling)")
     group_size: int = checked(16, check=at_least(2), help="G: responses per prompt, the anchor included")
-    temperature: float = checked(1.0, check=positive)
-    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True))
-    top_k: int = checked(-1, check=lambda k: None if k == -1 or k >= 1 else f"{k!r} must be -1 (off) or >= 1")
-    max_prompt_len: int = checked(1024, check=at_least(1))
-    max_response_len: int = checked(8192, check=at_least(1))
-    seed: int = 0
+    temperature: float = checked(
+        1.0, check=positive, help="sampling temperature of rollouts; actor and reference log-probs are computed at it"
+    )
+    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True), help="nucleus-sampling mass of rollouts")
+    top_k: int = checked(
+        -1,
+        check=described("-1 or >= 1", lambda k: None if k == -1 or k >= 1 else f"{k!r} must be -1 (off) or >= 1"),
+        help="top-k sampling of rollouts; -1: off",
+    )
+    max_prompt_len: int = checked(
+        1024,
+        check=at_least(1),
+        help="training prompts longer than this many tokens (as encoded) are left out when the dataset loads",
+    )
+    max_response_len: int = checked(8192, check=at_least(1), help="tokens generated per response at most")
+    seed: int = checked(0, help="seed of rollout sampling; each step's engine seed derives from it and the step")
     local_device: str = checked(
         "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
     )
@@ -107,7 +173,11 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class AnchorConfig:
-    enabled: bool = True
+    """The anchor rollout: one response per prompt from the reference policy π_ref, kept only when its reward reaches ``success_reward``."""
+
+    enabled: bool = checked(
+        True, help="sample one verified anchor response per prompt from π_ref; false: every response on-policy"
+    )
     max_tries: int = checked(4, check=at_least(1), help="reference samples drawn per prompt before giving up")
     tries_per_request: int = checked(4, check=at_least(1), help="tries asked for at once (keep the first correct)")
     success_reward: float = checked(1.0, help="reward a reference sample must reach to be an anchor (positive only)")
@@ -123,20 +193,28 @@ class AnchorConfig:
         help="reuse each prompt's verified anchors until the next reset (more groups hold an anchor, "
         "the same anchor text repeats; not the paper's estimator)",
     )
-    cache_size_per_prompt: int = checked(4, check=at_least(1))
+    cache_size_per_prompt: int = checked(4, check=at_least(1), help="verified anchors kept per prompt (anchor.cache)")
     pregenerate: bool = checked(False, help="sample next batch's anchors while the trainer updates")
     temperature: float | None = checked(None, check=positive, help="defaults to rollout.temperature")
 
 
 @dataclasses.dataclass
 class DynamicSamplingConfig:
-    enabled: bool = True
+    """DAPO's dynamic sampling: groups whose rewards are all equal carry no signal and are replaced."""
+
+    enabled: bool = checked(
+        True, help="drop groups whose rewards are all equal and refill the batch from extra rollout rounds (DAPO)"
+    )
     max_oversample_rounds: int = checked(3, check=at_least(0), help="extra rollout rounds to refill dropped groups")
 
 
 @dataclasses.dataclass
 class OverlongConfig:
-    enabled: bool = True
+    """DAPO's overlong reward shaping: a linear penalty inside ``buffer_len`` tokens before the response-length limit."""
+
+    enabled: bool = checked(
+        True, help="soft penalty for responses that end within buffer_len tokens of rollout.max_response_len (DAPO)"
+    )
     buffer_len: int = checked(4096, check=at_least(1), help="soft-penalty zone before max_response_len")
     penalty: float = checked(1.0, check=in_range(0, None), help="penalty at the hard limit")
 
@@ -151,17 +229,32 @@ class TISConfig:
 
 @dataclasses.dataclass
 class AlgorithmConfig:
+    """The policy update: advantage estimator, policy loss, the mixed-ratio weight α and the clip range."""
+
     estimator: str = checked("dapo", check=registered(ADVANTAGE_ESTIMATORS), help="a registered advantage estimator")
     policy_loss: str = checked("armor", check=registered(POLICY_LOSSES), help="a registered policy loss")
     alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
-    eps_low: float = checked(0.2, check=in_range(0, 1, lo_open=True, hi_open=True))
-    eps_high: float = checked(0.28, check=positive)
-    dual_clip_c: float | None = checked(None, check=in_range(1, None, lo_open=True))
-    loss_agg: LossAgg = "token-mean"
+    eps_low: float = checked(
+        0.2, check=in_range(0, 1, lo_open=True, hi_open=True), help="ε_low: the ratio is clipped below at 1 − ε_low"
+    )
+    eps_high: float = checked(
+        0.28, check=positive, help="ε_high: the ratio is clipped above at 1 + ε_high (clip-higher; at least eps_low)"
+    )
+    dual_clip_c: float | None = checked(
+        None,
+        check=in_range(1, None, lo_open=True),
+        help="dual clip: a negative-advantage token's loss is at most −A·c; null: off",
+    )
+    loss_agg: LossAgg = checked(
+        "token-mean",
+        help="token-mean: mean over all response tokens of the global batch (DAPO); seq-mean-*: per sequence first",
+    )
     qae_quantile: float = checked(0.4, check=in_range(0, 1), help="K of the QAE quantile baseline")
-    std_eps: float = checked(1e-6, check=positive)
-    gamma: float = checked(1.0, check=in_range(0, 1))
-    lam: float = checked(1.0, check=in_range(0, 1))
+    std_eps: float = checked(
+        1e-6, check=positive, help="added to a group's reward standard deviation before dividing by it"
+    )
+    gamma: float = checked(1.0, check=in_range(0, 1), help="discount γ of GAE (estimator gae)")
+    lam: float = checked(1.0, check=in_range(0, 1), help="λ of GAE (estimator gae)")
     dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
@@ -169,7 +262,11 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass
 class ReferenceConfig:
-    reset: Literal["every", "two_stage", "never", "validation_best", "validation_hook"] = "every"
+    """The reference policy π_ref: when it is reset to the current policy and where it lives."""
+
+    reset: Literal["every", "two_stage", "never", "validation_best", "validation_hook"] = checked(
+        "every", help="when θ_ref ← θ: every tau steps, two_stage, never, validation_best or validation_hook"
+    )
     tau: int = checked(160, check=at_least(1), help="steps between resets (every) or of stage one (two_stage: 1)")
     stage_one_steps: int = checked(180, check=at_least(0), help="two_stage: reset every step for this many steps")
     validation_metric: str = checked(
@@ -185,15 +282,23 @@ class ReferenceConfig:
 
 @dataclasses.dataclass
 class OptimizerConfig:
-    lr: float = checked(1e-6, check=positive)
-    min_lr: float = checked(0.0, check=in_range(0, None))
-    weight_decay: float = checked(0.1, check=in_range(0, None))
-    adam_beta1: float = checked(0.9, check=in_range(0, 1, hi_open=True))
-    adam_beta2: float = checked(0.999, check=in_range(0, 1, hi_open=True))
-    adam_eps: float = checked(1e-8, check=positive)
-    clip_grad: float = checked(1.0, check=positive)
-    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = checked(0, check=at_least(0))
+    """Adam with decoupled weight decay, gradient clipping and a warm-up / decay schedule (megatron's optimizer)."""
+
+    lr: float = checked(1e-6, check=positive, help="peak learning rate (Adam)")
+    min_lr: float = checked(
+        0.0, check=in_range(0, None), help="learning rate that linear and cosine decay reach at the last update"
+    )
+    weight_decay: float = checked(
+        0.1, check=in_range(0, None), help="decoupled weight decay (AdamW; not on biases and norms)"
+    )
+    adam_beta1: float = checked(0.9, check=in_range(0, 1, hi_open=True), help="Adam β1")
+    adam_beta2: float = checked(0.999, check=in_range(0, 1, hi_open=True), help="Adam β2")
+    adam_eps: float = checked(1e-8, check=positive, help="Adam ε")
+    clip_grad: float = checked(1.0, check=positive, help="global gradient-norm clip")
+    lr_schedule: Literal["constant", "linear", "cosine"] = checked(
+        "constant", help="learning rate after warm-up: constant, or decay to min_lr (linear, cosine)"
+    )
+    warmup_steps: int = checked(0, check=at_least(0), help="updates of linear warm-up from 0 to lr")
     skip_grad_norm_ratio: float = checked(
         10.0, check=in_range(1, None, lo_open=True), help="skip a step whose grad norm exceeds this × running median"
     )
@@ -245,12 +350,14 @@ class CriticConfig:
 
 @dataclasses.dataclass
 class TrainConfig:
-    steps: int = checked(500, check=at_least(1))
+    """The training loop: steps, updates per rollout batch, micro-batches, seeds and memory settings."""
+
+    steps: int = checked(500, check=at_least(1), help="RL steps of the run (one rollout batch and its updates each)")
     mini_batches_per_step: int = checked(1, check=at_least(1), help="optimizer steps per rollout batch")
-    epochs_per_step: int = checked(1, check=at_least(1))
+    epochs_per_step: int = checked(1, check=at_least(1), help="passes over each rollout batch")
     micro_batch_size: int = checked(1, check=at_least(1), help="sequences per forward pass")
-    seed: int = 1234
-    deterministic: bool = False
+    seed: int = checked(1234, help="seed of the trainer (initialisation, the prompt order)")
+    deterministic: bool = checked(False, help="deterministic kernels and collectives (slower; bit-reproducible runs)")
     collective_timeout_minutes: int = checked(
         180, check=at_least(1), help="process-group timeout; non-driver ranks wait in a collective through each rollout"
     )
@@ -274,14 +381,14 @@ class TrainConfig:
     )
     max_tokens_per_micro_batch: int | None = checked(
         None,
-        check=lambda n: None if n is None or n >= 1 else f"{n!r} must be >= 1 or null",
+        check=at_least_or_null(1),
         help="token-budget micro-batches: rows packed back to back (THD) into micro-batches of at most this many "
         "tokens, data-parallel ranks balanced by tokens; null: micro_batch_size padded rows per micro-batch. Must "
         "hold rollout.max_prompt_len + rollout.max_response_len",
     )
     forward_max_tokens_per_micro_batch: int | None = checked(
         None,
-        check=lambda n: None if n is None or n >= 1 else f"{n!r} must be >= 1 or null",
+        check=at_least_or_null(1),
         help="the same for the no-grad log-prob / value forwards (they keep no activations, so it can be larger); "
         "null: max_tokens_per_micro_batch",
     )
@@ -289,37 +396,75 @@ class TrainConfig:
 
 @dataclasses.dataclass
 class DataConfig:
+    """The training prompts: one JSONL or Parquet file and the fields that hold each row's prompt, ground truth and verifier (docs/data.md)."""
+
     train_path: str = checked(check=non_empty, help="JSONL or Parquet with prompt/answer columns")
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    type_key: str = checked("type", help="optional per-row verifier name")
-    apply_chat_template: bool = True
+    prompt_key: str = checked(
+        "prompt", help="field holding a row's prompt (text or chat messages); a dotted key reads a nested field"
+    )
+    answer_key: str = checked(
+        "answer",
+        help="field holding a row's ground truth (else its `label` column); a dotted key reads a nested field, e.g. reward_model.ground_truth",
+    )
+    type_key: str = checked(
+        "type",
+        help="field naming a row's verifier (registered name or module:function); rows without it use reward.verifier",
+    )
+    apply_chat_template: bool = checked(
+        True,
+        help="wrap text prompts as one user message in the tokenizer's chat template when it has one (chat-message prompts always use it)",
+    )
     prompt_template: str | None = checked(None, help="python format string with {prompt}")
-    shuffle: bool = True
+    shuffle: bool = checked(
+        True, help="a fresh permutation of the training rows each epoch, seeded by train.seed; false: file order"
+    )
 
 
 @dataclasses.dataclass
 class RewardConfig:
+    """How responses are scored: the default verifier and where user verifiers are found (docs/rewards.md)."""
+
     verifier: str = checked("math", check=non_empty, help="registered name or module:function (e.g. a weighted one)")
-    workers: int = checked(4, check=at_least(1))
+    workers: int = checked(
+        4,
+        check=at_least(1),
+        help="threads scoring responses at once (the math verifier runs each in a killable worker process)",
+    )
+    python_path: list[str] = checked(
+        factory=lambda: ["."],
+        help="directories searched (after the installed packages) for the modules of module:function verifiers "
+        "and hooks; relative to the config file, whose own directory is the default",
+    )
 
 
 @dataclasses.dataclass
 class EvalDataset:
-    name: str = checked(check=non_empty)
-    path: str = checked(check=non_empty)
+    """One validation set."""
+
+    name: str = checked(check=non_empty, help="the set's name in metrics (eval/<name>/...)")
+    path: str = checked(check=non_empty, help="JSONL or Parquet, read like data.train_path")
     k: int = checked(1, check=at_least(1), help="samples per prompt for avg@k / pass@k")
+    prompt_key: str | None = checked(None, check=non_empty, help="field holding the prompt; null: data.prompt_key")
+    answer_key: str | None = checked(
+        None, check=non_empty, help="field holding the ground truth; null: data.answer_key"
+    )
 
 
 @dataclasses.dataclass
 class EvalConfig:
+    """Periodic validation: the datasets, how they are sampled and which pass@k are reported."""
+
     every_steps: int = checked(10, check=at_least(0), help="0 disables periodic evaluation")
-    datasets: list[EvalDataset] = checked(factory=list)
-    temperature: float = checked(0.6, check=in_range(0, None))
-    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True))
-    max_response_len: int = checked(8192, check=at_least(1))
+    datasets: list[EvalDataset] = checked(
+        factory=list, help="validation sets, each a mapping of the eval.datasets[] keys (name, path, k, ...)"
+    )
+    temperature: float = checked(0.6, check=in_range(0, None), help="sampling temperature of evaluation; 0: greedy")
+    top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True), help="nucleus-sampling mass of evaluation")
+    max_response_len: int = checked(8192, check=at_least(1), help="tokens generated per evaluation response at most")
     pass_k: list[int] = checked(
-        factory=lambda: [1], check=lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None)
+        factory=lambda: [1],
+        check=described("each >= 1", lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None)),
+        help="the k of each reported pass@k (at most a dataset's k)",
     )
 
 
@@ -336,15 +481,19 @@ class SaveHFConfig:
 
 @dataclasses.dataclass
 class CheckpointConfig:
+    """Where and how often the run checkpoints, and what it resumes from."""
+
     dir: str | None = checked(
         None,
-        check=lambda d: None if d is None else non_empty(d),
+        check=non_empty,
         help="this run's checkpoints; default checkpoints/<name>",
     )
     every_steps: int = checked(20, check=at_least(0), help="0 saves only at the end and on preemption")
-    keep_last: int = checked(3, check=at_least(1))
+    keep_last: int = checked(3, check=at_least(1), help="complete checkpoints kept; older ones are removed")
     resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")
-    save_anchor_cache: bool = True
+    save_anchor_cache: bool = checked(
+        True, help="save the anchor cache in checkpoints, so a resumed run serves the same anchors"
+    )
     save_hf: SaveHFConfig = checked(
         factory=SaveHFConfig, help="HF copies of the policy during training (<checkpoint.dir>/hf/step_<N>)"
     )
@@ -352,19 +501,25 @@ class CheckpointConfig:
 
 @dataclasses.dataclass
 class WandbConfig:
-    project: str | None = None
-    entity: str | None = None
-    name: str | None = None
+    """Weights & Biases logging, off unless ``project`` is set."""
+
+    project: str | None = checked(None, help="W&B project; set: log to W&B too (needs wandb)")
+    entity: str | None = checked(None, help="W&B entity (team or user)")
+    name: str | None = checked(None, help="W&B run name; null: the run's name")
 
 
 @dataclasses.dataclass
 class LoggingConfig:
-    dir: str = checked("runs", check=non_empty)
-    every_steps: int = checked(1, check=at_least(1))
-    jsonl: bool = True
-    tensorboard: bool = False
+    """Where metrics go: ``<dir>/<name>/metrics.jsonl``, TensorBoard, W&B, and the line printed per step."""
+
+    dir: str = checked("runs", check=non_empty, help="root of the runs' logs: <dir>/<name>/metrics.jsonl")
+    every_steps: int = checked(
+        1, check=at_least(1), help="steps between logged records (evaluation steps are always logged)"
+    )
+    jsonl: bool = checked(True, help="write metrics.jsonl")
+    tensorboard: bool = checked(False, help="also write TensorBoard events (needs tensorboard)")
     wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
-    progress_bar: bool = True
+    progress_bar: bool = checked(True, help="a progress bar on a terminal instead of one line per step")
     reference_kl: bool = checked(
         False, help="with algorithm.alpha = 1 (no mixed ratio), still compute π_ref log-probs for train/approx_kl_ref"
     )
@@ -372,12 +527,14 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class LaunchConfig:
-    nodes: int = checked(1, check=at_least(1))
+    """The job's resources: SLURM nodes, GPUs and the device facts ``--plan`` uses."""
+
+    nodes: int = checked(1, check=at_least(1), help="SLURM nodes of the job")
     gpus_per_node: int = checked(8, check=at_least(0), help="0 = CPU run")
     engine_gpus: int = checked(0, check=at_least(0), help="GPUs reserved for rollout engines (disaggregated)")
-    partition: str | None = None
-    account: str | None = None
-    time: str = "48:00:00"
+    partition: str | None = checked(None, help="SLURM partition; null: the cluster's default")
+    account: str | None = checked(None, help="SLURM account; null: the user's default")
+    time: str = checked("48:00:00", help="SLURM time limit (quote it in YAML)")
     requeue_exit_code: int = checked(
         85, check=in_range(3, 127), help="3..127: not a failure (1), bad input (2) or a death by signal (128+n)"
     )
@@ -391,11 +548,13 @@ class LaunchConfig:
 
 @dataclasses.dataclass
 class ThroughputConfig:
-    """Speed options of the trained models (``models.megatron_options.Throughput``): overlapped communication
-    and fused kernels, none changing what is computed. Off by default (CPU runs cannot use them);
-    the GPU recipes turn them on. ``armor-train --check`` refuses the CUDA-only ones for a CPU run
-    (``launch.gpus_per_node: 0``) or the local spec; the job refuses them, in one line, on a machine
-    without the kernels."""
+    """Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
+    default is what it is): overlapped communication and fused kernels, none changing what is
+    computed. The defaults run on an image installed from the lock files alone (no APEX, no C
+    compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
+    (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
+    machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a
+    machine without the kernels."""
 
     overlap_grad_reduce: bool = checked(
         False, help="reduce each gradient bucket during backward (megatron DDP overlap_grad_reduce)"
@@ -406,11 +565,22 @@ class ThroughputConfig:
         "overlap_grad_reduce); refused for now: the trainer reads parameters outside forward after each update",
     )
     gradient_accumulation_fusion: bool = checked(
-        False, help="accumulate weight grads into the fp32 main_grad inside the GEMM (CUDA + APEX)"
+        False,
+        help="accumulate weight grads into the fp32 main_grad inside the GEMM; needs CUDA and APEX (a source "
+        "build: not in the lock files)",
     )
     apply_rope_fusion: bool | None = checked(None, help="TE's fused RoPE; null: on with the TE spec (not for MLA)")
-    bias_activation_fusion: bool | None = checked(None, help="fused SwiGLU; null: on with the TE spec")
-    bias_dropout_fusion: bool | None = checked(None, help="fused bias-dropout-add; null: on with the TE spec")
+    bias_activation_fusion: bool | None = checked(
+        None, help="megatron's fused SwiGLU (keeps only its input for backward); null: on with the TE spec"
+    )
+    bias_dropout_fusion: bool = checked(
+        False, help="megatron's fused bias-dropout-add: nothing to fuse without biases and dropout (TE spec)"
+    )
+    torch_compile: bool = checked(
+        False,
+        help="compile megatron's jit_fuser functions with torch.compile (needs Triton and a C compiler on every "
+        "node; compiles at the first step and again as lengths vary); false: they run eagerly",
+    )
 
 
 @dataclasses.dataclass
@@ -457,7 +627,11 @@ class RunConfig:
 
     model: ModelConfig
     data: DataConfig
-    name: str = checked("armor", check=non_empty)
+    name: str = checked(
+        "armor",
+        check=non_empty,
+        help="the run's name: metrics in <logging.dir>/<name>, checkpoints in checkpoints/<name> unless checkpoint.dir is set",
+    )
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)
     rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
     anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)

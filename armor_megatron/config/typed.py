@@ -25,6 +25,14 @@ class ConfigError(ValueError):
 
 
 Check = Callable[[Any], str | None]
+"""A field's value check: an error text, or None when the value is fine. Every check a schema field
+uses carries ``check.describe``, the accepted values in words (``docs/config.md`` shows it)."""
+
+
+def described(text: str, check: Check) -> Check:
+    """``check`` with ``describe = text``: the accepted values, as the config reference shows them."""
+    check.describe = text
+    return check
 
 
 REDACTED = "<redacted>"
@@ -57,15 +65,23 @@ def in_range(lo: float | None = None, hi: float | None = None, *, lo_open=False,
         bad_hi = hi is not None and (x >= hi if hi_open else x > hi)
         return f"{x!r} is out of range, must be in {text}" if bad_lo or bad_hi else None
 
-    return check
+    return described(text, check)
 
 
 def positive(x) -> str | None:
     return None if x is None or x > 0 else f"{x!r} must be > 0"
 
 
+positive.describe = "> 0"
+
+
 def at_least(n: int) -> Check:
-    return lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}"
+    return described(f">= {n}", lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}")
+
+
+def at_least_or_null(n: int) -> Check:
+    """``at_least(n)`` whose refusal says that null is the other choice."""
+    return described(f">= {n} or null", lambda x: None if x is None or x >= n else f"{x!r} must be >= {n} or null")
 
 
 def registered(registry) -> Check:
@@ -74,11 +90,14 @@ def registered(registry) -> Check:
     def check(name) -> str | None:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
-    return check
+    return described(f"a registered {registry.kind}: {', '.join(registry)}", check)
 
 
 def non_empty(x) -> str | None:
-    return None if x else "must not be empty"
+    return None if x is None or x else "must not be empty"
+
+
+non_empty.describe = "not empty"
 
 
 # ---------------------------------------------------------------------------- building

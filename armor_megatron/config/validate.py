@@ -384,7 +384,7 @@ def _check_throughput(cfg: RunConfig) -> None:
     for key in ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion"):
         if getattr(th, key) and (cpu_run or local):
             where = "launch.gpus_per_node=0" if cpu_run else "model.spec is local"
-            raise ConfigError(f"throughput.{key}", f"needs Transformer Engine's kernels (GPU, TE spec), but {where}")
+            raise ConfigError(f"throughput.{key}", f"needs the Transformer Engine spec (GPU), but {where}")
     if th.overlap_param_gather:
         if cpu_run:
             raise ConfigError(

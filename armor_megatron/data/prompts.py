@@ -1,9 +1,11 @@
 """Prompt datasets (JSONL or Parquet) and a resumable, seeded prompt loader.
 
 A row is ``{prompt_key: str | chat messages, answer_key: Any, type_key: optional verifier name}``;
-a row without the answer column may carry its ground truth in ``label`` instead (safety rows:
-``harmful`` / ``benign``), so one mixed-domain file needs no placeholder answers. Extra columns
-are kept in ``PromptRow.extra``. The loader walks a seeded permutation per epoch
+a key with dots names a nested field (``reward_model.ground_truth`` reads
+``row["reward_model"]["ground_truth"]``, as verl's parquet files hold it) unless the row has a
+column of that exact name. A row without the answer column may carry its ground truth in
+``label`` instead (safety rows: ``harmful`` / ``benign``; slime's JSONL files), so one
+mixed-domain file needs no placeholder answers. Extra columns are kept in ``PromptRow.extra``. The loader walks a seeded permutation per epoch
 and its ``state_dict()`` (epoch, position) is saved in checkpoints so a resumed run sees
 exactly the prompts the uninterrupted run would have seen.
 """
@@ -21,9 +23,38 @@ import torch
 LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safety rows)
 
 
+def field_of(row: dict, key: str) -> Any:
+    """``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
+    (``"reward_model.ground_truth"`` -> ``row["reward_model"]["ground_truth"]``); KeyError(key)
+    when absent."""
+    if key in row:
+        return row[key]
+    node: Any = row
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise KeyError(key)
+        node = node[part]
+    return node
+
+
+def has_field(row: dict, key: str) -> bool:
+    """Whether :func:`field_of` finds ``key`` in ``row``."""
+    try:
+        field_of(row, key)
+    except KeyError:
+        return False
+    return True
+
+
+def field_kind(key: str) -> str:
+    """How an error names ``key``: a nested "field" (dotted) or a "column"."""
+    return "field" if "." in key else "column"
+
+
 def ground_truth_column(row: dict, answer_key: str) -> str | None:
-    """The column holding a row's ground truth: ``answer_key``, else ``label``; None if neither."""
-    if answer_key in row:
+    """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``;
+    None if neither."""
+    if has_field(row, answer_key):
         return answer_key
     return LABEL_KEY if LABEL_KEY in row else None
 
@@ -103,16 +134,19 @@ class PromptDataset:
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
             truth = ground_truth_column(row, answer_key)
-            for key, present in ((prompt_key, prompt_key in row), (answer_key, truth is not None)):
+            for key, present in ((prompt_key, has_field(row, prompt_key)), (answer_key, truth is not None)):
                 if not present:
-                    raise ValueError(f"{path}: row {i} has no {key!r} column (columns: {', '.join(sorted(row))})")
-            if not isinstance(row[prompt_key], (str, list)):
+                    raise ValueError(
+                        f"{path}: row {i} has no {key!r} {field_kind(key)} (columns: {', '.join(sorted(row))})"
+                    )
+            prompt = field_of(row, prompt_key)
+            if not isinstance(prompt, (str, list)):
                 raise ValueError(
-                    f"{path}: row {i} {prompt_key!r} is {type(row[prompt_key]).__name__}, "
-                    "not a string or a list of chat messages"
+                    f"{path}: row {i} {prompt_key!r} is {type(prompt).__name__}, not a string or a list of chat messages"
                 )
+            verifier = field_of(row, type_key) if has_field(row, type_key) else None
             extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
-            self.rows.append(PromptRow(i, row[prompt_key], row[truth], row.get(type_key), extra))
+            self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra))
 
     def keep(self, predicate) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);

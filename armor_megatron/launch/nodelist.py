@@ -62,23 +62,3 @@ def _expand_bracket(group: str, nodelist: str) -> list[str]:
         else:
             out.extend(str(i).zfill(len(lo)) for i in range(int(lo), int(hi) + 1))
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m armor_megatron.launch.nodelist LIST``: one host a line, like ``scontrol show hostnames``."""
-    import sys
-
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m armor_megatron.launch.nodelist 'node[01-02]'", file=sys.stderr)
-        return 2
-    try:
-        print("\n".join(expand_nodelist(args[0])))
-    except NodeListError as err:
-        print(f"nodelist: error: {err}", file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -17,7 +17,8 @@ Layout of the allocation (``N`` nodes of ``g`` GPUs, ``E = launch.engine_gpus``)
 The engines are the policy group (``rollout.sglang.num_engines``) followed, when anchors come
 from a separate frozen reference (``anchor.source: separate`` without ``anchor.reference_urls``),
 by the reference group (``anchor.reference_engines``, same ``tp_per_engine``); every count above
-is over both groups. Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
+is over both groups. Engines run ``rollout.sglang.python`` (the SGLang environment's interpreter;
+the trainer's, ``ARMOR_PYTHON``, when null). Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
 through the ``rollout.sglang.urls`` and ``anchor.reference_urls`` overrides appended to its
 arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
 engine ports if it lands among them. Nothing here runs a command or imports megatron.
@@ -289,7 +290,7 @@ def _engine_step(
     # (exported by the batch script), so no command line that `ps` shows carries it.
     entry = [ENGINE_KEY_WRAPPER, "sglang.launch_server"] if sg.api_key else ["sglang.launch_server"]
     server = [
-        opts.python,
+        sg.python or opts.python,  # the SGLang environment's interpreter
         "-m",
         *entry,
         "--model-path",

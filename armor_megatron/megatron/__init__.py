@@ -14,4 +14,10 @@ The only subpackage that imports ``megatron.core`` (lazily, inside functions, so
 * `optimizer`   - Megatron DDP, optimizer, LR schedule, clip-and-step
 * `stability`   - `StabilityGuard`: skip non-finite or spiking steps (pure Python)
 * `checkpoint`  - atomic torch_dist training checkpoints, `latest`, pruning, resharding loads
+* `mcore_version` - the supported megatron-core release; importing this package refuses another minor
 """
+
+from armor_megatron.megatron import mcore_version as _mcore_version
+
+if (_installed := _mcore_version.installed_version()) is not None:
+    _mcore_version.check(_installed)

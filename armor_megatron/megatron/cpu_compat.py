@@ -39,8 +39,9 @@ Work-arounds (megatron-core behaviour covered -> what we do):
   tensors outright; CPU runs use the plain one.)
 
 Version guard: the work-arounds patch internals, so `apply()` raises for a megatron-core
-minor release other than the one they were checked against and warns for another patch
-release of it.
+minor release other than the one they were checked against (`mcore_version.SUPPORTED`) and warns
+for another patch release of it. Importing `armor_megatron.megatron` runs the same check on the
+installed package's metadata, on GPU runs too.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ import warnings
 import torch
 from torch.overrides import TorchFunctionMode
 
-CHECKED_MCORE_VERSIONS = ("0.16.1",)
+from armor_megatron.megatron.mcore_version import SUPPORTED as CHECKED_MCORE_VERSIONS
 
 _applied = False
 

@@ -101,6 +101,12 @@ def te_available() -> bool:
     return True
 
 
+def set_compile_stance(compile: bool) -> None:
+    """Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
+    (False), for this whole process; see `Throughput` (``throughput.torch_compile``)."""
+    torch.compiler.set_stance("default" if compile else "force_eager")
+
+
 def resolve_dtype(dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16):
@@ -183,6 +189,7 @@ def transformer_config_from_arch(
 
     dtype = resolve_dtype(dtype)
     throughput = throughput or Throughput()
+    set_compile_stance(throughput.torch_compile)
     use_te = te_available() if use_te is None else use_te
     if sequence_parallel is None:
         sequence_parallel = parallel.sp if parallel.sp is not None else use_te and parallel.tp > 1
@@ -225,7 +232,6 @@ def transformer_config_from_arch(
         use_cpu_initialization=on_cpu,
         # Fused kernels need CUDA (and TE / apex); the torch paths compute the same values.
         **throughput.config_kwargs(arch, use_te=use_te, on_gpu=not on_cpu),
-        masked_softmax_fusion=use_te,
         persist_layer_norm=False,
         # Micro-batches are padded to their own longest sequence, so PP stages exchange shapes.
         variable_seq_lengths=True,

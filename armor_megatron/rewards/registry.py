@@ -76,6 +76,32 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
         raise ValueError(f"ground truth {ground_truth!r:.80} cannot be scored by verifier {verifier!r}: {e}") from None
 
 
+def probe_verifier(spec: str, ground_truth: Any) -> None:
+    """Call a user verifier (``module:function``, or a name registered outside this package) once,
+    on a response that states ``ground_truth`` in ``\\boxed{}``, and raise VerifierSpecError in
+    one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
+    dict without ``score``, a non-finite score). Built-in verifiers are not called: they always
+    return a RewardResult, and the math one starts worker processes."""
+    verifier = load_verifier(spec)
+    if verifier.__module__.startswith(f"{__package__}."):
+        return
+    response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
+    try:
+        value = verifier.__wrapped__(response, ground_truth)
+    except Exception as err:
+        raise VerifierSpecError(
+            f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
+            f"{ground_truth!r:.60}: {str(err).splitlines()[0] if str(err) else ''}"
+        ) from None
+    try:
+        as_reward_result(value, spec)
+    except (TypeError, ValueError) as err:
+        line = str(err).splitlines()[0]
+        if not line.startswith(f"verifier {spec!r}"):
+            line = f"verifier {spec!r} returned {value!r:.60}: {line}"
+        raise VerifierSpecError(line) from None
+
+
 def unregister_verifier(name: str) -> None:
     """Remove the verifier registered as ``name`` (a test or plugin undoing its
     :func:`register_verifier`); an unknown name raises VerifierSpecError."""
@@ -158,6 +184,6 @@ def as_reward_result(value: Any, name: str) -> RewardResult:
         extracted = value.get("extracted")
         return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
     raise TypeError(
-        f"verifier {name!r} returned {type(value).__name__}; expected RewardResult, a number, "
+        f"verifier {name!r} returned {type(value).__name__} {value!r:.40}; expected RewardResult, a number, "
         "or a dict with a 'score' key"
     )

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import importlib
+import os
 import re
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 _SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
@@ -26,8 +28,11 @@ def import_callable(spec: str) -> Callable[..., Any]:
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:  # ImportError, or anything the module raises while importing
+        hint = ""
+        if isinstance(exc, ModuleNotFoundError) and exc.name and module_name.startswith(exc.name):
+            hint = "; modules are found on sys.path and in reward.python_path (default: the config file's directory)"
         raise VerifierSpecError(
-            f"verifier spec {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+            f"verifier spec {spec!r}: cannot import module {module_name!r} ({type(exc).__name__}: {exc}{hint})"
         ) from None
     obj: Any = module
     for part in attr_path.split("."):
@@ -37,3 +42,16 @@ def import_callable(spec: str) -> Callable[..., Any]:
     if not callable(obj):
         raise VerifierSpecError(f"verifier spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
     return obj
+
+
+def add_search_paths(directories: Iterable[str]) -> list[str]:
+    """Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
+    so ``module:function`` specs import user modules from it without shadowing an installed
+    module; returns the absolute paths."""
+    added = []
+    for directory in directories:
+        path = os.path.abspath(directory)
+        if path not in sys.path:
+            sys.path.append(path)
+        added.append(path)
+    return added

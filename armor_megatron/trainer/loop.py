@@ -137,7 +137,10 @@ class ArmorTrainer:
                 EvalSet(
                     d.name,
                     scorable(
-                        PromptDataset(d.path, data.prompt_key, data.answer_key, data.type_key), cfg.reward.verifier
+                        PromptDataset(
+                            d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, data.type_key
+                        ),
+                        cfg.reward.verifier,
                     ),
                     d.k,
                 )
@@ -160,7 +163,7 @@ class ArmorTrainer:
             )
         if dropped:
             print(
-                f"[armor] {data.train_path}: {dropped} of {total} prompts are longer than "
+                f"[{self.cfg.name}] {data.train_path}: {dropped} of {total} prompts are longer than "
                 f"rollout.max_prompt_len={limit} tokens; left out",
                 flush=True,
             )
@@ -445,7 +448,7 @@ class ArmorTrainer:
                 gap, warning = self.monitor.update(self.last_train_accuracy, metrics["eval/mean/pass@1"])
                 metrics.update(gap)
                 if warning:
-                    print(f"[armor] warning: {warning}", flush=True)
+                    print(f"[{self.cfg.name}] warning: {warning}", flush=True)
         return metrics
 
     # ------------------------------------------------------------------ the loop

@@ -208,6 +208,7 @@ class StepReporter:
         stream=None,
     ):
         self.logger, self.every_steps, self.total_steps = logger, every_steps, total_steps
+        self.prefix = f"[{name or 'armor'}]"  # the run's name starts each text line
         self.stream = sys.stdout if stream is None else stream
         self.bar = None
         if progress_bar and _is_tty(self.stream):
@@ -229,7 +230,7 @@ class StepReporter:
             self.bar.update(1)
             self.bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3f}" for k in BAR_KEYS if k in metrics})
         else:
-            print(f"[armor] {step_line(step, self.total_steps, metrics)}", file=self.stream, flush=True)
+            print(f"{self.prefix} {step_line(step, self.total_steps, metrics)}", file=self.stream, flush=True)
         return metrics
 
     def close(self) -> None:

@@ -148,7 +148,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
         ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
         trainer.load_trainer_state(broadcast_object(extra))
-        _log(f"resumed from {path} at step {step}")
+        _log(f"resumed from {path} at step {step}", cfg.name)
     else:
         actor.load_weights(weights)
         if reference is not None:
@@ -161,7 +161,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         # (the checkpoint then already holds the reference, resets included).
         reference.load_weights(cfg.reference.init_from)
         trainer.reference_replaced()
-        _log(f"reference initialised from {cfg.reference.init_from}")
+        _log(f"reference initialised from {cfg.reference.init_from}", cfg.name)
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
         record_hf_files(cfg.model.path, cfg.checkpoint.dir)  # config + tokenizer for HF copies and armor-convert
@@ -181,7 +181,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             fresh_start=not path,
         )
         if logger.set_aside:
-            _log(f"this run starts at step 0: the earlier metrics in {logger.log_dir} were moved to {logger.set_aside}")
+            _log(
+                f"this run starts at step 0: the earlier metrics in {logger.log_dir} were moved to {logger.set_aside}",
+                cfg.name,
+            )
 
     def save():
         root = cfg.checkpoint.dir
@@ -195,7 +198,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         path = save_hf(HFWeightExport(actor.model_chunks, arch), cfg.checkpoint.dir, trainer.step)
         if trainer.is_driver:
             prune_hf(cfg.checkpoint.dir, cfg.checkpoint.save_hf.keep_last)
-            _log(f"policy of step {trainer.step} written as an HF model to {path}")
+            _log(f"policy of step {trainer.step} written as an HF model to {path}", cfg.name)
 
     try:
         return trainer.run(save, logger, save_hf=save_hf_copy)
@@ -204,6 +207,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             logger.close()
 
 
-def _log(msg: str) -> None:
+def _log(msg: str, name: str = "armor") -> None:
+    """One line from rank 0, prefixed by the run's name (``[dapo] resumed from ...``)."""
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(f"[armor] {msg}", flush=True)
+        print(f"[{name}] {msg}", flush=True)

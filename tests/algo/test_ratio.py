@@ -84,7 +84,7 @@ def test_trust_region_hand_values_and_ratio_at_the_bounds():
 
 @pytest.mark.parametrize("alpha", [0.5, 0.875, 0.9375, 1.0])
 def test_clipping_r_mix_is_the_adaptive_trust_region_on_pi_theta(alpha):
-    """DESIGN §2.7: 1−ε_low ≤ r_mix ≤ 1+ε_high  ⇔  lower ≤ π_θ ≤ upper."""
+    """docs/design.md §4.3: 1−ε_low ≤ r_mix ≤ 1+ε_high  ⇔  lower ≤ π_θ ≤ upper."""
     g = torch.Generator().manual_seed(4)
     p_old, p_ref = (
         torch.rand(20000, generator=g, dtype=torch.float64),

@@ -268,7 +268,10 @@ def test_console_process_has_no_traceback(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == "armor-train: error: config: algorithm.alpha: 2.0 is out of range, must be in (0, 1]"
+    assert proc.stderr.strip() == (
+        "armor-train: error: config: algorithm.alpha: 2.0 is out of range, must be in (0, 1] "
+        "(armor-train --explain algorithm.alpha)"
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "armor_megatron.cli.train"], capture_output=True, text=True, env=env, timeout=120
     )
@@ -315,3 +318,14 @@ def test_check_looks_at_the_files_unless_told_not_to(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model.path" in err[0] and "nowhere" in err[0]
     assert main(["--config", TINY, "--check", "--no-files", f"model.path={missing}"]) == 0
+
+
+def test_explain_prints_one_keys_entry_without_a_config(capsys):
+    assert main(["--explain", "algorithm.alpha"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "algorithm.alpha" and "  default:  0.9375" in out and "  accepted: (0, 1]" in out
+    assert main(["--explain", "eval.datasets[0].k"]) == 0 and "samples per prompt" in capsys.readouterr().out
+    assert main(["--explain", "algorithm.tis"]) == 0 and "algorithm.tis.cap: float" in capsys.readouterr().out
+    assert main(["--explain", "algorithm.alpah"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["armor-train: error: explain: algorithm.alpah: not a config key (did you mean 'algorithm.alpha'?)"]

@@ -128,3 +128,82 @@ def test_another_runs_checkpoint_directory_is_refused(run):
     os.makedirs(os.path.join(first.checkpoint.dir, "iter_0000005"))
     _refused(run("name=other"), "checkpoint.dir: ")
     check_files(run("name=other", "checkpoint.resume=force"))
+
+
+def test_a_verl_parquet_passes_with_its_nested_answer_key(run, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    row = {"data_source": "math_dapo", "prompt": [{"role": "user", "content": "1+1="}]}
+    row["reward_model"] = {"style": "rule", "ground_truth": "2"}
+    pq.write_table(pa.Table.from_pylist([row]), tmp_path / "verl.parquet")
+    verl = [f"data.train_path={tmp_path / 'verl.parquet'}", "eval.datasets=[]"]
+    _refused(run(*verl), "row 0 has no 'answer' column (data.answer_key")
+    check_files(run(*verl, "data.answer_key=reward_model.ground_truth"))
+
+
+def _write_verifier_module(tmp_path, name: str, body: str) -> str:
+    (tmp_path / f"{name}.py").write_text(f"def judge(response, ground_truth):\n    {body}\n")
+    return f"reward.verifier={name}:judge"
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        ('return "yes"', "returned str 'yes'; expected RewardResult, a number, or a dict with a 'score' key"),
+        ("return {'correct': 1.0}", "returned dict {'correct': 1.0}; expected RewardResult"),
+        ("return {'score': float('inf')}", "returned {'score': inf}: RewardResult.score must be finite"),
+        ("return None", "returned NoneType None"),
+        ("return 1 / 0", "raised ZeroDivisionError on a response stating the ground truth '1': division by zero"),
+    ],
+    ids=["str", "no_score", "inf", "none", "raises"],
+)
+def test_a_user_verifier_is_called_on_the_first_ground_truths(run, tmp_path, body, expected):
+    name = f"rm_{tmp_path.name}"  # one module name per case: imported modules stay in sys.modules
+    line = _refused(
+        run(_write_verifier_module(tmp_path, name, body), f"reward.python_path=[{tmp_path}]"), "data.train_path: "
+    )
+    assert f"row 0: verifier '{name}:judge' " in line and expected in line, line
+
+
+def test_user_modules_are_found_beside_the_config_or_in_reward_python_path(tmp_path):
+    rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3))
+    (tmp_path / "train.jsonl").write_text(rows)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "hf" / "model.safetensors").write_text("")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"extends: {TINY}\nmodel: {{path: hf}}\ndata: {{train_path: {tmp_path / 'train.jsonl'}}}\n"
+        f"eval: {{datasets: []}}\ncheckpoint: {{dir: {tmp_path / 'ckpt'}}}\n"
+    )
+    beside = _write_verifier_module(tmp_path, "beside_the_config_rm", "return float(response == ground_truth)")
+    (tmp_path / "lib").mkdir()
+    elsewhere = _write_verifier_module(tmp_path / "lib", "in_python_path_rm", "return 1.0")
+    cfg = load_config(str(config), [beside, f"model.path={tmp_path / 'hf'}"])
+    check_files(cfg)
+    assert cfg.reward.python_path == [str(tmp_path)]
+    with pytest.raises(
+        ConfigError, match=r"reward.verifier: .*No module named 'in_python_path_rm'.*reward.python_path"
+    ):
+        load_config(str(config), [elsewhere, f"model.path={tmp_path / 'hf'}"])
+    cfg = load_config(str(config), [elsewhere, "reward.python_path=[lib]", f"model.path={tmp_path / 'hf'}"])
+    assert cfg.reward.python_path == [str(tmp_path / "lib")]
+    check_files(cfg)
+
+
+def test_an_eval_set_may_name_its_own_columns(run, tmp_path):
+    (tmp_path / "math500.jsonl").write_text(json.dumps({"problem": "1+1=", "answer": "2"}) + "\n")
+    verl = tmp_path / "verl.jsonl"
+    verl.write_text(json.dumps({"prompt": "2+2=", "reward_model": {"ground_truth": "4"}}) + "\n")
+    common = [f"data.train_path={verl}", "data.answer_key=reward_model.ground_truth"]
+    line = _refused(
+        run(*common, f"eval.datasets=[{{name: m, path: {tmp_path / 'math500.jsonl'}}}]"),
+        "eval.datasets[0].path: ",
+    )
+    assert (
+        "row 0 has no 'prompt' column (data.prompt_key or eval.datasets[0].prompt_key; columns: answer, problem)"
+        in line
+    )
+    own = f"eval.datasets=[{{name: m, path: {tmp_path / 'math500.jsonl'}, prompt_key: problem, answer_key: answer}}]"
+    check_files(run(*common, own))

@@ -93,3 +93,33 @@ def test_a_row_without_an_answer_column_takes_its_label(tmp_path):
     path.write_text('{"prompt": "x", "type": "safety"}\n')
     with pytest.raises(ValueError, match="row 0 has no 'answer' column"):
         PromptDataset(str(path))
+
+
+VERL_ROW = {
+    "data_source": "math_dapo",
+    "prompt": [{"role": "user", "content": "1+1="}],
+    "ability": "math",
+    "reward_model": {"style": "rule", "ground_truth": "2"},
+    "extra_info": {"index": 0, "verifier": "math"},
+}
+
+
+def test_dotted_keys_read_nested_fields_of_a_verl_parquet(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([VERL_ROW]), tmp_path / "verl.parquet")
+    ds = PromptDataset(str(tmp_path / "verl.parquet"), answer_key="reward_model.ground_truth")
+    assert (ds[0].prompt, ds[0].answer, ds[0].verifier) == ([{"role": "user", "content": "1+1="}], "2", None)
+    assert ds[0].extra["data_source"] == "math_dapo" and ds[0].extra["reward_model"]["style"] == "rule"
+    typed = PromptDataset(
+        str(tmp_path / "verl.parquet"), answer_key="reward_model.ground_truth", type_key="extra_info.verifier"
+    )
+    assert typed[0].verifier == "math"
+    with pytest.raises(ValueError, match=r"row 0 has no 'reward_model.answer' field \(columns: ability, data_source"):
+        PromptDataset(str(tmp_path / "verl.parquet"), answer_key="reward_model.answer")
+
+
+def test_a_column_named_with_a_dot_wins_over_the_nested_field(tmp_path):
+    _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "a.b": "flat", "a": {"b": "nested"}}])
+    assert PromptDataset(str(tmp_path / "d.jsonl"), answer_key="a.b")[0].answer == "flat"

@@ -1,6 +1,7 @@
 import pytest
 
-from armor_megatron.launch.nodelist import NodeListError, expand_nodelist, main
+from armor_megatron.cli.slurm import main
+from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
 
 
 @pytest.mark.parametrize(
@@ -29,7 +30,25 @@ def test_bad_nodelists_raise_one_line(bad):
 
 
 def test_command_line_prints_one_host_a_line(capsys):
-    assert main(["node[01-02],x"]) == 0
+    assert main(["hostnames", "node[01-02],x"]) == 0
     assert capsys.readouterr().out == "node01\nnode02\nx\n"
-    assert main(["node[2-1]"]) == 2
-    assert "runs backwards" in capsys.readouterr().err
+    assert main(["hostnames", "node[2-1]"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "runs backwards" in err[0]
+
+
+def test_the_batch_scripts_fallback_runs_without_warnings():
+    """armor.sbatch expands the node list itself where scontrol is absent: stderr stays empty."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-m", "armor_megatron.cli.slurm", "hostnames", "n[1-2]"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=root),
+    )
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "n1\nn2\n", "")

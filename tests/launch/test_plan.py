@@ -202,6 +202,21 @@ def test_container_and_site_flags_reach_every_srun(load):
         assert "/opt/py/bin/python" in cmd
 
 
+@pytest.mark.parametrize("api_key", [None, "s3cret"])
+def test_engines_run_the_sglang_environments_interpreter(load, api_key):
+    overrides = ["rollout.sglang.python=/envs/sglang/bin/python", "anchor.source=separate"]
+    cfg = load("qwen25_math_7b_dapo_armor", *overrides, *([f"rollout.sglang.api_key={api_key}"] if api_key else []))
+    opts = LaunchOptions.from_environ({"ARMOR_PYTHON": "/envs/trainer/bin/python"})
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS, options=opts)
+    assert {e.group for e in plan.engines} == {"policy", "reference"}
+    for engine in plan.engines:  # both groups; with a key, the key wrapper runs there too
+        python = engine.command.index("-m") - 1
+        assert engine.command[python] == "/envs/sglang/bin/python", engine.command
+    assert plan.trainer_command[plan.trainer_command.index("-m") - 1] == "/envs/trainer/bin/python"
+    same = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS, options=opts)
+    assert same.engines[0].command[same.engines[0].command.index("-m") - 1] == "/envs/trainer/bin/python"
+
+
 def test_master_port_steps_over_engine_ports(load):
     cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.base_port=20042", "rollout.sglang.num_engines=1")
     plan = plan_job(cfg, env_of(["n1"], job_id="42"), train_args=ARGS)

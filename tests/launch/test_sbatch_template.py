@@ -28,7 +28,7 @@ exec "$@"
 """
 SCONTROL_STUB = """#!/bin/bash
 echo "scontrol $*" >> "$STUB_LOG"
-if [[ $1 == show && $2 == hostnames ]]; then exec "$ARMOR_PYTHON" -m armor_megatron.launch.nodelist "$3"; fi
+if [[ $1 == show && $2 == hostnames ]]; then exec "$ARMOR_PYTHON" -m armor_megatron.cli.slurm hostnames "$3"; fi
 """
 FAKE_TRAINER = """
 import os, signal, sys, time

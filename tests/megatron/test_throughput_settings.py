@@ -58,7 +58,7 @@ def test_family_default_balancing_and_the_run_config_path():
     assert MoESettings(aux_loss_coeff=0.01, load_balancing_type="none").balancing_type(deepseek) == "none"
     cfg = load_config("configs/qwen3_30b_a3b_moe_armor.yaml", ["moe.expert_capacity_factor=2.0"])
     assert MoESettings.of(cfg.moe) == MoESettings(expert_capacity_factor=2.0)
-    assert Throughput.of(cfg.throughput) == Throughput(overlap_grad_reduce=True, gradient_accumulation_fusion=True)
+    assert Throughput.of(cfg.throughput) == Throughput(overlap_grad_reduce=True)
 
 
 def test_the_trainer_refuses_sinkhorn():
@@ -96,12 +96,13 @@ def test_fusions_follow_the_spec_and_cpu_refuses_gpu_kernels():
     # what the TE spec gets (TransformerConfig's own checks of TE's presence are not reached here)
     assert Throughput().config_kwargs(QWEN3, use_te=True, on_gpu=True) == dict(
         gradient_accumulation_fusion=False,
+        masked_softmax_fusion=False,
         apply_rope_fusion=True,
         bias_activation_fusion=True,
-        bias_dropout_fusion=True,
+        bias_dropout_fusion=False,
     )
-    off = Throughput(apply_rope_fusion=False, bias_dropout_fusion=False).config_kwargs(QWEN3, use_te=True, on_gpu=True)
-    assert not off["apply_rope_fusion"] and not off["bias_dropout_fusion"] and off["bias_activation_fusion"]
+    off = Throughput(apply_rope_fusion=False, bias_dropout_fusion=True).config_kwargs(QWEN3, use_te=True, on_gpu=True)
+    assert not off["apply_rope_fusion"] and off["bias_dropout_fusion"] and off["bias_activation_fusion"]
     mla = dataclasses.replace(QWEN3_MOE, family="deepseek", kv_lora_rank=8)
     assert mla.is_mla and not Throughput().config_kwargs(mla, use_te=True, on_gpu=True)["apply_rope_fusion"]
     with pytest.raises(ValueError, match=r"^throughput\.gradient_accumulation_fusion needs CUDA; this process has no"):
@@ -212,3 +213,25 @@ def test_overlap_grad_reduce_reaches_ddp_and_gives_the_same_update(job):
         (loss_o, norm_o, params_o), (loss_r, norm_r, params_r) = out["overlap"], out["reduce_after"]
         assert abs(loss_o - loss_r) < 1e-6 and abs(norm_o - norm_r) < 1e-6
         assert torch.allclose(params_o, params_r, atol=1e-7)
+
+
+def test_megatrons_compiled_fusions_run_eagerly_unless_torch_compile():
+    """throughput.torch_compile false (the default): megatron's jit_fuser (torch.compile) SwiGLU runs
+    eagerly once a model config is built: no dynamo frame, the same values, and its autograd function
+    keeps only its input for backward (the TE-spec activation the memory planner counts)."""
+    from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
+    from torch._dynamo.utils import counters
+
+    transformer_config_from_arch(QWEN3, use_te=False)  # sets the process's compile stance
+    y = torch.randn(6, 2, 16, requires_grad=True)
+    saved = []
+    captured = dict(counters["stats"])
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = bias_swiglu_impl(y, None)
+    assert dict(counters["stats"]) == captured  # dynamo captured no frame: nothing compiled
+    a, b = y.chunk(2, -1)
+    torch.testing.assert_close(out, torch.nn.functional.silu(a) * b, rtol=0, atol=0)
+    assert [t.numel() for t in saved] == [y.numel()]  # [tokens, 2f] only; silu's output is recomputed
+    out.sum().backward()
+    assert y.grad is not None and torch.isfinite(y.grad).all()
+    assert torch.compiler.is_compiling() is False

@@ -78,7 +78,7 @@ def test_module_that_fails_while_importing(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "fn, error, match",
     [
-        ("returns_list", TypeError, "returned list; expected RewardResult, a number, or a dict"),
+        ("returns_list", TypeError, r"returned list \[1.0\]; expected RewardResult, a number, or a dict"),
         ("returns_nan", ValueError, "score must be finite"),
     ],
 )

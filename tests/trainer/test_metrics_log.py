@@ -85,6 +85,14 @@ def test_one_plain_line_per_step_off_a_terminal(progress_bar):
     assert "val 0.250" in lines[1] and "val" not in lines[2]
 
 
+def test_each_line_starts_with_the_runs_name():
+    """A DAPO baseline beside an ARMOR run: their interleaved lines say which run they belong to."""
+    out = io.StringIO()
+    reporter = StepReporter(None, every_steps=1, total_steps=6, name="dapo-s1", progress_bar=False, stream=out)
+    reporter.report(*next(iter(_steps(1, 2))))
+    assert out.getvalue().startswith("[dapo-s1] step 1/6 | reward 0.500")
+
+
 class _Terminal(io.StringIO):
     def isatty(self):
         return True

@@ -15,11 +15,11 @@
 
 Each runs as its own process under what is left of ``--budget`` (default 450 s, inside the
 8 minutes the acceptance allows), its output appended to ``<logs>/gpu_check.log`` and its
-result to ``<logs>/gpu_check.json`` (logs: ``$OUT`` when set, as on the device machine, else
-the work directory). The last line is ``gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>``;
-gpu_ok is 1 only when all three passed on CUDA. ``--device cpu`` runs the same checks on the
-CPU over gloo with small sizes (the test suite does); it proves the checks, not a GPU, so it
-prints gpu_ok=0 and exits 0 when they pass. Exit status: 0 all checks passed, 1 otherwise.
+result to ``<logs>/gpu_check.json`` (``--logs DIR``, default the work directory). The last
+line is ``gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>``; gpu_ok is 1 only when all three
+passed on CUDA. ``--device cpu`` runs the same checks on the CPU over gloo with small sizes (the
+test suite does); it proves the checks, not a GPU, so it prints gpu_ok=0 and exits 0 when they
+pass. Exit status: 0 all checks passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "armor_gpu_check"))
-    p.add_argument("--logs", default=None, help="where gpu_check.log/.json go (default: $OUT, else --work)")
+    p.add_argument("--logs", default=None, help="where gpu_check.log/.json go (default: --work)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for everything")
     p.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
     p.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up of the tiny model (150; cpu 20)")
@@ -74,7 +74,7 @@ class Runner:
     def __init__(self, args):
         self.args = args
         self.deadline = time.monotonic() + args.budget
-        logs = args.logs or os.environ.get("OUT") or args.work
+        logs = args.logs or args.work
         os.makedirs(logs, exist_ok=True)
         self.log_path = os.path.join(logs, "gpu_check.log")
         self.json_path = os.path.join(logs, "gpu_check.json")

@@ -68,7 +68,7 @@ class LauncherConfig:
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
     router_module: str = ROUTER_MODULE
-    python: str = sys.executable
+    python: str = sys.executable  # the SGLang environment's interpreter (a run config's rollout.sglang.python)
     env: dict[str, str] = dataclasses.field(default_factory=dict)
     log_dir: str | None = None
     startup_timeout: float = 900.0

@@ -6,7 +6,7 @@ names and status codes, and generates with a :class:`~armor_megatron.rollout.loc
 are tested over real HTTP on machines where SGLang cannot run; ``tools/gpu_smoke.sh`` runs
 the same client tests against a real SGLang server.
 
-Behaviour copied from SGLang 0.5.x (see DESIGN.md §4):
+Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
 
 * ``/generate`` with ``input_ids`` (one prompt or a list) or ``text``; n > 1 returns a flat
   list, prompt by prompt; ``meta_info`` carries ``finish_reason`` {type: stop|length|abort},
