@@ -6,7 +6,8 @@
 #                                           # attaches to a server you started (same model!)
 #
 # The tests in tests/rollout/sglang/test_client.py then talk to SGLang instead of the test
-# double; tests that need the double's fault-injection hooks are skipped. Env knobs:
+# double; tests that need the double's fault-injection hooks are skipped. A server you attach to
+# must run without SGLANG_RETURN_ORIGINAL_LOGPROB (the log-prob test at T=0.7 fails otherwise). Env knobs:
 # SGLANG_PORT (default 30000), SGLANG_ARGS (extra launch_server flags), SMOKE_TIMEOUT (s, default 600).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,7 +41,9 @@ if [[ -z "${ARMOR_SGLANG_URL:-}" ]]; then
   fi
   # shellcheck disable=SC2206
   FLAGS+=(${SGLANG_ARGS:-})
-  SGLANG_RETURN_ORIGINAL_LOGPROB=1 setsid "$PY" -m sglang.launch_server "${FLAGS[@]}" >"$WORK/server.log" 2>&1 &
+  # Log-probs at the sampling temperature (SGLang's default, what the trainer recomputes): the
+  # variable that turns them into temperature-1 values must not reach the server.
+  setsid env -u SGLANG_RETURN_ORIGINAL_LOGPROB "$PY" -m sglang.launch_server "${FLAGS[@]}" >"$WORK/server.log" 2>&1 &
   SERVER_PID=$!
   export ARMOR_SGLANG_URL="http://127.0.0.1:$PORT"
   echo "gpu_smoke: waiting for SGLang at $ARMOR_SGLANG_URL (log $WORK/server.log)"

@@ -117,6 +117,12 @@ class SGLangConfig:
         "tensor",
         help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
     )
+    deterministic: bool = checked(
+        False,
+        help="reproducible rollouts: servers run with --enable-deterministic-inference and each sample carries its own "
+        "sampling_seed, so a prompt costs n prefills instead of one and SGLang's batch-invariant kernels run slower; "
+        "off: one request with n samples per prompt sharing one prefill, seeds not sent (SGLang ignores them)",
+    )
     disk_dir: str | None = checked(
         None,
         help="weight_sync disk: where HF checkpoints for the engines are written (default <checkpoint.dir>/engine_weights)",
@@ -357,7 +363,11 @@ class TrainConfig:
     epochs_per_step: int = checked(1, check=at_least(1), help="passes over each rollout batch")
     micro_batch_size: int = checked(1, check=at_least(1), help="sequences per forward pass")
     seed: int = checked(1234, help="seed of the trainer (initialisation, the prompt order)")
-    deterministic: bool = checked(False, help="deterministic kernels and collectives (slower; bit-reproducible runs)")
+    deterministic: bool = checked(
+        False,
+        help="deterministic kernels and collectives (slower; bit-reproducible runs); on GPUs also megatron's "
+        "deterministic_mode and NVTE_ALLOW_NONDETERMINISTIC_ALGO=0. Rollouts through SGLang: rollout.sglang.deterministic",
+    )
     collective_timeout_minutes: int = checked(
         180, check=at_least(1), help="process-group timeout; non-driver ranks wait in a collective through each rollout"
     )

@@ -312,6 +312,9 @@ def _engine_step(
     ]
     if sg.placement == "colocated":
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
+    if sg.deterministic:  # sampling_seed honoured, batch-invariant kernels (SGLangEngine sends per-sample seeds)
+        server.append("--enable-deterministic-inference")
+    # SGLANG_RETURN_ORIGINAL_LOGPROB stays unset: log-probs at the sampling temperature, as the trainer's
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
     srun += _cpus_per_task(opts, sg.tp_per_engine) + _srun_common(opts)

@@ -268,8 +268,11 @@ def set_model_parallel(
 
 
 def set_deterministic() -> None:
-    """Bit-reproducible kernels: deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace."""
+    """Bit-reproducible kernels: deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace,
+    Transformer Engine's deterministic attention (megatron's ``deterministic_mode``, which the model
+    builder turns on with these on a GPU, refuses TE attention without it)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     os.environ.setdefault("NCCL_ALGO", "Ring")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.deterministic = True

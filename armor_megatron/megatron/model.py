@@ -240,6 +240,9 @@ def transformer_config_from_arch(
         # first receive (an activation) is matched with the first send (a gradient) once forward
         # and backward overlap (more micro-batches than pp). The unbatched path orders even/odd ranks.
         batch_p2p_comm=not (parallel.vpp is not None and parallel.pp == 2),
+        # train.deterministic on a GPU: megatron's deterministic kernels (embedding backward, TE attention
+        # checks NVTE_ALLOW_NONDETERMINISTIC_ALGO=0); the CPU kernels are deterministic already
+        deterministic_mode=not on_cpu and torch.are_deterministic_algorithms_enabled(),
         **recompute.config_kwargs(arch.num_layers // (parallel.pp * (parallel.vpp or 1))),
     )
     kwargs.update(moe.config_kwargs(arch))

@@ -88,7 +88,8 @@ class SamplingParams:
     ``stop_token_ids`` or the model's EOS (``stop``; the stop token is kept in ``token_ids``
     but not in ``text``), or at a ``stop`` string (``stop``; the text is cut before it).
     ``ignore_eos`` disables EOS *and* ``stop_token_ids``, as in SGLang 0.5.x.
-    ``seed`` makes sampling reproducible (SGLang's ``sampling_seed``).
+    ``seed`` makes sampling reproducible: the local engine's generator, SGLang's ``sampling_seed``
+    (which SGLang honours only on servers run with ``--enable-deterministic-inference``).
     """
 
     max_new_tokens: int = 128

@@ -9,8 +9,10 @@ Sampling, per step, from the last position's logits z (fp32, shape [B, V]):
 
 Log-probs: ``logprobs[t] = log_softmax(z_t / temperature)[token_t]`` of the **unfiltered** logits
 at the sampling temperature (temperature 1 when sampling greedily), before top-k / top-p: the
-quantity a trainer recomputes by teacher forcing at the same temperature (equal to it up to
-float rounding), and what SGLang reports for a sampled token.
+quantity the trainer recomputes by teacher forcing at ``rollout.temperature`` (equal to it up to
+float rounding), and what SGLang reports for a sampled token unless its server runs with
+``SGLANG_RETURN_ORIGINAL_LOGPROB`` set. ``original_logprobs = True`` (the SGLang test double sets
+it under that variable) reports ``log_softmax(z_t)`` instead, as such a server does.
 
 Prompts are left-padded into batches of at most ``max_batch_size`` rows and decoded with
 the model's KV cache; position ids count real tokens only, so padding does not shift them.
@@ -69,6 +71,8 @@ class LocalEngine(RolloutEngine):
     ``seed + i``, so a run is reproducible call by call (on one device: a GPU draws other
     numbers than the CPU from the same seed). ``device``: where the model runs and samples.
     """
+
+    original_logprobs = False  # True: temperature-1 log-probs (SGLANG_RETURN_ORIGINAL_LOGPROB), see the module doc
 
     def __init__(
         self,
@@ -203,7 +207,8 @@ class LocalEngine(RolloutEngine):
                     raise TimeoutError(f"local generation passed its timeout with {batch} sequences in flight")
                 logits = out.logits[:, -1, :].float()
                 nxt = sample_next_tokens(logits, sampling, generator)
-                scaled = logits / sampling.temperature if sampling.temperature > 0 else logits
+                at_t = sampling.temperature > 0 and not self.original_logprobs
+                scaled = logits / sampling.temperature if at_t else logits
                 lps = torch.log_softmax(scaled, dim=-1).gather(-1, nxt[:, None]).squeeze(-1)
                 step_tokens, step_logprobs = nxt.tolist(), lps.tolist()  # one device-to-host copy
                 for r in range(batch):

@@ -184,6 +184,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
                 request_timeout=sg.request_timeout_s,
                 max_concurrency=sg.max_concurrency,
                 router_process=front,
+                deterministic=sg.deterministic,
             )
         except BaseException:
             if front is not None:

@@ -398,3 +398,14 @@ def test_every_task_gets_the_cores_of_its_gpus(load):
     assert "--cpus-per-task=4" in plan_job(cfg, env, train_args=ARGS, options=explicit).trainer_command
     with pytest.raises(LaunchPlanError, match="ARMOR_CPUS_PER_GPU='many' is not a number of cores"):
         LaunchOptions.from_environ({"ARMOR_CPUS_PER_GPU": "many"})
+
+
+def test_deterministic_rollouts_start_the_engines_deterministic(load):
+    plain = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS)
+    assert not any("--enable-deterministic-inference" in e.command for e in plain.engines)
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.deterministic=true")
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    assert plan.engines and all("--enable-deterministic-inference" in e.command for e in plan.engines)
+    # log-probs at the sampling temperature, as the trainer computes them
+    assert all("SGLANG_RETURN_ORIGINAL_LOGPROB" not in " ".join(e.command) for e in plan.engines)
+    assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in plan.env

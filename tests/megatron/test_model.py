@@ -4,6 +4,8 @@ Megatron-touching checks run in one spawned single-rank process so the CPU work-
 patch the pytest process itself.
 """
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
@@ -239,3 +241,29 @@ def test_deepseek_v3_router_bias_is_enabled_and_frozen():
     assert (config.moe_router_score_function, config.moe_router_topk_scaling_factor) == ("sigmoid", 2.5)
     v2 = ModelArch.from_hf_config(DeepseekV2Config(**{**SMALL, **DEEPSEEK_V2_LITE_TINY}).to_dict())
     assert not transformer_config_from_arch(v2, use_te=False).moe_router_enable_expert_bias
+
+
+def test_train_deterministic_turns_on_megatrons_deterministic_mode_on_gpus(monkeypatch):
+    """dist.set_deterministic (train.deterministic) also sets TE's switch; the builder then asks megatron
+    for its deterministic kernels on a GPU (faked here), not on the CPU, whose kernels already are."""
+    from armor_megatron.megatron import dist
+    from armor_megatron.megatron.model import transformer_config_from_arch
+
+    dense = ModelArch.from_hf_config(LlamaConfig(**SMALL).to_dict())
+    monkeypatch.setenv("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "1")  # restored afterwards
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    cudnn = torch.backends.cudnn
+    before = torch.are_deterministic_algorithms_enabled(), cudnn.deterministic, cudnn.benchmark
+    try:
+        assert not transformer_config_from_arch(dense, use_te=False).deterministic_mode
+        dist.set_deterministic()
+        assert os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] == "0"
+        assert not transformer_config_from_arch(dense, use_te=False).deterministic_mode  # CPU
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        assert transformer_config_from_arch(dense, use_te=False).deterministic_mode
+        torch.use_deterministic_algorithms(False)
+        assert not transformer_config_from_arch(dense, use_te=False).deterministic_mode
+    finally:
+        torch.use_deterministic_algorithms(before[0])
+        cudnn.deterministic, cudnn.benchmark = before[1:]

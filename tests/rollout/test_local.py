@@ -12,11 +12,11 @@ def engine(tiny_ckpt):
     return LocalEngine.from_pretrained(path, weight_version="v0")
 
 
-def teacher_forced_logprobs(model, prompt, response):
+def teacher_forced_logprobs(model, prompt, response, temperature=1.0):
     ids = torch.tensor([list(prompt) + list(response)])
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0].float()
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(logits / temperature, dim=-1)
     # Token t of the response is predicted at position len(prompt) - 1 + t.
     pos = torch.arange(len(prompt) - 1, len(prompt) - 1 + len(response))
     return lp[pos, torch.tensor(response)]

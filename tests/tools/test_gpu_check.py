@@ -52,6 +52,7 @@ def test_cpu_mode_runs_all_three_checks_and_prints_the_verdict_last(tmp_path):
     assert results["parity"]["fp32"]["max_abs"] <= 1e-4 and results["parity"]["bf16"]["rel_l2"] <= 1e-2
     steps = results["train"]["metrics"]
     assert steps["2"]["reference/reset"] == 1.0 and steps["3"]["train/num_tokens"] > 0
+    assert all(steps[s]["train/tis_num_tokens"] > 0 for s in ("1", "2", "3"))  # TIS at T = 0.7 ran
     assert results["throughput"]["tokens_per_s"] == pytest.approx(float(tokens_per_s), rel=1e-3)
     assert "armor-train" in (tmp_path / "logs" / "gpu_check.log").read_text()
 
@@ -101,6 +102,7 @@ def good_steps() -> dict:
         "train/loss": 0.1,
         "anchor/found_rate": 0.5,
         "rollout/logprob_abs_diff": 4e-3,
+        "train/tis_weight_mean": 1.001,
         "train/approx_kl_ref": 0.0,
     }
     return {1: dict(step), 2: {**step, "train/approx_kl_ref": 1e-3, "reference/reset": 1.0}, 3: dict(step)}
@@ -122,6 +124,8 @@ def test_train_verdict_accepts_a_run_that_did_everything():
         (lambda m: m[2].update({"train/loss": float("nan")}), "step 2 loss nan"),
         (lambda m: m[3].pop("anchor/found_rate"), "step 3 has no anchor metrics"),
         (lambda m: m[1].update({"rollout/logprob_abs_diff": 0.5}), "engine/trainer log-prob gap"),
+        (lambda m: m[2].update({"train/tis_weight_mean": 1.3}), "step 2 TIS weight mean 1.3"),
+        (lambda m: m[3].pop("train/tis_weight_mean"), "step 3 TIS weight mean None"),
         (lambda m: m.pop(3), "no metrics for steps [3]"),
     ],
 )

@@ -1,17 +1,16 @@
 """The whole loop against SGLang's HTTP protocol: ``armor-train`` with ``rollout.engine: sglang``
-attached to two SGLang test-double processes (policy group and the frozen reference's group),
-weights pushed by ``disk`` sync, engines colocated (memory released while the trainer updates)."""
+attached to two SGLang test-double processes (policy group and the frozen reference's group)
+started by :class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`, weights pushed by
+``disk`` sync, engines colocated (memory released while the trainer updates), sampling at
+T = 0.7 with truncated importance sampling on."""
 
 import json
-import re
-import subprocess
-import sys
-import time
 import urllib.request
 
 import pytest
 
-from tests.trainer.test_end_to_end import _env, _train, assert_anchors_found_and_trained_on
+from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
+from tests.trainer.test_end_to_end import _train, assert_anchors_found_and_trained_on
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -21,56 +20,29 @@ def _get(url: str):
         return json.loads(response.read() or b"null")
 
 
-LISTENING = re.compile(r"sglang test server listening on (http://\S+)")
-
-
-def _listening_url(proc, log_path, deadline):
-    """The URL the server printed once it had bound its port (it binds port 0: no port race)."""
-    while True:
-        found = LISTENING.search(log_path.read_text())
-        if found:
-            return found.group(1)
-        assert proc.poll() is None, log_path.read_text()
-        assert time.monotonic() < deadline, f"{log_path.name}: the server did not come up"
-        time.sleep(0.2)
-
-
 @pytest.fixture
-def servers(tiny, tmp_path):
-    """Two test-double SGLang servers on the tiny model; yields their URLs, stops them after."""
+def servers(tiny, tmp_path, monkeypatch):
+    """Two test-double SGLang servers on the tiny model, started by the launcher; yields their URLs."""
     model = next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
-    procs, logs = [], []
-    for name in ("policy", "reference"):
-        logs.append(tmp_path / f"{name}-server.log")
-        log = open(logs[-1], "w")
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "armor_megatron.rollout.testing.sglang_test_server",
-                    "--model-path",
-                    model,
-                    "--port",
-                    "0",
-                    "--mem-fraction-static",
-                    "0.4",
-                ],  # a real SGLang flag, ignored by the double
-                env=_env(),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+    # A user's environment may carry it; the launcher must not hand it to the servers, whose
+    # log-probs would then be temperature-1 values while the trainer computes them at T.
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    launcher = SGLangLauncher(
+        LauncherConfig(
+            model_path=model,
+            num_engines=2,
+            colocated=True,
+            mem_fraction_static=0.4,  # real SGLang flags, ignored by the double
+            server_module="armor_megatron.rollout.testing.sglang_test_server",
+            log_dir=str(tmp_path / "engines"),
+            startup_timeout=120,
         )
+    )
     try:
-        deadline = time.monotonic() + 120
-        urls = [_listening_url(proc, log_path, deadline) for proc, log_path in zip(procs, logs)]
-        for url in urls:
-            _get(url + "/health")  # it printed its URL once listening: this answers at once
-        yield urls
+        launcher.start()
+        yield launcher.worker_urls
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
+        launcher.stop()
 
 
 def test_training_through_sglang_servers(tiny, tmp_path, servers):
@@ -88,13 +60,18 @@ def test_training_through_sglang_servers(tiny, tmp_path, servers):
         "eval.every_steps=2",
         "checkpoint.every_steps=0",
         "reference.tau=1",
+        "rollout.temperature=0.7",
+        "algorithm.tis.enabled=true",
     )
     assert sorted(metrics) == [0, 1, 2]
     for step in (1, 2):
         m = metrics[step]
         assert m["train/num_tokens"] > 0
-        # the engine sampled with exactly the trainer's weights, pushed through safetensors on disk
+        # the engine sampled with exactly the trainer's weights, pushed through safetensors on disk, and
+        # both report log_softmax(logits / 0.7): equal log-probs, TIS weights of 1
         assert m["rollout/logprob_abs_diff"] < 1e-5
+        assert m["train/tis_num_tokens"] > 0 and m["train/tis_capped_frac"] == 0.0
+        assert abs(m["train/tis_weight_mean"] - 1.0) < 1e-4 and m["train/tis_weight_max"] < 1.0 + 1e-4
         assert m["reference/reset"] == 1.0  # tau = 1: the reference group got the new weights too
     assert "eval/val/pass@1" in metrics[2]
     assert_anchors_found_and_trained_on(metrics, steps=(1, 2))  # sampled by the reference group's server

@@ -70,8 +70,10 @@ def test_row_verifier_overrides_the_default(tmp_path, engine_and_tokenizer):
     assert result.metrics["m"]["pass@1"] == 0.5
 
 
-def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path):
-    # SGLang gives all k copies of a request one sampling_seed (identical samples); the SGLang
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path, deterministic):
+    # By default one n request without the seed (SGLang ignores seeds then); a deterministic server
+    # gives all k copies of a request one sampling_seed (identical samples), so the deterministic
     # engine sends seed + j to sample j. Checked over HTTP against the SGLang test double.
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
@@ -82,8 +84,8 @@ def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
     sets = [EvalSet("m", PromptDataset(str(tmp_path / "d.jsonl")), k=4)]
     encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
-    with SGLangTestServer(LocalEngine.from_pretrained(path), model_path=path) as server:
-        engine = SGLangEngine([server.url])
+    with SGLangTestServer(LocalEngine.from_pretrained(path), model_path=path, deterministic=deterministic) as server:
+        engine = SGLangEngine([server.url], deterministic=deterministic)
         sampling = SamplingParams(max_new_tokens=8, temperature=1.0, ignore_eos=True, seed=3)
         result = evaluate(engine, encode, sets, sampling, verifier="test_exact_text", pass_k=(1,))
         engine.shutdown()

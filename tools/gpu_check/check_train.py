@@ -14,7 +14,9 @@ the tiny_cpu model warmed up on synthetic arithmetic, so π_ref finds some ancho
 It passes when steps 1, 2, 3 trained (tokens, no skipped update, finite loss, anchor metrics),
 the reset happened at step 2, the second process resumed at step 2 and saved step 3, the
 engine's log-probs are within the parity check's bf16 bound of the trainer's
-(``rollout/logprob_abs_diff``), and at step 3 π_ref is π_θ again (``train/approx_kl_ref`` at
+(``rollout/logprob_abs_diff``) at the config's T = 0.7, truncated importance sampling weighted
+the on-policy tokens by about 1 (``train/tis_weight_mean`` within that bound of 1: both sides
+at the same temperature), and at step 3 π_ref is π_θ again (``train/approx_kl_ref`` at
 most 1e-6 above ten times step 1's, when both started from one checkpoint): the reset and
 its checkpoint round trip kept the reference.
 
@@ -39,6 +41,7 @@ from check_parity import BF16_MEAN_ABS  # noqa: E402
 
 CONFIG = os.path.join(ROOT, "configs", "gpu_check.yaml")
 KL_FLOOR = 1e-6
+TIS_MEAN_BOUND = 2 * BF16_MEAN_ABS  # mean of exp(lp_old - lp_engine) when the mean |gap| is within BF16_MEAN_ABS
 
 
 def tiny_paths(work: str) -> list[str]:
@@ -121,6 +124,10 @@ def problems(metrics: dict, resumed_output: str, latest: str | None) -> list[str
             found.append(
                 f"step {step} engine/trainer log-prob gap {m.get('rollout/logprob_abs_diff')} > {BF16_MEAN_ABS}"
             )
+        if not abs(m.get("train/tis_weight_mean", math.inf) - 1.0) <= TIS_MEAN_BOUND:
+            found.append(
+                f"step {step} TIS weight mean {m.get('train/tis_weight_mean')} not within {TIS_MEAN_BOUND} of 1"
+            )
     if metrics[2].get("reference/reset") != 1.0:
         found.append("no reference reset at step 2")
     if "resumed from" not in resumed_output or "at step 2" not in resumed_output:
@@ -166,7 +173,8 @@ def main(argv=None) -> int:
     line = (
         f"armor-train 3 steps on {where} (bf16, local spec, local engine on {args.device}): steps 1-2, reset at 2, "
         f"checkpoint, resume at 2 -> step 3; anchors found {_rates(m, 'anchor/found_rate')}, "
-        f"accuracy {_rates(m, 'rollout/on_policy_accuracy')}, engine-trainer mean|d| <= {gap:.2e}, "
+        f"accuracy {_rates(m, 'rollout/on_policy_accuracy')}, engine-trainer mean|d| <= {gap:.2e} at T=0.7, "
+        f"TIS weight means {_rates(m, 'train/tis_weight_mean')}, "
         f"kl_ref@3={m[3].get('train/approx_kl_ref', math.nan):.1e}, {seconds:.0f} s"
         + (f"; FAILED: {'; '.join(wrong)}" if wrong else "")
     )

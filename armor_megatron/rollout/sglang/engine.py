@@ -1,22 +1,36 @@
 """SGLang as a :class:`~armor_megatron.rollout.engine.RolloutEngine`: one or more servers over HTTP.
 
-Generation sends one ``/generate`` request per prompt (with ``n`` samples, so a group stays on
-one engine and shares its prefix cache), at most ``max_concurrency`` in flight, to the
-router if there is one, else round-robin over the engines. Admin calls (weight updates,
-memory release, pause) go to every engine directly.
+Generation sends one ``/generate`` request per prompt with ``n`` samples (SGLang prefills the
+prompt once and the n samples share it; a group stays on one engine), at most
+``max_concurrency`` in flight, to the router if there is one, else round-robin over the
+engines. No ``sampling_seed`` is sent: SGLang 0.5.23 ignores it unless the server runs with
+``--enable-deterministic-inference``, so a non-deterministic engine's samples are not
+reproducible (the local engine's are). Admin calls (weight updates, memory release, pause) go
+to every engine directly.
 
-Behind ``sglang-router`` (:mod:`armor_megatron.rollout.sglang.router`): seeded samples, which
-go to an engine as one batch with a params dict per sample, go through the router as one
-request per sample (it takes one params dict per request; its cache-aware policy still sends
-a prompt's requests to the engine holding its prefix). An engine that dies is dropped by the
-router's health checks and generation goes on through the others; :meth:`SGLangEngine.health`
-names it; when none is left, generation fails with one line naming the router and the dead
-engines. (Weight updates still go to every engine, so the next one fails naming the dead one.)
+Deterministic mode (``deterministic=True``, ``rollout.sglang.deterministic``; the servers must
+run with ``--enable-deterministic-inference``, which the launcher and the SLURM plan then pass):
+sample j of a request gets ``sampling_seed = base + j`` (``base`` from :meth:`SGLangEngine.reseed`
+or the request's own seed), so a run and its resumption sample the same responses. A
+deterministic server gives every copy of an ``n > 1`` request one seed (identical copies), so a
+prompt goes as a batch of n copies with one params dict each: n prefills instead of one, and
+SGLang's batch-invariant kernels are slower than its default ones. Behind ``sglang-router``
+(:mod:`armor_megatron.rollout.sglang.router`), which takes one params dict per request, that is
+n requests per prompt (its cache-aware policy still sends them to the engine holding the
+prefix). Keep the two sides consistent: a deterministic server answering a plain ``n`` request
+returns n identical samples (each unseeded request gets seed 42), and a non-deterministic one
+ignores the seeds.
 
-Log-probs: SGLang reports ``log_softmax(logits / temperature)`` of the sampled tokens unless
-the server runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, then the model's own log-probs at
-temperature 1 (what the local engine returns and a trainer recomputes). The launcher sets
-it by default; set it yourself on servers you attach to.
+An engine that dies behind the router is dropped by the router's health checks and generation
+goes on through the others; :meth:`SGLangEngine.health` names it; when none is left, generation
+fails with one line naming the router and the dead engines. (Weight updates still go to every
+engine, so the next one fails naming the dead one.)
+
+Log-probs: SGLang 0.5.23 reports ``log_softmax(logits / temperature)`` of the sampled tokens
+(temperature 1 when greedy), as the local engine does and as the trainer recomputes them at
+``rollout.temperature``; that is the one convention from engine to loss (TIS weights, the
+``rollout/logprob_abs_diff`` gap). Never run the servers with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
+set: they would report temperature-1 values instead (the launcher refuses it).
 
 Colocated mode (engines share the trainer's GPUs): call :meth:`release_memory` before the
 training phase and :meth:`resume_memory` after it, then push weights. Disaggregated mode
@@ -56,20 +70,21 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 logger = logging.getLogger(__name__)
 
 
-def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None) -> dict | list[dict]:
-    """``sampling_params`` of one prompt's request: a dict with ``n``, or one dict per sample.
+def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None = None) -> dict | list[dict]:
+    """``sampling_params`` of one prompt's request: a dict with ``n`` and no seed, or, with a
+    ``seed`` (deterministic mode), one dict per sample with ``sampling_seed = seed + j``.
 
     SGLang 0.5.23 wants ``top_k`` = -1 to disable the filter (0 is a 400; ours disables it with
-    any value <= 0) and an integer ``max_new_tokens`` (a float is a 400). With a ``seed`` the n
-    samples get seeds ``seed + j``: SGLang gives every copy of an ``n > 1`` request the same
-    ``sampling_seed``, so they would all come out identical; a batch of the prompt n times with
-    one params dict per sample (one request, one engine) keeps them apart.
+    any value <= 0) and an integer ``max_new_tokens`` (a float is a 400). A deterministic server
+    gives every copy of an ``n > 1`` request the same ``sampling_seed``, so they would all come
+    out identical; a batch of the prompt n times with one params dict per sample keeps them apart.
+    ``sampling.seed`` itself is never sent: the caller resolves it into ``seed``.
     """
     params = sampling.to_sglang(n)
     params["max_new_tokens"] = int(params["max_new_tokens"])
     params["top_k"] = int(params["top_k"]) if params["top_k"] > 0 else -1
+    params.pop("sampling_seed", None)
     if seed is None:
-        params.pop("sampling_seed", None)
         return params
     return [{**params, "n": 1, "sampling_seed": int(seed) + j} for j in range(n)]
 
@@ -81,7 +96,9 @@ class SGLangEngine(RolloutEngine):
     ``weight_version``: the version the engines hold now; read from the engines if not given
     (they must all report the same). ``launcher``, ``router_process`` (a started
     :class:`~armor_megatron.rollout.sglang.router.SGLangRouter`, whose URL is the default
-    ``router_url``): stopped by :meth:`shutdown` if given.
+    ``router_url``): stopped by :meth:`shutdown` if given. ``deterministic``: per-sample seeds
+    for servers run with ``--enable-deterministic-inference`` (module docstring); default: the
+    launcher's setting when launched, else False.
     """
 
     def __init__(
@@ -96,6 +113,7 @@ class SGLangEngine(RolloutEngine):
         weight_version: str | None = None,
         launcher=None,
         router_process=None,
+        deterministic: bool | None = None,
     ):
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL")
@@ -107,6 +125,9 @@ class SGLangEngine(RolloutEngine):
         self.router = make(router_url) if router_url else None
         self.sync = make_weight_sync(self.workers, weight_sync or WeightSyncConfig())
         self.launcher = launcher
+        if deterministic is None:
+            deterministic = bool(launcher is not None and launcher.config.deterministic)
+        self.deterministic = deterministic
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-generate")
         self._next = itertools.count()
         self._lock = threading.Lock()
@@ -192,24 +213,27 @@ class SGLangEngine(RolloutEngine):
         return groups
 
     def reseed(self, seed: int) -> None:
-        """Requests without a seed of their own get seeds ``seed + k·n ...`` from now on (k counts requests).
+        """Deterministic mode: requests without a seed of their own get seeds ``seed + k·n ...``
+        from now on (k counts requests); otherwise no seed is sent and this only records it.
 
         As :meth:`LocalEngine.reseed <armor_megatron.rollout.local.LocalEngine.reseed>`: the
-        trainer reseeds every step, so a resumed run sends the seeds the uninterrupted run sent.
-        (Equal seeds give equal samples only on the same server build and batch; SGLang's
-        sampling is seeded per request, not bitwise reproducible across batch compositions.)
+        trainer reseeds every step, so a resumed run sends the seeds the uninterrupted run sent,
+        and a deterministic server (batch-invariant kernels, seeds hashed with the position)
+        samples what it sampled.
         """
         with self._lock:
             self._seed = int(seed)
             self._calls = itertools.count()
 
     def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
+        """The first of the request's n seeds in deterministic mode (never None there: a
+        deterministic server seeds unseeded requests alike), else None."""
+        if not self.deterministic:
+            return None
         if sampling.seed is not None:
             return sampling.seed
-        if self._seed is None:
-            return None
         with self._lock:
-            return self._seed + n * next(self._calls)
+            return (self._seed or 0) + n * next(self._calls)
 
     def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
         """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory.

@@ -10,9 +10,17 @@ the ``ARMOR_ENGINE_API_KEY`` environment variable and hands ``--api-key`` to the
 (``use_router``: a :class:`~armor_megatron.rollout.sglang.router.SGLangRouter` started once the
 engines are up). :meth:`SGLangLauncher.start` returns once every engine answers
 ``/health_generate`` (and the router routes to all of them); a process that exits first is an
-error carrying its log tail. Processes run in their own sessions and are stopped (SIGTERM,
+error carrying its log tail, except a server on a port chosen here that another process took
+in between (the port is free when chosen, the server binds it seconds later): it is started
+again on a new free port, up to ``port_retries`` times. Processes run in their own sessions and are stopped (SIGTERM,
 then SIGKILL after a grace period) by :meth:`SGLangLauncher.stop`, at interpreter exit and on
 SIGTERM.
+
+Log-probs: the servers report ``log_softmax(logits / temperature)``, SGLang's default and what
+the trainer recomputes at ``rollout.temperature``; ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (temperature-1
+values) is refused in ``env`` and dropped, with a warning, from the inherited environment.
+``deterministic`` adds ``--enable-deterministic-inference`` (see
+:mod:`armor_megatron.rollout.sglang.engine` for what it changes and costs).
 
 To use servers started elsewhere, skip the launcher: ``SGLangEngine(worker_urls=[...])``.
 """
@@ -23,6 +31,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -45,6 +54,13 @@ from armor_megatron.rollout.sglang.router import (
 
 logger = logging.getLogger(__name__)
 
+# SGLang 0.5.23 (sglang/srt/layers/sampler.py:82) reports temperature-1 log-probs when this is "1"/"true".
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+DETERMINISTIC_FLAG = "--enable-deterministic-inference"
+# uvicorn's "[Errno 98] error while attempting to bind on address ...: address already in use",
+# Python's "OSError: [Errno 98] Address already in use"
+ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
+
 
 @dataclasses.dataclass
 class LauncherConfig:
@@ -61,9 +77,7 @@ class LauncherConfig:
     router_health_check_interval_s: int = 5
     router_health_failure_threshold: int = 2
     colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
-    # SGLang reports log_softmax(logits / temperature) unless SGLANG_RETURN_ORIGINAL_LOGPROB=1;
-    # True asks for the model's own (temperature-1) log-probs, as the local engine returns.
-    original_logprobs: bool = True
+    deterministic: bool = False  # adds --enable-deterministic-inference (seeded, batch-invariant sampling)
     mem_fraction_static: float | None = None
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
@@ -73,10 +87,16 @@ class LauncherConfig:
     log_dir: str | None = None
     startup_timeout: float = 900.0
     stop_grace: float = 30.0
+    port_retries: int = 3  # new free ports tried per engine whose chosen port was taken before it bound it
 
     def __post_init__(self):
         if self.num_engines < 1 or self.tp_size < 1:
             raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {self.num_engines} and {self.tp_size}")
+        if ORIGINAL_LOGPROB_ENV in self.env:
+            raise ValueError(
+                f"env sets {ORIGINAL_LOGPROB_ENV}: the servers would report temperature-1 log-probs, the trainer "
+                "computes them at the sampling temperature; remove it"
+            )
 
 
 __all__ = ["LauncherConfig", "SGLangLauncher", "free_port", "run_server_with_env_key"]
@@ -89,6 +109,7 @@ class SGLangLauncher:
         self.router: SGLangRouter | None = None
         self._procs: list[subprocess.Popen] = []
         self._logs: list[str] = []
+        self._log_starts: list[int] = []  # where each process's part of its log begins
         self._lock = threading.Lock()
         self._prev_sigterm = None
 
@@ -111,6 +132,8 @@ class SGLangLauncher:
         ]
         if c.colocated:
             cmd += ["--enable-memory-saver"]
+        if c.deterministic:
+            cmd += [DETERMINISTIC_FLAG]
         if c.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
         return cmd + list(c.extra_args)
@@ -158,13 +181,15 @@ class SGLangLauncher:
         self._install_exit_handlers()
         log_dir = c.log_dir or tempfile.mkdtemp(prefix="armor-sglang-")
         os.makedirs(log_dir, exist_ok=True)
-        self.ports = [c.base_port + e if c.base_port else free_port(c.host) for e in range(c.num_engines)]
+        self.ports = []
+        for e in range(c.num_engines):
+            self.ports.append(c.base_port + e if c.base_port else self._new_port())
         try:
             for e, port in enumerate(self.ports):
                 self._spawn(self.server_command(e, port), os.path.join(log_dir, f"engine-{e}.log"))
             deadline = time.monotonic() + c.startup_timeout
-            for e, url in enumerate(self.worker_urls):
-                self._wait_healthy(e, url, deadline)
+            for e in range(c.num_engines):
+                self._wait_healthy_or_move(e, deadline)
             if c.use_router:
                 self.router = self.make_router(os.path.join(log_dir, "router.log"))
                 self.router.startup_timeout = max(1.0, deadline - time.monotonic())
@@ -177,17 +202,59 @@ class SGLangLauncher:
         )
         return self
 
-    def _spawn(self, cmd: list[str], log_path: str) -> None:
+    def _spawn(self, cmd: list[str], log_path: str, index: int | None = None) -> None:
+        """Start ``cmd`` logging to ``log_path``: a new engine, or a replacement of engine ``index``."""
         env = {**os.environ, **self.config.env}
         if self.config.api_key:
             env[API_KEY_ENV] = self.config.api_key
-        if self.config.original_logprobs:
-            env.setdefault("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+        if env.pop(ORIGINAL_LOGPROB_ENV, None) is not None:
+            logger.warning(
+                "not passing %s to the SGLang servers: log-probs stay at the sampling temperature, as the trainer's",
+                ORIGINAL_LOGPROB_ENV,
+            )
         with open(log_path, "ab") as log:
+            start = log.tell()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         with self._lock:
-            self._procs.append(proc)
-            self._logs.append(log_path)
+            if index is None:
+                self._procs.append(proc)
+                self._logs.append(log_path)
+                self._log_starts.append(start)
+            else:
+                self._procs[index], self._log_starts[index] = proc, start
+
+    def _wait_healthy_or_move(self, index: int, deadline: float) -> None:
+        """Wait for engine ``index``; if its free port was taken before it bound it, start it on another."""
+        for attempt in range(self.config.port_retries + 1):
+            try:
+                return self._wait_healthy(index, self.worker_urls[index], deadline)
+            except EngineUnavailableError:
+                if self.config.base_port or attempt == self.config.port_retries or not self._lost_its_port(index):
+                    raise
+            old, self.ports[index] = self.ports[index], self._new_port()
+            logger.warning(
+                "SGLang engine %d: port %d was taken before it bound it; retrying on port %d",
+                index,
+                old,
+                self.ports[index],
+            )
+            self._spawn(self.server_command(index, self.ports[index]), self._logs[index], index=index)
+
+    def _new_port(self) -> int:
+        """A free port none of this launcher's engines was given (the OS may hand one out twice)."""
+        for _ in range(100):
+            port = free_port(self.config.host)
+            if port not in self.ports:
+                return port
+        raise EngineUnavailableError(f"no free port on {self.config.host} that the engines do not already use")
+
+    def _lost_its_port(self, index: int) -> bool:
+        """Whether engine ``index`` exited because its port was in use (read from its part of the log)."""
+        if self._procs[index].poll() is None:
+            return False
+        with open(self._logs[index], "rb") as f:
+            f.seek(self._log_starts[index])
+            return bool(ADDRESS_IN_USE.search(f.read().decode(errors="replace")))
 
     def _wait_healthy(self, index: int, url: str, deadline: float, path_generate: bool = True) -> None:
         client = SGLangClient(url, api_key=self.config.api_key)

@@ -9,10 +9,27 @@ the same client tests against a real SGLang server.
 Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
 
 * ``/generate`` with ``input_ids`` (one prompt or a list) or ``text``; n > 1 returns a flat
-  list, prompt by prompt; ``meta_info`` carries ``finish_reason`` {type: stop|length|abort},
-  ``prompt_tokens``, ``completion_tokens``, ``weight_version`` and, with ``return_logprob``,
-  ``output_token_logprobs`` = [[logprob, token_id, None], ...] — the model's temperature-1
-  log-probs, as SGLang reports them under ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``;
+  list, prompt by prompt, each prompt's n samples together (``TokenizerManager._handle_batch_request``,
+  sglang/srt/managers/tokenizer_manager.py:2164-2165 in 0.5.23: ``for i in range(batch_size): for _ in
+  range(obj.parallel_sample_num)``); the n of every params dict of a list must agree (io_struct.py:541-545);
+  ``meta_info`` carries ``finish_reason`` {type: stop|length|abort}, ``prompt_tokens``,
+  ``completion_tokens``, ``weight_version`` and, with ``return_logprob``,
+  ``output_token_logprobs`` = [[logprob, token_id, None], ...];
+* log-probs as SGLang 0.5.23's ``Sampler.forward`` (sglang/srt/layers/sampler.py) reports them:
+  ``log_softmax(logits / temperature)`` of the unfiltered logits (line 275 divides the logits by
+  the temperature in place, line 315 takes ``log(probs)`` of their softmax, before top-k/top-p);
+  temperature-1 ``log_softmax(logits)`` when greedy (temperature 0 becomes 1 with top_k 1:
+  sampling_params.py:245-248; sampler.py:221) or when the server's environment sets
+  ``SGLANG_RETURN_ORIGINAL_LOGPROB`` (read once at import, sampler.py:82, as "1"/"true";
+  cached before the division at line 237, returned at line 323). The double reads the same
+  variable from its environment (or takes ``original_logprobs``);
+* ``sampling_seed`` only counts under ``--enable-deterministic-inference``
+  (``SamplingBatchInfo.from_schedule_batch``, sglang/srt/sampling/sampling_batch_info.py:157-171:
+  the seed tensor is built only ``if enable_deterministic``, a request without a seed gets 42).
+  Otherwise the seed is ignored and the n copies of a request draw independently. Deterministic
+  sampling hashes (seed, position, token) (sampler.py:934-958), so every copy of an ``n > 1``
+  request, which shares one seed, comes out identical, and so do unseeded requests. The double:
+  seeds ignored unless started ``deterministic``; then each copy is drawn alone from its seed;
 * unknown ``sampling_params`` keys -> HTTP 400 ``{"error": "..."}``; bad values -> 400
   ``{"error": {"message": ...}}``; malformed requests -> 400 OpenAI-style
   ``{"object": "error", "message", "type", "param", "code"}``;
@@ -26,8 +43,7 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   ``top_k`` -1 or >= 1, ``max_new_tokens`` an integer >= 0 (0 allowed), wrong JSON types
   -> 400 ``{"error": "<text>"}``; prompt + ``max_new_tokens`` over the context length
   (``max_position_embeddings``) -> 400, as the tokenizer manager's length check does;
-  ``sampling_params`` may be a list, one per prompt of a batch; every copy of an ``n > 1``
-  request gets the same ``sampling_seed``, so seeded copies come out identical, as in SGLang;
+  ``sampling_params`` may be a list, one per prompt of a batch;
 * ``/pause_generation`` {mode}: ``abort`` (SGLang's default) aborts the requests in flight,
   ``retract`` and ``in_place`` keep them; new requests wait until ``/continue_generation``;
   ``/health_generate`` answers 503 while paused (SGLang: its probe generation cannot run and
@@ -65,6 +81,7 @@ Run as a process with ``python -m armor_megatron.rollout.testing.sglang_test_ser
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -114,6 +131,8 @@ NOOP_SAMPLING_DEFAULTS = {
 AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = ("abort", "retract", "in_place")
+ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+DEFAULT_SAMPLING_SEED = 42  # sampling_batch_info.py:163: the seed of a request without one, deterministic mode
 # Fields of sampling_params whose JSON type SGLang's request parsing checks, and the type.
 INT_SAMPLING_KEYS = ("max_new_tokens", "top_k", "n", "min_new_tokens")
 
@@ -180,8 +199,16 @@ class SGLangTestServer:
         api_key: str | None = None,
         model_path: str | None = None,
         weights_cpu_backup: bool = False,
+        deterministic: bool = False,
+        original_logprobs: bool | None = None,
     ):
+        """``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
+        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+        if original_logprobs is None:
+            original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
+        self.deterministic, self.original_logprobs = deterministic, original_logprobs
         self.engine = engine
+        engine.original_logprobs = original_logprobs
         self.weights_cpu_backup = weights_cpu_backup
         self._weights_lost = False  # "weights" released without a CPU backup, not reloaded since
         self.host, self.port = host, port
@@ -245,6 +272,7 @@ class SGLangTestServer:
         self.stop()
         if self.model_path is not None:
             self.engine = LocalEngine.from_pretrained(self.model_path, weight_version=self.initial_version)
+            self.engine.original_logprobs = self.original_logprobs
         self._session_open = self._paused = False
         self._released = set()
         return self.start()
@@ -312,6 +340,8 @@ class SGLangTestServer:
         if isinstance(raw, list):  # one params dict per prompt of a batch
             if len(raw) != len(prompts):
                 raise _invalid_request(f"{len(raw)} sampling_params for {len(prompts)} prompts", "sampling_params")
+            if len({p.get("n", 1) if isinstance(p, dict) else None for p in raw}) > 1:  # io_struct.py:541-545
+                raise _bad_value("The parallel_sample_num should be the same for all samples in sample params.")
             per_prompt = raw
         else:
             per_prompt = [raw] * len(prompts)
@@ -387,13 +417,17 @@ class SGLangTestServer:
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
     def _sample(self, prompt, n, sampling, return_logprob):
-        """The n samples of one prompt. Seeded: every copy draws with the same seed, as SGLang does."""
+        """The n samples of one prompt. Without deterministic inference the seed is ignored and the
+        copies draw independently (one batch, the engine's own stream); with it each copy is drawn
+        alone from its seed (42 without one), so the copies of one request come out identical."""
         if sampling is None:  # max_new_tokens 0: nothing generated
             empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
             return [empty] * n
-        if sampling.seed is None:
+        if not self.deterministic:
+            sampling = dataclasses.replace(sampling, seed=None)
             return self.engine.generate([prompt], n, sampling, return_logprob=return_logprob)[0]
-        return [self.engine.generate([prompt], 1, sampling, return_logprob=return_logprob)[0][0] for _ in range(n)]
+        seeded = dataclasses.replace(sampling, seed=DEFAULT_SAMPLING_SEED if sampling.seed is None else sampling.seed)
+        return [self.engine.generate([prompt], 1, seeded, return_logprob=return_logprob)[0][0] for _ in range(n)]
 
     def _prompts(self, body):
         if "input_ids" in body:
@@ -726,6 +760,7 @@ def main(argv=None) -> None:
     parser.add_argument("--weight-version", default="default")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
+    parser.add_argument("--enable-deterministic-inference", action="store_true")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
@@ -737,6 +772,7 @@ def main(argv=None) -> None:
         args.api_key,
         model_path=args.model_path,
         weights_cpu_backup=args.enable_weights_cpu_backup,
+        deterministic=args.enable_deterministic_inference,
     ).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

@@ -61,6 +61,25 @@ def test_raw_batch_with_n_is_flat_prompt_by_prompt(server, tiny_ckpt):
     assert [o["output_ids"] for o in flat] == [single0["output_ids"]] * 2 + [single1["output_ids"]] * 2
 
 
+def test_logprobs_are_at_the_sampling_temperature(server, tiny_ckpt):
+    # SGLang's default (no SGLANG_RETURN_ORIGINAL_LOGPROB): log_softmax(logits / T), what the trainer recomputes
+    from armor_megatron.rollout.local import LocalEngine
+    from tests.rollout.test_local import teacher_forced_logprobs
+
+    path, _, tok = tiny_ckpt
+    model = LocalEngine.from_pretrained(path).model
+    prompts = [encode(tok, "1+2="), encode(tok, "hello")]
+    sampling = SamplingParams(max_new_tokens=8, temperature=0.7, ignore_eos=True)
+    gap_to_t1 = 0.0
+    for prompt, group in zip(prompts, make_engine(server).generate(prompts, 2, sampling)):
+        for s in group:
+            at_t = teacher_forced_logprobs(model, prompt, s.token_ids, temperature=0.7)
+            assert list(s.logprobs) == pytest.approx(at_t.tolist(), abs=LOCAL_MATCH)
+            t1 = teacher_forced_logprobs(model, prompt, s.token_ids)
+            gap_to_t1 = max(gap_to_t1, (t1 - at_t).abs().max().item())
+    assert gap_to_t1 > max(0.1, 2 * LOCAL_MATCH)  # temperature-1 values would not pass
+
+
 def test_logprobs_are_parsed_from_output_token_logprobs(server, tiny_ckpt):
     _, _, tok = tiny_ckpt
     client = SGLangClient(server.url, retry=FAST_RETRY)

@@ -3,6 +3,7 @@
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -10,6 +11,8 @@ import textwrap
 import pytest
 
 from armor_megatron.rollout.engine import EngineUnavailableError, SamplingParams
+from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.sglang import launcher as launcher_module
 from armor_megatron.rollout.sglang.engine import SGLangEngine
 from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
 from armor_megatron.rollout.testing.tiny_models import encode
@@ -36,6 +39,46 @@ def test_commands_follow_sglang_flags():
     assert router[3] == "sglang_router.launch_router" and "--api-key" not in router
     assert SGLangLauncher(LauncherConfig(model_path="/m")).server_command(0, 1)[1:3] == ["-m", "sglang.launch_server"]
     assert router[router.index("--worker-urls") + 1 :][:2] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
+    assert "--enable-deterministic-inference" not in cmd
+    deterministic = SGLangLauncher(LauncherConfig(model_path="/m", deterministic=True)).server_command(0, 1)
+    assert "--enable-deterministic-inference" in deterministic
+
+
+def test_temperature_one_logprobs_are_refused():
+    # the trainer computes log-probs at the sampling temperature, as SGLang reports them by default
+    with pytest.raises(ValueError, match="env sets SGLANG_RETURN_ORIGINAL_LOGPROB"):
+        LauncherConfig(model_path="/m", env={"SGLANG_RETURN_ORIGINAL_LOGPROB": "1"})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_port_taken_before_the_server_binds_it_moves_the_server(tiny_ckpt, tmp_path, monkeypatch):
+    from tests.rollout.test_local import teacher_forced_logprobs
+
+    path, _, tok = tiny_ckpt
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    ports = iter([taken.getsockname()[1]])
+    real = launcher_module.free_port
+    monkeypatch.setattr(launcher_module, "free_port", lambda host: next(ports, None) or real(host))
+    # inherited from the trainer's environment: not passed on (the double would report T=1 values)
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    cfg = LauncherConfig(model_path=path, server_module=TEST_SERVER, log_dir=str(tmp_path), startup_timeout=120)
+    launcher = SGLangLauncher(cfg)
+    try:
+        engine = SGLangEngine.launch(launcher, retry=FAST_RETRY)
+        assert launcher.ports[0] != taken.getsockname()[1]
+        assert "Address already in use" in (tmp_path / "engine-0.log").read_text()
+        prompt = encode(tok, "12")
+        sample = engine.generate([prompt], 1, SamplingParams(max_new_tokens=6, temperature=0.7, ignore_eos=True))[0][0]
+        model = LocalEngine.from_pretrained(path).model
+        expected = teacher_forced_logprobs(model, prompt, sample.token_ids, temperature=0.7)
+        assert list(sample.logprobs) == pytest.approx(expected.tolist(), abs=1e-5)
+        engine.shutdown()
+    finally:
+        launcher.stop()
+        taken.close()
 
 
 @pytest.mark.slow

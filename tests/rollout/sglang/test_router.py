@@ -118,9 +118,11 @@ def test_rollouts_weight_sync_and_engine_deaths_through_the_real_router(tiny_ckp
         counts = _generate_counts([a, b])
         assert sum(counts) == len(prompts) and min(counts) > 0, counts
 
-        # seeded samples: the router refuses a list of params (422), so each sample is its own request
+        # deterministic mode's per-sample seeds: the router refuses a list of params (422), so each
+        # sample is its own request
         with pytest.raises(SGLangHTTPError, match="HTTP 422"):
             SGLangClient(router.url).generate(prompts[0], [{"max_new_tokens": 2}] * 2)
+        engine.deterministic = True
         engine.reseed(5)
         groups = engine.generate(prompts, 3, sampling)
         assert [len(g) for g in groups] == [3] * len(prompts)
@@ -142,7 +144,7 @@ def test_rollouts_weight_sync_and_engine_deaths_through_the_real_router(tiny_ckp
         b_before = _generate_counts([b])[0]
         groups = engine.generate(prompts, 2, sampling)
         assert [len(g) for g in groups] == [2] * len(prompts)
-        assert _generate_counts([b])[0] == b_before + 2 * len(prompts)  # still reseeded: a request per sample
+        assert _generate_counts([b])[0] == b_before + 2 * len(prompts)  # still deterministic: a request per sample
         # a weight sync cannot skip it: one line naming the dead engine
         with pytest.raises(RolloutError) as err:
             engine.update_weights(tiny_weights(hf_cfg, seed=4), version="v2")

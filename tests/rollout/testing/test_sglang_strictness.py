@@ -49,25 +49,56 @@ def test_client_sends_what_sglang_accepts(server, tiny_ckpt):
     assert engine.generate([encode(tok, "1")], 2, sampling)[0][1].num_tokens == 2
 
 
-def test_seeded_samples_of_one_request_differ(server, tiny_ckpt):
-    # SGLang gives every copy of an n > 1 request the same sampling_seed: identical samples.
+def outputs(client, tok, **params):
+    params = {"max_new_tokens": 8, "ignore_eos": True, **params}
+    return [tuple(o["output_ids"]) for o in client.generate(encode(tok, "7"), params)]
+
+
+def test_sampling_seed_counts_only_under_deterministic_inference(server, tiny_ckpt):
+    # sampling_batch_info.py:157-171: no seed tensor unless --enable-deterministic-inference
     _, _, tok = tiny_ckpt
     client = SGLangClient(server.url, retry=ONCE)
-    same = client.generate(encode(tok, "7"), {"max_new_tokens": 8, "n": 3, "sampling_seed": 1, "ignore_eos": True})
-    assert len({tuple(o["output_ids"]) for o in same}) == 1
-    engine = SGLangEngine([server.url], retry=ONCE)
-    group = engine.generate([encode(tok, "7")], 3, SamplingParams(max_new_tokens=8, ignore_eos=True, seed=1))[0]
-    assert len({s.token_ids for s in group}) == 3
+    assert len(set(outputs(client, tok, n=3, sampling_seed=1))) == 3  # ignored: the copies draw independently
+    assert outputs(client, tok, sampling_seed=1) != outputs(client, tok, sampling_seed=1)
 
 
-def test_reseed_repeats_the_samples(server, tiny_ckpt):
-    _, _, tok = tiny_ckpt
-    engine, sampling = SGLangEngine([server.url], retry=ONCE), SamplingParams(max_new_tokens=8, ignore_eos=True)
-    draws = []
-    for _ in range(2):
-        engine.reseed(123)
-        draws.append([s.token_ids for s in engine.generate([encode(tok, "5")], 3, sampling)[0]])
-    assert draws[0] == draws[1] and len(set(draws[0])) == 3
+def test_deterministic_server_seeds_every_copy_alike(tiny_ckpt):
+    # deterministic: (seed, position, token) hashed; copies of one request share the seed, unseeded ones get 42
+    path, _, tok = tiny_ckpt
+    with SGLangTestServer(LocalEngine.from_pretrained(path), model_path=path, deterministic=True) as server:
+        client = SGLangClient(server.url, retry=ONCE)
+        same = outputs(client, tok, n=3, sampling_seed=1)
+        assert len(set(same)) == 1 and outputs(client, tok, sampling_seed=1) == same[:1]
+        unseeded = outputs(client, tok, n=2)
+        assert len(set(unseeded)) == 1 and unseeded == outputs(client, tok, n=2, sampling_seed=42)
+        assert outputs(client, tok, sampling_seed=2) != same[:1]
+        status_code = status(  # io_struct.py:541-545: one n for all params dicts of a batch
+            client,
+            "POST",
+            "/generate",
+            {"input_ids": [[3, 4], [5, 6]], "sampling_params": [{"n": 1}, {"n": 2}]},
+        )
+        assert status_code == 400
+
+
+def test_logprobs_follow_the_servers_environment(tiny_ckpt, monkeypatch):
+    # sampler.py:82/237/323: SGLANG_RETURN_ORIGINAL_LOGPROB set -> temperature-1 values; else at T (line 315)
+    from tests.rollout.test_local import teacher_forced_logprobs
+
+    path, _, tok = tiny_ckpt
+    prompt = encode(tok, "12+")
+    for env, at in ((None, 0.7), ("1", 1.0), ("true", 1.0), ("0", 0.7)):
+        if env is None:
+            monkeypatch.delenv("SGLANG_RETURN_ORIGINAL_LOGPROB", raising=False)
+        else:
+            monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", env)
+        local = LocalEngine.from_pretrained(path)
+        with SGLangTestServer(local, model_path=path) as server:
+            engine = SGLangEngine([server.url], retry=ONCE)
+            group = engine.generate([prompt], 2, SamplingParams(max_new_tokens=8, temperature=0.7, ignore_eos=True))
+        for s in group[0]:
+            expected = teacher_forced_logprobs(local.model, prompt, s.token_ids, temperature=at)
+            assert list(s.logprobs) == pytest.approx(expected.tolist(), abs=1e-5), env
 
 
 def test_pause_keeps_requests_in_flight_and_generate_runs_during_a_session(server, tiny_ckpt):
