@@ -554,6 +554,16 @@ class LaunchConfig:
     gpu_memory_gib: float = checked(
         80.0, check=positive, help="device memory of one GPU; `armor-train --plan` refuses layouts that exceed it"
     )
+    network_interface: str | None = checked(
+        None,
+        check=described(
+            "an interface name without spaces",
+            lambda x: None if x is None or (x and not any(c.isspace() for c in x)) else f"{x!r} is no interface name",
+        ),
+        help="the fabric's network interface (e.g. ib0; NCCL's forms such as ^docker,lo too) for a multi-node job: "
+        "the SLURM plan exports it as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the trainer and the engines, so "
+        "training collectives and the weight sync's broadcasts use it",
+    )
 
 
 @dataclasses.dataclass
