@@ -53,6 +53,7 @@ from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
+from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
@@ -487,8 +488,11 @@ class ArmorTrainer:
         return metrics
 
     # ------------------------------------------------------------------ the loop
-    def run(self, save: Callable[[], None], logger: MetricsLogger | None = None) -> dict:
-        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks).
+    def run(
+        self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
+    ) -> dict:
+        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
+        ``save_hf()`` the policy as an HF directory when ``checkpoint.save_hf`` says it is due.
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
         """
@@ -500,7 +504,7 @@ class ArmorTrainer:
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
-                last, saved = self._step(save)
+                last, saved = self._step(save, save_hf)
                 if self.is_driver:
                     last = self._report(last, reporter)
                 if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
@@ -514,7 +518,7 @@ class ArmorTrainer:
             reporter.close()
         return last if self.is_driver else {}
 
-    def _step(self, save: Callable[[], None]) -> tuple[dict, bool]:
+    def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
         """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
         every rank, and whether it saved a checkpoint)."""
         cfg = self.cfg
@@ -554,6 +558,9 @@ class ArmorTrainer:
                 if saved:
                     with timer.phase("checkpoint"):
                         save()
+        if save_hf is not None and save_hf_due(cfg.checkpoint.save_hf, self.step, cfg.train.steps):
+            with timer.phase("save_hf"), self._host_weights(self.actor):  # from the host copy, if there
+                save_hf()
         metrics.update(timer.times)
         elapsed = time.perf_counter() - started
         metrics["time/step"] = elapsed

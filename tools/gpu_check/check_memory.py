@@ -29,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_lines import report, select_device, single_process_env  # noqa: E402
-from check_throughput import SHAPES, random_batch  # noqa: E402
+from check_throughput import SHAPES, random_actor, random_batch  # noqa: E402
 
 GIB = 2**30
 
@@ -114,11 +114,8 @@ def main(argv=None) -> int:
     single_process_env()
     import torch
 
-    from armor_megatron.algo.loss import PolicyLossConfig
-    from armor_megatron.config.schema import OptimizerConfig
     from armor_megatron.launch.device_ledger import DeviceLedger
     from armor_megatron.megatron import dist
-    from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.offload import HostOffload
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.weight_export import HFWeightExport
@@ -146,16 +143,7 @@ def main(argv=None) -> int:
     parallel = dist.ParallelConfig()
     dist.initialize(parallel, arch, seed=0)
     try:
-        actor = MegatronActor(
-            arch,
-            parallel,
-            dtype=torch.bfloat16,
-            optimizer=OptimizerConfig(),
-            loss=PolicyLossConfig(alpha=0.9375),
-            micro_batch_size=1,
-            total_steps=4,
-            seed=0,
-        )
+        actor = random_actor(arch, parallel, total_steps=4, seed=0)
         reference = ReferenceModel(arch, parallel, dtype=torch.bfloat16, micro_batch_size=1)
         reference.reset_from(actor)
         batch = random_batch(arch, args.batch, args.seq_len, seed=0)
