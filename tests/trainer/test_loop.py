@@ -24,7 +24,7 @@ def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
 def _stub_trainer(steps: int, signal_at_step: int, signum):
     """What ArmorTrainer.run reads of its trainer, with a step that raises ``signum`` at a given step."""
 
-    def step(save):
+    def step(save, save_hf=None):
         trainer.step += 1
         if trainer.step == signal_at_step:
             os.kill(os.getpid(), signum)
