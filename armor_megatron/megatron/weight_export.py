@@ -571,7 +571,8 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         if not _in_owner_replica(p.expert):
             continue  # another data-parallel replica exports it: no collective in this TP group
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
-        shards = _gather_to_owner(p.tensor, group) if p.gather else [p.tensor]
+        shard = _staged(p.tensor)
+        shards = _gather_to_owner(shard, group) if p.gather else [shard]
         if not _owns(p.expert):
             continue
         for i, piece in enumerate(p.pieces):
@@ -590,6 +591,15 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
             del tensor
             while out:
                 yield out.pop(0)
+
+
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter read from host memory (a trainer offloaded during the weight sync, a reference
+    kept on the host) goes to the GPU one at a time: gathers then run over NCCL, and the sync's
+    device memory is one parameter and one bucket. On CPU-only machines it stays."""
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        return tensor.to(torch.cuda.current_device(), non_blocking=tensor.is_pinned())
+    return tensor
 
 
 def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None) -> torch.Tensor:

@@ -49,10 +49,12 @@ def test_record_copies_config_and_tokenizer_not_weights(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_tp2_run_from_hf_saves_hf_every_step_equal_to_the_converter(tiny, tmp_path):
+@pytest.mark.parametrize("offload", ["false", "true"])  # true: saved from the trainer's host copy
+def test_tp2_run_from_hf_saves_hf_every_step_equal_to_the_converter(tiny, tmp_path, offload):
     metrics = _train(
         tiny,
         tmp_path,
+        f"train.offload_during_rollout={offload}",
         "train.steps=2",
         "eval.every_steps=0",
         "checkpoint.every_steps=1",
