@@ -1,8 +1,8 @@
 """Runs request bodies through SGLang 0.5.23's own code, in the interpreter of tools/sglang_cpu_env.py.
 
-Reads one JSON object ``{"checks": [{"kind": ..., ...}, ...], "tokenizer": DIR, "vocab_size": V}``
-on stdin and writes ``[{"ok": bool, "error": str | None, ...}, ...]``, one per check, as JSON on
-stdout. Each kind does what the server does with a body on that route (file and function named):
+Reads jobs from stdin, one JSON object a line, ``{"checks": [{"kind": ..., ...}, ...],
+"tokenizer": DIR, "vocab_size": V}``, and answers each with one line on stdout,
+``[{"ok": bool, "error": str | None, ...}, ...]``, one entry per check (SGLang imports once). Each kind does what the server does with a body on that route (file and function named):
 
 * ``generate``: ``api_contract.generate_contract_error`` (the schema gate of ``/generate``),
   FastAPI's parse of ``GenerateReqInput`` (pydantic), ``normalize_batch_and_arguments``, then per
@@ -105,19 +105,28 @@ def run(check, tokenizer, vocab_size):
     raise ValueError(f"unknown check kind {kind!r}")
 
 
-def main():
-    job = json.load(sys.stdin)
-    authkey = os.environ.get("ARMOR_MP_AUTHKEY")
-    if authkey:  # CPU tensor handles are file descriptors served to the sender's authkey
-        multiprocessing.current_process().authkey = bytes.fromhex(authkey)
-    tokenizer = get_tokenizer(job["tokenizer"]) if job.get("tokenizer") else None
+def answer(job, tokenizers):
+    path = job.get("tokenizer")
+    if path and path not in tokenizers:
+        tokenizers[path] = get_tokenizer(path)
+    tokenizer = tokenizers.get(path)
     results = []
     for check in job["checks"]:
         try:
-            results.append({"ok": True, "error": None, **run(check, tokenizer, job.get("vocab_size", 1 << 20))})
+            results.append({"ok": True, "error": None, **run(check, tokenizer, job.get("vocab_size") or 1 << 20)})
         except Exception as e:  # noqa: BLE001 - every refusal is reported, as the server reports it
             results.append({"ok": False, "error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-2000:]})
-    json.dump(results, sys.stdout)
+    return results
+
+
+def main():
+    authkey = os.environ.get("ARMOR_MP_AUTHKEY")
+    if authkey:  # CPU tensor handles are file descriptors served to the sender's authkey
+        multiprocessing.current_process().authkey = bytes.fromhex(authkey)
+    tokenizers = {}
+    for line in sys.stdin:
+        sys.stdout.write(json.dumps(answer(json.loads(line), tokenizers)) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

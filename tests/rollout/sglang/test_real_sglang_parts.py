@@ -15,6 +15,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -45,18 +46,35 @@ def sglang_python():
     if proc.returncode == 75:
         pytest.skip(f"SGLang CPU environment not built, package index unreachable: {proc.stderr.strip()}")
     assert proc.returncode == 0, f"tools/sglang_cpu_env.py failed:\n{proc.stderr[-3000:]}"
-    print(proc.stderr.strip())
     return proc.stdout.strip().splitlines()[-1]
 
 
-def run_sglang(python, checks, tokenizer=None, vocab_size=None):
-    """Results of ``checks`` run by real_sglang_runner.py in SGLang's environment (one per check)."""
-    job = {"checks": checks, "tokenizer": tokenizer, "vocab_size": vocab_size}
+@pytest.fixture(scope="session")
+def sglang_runner(sglang_python):
+    """real_sglang_runner.py running in SGLang's environment (SGLang imported once for the session)."""
     env = dict(os.environ, ARMOR_MP_AUTHKEY=multiprocessing.current_process().authkey.hex())
     env.pop("PYTHONPATH", None)  # SGLang's side sees SGLang only
-    proc = subprocess.run([python, RUNNER], input=json.dumps(job), capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, f"runner failed:\n{proc.stderr[-3000:]}"
-    results = json.loads(proc.stdout)
+    with tempfile.TemporaryFile("w+") as stderr:  # a file, not a pipe: warnings never block the runner
+        proc = subprocess.Popen(
+            [sglang_python, RUNNER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env
+        )
+        proc.stderr_file = stderr
+        try:
+            yield proc
+        finally:
+            proc.kill()
+            proc.communicate(timeout=60)
+
+
+def run_sglang(runner, checks, tokenizer=None, vocab_size=None):
+    """Results of ``checks`` run by real_sglang_runner.py in SGLang's environment (one per check)."""
+    runner.stdin.write(json.dumps({"checks": checks, "tokenizer": tokenizer, "vocab_size": vocab_size}) + "\n")
+    runner.stdin.flush()
+    line = runner.stdout.readline()
+    if not line:
+        runner.stderr_file.seek(0)
+        pytest.fail(f"the SGLang runner died:\n{runner.stderr_file.read()[-3000:]}")
+    results = json.loads(line)
     assert len(results) == len(checks)
     return results
 
@@ -92,7 +110,7 @@ SAMPLINGS = {
 }
 
 
-def test_generate_bodies_pass_sglangs_parsing_and_verify(recording, tiny_ckpt, sglang_python):
+def test_generate_bodies_pass_sglangs_parsing_and_verify(recording, tiny_ckpt, sglang_runner):
     path, cfg, tok = tiny_ckpt
     engine = SGLangEngine([recording.url], retry=FAST_RETRY, request_timeout=60.0)
     prompt = encode(tok, "12+3=")
@@ -104,7 +122,7 @@ def test_generate_bodies_pass_sglangs_parsing_and_verify(recording, tiny_ckpt, s
     bodies = recording.sent("/generate")
     assert len(bodies) == len(SAMPLINGS) + 1
     results = run_sglang(
-        sglang_python, [{"kind": "generate", "body": b} for b in bodies], tokenizer=path, vocab_size=cfg["vocab_size"]
+        sglang_runner, [{"kind": "generate", "body": b} for b in bodies], tokenizer=path, vocab_size=cfg["vocab_size"]
     )
     for body, res in zip(bodies, results):
         assert res["ok"], f"SGLang refuses our /generate body {body}: {res['error']}"
@@ -133,7 +151,7 @@ REFUSED_SAMPLING = {
 }
 
 
-def test_what_the_double_refuses_sglang_refuses(recording, tiny_ckpt, sglang_python):
+def test_what_the_double_refuses_sglang_refuses(recording, tiny_ckpt, sglang_runner):
     path, cfg, tok = tiny_ckpt
     bodies = []
     for params, _ in REFUSED_SAMPLING.values():
@@ -143,14 +161,14 @@ def test_what_the_double_refuses_sglang_refuses(recording, tiny_ckpt, sglang_pyt
         assert refused.value.status == 400
         bodies.append(body)
     results = run_sglang(
-        sglang_python, [{"kind": "generate", "body": b} for b in bodies], tokenizer=path, vocab_size=cfg["vocab_size"]
+        sglang_runner, [{"kind": "generate", "body": b} for b in bodies], tokenizer=path, vocab_size=cfg["vocab_size"]
     )
     for (name, (_, word)), res in zip(REFUSED_SAMPLING.items(), results):
         assert not res["ok"], f"SGLang accepts what the double refuses ({name})"
         assert word in res["error"], (name, res["error"])
 
 
-def test_weight_update_bodies_build_sglangs_request_classes(recording, tiny_ckpt, tmp_path, sglang_python):
+def test_weight_update_bodies_build_sglangs_request_classes(recording, tiny_ckpt, tmp_path, sglang_runner):
     _, cfg, _ = tiny_ckpt
     make = lambda sync: SGLangEngine([recording.url], retry=FAST_RETRY, request_timeout=60.0, weight_sync=sync)  # noqa: E731
     make(WeightSyncConfig(mode="tensor", bucket_bytes=16 << 10)).update_weights(tiny_weights(cfg, seed=1), "t1")
@@ -180,7 +198,7 @@ def test_weight_update_bodies_build_sglangs_request_classes(recording, tiny_ckpt
     }
     checks = [{"kind": "request", "cls": classes[p], "body": b, "path": p} for p, b in recording.bodies if p in classes]
     assert {c["path"] for c in checks} == set(classes), "a weight-update route was not exercised"
-    for check, res in zip(checks, run_sglang(sglang_python, checks)):
+    for check, res in zip(checks, run_sglang(sglang_runner, checks)):
         assert res["ok"], f"SGLang refuses our {check['path']} body {check['body']}: {res['error']}"
     # negative twins where SGLang validates: a missing required field, a wrong type, an unknown mode
     bad = [
@@ -190,12 +208,12 @@ def test_weight_update_bodies_build_sglangs_request_classes(recording, tiny_ckpt
         ("PauseGenerationReqInput", {"mode": "freeze"}),
     ]
     for (cls, body), res in zip(
-        bad, run_sglang(sglang_python, [{"kind": "request", "cls": c, "body": b} for c, b in bad])
+        bad, run_sglang(sglang_runner, [{"kind": "request", "cls": c, "body": b} for c, b in bad])
     ):
         assert not res["ok"], f"SGLang accepts {cls} {body}"
 
 
-def test_tensor_payloads_pass_sglangs_unpickler_and_bucket(sglang_python):
+def test_tensor_payloads_pass_sglangs_unpickler_and_bucket(sglang_runner):
     named = [
         ("model.layers.0.mlp.down_proj.weight", torch.arange(6, dtype=torch.float32).reshape(2, 3) / 4),
         ("model.norm.weight", torch.tensor([1.5, -2.0, 0.25])),
@@ -207,7 +225,7 @@ def test_tensor_payloads_pass_sglangs_unpickler_and_bucket(sglang_python):
         {"kind": "payload", "entry": tensor_payload.serialize(named, None), "load_format": None},
         {"kind": "payload", "entry": tensor_payload.serialize(half), "load_format": "flattened_bucket"},
     ]
-    results = run_sglang(sglang_python, checks)
+    results = run_sglang(sglang_runner, checks)
     for want, res in zip([named, named, half], results):
         assert res["ok"], res["error"]
         got = res["tensors"]
@@ -217,7 +235,7 @@ def test_tensor_payloads_pass_sglangs_unpickler_and_bucket(sglang_python):
             assert g["values"] == t.float().flatten().tolist()
 
 
-def test_a_global_sglang_forbids_is_refused_by_both_unpicklers(sglang_python):
+def test_a_global_sglang_forbids_is_refused_by_both_unpicklers(sglang_runner):
     # our metadata dataclass under its own module path: SGLang's list does not name it
     import base64
     import io
@@ -229,11 +247,11 @@ def test_a_global_sglang_forbids_is_refused_by_both_unpicklers(sglang_python):
     entry = base64.b64encode(buf.getvalue()).decode()
     with pytest.raises(pickle.UnpicklingError, match="refuses"):
         tensor_payload.deserialize(entry, "flattened_bucket")
-    (res,) = run_sglang(sglang_python, [{"kind": "payload", "entry": entry, "load_format": "flattened_bucket"}])
+    (res,) = run_sglang(sglang_runner, [{"kind": "payload", "entry": entry, "load_format": "flattened_bucket"}])
     assert not res["ok"] and "Blocked unsafe global" in res["error"], res["error"]
 
 
-def test_our_allowlist_is_part_of_sglangs(sglang_python):
-    (res,) = run_sglang(sglang_python, [{"kind": "allowlist"}])
+def test_our_allowlist_is_part_of_sglangs(sglang_runner):
+    (res,) = run_sglang(sglang_runner, [{"kind": "allowlist"}])
     theirs = {tuple(pair) for pair in res["allowed"]}
     assert tensor_payload.SGLANG_ALLOWED_GLOBALS <= theirs, sorted(tensor_payload.SGLANG_ALLOWED_GLOBALS - theirs)
