@@ -8,7 +8,8 @@
 #
 # Prints one line per check (1. bf16 log-prob parity vs fp32 CPU, 2. a 3-step armor-train with
 # anchors, a reference reset, a checkpoint and a resume, 3. 0.5B-shaped train throughput and
-# MFU), and last `gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>`. Exit 0 when every check passed.
+# MFU, 4. the colocated step's trainer phases with the memory ledger's bytes beside the measured
+# peaks), and last `gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>`. Exit 0 when every check passed.
 # Logs: gpu_check.log and gpu_check.json in --logs DIR, default the work directory (--work,
 # default $TMPDIR/armor_gpu_check).
 #

@@ -59,7 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("mcore-to-hf", help="Megatron torch_dist checkpoint -> HF safetensors directory")
     p.add_argument("mcore_dir")
     p.add_argument("out_dir")
-    p.add_argument("--hf-config", help="HF directory with config.json/tokenizer (default: MCORE_DIR/hf_config)")
+    p.add_argument(
+        "--hf-config",
+        help="HF directory with config.json/tokenizer (default: MCORE_DIR/hf_config, or the hf_config a training "
+        "run recorded beside MCORE_DIR)",
+    )
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest safetensors shard (default 5GB)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

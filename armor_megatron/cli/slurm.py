@@ -1,9 +1,9 @@
 """``python -m armor_megatron.cli.slurm``: plan, submit and start SLURM jobs from a run config.
 
     # inside the allocation (tools/slurm/armor.sbatch evaluates --shell):
-    python -m armor_megatron.cli.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell)
+    python -m armor_megatron.cli.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell) [--no-plan]
     # on the login node: the sbatch command for the config's resources (run it, or print it):
-    python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run]
+    python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run] [--no-plan]
     # the batch script waits for its engine steps:
     python -m armor_megatron.cli.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
     # the allocation's hosts where scontrol is not installed, one a line:
@@ -11,6 +11,8 @@
 
 Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
 A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).
+``plan`` and ``submit`` refuse a layout whose device-memory plan (``armor-train --plan``) exceeds
+``launch.gpu_memory_gib``; ``--no-plan`` accepts it (``submit`` passes it on to the job's plan).
 Exit codes: 0 ok, 1 engines failed to start, 2 bad config or allocation.
 """
 
@@ -26,6 +28,7 @@ from collections.abc import Mapping, Sequence
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
 from armor_megatron.config import ConfigError, load_config
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
+from armor_megatron.launch.memory import plan_problem
 from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
 from armor_megatron.launch.plan import (
     API_KEY_ENV,
@@ -85,6 +88,9 @@ def _config_args(parser) -> None:
     parser.add_argument(
         "--launcher", choices=LAUNCHERS, default=None, help="srun: one task per GPU (default); torchrun: one per node"
     )
+    parser.add_argument(
+        "--no-plan", action="store_true", help="accept a layout whose memory plan exceeds launch.gpu_memory_gib"
+    )
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -117,6 +123,7 @@ def _plan(args, env: Mapping[str, str]) -> int:
         raise SlurmEnvError("SLURM_JOB_ID is not set: --shell runs inside an allocation (use --dry-run to preview)")
     config_path = _array_config_path(args.config, env)
     cfg = load_config(config_path, args.overrides)
+    _check_memory_plan(cfg, args.no_plan)
     slurm = preview_allocation(cfg) if preview else SlurmEnv.from_environ(env)
     options = LaunchOptions.from_environ(env, launcher=args.launcher)
     plan = plan_job(cfg, slurm, train_args=["--config", config_path, *args.overrides], options=options)
@@ -131,11 +138,12 @@ def _plan(args, env: Mapping[str, str]) -> int:
 
 def _submit(args, env: Mapping[str, str]) -> int:
     cfg = load_config(args.config, args.overrides)
+    _check_memory_plan(cfg, args.no_plan)
     options = LaunchOptions.from_environ(env, launcher=args.launcher)
     plan_job(cfg, preview_allocation(cfg), train_args=[], options=options)  # refuse a layout that cannot start
     cmd = sbatch_command(
         cfg,
-        ["--config", args.config, *args.overrides],
+        ["--config", args.config, *args.overrides, *(["--no-plan"] if args.no_plan else [])],
         launcher=options.launcher,
         template=args.template,
         log_dir=args.log_dir,
@@ -143,6 +151,13 @@ def _submit(args, env: Mapping[str, str]) -> int:
         extra=args.sbatch_arg,
     )
     return run_or_print(PROG, cmd, dry_run=args.dry_run, make_dirs=[args.log_dir])
+
+
+def _check_memory_plan(cfg, accept: bool) -> None:
+    """Refuse a layout whose memory plan does not fit its GPUs (one line), unless ``accept``."""
+    problem = None if accept else plan_problem(cfg)
+    if problem is not None:
+        raise LaunchPlanError(f"plan: {problem}; pass --no-plan to accept it")
 
 
 def _array_config_path(path: str, env: Mapping[str, str]) -> str:

@@ -1,10 +1,11 @@
-"""``armor-train --config FILE [section.key=value ...] [--check] [--plan] [--no-files] [--resume auto|none|force|PATH]``.
+"""``armor-train --config FILE [section.key=value ...] [--check] [--plan] [--no-plan] [--no-files] [--resume auto|none|force|PATH]``.
 
 ``armor-train --explain KEY`` prints one config key's entry of the reference (``docs/config.md``):
 its type, default, accepted values and meaning; a config error names its key the same way.
 
-``--plan`` prints the memory of one GPU per pipeline stage (``launch.memory``) and exits 2 with one
-line when the layout does not fit ``launch.gpu_memory_gib``.
+``--plan`` prints the memory of one GPU per pipeline stage and per phase of a step
+(``launch.memory``) and exits 2 with one line when the layout does not fit ``launch.gpu_memory_gib``.
+``--check`` refuses such a layout too (GPU runs whose architecture is known), unless ``--no-plan``.
 
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
 by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
@@ -36,6 +37,7 @@ from armor_megatron.cli.common import (
 )
 from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
+from armor_megatron.launch.memory import plan_problem
 from armor_megatron.trainer import preemption
 
 PROG = "armor-train"
@@ -55,6 +57,11 @@ def build_parser() -> OneLineArgumentParser:
         "--plan",
         action="store_true",
         help="print the device memory per GPU of the layout and exit; exit 2 when it does not fit launch.gpu_memory_gib",
+    )
+    parser.add_argument(
+        "--no-plan",
+        action="store_true",
+        help="--check: accept a layout whose memory plan exceeds launch.gpu_memory_gib",
     )
     parser.add_argument(
         "--explain", metavar="KEY", help="print one config key's type, default, accepted values and meaning, and exit"
@@ -99,6 +106,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.plan:
         return plan(cfg)
     if args.check:
+        try:
+            problem = None if args.no_plan else plan_problem(cfg)
+        except ConfigError as err:
+            return fail(PROG, f"config: {err}")
+        if problem is not None:
+            return fail(PROG, f"plan: {problem}; pass --no-plan to accept it")
         yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
         if needed := needs.describe(cfg):
             print(f"{PROG}: {needed}", file=sys.stderr)

@@ -20,6 +20,7 @@ from armor_megatron.data.prompts import field_kind, field_of, ground_truth_colum
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
+SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what a run without mcore_path loads
 
 
 def check_files(cfg: RunConfig) -> None:
@@ -79,6 +80,12 @@ def _check_model(cfg: RunConfig) -> None:
         raise ConfigError("model.path", f"{path}: no config.json (not a Hugging Face model directory)")
     # its contents were read and checked with the config (validate.hf_config_of)
     mcore = cfg.model.mcore_path
+    if not mcore and not any(os.path.isfile(os.path.join(path, f)) for f in SAFETENSORS_WEIGHTS):
+        raise ConfigError(
+            "model.path",
+            f"{path}: no safetensors weights ({' or '.join(SAFETENSORS_WEIGHTS)}) to start from; "
+            "set model.mcore_path to start from a torch_dist checkpoint instead",
+        )
     if mcore and not os.path.isdir(mcore):
         raise ConfigError(
             "model.mcore_path",

@@ -31,7 +31,9 @@ class ModelConfig:
     """The model to train: its HF directory (weights, config, tokenizer) and how Megatron builds it."""
 
     path: str = checked(check=non_empty, help="HF model directory (config.json, safetensors, tokenizer)")
-    mcore_path: str | None = checked(None, help="converted torch_dist checkpoint; converted at start when unset")
+    mcore_path: str | None = checked(
+        None, help="torch_dist checkpoint to start from; unset: each rank reads its slices of `path` directly"
+    )
     arch: dict[str, Any] = checked(
         factory=dict, help="HF config.json fields used for checks when `path` is not on this machine"
     )
@@ -477,6 +479,17 @@ class EvalConfig:
 
 
 @dataclasses.dataclass
+class SaveHFConfig:
+    """The policy written as an HF model directory during training: safetensors, config.json and
+    the tokenizer files of ``model.path`` under ``<checkpoint.dir>/hf/step_<N>``, by the ranks
+    that own the weights, atomically (loadable by transformers and SGLang as it is)."""
+
+    every_steps: int = checked(0, check=at_least(0), help="write the HF directory every N steps; 0: only at the end")
+    at_end: bool = checked(True, help="also write it after the last step")
+    keep_last: int = checked(0, check=at_least(0), help="HF directories kept (the oldest removed first); 0 keeps all")
+
+
+@dataclasses.dataclass
 class CheckpointConfig:
     """Where and how often the run checkpoints, and what it resumes from."""
 
@@ -490,6 +503,9 @@ class CheckpointConfig:
     resume: str = checked("auto", check=non_empty, help="auto | none | path of a checkpoint")
     save_anchor_cache: bool = checked(
         True, help="save the anchor cache in checkpoints, so a resumed run serves the same anchors"
+    )
+    save_hf: SaveHFConfig = checked(
+        factory=SaveHFConfig, help="HF copies of the policy during training (<checkpoint.dir>/hf/step_<N>)"
     )
 
 
@@ -537,6 +553,16 @@ class LaunchConfig:
     )
     gpu_memory_gib: float = checked(
         80.0, check=positive, help="device memory of one GPU; `armor-train --plan` refuses layouts that exceed it"
+    )
+    network_interface: str | None = checked(
+        None,
+        check=described(
+            "an interface name without spaces",
+            lambda x: None if x is None or (x and not any(c.isspace() for c in x)) else f"{x!r} is no interface name",
+        ),
+        help="the fabric's network interface (e.g. ib0; NCCL's forms such as ^docker,lo too) for a multi-node job: "
+        "the SLURM plan exports it as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the trainer and the engines, so "
+        "training collectives and the weight sync's broadcasts use it",
     )
 
 

@@ -1,7 +1,8 @@
 """Megatron torch_dist checkpoint (any training parallelism) -> HF safetensors directory.
 
 The HF config comes from ``hf_config_dir`` or, for checkpoints this converter wrote, from
-``MCORE_DIR/hf_config``. Tensors are written layer by layer into size-capped shards
+``MCORE_DIR/hf_config``, or, for a training run's checkpoint, from the ``hf_config`` the run
+recorded beside it. Tensors are written layer by layer into size-capped shards
 (``model-0000i-of-0000n.safetensors`` + index, or one ``model.safetensors``), with config.json
 and the tokenizer files copied alongside. A tensor stored as one plain item (this converter's
 output, a layer saved without TP) is copied by the kernel, row block by row block; pieces a
@@ -29,10 +30,23 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def hf_config_dir_of(mcore_dir: str, hf_config_dir: str | None = None) -> str:
-    path = hf_config_dir or os.path.join(mcore_dir, HF_FILES_DIR)
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{mcore_dir}: no {HF_FILES_DIR}/config.json; pass --hf-config DIR with the HF config")
-    return path
+    """``hf_config_dir``, else ``MCORE_DIR/hf_config`` (this converter's output), else
+    ``hf_config`` beside MCORE_DIR (a training run records the files it started from there)."""
+    if hf_config_dir:
+        candidates = [hf_config_dir]
+    else:
+        candidates = [
+            os.path.join(mcore_dir, HF_FILES_DIR),
+            os.path.join(os.path.dirname(os.path.abspath(mcore_dir)), HF_FILES_DIR),
+        ]
+    for path in candidates:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    if hf_config_dir:
+        raise CheckpointError(f"{hf_config_dir}: no config.json")
+    raise CheckpointError(
+        f"{mcore_dir}: no {HF_FILES_DIR}/config.json in it or beside it; pass --hf-config DIR with the HF config"
+    )
 
 
 def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:

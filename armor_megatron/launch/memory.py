@@ -65,20 +65,34 @@ e·s·b·h/t per micro-batch in flight.
 **Log-prob / entropy chunk** (last stage, one micro-batch: 1F1B alternates there): the logits
 [s, b, V_p/t] in e, their gradient (same size; `logprobs` writes it into one buffer) and the two
 fp32 work buffers of ``vocab_parallel_logprobs``, 2·min(s·b, 2^26 / (V_p/t))·(V_p/t)·4 bytes.
+GPTModel's ``logits.transpose(0, 1).contiguous()`` copy lives beside the output layer's logits
+only while it is made, before the gradient and the work buffers exist: it does not raise the
+peak (measured in megatron's forward and backward, tests/launch/test_memory.py).
 
 **Reference model**: e bytes per parameter, no gradients or optimizer; 0 with
 ``reference.offload`` (then on the device only while it computes log-probs, not while the actor
 trains). **Critic** (``algorithm.estimator: gae``): the actor's parameters without the LM head,
 with gradients and optimizer; it trains after the actor, so its activations do not add.
 
-**Colocated engines** (``rollout.sglang.placement: colocated``): while the trainer computes,
-the policy engines release weights and KV cache and the frozen-reference engine its KV cache
-only, so a GPU of the reference group still holds its weights, e·P/tp_per_engine, plus a
-released engine's CUDA context and graphs, an allowance of ``ENGINE_RESIDUAL_GIB``. While
-engines generate they hold ``mem_fraction_static`` of the GPU; the trainer then keeps nothing
-on it when it offloads (``train.offload_during_rollout``, default when colocated), else its
-weights, gradients, optimizer state, reference and critic. A layout fits when both phases fit
-``launch.gpu_memory_gib``.
+**Phases** (`armor_megatron.launch.device_ledger`): a step holds different things at different
+moments, so the plan replays the step's memory order through a `DeviceLedger` per pipeline stage
+and a layout fits when every phase fits ``launch.gpu_memory_gib``. With colocated SGLang engines
+(``rollout.sglang.placement: colocated``) the order is the trainer's (trainer/loop.py): rollout
+(engines hold ``mem_fraction_static`` of the GPU, weights + KV cache, and their CUDA graphs; the
+trainer is on the host when it offloads, ``train.offload_during_rollout``, default when colocated)
+→ engines released (the policy group every tag; a frozen-reference group its KV cache and graphs:
+its weights, e·P/tp_per_engine, stay) → trainer to the device → log-probs, update → trainer to the
+host and ``empty_cache`` → policy weights resumed → weights pushed bucket by bucket
+(``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a reference
+reset or a checkpoint brings the trainer back while engines keep only their weights. Disaggregated (or local engines):
+a trainer GPU holds the trainer throughout, plus the export's bucket at the sync; an engine GPU
+its static region, graphs and a received bucket.
+
+Allowances (not derived from shapes): ``CUDA_CONTEXT_GIB`` per process on a GPU (the trainer's
+and, colocated, the engine's: CUDA context, cuBLAS workspace, NCCL buffers), and
+``ENGINE_CUDA_GRAPH_GIB``, SGLang's CUDA-graph pool outside ``mem_fraction_static``, released
+with the ``cuda_graph`` tag while the trainer computes. Neither is measured with SGLang here
+(``tools/gpu_check`` check 4 prints a torch process's CUDA context on the device).
 
 Validation (tests/launch/test_memory.py): the local-spec activation terms against the bytes
 autograd keeps for backward in megatron's own forward on CPU (saved-tensor hooks, peak over
@@ -96,10 +110,19 @@ import math
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
+from armor_megatron.launch.device_ledger import (
+    DeviceLedger,
+    DeviceSizes,
+    EngineSizes,
+    Phase,
+    replay_colocated_step,
+    replay_disaggregated_step,
+)
 from armor_megatron.models.arch import ModelArch
 
 GIB = 2**30
-ENGINE_RESIDUAL_GIB = 1.0  # a released SGLang engine's CUDA context and graphs (an allowance, not measured)
+CUDA_CONTEXT_GIB = 0.75  # one process's CUDA context + cuBLAS workspace + NCCL buffers (allowance)
+ENGINE_CUDA_GRAPH_GIB = 2.0  # SGLang's CUDA-graph memory outside mem_fraction_static (allowance)
 LOGPROB_CHUNK_ELEMENTS = 2**26  # logprobs.DEFAULT_CHUNK_ELEMENTS (launch/ does not import megatron/)
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -111,8 +134,10 @@ TERMS = (
     ("logits", "log-prob/entropy chunk"),
     ("reference", "reference model"),
     ("critic", "critic"),
-    ("engine", "colocated engine (released)"),
+    ("engine", "colocated engine kept while training"),
+    ("contexts", "CUDA contexts"),
 )
+TRAINER_TERMS = ("weights", "gradients", "optimizer", "reference", "critic")
 
 
 # ----------------------------------------------------------------------------- parameters
@@ -271,14 +296,21 @@ def logits_bytes(arch: ModelArch, tp: int, tokens: int, dtype_bytes: int) -> flo
 # ----------------------------------------------------------------------------- the plan
 @dataclasses.dataclass
 class StageMemory:
-    """Bytes of each term (`TERMS`) on one GPU of a pipeline stage."""
+    """Bytes of each term (`TERMS`) on one GPU of a pipeline stage, and the phases of its step."""
 
     stage: int
     terms: dict[str, float]
+    phases: list[Phase] = dataclasses.field(default_factory=list)
+    sizes: DeviceSizes | None = None  # what its ledger charged
 
     @property
     def total(self) -> float:
+        """The update's peak: every term at once."""
         return sum(self.terms.values())
+
+    @property
+    def peak(self) -> Phase:
+        return max(self.phases, key=lambda p: p.total)
 
     def largest(self) -> tuple[str, float]:
         return max(self.terms.items(), key=lambda kv: kv[1])
@@ -288,39 +320,43 @@ class StageMemory:
 class MemoryPlan:
     stages: list[StageMemory]
     gpu_bytes: float
-    rollout_engine: float  # bytes the colocated engine holds while generating (0: none colocated)
-    rollout_trainer: float  # bytes the trainer keeps on the GPU meanwhile (worst stage)
     layout: str
+    placement: str  # colocated | disaggregated (SGLang on other GPUs, or no engine on a GPU)
+    engine_phases: list[Phase] = dataclasses.field(default_factory=list)  # an engine GPU (disaggregated)
 
     def problem(self) -> str | None:
-        """One line when a stage (or the rollout phase) exceeds the GPU, naming the largest term."""
+        """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
         cap = self.gpu_bytes / GIB
-        worst = max(self.stages, key=lambda st: st.total)
-        if worst.total > self.gpu_bytes:
-            name, size = worst.largest()
-            return (
-                f"{self.layout}: pipeline stage {worst.stage} needs {worst.total / GIB:.1f} GiB per GPU > "
-                f"launch.gpu_memory_gib {cap:g} (largest: {dict(TERMS)[name]} {size / GIB:.1f} GiB)"
-            )
-        rollout = self.rollout_engine + self.rollout_trainer
-        if rollout > self.gpu_bytes:
-            return (
-                f"{self.layout}: while engines generate a GPU needs {rollout / GIB:.1f} GiB > launch.gpu_memory_gib "
-                f"{cap:g} (largest: {'engine mem_fraction_static' if self.rollout_engine >= self.rollout_trainer else 'trainer state kept on the GPU'} "
-                f"{max(self.rollout_engine, self.rollout_trainer) / GIB:.1f} GiB)"
-            )
+        columns = [(f"pipeline stage {st.stage}", st.phases) for st in self.stages]
+        columns.append(("an engine GPU", self.engine_phases))
+        for where, phases in columns:
+            for phase in phases:
+                if phase.total > self.gpu_bytes:
+                    name, size = max(phase.holdings.items(), key=lambda kv: kv[1])
+                    return (
+                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in phase "
+                        f"'{phase.label}' ({self.placement}) > launch.gpu_memory_gib {cap:g} "
+                        f"(largest: {name} {size / GIB:.1f} GiB)"
+                    )
         return None
 
     def table(self) -> str:
-        """GiB per term (rows) and pipeline stage (columns), Markdown."""
+        """GiB per term and per phase (rows) and pipeline stage (columns), Markdown."""
         head = ["term (GiB per GPU)"] + [f"stage {st.stage}" for st in self.stages]
-        rows = [head, ["---"] + ["---:"] * len(self.stages)]
+        rule = ["---"] + ["---:"] * len(self.stages)
+        rows = [head, rule]
         for key, label in TERMS:
             rows.append([label] + [f"{st.terms[key] / GIB:.2f}" for st in self.stages])
-        rows.append(["**total (training)**"] + [f"**{st.total / GIB:.2f}**" for st in self.stages])
-        rollout = (self.rollout_engine + self.rollout_trainer) / GIB
-        rows.append(["while engines generate"] + [f"{rollout:.2f}"] * len(self.stages))
+        rows.append(["**total (update)**"] + [f"**{st.total / GIB:.2f}**" for st in self.stages])
+        phases = [[f"phase ({self.placement} step)"] + [f"stage {st.stage}" for st in self.stages], rule]
+        for i, phase in enumerate(self.stages[0].phases):
+            phases.append([phase.label] + [f"{st.phases[i].total / GIB:.2f}" for st in self.stages])
+        phases.append(["**peak**"] + [f"**{st.peak.total / GIB:.2f}**" for st in self.stages])
         lines = ["| " + " | ".join(r) + " |" for r in rows]
+        lines += [""] + ["| " + " | ".join(r) + " |" for r in phases]
+        if self.engine_phases:
+            lines += ["", "| phase (engine GPU) | GiB |", "| --- | ---: |"]
+            lines += [f"| {p.label} | {p.total / GIB:.2f} |" for p in self.engine_phases]
         verdict = self.problem() or f"fits launch.gpu_memory_gib {self.gpu_bytes / GIB:g}"
         return "\n".join([f"memory plan: {self.layout}", "", *lines, "", verdict])
 
@@ -353,13 +389,13 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         recompute_num_layers=train.recompute_num_layers,
         packed_tokens=budget,
     )
-    colocated = cfg.rollout.engine == "sglang" and sg.placement == "colocated" and on_gpu
+    sglang = cfg.rollout.engine == "sglang" and on_gpu
+    colocated = sglang and sg.placement == "colocated"
     reference = (cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled) and not cfg.reference.offload
-    engine = 0.0
-    if colocated:
-        engine = ENGINE_RESIDUAL_GIB * GIB
-        if launched_reference_engines(cfg):
-            engine += e * total_params(arch) / sg.tp_per_engine
+    engines = _engine_sizes(cfg, arch, e) if sglang else {}
+    kept = engines["reference"].weights if colocated and "reference" in engines else 0.0
+    contexts = (2 if colocated else 1) * CUDA_CONTEXT_GIB * GIB if on_gpu else 0.0
+    offloads = train.offload_during_rollout if train.offload_during_rollout is not None else colocated
     stages = []
     for stage in range(pp):
         dense, expert = params_per_gpu(arch, tp, pp, ep, stage)
@@ -374,22 +410,49 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)
         if stage == 0:
             activations += held * act.tokens * e * arch.hidden_size / tp
+        logits = logits_bytes(arch, tp, act.tokens, e) if stage == pp - 1 else 0.0
         terms = dict(
             weights=e * params,
             gradients=4.0 * params,
             optimizer=opt,
             activations=activations,
-            logits=logits_bytes(arch, tp, act.tokens, e) if stage == pp - 1 else 0.0,
+            logits=logits,
             reference=e * params if reference else 0.0,
             critic=critic,
-            engine=engine,
+            engine=kept,
+            contexts=contexts,
         )
-        stages.append(StageMemory(stage, terms))
-    offloads = train.offload_during_rollout if train.offload_during_rollout is not None else colocated
-    rollout_trainer = 0.0
-    if colocated and not offloads:
-        keep = ("weights", "gradients", "optimizer", "reference", "critic")
-        rollout_trainer = max(sum(st.terms[k] for k in keep) for st in stages)
+        sizes = DeviceSizes(
+            gpu=launch.gpu_memory_gib * GIB,
+            trainer={dict(TERMS)[k]: terms[k] for k in TRAINER_TERMS},
+            logprobs=logits,
+            update=activations + logits,
+            engines=engines if colocated else {},
+            contexts=contexts,
+            bucket=sg.bucket_mb * 2**20 if sglang else 0.0,
+        )
+        ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
+        if colocated:
+            ledger = DeviceLedger(sizes, trainer_on_device=not offloads)
+            replay_colocated_step(ledger, offload=offloads, ref_logprobs=ref_logprobs)
+        else:
+            ledger = replay_disaggregated_step(DeviceLedger(sizes), ref_logprobs=ref_logprobs)
+        stages.append(StageMemory(stage, terms, ledger.phases, sizes))
+    engine_phases = []
+    if sglang and not colocated:  # an engine GPU: static region, graphs and a received bucket
+        engine_gpu = DeviceSizes(
+            gpu=launch.gpu_memory_gib * GIB,
+            trainer={},
+            logprobs=0.0,
+            update=0.0,
+            engines={"policy": engines["policy"]},
+            contexts=CUDA_CONTEXT_GIB * GIB,
+            bucket=sg.bucket_mb * 2**20,
+        )
+        ledger = DeviceLedger(engine_gpu, trainer_on_device=False)
+        ledger.start("rollout")
+        ledger.weights_pushed("policy")
+        engine_phases = ledger.phases
     layout = f"tp={tp} pp={pp}" + (f" vpp={par.vpp}" if par.vpp else "") + (f" ep={ep}" if ep > 1 else "")
     batching = (
         f"packed micro-batches of {budget} tokens" if budget else f"micro-batch {train.micro_batch_size} x {seq} tokens"
@@ -398,7 +461,29 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
     return MemoryPlan(
         stages=stages,
         gpu_bytes=launch.gpu_memory_gib * GIB,
-        rollout_engine=sg.mem_fraction_static * launch.gpu_memory_gib * GIB if colocated else 0.0,
-        rollout_trainer=rollout_trainer,
         layout=layout,
+        placement="colocated" if colocated else "disaggregated",
+        engine_phases=engine_phases,
     )
+
+
+def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str, EngineSizes]:
+    """Per GPU of an engine rank: its weights (e·P/tp_per_engine), KV cache (the rest of
+    ``mem_fraction_static``) and CUDA graphs; the reference role only when its group is launched."""
+    sg = cfg.rollout.sglang
+    static = sg.mem_fraction_static * cfg.launch.gpu_memory_gib * GIB
+    weights = dtype_bytes * total_params(arch) / sg.tp_per_engine
+    sizes = EngineSizes(weights=weights, kv_cache=max(static - weights, 0.0), cuda_graph=ENGINE_CUDA_GRAPH_GIB * GIB)
+    return {"policy": sizes, **({"reference": sizes} if launched_reference_engines(cfg) else {})}
+
+
+def plan_problem(cfg: RunConfig) -> str | None:
+    """Why `cfg`'s layout does not fit its GPUs (one line), or None: it fits, it runs on CPUs
+    (``launch.gpus_per_node: 0``), or its architecture is unknown here (no model.arch, no
+    config.json). What ``--check``, ``armor-slurm submit`` and the example scripts refuse."""
+    from armor_megatron.config.validate import model_arch_of
+
+    if cfg.launch.gpus_per_node == 0:
+        return None
+    arch = model_arch_of(cfg)
+    return None if arch is None else plan_memory(cfg, arch).problem()

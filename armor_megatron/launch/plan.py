@@ -199,11 +199,19 @@ def plan_job(
         master_addr=master_addr,
         master_port=master_port,
         requeue_exit_code=cfg.launch.requeue_exit_code,
-        env=dict(DEFAULT_ENV),
+        env=_job_env(cfg),
         engines=engines,
         trainer_command=trainer,
         engine_api_key=sg.api_key if engines else None,
     )
+
+
+def _job_env(cfg: RunConfig) -> dict[str, str]:
+    """DEFAULT_ENV, plus the fabric's interface for NCCL and gloo (``launch.network_interface``)."""
+    env = dict(DEFAULT_ENV)
+    if cfg.launch.network_interface:
+        env.update(NCCL_SOCKET_IFNAME=cfg.launch.network_interface, GLOO_SOCKET_IFNAME=cfg.launch.network_interface)
+    return env
 
 
 def _check_allocation(cfg: RunConfig, slurm: SlurmEnv) -> None:

@@ -9,7 +9,7 @@ weights, so a seed gives the same initial weights whatever ran before)::
                           seed=1234, temperature=1.0, stability=StabilityConfig(...))
     actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
     actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
-    actor.load_weights(mcore_dir)           # torch_dist model checkpoint, any TP/PP/EP layout
+    actor.load_weights(path)                # torch_dist checkpoint (any TP/PP/EP layout) or HF dir
     out = actor.compute_logprobs(input_ids, lengths, with_entropy=False)   # LogProbs, no grad
     metrics = actor.train_step(batch)       # one optimizer step over the whole batch
     actor.guard                             # StabilityGuard (skips, LR / clip scales, counters)
@@ -95,6 +95,7 @@ class MegatronActor(TrainedModel):
         token_budget: TokenBudget | None = None,
         throughput: Throughput | None = None,
         moe: MoESettings | None = None,
+        init_weights: bool = True,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = get_policy_loss(loss_name)
@@ -112,6 +113,7 @@ class MegatronActor(TrainedModel):
             token_budget=token_budget,
             throughput=throughput,
             moe=moe,
+            init_weights=init_weights,
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

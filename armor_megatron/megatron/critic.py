@@ -5,7 +5,7 @@ Public interface (after `dist.initialize(parallel, arch)`; every rank calls ever
     critic = MegatronCritic(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
                             loss=ValueLossConfig(clip_eps=0.5), micro_batch_size=2, total_steps=500,
                             seed=1234, value_head_init_std=0.0)
-    critic.load_weights(mcore_dir)             # backbone from the actor's torch_dist checkpoint
+    critic.load_weights(path)                  # backbone: the actor's torch_dist checkpoint or HF dir
     values = critic.compute_values(input_ids, lengths)   # [N, L] fp32, no grad, every rank
     metrics = critic.train_step(batch)         # one optimizer step of the clipped value loss
     critic.sharded_state_dict() / critic.load_sharded_state_dict(...)   # keys prefixed "critic."
@@ -52,10 +52,10 @@ from armor_megatron.algo.loss import loss_normalizer
 from armor_megatron.algo.value_loss import ValueLossConfig, explained_variance_from_moments, value_loss
 from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
 from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget, to_device
 from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks, resolve_dtype
-from armor_megatron.megatron.model_state import load_model_weights
 from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
 from armor_megatron.models.arch import ModelArch
 
@@ -115,6 +115,7 @@ class MegatronCritic(TrainedModel):
         token_budget: TokenBudget | None = None,
         throughput: Throughput | None = None,
         moe: MoESettings | None = None,
+        init_weights: bool = True,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
@@ -133,6 +134,7 @@ class MegatronCritic(TrainedModel):
             token_budget=token_budget,
             throughput=throughput,
             moe=moe,
+            init_weights=init_weights,
         )
 
     def _build_chunks(self, config, dtype, seed: int) -> list:
@@ -150,10 +152,11 @@ class MegatronCritic(TrainedModel):
                 ).to(device)
         return chunks
 
-    def load_weights(self, mcore_dir: str) -> None:
+    def load_weights(self, path: str) -> None:
         """The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
-        actor's architecture, any layout; the value head keeps its initial weights."""
-        load_model_weights(self.model_chunks, mcore_dir, exclude=(VALUE_HEAD,))
+        actor's architecture, any layout, or from its HF directory; the value head keeps its
+        initial weights."""
+        load_weights(self.model_chunks, path, exclude=(VALUE_HEAD,))
         self.optimizer.reload_model_params()
 
     def compute_values(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:

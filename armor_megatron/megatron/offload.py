@@ -7,9 +7,21 @@ copies each distinct storage behind those tensors to host memory and frees it on
 (``storage.resize_(0)``); `reload` re-allocates it and copies the bytes back. Tensors keep
 their identity, shape, strides and views (megatron's DDP params and ``main_grad`` are views
 into contiguous buffers; they stay views), so nothing that holds a reference has to change,
-and values come back identical. On CUDA the host copies are pinned and the caching
-allocator's free blocks are returned to the driver (``empty_cache``), which is what lets
-the engine's ``resume_memory_occupation`` find them.
+and values come back identical.
+
+What does not travel:
+
+* scratch storages (``scratch``: megatron DDP's gradient buffers, zeroed at the start of every
+  update) are freed and come back zeroed, without a host copy;
+* storages that are not on the device the models compute on (a reference kept in host
+  memory, ``reference.offload``) stay where they are.
+
+On CUDA the host copies are plain host tensors of exactly the storage's size, page-locked with
+``cudaHostRegister`` (``torch.empty(..., pin_memory=True)`` would go through PyTorch's caching
+host allocator, which rounds every block up to a power of two: up to twice the trainer's state
+in host memory), kept from one offload to the next while the storages keep their sizes, and
+the caching allocator's free blocks are returned to the driver (``empty_cache``), which is what
+lets the engine's ``resume_memory_occupation`` find them.
 
 Usage (every rank, no collectives)::
 
@@ -17,6 +29,9 @@ Usage (every rank, no collectives)::
     memory.offload()      # before rollout / evaluation
     memory.reload()       # before log-probs and the update
     with memory.released(): ...
+    with memory.host_views(actor): export(actor)          # offloaded: the actor reads its host copy
+
+``ledger`` (optional, `armor_megatron.launch.device_ledger.DeviceLedger`) is told each move.
 """
 
 from __future__ import annotations
@@ -45,6 +60,24 @@ def model_tensors(model) -> Iterator[torch.Tensor]:
     yield from _optimizer_tensors(getattr(model, "optimizer", None))
 
 
+def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
+    """Megatron DDP's gradient buffers (``main_grad`` views into them): zeroed at the start of
+    every update (`TrainedModel._forward_backward`), so their contents need not survive."""
+    for ddp in getattr(model, "ddp_chunks", []):
+        for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
+            if getattr(buffer, "grad_data", None) is not None:
+                yield buffer.grad_data
+
+
+def compute_device(*models) -> torch.device | None:
+    """The device the first model with parameters computes on."""
+    for model in models:
+        for chunk in getattr(model, "model_chunks", []) if model is not None else []:
+            for p in chunk.parameters():
+                return p.device
+    return None
+
+
 def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
     if optimizer is None:
         return
@@ -58,65 +91,101 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
 
 class HostOffload:
     """The distinct storages behind some tensors, movable to host memory and back (module
-    docstring). ``tensors``: an iterable, or a callable returning one, read at each `offload`
-    (an optimizer creates its state at the first step)."""
+    docstring). ``tensors`` and ``scratch``: iterables, or callables returning one, read at each
+    `offload` (an optimizer creates its state at the first step). ``device``: only storages on
+    it move (None: all)."""
 
-    def __init__(self, tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]]):
-        self._tensors = tensors if callable(tensors) else (lambda kept=list(tensors): kept)
+    def __init__(
+        self,
+        tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+        scratch: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
+        device: torch.device | None = None,
+    ):
+        self._tensors = _reader(tensors)
+        self._scratch = _reader(scratch)
+        self.device = device
         self._storages: list[torch.UntypedStorage] = []
-        self._host: list[torch.Tensor] | None = None
+        self._freed: list[tuple[torch.UntypedStorage, int]] = []  # scratch storages and their sizes
+        self._host: list[torch.Tensor] = []  # host copies, kept for the next offload
+        self._offloaded = False
+        self._by_pointer: dict[int, torch.Tensor] = {}  # storage (its C handle) -> host copy, while offloaded
+        self.ledger = None
 
     @classmethod
     def of(cls, *models) -> HostOffload:
-        return cls(lambda: (t for model in models if model is not None for t in model_tensors(model)))
+        return cls(
+            lambda: (t for model in models if model is not None for t in model_tensors(model)),
+            scratch=lambda: (t for model in models if model is not None for t in model_scratch_tensors(model)),
+            device=compute_device(*models),
+        )
 
-    def _collect(self) -> list[torch.UntypedStorage]:
-        storages: dict[int, torch.UntypedStorage] = {}
-        for t in self._tensors():
-            if torch.is_tensor(t) and not t.is_meta:
-                storage = t.untyped_storage()
-                if storage.nbytes() > 0:
-                    storages.setdefault(storage.data_ptr(), storage)
-        return list(storages.values())
+    def _collect(self) -> tuple[list[torch.UntypedStorage], list[torch.UntypedStorage]]:
+        """(storages copied, scratch storages freed): distinct, non-empty, on ``device``."""
+
+        def distinct(tensors) -> dict[int, torch.UntypedStorage]:
+            found: dict[int, torch.UntypedStorage] = {}
+            for t in tensors:
+                if torch.is_tensor(t) and not t.is_meta and (self.device is None or t.device == self.device):
+                    storage = t.untyped_storage()
+                    if storage.nbytes() > 0:
+                        found.setdefault(storage.data_ptr(), storage)
+            return found
+
+        scratch = distinct(self._scratch())
+        kept = {k: s for k, s in distinct(self._tensors()).items() if k not in scratch}
+        return list(kept.values()), list(scratch.values())
 
     @property
     def nbytes(self) -> int:
-        """Bytes one offload moves (now, or while offloaded)."""
-        if self._host is not None:
+        """Bytes one offload copies to the host (now, or while offloaded)."""
+        if self._offloaded:
             return sum(len(h) for h in self._host)
-        return sum(s.nbytes() for s in self._collect())
+        return sum(s.nbytes() for s in self._collect()[0])
 
     @property
     def offloaded(self) -> bool:
-        return self._host is not None
+        return self._offloaded
 
     def offload(self) -> None:
-        if self.offloaded:
+        if self._offloaded:
             return
-        self._storages = self._collect()
-        host = []
-        for storage in self._storages:
-            device_bytes = _as_bytes(storage)
-            copy = torch.empty(device_bytes.numel(), dtype=torch.uint8, pin_memory=device_bytes.is_cuda)
-            copy.copy_(device_bytes)
-            host.append(copy)
-        if self._storages and self._storages[0].device.type == "cuda":
+        self._storages, scratch = self._collect()
+        sizes = [s.nbytes() for s in self._storages]
+        on_cuda = any(s.device.type == "cuda" for s in self._storages)
+        if [len(h) for h in self._host] != sizes:  # first offload, or the optimizer's state appeared
+            self._release_host()
+            self._host = [_host_buffer(n, pinned=on_cuda) for n in sizes]
+        for storage, copy in zip(self._storages, self._host):
+            copy.copy_(_as_bytes(storage), non_blocking=on_cuda)
+        if on_cuda:
             torch.cuda.synchronize()
         for storage in self._storages:
             storage.resize_(0)
-        self._host = host
+        self._freed = [(s, s.nbytes()) for s in scratch]
+        for storage, _ in self._freed:
+            storage.resize_(0)
+        self._by_pointer = {}
+        self._offloaded = True
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+        if self.ledger is not None:
+            self.ledger.trainer_to_host(emptied_cache=True)
 
     def reload(self) -> None:
-        if not self.offloaded:
+        if not self._offloaded:
             return
         for storage, copy in zip(self._storages, self._host):
             storage.resize_(copy.numel())
             _as_bytes(storage).copy_(copy, non_blocking=copy.is_pinned())
+        for storage, size in self._freed:
+            storage.resize_(size)
+            _as_bytes(storage).zero_()
         if self._storages and self._storages[0].device.type == "cuda":
             torch.cuda.synchronize()
-        self._host = None
+        self._freed, self._by_pointer = [], {}
+        self._offloaded = False
+        if self.ledger is not None:
+            self.ledger.trainer_to_device()
 
     @contextlib.contextmanager
     def released(self, enabled: bool = True):
@@ -129,6 +198,73 @@ class HostOffload:
             yield
         finally:
             self.reload()
+
+    def host_view(self, t: torch.Tensor) -> torch.Tensor:
+        """While offloaded: ``t``'s values in its host copy (same dtype, shape, strides); ``t``
+        itself when its storage did not move."""
+        if not self._offloaded:
+            return t
+        if not self._by_pointer:  # a freed storage has no data pointer: key by the storage itself
+            self._by_pointer = {s._cdata: h for s, h in zip(self._storages, self._host)}
+        copy = self._by_pointer.get(t.untyped_storage()._cdata)
+        if copy is None:
+            return t
+        view = torch.empty(0, dtype=t.dtype)
+        return view.set_(copy.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+
+    @contextlib.contextmanager
+    def host_views(self, *models):
+        """While offloaded: the parameters and buffers of ``models``' chunks read their host
+        copies inside the block (``.data`` swapped, restored after), so a weight export streams
+        from host memory without bringing the trainer back. A no-op when not offloaded."""
+        if not self._offloaded:
+            yield
+            return
+        swapped = []
+        try:
+            for model in models:
+                for chunk in getattr(model, "model_chunks", []) if model is not None else []:
+                    for t in chunk.state_dict(keep_vars=True).values():
+                        if torch.is_tensor(t):
+                            view = self.host_view(t)
+                            if view is not t:
+                                swapped.append((t, t.data))
+                                t.data = view
+            yield
+        finally:
+            for t, data in reversed(swapped):
+                t.data = data
+
+    def _release_host(self) -> None:
+        for copy in self._host:
+            _unpin(copy)
+        self._host = []
+
+    def __del__(self):
+        with contextlib.suppress(Exception):
+            self._release_host()
+
+
+def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
+    return tensors if callable(tensors) else (lambda kept=list(tensors): kept)
+
+
+def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
+    """A host byte buffer of exactly ``nbytes``; page-locked in place when ``pinned`` (the caching
+    host allocator behind ``pin_memory=True`` would round it up to a power of two)."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if pinned and nbytes:
+        status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        if int(status) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
+        buffer._armor_registered = True
+    return buffer
+
+
+def _unpin(buffer: torch.Tensor) -> None:
+    if getattr(buffer, "_armor_registered", False):
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        buffer._armor_registered = False
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -6,7 +6,7 @@ Public interface (after `dist.initialize(parallel, arch)`; every rank calls ever
                          max_tokens_per_micro_batch=None)   # or packed forwards of that many tokens
     ref.compute_logprobs(input_ids, lengths) -> LogProbs     # log π_ref [N, L], every rank
     ref.reset_from(actor)                                    # θ_ref <- θ, bit for bit
-    ref.load_weights(mcore_dir)                              # torch_dist model checkpoint, any layout
+    ref.load_weights(path)                                   # torch_dist checkpoint (any layout) or HF dir
     ref.sharded_state_dict() / ref.load_sharded_state_dict(loaded)   # keys prefixed "reference."
 
 ARMOR's reference reset (every τ steps θ_ref <- θ) calls `reset_from`; it copies the actor's
@@ -25,9 +25,10 @@ import contextlib
 import torch
 
 from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
 from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks
-from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
+from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
 from armor_megatron.megatron.trained_model import TrainedModel, check_layout
 from armor_megatron.models.arch import ModelArch
 
@@ -49,6 +50,7 @@ class ReferenceModel:
         max_tokens_per_micro_batch: int | None = None,
         throughput: Throughput | None = None,
         moe: MoESettings | None = None,
+        init_weights: bool = True,
     ):
         check_layout(parallel)
         self.arch, self.parallel = arch, parallel
@@ -64,6 +66,7 @@ class ReferenceModel:
             recompute=recompute or Recompute(),
             throughput=throughput or Throughput(),
             moe=moe,
+            perform_initialization=init_weights,  # False: the caller loads every weight next
         )
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
@@ -108,8 +111,9 @@ class ReferenceModel:
                     if torch.is_tensor(tensor):
                         tensor.copy_(src[name])
 
-    def load_weights(self, mcore_dir: str) -> None:
-        load_model_weights(self.model_chunks, mcore_dir)
+    def load_weights(self, path: str) -> None:
+        """Model weights from a torch_dist checkpoint (any layout) or an HF directory."""
+        load_weights(self.model_chunks, path)
 
     # ------------------------------------------------------------------ checkpoint hooks
     def sharded_state_dict(self) -> dict:

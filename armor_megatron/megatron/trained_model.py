@@ -25,6 +25,7 @@ from armor_megatron.algo.metrics import reduce_loss_metrics
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron import optimizer as optim
 from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import model_forward
 from armor_megatron.megatron.microbatch import (
     MicroBatch,
@@ -43,7 +44,7 @@ from armor_megatron.megatron.model import (
     build_model_chunks,
     transformer_config_from_arch,
 )
-from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state, load_model_weights
+from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
 
@@ -64,7 +65,9 @@ class TrainedModel:
     optimizer, LR schedule and stability guard; data-parallel rows cut into micro-batches, the
     forward/backward through megatron's pipeline schedule, the guarded optimizer step, and the
     checkpoint hooks. Subclasses add their loss (``train_step``) and may adapt the built chunks
-    (``_build_chunks``) before DDP wraps them."""
+    (``_build_chunks``) before DDP wraps them. ``init_weights=False`` leaves the model's weights
+    uninitialised (megatron's ``perform_initialization``) for a caller that loads them all next:
+    on CPU megatron draws every TP rank's initial weights at full size, which costs more than the load."""
 
     def __init__(
         self,
@@ -82,6 +85,7 @@ class TrainedModel:
         token_budget: TokenBudget | None = None,
         throughput: Throughput | None = None,
         moe: MoESettings | None = None,
+        init_weights: bool = True,
     ):
         from megatron.core import tensor_parallel
 
@@ -103,6 +107,7 @@ class TrainedModel:
             throughput=throughput or Throughput(),
             moe=moe,
             calculate_per_token_loss=True,
+            perform_initialization=init_weights,
         )
         self.model_chunks = self._build_chunks(config, dtype, seed)
         _routers_without_token_scaling(self.model_chunks)
@@ -123,10 +128,11 @@ class TrainedModel:
         return len(self.ddp_chunks) > 1
 
     # ------------------------------------------------------------------ weights
-    def load_weights(self, mcore_dir: str) -> None:
+    def load_weights(self, path: str) -> None:
         """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
-        no prefix: the converter's output or one of our checkpoints), resharding as needed."""
-        load_model_weights(self.model_chunks, mcore_dir)
+        no prefix: the converter's output or one of our checkpoints), resharding as needed, or
+        from an HF directory (each rank reads its own slices: `hf_weights`)."""
+        load_weights(self.model_chunks, path)
         self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
 
     # ------------------------------------------------------------------ training

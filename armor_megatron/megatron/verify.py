@@ -29,13 +29,13 @@ from armor_megatron.models import ModelArch
 
 
 def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
-    """This rank's fp32 local-spec GPTModel stage with the checkpoint loaded (after ``dist.initialize``)."""
-    from megatron.core import dist_checkpointing
-
+    """This rank's fp32 local-spec GPTModel stage with the checkpoint's model weights loaded (after
+    ``dist.initialize``): a converter output or a training checkpoint (whose other state is left)."""
     from armor_megatron.megatron.model import build_gpt_model
+    from armor_megatron.megatron.model_state import load_model_weights
 
     model = build_gpt_model(arch, parallel or ParallelConfig(), dtype=torch.float32, use_te=False)
-    model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), mcore_dir))
+    load_model_weights([model], mcore_dir)
     return model
 
 

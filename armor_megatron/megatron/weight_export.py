@@ -115,9 +115,13 @@ class HFWeightExport:
       an owner that is rank 0's TP partner cannot deadlock it; rank 0 holds one other rank's
       bucket at a time.
     * **delivered** (:meth:`deliver`, on rank 0, by a rollout engine that knows how, e.g.
-      SGLang's ``tensor``/``disk`` sync) -- every owner streams its own buckets straight to
-      the engines through the delivery's sink; nothing goes through rank 0. The sinks' reports
-      are gathered on rank 0 (small objects: file names, counts) and returned there.
+      SGLang's ``tensor``/``disk``/``distributed`` sync) -- every owner streams its own buckets
+      straight to the engines through the delivery's sink; nothing goes through rank 0. The
+      sinks' reports are gathered on rank 0 (small objects: file names, counts) and returned
+      there. A *coordinated* delivery (``delivery.coordinated``, e.g. ``distributed``: the
+      engines must be told of each owner's broadcast) runs in rounds: in round k every rank
+      makes its k-th bucket, the owners' descriptions of them (names, dtypes, shapes) are
+      gathered on rank 0, which conducts the round while each owner puts its own bucket.
 
     Either way each owner holds one bucket of at most ``bucket_bytes`` (a larger tensor goes
     alone) plus the tensor being gathered, never its whole stage, and the completeness check
@@ -191,7 +195,9 @@ class HFWeightExport:
     def _deliver_share(self, delivery) -> list | None:
         from armor_megatron.rollout.engine import WeightUpdateError
 
-        chunks, owners, _ = self._prepare(getattr(delivery, "bucket_bytes", None) or self.bucket_bytes)
+        chunks, owners, rounds = self._prepare(getattr(delivery, "bucket_bytes", None) or self.bucket_bytes)
+        if getattr(delivery, "coordinated", False):
+            return self._deliver_coordinated(delivery, chunks, owners, rounds)
         rank = _rank()
         sink, error, report = None, None, None
         if rank in owners:
@@ -222,6 +228,82 @@ class HFWeightExport:
         if verdict[0]:
             raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
         return [r for r, _ in reports] if reports is not None else None
+
+    def _deliver_coordinated(self, delivery, chunks, owners, rounds) -> list | None:
+        """A delivery the driver conducts step by step (``delivery.coordinated``): the owners'
+        announcements, then their joins while the driver conducts them; then per round k every
+        rank makes its k-th bucket (TP/EP gathers in its own groups), the owners' descriptions
+        reach the driver (small objects), and each owner puts its bucket while the driver
+        conducts the round. Tensors never leave their owner but through its sink.
+
+        Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
+        fails every rank at the same step, with every rank's message."""
+        rank = _rank()
+        state = {"error": None}
+
+        def attempt(fn, *args):
+            if state["error"] is None:
+                try:
+                    return fn(*args)
+                except Exception as e:  # noqa: BLE001 - reported to every rank by the next step
+                    state["error"] = f"{type(e).__name__}: {e}"
+            return None
+
+        sink = attempt(delivery.open, rank) if rank in owners else None
+        announcement = attempt(sink.announce) if sink is not None else None
+        self._step(delivery, announcement, state, lambda notes: delivery.conduct_join(notes))
+        if sink is not None:
+            attempt(sink.join)
+        self._settle(delivery, state)
+        for k in range(rounds):
+            bucket = list(_owned_hf_tensors(chunks[k], self.arch, None)) if k < len(chunks) else []
+            description = attempt(sink.describe, bucket) if sink is not None and bucket else None
+            last = k == rounds - 1
+            self._step(delivery, description, state, lambda notes, last=last: delivery.conduct_bucket(notes, last))
+            if description is not None:
+                attempt(sink.put, bucket)
+            del bucket
+            self._settle(delivery, state)
+        report = attempt(sink.close) if sink is not None else None
+        reports = _gather_to_rank0(report)
+        self._step(delivery, None, state, None)
+        return reports
+
+    @staticmethod
+    def _step(delivery, note, state: dict, conduct) -> None:
+        """Gather every rank's ``note`` and error on the driver; unless some rank failed, the
+        driver starts ``conduct(notes)`` (owner rank -> note, None left out); the verdict
+        reaches every rank, which raises `WeightUpdateError` if anything failed."""
+        from armor_megatron.rollout.engine import WeightUpdateError
+
+        gathered = _gather_to_rank0((note, state["error"]))
+        verdict = [None]
+        if gathered is not None:
+            failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
+            if not failed and conduct is not None:
+                try:
+                    conduct({r: n for r, (n, _) in enumerate(gathered) if n is not None})
+                except Exception as e:  # noqa: BLE001
+                    failed.append(f"rank 0: {type(e).__name__}: {e}")
+            verdict = ["; ".join(failed) or None]
+        if _distributed():
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0]:
+            if gathered is not None:
+                try:
+                    delivery.settle()  # what the driver started ends before the error leaves it
+                except Exception:  # noqa: BLE001 - the verdict already names a failure
+                    pass
+            raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
+
+    @staticmethod
+    def _settle(delivery, state: dict) -> None:
+        """Driver: wait for what it started (always, also after a failure of its own)."""
+        if _rank() == 0:
+            try:
+                delivery.settle()
+            except Exception as e:  # noqa: BLE001 - reported to every rank by the next step
+                state["error"] = state["error"] or f"{type(e).__name__}: {e}"
 
 
 def _rank() -> int:
@@ -489,7 +571,8 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         if not _in_owner_replica(p.expert):
             continue  # another data-parallel replica exports it: no collective in this TP group
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
-        shards = _gather_to_owner(p.tensor, group) if p.gather else [p.tensor]
+        shard = _staged(p.tensor)
+        shards = _gather_to_owner(shard, group) if p.gather else [shard]
         if not _owns(p.expert):
             continue
         for i, piece in enumerate(p.pieces):
@@ -508,6 +591,15 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
             del tensor
             while out:
                 yield out.pop(0)
+
+
+def _staged(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter read from host memory (a trainer offloaded during the weight sync, a reference
+    kept on the host) goes to the GPU one at a time: gathers then run over NCCL, and the sync's
+    device memory is one parameter and one bucket. On CPU-only machines it stays."""
+    if tensor.device.type == "cpu" and torch.cuda.is_available():
+        return tensor.to(torch.cuda.current_device(), non_blocking=tensor.is_pinned())
+    return tensor
 
 
 def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None) -> torch.Tensor:

@@ -35,6 +35,19 @@ class ShardSink(abc.ABC):
     def close(self) -> Any:
         """All of this rank's buckets are in; returns a small picklable report for the driver."""
 
+    # Coordinated deliveries only (``ShardDelivery.coordinated``): the driver hears of each step.
+    def announce(self) -> Any:
+        """A small picklable note for the driver's :meth:`ShardDelivery.conduct_join`."""
+        return None
+
+    def join(self) -> None:
+        """Blocking set-up, run by every owner while the driver conducts it (e.g. a rendezvous)."""
+
+    def describe(self, bucket: list[tuple[str, Any]]) -> Any:
+        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
+        :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round."""
+        return None
+
 
 class ShardDelivery(abc.ABC):
     """How every trainer rank delivers its own share of the weights to the engines.
@@ -45,10 +58,28 @@ class ShardDelivery(abc.ABC):
     """
 
     bucket_bytes: int
+    # True: the driver conducts every step. The owners' announcements are gathered on the driver,
+    # which starts :meth:`conduct_join` while every owner runs :meth:`ShardSink.join`; then, round
+    # by round (each owner's k-th bucket in round k, possibly none), the owners' descriptions are
+    # gathered, the driver starts :meth:`conduct_bucket` while each owner puts its bucket, and
+    # :meth:`settle` waits for the driver's part of each step.
+    coordinated: bool = False
 
     @abc.abstractmethod
     def open(self, rank: int) -> ShardSink:
         """The sink of trainer rank ``rank`` (called only on ranks that own tensors)."""
+
+    def conduct_join(self, announcements: dict[int, Any]) -> None:
+        """Driver, coordinated: start the engines' side of the owners' joins (``announcements``:
+        owner rank -> :meth:`ShardSink.announce`); must not block on the owners."""
+
+    def conduct_bucket(self, descriptions: dict[int, Any], last: bool) -> None:
+        """Driver, coordinated: start the engines' side of one round (owner rank ->
+        :meth:`ShardSink.describe`, owners without a bucket this round left out); ``last``: the
+        delivery's final round."""
+
+    def settle(self) -> None:
+        """Driver, coordinated: wait for what the last ``conduct_*`` started; raise on its failure."""
 
 
 @runtime_checkable

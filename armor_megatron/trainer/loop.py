@@ -8,11 +8,18 @@
                   returns per response token (outcome reward on the last token)        (all ranks)
         update:   mini-batches × epochs of the mixed-ratio DAPO loss                  (all ranks)
                   and, with a critic, of the clipped value loss on the same mini-batches
-                  (colocated SGLang engines release their GPU memory meanwhile)
         sync:     actor weights -> rollout engine (HF names, new weight_version)
         eval:     the policy of this step, served by the engine                       (driver rank)
         reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
         checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
+
+Device memory with colocated SGLang engines (never the trainer and the engines' memory at once;
+`armor_megatron.launch.device_ledger` replays this order for ``--plan``): rollout and evaluation
+with the trainer in host memory → engines release theirs (policy: weights, KV cache, CUDA graphs;
+a frozen reference group: KV cache and graphs) → trainer to the device → log-probs and update →
+trainer to the host and ``empty_cache`` → policy weights resumed → weights pushed, streamed from
+the trainer's host copy → KV cache and graphs resumed. A reference reset or a checkpoint brings
+the trainer back while the engines keep only their weights.
 
 Rank 0 is the *driver*: it owns the data loader, the engines, the anchor cache, rewards,
 evaluation and logging, and broadcasts each step's batch to every rank. The Megatron actor
@@ -36,6 +43,7 @@ from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
@@ -45,6 +53,7 @@ from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
+from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
@@ -368,20 +377,23 @@ class ArmorTrainer:
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
     def sync_weights(self, timer: StepTimer) -> None:
-        """All ranks: push the new policy to the engine (the driver talks to it)."""
+        """All ranks: push the new policy to the engine (the driver talks to it). Colocated, the
+        policy engines take their weights' memory back first, the weights stream from the
+        trainer's host copy, and the KV cache and graphs come back after."""
         with timer.phase("weight_sync"):
-            weights = self.export_weights(self.actor)
-            if self.is_driver:
-                if self.anchors is not None:  # the anchor source keeps what it swaps back in
-                    weights = self.anchors.sampler.source.policy_weights_pushed(weights)
-                self.policy_engine.update_weights(weights, f"step-{self.step}")
-            else:
-                _materialise(weights)
+            self._resume_engines(("weights",), ())
+            with self._host_weights(self.actor):
+                weights = self.export_weights(self.actor)
+                if self.is_driver:
+                    if self.anchors is not None:  # the anchor source keeps what it swaps back in
+                        weights = self.anchors.sampler.source.policy_weights_pushed(weights)
+                    self.policy_engine.update_weights(weights, f"step-{self.step}")
+                else:
+                    _materialise(weights)
+            self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
 
-    def maybe_reset_reference(self, step_metrics: dict, timer: StepTimer) -> dict:
-        """All ranks: θ_ref ← θ when the schedule says so (it may read this step's validation)."""
-        if self.reference is None or not self.reset_schedule.should_reset(self.step, step_metrics):
-            return {}
+    def reset_reference(self, timer: StepTimer) -> dict:
+        """All ranks, trainer on the device: θ_ref ← θ in the trainer and the anchor source."""
         with timer.phase("reference_reset"):
             self.reference.reset_from(self.actor)
             self.ref_resets += 1
@@ -393,37 +405,62 @@ class ArmorTrainer:
             _materialise(ref_weights)  # drives the export's collectives wherever nothing consumed it
         return {"reference/reset": 1.0}
 
-    @contextmanager
-    def engines_released(self):
-        """Colocated engines give their GPU memory back while the trainer computes log-probs and
-        updates, and take it back before the weight sync: the policy engine its weights and KV
-        cache (new weights are pushed next), the reference engine its KV cache only (π_ref is
-        pushed only at resets, and released weights come back as memory, not contents)."""
-        released = []
-        if self.is_driver and self.cfg.rollout.engine == "sglang" and self.cfg.rollout.sglang.placement == "colocated":
-            released = [
-                (e, tags)
-                for e, tags in ((self.policy_engine, ("weights", "kv_cache")), (self.reference_engine, ("kv_cache",)))
-                if e is not None
-            ]
+    def _reset_due(self, step_metrics: dict) -> bool:
+        """The schedule's decision (it may read this step's validation); asked once per step."""
+        return self.reference is not None and self.reset_schedule.should_reset(self.step, step_metrics)
+
+    # ------------------------------------------------------------------ device memory
+    def _colocated(self) -> bool:
+        return self.cfg.rollout.engine == "sglang" and self.cfg.rollout.sglang.placement == "colocated"
+
+    def _engine_tags(self, policy: tuple, reference: tuple) -> list:
+        """Driver, colocated: (engine, tags) of the engines that share the trainer's GPUs."""
+        if not (self.is_driver and self._colocated()):
+            return []
+        pairs = ((self.policy_engine, policy), (self.reference_engine, reference))
+        return [(e, tags) for e, tags in pairs if e is not None and tags]
+
+    def _release_engines(self, policy: tuple, reference: tuple) -> None:
+        """Colocated engines free GPU memory (``tags`` per group); every rank waits for them."""
+        released = self._engine_tags(policy, reference)
         if self.anchors is not None and released:
             self.anchors.wait()  # no background sampling on released engines
         for engine, tags in released:
             engine.release_memory(tags=tags)
         barrier()  # no rank allocates before the engines have let go
+
+    def _resume_engines(self, policy: tuple, reference: tuple) -> None:
+        for engine, tags in self._engine_tags(policy, reference):
+            engine.resume_memory(tags=tags)
+
+    def _park_trainer(self) -> None:
+        """Every rank: the trainer's device memory to the host (when it offloads) and the
+        allocator's cache emptied, before engines use the GPU."""
+        if self.trainer_memory is not None:
+            self.trainer_memory.offload()
+
+    @contextmanager
+    def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
+        """Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
+        trainer comes to the device; after the block it goes back to the host (``empty_cache``)
+        before the engines take their memory back (``resume``; else `sync_weights` does, after
+        pushing the new weights into released ones)."""
+        self._release_engines(policy, reference)
+        if self.trainer_memory is not None:
+            self.trainer_memory.reload()
         try:
             yield
         finally:
-            for engine, tags in released:
-                engine.resume_memory(tags=tags)
-        barrier()
+            self._park_trainer()
+            barrier()
+            if resume:
+                self._resume_engines(policy, reference)
 
-    def _trainer_memory_released(self, enabled: bool = True):
-        """Every rank: the trainer's device memory on the host while engines generate (when
-        configured, `offloads_during_rollout`), back before anything computes on it."""
+    def _host_weights(self, model):
+        """While the trainer is in host memory, ``model``'s weights read their host copy."""
         if self.trainer_memory is None:
             return contextlib.nullcontext()
-        return self.trainer_memory.released(enabled)
+        return self.trainer_memory.host_views(model)
 
     def evaluate(self) -> dict:
         """Driver: avg@k / pass@k of the current policy on every eval set."""
@@ -451,24 +488,29 @@ class ArmorTrainer:
         return metrics
 
     # ------------------------------------------------------------------ the loop
-    def run(self, save: Callable[[], None], logger: MetricsLogger | None = None) -> dict:
-        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks).
+    def run(
+        self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
+    ) -> dict:
+        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
+        ``save_hf()`` the policy as an HF directory when ``checkpoint.save_hf`` says it is due.
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
         """
         cfg = self.cfg
         last: dict = {}
         reporter = self._progress_bar(logger)
+        self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
-                last, saved = self._step(save)
+                last, saved = self._step(save, save_hf)
                 if self.is_driver:
                     last = self._report(last, reporter)
                 if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
                     if not saved:
-                        save()
+                        with self._trainer_on_device():
+                            save()
                     if reporter is not None:
                         reporter.close()
                     raise Preempted(f"{_signal_name(preemption.received)} at step {self.step}: checkpoint saved")
@@ -476,43 +518,49 @@ class ArmorTrainer:
             reporter.close()
         return last if self.is_driver else {}
 
-    def _step(self, save: Callable[[], None]) -> tuple[dict, bool]:
+    def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
         """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
         every rank, and whether it saved a checkpoint)."""
         cfg = self.cfg
         timer = StepTimer()
         started = time.perf_counter()
         reset_peak_memory()
-        with self._trainer_memory_released():
-            batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
-            tensors = broadcast_tensors(batch, BATCH_TENSORS)
-        if tensors is None:
-            metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
-        else:
-            with self.engines_released():
+        self._park_trainer()  # a no-op once `run` parked it
+        batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+        tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
+            if tensors is None:
+                metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
+            else:
                 metrics.update(self.update(tensors, timer))
-            metrics["train/tokens"] = float(tensors["response_mask"].sum())
+                metrics["train/tokens"] = float(tensors["response_mask"].sum())
         self.step += 1
         self.sync_weights(timer)
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
-        with self._trainer_memory_released(eval_due):
-            if self.is_driver:
-                # the policy's own accuracy: anchors score 1 by construction
-                train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
-                self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
-                if eval_due:
-                    with timer.phase("eval"):  # the policy of this step: its weights are in the engine
-                        metrics.update(self.evaluate())
-            metrics = broadcast_object(metrics)
+        if self.is_driver:
+            # the policy's own accuracy: anchors score 1 by construction
+            train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
+            self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
+            if eval_due:
+                with timer.phase("eval"):  # the policy of this step: its weights are in the engine
+                    metrics.update(self.evaluate())
+        metrics = broadcast_object(metrics)
         # the guard judges the next updates with this step's engine-vs-trainer gap; rollbacks are
         # refused at --check (stability.max_rollbacks: 0) until the loop restores checkpoints
         self.actor.guard.observe_step(metrics)
-        metrics.update(self.maybe_reset_reference(metrics, timer))
         saved = bool(cfg.checkpoint.every_steps and self.step % cfg.checkpoint.every_steps == 0)
         saved = saved or self.step == cfg.train.steps
-        if saved:
-            with timer.phase("checkpoint"):
-                save()
+        reset = self._reset_due(metrics)
+        if saved or reset:
+            with self._trainer_on_device():  # engines keep their weights
+                if reset:
+                    metrics.update(self.reset_reference(timer))
+                if saved:
+                    with timer.phase("checkpoint"):
+                        save()
+        if save_hf is not None and save_hf_due(cfg.checkpoint.save_hf, self.step, cfg.train.steps):
+            with timer.phase("save_hf"), self._host_weights(self.actor):  # from the host copy, if there
+                save_hf()
         metrics.update(timer.times)
         elapsed = time.perf_counter() - started
         metrics["time/step"] = elapsed

@@ -2,7 +2,10 @@
 
 ``resume``: ``auto`` (the newest checkpoint in ``checkpoint.dir``), ``none``, a checkpoint path,
 or ``force`` (auto, even when ``checkpoint.dir`` holds another run's checkpoints: see
-``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``.
+``config.identity``). The driver records the run's config as ``<checkpoint.dir>/run_config.yaml``
+and the HF config and tokenizer files of ``model.path`` as ``<checkpoint.dir>/hf_config/``.
+A fresh start loads ``model.mcore_path`` or, without one, ``model.path`` directly (each rank its
+own slices). ``checkpoint.save_hf`` writes the policy as HF directories (``trainer.hf_save``).
 
 Called by ``armor-train`` inside each distributed process (torchrun / srun start them).
 """
@@ -18,6 +21,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
 from armor_megatron.trainer.collectives import broadcast_object
+from armor_megatron.trainer.hf_save import prune_hf, record_hf_files, save_hf
 from armor_megatron.trainer.loop import ArmorTrainer
 from armor_megatron.trainer.metrics_log import MetricsLogger
 
@@ -27,19 +31,11 @@ def needs_reference(cfg: RunConfig) -> bool:
     return cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled
 
 
-def ensure_mcore_checkpoint(cfg: RunConfig) -> str:
-    """``model.mcore_path``, or convert ``model.path`` once into ``<checkpoint.dir>/base_mcore`` (rank 0)."""
-    if cfg.model.mcore_path:
-        return cfg.model.mcore_path
-    out = os.path.join(cfg.checkpoint.dir, "base_mcore")
-    if (not dist.is_initialized() or dist.get_rank() == 0) and not os.path.isdir(out):
-        from armor_megatron.convert import convert_hf_to_mcore
-
-        os.makedirs(cfg.checkpoint.dir, exist_ok=True)
-        convert_hf_to_mcore(cfg.model.path, out)
-    if dist.is_initialized():
-        dist.barrier()
-    return out
+def initial_weights(cfg: RunConfig) -> str:
+    """Where a fresh run's weights come from: ``model.mcore_path`` (a torch_dist checkpoint) or
+    else the HF directory ``model.path`` itself, from which every rank reads only its own
+    TP/PP/EP slices (``megatron.hf_weights``): no converted copy is written."""
+    return cfg.model.mcore_path or cfg.model.path
 
 
 def train(cfg: RunConfig, resume: str | None = None) -> dict:
@@ -90,6 +86,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         moe=moe,
         stability=cfg.stability,
         token_budget=token_budget,
+        init_weights=False,  # every model's weights are loaded below (checkpoint or initial weights)
     )
     critic = None
     if cfg.algorithm.estimator == "gae":
@@ -111,6 +108,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             moe=moe,
             stability=cfg.stability,
             token_budget=token_budget,
+            init_weights=False,  # the value head keeps its own initialisation
         )
     reference = None
     if needs_reference(cfg):
@@ -126,8 +124,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             max_tokens_per_micro_batch=token_budget.forward,
             throughput=throughput,
             moe=moe,
+            init_weights=False,
         )
-    mcore_dir = ensure_mcore_checkpoint(cfg)
+    weights = initial_weights(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
     make_engines = components.engine_factory(cfg, hf_config, tokenizer)
@@ -151,11 +150,11 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         trainer.load_trainer_state(broadcast_object(extra))
         _log(f"resumed from {path} at step {step}", cfg.name)
     else:
-        actor.load_weights(mcore_dir)
+        actor.load_weights(weights)
         if reference is not None:
-            reference.load_weights(mcore_dir)
+            reference.load_weights(weights)
         if critic is not None:  # the backbone; the value head keeps its initialisation
-            critic.load_weights(mcore_dir)
+            critic.load_weights(weights)
     if reference is not None and cfg.reference.init_from and (not path or resume not in ("auto", None)):
         # Recovery mode: a degraded run restarts with the reference set to an earlier, better
         # checkpoint. Applied on a fresh start or an explicit --resume PATH, never on auto-resume
@@ -165,6 +164,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         _log(f"reference initialised from {cfg.reference.init_from}", cfg.name)
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
+        record_hf_files(cfg.model.path, cfg.checkpoint.dir)  # config + tokenizer for HF copies and armor-convert
     trainer.start_engines()
 
     logger = None
@@ -194,8 +194,14 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         if trainer.is_driver:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 
+    def save_hf_copy():
+        path = save_hf(HFWeightExport(actor.model_chunks, arch), cfg.checkpoint.dir, trainer.step)
+        if trainer.is_driver:
+            prune_hf(cfg.checkpoint.dir, cfg.checkpoint.save_hf.keep_last)
+            _log(f"policy of step {trainer.step} written as an HF model to {path}", cfg.name)
+
     try:
-        return trainer.run(save, logger)
+        return trainer.run(save, logger, save_hf=save_hf_copy)
     finally:
         if logger is not None:
             logger.close()

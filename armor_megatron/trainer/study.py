@@ -132,7 +132,9 @@ def run_study(
     if "recovery" in variants:
         recovery = []
         for s in seeds:
-            policy, reference = _recovery_start(os.path.join(out, "ckpt", f"dapo-s{s}"), _records(out, "dapo", s))
+            policy, reference = _recovery_start(
+                os.path.join(out, "ckpt", f"dapo-s{s}"), _records(out, "dapo", s), os.path.join(out, "hf")
+            )
             log(f"recovery seed {s}: policy {policy}, reference {reference}")
             extra = [
                 f"model.mcore_path={policy}",
@@ -193,13 +195,14 @@ def _records(out: str, variant: str, seed: int) -> list[dict]:
     return read_metrics(os.path.join(out, "runs", f"{variant}-s{seed}", "metrics.jsonl"))
 
 
-def _recovery_start(ckpt_dir: str, dapo_records: list[dict]) -> tuple[str, str]:
+def _recovery_start(ckpt_dir: str, dapo_records: list[dict], hf_dir: str) -> tuple[str, str]:
     """(DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
-    the warm-up model, ``base_mcore``, counting as step 0; the earliest on a tie)."""
+    the warm-up model, the HF directory ``hf_dir`` the runs start from, counting as step 0; the
+    earliest on a tie)."""
     saved = {
         int(d.removeprefix("iter_")): os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir) if d.startswith("iter_")
     }
-    saved[0] = os.path.join(ckpt_dir, "base_mcore")
+    saved[0] = hf_dir
     val = {r["step"]: float(r[VAL]) for r in dapo_records if r.get(VAL) is not None}
     scored = [s for s in saved if s in val]
     if not scored or max(saved) not in val:
@@ -227,7 +230,7 @@ def _run_all(
             log(f"{name}: already done")
             return
         log(f"{name}: training")
-        shutil.rmtree(os.path.join(out, "ckpt", name), ignore_errors=True)  # a fresh start: no stale base_mcore
+        shutil.rmtree(os.path.join(out, "ckpt", name), ignore_errors=True)  # a fresh start
         t0 = time.time()
         log_path = os.path.join(out, "logs", f"{name}.log")
         with open(log_path, "w") as f:

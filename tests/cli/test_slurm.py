@@ -1,5 +1,6 @@
 import http.server
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -191,3 +192,18 @@ def test_wait_engines_takes_the_key_from_the_environment(capsys):
         assert main(["wait-engines", "--timeout", "20", url], environ={"ARMOR_ENGINE_API_KEY": "k"}) == 0
     finally:
         server.shutdown()
+
+
+NOT_FITTING = ["train.recompute=none"]  # the 7B recipe without recompute: its update needs more than 80 GiB
+
+
+@pytest.mark.parametrize("command", [["submit", "--dry-run"], ["plan", "--dry-run"]])
+def test_a_layout_over_the_gpu_memory_is_refused_unless_no_plan(command, capsys):
+    args = [*command, "--config", QWEN7B, *NOT_FITTING]
+    assert main(args, environ={}) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("armor-slurm: error: plan: tp=2 pp=1")
+    assert "phase 'update' (colocated) > launch.gpu_memory_gib 80" in err and "--no-plan" in err
+    assert main([*args, "--no-plan"], environ={}) == 0
+    if command[0] == "submit":  # the job's own plan (tools/slurm/armor.sbatch) accepts it too
+        assert shlex.split(capsys.readouterr().out)[-1] == "--no-plan"

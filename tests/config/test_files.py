@@ -20,6 +20,7 @@ def run(tmp_path):
     """A tiny run whose model directory and datasets exist; ``run(*overrides)`` -> RunConfig."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "hf" / "model.safetensors").write_text("")  # existence is what --check looks at
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "val.jsonl").write_text(rows)
@@ -63,6 +64,11 @@ def test_missing_paths_name_their_key(run, tmp_path):
     _refused(
         run(f"model.mcore_path={tmp_path / 'mcore'}"), f"model.mcore_path: {tmp_path / 'mcore'}: no such directory"
     )
+    os.remove(tmp_path / "hf" / "model.safetensors")  # the run would load model.path's weights itself
+    _refused(run(), f"model.path: {tmp_path / 'hf'}: no safetensors weights (model.safetensors or")
+    (tmp_path / "mcore").mkdir()
+    check_files(run(f"model.mcore_path={tmp_path / 'mcore'}"))  # ... unless it starts from a torch_dist checkpoint
+    (tmp_path / "hf" / "model.safetensors").write_text("")
     _refused(run(f"data.train_path={tmp_path / 'x.jsonl'}"), f"data.train_path: {tmp_path / 'x.jsonl'}: no such file")
     _refused(
         run(f"eval.datasets=[{{name: v, path: {tmp_path / 'v.parquet'}}}]"),
@@ -165,6 +171,7 @@ def test_user_modules_are_found_beside_the_config_or_in_reward_python_path(tmp_p
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
+    (tmp_path / "hf" / "model.safetensors").write_text("")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"extends: {TINY}\nmodel: {{path: hf}}\ndata: {{train_path: {tmp_path / 'train.jsonl'}}}\n"

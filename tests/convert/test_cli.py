@@ -131,6 +131,26 @@ def test_checkpoint_of_another_model(capsys, tmp_path, tiny_models):
     )
 
 
+def test_hf_config_beside_a_training_checkpoint_is_found(capsys, tmp_path, tiny_models):
+    """A training run records its HF config as <checkpoint dir>/hf_config beside its iter_*
+    checkpoints: mcore-to-hf of one needs no --hf-config; with neither, one line says so."""
+    step = tmp_path / "ckpt" / "iter_0000001"
+    step.parent.mkdir()
+    assert run(capsys, "hf-to-mcore", tiny_models["qwen3"], step, "--quiet")[0] == 0
+    shutil.rmtree(step / "hf_config")
+    assert_bad_input(
+        capsys, tmp_path, "no hf_config/config.json in it or beside it; pass --hf-config", "mcore-to-hf", step
+    )
+    shutil.copytree(tiny_models["qwen3"], tmp_path / "ckpt" / "hf_config")
+    code, _, err = run(capsys, "mcore-to-hf", step, tmp_path / "out", "--quiet")
+    assert code == 0, err
+    exported, original = (
+        load_file(tmp_path / "out" / "model.safetensors"),
+        load_file(f"{tiny_models['qwen3']}/model.safetensors"),
+    )
+    assert exported.keys() == original.keys() and all(torch.equal(exported[n], t) for n, t in original.items())
+
+
 def test_existing_output_is_refused_unless_overwrite(capsys, tmp_path, tiny_models):
     out = tmp_path / "out"
     out.mkdir()

@@ -96,3 +96,17 @@ def test_example_refuses_a_bad_override_before_converting(tmp_path):
     )
     assert out.returncode == 2 and "algorithm.alpha: 7.0 is out of range" in out.stderr
     assert not (tmp_path / "stub.log").exists()
+
+
+@pytest.mark.parametrize("dry_run", ["0", "1"])
+def test_example_refuses_a_layout_over_the_gpu_memory_in_one_line(tmp_path, dry_run):
+    script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")
+    env = _env(tmp_path, DRY_RUN=dry_run)
+    out = subprocess.run(["bash", script, "train.recompute=none"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr.count("\n") == 1
+    assert "needs 86.7 GiB per GPU in phase 'update'" in out.stderr and "pass --no-plan" in out.stderr
+    assert not (tmp_path / "stub.log").exists()  # neither converted nor submitted
+    accepted = subprocess.run(
+        ["bash", script, "train.recompute=none", "--no-plan"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert accepted.returncode == 0, accepted.stderr

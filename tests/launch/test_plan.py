@@ -400,6 +400,28 @@ def test_every_task_gets_the_cores_of_its_gpus(load):
         LaunchOptions.from_environ({"ARMOR_CPUS_PER_GPU": "many"})
 
 
+def test_the_fabric_interface_reaches_nccl_and_gloo_in_every_step(load):
+    cfg = load("qwen3_30b_a3b_moe_armor", "rollout.sglang.mem_fraction_static=0.7", "launch.network_interface=ib0")
+    plan = plan_job(cfg, SlurmEnv.from_environ(TWO_NODES), train_args=ARGS)
+    out = subprocess.run(
+        ["bash", "-c", render_shell(plan) + 'printf "%s\\n" "$NCCL_SOCKET_IFNAME" "$GLOO_SOCKET_IFNAME"'],
+        env={"PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == ["ib0", "ib0"]  # exported: srun hands them to the trainer and the engines
+    unset = plan_job(
+        load("qwen3_30b_a3b_moe_armor", "rollout.sglang.mem_fraction_static=0.7"),
+        SlurmEnv.from_environ(TWO_NODES),
+        train_args=ARGS,
+    )
+    assert not {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"} & set(unset.env)  # NCCL and gloo choose themselves
+    with pytest.raises(ConfigError, match="launch.network_interface.*no interface name"):
+        load("qwen3_30b_a3b_moe_armor", "launch.network_interface=ib 0")
+
+
 def test_deterministic_rollouts_start_the_engines_deterministic(load):
     plain = plan_job(load("qwen25_math_7b_dapo_armor"), env_of(["n1"]), train_args=ARGS)
     assert not any("--enable-deterministic-inference" in e.command for e in plain.engines)

@@ -208,6 +208,18 @@ def test_bad_config_fails_with_one_line_before_running_anything(job):
     assert not job.trainer_log.exists()
 
 
+def test_the_job_refuses_a_layout_over_the_gpu_memory_unless_no_plan(job):
+    args = ["--dry-run", "--config", "configs/qwen25_math_7b_dapo_armor.yaml", "train.recompute=none"]
+    env = dict(with_stubs=False, ARMOR_PYTHON="python", SLURM_GPUS_ON_NODE="8")
+    out = job.run(args, **env)
+    assert out.returncode == 2 and out.stdout == ""
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith("armor-slurm: error: plan: tp=2 pp=1 dp=4") and last.endswith("pass --no-plan to accept it")
+    accepted = job.run([*args, "--no-plan"], **env)
+    assert accepted.returncode == 0, accepted.stderr
+    assert "--no-plan" not in accepted.stdout.splitlines()[-2]  # the trainer's own arguments do not take it
+
+
 @pytest.mark.slow  # a simulated job: seconds each
 @pytest.mark.parametrize("mode, rc, requeued", [("exit85", 85, True), ("exit0", 0, False), ("exit3", 3, False)])
 def test_requeue_exit_code_leads_to_scontrol_requeue(job, mode, rc, requeued):

@@ -25,6 +25,56 @@ def test_storages_are_freed_and_restored_with_their_views():
     assert buffer[4:8].tolist() == [104.0, 105.0, 106.0, 107.0]
 
 
+def test_scratch_storages_are_freed_without_a_host_copy_and_come_back_zeroed():
+    weights, grads = torch.randn(6), torch.randn(10)
+    grad_view = grads[2:4]
+    memory = HostOffload([weights, grads, grad_view], scratch=[grads])
+    assert memory.nbytes == 6 * 4  # only the weights travel
+    before = weights.clone()
+    memory.offload()
+    assert grads.untyped_storage().nbytes() == 0 and memory.nbytes == 6 * 4
+    memory.reload()
+    assert torch.equal(weights, before) and not grads.any() and grad_view.data_ptr() == grads.data_ptr() + 8
+
+
+def test_storages_off_the_compute_device_stay_where_they_are():
+    """A reference kept in host memory (reference.offload) is not copied again."""
+    on_host = torch.randn(4)
+    memory = HostOffload([on_host], device=torch.device("cuda", 0))
+    memory.offload()
+    assert on_host.untyped_storage().nbytes() == 16 and memory.nbytes == 0
+    memory.reload()
+
+
+def test_host_copies_have_the_exact_size_and_are_reused():
+    a, b = torch.randn(3), torch.randn(7, dtype=torch.float64)
+    memory = HostOffload([a, b])
+    memory.offload()
+    copies = list(memory._host)
+    assert [c.numel() for c in copies] == [12, 56]
+    memory.reload()
+    memory.offload()
+    assert all(x is y for x, y in zip(memory._host, copies))  # same sizes: the same buffers
+    memory.reload()
+
+
+def test_host_views_let_a_model_read_its_weights_while_offloaded():
+    chunk = torch.nn.Linear(3, 2)
+    model = type("Model", (), {"model_chunks": [chunk]})()
+    memory = HostOffload.of(model)
+    expected = {k: v.detach().clone() for k, v in chunk.state_dict().items()}
+    weight = chunk.weight
+    memory.offload()
+    with memory.host_views(model):
+        assert all(torch.equal(v, expected[k]) for k, v in chunk.state_dict().items())
+        assert chunk.weight is weight  # the same parameter, reading the host copy
+    assert weight.untyped_storage().nbytes() == 0  # back to the freed device storage
+    memory.reload()
+    assert torch.equal(chunk.weight, expected["weight"])
+    with memory.host_views(model):  # not offloaded: nothing to swap
+        assert chunk.weight.untyped_storage().nbytes() > 0
+
+
 def test_released_reloads_after_an_error():
     t = torch.ones(4)
     memory = HostOffload([t])
@@ -34,9 +84,13 @@ def test_released_reloads_after_an_error():
 
 
 def _snapshot(memory_models):
-    from armor_megatron.megatron.offload import model_tensors
+    """(tensor, copy) of what an offload keeps, and the gradient buffers it only frees."""
+    from armor_megatron.megatron.offload import model_scratch_tensors, model_tensors
 
-    return [(t, t.detach().clone()) for m in memory_models for t in model_tensors(m)]
+    scratch = [t for m in memory_models for t in model_scratch_tensors(m)]
+    pointers = {t.untyped_storage().data_ptr() for t in scratch}
+    kept = [t for m in memory_models for t in model_tensors(m) if t.untyped_storage().data_ptr() not in pointers]
+    return [(t, t.detach().clone()) for t in kept], scratch
 
 
 def offload_worker(rank, dtype):
@@ -56,14 +110,17 @@ def offload_worker(rank, dtype):
             freed = restored = None
             for step in range(2):
                 if offload and step == 1:  # optimizer state, grads and master weights exist by now
-                    snapshot = _snapshot([actor, reference])
+                    snapshot, scratch = _snapshot([actor, reference])
+                    assert scratch and any(g.abs().sum() > 0 for g in scratch)  # last step's gradients
                     memory.offload()
                     freed = all(t.untyped_storage().nbytes() == 0 for t, _ in snapshot)
+                    freed = freed and all(g.untyped_storage().nbytes() == 0 for g in scratch)
                     memory.reload()
                     restored = all(
                         torch.equal(t.reshape(-1).view(torch.uint8), s.reshape(-1).view(torch.uint8))
                         for t, s in snapshot
                     )
+                    restored = restored and all(not g.any() for g in scratch)  # zeroed, as every update starts
                 full = {**batch, "old_logprobs": _logprobs(actor, batch), "ref_logprobs": _logprobs(reference, batch)}
                 actor.train_step(full)
             params = [p.detach().clone() for p in actor.model_chunks[0].parameters()]

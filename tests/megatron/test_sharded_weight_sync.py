@@ -1,11 +1,13 @@
 """Weight sync from a sharded Megatron model straight into SGLang engines (the TEST DOUBLE on
 loopback, run in this test's process): each owner rank delivers its own share (``tensor``: posts
-its buckets; ``disk``: writes its own safetensors files), or rank 0 broadcasts what the owners
-stream to it (``distributed``). The engine must end with exactly the trainer's tensors, and a
-second export gathered on rank 0 must give the same tensors."""
+its buckets; ``disk``: writes its own safetensors files; ``distributed``: broadcasts them over a
+weights update group of its own, which the double joins as SGLang does). The engine must end
+with exactly the trainer's tensors, and a second export gathered on rank 0 must give the same
+tensors."""
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -35,10 +37,51 @@ def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1):
 
     arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
     export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)  # many buckets per stage
+    with _counting_rank0_transfers() as through_rank0:
+        if rank != 0:
+            assert list(export) == []  # takes part in rank 0's delivery
+        else:
+            engine = _push(export, url, mode, disk_dir, hf_dir)
     if rank != 0:
-        assert list(export) == []  # takes part in rank 0's delivery
         assert list(HFWeightExport(chunks, arch)) == []
-        return None
+        return {"owned": _owned_names(chunks, arch), "through_rank0": through_rank0}
+    gathered = list(HFWeightExport(chunks, arch))
+    engine.shutdown()
+    return {"owned": _owned_names(chunks, arch), "through_rank0": through_rank0, "gathered": gathered}
+
+
+def _owned_names(chunks, arch) -> list[str]:
+    from armor_megatron.megatron.weight_export import _owns, _plan
+
+    return [n for p in _plan(chunks, arch) if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
+
+
+class _counting_rank0_transfers:
+    """Counts the buckets this rank sends to or receives from rank 0 (the gathered path's raw sends)."""
+
+    def __enter__(self):
+        from armor_megatron.megatron import weight_export
+
+        self.module, self.counts = weight_export, {"sent": 0, "received": 0}
+        self.saved = weight_export._send_bucket, weight_export._receive_bucket
+
+        def send(bucket, dst):
+            self.counts["sent"] += bool(bucket)
+            return self.saved[0](bucket, dst)
+
+        def receive(src):
+            for item in self.saved[1](src):
+                self.counts["received"] += 1
+                yield item
+
+        weight_export._send_bucket, weight_export._receive_bucket = send, receive
+        return self.counts
+
+    def __exit__(self, *exc):
+        self.module._send_bucket, self.module._receive_bucket = self.saved
+
+
+def _push(export, url, mode, disk_dir, hf_dir):
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
@@ -50,9 +93,7 @@ def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1):
     engine = SGLangEngine([url], weight_sync=sync, request_timeout=120)
     engine.update_weights(export, "synced")
     assert list(export) == []  # read once
-    gathered = list(HFWeightExport(chunks, arch))
-    engine.shutdown()
-    return gathered
+    return engine
 
 
 def _served(server) -> dict[str, torch.Tensor]:
@@ -65,8 +106,9 @@ def _served(server) -> dict[str, torch.Tensor]:
         ("qwen3", dict(tp=2, pp=2), 4, "tensor", None),
         ("qwen3", dict(tp=2, pp=2), 4, "tensor-2-nodes", None),  # gathered on rank 0 (no IPC across nodes)
         ("qwen3", dict(tp=2, pp=2), 4, "disk", {0, 2}),  # one owner per pipeline stage
-        ("qwen3", dict(tp=2, pp=2), 4, "distributed", None),
+        ("qwen3", dict(tp=2, pp=2), 4, "distributed", {0, 2}),  # one group per pipeline stage's owner
         ("qwen3_moe", dict(ep=2), 2, "disk", {0, 1}),  # rank 1 owns the experts of ep rank 1
+        ("qwen3_moe", dict(ep=2), 2, "distributed", {0, 1}),
         ("qwen3_moe", dict(ep=2, pp=2), 4, "disk", {0, 1, 2, 3}),
     ],
     ids=[
@@ -75,6 +117,7 @@ def _served(server) -> dict[str, torch.Tensor]:
         "qwen3-tp2pp2-disk",
         "qwen3-tp2pp2-distributed",
         "moe-ep2-disk",
+        "moe-ep2-distributed",
         "moe-ep2pp2-disk",
     ],
 )
@@ -99,7 +142,8 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
         served = _served(s)
         assert s.engine.weight_version == "synced"
         requests = dict(s.requests)
-    gathered = results[0]
+        updates = list(s.distributed_updates)
+    gathered = results[0]["gathered"]
     assert sorted(n for n, _ in gathered) == sorted(expected)
     for name, tensor in gathered:
         assert torch.equal(tensor, expected[name]), name
@@ -116,10 +160,21 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
             assert torch.equal(served[name], tensor.to(served[name].dtype)), name
     if mode == "tensor":
         assert requests["/update_weights_from_tensor"] > 4 and requests["/begin_weight_update"] == 1
+    if mode == "distributed":
+        # every owner broadcast exactly its own tensors over its own group; nothing went through rank 0
+        by_rank = {}
+        for group, names in updates:
+            by_rank.setdefault(int(group.split("-rank")[1].split("-")[0]), []).extend(names)
+        owned = {r: sorted(res["owned"]) for r, res in enumerate(results) if res["owned"]}
+        assert set(owned) == writers
+        assert {r: sorted(n) for r, n in by_rank.items()} == owned
+        assert len({group for group, _ in updates}) == len(writers)  # one group per owner
+        assert all(res["through_rank0"] == {"sent": 0, "received": 0} for res in results)
+        assert len(updates) > 2 * len(writers) and requests["/begin_weight_update"] == 1
 
 
-def failing_sink_worker(rank, hf_dir, mcore_dir, url):
-    """tp=2, pp=2, ``tensor`` mode; the engine refuses one request: every rank must raise."""
+def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
+    """tp=2, pp=2; the engine refuses one request: every rank must raise."""
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.rollout.engine import WeightUpdateError
     from tests.megatron.test_weight_export import loaded_model
@@ -131,14 +186,18 @@ def failing_sink_worker(rank, hf_dir, mcore_dir, url):
             from armor_megatron.rollout.sglang.engine import SGLangEngine
             from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
-            engine = SGLangEngine([url], weight_sync=WeightSyncConfig(mode="tensor", bucket_bytes=16 << 10))
+            sync = WeightSyncConfig(mode=mode, bucket_bytes=16 << 10, backend="gloo", timeout=300)
+            engine = SGLangEngine([url], weight_sync=sync, request_timeout=300)
             engine.update_weights(export, "synced")
         else:
             list(export)
     return str(failed.value)
 
 
-def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
+@pytest.mark.parametrize(
+    "mode, path", [("tensor", "/update_weights_from_tensor"), ("distributed", "/update_weights_from_distributed")]
+)
+def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, mode, path):
     from armor_megatron.convert import convert_hf_to_mcore
     from armor_megatron.rollout.local import LocalEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
@@ -146,8 +205,11 @@ def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path):
     trainer_dir = save_tiny_model("qwen3", str(tmp_path / "trainer"), seed=2)
     convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
     with SGLangTestServer(LocalEngine.from_pretrained(trainer_dir, weight_version="v0"), model_path=trainer_dir) as s:
-        s.inject_failures("/update_weights_from_tensor", 1, status=400)
-        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url)
+        s.inject_failures(path, 1, status=400)
+        start = time.monotonic()
+        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, timeout=380)
+        # an owner left waiting in a broadcast hears of the refusal, not of the 300 s group timeout
+        assert time.monotonic() - start < 200
         assert s.engine.weight_version == "v0"
         assert s.requests["/end_weight_update"] == s.requests["/begin_weight_update"] + 1  # + start-up clearing
     assert all(e.startswith("weight delivery failed: rank ") and "HTTP 400" in e for e in errors), errors

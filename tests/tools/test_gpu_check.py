@@ -32,7 +32,7 @@ def run_script(*args, timeout=540, **env):
 def lines_of(proc) -> dict:
     """{"parity": line, ..., "verdict": last line}."""
     lines = proc.stdout.strip().splitlines()
-    out = {line.split(":")[0]: line for line in lines if re.match(r"^(parity|train|throughput):", line)}
+    out = {line.split(":")[0]: line for line in lines if re.match(r"^(parity|train|throughput|memory):", line)}
     out["verdict"] = lines[-1] if lines else ""
     return out
 
@@ -43,7 +43,7 @@ def test_cpu_mode_runs_all_three_checks_and_prints_the_verdict_last(tmp_path):
     proc = run_script("--device", "cpu", "--work", str(tmp_path), "--logs", str(tmp_path / "logs"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = lines_of(proc)
-    for name in ("parity", "train", "throughput"):
+    for name in ("parity", "train", "throughput", "memory"):
         assert lines[name].startswith(f"{name}: ok=1 "), lines
     # no GPU was proven: gpu_ok stays 0 while the throughput numbers are real
     gpu_ok, tokens_per_s, mfu = VERDICT.match(lines["verdict"]).groups()
@@ -71,6 +71,34 @@ def test_cuda_asked_without_a_device_fails_with_a_verdict(tmp_path):
     assert proc.returncode == 1
     assert "torch sees no CUDA device" in proc.stdout
     assert VERDICT.match(lines_of(proc)["verdict"]).groups() == ("0", "nan", "nan")
+
+
+@pytest.mark.timeout(300)
+def test_memory_check_runs_the_colocated_trainer_phases_through_the_ledger(tmp_path):
+    result = tmp_path / "memory.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "tools", "gpu_check", "check_memory.py"), "--device", "cpu"]
+        + ["--json", str(result)],
+        env=dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    record = json.loads(result.read_text())
+    assert record["ok"] and record["line"].startswith("memory: ok=1 tiny bf16 actor + reference")
+    labels = [p["phase"] for p in record["phases"]]
+    assert labels == [
+        "trainer to the device",
+        "logprobs",
+        "logprobs",
+        "update",
+        "trainer to the host + empty_cache",
+        "weights pushed to the policy engine",
+    ]
+    planned = {p["phase"]: p["ledger"] for p in record["phases"]}
+    assert planned["trainer to the host + empty_cache"] == 0 < planned["trainer to the device"] < planned["update"]
 
 
 def test_unknown_check_is_refused_in_one_line(tmp_path):

@@ -1,5 +1,6 @@
 """Pure helpers of the loop (trainer/loop.py)."""
 
+import contextlib
 import os
 import signal
 from types import SimpleNamespace
@@ -23,14 +24,22 @@ def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
 def _stub_trainer(steps: int, signal_at_step: int, signum):
     """What ArmorTrainer.run reads of its trainer, with a step that raises ``signum`` at a given step."""
 
-    def step(save):
+    def step(save, save_hf=None):
         trainer.step += 1
         if trainer.step == signal_at_step:
             os.kill(os.getpid(), signum)
         return {"step": trainer.step}, False
 
     cfg = SimpleNamespace(train=SimpleNamespace(steps=steps), eval=SimpleNamespace(every_steps=0))
-    trainer = SimpleNamespace(cfg=cfg, step=0, is_driver=False, _step=step, _progress_bar=lambda logger: None)
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        step=0,
+        is_driver=False,
+        _step=step,
+        _progress_bar=lambda logger: None,
+        _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
+        _park_trainer=lambda: None,
+    )
     return trainer
 
 

@@ -11,16 +11,17 @@ from armor_megatron.trainer.study import VARIANTS, _recovery_start, run_study, s
 
 
 def test_recovery_starts_from_dapos_last_checkpoint_with_its_best_as_reference(tmp_path):
-    for name in ("base_mcore", "iter_0000050", "iter_0000100", "iter_0000150", "latest"):
+    for name in ("iter_0000050", "iter_0000100", "iter_0000150", "latest"):
         (tmp_path / name).mkdir()
+    hf_dir = str(tmp_path / "hf")
     records = [{"step": s, "eval/mean/pass@1": v} for s, v in ((0, 0.40), (50, 0.45), (100, 0.45), (150, 0.2))]
-    policy, reference = _recovery_start(str(tmp_path), records)
+    policy, reference = _recovery_start(str(tmp_path), records, hf_dir)
     assert policy == str(tmp_path / "iter_0000150")
     assert reference == str(tmp_path / "iter_0000050")  # the earliest of the best
     records[0]["eval/mean/pass@1"] = 0.5
-    assert _recovery_start(str(tmp_path), records)[1] == str(tmp_path / "base_mcore")  # the warm-up model is step 0
+    assert _recovery_start(str(tmp_path), records, hf_dir)[1] == hf_dir  # the warm-up model is step 0
     with pytest.raises(ValueError, match="lack validation scores"):
-        _recovery_start(str(tmp_path), records[:2])
+        _recovery_start(str(tmp_path), records[:2], hf_dir)
 
 
 def test_table_reports_every_variant_and_the_verdict():

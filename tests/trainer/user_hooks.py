@@ -10,3 +10,8 @@ def never_right(response, ground_truth):
 def reset_when_evaluated(step, metrics):
     """validation_hook: reset θ_ref after every step that was evaluated (its metrics hold the evaluation)."""
     return "eval/mean/pass@1" in metrics
+
+
+def odd_length(response, ground_truth):
+    """A verifier that rewards responses of odd length: groups of random responses have signal."""
+    return float(len(response) % 2)

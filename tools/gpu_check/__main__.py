@@ -1,7 +1,7 @@
-"""The first-GPU acceptance check: three checks on one device, one line each, then the verdict.
+"""The first-GPU acceptance check: four checks on one device, one line each, then the verdict.
 
     python tools/gpu_check [--device cuda|cpu] [--work DIR] [--logs DIR] [--budget SECONDS]
-                           [--only parity,train,throughput] [--warmup-steps N] [--seq-len N] ...
+                           [--only parity,train,throughput,memory] [--warmup-steps N] [--seq-len N] ...
 
 (``tools/gpu_check.sh`` installs the carried wheels first and then runs this.)
 
@@ -11,12 +11,15 @@
 2. train: ``armor-train`` for 3 steps on the device with anchors, a reference reset, a
    checkpoint and a resume (check_train.py);
 3. throughput: tokens/s and MFU of the actor's train step on a random Qwen2.5-0.5B-shaped model
-   at sequence 4096 (check_throughput.py states the FLOP formula).
+   at sequence 4096 (check_throughput.py states the FLOP formula);
+4. memory: the colocated step's trainer phases (to the device, log-probs, update, to the host,
+   weights streamed from the host copy), the device-memory ledger's bytes beside
+   ``torch.cuda.max_memory_allocated()`` per phase (check_memory.py).
 
 Each runs as its own process under what is left of ``--budget`` (default 450 s, inside the
 8 minutes the acceptance allows), its output appended to ``<logs>/gpu_check.log`` and its
 result to ``<logs>/gpu_check.json`` (``--logs DIR``, default the work directory). The last
-line is ``gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>``; gpu_ok is 1 only when all three
+line is ``gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>``; gpu_ok is 1 only when all four
 passed on CUDA. ``--device cpu`` runs the same checks on the CPU over gloo with small sizes (the
 test suite does); it proves the checks, not a GPU, so it prints gpu_ok=0 and exits 0 when they
 pass. Exit status: 0 all checks passed, 1 otherwise.
@@ -37,9 +40,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from check_lines import ROOT, exit_on_sigterm, run_process_group, select_device  # noqa: E402
 
-CHECKS = ("parity", "train", "throughput")
+CHECKS = ("parity", "train", "throughput", "memory")
 # Seconds each step may take at most (less when the budget runs short).
-TIMEOUTS = {"prepare": 180, "parity": 180, "train": 330, "throughput": 240}
+TIMEOUTS = {"prepare": 180, "parity": 180, "train": 330, "throughput": 240, "memory": 150}
 # Throughput sizes, and the --device cpu sizes: the same code paths in seconds on two cores.
 CPU_TRAIN = ["rollout.prompts_per_step=4", "rollout.group_size=4", "train.micro_batch_size=16"]
 GPU_BENCH = {"shape": "qwen2.5-0.5b", "seq_len": 4096, "batch": 8, "steps": 5, "warmup": 2}
@@ -191,6 +194,8 @@ def run_checks(args, runner: Runner, warmup: int) -> None:
         elif name == "train":
             overrides = (CPU_TRAIN if cpu else []) + args.train_override
             result = runner.run(name, "check_train.py", "--work", args.work, *overrides)
+        elif name == "memory":
+            result = runner.run(name, "check_memory.py")
         else:
             result = runner.run(
                 name,

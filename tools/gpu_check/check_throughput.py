@@ -99,32 +99,41 @@ def random_batch(arch, batch: int, seq_len: int, seed: int) -> dict:
     }
 
 
+def random_actor(arch, parallel, *, total_steps: int, seed: int):
+    """The product's actor (bf16, local spec, default optimizer, ARMOR loss), randomly initialised;
+    one row per micro-batch."""
+    import torch
+
+    from armor_megatron.algo.loss import PolicyLossConfig
+    from armor_megatron.config.schema import OptimizerConfig
+    from armor_megatron.megatron.actor import MegatronActor
+
+    return MegatronActor(
+        arch,
+        parallel,
+        dtype=torch.bfloat16,
+        optimizer=OptimizerConfig(),
+        loss=PolicyLossConfig(alpha=0.9375),
+        micro_batch_size=1,
+        total_steps=total_steps,
+        seed=seed,
+    )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     select_device(args.device)
     single_process_env()
     import torch
 
-    from armor_megatron.algo.loss import PolicyLossConfig
-    from armor_megatron.config.schema import OptimizerConfig
     from armor_megatron.megatron import dist
-    from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.models import ModelArch
 
     arch = ModelArch.from_hf_config(SHAPES[args.shape])
     parallel = dist.ParallelConfig()
     ctx = dist.initialize(parallel, arch, seed=args.seed)
     try:
-        actor = MegatronActor(
-            arch,
-            parallel,
-            dtype=torch.bfloat16,
-            optimizer=OptimizerConfig(),
-            loss=PolicyLossConfig(alpha=0.9375),
-            micro_batch_size=1,
-            total_steps=args.warmup + args.steps,
-            seed=args.seed,
-        )
+        actor = random_actor(arch, parallel, total_steps=args.warmup + args.steps, seed=args.seed)
         params = sum(p.numel() for p in actor.model_chunks[0].parameters())
         batch = random_batch(arch, args.batch, args.seq_len, args.seed)
         lp = actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs.cpu()

@@ -39,9 +39,10 @@ every owner rank deliver its own share (:class:`~armor_megatron.rollout.engine.S
     ``model.safetensors.index.json`` and ``config.json``, renames the directory into place and
     calls ``/update_weights_from_disk``. The file system must be shared by owners and engines.
 ``distributed``
-    SGLang broadcasts from rank 0 of its group only, and only the driver joins it: the driver
-    stays the broadcaster, fed one bucket at a time (the export gathered on the driver, raw
-    tensor sends from the owners).
+    every owner rank is rank 0 of a weights update group of its own with the engines and
+    broadcasts its own buckets from where they are (device memory with NCCL); the driver posts
+    the requests (names, dtypes, shapes, the owner's group) in one order to every engine
+    (:mod:`.owner_broadcast`). Nothing goes through the driver but the small descriptions.
 """
 
 from __future__ import annotations
@@ -63,7 +64,6 @@ from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSi
 from armor_megatron.rollout.hf_checkpoint import SAFETENSORS_INDEX, _replace_dir, write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
-from armor_megatron.rollout.sglang.launcher import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,8 @@ class WeightSyncConfig:
     disk_dir: str | None = None  # disk mode: where checkpoints are written
     hf_config: Mapping[str, Any] | None = None  # disk mode: the config.json written beside the weights
     master_address: str = "127.0.0.1"  # distributed mode: the trainer's address seen from the engines
-    master_port: int = 0  # distributed mode; 0 picks a free port
+    # distributed mode: the driver's rendezvous port, owner rank r's is master_port + 1 + r; 0: ports the OS picks
+    master_port: int = 0
     backend: str = "nccl"  # distributed mode: nccl on GPUs, gloo on CPU
     # tensor mode: where buckets go before their handles are sent. Default: CUDA when available
     # (SGLang opens CUDA IPC handles); CPU handles open only in the sender's own process tree.
@@ -435,22 +436,38 @@ class _DiskSink(ShardSink):
 
 
 class DistributedWeightSync(WeightSync):
-    """Broadcast over a group of 1 + Σ tp_size ranks; the trainer (this process) is rank 0."""
+    """Broadcast over groups of 1 + Σ tp_size ranks, the broadcaster being rank 0.
+
+    :meth:`push` (tensors on this process): one group, this process its rank 0.
+    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`)."""
 
     def __init__(self, clients, config):
         super().__init__(clients, config)
         self.group = None
+        import secrets
+
+        from armor_megatron.rollout.sglang.owner_broadcast import OwnerGroups
+
+        self.owner_groups = OwnerGroups(
+            prefix=f"{config.group_name}-{secrets.token_hex(3)}",  # a restarted trainer never meets its old groups
+            engine_address=config.master_address,
+            world_size=1 + config.tp_size * len(self.clients),
+            backend=config.backend,
+            timeout=config.timeout,
+            base_port=config.master_port,
+        )
+        self._owner_group_names: list[str] = []  # every owner group the engines joined
 
     def _init_group(self):
-        from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup
+        from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, listen
 
         cfg = self.config
-        port = cfg.master_port or free_port(cfg.master_address)
         world = 1 + cfg.tp_size * len(self.clients)
+        store = listen(world, cfg.master_port, cfg.timeout)  # bound before any engine is told the port
         bodies = [
             {
                 "master_address": cfg.master_address,
-                "master_port": port,
+                "master_port": store.port,
                 "rank_offset": 1 + i * cfg.tp_size,
                 "world_size": world,
                 "group_name": cfg.group_name,
@@ -467,7 +484,7 @@ class DistributedWeightSync(WeightSync):
         def join():
             try:
                 joined["group"] = WeightUpdateGroup(
-                    cfg.master_address, port, 0, world, cfg.group_name, cfg.backend, cfg.timeout
+                    cfg.master_address, store.port, 0, world, cfg.group_name, cfg.backend, cfg.timeout, store=store
                 )
             except BaseException as e:  # noqa: BLE001 - reported below
                 joined["error"] = e
@@ -517,15 +534,41 @@ class DistributedWeightSync(WeightSync):
                         f.result()
         self.verify(version)
 
+    def push_sharded(self, weights, version):
+        """Every owner rank broadcasts its own buckets over its own group; this (driver) rank
+        posts the engines' requests in one order (see :mod:`.owner_broadcast`)."""
+        from armor_megatron.rollout.sglang.owner_broadcast import OwnerBroadcastDelivery
+
+        cfg = self.config
+        delivery = OwnerBroadcastDelivery(
+            self.clients,
+            self.owner_groups,
+            cfg.tp_size,
+            cfg.bucket_bytes,
+            version,
+            lambda client, path, body: _post(client, path, body, cfg.timeout),
+        )
+        try:
+            with self._session():
+                weights.deliver(delivery)
+        finally:
+            self._owner_group_names += delivery.joined
+            delivery.shutdown()
+        if not delivery.version_sent:
+            raise WeightUpdateError("no weights to push")
+        self.last_delivery = delivery  # what went where, for tests and benchmarks
+        self.verify(version)
+
     def close(self):
-        if self.group is not None:
+        names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
+        for name in names:
             for c in self.clients:
                 try:
-                    c.post(
-                        "/destroy_weights_update_group", {"group_name": self.config.group_name}, timeout=30, retry=False
-                    )
+                    c.post("/destroy_weights_update_group", {"group_name": name}, timeout=30, retry=False)
                 except Exception:  # noqa: BLE001 - best effort at shutdown
                     pass
+        self._owner_group_names = []
+        if self.group is not None:
             self.group.destroy()
             self.group = None
 

@@ -60,6 +60,13 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
 * routes: ``/get_weight_version`` does not exist (404; the version is in ``/model_info``),
   ``/update_weight_version``, ``/get_server_info`` and ``/v1/models`` do; a known path with
   the wrong method is 405; destroying an unknown weights update group is 400.
+* weights update groups are kept by name, any number of them (SGLang's
+  ``_model_update_group`` dict); ``/update_weights_from_distributed`` receives from rank 0 of
+  the group it names, one broadcast per tensor or, with ``load_format: "flattened_bucket"``,
+  one broadcast of the bytes back to back (SGLang's ``FlattenedTensorBucket.empty``, which
+  refuses a tensor whose byte offset is not a multiple of its dtype's size). Weight requests
+  (group joins, updates, sessions) are served one at a time in arrival order, as SGLang's
+  queueing communicators serve them: a join or a broadcast blocks every weight request behind it.
 
 ``/update_weights_from_tensor`` payloads carry tensor *handles* (see
 :mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
@@ -69,6 +76,8 @@ double running in the trainer's process (as in the tests), not against one in an
 process. Real SGLang gets CUDA IPC handles, which have no such limit on one node.
 
 Test hooks (not in SGLang): ``GET /test_double/requests`` (request counts per path),
+:attr:`SGLangTestServer.distributed_updates` and ``GET /test_double/distributed_updates``
+(``(group_name, names)`` of every distributed update, in order),
 :meth:`SGLangTestServer.inject_failures` (answer the next
 requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
 aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
@@ -223,6 +232,10 @@ class SGLangTestServer:
         self._running = 0  # generations in flight
         self._released = set()  # memory tags released
         self._groups = {}
+        self._weights_lock = threading.Lock()  # weight requests one at a time (SGLang's communicators queue them)
+        self.distributed_updates = []  # (group_name, names) of every update_weights_from_distributed received
+        self._deferred = {}  # fused-in-memory checkpoint tensors of the update in progress
+        self._ckpt_names = None
         self._failures = {}  # path -> [remaining, status]
         self._aborts = 0
         self._httpd: ThreadingHTTPServer | None = None
@@ -274,6 +287,7 @@ class SGLangTestServer:
             self.engine = LocalEngine.from_pretrained(self.model_path, weight_version=self.initial_version)
             self.engine.original_logprobs = self.original_logprobs
         self._session_open = self._paused = False
+        self._deferred = {}
         self._released = set()
         return self.start()
 
@@ -503,12 +517,47 @@ class SGLangTestServer:
 
     def _apply(self, named, version, strict):
         try:
+            if not strict:
+                named = self._defer_fused(named)
             self.engine.load_weights(named, strict=strict)
+            if version is not None and self._deferred:
+                self._load_deferred()
         except WeightUpdateError as e:
+            self._deferred = {}
             raise _failed_update(f"Failed to update weights: {e}") from None
         if version is not None:  # the last request of an update: all weights are in
             self.engine.weight_version = str(version)
             self._weights_lost = False
+
+    def _checkpoint_names(self) -> set[str]:
+        from armor_megatron.rollout.hf_checkpoint import read_hf_checkpoint
+
+        if self._ckpt_names is None:
+            self._ckpt_names = {n for n, _ in read_hf_checkpoint(self.model_path, keys_only=True)}
+        return self._ckpt_names
+
+    def _defer_fused(self, named):
+        """Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
+        places into its own fused parameters as they come, wait here until the update's last
+        request; every other tensor goes in now."""
+        if self.model_path is None:
+            return named
+        state = self.engine.model.state_dict()
+        now = []
+        for name, t in named:
+            if name not in state and name in self._checkpoint_names():
+                self._deferred[name] = t.detach().clone()
+            else:
+                now.append((name, t))
+        return now
+
+    def _load_deferred(self):
+        """The deferred tensors with the model's own checkpoint-named ones, through transformers' loader."""
+        state = self.engine.model.state_dict()
+        full = {n: state[n] for n in self._checkpoint_names() if n in state}
+        full.update(self._deferred)
+        self._deferred = {}
+        self.engine.load_weights(list(full.items()), strict=True)
 
     def update_weights_from_disk(self, body):
         path = body.get("model_path")
@@ -532,6 +581,10 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def init_weights_update_group(self, body):
+        with self._weights_lock:
+            return self._init_weights_update_group(body)
+
+    def _init_weights_update_group(self, body):
         try:
             group = _join_weight_update_group(
                 body["master_address"],
@@ -551,25 +604,47 @@ class SGLangTestServer:
         import torch
         import torch.distributed as dist
 
-        self._require_session("update_weights_from_distributed")
-        group = self._groups.get(body.get("group_name"))
-        if group is None:
-            raise _failed_update(f"no weights update group named {body.get('group_name')!r}")
-        named = []
-        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"]):
-            t = torch.empty(shape, dtype=getattr(torch, dtype))
-            dist.broadcast(t, src=0, group=group)
-            named.append((name, t))
-        self._apply(named, body.get("weight_version"), strict=False)
+        with self._weights_lock:
+            self._require_session("update_weights_from_distributed")
+            group = self._groups.get(body.get("group_name"))
+            if group is None:
+                raise _failed_update(f"no weights update group named {body.get('group_name')!r}")
+            specs = list(zip(body["names"], body["dtypes"], body["shapes"]))
+            if body.get("load_format") == "flattened_bucket":
+                layout, offset = [], 0
+                for name, dtype, shape in specs:
+                    dtype = getattr(torch, dtype)
+                    if offset % dtype.itemsize:
+                        raise _failed_update(
+                            f"Failed to receive weights: Unaligned received tensor {name}: byte offset {offset}, "
+                            f"dtype {dtype}"
+                        )
+                    size = torch.Size(shape).numel() * dtype.itemsize
+                    layout.append((name, dtype, shape, offset, size))
+                    offset += size
+                flat = torch.empty(offset, dtype=torch.uint8)
+                dist.broadcast(flat, src=0, group=group)
+                named = [(n, flat[o : o + z].view(d).reshape(sh)) for n, d, sh, o, z in layout]
+            elif body.get("load_format") is None:
+                named = []
+                for name, dtype, shape in specs:
+                    t = torch.empty(shape, dtype=getattr(torch, dtype))
+                    dist.broadcast(t, src=0, group=group)
+                    named.append((name, t))
+            else:
+                raise _failed_update(f"Failed to receive weights: unknown load_format {body['load_format']!r}")
+            self.distributed_updates.append((body["group_name"], [n for n, _ in named]))
+            self._apply(named, body.get("weight_version"), strict=False)
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
     def destroy_weights_update_group(self, body):
         import torch.distributed as dist
 
-        group = self._groups.pop(body.get("group_name"), None)
-        if group is None:
-            raise _failed_update("The group to be destroyed does not exist.")
-        dist.destroy_process_group(group)
+        with self._weights_lock:
+            group = self._groups.pop(body.get("group_name"), None)
+            if group is None:
+                raise _failed_update("The group to be destroyed does not exist.")
+            dist.destroy_process_group(group)
         return {"success": True, "message": "Succeeded to destroy custom process group."}
 
     # -- memory, pause, misc
@@ -674,6 +749,7 @@ ROUTES = {
     ("POST", "/continue_generation"): SGLangTestServer.continue_generation,
     # test hook, not in SGLang: request counts per path, for tests that run the double as a process
     ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
+    ("GET", "/test_double/distributed_updates"): lambda s, b: [[g, n] for g, n in s.distributed_updates],
 }
 
 
