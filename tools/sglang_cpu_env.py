@@ -34,6 +34,8 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 TORCH = "torch==2.13.0"  # the CPU build, as everywhere in this project's CPU instructions
 SGLANG = "sglang==0.5.23"
@@ -61,15 +63,7 @@ TORCHVISION_OPS = (
 )
 STAMP = "armor-sglang-cpu.stamp"
 UNREACHABLE = 75
-_NETWORK_ERRORS = (
-    "NewConnectionError",
-    "Temporary failure in name resolution",
-    "Name or service not known",
-    "Network is unreachable",
-    "Max retries exceeded",
-    "ConnectTimeout",
-    "ProxyError",
-)
+DEFAULT_INDEX = "https://pypi.org/simple"
 
 
 def stamp_text() -> str:
@@ -94,12 +88,34 @@ class IndexUnreachable(RuntimeError):
     pass
 
 
+def index_url() -> str:
+    """The index pip uses: ``PIP_INDEX_URL``, else pip's configuration, else PyPI."""
+    if os.environ.get("PIP_INDEX_URL"):
+        return os.environ["PIP_INDEX_URL"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "config", "get", "global.index-url"], capture_output=True, text=True
+    )
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else DEFAULT_INDEX
+
+
+def index_error(timeout: float = 15.0) -> str | None:
+    """Why the index does not answer for sglang (None when it does)."""
+    url = f"{index_url().rstrip('/')}/sglang/"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            resp.read(1)
+    except (urllib.error.URLError, OSError) as e:
+        return f"{url}: {getattr(e, 'reason', e)}"
+    return None
+
+
 def _run(cmd: list[str]) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
+        unreachable = index_error()
+        if unreachable:
+            raise IndexUnreachable(f"the package index cannot be reached ({unreachable})")
         out = proc.stdout + proc.stderr
-        if any(marker in out for marker in _NETWORK_ERRORS):
-            raise IndexUnreachable(f"the package index cannot be reached: {out.strip().splitlines()[-1]}")
         raise RuntimeError(f"{' '.join(cmd[:4])} ... failed (exit {proc.returncode}):\n{out[-3000:]}")
 
 
