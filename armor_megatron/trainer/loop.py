@@ -30,21 +30,22 @@ rank, in this order; what only the driver runs (rollout, evaluation, engine call
 between them and runs no collective. ``tests/trainer/test_collective_contract.py`` records every
 rank's sequence at TP=2 × PP=2 and checks that they are identical.
 
-    start_engines          once, after load/resume   the export's gathers, the policy's then the reference's
-    _evaluate_start        step 0 with eval          broadcast_object of the driver's evaluation
-    per step, in _step:
-      broadcast_tensors                              the driver's batch (BATCH_TENSORS), None without signal
-      _trainer_on_device   release → device → host   barrier after the engines release, barrier before they resume
-        update                                       Megatron's: TP/PP in the layers, the token count, DDP, grad norm
-      sync_weights                                   the actor's export (every owner drives it)
-      broadcast_object                               the step's metrics, the driver's evaluation included
-      max_over_ranks                                 peak memory (throughput metrics), inside _step
-      _trainer_on_device   on a reset or a save      as above
-        reset_reference                              θ_ref ← θ, then the reference's export
-        checkpoint                                   `dist_checkpointing` save (``save`` as passed to run)
-      save_hf              when due                  the actor's export into an HF directory
-    any_rank               between steps            a preemption signal on any rank
-      _trainer_on_device, checkpoint                 when it stops a step that did not save
+    start_engines          once, after load/resume   the exports' gathers, the policy's then the reference's
+    run
+      _evaluate_start      step 0, with eval         broadcast_object of the driver's evaluation
+      _step                every step:
+        broadcast_tensors                            the driver's batch (BATCH_TENSORS), None without signal
+        _trainer_on_device release → device → host   a barrier once the engines released, one before they resume
+          update                                     Megatron's: TP/PP in the layers, the token count, DDP, grad norm
+        sync_weights                                 the actor's export (every owner drives it)
+        broadcast_object                             the step's metrics, the driver's evaluation included
+        _trainer_on_device on a reset or a save      as above
+          reset_reference                            θ_ref ← θ, then the reference's export
+          checkpoint                                 `dist_checkpointing` save (``save`` as passed to run)
+        save_hf            when due                  the actor's export into an HF directory
+        max_over_ranks                               the peak memory of the throughput metrics
+      any_rank             after each step but the last  a preemption signal on any rank; if so
+        _trainer_on_device, checkpoint                   unless the step just saved
 """
 
 from __future__ import annotations

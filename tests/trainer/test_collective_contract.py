@@ -114,9 +114,10 @@ def test_every_rank_makes_the_same_collectives_at_tp2_pp2(tiny, tmp_path):
     start = calls.index("ArmorTrainer.run")
     assert calls[start : start + 3] == ["ArmorTrainer.run", "ArmorTrainer._evaluate_start", "broadcast_object"]
     assert calls.count("ArmorTrainer._step") == 2 and calls.count("ArmorTrainer.reset_reference") == 2
-    for k, at in enumerate(i for i, c in enumerate(calls) if c == "ArmorTrainer._step"):
+    for at in (i for i, c in enumerate(calls) if c == "ArmorTrainer._step"):
         assert calls[at : at + len(step)] == step, calls[at:]
-    assert calls.count("checkpoint") == 1 and calls.index("checkpoint") > calls.index("ArmorTrainer.reset_reference")
+    # the last step saves, with the trainer on the device for its reset
+    assert calls.count("checkpoint") == 1 and calls[calls.index("checkpoint") - 1] == "ArmorTrainer.reset_reference"
     assert calls.index("ArmorTrainer.start_engines") < start
     # the torch.distributed operations between the marks, not only the marks themselves
     ops = {e[1] for e in sequences[0] if e[0] == "op"}
@@ -175,3 +176,15 @@ def test_recording_lists_marked_calls_and_distributed_ops_once_each(tmp_path):
         assert dist.all_reduce is original and collectives._log is None
     finally:
         dist.destroy_process_group()
+
+
+def test_the_loops_phase_table_names_exactly_the_marked_methods():
+    from armor_megatron.trainer import loop
+
+    table = loop.__doc__.split("checks that they are identical.")[1]
+    named = {word.strip(",") for line in table.splitlines() for word in line.split()[:2]}
+    marked = {name for name, f in vars(loop.ArmorTrainer).items() if hasattr(f, "collective")}
+    assert marked == {name for name in named if hasattr(loop.ArmorTrainer, name)}
+    helpers = {name for name, f in vars(collectives).items() if getattr(f, "collective", None) == name}
+    assert {"any_rank", "barrier", "broadcast_object", "broadcast_tensors", "max_over_ranks"} == helpers
+    assert helpers - {"barrier"} <= named  # the barriers: inside _trainer_on_device
