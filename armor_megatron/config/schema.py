@@ -373,8 +373,10 @@ class TrainConfig:
     )
     offload_during_rollout: bool | None = checked(
         None,
-        help="move trainer weights, grads and optimizer state to host memory while engines generate "
-        "(rollout, evaluation); None: when SGLang engines are colocated",
+        help="keep the trainer (actor with its optimizer state, reference, critic) in host memory except while it computes "
+        "(log-probs, update, reference reset, checkpoint save): it comes to the GPUs after colocated engines "
+        "released theirs and leaves, with empty_cache, before they resume; weights are pushed and HF-saved from "
+        "the host copy; DDP gradient buffers are freed, not copied; None: when SGLang engines are colocated",
     )
     recompute: Literal["none", "selective", "full"] = checked(
         "none",

@@ -18,9 +18,10 @@ The engines are the policy group (``rollout.sglang.num_engines``) followed, when
 from a separate frozen reference (``anchor.source: separate`` without ``anchor.reference_urls``),
 by the reference group (``anchor.reference_engines``, same ``tp_per_engine``); every count above
 is over both groups. Engines run ``rollout.sglang.python`` (the SGLang environment's interpreter;
-the trainer's, ``ARMOR_PYTHON``, when null). Engine ``i`` listens on ``base_port + i``; the trainer attaches to them
-through the ``rollout.sglang.urls`` and ``anchor.reference_urls`` overrides appended to its
-arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
+the trainer's, ``ARMOR_PYTHON``, when null) under ``env -u SGLANG_RETURN_ORIGINAL_LOGPROB``, so an
+exported one cannot turn their log-probs into temperature-1 values. Engine ``i`` listens on
+``base_port + i``; the trainer attaches to them through the ``rollout.sglang.urls`` and
+``anchor.reference_urls`` overrides appended to its arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
 engine ports if it lands among them. Nothing here runs a command or imports megatron.
 """
 
@@ -43,6 +44,9 @@ DEFAULT_TRAIN_ENTRY = ("python", "-m", "armor_megatron.cli.train")
 ALL_INTERFACES = ("0.0.0.0", "::")
 ENGINE_KEY_WRAPPER = "armor_megatron.rollout.sglang.launcher"  # a module name, not an import (layering)
 API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
+# Removed from the engine steps' environment (srun hands them the job's): SGLang would report
+# temperature-1 log-probs while the trainer computes them at the sampling temperature.
+ENGINE_UNSET_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
 # Signals torchrun forwards to its workers; SIGUSR1 is SLURM's "time is nearly up" (sbatch --signal).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -298,6 +302,8 @@ def _engine_step(
     # (exported by the batch script), so no command line that `ps` shows carries it.
     entry = [ENGINE_KEY_WRAPPER, "sglang.launch_server"] if sg.api_key else ["sglang.launch_server"]
     server = [
+        "env",
+        *(arg for name in ENGINE_UNSET_ENV for arg in ("-u", name)),
         sg.python or opts.python,  # the SGLang environment's interpreter
         "-m",
         *entry,
@@ -322,7 +328,6 @@ def _engine_step(
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
     if sg.deterministic:  # sampling_seed honoured, batch-invariant kernels (SGLangEngine sends per-sample seeds)
         server.append("--enable-deterministic-inference")
-    # SGLANG_RETURN_ORIGINAL_LOGPROB stays unset: log-probs at the sampling temperature, as the trainer's
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
     srun += _cpus_per_task(opts, sg.tp_per_engine) + _srun_common(opts)

@@ -254,7 +254,8 @@ class RolloutEngine(abc.ABC):
         """
 
     def release_memory(self, timeout: float | None = None) -> None:
-        """Free accelerator memory (weights, KV cache) while a colocated trainer runs; default no-op."""
+        """Free accelerator memory (weights, KV cache, CUDA graphs) while a colocated trainer is
+        on the device; default no-op."""
 
     def resume_memory(self, timeout: float | None = None) -> None:
         """Take the memory back after :meth:`release_memory`; default no-op."""

@@ -73,7 +73,8 @@ def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
     assert plan.trainer_nodes == ("node01", "node02") and plan.world_size == 16
     assert (plan.master_addr, plan.master_port) == ("node01", 24242)  # 20000 + 4242 mod 10000
     assert shlex.join(plan.engines[3].command) == (
-        "srun --overlap --nodes=1 --ntasks=1 --nodelist=node02 python -m sglang.launch_server "
+        "srun --overlap --nodes=1 --ntasks=1 --nodelist=node02 env -u SGLANG_RETURN_ORIGINAL_LOGPROB "
+        "python -m sglang.launch_server "
         "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id 4 --host 0.0.0.0 --port 30003 "
         "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed 3 --enable-memory-saver"
     )
@@ -428,6 +429,9 @@ def test_deterministic_rollouts_start_the_engines_deterministic(load):
     cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.deterministic=true")
     plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
     assert plan.engines and all("--enable-deterministic-inference" in e.command for e in plan.engines)
-    # log-probs at the sampling temperature, as the trainer computes them
-    assert all("SGLANG_RETURN_ORIGINAL_LOGPROB" not in " ".join(e.command) for e in plan.engines)
+    # log-probs at the sampling temperature, as the trainer computes them: never set, and removed
+    # from what srun hands the engine steps (the job's environment)
+    for e in plan.engines:
+        python = e.command.index("-m") - 1
+        assert e.command[python - 3 : python] == ("env", "-u", "SGLANG_RETURN_ORIGINAL_LOGPROB")
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in plan.env

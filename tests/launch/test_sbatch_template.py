@@ -50,7 +50,9 @@ sys.exit(9)
 """
 # A stand-in for `python -m sglang.launch_server` (test double, not SGLang): answers /health_generate.
 FAKE_SGLANG = """
-import argparse, http.server
+import argparse, http.server, os
+if "SGLANG_RETURN_ORIGINAL_LOGPROB" in os.environ:  # SGLang would answer with temperature-1 log-probs
+    raise SystemExit("SGLANG_RETURN_ORIGINAL_LOGPROB reached the engine")
 p = argparse.ArgumentParser()
 p.add_argument("--port", type=int); p.add_argument("--host")
 args, _ = p.parse_known_args()
@@ -156,7 +158,8 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
     )
     assert out.returncode == 0, out.stderr
     engine = (
-        "srun --overlap --nodes=1 --ntasks=1 --nodelist={node} python -m sglang.launch_server "
+        "srun --overlap --nodes=1 --ntasks=1 --nodelist={node} env -u SGLANG_RETURN_ORIGINAL_LOGPROB "
+        "python -m sglang.launch_server "
         "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id {gpu} --host 0.0.0.0 --port {port} "
         "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed {seed} --enable-memory-saver &"
     )
@@ -275,7 +278,8 @@ def test_engines_start_before_the_trainer_and_stop_after_it(job):
         "rollout.sglang.num_engines=1",
         "rollout.sglang.tp_per_engine=1",
     ]
-    out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8")
+    # srun hands the job's environment to the engine steps; the engine command drops this one
+    out = job.run(args, mode="exit0", SLURM_GPUS_ON_NODE="8", SGLANG_RETURN_ORIGINAL_LOGPROB="1")
     assert out.returncode == 0, out.stderr
     argv = job.trainer_log.read_text().splitlines()[0]
     assert argv.endswith(

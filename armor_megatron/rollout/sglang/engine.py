@@ -32,8 +32,15 @@ Log-probs: SGLang 0.5.23 reports ``log_softmax(logits / temperature)`` of the sa
 ``rollout/logprob_abs_diff`` gap). Never run the servers with ``SGLANG_RETURN_ORIGINAL_LOGPROB``
 set: they would report temperature-1 values instead (the launcher refuses it).
 
-Colocated mode (engines share the trainer's GPUs): call :meth:`release_memory` before the
-training phase and :meth:`resume_memory` after it, then push weights. Disaggregated mode
+Colocated mode (engines share the trainer's GPUs; servers run with ``--enable-memory-saver``), a
+step's memory order (``trainer/loop.py``), so that no GPU holds the trainer and an engine's
+static region at once: rollout → :meth:`release_memory` (:data:`MEMORY_TAGS`: weights, KV cache,
+CUDA graphs) → trainer to the device → log-probs and update → trainer to the host and
+``empty_cache`` → ``resume_memory(tags=("weights",))`` → push the weights (streamed from the
+trainer's host copy: the push peaks at the engine's weights plus one bucket) →
+``resume_memory(tags=("kv_cache", "cuda_graph"))``. Released weights come back as memory, not
+contents, until the next push (without ``--enable-weights-cpu-backup``); so an engine whose weights
+do not change (the reference) releases only ``("kv_cache", "cuda_graph")``. Disaggregated mode
 (engines on their own GPUs or nodes): never release; push weights with ``distributed`` or
 ``disk`` sync.
 """
@@ -61,7 +68,7 @@ from armor_megatron.rollout.engine import (
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, parse_output
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
 
-MEMORY_TAGS = ("weights", "kv_cache")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23 memory-saver tags: all of them
 # /pause_generation modes (SGLang 0.5.23 PauseGenerationReqInput): "abort" (its default) aborts
 # the requests in flight; "retract" puts them back in the queue (KV cache freed) and
 # "in_place" keeps them where they are; both finish them after /continue_generation.
@@ -275,15 +282,20 @@ class SGLangEngine(RolloutEngine):
             c.post(path, body, timeout=timeout)
 
     def release_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Colocated mode: free weights and KV cache before the trainer runs."""
+        """Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
+        trainer comes to the device; the servers must be idle (module docstring: the order)."""
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
     def resume_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Colocated mode: take ``tags`` back after the trainer left the device (with its
+        ``empty_cache``); resumed weights are memory only until the next weight push."""
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
 
     @contextlib.contextmanager
     def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None):
-        """Colocated training phase: ``with engine.released(): train()`` frees, then takes back, GPU memory."""
+        """``with engine.released(tags): ...`` frees ``tags``, then takes them back. For a phase
+        that leaves the engine's weights alone (``tags=("kv_cache", "cuda_graph")``); with the
+        default tags, push weights before generating again (module docstring: the order)."""
         self.release_memory(timeout=timeout, tags=tags)
         try:
             yield self

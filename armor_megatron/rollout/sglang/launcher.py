@@ -64,6 +64,12 @@ ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
 
 @dataclasses.dataclass
 class LauncherConfig:
+    """How :class:`SGLangLauncher` starts servers on this node. No code builds one from a run
+    config (the trainer attaches to ``rollout.sglang.urls``; the SLURM plan starts its own
+    servers); building one by hand, a run config's ``rollout.sglang.python`` is ``python`` (null
+    there means the trainer's interpreter, ``sys.executable`` here), ``rollout.sglang.tp_per_engine``
+    is ``tp_size``, ``placement: colocated`` is ``colocated``."""
+
     model_path: str
     num_engines: int = 1
     tp_size: int = 1
@@ -76,7 +82,7 @@ class LauncherConfig:
     router_policy: str = "cache_aware"
     router_health_check_interval_s: int = 5
     router_health_failure_threshold: int = 2
-    colocated: bool = False  # adds --enable-memory-saver so weights/KV cache can be released
+    colocated: bool = False  # adds --enable-memory-saver: weights, KV cache and CUDA graphs can be released
     deterministic: bool = False  # adds --enable-deterministic-inference (seeded, batch-invariant sampling)
     mem_fraction_static: float | None = None
     extra_args: Sequence[str] = ()

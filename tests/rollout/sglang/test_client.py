@@ -367,6 +367,21 @@ def test_released_weights_are_gone_until_the_next_update(server, tiny_ckpt):
 
 
 @pytest.mark.double_only
+def test_release_by_default_frees_every_tag_sglang_has(server):
+    """Colocated, the policy engine gives back weights, KV cache and CUDA graphs before the trainer
+    comes to the device; a default that keeps the graphs leaves them beside the trainer."""
+    from armor_megatron.rollout.testing.sglang_test_server import MEMORY_TAGS as SGLANG_TAGS
+
+    engine = make_engine(server)
+    engine.release_memory()
+    assert server._released == set(SGLANG_TAGS) == {"weights", "kv_cache", "cuda_graph"}
+    engine.resume_memory(tags=("weights",))  # the memory order: weights back, the push, then the rest
+    assert server._released == {"kv_cache", "cuda_graph"}
+    engine.resume_memory()
+    assert not server._released
+
+
+@pytest.mark.double_only
 def test_generate_timeout_is_an_error_not_a_hang(server, tiny_ckpt):
     _, _, tok = tiny_ckpt
     engine = make_engine(server)
