@@ -2,12 +2,14 @@
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
 still alive after a grace period fails the run, named, and is killed.
 
-Two helpers are started by the code under test for the whole life of a process, by design, and
+Three helpers are started by the code under test for the whole life of a process, by design, and
 are stopped here the way their owners stop them before the check:
 
 * megatron's checkpoint-writer results server (`armor_megatron.megatron.checkpoint.
   _start_writer_results_server`): a ``multiprocessing`` Manager kept while the trainer process
   lives; ``shutdown()`` stops its process and reaps it.
+* the answer checkers' worker pool (`armor_megatron.rewards.isolated`): idle workers kept for
+  the next verification, stopped by ``shutdown_workers()`` (as its ``atexit`` hook does).
 * multiprocessing's resource tracker (started by the first spawned process, e.g. by
   `tests.megatron.spawn.run_ranks`): one per process, it exits once its pipe closes, which
   ``ResourceTracker._stop`` does (and reaps it), as interpreter exit would.
@@ -31,6 +33,9 @@ def _stop_lifetime_helpers() -> None:
         checkpoint._writer_results_server.shutdown()
         checkpoint._writer_results_server = None
         filesystem_async._results_queue = None
+    isolated = sys.modules.get("armor_megatron.rewards.isolated")
+    if isolated is not None:
+        isolated.shutdown_workers()
     if "multiprocessing.resource_tracker" in sys.modules:
         from multiprocessing import resource_tracker
 

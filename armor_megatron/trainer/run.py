@@ -54,6 +54,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     check_run_identity(cfg, resume)  # before any model is built: another run's checkpoint is refused
     if resume == "force":
         resume = "auto"
+    if not os.path.isdir(cfg.model.path):  # its tokenizer (and, without model.mcore_path, its weights) load below
+        raise FileNotFoundError(f"{cfg.model.path}: not a directory")
     arch = model_arch_of(cfg)
     parallel = ParallelConfig.from_run_config(cfg.parallelism)
     initialize(
