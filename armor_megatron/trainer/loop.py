@@ -24,6 +24,28 @@ the trainer back while the engines keep only their weights.
 Rank 0 is the *driver*: it owns the data loader, the engines, the anchor cache, rewards,
 evaluation and logging, and broadcasts each step's batch to every rank. The Megatron actor
 and reference live on all ranks (TP/PP/DP as configured).
+
+The collective contract: the calls marked ``@collective`` (`trainer.collectives`) are made by every
+rank, in this order; what only the driver runs (rollout, evaluation, engine calls, logging) sits
+between them and runs no collective. ``tests/trainer/test_collective_contract.py`` records every
+rank's sequence at TP=2 × PP=2 and checks that they are identical.
+
+    start_engines          once, after load/resume   the exports' gathers, the policy's then the reference's
+    run
+      _evaluate_start      step 0, with eval         broadcast_object of the driver's evaluation
+      _step                every step:
+        broadcast_tensors                            the driver's batch (BATCH_TENSORS), None without signal
+        _trainer_on_device release → device → host   a barrier once the engines released, one before they resume
+          update                                     Megatron's: TP/PP in the layers, the token count, DDP, grad norm
+        sync_weights                                 the actor's export (every owner drives it)
+        broadcast_object                             the step's metrics, the driver's evaluation included
+        _trainer_on_device on a reset or a save      as above
+          reset_reference                            θ_ref ← θ, then the reference's export
+          checkpoint                                 `dist_checkpointing` save (``save`` as passed to run)
+        save_hf            when due                  the actor's export into an HF directory
+        max_over_ranks                               the peak memory of the throughput metrics
+      any_rank             after each step but the last  a preemption signal on any rank; if so
+        _trainer_on_device, checkpoint                   unless the step just saved
 """
 
 from __future__ import annotations
@@ -51,7 +73,7 @@ from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
-from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors
+from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors, collective
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
@@ -183,6 +205,7 @@ class ArmorTrainer:
             self.tokenizer, prompt, apply_chat_template=data.apply_chat_template, template=data.prompt_template
         )
 
+    @collective
     def start_engines(self) -> None:
         """Build the engines from the actor's and reference's current weights (after load/resume).
 
@@ -328,6 +351,7 @@ class ArmorTrainer:
         truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
+    @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
         """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
         then the mini-batch / epoch updates of the actor and the critic. During the critic's
@@ -376,6 +400,7 @@ class ArmorTrainer:
                             metrics.setdefault(f"critic/{k}", []).append(v)
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
+    @collective
     def sync_weights(self, timer: StepTimer) -> None:
         """All ranks: push the new policy to the engine (the driver talks to it). Colocated, the
         policy engines take their weights' memory back first, the weights stream from the
@@ -392,6 +417,7 @@ class ArmorTrainer:
                     _materialise(weights)
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
 
+    @collective
     def reset_reference(self, timer: StepTimer) -> dict:
         """All ranks, trainer on the device: θ_ref ← θ in the trainer and the anchor source."""
         with timer.phase("reference_reset"):
@@ -439,6 +465,7 @@ class ArmorTrainer:
         if self.trainer_memory is not None:
             self.trainer_memory.offload()
 
+    @collective
     @contextmanager
     def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
         """Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
@@ -488,6 +515,7 @@ class ArmorTrainer:
         return metrics
 
     # ------------------------------------------------------------------ the loop
+    @collective
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
     ) -> dict:
@@ -497,6 +525,8 @@ class ArmorTrainer:
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
         """
         cfg = self.cfg
+        save = collective(save, name="checkpoint")
+        save_hf = None if save_hf is None else collective(save_hf, name="save_hf")
         last: dict = {}
         reporter = self._progress_bar(logger)
         self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
@@ -518,6 +548,7 @@ class ArmorTrainer:
             reporter.close()
         return last if self.is_driver else {}
 
+    @collective
     def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
         """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
         every rank, and whether it saved a checkpoint)."""
@@ -578,6 +609,7 @@ class ArmorTrainer:
         )
         return metrics, saved
 
+    @collective
     def _evaluate_start(self, logger: MetricsLogger | None) -> dict:
         """The evaluation before training (step 0); the reset schedule sees it on every rank."""
         start = self.evaluate() if self.is_driver else {}
