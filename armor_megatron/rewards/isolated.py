@@ -159,6 +159,7 @@ class WorkerPool:
         self.memory_limit_mb = memory_limit_mb
         self._idle: list[_Worker] = []
         self._started = 0
+        self._replacing: set[threading.Thread] = set()  # replacements of killed workers, still starting
         self._cond = threading.Condition()
 
     def run(self, target: str, args: tuple, timeout_s: float) -> Any:
@@ -171,9 +172,12 @@ class WorkerPool:
             result = worker.call(target, args, timeout_s)
         except (IsolatedTimeout, WorkerDied):
             worker.kill()
-            threading.Thread(
+            replacement = threading.Thread(
                 target=self._replace, args=(worker.imported,), name="reward-worker-replace", daemon=True
-            ).start()
+            )
+            with self._cond:
+                self._replacing.add(replacement)
+            replacement.start()
             raise
         except BaseException:
             self._release(worker)
@@ -182,7 +186,12 @@ class WorkerPool:
         return result
 
     def shutdown(self) -> None:
-        """Stop all idle workers (busy ones stop when their call returns and they are released)."""
+        """Stop all idle workers (busy ones stop when their call returns and they are released),
+        after the replacements still starting have joined them (else they would outlive this)."""
+        with self._cond:
+            starting = list(self._replacing)
+        for thread in starting:
+            thread.join()
         with self._cond:
             idle, self._idle = self._idle, []
             self._started -= len(idle)
@@ -222,6 +231,13 @@ class WorkerPool:
         """Start a worker with ``modules`` imported into the slot of a killed one; if that
         fails, free the slot (the next call starts a worker on demand)."""
         try:
+            self._start_replacement(modules)
+        finally:
+            with self._cond:
+                self._replacing.discard(threading.current_thread())
+
+    def _start_replacement(self, modules: set[str]) -> None:
+        try:
             fresh = _Worker(self.memory_limit_mb)
             try:
                 for module in sorted(modules):
@@ -246,6 +262,7 @@ class WorkerPool:
             worker.close_pipes()
         self._idle = []
         self._started = 0
+        self._replacing = set()
         self._cond = threading.Condition()
 
 

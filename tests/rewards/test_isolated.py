@@ -6,6 +6,7 @@ import signal
 import threading
 import time
 
+import psutil
 import pytest
 
 from armor_megatron.rewards import compute_score
@@ -179,3 +180,19 @@ def test_worker_that_timed_out_is_replaced_at_once_with_its_modules(tmp_path, mo
         assert imports.read_text().split() == [str(old), replacement]
     finally:
         pool.shutdown()
+
+
+def _worker_pids() -> set[int]:
+    return {p.pid for p in psutil.Process().children() if "armor_megatron.rewards._worker" in " ".join(p.cmdline())}
+
+
+def test_shutdown_also_stops_the_replacement_of_a_timed_out_worker():
+    # the replacement starts in the background after the failed call; a shutdown meanwhile must
+    # not let it join the pool afterwards, alive and owned by nobody
+    before = _worker_pids()  # other pools' workers (the shared pool's, for one)
+    pool = WorkerPool(max_workers=1, memory_limit_mb=1024)
+    with pytest.raises(IsolatedTimeout):
+        pool.run(f"{T}:sleep_then_pid", (60,), timeout_s=0.5)
+    pool.shutdown()
+    time.sleep(2)  # time for a replacement that was not waited for to come up
+    assert not pool._idle and _worker_pids() <= before

@@ -186,6 +186,8 @@ def test_ctrl_c_stops_in_one_line_with_exit_130_and_keeps_the_last_checkpoint(ti
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
+        # a terminal's foreground process: SIGINT not ignored, even where this test runs as a background job
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     with stopped_after(proc):
         deadline = time.time() + 300
