@@ -8,6 +8,7 @@ import os
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from armor_megatron.algo.reset import load_callable
 from armor_megatron.algo.loss import make_policy_loss_config
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.engine import SamplingParams
@@ -84,6 +85,7 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
         overlong_penalty=algo.overlong.penalty,
         reward_workers=cfg.reward.workers,
         timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
+        sample_metrics=load_callable(cfg.logging.sample_metrics) if cfg.logging.sample_metrics else None,
     )
 
 
