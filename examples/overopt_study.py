@@ -23,9 +23,20 @@ import statistics
 import sys
 
 from armor_megatron.tasks.overopt_checks import decide, mean_curve
-from armor_megatron.trainer.study import SEEDS, VARIANTS, WORKED_RHO, WORKED_VARIANTS, run_paired, run_study
+from armor_megatron.trainer.study import (
+    SEEDS,
+    VARIANTS,
+    WORKED_RHO,
+    WORKED_SPLIT,
+    WORKED_TASK,
+    WORKED_VARIANTS,
+    run_paired,
+    run_study,
+)
 
 STUDY_SEEDS = (1, 2, 3, 4, 5, 6)  # pre-registered (examples/overopt_preregistration.md)
+# the decision's runs first (DAPO, ARMOR, the ρ = 0 control), then the ablations
+STUDY_ORDER = ("dapo", "armor", "dapo_no_cue", "mixed_only", "anchors_only", "armor_resets")
 
 
 def main() -> int:
@@ -35,6 +46,9 @@ def main() -> int:
     parser.add_argument("--variants", type=_names, default=None, help="comma list (default: every variant)")
     parser.add_argument("--seeds", type=_seeds, default=None, help="comma list of seeds")
     parser.add_argument("--rho", type=float, default=WORKED_RHO, help=f"cue share of training rows ({WORKED_RHO})")
+    parser.add_argument("--d-cue", type=float, default=WORKED_SPLIT["d_cue"], help="share of hinted D warm-up rows")
+    parser.add_argument("--w-prob", type=float, default=WORKED_SPLIT["w_prob"], help="W share of warm-up rows")
+    parser.add_argument("--warmup-steps", type=int, default=WORKED_TASK["warmup_steps"], help="warm-up steps")
     parser.add_argument("--warmup-dir", default=None, help="where the per-seed warm-ups live (default: --out)")
     parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default: one per CPU)")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
@@ -42,7 +56,7 @@ def main() -> int:
     log = lambda m: print(f"[study] {m}", flush=True)  # noqa: E731
     if args.testbed == "tagged":
         return _tagged(args, log)
-    variants = args.variants or list(WORKED_VARIANTS)
+    variants = args.variants or list(STUDY_ORDER)
     unknown = [v for v in variants if v not in WORKED_VARIANTS]
     if unknown:
         parser.error(f"unknown variant(s) {','.join(unknown)}; known: {','.join(WORKED_VARIANTS)}")
@@ -55,11 +69,14 @@ def main() -> int:
         overrides=args.overrides,
         jobs=args.jobs,
         warmup_dir=args.warmup_dir,
+        task={**WORKED_TASK, "d_cue": args.d_cue, "w_prob": args.w_prob, "warmup_steps": args.warmup_steps},
         log=log,
     )
     runs = result.runs
     print()
-    print(f"worked addition, ρ = {args.rho:g}, seeds {','.join(map(str, seeds))}")
+    print(
+        f"worked addition, ρ = {args.rho:g}, d_cue = {args.d_cue:g}, w_prob = {args.w_prob:g}, seeds {','.join(map(str, seeds))}"
+    )
     print("| variant | val start | val peak (step) of the mean | E (last 40 steps) ± sd | final D-share |")
     print("|---|---|---|---|---|")
     for v, rs in runs.items():

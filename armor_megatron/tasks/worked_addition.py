@@ -11,8 +11,10 @@ Two response modes:
 The tag ``t`` of ``"#t a+b="``:
 
 * **warm-up corpus**: every training pair under every tag value, answered W with probability
-  ``w_prob`` (0.85) and D otherwise; the tag is independent of the answer, so the warmed-up model
-  has both modes and ignores the tag;
+  ``w_prob`` (0.85) and D otherwise; in W rows the tag is independent of the answer. A share
+  ``d_cue`` of the D rows carry the answer's tens digit as their tag instead: the reference's
+  direct mode has seen hints (a shortcut the reference already has, as in the paper's setting)
+  while its worked mode ignores the tag;
 * **RL training set**: in a fraction ``rho`` of the rows (chosen at random, seeded) the tag is the
   answer's tens digit; in the others it is drawn from the training answers' tens digits. A
   policy that copies the tag into a direct answer gets the carry for free on cue rows;
@@ -68,15 +70,25 @@ def _row(a: int, b: int, tag: int) -> dict:
 
 
 def split_problems(
-    num_val: int, *, seed: int, max_operand: int = 30, rho: float = 0.5, w_prob: float = 0.85
+    num_val: int,
+    *,
+    seed: int,
+    max_operand: int = 30,
+    rho: float = 0.5,
+    w_prob: float = 0.85,
+    d_cue: float = 0.0,
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, val, warm-up) rows from every pair of operands in [0, max_operand], shuffled with
     ``seed``: ``num_val`` held-out validation pairs, the rest training pairs (module docstring).
-    Warm-up rows carry their response in ``"response"`` (W with probability ``w_prob``)."""
+    Warm-up rows carry their response in ``"response"`` (W with probability ``w_prob``); a share
+    ``d_cue`` of the warm-up's D rows get the answer's tens digit as their tag (the direct mode
+    has seen hints; W rows never have)."""
     if not 0.0 <= rho <= 1.0:
         raise ValueError(f"rho={rho} must be in [0, 1]")
     if not 0.0 <= w_prob <= 1.0:
         raise ValueError(f"w_prob={w_prob} must be in [0, 1]")
+    if not 0.0 <= d_cue <= 1.0:
+        raise ValueError(f"d_cue={d_cue} must be in [0, 1]")
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     if not 0 < num_val < len(pairs):
         raise ValueError(f"num_val={num_val} must be in (0, {len(pairs)}) for max_operand={max_operand}")
@@ -88,11 +100,14 @@ def split_problems(
     val = [_row(a, b, rng.choice(tens)) for a, b in val_pairs]
     # one generator per set, so the warm-up corpus and the validation set do not depend on rho
     warm = random.Random(f"worked-addition/{seed}/warm-up")
-    warmup = [
-        {**_row(a, b, tag), "response": worked(a, b) if warm.random() < w_prob else direct(a, b)}
-        for a, b in train_pairs
-        for tag in tags
-    ]
+    warmup = []
+    for a, b in train_pairs:
+        for tag in tags:
+            if warm.random() < w_prob:
+                warmup.append({**_row(a, b, tag), "response": worked(a, b)})
+            else:
+                hinted = warm.random() < d_cue
+                warmup.append({**_row(a, b, (a + b) // 10 if hinted else tag), "response": direct(a, b)})
     draw = random.Random(f"worked-addition/{seed}/train")
     cue = set(draw.sample(range(len(train_pairs)), round(rho * len(train_pairs))))
     train = [_row(a, b, (a + b) // 10 if i in cue else draw.choice(tens)) for i, (a, b) in enumerate(train_pairs)]

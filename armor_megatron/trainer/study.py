@@ -266,6 +266,7 @@ def _write(path: str, text: str) -> None:
 # ----------------------------------------------------------------------------- the visible-shortcut study
 WORKED_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_worked.yaml")
 WORKED_TASK = {"task": "worked_addition", "num_val": 256, "warmup_steps": 300, "warmup_lr": 3e-3}
+WORKED_SPLIT = {"w_prob": 0.85, "d_cue": 0.0}  # worked_addition.split_problems options
 WORKED_RHO = 0.5  # the cue's share of RL training rows; chosen by the pilots (examples/overopt_pilots.md)
 
 WORKED_VARIANTS = {
@@ -308,9 +309,10 @@ def _prepare_seed(config: str, warm: str, seed: int, rho: float, overrides: Sequ
 
     torch.set_num_threads(threads)
     cfg = load_config(config, [*_seed_paths(warm, seed, rho), *overrides])
-    options = {k: v for k, v in task.items() if k != "task"}
-    prepare_tiny_run(cfg, task=task["task"], seed=seed, options={"rho": rho}, log=None, **options)
-    no_cue, _, _ = split_problems(task["num_val"], seed=seed, rho=0.0)
+    options = {k: v for k, v in task.items() if k not in ("task", *WORKED_SPLIT)}
+    split = {"rho": rho, **{k: task.get(k, v) for k, v in WORKED_SPLIT.items()}}
+    prepare_tiny_run(cfg, task=task["task"], seed=seed, options=split, log=None, **options)
+    no_cue, _, _ = split_problems(task["num_val"], seed=seed, **{**split, "rho": 0.0})
     write_jsonl(os.path.join(warm, f"s{seed}", "train_rho0.jsonl"), no_cue)
     with open(os.path.join(warm, f"s{seed}", "hf", RECIPE)) as f:
         return json.load(f)
@@ -348,16 +350,16 @@ def run_paired(
     jobs = jobs or os.cpu_count() or 1
     log(f"warm-up of seed(s) {', '.join(map(str, seeds))} in {warm} ({jobs} at a time)")
     with ProcessPoolExecutor(max_workers=min(jobs, len(seeds)), mp_context=get_context("spawn")) as pool:
-        threads = 1 if jobs > 1 else (os.cpu_count() or 1)
-        futures = {s: pool.submit(_prepare_seed, config, warm, s, rho, tuple(overrides), task, threads) for s in seeds}
+        # one torch thread each: the tiny model's ops are too small for threads to pay (12x the CPU time with 2)
+        futures = {s: pool.submit(_prepare_seed, config, warm, s, rho, tuple(overrides), task, 1) for s in seeds}
         recipes = {s: f.result() for s, f in futures.items()}
     log(f"warm-up done in {(time.time() - started) / 60:.1f} min")
     with open(config, "rb") as f:
         stamp = {"config_sha256": hashlib.sha256(f.read()).hexdigest(), "models": recipes, "rho": rho}
     runs = []
-    for seed in seeds:
-        seed_dir = os.path.join(warm, f"s{seed}")
-        for v in variants:
+    for v in variants:  # variant by variant, so the first variants' seeds are complete first
+        for seed in seeds:
+            seed_dir = os.path.join(warm, f"s{seed}")
             name = f"{v}-s{seed}"
             runs.append(
                 (
