@@ -453,7 +453,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m armor_megatron.launch.step_time", description=main.__doc__)
     parser.add_argument("--generation-s", type=float, required=True, help="seconds the engines generate a step")
     parser.add_argument("--train-s", type=float, required=True, help="seconds the trainer takes on a step")
-    parser.add_argument("--sync-s", type=float, default=0.0, help="seconds the weight push takes")
+    parser.add_argument(
+        "--sync-s",
+        type=float,
+        default=0.0,
+        help="seconds serial in both modes: the weight push and any other per-step work",
+    )
     args = parser.parse_args(argv)
     g, u, s = args.generation_s, args.train_s, args.sync_s
     try:
