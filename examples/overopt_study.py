@@ -23,6 +23,7 @@ import statistics
 import sys
 
 from armor_megatron.tasks.overopt_checks import decide, mean_curve
+from armor_megatron.tasks.paired_test import paired_t_test
 from armor_megatron.trainer.study import (
     SEEDS,
     VARIANTS,
@@ -34,9 +35,12 @@ from armor_megatron.trainer.study import (
     run_study,
 )
 
-STUDY_SEEDS = (1, 2, 3, 4, 5, 6)  # pre-registered (examples/overopt_preregistration.md)
-# the decision's runs first (DAPO, ARMOR, the ρ = 0 control), then the ablations
+# pre-registered (examples/overopt_preregistration.md): the decision's runs (DAPO, ARMOR, the ρ = 0
+# control) on seeds 1-7, first; the ablations on seeds 1-6
+STUDY_SEEDS = (1, 2, 3, 4, 5, 6, 7)
+ABLATION_SEEDS = (1, 2, 3, 4, 5, 6)
 STUDY_ORDER = ("dapo", "armor", "dapo_no_cue", "mixed_only", "anchors_only", "armor_resets")
+ABLATIONS = ("mixed_only", "anchors_only", "armor_resets")
 
 
 def main() -> int:
@@ -61,6 +65,7 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown variant(s) {','.join(unknown)}; known: {','.join(WORKED_VARIANTS)}")
     seeds = args.seeds or list(STUDY_SEEDS)
+    ablation_seeds = [s for s in seeds if s in ABLATION_SEEDS] if args.seeds is None else seeds
     result = run_paired(
         args.out or "outputs/overopt",
         variants,
@@ -70,6 +75,7 @@ def main() -> int:
         jobs=args.jobs,
         warmup_dir=args.warmup_dir,
         task={**WORKED_TASK, "d_cue": args.d_cue, "w_prob": args.w_prob, "warmup_steps": args.warmup_steps},
+        variant_seeds={v: ablation_seeds for v in ABLATIONS},
         log=log,
     )
     runs = result.runs
@@ -77,15 +83,15 @@ def main() -> int:
     print(
         f"worked addition, ρ = {args.rho:g}, d_cue = {args.d_cue:g}, w_prob = {args.w_prob:g}, seeds {','.join(map(str, seeds))}"
     )
-    print("| variant | val start | val peak (step) of the mean | E (last 40 steps) ± sd | final D-share |")
-    print("|---|---|---|---|---|")
+    print("| variant | seeds | val start | val peak (step) of the mean | E (last 40 steps) ± sd | final D-share |")
+    print("|---|---|---|---|---|---|")
     for v, rs in runs.items():
         c = mean_curve(rs)
         es = [r.endpoint for r in rs]
         sd = statistics.stdev(es) if len(es) > 1 else math.nan
         d = statistics.fmean(r.final_d_share for r in rs)
         print(
-            f"| {WORKED_VARIANTS[v][0]} | {c.val[0]:.3f} | {c.peak:.3f} ({c.peak_step}) | "
+            f"| {WORKED_VARIANTS[v][0]} | {len(rs)} | {c.val[0]:.3f} | {c.peak:.3f} ({c.peak_step}) | "
             f"{statistics.fmean(es):.3f} ± {sd:.3f} | {d:.3f} |"
         )
     print("\nper seed E: " + "; ".join(f"{v} " + " ".join(f"{r.endpoint:.3f}" for r in rs) for v, rs in runs.items()))
@@ -101,11 +107,11 @@ def main() -> int:
                 f"t = {t.t:.3f} (df {t.n - 1}), two-sided p = {t.p:.4f}, 95% CI [{t.ci_low:+.4f}, {t.ci_high:+.4f}]"
             )
         print(f"verdict: {decision.verdict} ({decision.reason})")
-        for v in ("mixed_only", "anchors_only", "armor_resets"):
-            if v in runs and len(seeds) > 1:
-                from armor_megatron.tasks.paired_test import paired_t_test
-
-                a = paired_t_test([r.endpoint for r in runs[v]], [r.endpoint for r in runs["dapo"]])
+        dapo_by_seed = dict(zip(result.variant_seeds["dapo"], runs["dapo"]))
+        for v in ABLATIONS:
+            mine = [(s, r) for s, r in zip(result.variant_seeds.get(v, []), runs.get(v, [])) if s in dapo_by_seed]
+            if len(mine) > 1:
+                a = paired_t_test([r.endpoint for _, r in mine], [dapo_by_seed[s].endpoint for s, _ in mine])
                 print(
                     f"ablation {WORKED_VARIANTS[v][0]} − DAPO: mean {a.mean:+.4f}, p = {a.p:.4f}, "
                     f"95% CI [{a.ci_low:+.4f}, {a.ci_high:+.4f}] (descriptive, not part of the decision rule)"

@@ -221,12 +221,13 @@ class Decision:
 def decide(dapo: Sequence[RunSummary], armor: Sequence[RunSummary], control: Sequence[RunSummary] | None) -> Decision:
     """Checks, the paired test of E_ARMOR − E_DAPO (seeds in the same order) and the verdict."""
     checks = validity_checks(dapo, control, armor)
-    test = paired_t_test([r.endpoint for r in armor], [r.endpoint for r in dapo]) if len(dapo) >= 2 else None
+    paired = armor and len(armor) == len(dapo) >= 2
+    test = paired_t_test([r.endpoint for r in armor], [r.endpoint for r in dapo]) if paired else None
     failed = [c.name for c in checks if not c.passed]
     if failed:
         return Decision(checks, test, "no claim", f"validity check(s) {', '.join(failed)} failed")
     if test is None:
-        return Decision(checks, test, "no claim", "fewer than 2 seeds: no test")
+        return Decision(checks, test, "no claim", "no paired seeds of DAPO and ARMOR: no test")
     if test.p < 0.05 and test.mean > 0:
         return Decision(checks, test, "ARMOR mitigates", f"p = {test.p:.4f} < 0.05 and mean difference > 0")
     if test.ci_high < EFFECT:

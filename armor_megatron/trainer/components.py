@@ -8,8 +8,8 @@ import os
 
 from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
-from armor_megatron.algo.reset import load_callable
 from armor_megatron.algo.loss import make_policy_loss_config
+from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.trainer.rollout_phase import RolloutSettings

@@ -265,9 +265,10 @@ def _write(path: str, text: str) -> None:
 
 # ----------------------------------------------------------------------------- the visible-shortcut study
 WORKED_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_worked.yaml")
-WORKED_TASK = {"task": "worked_addition", "num_val": 256, "warmup_steps": 300, "warmup_lr": 3e-3}
-WORKED_SPLIT = {"w_prob": 0.85, "d_cue": 0.0}  # worked_addition.split_problems options
-WORKED_RHO = 0.5  # the cue's share of RL training rows; chosen by the pilots (examples/overopt_pilots.md)
+# chosen by the pilots (examples/overopt_pilots.md), fixed by examples/overopt_preregistration.md
+WORKED_TASK = {"task": "worked_addition", "num_val": 256, "warmup_steps": 600, "warmup_lr": 3e-3}
+WORKED_SPLIT = {"w_prob": 0.6, "d_cue": 1.0}  # worked_addition.split_problems options
+WORKED_RHO = 1.0  # the cue's share of RL training rows
 
 WORKED_VARIANTS = {
     "dapo": ("DAPO", ["anchor.enabled=false", "algorithm.alpha=1.0"]),
@@ -289,6 +290,7 @@ class PairedResult:
     png: str
     minutes: float  # wall time
     cpu_minutes: float  # CPU time of this process and every process it waited for
+    variant_seeds: dict  # variant -> its seeds, in the order of ``runs[variant]``
 
 
 def _seed_paths(warm: str, seed: int, rho: float) -> list[str]:
@@ -330,11 +332,14 @@ def run_paired(
     task: dict = WORKED_TASK,
     title: str = "",
     warmup_dir: str | None = None,
+    variant_seeds: dict[str, Sequence[int]] | None = None,
     log: Callable[[str], None] = print,
 ) -> PairedResult:
     """The visible-shortcut study: per seed one warm-up (``<warmup_dir>/s<seed>``, default ``out``) that
     every variant of that seed starts from, with the same data and data order; then ``variants`` × ``seeds`` of
-    ``armor-train`` ``jobs`` at a time; then ``out/curves.png`` and ``out/summary.json``."""
+    ``armor-train`` ``jobs`` at a time (``variant_seeds`` gives a variant a subset of ``seeds``);
+    then ``out/curves.png`` and ``out/summary.json``. ``runs[v]`` holds variant v's summaries in
+    the order of its seeds (``PairedResult.variant_seeds``)."""
     import resource
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -357,8 +362,12 @@ def run_paired(
     with open(config, "rb") as f:
         stamp = {"config_sha256": hashlib.sha256(f.read()).hexdigest(), "models": recipes, "rho": rho}
     runs = []
+    per_variant = {v: list((variant_seeds or {}).get(v, seeds)) for v in variants}
+    stray = {v: sorted(set(ss) - set(seeds)) for v, ss in per_variant.items() if set(ss) - set(seeds)}
+    if stray:
+        raise ValueError(f"variant_seeds outside the study's seeds: {stray}")
     for v in variants:  # variant by variant, so the first variants' seeds are complete first
-        for seed in seeds:
+        for seed in per_variant[v]:
             seed_dir = os.path.join(warm, f"s{seed}")
             name = f"{v}-s{seed}"
             runs.append(
@@ -384,17 +393,22 @@ def run_paired(
                 )
             )
     _run_all(runs, out, jobs, stamp, log)
-    summaries = {v: [summarize_run(_records(out, v, s)) for s in seeds] for v in variants}
+    summaries = {v: [summarize_run(_records(out, v, s)) for s in per_variant[v]] for v in variants}
     png = os.path.join(out, "curves.png")
     plot_paired(summaries, {v: WORKED_VARIANTS[v][0] for v in variants}, png, title=title, seeds=len(seeds))
     result = PairedResult(
-        summaries, list(seeds), png, (time.time() - started) / 60, (_cpu_seconds(resource) - cpu0) / 60
+        summaries,
+        list(seeds),
+        png,
+        (time.time() - started) / 60,
+        (_cpu_seconds(resource) - cpu0) / 60,
+        per_variant,
     )
     _write(
         os.path.join(out, "summary.json"),
         json.dumps(
             {
-                "seeds": list(seeds),
+                "seeds": per_variant,
                 "rho": rho,
                 "minutes": result.minutes,
                 "cpu_minutes": result.cpu_minutes,
