@@ -461,8 +461,8 @@ def plot_paired(runs: dict, labels: dict, out: str, *, title: str = "", seeds: i
         ax.axvspan(last - WINDOW, last, color="0.85", alpha=0.5, linewidth=0)
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)
-    what = "mean over seeds (faint: each seed)" if seeds > 1 else "one seed"
-    val_ax.set_title(title or f"worked addition: validation accuracy (avg@4, T = 1), {seeds} seed(s), {what}")
+    what = f"mean of {seeds} seeds (faint: each seed)" if seeds > 1 else "one seed, no spread"
+    val_ax.set_title(title or f"worked addition: validation accuracy (avg@4, T = 1), {what}")
     val_ax.set_ylabel("validation accuracy")
     d_ax.set_title("share of direct (D) answers among validation responses")
     d_ax.set_ylabel("D-share")

@@ -9,7 +9,7 @@ def _run(vals, d_share=0.8, acc_w=(0.5, 0.5), found=0.6, anchor_w=0.9):
     """Records of a 200-step run evaluated every 20 steps; ``vals`` are the 11 validation accuracies."""
     steps = list(range(0, 201, 20))
     records = []
-    for i, (step, v) in enumerate(zip(steps, vals)):
+    for step, v in zip(steps, vals):
         records.append(
             {
                 "step": step,
