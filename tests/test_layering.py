@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "armor_megatron"
 
-# Lowest first: a subpackage may import the root module and the subpackages listed before it.
+# Lowest first: a subpackage may import the root's modules and the subpackages listed before it.
 LAYERS = (
     "models",  # ModelArch from HF configs
     "data",  # RolloutBatch, prompt datasets

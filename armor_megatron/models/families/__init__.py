@@ -1,14 +1,9 @@
-"""The supported model families, one module each; importing this package registers them all in
-`models.arch.FAMILIES`. A new family is one more module here (see `models.family.Family`) and
-its import below."""
+"""The supported model families, one module each (see `models.family.Family`). Importing this
+package imports every module in it, and each registers its family in `models.arch.FAMILIES`: a
+new family is one new module here and nothing else."""
 
-from armor_megatron.models.families import (  # noqa: F401
-    deepseek,
-    llama,
-    mistral,
-    mixtral,
-    qwen2,
-    qwen2_moe,
-    qwen3,
-    qwen3_moe,
-)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
