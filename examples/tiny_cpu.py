@@ -14,7 +14,8 @@
 
 The last line is ``val_acc_start=… dapo_val_peak=… dapo_val_peak_step=… dapo_val_end=… armor_val_end=…
 dapo_d_share_end=… armor_d_share_end=… minutes=…``; the ends are the endpoint of the study, the
-mean over the evaluations of the last 40 steps.
+mean over the evaluations of the last 40 steps. 3.5 minutes of CPU time in all: about 3 minutes on
+2 idle cores.
 """
 
 from __future__ import annotations
