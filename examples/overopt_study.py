@@ -55,6 +55,9 @@ def main() -> int:
     parser.add_argument("--warmup-steps", type=int, default=WORKED_TASK["warmup_steps"], help="warm-up steps")
     parser.add_argument("--warmup-dir", default=None, help="where the per-seed warm-ups live (default: --out)")
     parser.add_argument("--jobs", type=int, default=None, help="runs at a time (default: one per CPU)")
+    parser.add_argument(
+        "--analyse-only", action="store_true", help="train nothing: analyse the runs of --out that have finished"
+    )
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides for every run")
     args = parser.parse_args()
     log = lambda m: print(f"[study] {m}", flush=True)  # noqa: E731
@@ -66,6 +69,8 @@ def main() -> int:
         parser.error(f"unknown variant(s) {','.join(unknown)}; known: {','.join(WORKED_VARIANTS)}")
     seeds = args.seeds or list(STUDY_SEEDS)
     ablation_seeds = [s for s in seeds if s in ABLATION_SEEDS] if args.seeds is None else seeds
+    if args.analyse_only:
+        return _analyse_finished(args.out or "outputs/overopt", variants, seeds, ablation_seeds)
     result = run_paired(
         args.out or "outputs/overopt",
         variants,
@@ -78,11 +83,47 @@ def main() -> int:
         variant_seeds={v: ablation_seeds for v in ABLATIONS},
         log=log,
     )
-    runs = result.runs
     print()
+    print(f"worked addition, ρ = {args.rho:g}, d_cue = {args.d_cue:g}, w_prob = {args.w_prob:g}")
+    _report(result.runs, result.variant_seeds)
+    print(f"\ncurves: {result.png}")
+    print(f"wall_minutes={result.minutes:.2f} cpu_minutes={result.cpu_minutes:.2f} seeds={len(seeds)}")
+    return 0
+
+
+def _analyse_finished(out: str, variants, seeds, ablation_seeds) -> int:
+    """The report over the runs in ``out`` that finished (a ``logs/<run>.done`` marker), nothing trained."""
+    import os
+
+    from armor_megatron.tasks.overopt_checks import summarize_run
+    from armor_megatron.trainer.metrics_log import read_metrics
+
+    runs, variant_seeds = {}, {}
+    for v in variants:
+        planned = ablation_seeds if v in ABLATIONS else seeds
+        done = [s for s in planned if os.path.isfile(os.path.join(out, "logs", f"{v}-s{s}.done"))]
+        if done:
+            variant_seeds[v] = done
+            runs[v] = [
+                summarize_run(read_metrics(os.path.join(out, "runs", f"{v}-s{s}", "metrics.jsonl"))) for s in done
+            ]
+    if not runs:
+        raise SystemExit(f"no finished run in {out}")
     print(
-        f"worked addition, ρ = {args.rho:g}, d_cue = {args.d_cue:g}, w_prob = {args.w_prob:g}, seeds {','.join(map(str, seeds))}"
+        f"finished runs in {out}: "
+        + "; ".join(f"{v} seeds {','.join(map(str, ss))}" for v, ss in variant_seeds.items())
     )
+    if "dapo" in runs and "armor" in runs and variant_seeds["dapo"] != variant_seeds["armor"]:
+        common = [s for s in variant_seeds["dapo"] if s in variant_seeds["armor"]]
+        for v in ("dapo", "armor"):
+            runs[v] = [r for s, r in zip(variant_seeds[v], runs[v]) if s in common]
+            variant_seeds[v] = common
+    _report(runs, variant_seeds)
+    return 0
+
+
+def _report(runs: dict, variant_seeds: dict) -> None:
+    """The table, the checks M1-M5, the paired test, its CI and the verdict, the ablations."""
     print("| variant | seeds | val start | val peak (step) of the mean | E (last 40 steps) ± sd | final D-share |")
     print("|---|---|---|---|---|---|")
     for v, rs in runs.items():
@@ -107,18 +148,15 @@ def main() -> int:
                 f"t = {t.t:.3f} (df {t.n - 1}), two-sided p = {t.p:.4f}, 95% CI [{t.ci_low:+.4f}, {t.ci_high:+.4f}]"
             )
         print(f"verdict: {decision.verdict} ({decision.reason})")
-        dapo_by_seed = dict(zip(result.variant_seeds["dapo"], runs["dapo"]))
+        dapo_by_seed = dict(zip(variant_seeds["dapo"], runs["dapo"]))
         for v in ABLATIONS:
-            mine = [(s, r) for s, r in zip(result.variant_seeds.get(v, []), runs.get(v, [])) if s in dapo_by_seed]
+            mine = [(s, r) for s, r in zip(variant_seeds.get(v, []), runs.get(v, [])) if s in dapo_by_seed]
             if len(mine) > 1:
                 a = paired_t_test([r.endpoint for _, r in mine], [dapo_by_seed[s].endpoint for s, _ in mine])
                 print(
                     f"ablation {WORKED_VARIANTS[v][0]} − DAPO: mean {a.mean:+.4f}, p = {a.p:.4f}, "
                     f"95% CI [{a.ci_low:+.4f}, {a.ci_high:+.4f}] (descriptive, not part of the decision rule)"
                 )
-    print(f"\ncurves: {result.png}")
-    print(f"wall_minutes={result.minutes:.2f} cpu_minutes={result.cpu_minutes:.2f} seeds={len(seeds)}")
-    return 0
 
 
 def _tagged(args, log) -> int:
