@@ -145,7 +145,7 @@ def _report(runs: dict, variant_seeds: dict) -> None:
         if t is not None and "armor" in runs:
             print(
                 f"paired t test, E_ARMOR − E_DAPO over {t.n} seeds: mean {t.mean:+.4f}, sd {t.sd:.4f}, "
-                f"t = {t.t:.3f} (df {t.n - 1}), two-sided p = {t.p:.4f}, 95% CI [{t.ci_low:+.4f}, {t.ci_high:+.4f}]"
+                f"t = {t.t:.3f} (df {t.n - 1}), two-sided p = {t.p:.2g}, 95% CI [{t.ci_low:+.4f}, {t.ci_high:+.4f}]"
             )
         print(f"verdict: {decision.verdict} ({decision.reason})")
         dapo_by_seed = dict(zip(variant_seeds["dapo"], runs["dapo"]))
@@ -154,7 +154,7 @@ def _report(runs: dict, variant_seeds: dict) -> None:
             if len(mine) > 1:
                 a = paired_t_test([r.endpoint for _, r in mine], [dapo_by_seed[s].endpoint for s, _ in mine])
                 print(
-                    f"ablation {WORKED_VARIANTS[v][0]} − DAPO: mean {a.mean:+.4f}, p = {a.p:.4f}, "
+                    f"ablation {WORKED_VARIANTS[v][0]} − DAPO: mean {a.mean:+.4f}, p = {a.p:.2g}, "
                     f"95% CI [{a.ci_low:+.4f}, {a.ci_high:+.4f}] (descriptive, not part of the decision rule)"
                 )
 
