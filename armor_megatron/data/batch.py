@@ -173,7 +173,8 @@ def _cat_padded(key: str, parts: list[torch.Tensor], pad_value: float | int | No
         padded = []
         for p in parts:
             out = p.new_full((p.shape[0], *target), pad_value)
-            out[(slice(None), *(slice(0, d) for d in p.shape[1:]))] = p
+            region = (slice(None), *(slice(0, d) for d in p.shape[1:]))
+            out[region] = p
             padded.append(out)
         parts = padded
     return torch.cat(parts, dim=0)
