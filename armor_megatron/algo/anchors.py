@@ -54,14 +54,16 @@ class AnchorGroups:
         self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
     ) -> list[T]:
         """The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
-        the rewards passed to ``assemble_anchor_groups``."""
+        the rewards passed to ``assemble_anchor_groups``.
+        """
         return [
             (policy_items if row.source == "policy" else reference_items)[row.prompt][row.index] for row in self.rows
         ]
 
     def stats(self) -> dict[str, float]:
         """anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
-        tries per prompt), anchor_tries_total, num_groups."""
+        tries per prompt), anchor_tries_total, num_groups.
+        """
         n = len(self.found)
         return {
             "anchor_found_rate": sum(self.found) / max(n, 1),
@@ -75,7 +77,8 @@ def select_anchor(
     reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
 ) -> tuple[int | None, int]:
     """Rejection sampling over the tries in order: (index of the first try with reward ≥
-    ``success_reward`` among the first ``max_tries``, or None; tries used)."""
+    ``success_reward`` among the first ``max_tries``, or None; tries used).
+    """
     if max_tries < 1:
         raise ValueError(f"anchor max_tries must be >= 1, got {max_tries!r}")
     tries = list(reference_rewards)[:max_tries]

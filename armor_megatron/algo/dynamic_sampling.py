@@ -73,7 +73,8 @@ class DynamicSampler:
 
     def take(self, allow_partial: bool = False) -> RolloutBatch | None:
         """The first ``target_groups`` kept groups (target_groups·G rows). Before ``done`` it
-        raises, unless ``allow_partial``: then it returns what was kept (None if nothing)."""
+        raises, unless ``allow_partial``: then it returns what was kept (None if nothing).
+        """
         if not self.done and not allow_partial:
             raise RuntimeError(
                 f"dynamic sampling: only {self.groups_kept} of {self.target_groups} groups kept "

@@ -92,7 +92,8 @@ def check_loss_agg(loss_agg: str) -> None:
 def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
     """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
     sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
-    data-parallel ranks to get the global ``normalizer`` of ``policy_loss``."""
+    data-parallel ranks to get the global ``normalizer`` of ``policy_loss``.
+    """
     check_loss_agg(loss_agg)
     valid = mask.bool()
     if loss_agg == "token-mean":
@@ -105,7 +106,8 @@ def aggregate_token_loss(
 ) -> torch.Tensor:
     """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc):
     Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where
-    ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count)."""
+    ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count).
+    """
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
     valid = mask.bool()
@@ -204,13 +206,15 @@ def policy_loss(
 
 def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
     """The policy loss registered as ``name`` (``"armor"``); an unknown name raises one line
-    listing the known ones."""
+    listing the known ones.
+    """
     return POLICY_LOSSES.entry(name).fn
 
 
 def make_policy_loss_config(name: str, **hyper_parameters):
     """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields);
-    an unknown field raises one line listing the fields the loss takes."""
+    an unknown field raises one line listing the fields the loss takes.
+    """
     config_cls = POLICY_LOSSES.entry(name).meta["config"]
     fields = [f.name for f in dataclasses.fields(config_cls)]
     unknown = [k for k in hyper_parameters if k not in fields]

@@ -41,7 +41,8 @@ def build_parser() -> OneLineArgumentParser:
 
 def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
     """The prompt, answer and type keys of evaluation set ``name``: the config's ``data`` keys,
-    an ``eval.datasets`` entry's own keys first; the row defaults without a config."""
+    an ``eval.datasets`` entry's own keys first; the row defaults without a config.
+    """
     if cfg is None:
         return "prompt", "answer", "type"
     data = cfg.data
@@ -115,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def domain_accuracy(records: list[dict], eval_sets, default_verifier: str) -> dict[str, dict[str, float]]:
     """Accuracy per domain over every scored sample: a sample's domain is the verifier its row
-    was scored with (the row's ``type``, else ``default_verifier``)."""
+    was scored with (the row's ``type``, else ``default_verifier``).
+    """
     from armor_megatron.rewards.metrics import accuracy_by_domain
 
     domain_of = {(es.name, row.index): row.verifier or default_verifier for es in eval_sets for row in es.dataset.rows}

@@ -60,7 +60,8 @@ def check_files(cfg: RunConfig) -> None:
 
 def _check_writable_dir(key: str, path: str) -> None:
     """``path`` is a directory this process can write, or can be created: its nearest existing
-    ancestor is a writable directory (not a file)."""
+    ancestor is a writable directory (not a file).
+    """
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -97,7 +98,8 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
     """The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
     ``answer``: the field and the setting that names it), a row's
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
-    and a user verifier called on it returns a reward (``probe_verifier``)."""
+    and a user verifier called on it returns a reward (``probe_verifier``).
+    """
     from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
 
     data = cfg.data

@@ -88,7 +88,8 @@ def defining_config(data: dict) -> dict[str, Any]:
 
 def differences(recorded: dict, cfg: RunConfig) -> list[str]:
     """``key: recorded -> now`` for each defining key that differs, in key order (a key the record
-    lacks is read as its schema default)."""
+    lacks is read as its schema default).
+    """
     before, now = defining_config(recorded), defining_config(to_dict(cfg))
     for key in now.keys() - before.keys():
         default = schema_default(key)

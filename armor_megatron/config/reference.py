@@ -61,7 +61,8 @@ def missing_docs(cls: type = RunConfig) -> list[str]:
 
 def explain(key: str) -> str:
     """The reference entry of one key (``eval.datasets[0].path`` reads as ``eval.datasets[].path``);
-    an unknown key raises ConfigError with the closest known one."""
+    an unknown key raises ConfigError with the closest known one.
+    """
     docs = key_docs()
     name = _normalise(key)
     if name not in docs:
@@ -82,7 +83,8 @@ def explain(key: str) -> str:
 
 def schema_key(key: str) -> str | None:
     """``key`` as the reference names it, or None when it names no key (``eval.datasets[0].k`` ->
-    ``eval.datasets[].k``)."""
+    ``eval.datasets[].k``).
+    """
     name = _normalise(key)
     return name if name in key_docs() else None
 

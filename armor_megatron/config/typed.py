@@ -47,7 +47,8 @@ def checked(
     secret: bool = False,
 ):
     """A dataclass field with an optional value check (returns an error text or None) and a help text;
-    a ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets."""
+    a ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets.
+    """
     meta = {"check": check, "help": help, "secret": secret}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
@@ -133,7 +134,8 @@ def from_dict(cls: type, data: Any, key: str = "") -> Any:
 
 def to_dict(obj: Any, *, secrets: bool = False) -> Any:
     """The plain-data form of a config (for printing and saving beside checkpoints); a set secret
-    field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config another job runs)."""
+    field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config another job runs).
+    """
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):

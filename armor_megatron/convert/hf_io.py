@@ -238,7 +238,8 @@ class SafetensorsWriter:
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, segments: Sequence[FileSegment]
     ) -> None:
         """Write tensor ``name`` whose data is the concatenation of the file segments (copied by
-        the kernel: the bytes never enter this process)."""
+        the kernel: the bytes never enter this process).
+        """
         nbytes = total_bytes(segments)
         self._start_tensor(name, shape, {dtype}, nbytes)
         self._stream.flush()

@@ -55,7 +55,8 @@ def total_bytes(segments: Sequence[FileSegment]) -> int:
 
 def read_chunks(segment: FileSegment, buffer: memoryview) -> Iterator[memoryview]:
     """The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
-    the next one); EOFError if the file is shorter than the segment."""
+    the next one); EOFError if the file is shorter than the segment.
+    """
     done = 0
     while done < segment.nbytes:
         n = os.preadv(segment.fd, [buffer[: segment.nbytes - done]], segment.offset + done)
@@ -78,7 +79,8 @@ def _copy_through_buffer(segment: FileSegment, dst_fd: int, dst_offset: int) -> 
 
 def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int) -> int:
     """Write the segments, concatenated, at ``dst_offset`` of ``dst_fd`` (whose file position is
-    left alone); returns the bytes written. EOFError if a source file is shorter than claimed."""
+    left alone); returns the bytes written. EOFError if a source file is shorter than claimed.
+    """
     at, kernel = dst_offset, hasattr(os, "copy_file_range")
     for segment in segments:
         done = 0
@@ -104,7 +106,8 @@ def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int)
 @contextlib.contextmanager
 def _torch_save_without_data() -> Iterator[None]:
     """torch.save writes an archive's records but seeks over the tensor data and leaves the zip
-    CRC-32 empty (torch.load does not check it)."""
+    CRC-32 empty (torch.load does not check it).
+    """
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -117,7 +120,8 @@ def _torch_save_without_data() -> Iterator[None]:
 class HoleFillingWriter(io.BufferedWriter):
     """A buffered file writer that appends ``torch.save`` archives whose tensor data are file
     segments: torch writes the archive around a hole (``skip_data``) and the seek over the
-    hole is turned into ``copy_segments``."""
+    hole is turned into ``copy_segments``.
+    """
 
     def __init__(self, path: str):
         super().__init__(io.FileIO(path, "wb"))
@@ -126,7 +130,8 @@ class HoleFillingWriter(io.BufferedWriter):
 
     def save_tensor(self, shape: Sequence[int], dtype: torch.dtype, segments: Sequence[FileSegment]) -> None:
         """Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``
-        and ``dtype`` whose bytes are the segments, concatenated."""
+        and ``dtype`` whose bytes are the segments, concatenated.
+        """
         nbytes = math.prod(shape) * dtype.itemsize
         if total_bytes(segments) != nbytes:
             raise ValueError(f"segments of {total_bytes(segments)} bytes for a {list(shape)} {dtype} tensor")

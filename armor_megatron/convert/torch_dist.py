@@ -91,7 +91,8 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
     """Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
     linear layers put in the sharded state dict: ``<key>/shard_<offset>_<global shape>``, dims
     joined by '.', as ``ShardedObject.unique_key`` spells them. Layers stacked on a leading axis
-    count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none."""
+    count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none.
+    """
     keys = []
     for rule in tensor_rules(arch):
         if rule.ckpt_key.startswith("decoder.layers.") and rule.ckpt_key.endswith(_LINEAR_MODULES):
@@ -130,7 +131,8 @@ def _planner(write_items: list):
 def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callable[[Chunk], list[FileSegment]]):
     """DCP's file-system writer with its data step replaced: one file, items in plan order, each
     tensor a ``torch.save`` archive whose data the kernel copies in from ``produce(chunk)``'s
-    segments (see ``segments``). DCP still plans the items and writes ``.metadata``."""
+    segments (see ``segments``). DCP still plans the items and writes ``.metadata``.
+    """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -258,7 +260,8 @@ class TorchDistReader:
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
         """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
-        chunk) per call; the tensors are valid until the next call."""
+        chunk) per call; the tensors are valid until the next call.
+        """
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -289,7 +292,8 @@ class TorchDistReader:
 
     def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> torch.Tensor | None:
         """The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
-        item that fits there, else None."""
+        item that fits there, else None.
+        """
         segment = self.stored_segment(chunk)
         if segment is None or buffer_offset + segment.nbytes > self._buffer.nbytes:
             return None
@@ -302,7 +306,8 @@ class TorchDistReader:
 
     def stored_segment(self, chunk: Chunk) -> FileSegment | None:
         """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
-        (untransformed, uncompressed, little-endian) item, else None."""
+        (untransformed, uncompressed, little-endian) item, else None.
+        """
         from torch.distributed.checkpoint.metadata import MetadataIndex
 
         key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
@@ -351,7 +356,8 @@ def _root_cause(error: BaseException) -> str:
 def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
     """The stored global shape is the expected one or, for a vocabulary tensor (embedding,
     output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
-    128·TP) and the rows past the HF vocabulary are padding, left unread."""
+    128·TP) and the rows past the HF vocabulary are padding, left unread.
+    """
     if stored == expected:
         return True
     return vocabulary and len(stored) == len(expected) and stored[0] > expected[0] and stored[1:] == expected[1:]
@@ -373,7 +379,8 @@ def _chunk_load_planner_class():
     """A DCP load planner filling ``targets`` {(key, global offsets): tensor} from any stored pieces.
 
     Defined once (DCP is imported lazily): a class created per call sits in a reference cycle
-    and would keep every bucket's tensors alive until the cyclic garbage collector runs."""
+    and would keep every bucket's tensors alive until the cyclic garbage collector runs.
+    """
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata

@@ -53,7 +53,8 @@ def prompts(arch: ModelArch, batch: int = 3, length: int = 16, seed: int = 0) ->
 
 def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, list[str]]:
     """Bitwise comparison of every tensor of ``expected`` (tied lm_head copies and the tensors the
-    converter leaves out -- rotary caches, DeepSeek-V3's multi-token-prediction layers -- excepted)."""
+    converter leaves out -- rotary caches, DeepSeek-V3's multi-token-prediction layers -- excepted).
+    """
     arch = expected.arch
     names = [
         n
@@ -79,7 +80,8 @@ def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, 
 
 def check_same_model(hf_dir: str, mcore_dir: str) -> None:
     """Refuse to compare checkpoints of different models (family or shapes), in one line, when
-    the torch_dist checkpoint carries its HF config (this converter's outputs do)."""
+    the torch_dist checkpoint carries its HF config (this converter's outputs do).
+    """
     from armor_megatron.convert.output import HF_FILES_DIR
 
     config_dir = os.path.join(mcore_dir, HF_FILES_DIR)
@@ -104,7 +106,7 @@ def round_trip(hf_dir: str, mcore_dir: str) -> tuple[int, list[str]]:
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' logits [b, s, V] in fp32."""
+    """Transformers' logits [b, s, V] in fp32."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

@@ -145,7 +145,8 @@ class RolloutBatch:
         """Rows of all batches in order. All must have the same fields. A tensor whose trailing
         dims differ between batches (e.g. [N, T] with different T) is right-padded to the
         largest with ``pad_values[key]``; without an entry for it, the mismatch raises. Meta
-        dicts are merged; one key with two different values raises."""
+        dicts are merged; one key with two different values raises.
+        """
         batches = list(batches)
         if not batches:
             raise ValueError("concat needs at least one batch")

@@ -26,7 +26,8 @@ LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safe
 def field_of(row: dict, key: str) -> Any:
     """``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
     (``"reward_model.ground_truth"`` -> ``row["reward_model"]["ground_truth"]``); KeyError(key)
-    when absent."""
+    when absent.
+    """
     if key in row:
         return row[key]
     node: Any = row
@@ -53,7 +54,8 @@ def field_kind(key: str) -> str:
 
 def ground_truth_column(row: dict, answer_key: str) -> str | None:
     """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``;
-    None if neither."""
+    None if neither.
+    """
     if has_field(row, answer_key):
         return answer_key
     return LABEL_KEY if LABEL_KEY in row else None
@@ -75,7 +77,8 @@ def read_rows(path: str) -> list[dict]:
 
 def peek_rows(path: str, n: int) -> list[dict]:
     """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
-    list is parsed); the same one-line errors as :func:`read_rows`."""
+    list is parsed); the same one-line errors as :func:`read_rows`.
+    """
     return _rows(path, n)
 
 
@@ -150,7 +153,8 @@ class PromptDataset:
 
     def keep(self, predicate) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);
-        returns how many were left out."""
+        returns how many were left out.
+        """
         before = len(self.rows)
         self.rows = [row for row in self.rows if predicate(row)]
         return before - len(self.rows)

@@ -70,7 +70,8 @@ class Phase:
 
 class DeviceLedger:
     """Bytes one GPU holds while a step runs (module docstring). ``trainer_on_device`` and
-    ``engines_hold``: the state before the first event (engines hold every tag)."""
+    ``engines_hold``: the state before the first event (engines hold every tag).
+    """
 
     def __init__(self, sizes: DeviceSizes, *, trainer_on_device: bool = True, engines_hold: bool = True):
         self.sizes = sizes
@@ -89,7 +90,8 @@ class DeviceLedger:
 
     def trainer_to_host(self, *, emptied_cache: bool) -> None:
         """The trainer's storages freed on the device; ``emptied_cache``: and the allocator's
-        cached blocks returned (``torch.cuda.empty_cache()``)."""
+        cached blocks returned (``torch.cuda.empty_cache()``).
+        """
         self.trainer_on_device = False
         if emptied_cache:
             self.cache = 0.0
@@ -97,7 +99,8 @@ class DeviceLedger:
 
     def compute(self, kind: str) -> None:
         """A log-prob pass (``logprobs``) or an update (``update``) runs: its peak is charged on
-        top, and stays reserved by the allocator afterwards (until `trainer_to_host` empties it)."""
+        top, and stays reserved by the allocator afterwards (until `trainer_to_host` empties it).
+        """
         peak = {"logprobs": self.sizes.logprobs, "update": self.sizes.update}[kind]
         self._record(kind, computing=max(peak - self.cache, 0.0))
         self.cache = max(self.cache, peak)
@@ -185,7 +188,8 @@ def replay_colocated_step(
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and
     graphs resumed; a reference reset and a checkpoint bring the trainer back while the engines
     keep only their weights. ``offload=False``: the trainer stays on the device throughout;
-    ``ref_logprobs``: the reference computes log-probs too (after the actor)."""
+    ``ref_logprobs``: the reference computes log-probs too (after the actor).
+    """
     ledger.start("rollout")
     ledger.engine_released("policy", POLICY_RELEASE)
     ledger.engine_released("reference", REFERENCE_RELEASE)
@@ -216,7 +220,8 @@ def replay_colocated_step(
 
 def replay_disaggregated_step(ledger: DeviceLedger, *, ref_logprobs: bool = True) -> DeviceLedger:
     """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on
-    the device; log-probs, update, then the weight export's bucket."""
+    the device; log-probs, update, then the weight export's bucket.
+    """
     ledger.start("rollout")
     for _ in range(2 if ref_logprobs else 1):
         ledger.compute("logprobs")

@@ -84,7 +84,8 @@ class ModelState(Protocol):
 
 class TrainableState(ModelState, Protocol):
     """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`):
-    ``sharded_state_dict`` holds the optimizer only once it has state."""
+    ``sharded_state_dict`` holds the optimizer only once it has state.
+    """
 
     @property
     def has_optimizer_state(self) -> bool: ...
@@ -148,7 +149,8 @@ def preemption_signals_held():
 
     multiprocessing's resource tracker unblocks the signals after starting itself, so it is
     started first. megatron's long-lived writer-results server is started inside the block
-    (`_start_writer_results_server`): it holds the signals from its first instruction on."""
+    (`_start_writer_results_server`): it holds the signals from its first instruction on.
+    """
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
@@ -173,7 +175,8 @@ def _start_writer_results_server() -> None:
     killed, keeping whatever reads the job's output waiting. Started here (also inside the
     block: it is born holding the signals, so a SIGTERM to the process group during a save,
     even while it starts, leaves it serving the save), it is killed when the trainer dies
-    (``PR_SET_PDEATHSIG``) and its stdio is ``/dev/null``."""
+    (``PR_SET_PDEATHSIG``) and its stdio is ``/dev/null``.
+    """
     global _writer_results_server
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -241,7 +244,8 @@ def _agreed_tmp_name(root: str, name: str) -> str:
 
 def _publish(tmp: str, final: str) -> None:
     """Rename the finished temporary directory into place (an unnamed leftover of the same step,
-    from a save interrupted before `latest` was written, is replaced)."""
+    from a save interrupted before `latest` was written, is replaced).
+    """
     _VERIFIED.discard(os.path.abspath(final))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -281,7 +285,8 @@ def find_latest(root: str) -> str | None:
     empty or garbled ``latest`` beside complete checkpoints (a save that died between
     publishing and naming its checkpoint, a damaged file) is warned about, never taken for a
     fresh start that would overwrite them. Removes the leftovers of interrupted saves first.
-    Every rank of a job calls it (the checks are split between them)."""
+    Every rank of a job calls it (the checks are split between them).
+    """
     has_latest = latest_name(root) is not None
     complete = (
         sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True) if os.path.isdir(root) else []
@@ -312,7 +317,8 @@ def find_latest(root: str) -> str | None:
 
 def verify_checkpoint(path: str) -> None:
     """Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
-    manifest (all ranks agree on the answer; each hashes a share of the files)."""
+    manifest (all ranks agree on the answer; each hashes a share of the files).
+    """
     if os.path.abspath(path) in _VERIFIED:
         return
     problem = agreed_damage(path)
@@ -354,7 +360,8 @@ def _warn(message: str) -> None:
 def adopt_as_latest(root: str, path: str) -> None:
     """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
     run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
-    ``--resume auto`` after a crash comes back to this timeline). Every rank calls it."""
+    ``--resume auto`` after a crash comes back to this timeline). Every rank calls it.
+    """
     root, path = os.path.abspath(root), os.path.abspath(path)
     if os.path.dirname(path) == root and latest_name(root) != os.path.basename(path):
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -367,7 +374,8 @@ def prune_checkpoints(root: str, keep_last: int) -> list[str]:
     """Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
     names) and the leftovers of interrupted saves; returns the removed paths. Any rank may call
     it (in a distributed job only rank 0 deletes, the others return []); not while a save into
-    `root` is running."""
+    `root` is running.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -392,7 +400,8 @@ def load_checkpoint(
     critic: TrainableState | None = None,
 ) -> tuple[int, dict]:
     """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
-    ``latest`` names in a root. Returns (step, extra)."""
+    ``latest`` names in a root. Returns (step, extra).
+    """
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint_dir(path_or_root)
@@ -432,7 +441,8 @@ def load_checkpoint(
 
 def load_trainer_state(path: str) -> dict:
     """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``: only containers,
-    numbers, strings and tensors come back, so a checkpoint from elsewhere cannot run code."""
+    numbers, strings and tensors come back, so a checkpoint from elsewhere cannot run code.
+    """
     full = os.path.join(path, EXTRA_FILE)
     try:
         return torch.load(full, weights_only=True)

@@ -30,7 +30,8 @@ class DamagedCheckpointError(ValueError):
 def read_as_checkpoint(path: str):
     """Whatever reading the checkpoint at ``path`` raises (megatron's CheckpointingException, a
     truncated file's EOFError or zip error, a shape mismatch with the model) becomes one
-    `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are."""
+    `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are.
+    """
     try:
         yield
     except ValueError:
@@ -95,7 +96,8 @@ def read_manifest(path: str) -> dict | None:
 
 def damaged_file(path: str, rank: int = 0, world: int = 1) -> str | None:
     """One line naming the first damaged file of this rank's share (sizes: every rank checks
-    all of them, they are cheap), or None when the share is intact or there is no manifest."""
+    all of them, they are cheap), or None when the share is intact or there is no manifest.
+    """
     try:
         files = read_manifest(path)
     except DamagedCheckpointError as e:

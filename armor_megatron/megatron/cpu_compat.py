@@ -255,7 +255,8 @@ class _NoTELinear:
 def mla_without_te() -> None:
     """``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
     ``HAVE_TE`` flag that is True whenever megatron's TE extension module imports, even when
-    ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent."""
+    ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent.
+    """
     from megatron.core.transformer import multi_latent_attention
 
     if not isinstance(multi_latent_attention.TELinear, type):

@@ -65,7 +65,8 @@ _MOMENTS = ("value_error_mean", "return_sq_mean")  # only needed to compute expl
 
 class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c. Called by ``GPTModel`` as its
-    output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused)."""
+    output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused).
+    """
 
     def __init__(
         self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int, sequence_parallel: bool = False
@@ -90,7 +91,8 @@ class ValueHead(torch.nn.Module):
 
 def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
     """The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
-    [b, mb.width] per predicted token."""
+    [b, mb.width] per predicted token.
+    """
     return shift_to_predicted(mb.unpack(output.squeeze(-1).float()), mb)
 
 
@@ -155,7 +157,8 @@ class MegatronCritic(TrainedModel):
     def load_weights(self, path: str) -> None:
         """The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
         actor's architecture, any layout, or from its HF directory; the value head keeps its
-        initial weights."""
+        initial weights.
+        """
         load_weights(self.model_chunks, path, exclude=(VALUE_HEAD,))
         self.optimizer.reload_model_params()
 

@@ -108,7 +108,8 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
 class ParallelConfig:
     """Model-parallel sizes. ``vpp`` is the number of virtual pipeline chunks per stage (None: off);
     ``etp`` the expert tensor-parallel size (None: same as ``tp``, megatron-core's default);
-    ``sp`` sequence parallelism (not a size: it splits activations along the sequence over TP)."""
+    ``sp`` sequence parallelism (not a size: it splits activations along the sequence over TP).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -235,13 +236,15 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for device tensors, gloo for host on
 def process_group_backend(on_cuda: bool) -> str:
     """The default group's backend. On GPUs it gets both: NCCL carries CUDA tensors, gloo the host
     tensors a trainer reduces between steps (a preemption flag, small metrics); a NCCL-only group
-    fails those with "No backend type associated with device type cpu"."""
+    fails those with "No backend type associated with device type cpu".
+    """
     return CUDA_BACKEND if on_cuda else "gloo"
 
 
 def _gpu_index(local_rank: int, visible: int) -> int:
     """GPU of this process: ``cuda:LOCAL_RANK``, or the only visible one when the launcher
-    already bound one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES)."""
+    already bound one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES).
+    """
     if local_rank < visible:
         return local_rank
     if visible == 1:
@@ -270,7 +273,8 @@ def set_model_parallel(
 def set_deterministic() -> None:
     """Bit-reproducible kernels: deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace,
     Transformer Engine's deterministic attention (megatron's ``deterministic_mode``, which the model
-    builder turns on with these on a GPU, refuses TE attention without it)."""
+    builder turns on with these on a GPU, refuses TE attention without it).
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     os.environ.setdefault("NCCL_ALGO", "Ring")

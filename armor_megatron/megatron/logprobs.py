@@ -158,7 +158,7 @@ def vocab_parallel_logprobs(
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(labels) and optionally the entropy under softmax(logits / temperature).
+    """Per-token log p(labels) and optionally the entropy under softmax(logits / temperature).
 
     logits: [..., V_local], this rank's vocabulary shard (rank r of `group` holds columns
     [r·V_local, (r+1)·V_local) of the padded vocabulary); labels: [...] global token ids.
@@ -195,7 +195,8 @@ def vocab_parallel_logprobs(
 
 def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """`lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
-    which never reads them on the host."""
+    which never reads them on the host.
+    """
     return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
 
 
@@ -214,7 +215,8 @@ class LogProbs:
 
 def model_forward(model, mb: MicroBatch) -> torch.Tensor:
     """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage,
-    hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``)."""
+    hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``).
+    """
     device = _device_of(model)
     tokens = to_device(mb.tokens, device)
     return model(tokens, mb.position_ids_on(device), None, packed_seq_params=mb.packed_seq_params(device))
@@ -368,7 +370,8 @@ def forward_only(
 
 def _gathered_rows(local: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch.Tensor:
     """Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
-    batch rows shares[r], in that order) -> the batch's [B, w], on every rank."""
+    batch rows shares[r], in that order) -> the batch's [B, w], on every rank.
+    """
     from megatron.core import parallel_state
 
     parts = [local]

@@ -57,7 +57,8 @@ class MicroBatch:
 
     def position_ids_on(self, device) -> torch.Tensor:
         """Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
-        copied there; ``output_size`` spares the device a read-back of the repeat counts)."""
+        copied there; ``output_size`` spares the device a read-back of the repeat counts).
+        """
         b, t = self.tokens.shape
         positions = torch.arange(t, device=device)
         if self.packed:
@@ -66,7 +67,7 @@ class MicroBatch:
         return positions.expand(b, t)
 
     def packed_seq_params(self, device=None):
-        """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
+        """Megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
         if not self.packed:
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
@@ -94,14 +95,16 @@ class MicroBatch:
 def pinned_copy(src: torch.Tensor, device) -> bool:
     """Whether `src` goes to `device` through pinned host memory, without blocking the host: when
     it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host wait
-    until the GPU has finished its queued work; pinning needs an accelerator."""
+    until the GPU has finished its queued work; pinning needs an accelerator.
+    """
     return src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda"
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """`t` on `device` (None: left where it is). Host tensors bound for a GPU are pinned and copied
     asynchronously (`pinned_copy`): the caching host allocator keeps the pinned buffer until the
-    copy has run."""
+    copy has run.
+    """
     if device is None:
         return t
     if pinned_copy(t, device):
@@ -141,7 +144,8 @@ def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
     """The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
     and how many rows every rank runs, ceil(n / dp) >= 1. Ranks with fewer pad up to it
     (``padded_rows``), so all run as many micro-batches: the expert all-to-alls of an MoE model
-    (one per micro-batch) span these ranks."""
+    (one per micro-batch) span these ranks.
+    """
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -150,7 +154,8 @@ def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
 
 def padded_rows(rows: dict, count: int) -> dict:
     """`rows` ({name: [N, ...]}) with `count` padding rows appended: token 0, length 1, zeros
-    everywhere else (zero mask: no loss, no gradient)."""
+    everywhere else (zero mask: no loss, no gradient).
+    """
     if count == 0:
         return rows
     out = {}
@@ -166,7 +171,8 @@ def round_up(n: int, multiple: int) -> int:
 
 def sequence_multiple(model_chunks) -> int:
     """What micro-batch lengths must be a multiple of: the TP size under sequence parallelism
-    (each TP rank holds s / tp positions between the layers), else 1."""
+    (each TP rank holds s / tp positions between the layers), else 1.
+    """
     from megatron.core import parallel_state
 
     chunk = model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks
@@ -180,7 +186,8 @@ def packed_microbatch(
     input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, multiple_of: int = 1, width: int | None = None
 ) -> MicroBatch:
     """Rows ``index`` of [B, T] packed back to back into tokens [1, t]: t = round_up(Σ lengths,
-    multiple_of), or `width` when given (fixed shapes), the rest one padding segment of token 0."""
+    multiple_of), or `width` when given (fixed shapes), the rest one padding segment of token 0.
+    """
     lengths = lengths[index]
     total = int(lengths.sum())
     t = round_up(total, multiple_of) if width is None else width
@@ -200,7 +207,8 @@ def packed_microbatch(
 class TokenBudget:
     """Token-budget micro-batches (``train.max_tokens_per_micro_batch``): rows packed into
     micro-batches of at most ``train`` tokens for training and ``forward`` tokens for the no-grad
-    log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per micro-batch."""
+    log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per micro-batch.
+    """
 
     train: int | None = None
     forward: int | None = None
@@ -262,7 +270,8 @@ def filler_microbatch(
     input_ids: torch.Tensor, multiple_of: int = 1, packed: bool = False, width: int | None = None
 ) -> MicroBatch:
     """A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
-    (``index`` is empty); its output is dropped. ``packed``: in the packed layout."""
+    (``index`` is empty); its output is dropped. ``packed``: in the packed layout.
+    """
     one = torch.zeros(1, 1, dtype=input_ids.dtype)
     if packed:
         mb = packed_microbatch(

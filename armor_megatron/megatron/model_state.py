@@ -24,7 +24,8 @@ def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
 
 def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
     """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
-    module keys starting with one of `exclude` may be absent (they keep their values)."""
+    module keys starting with one of `exclude` may be absent (they keep their values).
+    """
     for i, c in enumerate(chunks):
         state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
         result = c.load_state_dict(state, strict=not exclude)
@@ -37,7 +38,8 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
 
 def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
     """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
-    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
+    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head).
+    """
     from megatron.core import dist_checkpointing
 
     from armor_megatron.megatron.checkpoint_manifest import read_as_checkpoint

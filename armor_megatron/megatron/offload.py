@@ -45,7 +45,8 @@ import torch
 def model_tensors(model) -> Iterator[torch.Tensor]:
     """Every tensor a trained or frozen model keeps between steps: parameters and buffers of its
     chunks, megatron DDP's parameter and gradient buffers (``main_grad`` lives there), and the
-    optimizer's state and master parameters (chained optimizers included)."""
+    optimizer's state and master parameters (chained optimizers included).
+    """
     for chunk in getattr(model, "model_chunks", []):
         yield from (t for t in chunk.state_dict(keep_vars=True).values() if torch.is_tensor(t))
         for p in chunk.parameters():
@@ -62,7 +63,8 @@ def model_tensors(model) -> Iterator[torch.Tensor]:
 
 def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
     """Megatron DDP's gradient buffers (``main_grad`` views into them): zeroed at the start of
-    every update (`TrainedModel._forward_backward`), so their contents need not survive."""
+    every update (`TrainedModel._forward_backward`), so their contents need not survive.
+    """
     for ddp in getattr(model, "ddp_chunks", []):
         for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
             if getattr(buffer, "grad_data", None) is not None:
@@ -93,7 +95,8 @@ class HostOffload:
     """The distinct storages behind some tensors, movable to host memory and back (module
     docstring). ``tensors`` and ``scratch``: iterables, or callables returning one, read at each
     `offload` (an optimizer creates its state at the first step). ``device``: only storages on
-    it move (None: all)."""
+    it move (None: all).
+    """
 
     def __init__(
         self,
@@ -201,7 +204,8 @@ class HostOffload:
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
         """While offloaded: ``t``'s values in its host copy (same dtype, shape, strides); ``t``
-        itself when its storage did not move."""
+        itself when its storage did not move.
+        """
         if not self._offloaded:
             return t
         if not self._by_pointer:  # a freed storage has no data pointer: key by the storage itself
@@ -216,7 +220,8 @@ class HostOffload:
     def host_views(self, *models):
         """While offloaded: the parameters and buffers of ``models``' chunks read their host
         copies inside the block (``.data`` swapped, restored after), so a weight export streams
-        from host memory without bringing the trainer back. A no-op when not offloaded."""
+        from host memory without bringing the trainer back. A no-op when not offloaded.
+        """
         if not self._offloaded:
             yield
             return
@@ -251,7 +256,8 @@ def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
 
 def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """A host byte buffer of exactly ``nbytes``; page-locked in place when ``pinned`` (the caching
-    host allocator behind ``pin_memory=True`` would round it up to a power of two)."""
+    host allocator behind ``pin_memory=True`` would round it up to a power of two).
+    """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:
         status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)

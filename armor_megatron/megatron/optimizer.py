@@ -36,7 +36,8 @@ def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None 
     chunk is bucketed, as Megatron-LM does). Grads are reduced after the last micro-batch's backward,
     or bucket by bucket during it with ``throughput.overlap_grad_reduce``; with
     ``throughput.overlap_param_gather`` the distributed optimizer's parameter all-gather is left
-    to the next forward (GPU only: it needs the distributed optimizer, and overlap_grad_reduce)."""
+    to the next forward (GPU only: it needs the distributed optimizer, and overlap_grad_reduce).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     throughput = throughput or Throughput()
@@ -83,8 +84,9 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
 
 
 def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
-    """megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring); sets the lr of
-    every param group of `optimizer` (anything with ``param_groups``) to lr(0) at once."""
+    """Megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring); sets the lr of
+    every param group of `optimizer` (anything with ``param_groups``) to lr(0) at once.
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if cfg.min_lr > cfg.lr:
@@ -111,7 +113,8 @@ def current_lr(optimizer) -> float:
 @torch.no_grad()
 def grad_norm(optimizer) -> float:
     """Move the reduced grads to the optimizer's params and return their global L2 norm
-    (over every model-parallel shard, counting tensor-parallel duplicates once)."""
+    (over every model-parallel shard, counting tensor-parallel duplicates once).
+    """
     optimizer.prepare_grads()
     return float(optimizer.get_grad_norm())
 
@@ -119,7 +122,8 @@ def grad_norm(optimizer) -> float:
 @torch.no_grad()
 def apply_update(optimizer, scheduler, norm: float) -> None:
     """Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),
-    take the optimizer step and advance the LR schedule by one update."""
+    take the optimizer step and advance the LR schedule by one update.
+    """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     for opt in optimizer.chained_optimizers:

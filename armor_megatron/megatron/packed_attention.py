@@ -28,7 +28,8 @@ def attend_per_segment(
     packed_seq_params,
 ) -> torch.Tensor:
     """``attend(q, k, v)`` ([s, 1, n, d] each -> [s, 1, n·d_v]) on every segment of a packed
-    micro-batch (q, k, v [t, n, d]); the results back to back, [t, 1, n·d_v]."""
+    micro-batch (q, k, v [t, n, d]); the results back to back, [t, 1, n·d_v].
+    """
     if packed_seq_params.qkv_format != "thd":
         raise ValueError(f"packed sequences must use the 'thd' format, got {packed_seq_params.qkv_format!r}")
     if not torch.equal(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv):

@@ -60,7 +60,8 @@ GAP_KEY = "rollout/logprob_abs_diff"
 class GuardDecision:
     """The verdict on one step: skip it or not, why (``reasons``: every signal that fired), what
     the guard did (``interventions``, a subset of INTERVENTIONS) and the scales after it: this
-    step's update (if any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``."""
+    step's update (if any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``.
+    """
 
     skip: bool
     reasons: tuple[str, ...]
@@ -131,7 +132,8 @@ class StabilityGuard:
     # ------------------------------------------------------------------ judging
     def check(self, metrics: Mapping[str, float]) -> GuardDecision:
         """Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
-        required) and update the guard's state; see the module docstring."""
+        required) and update the guard's state; see the module docstring.
+        """
         loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
         vetoes = self._vetoes(loss, norm)
         drifts = self._drifts(metrics) if self.config.enabled else []
@@ -202,7 +204,8 @@ class StabilityGuard:
 
     def _escalate(self) -> list[str]:
         """K unhealthy steps in a row: lower LR and clip range, or ask for a rollback, and
-        re-baseline the spike reference on the grad norms just skipped."""
+        re-baseline the spike reference on the grad norms just skipped.
+        """
         cfg, done = self.config, []
         if self.level < cfg.max_reductions:
             self.level += 1
@@ -223,7 +226,8 @@ class StabilityGuard:
     def observe_step(self, metrics: Mapping[str, float]) -> str | None:
         """Once per RL step, after it, with the step's metrics (identical on every rank): records
         the engine-vs-trainer gap ``rollout/logprob_abs_diff`` that the following optimizer steps
-        are judged with, and returns ``"rollback"`` once when the guard asks for one (else None)."""
+        are judged with, and returns ``"rollback"`` once when the guard asks for one (else None).
+        """
         if GAP_KEY in metrics:
             self.logprob_gap = float(metrics[GAP_KEY])
         if self.rollback_pending:
@@ -233,7 +237,8 @@ class StabilityGuard:
 
     def rolled_back(self) -> None:
         """The trainer restored the last good checkpoint (and then this guard's state from before
-        the load): the reductions stay in force, the spike reference and the gap start afresh."""
+        the load): the reductions stay in force, the spike reference and the gap start afresh.
+        """
         self.history.clear()
         self.skipped_norms, self.strikes, self.healthy_steps = [], 0, 0
         self.rollback_pending, self.logprob_gap = False, None
@@ -254,7 +259,8 @@ class StabilityGuard:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict`; the keys missing from a checkpoint of the old skip-only guard
-        ({history, skipped_total}) take their fresh values."""
+        ({history, skipped_total}) take their fresh values.
+        """
         self.history = collections.deque((float(x) for x in state["history"]), maxlen=self.config.window)
         self.skipped_total = int(state["skipped_total"])
         self.skipped_norms = [float(x) for x in state.get("skipped_norms", [])]

@@ -30,7 +30,8 @@ from armor_megatron.models import ModelArch
 
 def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
     """This rank's fp32 local-spec GPTModel stage with the checkpoint's model weights loaded (after
-    ``dist.initialize``): a converter output or a training checkpoint (whose other state is left)."""
+    ``dist.initialize``): a converter output or a training checkpoint (whose other state is left).
+    """
     from armor_megatron.megatron.model import build_gpt_model
     from armor_megatron.megatron.model_state import load_model_weights
 

@@ -72,7 +72,8 @@ class WeightExportError(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class _Piece:
     """One Megatron tensor (one layer, one expert) inside a parameter: its global name resolved
-    to a rule, and how to take its TP shard from the parameter's TP shard (None: the whole)."""
+    to a rule, and how to take its TP shard from the parameter's TP shard (None: the whole).
+    """
 
     ref: ParamRef
     take: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -81,7 +82,8 @@ class _Piece:
 @dataclasses.dataclass(frozen=True)
 class _Param:
     """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to gather
-    (False: each holds the whole tensor)."""
+    (False: each holds the whole tensor).
+    """
 
     tensor: torch.Tensor
     expert: bool
@@ -96,7 +98,8 @@ def export_hf_weights(
 
     Raises `WeightExportError` on every rank, before any tensor is gathered or yielded, when
     the ranks' owned tensors do not cover the model's HF tensors exactly once or a rank holds a
-    parameter the family's rules do not know."""
+    parameter the family's rules do not know.
+    """
     return iter(HFWeightExport(model_chunks, arch, bucket_bytes))
 
 
@@ -152,7 +155,8 @@ class HFWeightExport:
         (:class:`~armor_megatron.rollout.engine.ShardDelivery`); returns each rank's report
         (None for ranks that own nothing), in rank order. The other ranks take part when they
         iterate their own export. A sink that fails on any rank fails every rank with
-        `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done."""
+        `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done.
+        """
         if _rank() != 0:
             raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
         if self._read:
@@ -164,7 +168,8 @@ class HFWeightExport:
     # ------------------------------------------------------------------ the two reads
     def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:
         """This rank's parameters cut into buckets; the completeness check (every rank);
-        the owner ranks and the number of rounds (the most buckets any rank has)."""
+        the owner ranks and the number of rounds (the most buckets any rank has).
+        """
         try:
             params = _plan(self.model_chunks, self.arch)
             owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
@@ -237,7 +242,8 @@ class HFWeightExport:
         conducts the round. Tensors never leave their owner but through its sink.
 
         Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
-        fails every rank at the same step, with every rank's message."""
+        fails every rank at the same step, with every rank's message.
+        """
         rank = _rank()
         state = {"error": None}
 
@@ -273,7 +279,8 @@ class HFWeightExport:
     def _step(delivery, note, state: dict, conduct) -> None:
         """Gather every rank's ``note`` and error on the driver; unless some rank failed, the
         driver starts ``conduct(notes)`` (owner rank -> note, None left out); the verdict
-        reaches every rank, which raises `WeightUpdateError` if anything failed."""
+        reaches every rank, which raises `WeightUpdateError` if anything failed.
+        """
         from armor_megatron.rollout.engine import WeightUpdateError
 
         gathered = _gather_to_rank0((note, state["error"]))
@@ -316,7 +323,8 @@ def _distributed() -> bool:
 
 def _driver_says(message):
     """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or
-    ("deliver", delivery)); a small object broadcast, no tensors."""
+    ("deliver", delivery)); a small object broadcast, no tensors.
+    """
     if not _distributed():
         return message
     box = [message if dist.get_rank() == 0 else None]
@@ -335,7 +343,8 @@ def _gather_to_rank0(obj) -> list | None:
 def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
     """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one
     alone). Every rank of a pipeline stage has the same parameter shapes, hence the same cuts,
-    so the gathers of a bucket run in lockstep within each TP / expert-TP group."""
+    so the gathers of a bucket run in lockstep within each TP / expert-TP group.
+    """
     from megatron.core import parallel_state as ps
 
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
@@ -420,7 +429,8 @@ def _is_tp_shard(arch: ModelArch, ref: ParamRef, name: str, tensor: torch.Tensor
     """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor: False when
     the rule replicates it, and when a column/row rule's tensor is whole on every TP rank -- the
     TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the local
-    spec splits them by rows. Any other shape is an error (a layout the rules do not describe)."""
+    spec splits them by rows. Any other shape is an error (a layout the rules do not describe).
+    """
     from megatron.core import parallel_state as ps
 
     rule, tp = ref.rule, ps.get_tensor_model_parallel_world_size()
@@ -486,7 +496,8 @@ def _ep_rank() -> int:
 
 def _in_owner_replica(expert: bool) -> bool:
     """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports:
-    every rank of a TP group has the same data-parallel (and context-parallel) rank."""
+    every rank of a TP group has the same data-parallel (and context-parallel) rank.
+    """
     from megatron.core import parallel_state as ps
 
     if expert:
@@ -496,7 +507,8 @@ def _in_owner_replica(expert: bool) -> bool:
 
 def _owns(expert: bool) -> bool:
     """Whether this rank is the one that exports a (TP-gathered) tensor: TP rank 0 of the
-    exporting replica."""
+    exporting replica.
+    """
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
@@ -510,7 +522,8 @@ def _check_complete(
     """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
     ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
     (a collective when distributed). Returns the ranks that own tensors and the largest number
-    of parameter ``buckets`` any rank has (the rounds of a gather on rank 0)."""
+    of parameter ``buckets`` any rank has (the rounds of a gather on rank 0).
+    """
     gathered = _gather_to_rank0((owned_names, problem, buckets))
     verdict = [None]
     if gathered is not None:
@@ -535,7 +548,8 @@ def incompleteness(expected: Sequence[str], names_by_rank: dict[int, list[str]])
     """What keeps the ranks' names from being ``expected`` exactly once (None: nothing).
 
     One line: missing names, duplicated names (with the ranks that export them) and names not
-    in ``expected``, each list cut to its first few with the count of the rest."""
+    in ``expected``, each list cut to its first few with the count of the rest.
+    """
     ranks_of: dict[str, list[int]] = {}
     for rank, names in sorted(names_by_rank.items()):
         for name in names:
@@ -564,7 +578,8 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
     contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
     memory. At most about twice the largest full tensor is alive at once: the gathered
     shards are dropped once merged, and a merged tensor is copied only where it is not
-    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP)."""
+    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP).
+    """
     from megatron.core import parallel_state as ps
 
     for p in params:
@@ -596,7 +611,8 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
 def _staged(tensor: torch.Tensor) -> torch.Tensor:
     """A parameter read from host memory (a trainer offloaded during the weight sync, a reference
     kept on the host) goes to the GPU one at a time: gathers then run over NCCL, and the sync's
-    device memory is one parameter and one bucket. On CPU-only machines it stays."""
+    device memory is one parameter and one bucket. On CPU-only machines it stays.
+    """
     if tensor.device.type == "cpu" and torch.cuda.is_available():
         return tensor.to(torch.cuda.current_device(), non_blocking=tensor.is_pinned())
     return tensor
@@ -614,7 +630,8 @@ def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None
 
 def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
     """Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
-    owner; None on the others (they only send theirs)."""
+    owner; None on the others (they only send theirs).
+    """
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [shard]

@@ -13,7 +13,8 @@ from armor_megatron.rewards.result import RewardResult
 
 def compute_score(response: str, ground_truth: Any, verifier: str = "math") -> RewardResult:
     """Score ``response`` against ``ground_truth`` with the verifier named by ``verifier``
-    (a registered name or ``"package.module:function"``)."""
+    (a registered name or ``"package.module:function"``).
+    """
     if not isinstance(response, str):
         raise TypeError(f"response must be a str, got {type(response).__name__}")
     return load_verifier(verifier)(response, ground_truth)

@@ -37,7 +37,8 @@ def make_choice_verifier(num_options: int = 10) -> Verifier:
 
 def gold_letter(ground_truth: Any, letters: str) -> str:
     """The gold option letter from a letter string (in any wrappers,
-    :func:`~armor_megatron.rewards.extract.strip_option_wrappers`) or a 0-based index."""
+    :func:`~armor_megatron.rewards.extract.strip_option_wrappers`) or a 0-based index.
+    """
     if isinstance(ground_truth, int) and not isinstance(ground_truth, bool):
         if not 0 <= ground_truth < len(letters):
             raise ValueError(f"multiple-choice ground truth index {ground_truth} is outside 0..{len(letters) - 1}")

@@ -78,14 +78,16 @@ _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 
 def box_spans(text: str) -> list[tuple[int, int] | None]:
     """``(start, end)`` of every ``\\boxed``/``\\fbox`` argument (``text[start:end]``), in order;
-    ``None`` for a command whose argument is missing or never closed. One pass over ``text``."""
+    ``None`` for a command whose argument is missing or never closed. One pass over ``text``.
+    """
     return [box[:2] if box is not None else None for _, box in _boxes(text)]
 
 
 def _boxes(text: str) -> list[tuple[int, tuple[int, int, int] | None]]:
     """Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
     the position past its closing brace; the second item is ``None`` for a command whose
-    argument is missing or never closed. One pass over ``text``."""
+    argument is missing or never closed. One pass over ``text``.
+    """
     pairs = _matching_braces(text)
     boxes: list[tuple[int, tuple[int, int, int] | None]] = []
     for match in _BOX_COMMAND.finditer(text):
@@ -126,7 +128,8 @@ def last_box_command(text: str) -> int | None:
 def last_boxed(text: str) -> str | None:
     """Content of the LAST ``\\boxed{...}`` (or ``\\fbox``), cleaned (:func:`clean_answer`);
     ``None`` if there is none or the last one is unterminated (an earlier box is never taken
-    in its place)."""
+    in its place).
+    """
     end = last_box_command(text)
     if end is None:
         return None
@@ -192,7 +195,8 @@ _JOINER = re.compile(
 def final_box_segment(text: str) -> list[tuple[int, int]] | None:
     """Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
     in order, the last box last; ``None`` if ``text`` has no box or its last box is never
-    closed. Each gap between two boxes is scanned once: linear time."""
+    closed. Each gap between two boxes is scanned once: linear time.
+    """
     return _segment(text, _boxes(text))
 
 
@@ -281,7 +285,8 @@ def final_answer_text(text: str) -> str | None:
 
 def _find_closing(text: str, closing: str, pos: int) -> int:
     """Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
-    (``\\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan."""
+    (``\\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan.
+    """
     for token in re.compile(re.escape(closing) + r"|\\.", re.S).finditer(text, pos):
         if token.group() == closing:
             return token.start()
@@ -315,7 +320,8 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 def after_reasoning(text: str) -> str | None:
     """The part of a response after its reasoning: after the last ``</think>``; the whole text
-    if it has no ``<think>``; ``None`` if a ``<think>`` is never closed (no final answer)."""
+    if it has no ``<think>``; ``None`` if a ``<think>`` is never closed (no final answer).
+    """
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
         return text[close + len(THINK_CLOSE) :]
@@ -363,7 +369,8 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
 
 def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
     """The last answer :func:`final_math_answers` reads (the final-answer statement, or the
-    last box of the final answer segment), ``None`` if there is none."""
+    last box of the final answer segment), ``None`` if there is none.
+    """
     answers = final_math_answers(text, answer_line_fallback)
     return answers[-1] if answers else None
 
@@ -391,7 +398,8 @@ def strip_option_wrappers(text: str) -> str:
     """``text`` without the wrappers an option letter is written in: surrounding ``$``, text
     commands (``\\text{}``, ``\\textbf{}``, ``\\textrm{}``, ``\\mathrm{}``, ``\\mathbf{}``,
     ``\\mbox{}``) and parentheses, any number, in any order: ``\\textbf{(C)}`` -> ``C``,
-    ``(\\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only."""
+    ``(\\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only.
+    """
     text = text.strip()
     if len(text) > _MAX_LETTER_TEXT:
         return text
@@ -410,7 +418,8 @@ def option_letter(text: str) -> str | None:
     """The option letter ``text`` names and nothing else, or ``None``: one capital letter in
     any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``, ``\\text{C}``, ``\\textbf{C}``,
     ``\\mathrm{C}``, ``\\text{(C)}``, ``$\\textbf{(C)}$`` all name ``C``; ``c``, ``CD``,
-    ``\\text{C} + 1`` name none."""
+    ``\\text{C} + 1`` name none.
+    """
     letter = strip_option_wrappers(text)
     return letter if len(letter) == 1 and "A" <= letter <= "Z" else None
 
@@ -453,7 +462,8 @@ def extract_choice(text: str, letters: str) -> str | None:
 
 def _stated_choice(text: str, cls: str) -> str | None:
     """The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
-    punctuation follows (``the answer is (C).``), or ``None``."""
+    punctuation follows (``the answer is (C).``), or ``None``.
+    """
     line = _TEXT_WRAPPER.sub(r"\1", last_line(text))
     phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*:：]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")
     match = _last_match(phrase, line)

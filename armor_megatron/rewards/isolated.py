@@ -164,7 +164,8 @@ class WorkerPool:
 
     def run(self, target: str, args: tuple, timeout_s: float) -> Any:
         """``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
-        (worker start-up and module import are not counted)."""
+        (worker start-up and module import are not counted).
+        """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         worker = self._acquire()
@@ -187,7 +188,8 @@ class WorkerPool:
 
     def shutdown(self) -> None:
         """Stop all idle workers (busy ones stop when their call returns and they are released),
-        after the replacements still starting have joined them (else they would outlive this)."""
+        after the replacements still starting have joined them (else they would outlive this).
+        """
         with self._cond:
             starting = list(self._replacing)
         for thread in starting:
@@ -229,7 +231,8 @@ class WorkerPool:
 
     def _replace(self, modules: set[str]) -> None:
         """Start a worker with ``modules`` imported into the slot of a killed one; if that
-        fails, free the slot (the next call starts a worker on demand)."""
+        fails, free the slot (the next call starts a worker on demand).
+        """
         try:
             self._start_replacement(modules)
         finally:
@@ -282,7 +285,8 @@ atexit.register(lambda: _POOL.shutdown())
 
 def run_isolated(target: str, *args: Any, timeout_s: float) -> Any:
     """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared
-    worker pool; raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds."""
+    worker pool; raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds.
+    """
     return _POOL.run(target, args, timeout_s)
 
 

@@ -55,7 +55,8 @@ _ANY_OPTION = re.compile(r"\(\s*[A-Z]\s*\)")
 
 def equivalent(answer: str, gold: str) -> bool:
     """Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
-    plain; math-verify's verify is not symmetric, the gold goes first)."""
+    plain; math-verify's verify is not symmetric, the gold goes first).
+    """
     answer_letter, gold_letter = option_letter(answer), option_letter(gold)
     if answer_letter and gold_letter:
         return answer_letter == gold_letter
@@ -83,7 +84,8 @@ def equivalent_to_any(answer: str, golds: list[str]) -> bool:
 def answers_match(answers: list[str], golds: list[str]) -> bool:
     """Whether the answers of a response's final answer segment (one or several boxes, or one
     statement) match one of ``golds``: one answer equal to it, or several whose union
-    ``", ".join(answers)`` equals it, or several each equal to it (module docstring)."""
+    ``", ".join(answers)`` equals it, or several each equal to it (module docstring).
+    """
     if len(answers) == 1:
         return equivalent_to_any(answers[0], golds)
     union = ", ".join(answers)
@@ -122,7 +124,8 @@ def _numbers_equal(answer: str, a: Decimal, gold: str, g: Decimal) -> bool:
 def _split_option(text: str) -> tuple[str | None, str]:
     """``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
     in ``\\text{}``/``\\textbf{}`` (``\\textbf{(D)}\\ 24`` -> ``("D", "24")``, ``\\text{(C)}`` ->
-    ``("C", "")``); ``(None, text)`` otherwise."""
+    ``("C", "")``); ``(None, text)`` otherwise.
+    """
     match = _OPTION.match(text)
     if match is None:
         return None, text

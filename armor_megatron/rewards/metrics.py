@@ -33,7 +33,8 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 def avg_at_k(scores: Iterable) -> float:
     """Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
-    sequence per prompt, the mean over prompts of each prompt's mean."""
+    sequence per prompt, the mean over prompts of each prompt's mean.
+    """
     items = list(scores)
     if not items:
         raise ValueError("avg_at_k got no scores")
@@ -75,7 +76,8 @@ def metrics_by_dataset(
     records: Iterable[tuple[str, Hashable, float]], ks: Sequence[int] = (1,), threshold: float = 1.0
 ) -> dict[str, dict[str, float]]:
     """Group ``(dataset, prompt_id, score)`` records by dataset and prompt, then apply
-    :func:`group_metrics` to each dataset: ``{dataset: {"num_prompts", "avg@n", "pass@k"...}}``."""
+    :func:`group_metrics` to each dataset: ``{dataset: {"num_prompts", "avg@n", "pass@k"...}}``.
+    """
     by_dataset: dict[str, dict[Hashable, list[float]]] = defaultdict(lambda: defaultdict(list))
     for dataset, prompt_id, score in records:
         if not _is_number(score):
@@ -96,7 +98,8 @@ def accuracy_by_domain(records: Iterable[tuple[str, float]], threshold: float = 
     """Per-domain accuracy of scored samples: ``(domain, score)`` records (the domain is the
     row's verifier, e.g. ``math``, ``safety``, ``knowledge``) ->
     ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``, domains in
-    order of first appearance."""
+    order of first appearance.
+    """
     counts: dict[str, list[int]] = {}
     for domain, score in records:
         if not _is_number(score):

@@ -55,7 +55,8 @@ def scorable(dataset, default_verifier: str):
     :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
     else ``default_verifier``) has accepted its ground truth: a row no verifier can score
     stops a run at start-up, in one line naming the file and row, not at the step that first
-    samples it."""
+    samples it.
+    """
     for row in dataset.rows:
         try:
             check_ground_truth(row.verifier or default_verifier, row.answer)
@@ -66,7 +67,8 @@ def scorable(dataset, default_verifier: str):
 
 def check_ground_truth(verifier: str, ground_truth: Any) -> None:
     """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable; verifiers
-    that declare no check (user verifiers) accept anything."""
+    that declare no check (user verifiers) accept anything.
+    """
     check = _GROUND_TRUTH_CHECKS.get(verifier)
     if check is None:
         return
@@ -81,7 +83,8 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
     on a response that states ``ground_truth`` in ``\\boxed{}``, and raise VerifierSpecError in
     one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
     dict without ``score``, a non-finite score). Built-in verifiers are not called: they always
-    return a RewardResult, and the math one starts worker processes."""
+    return a RewardResult, and the math one starts worker processes.
+    """
     verifier = load_verifier(spec)
     if verifier.__module__.startswith(f"{__package__}."):
         return
@@ -104,7 +107,8 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
 
 def unregister_verifier(name: str) -> None:
     """Remove the verifier registered as ``name`` (a test or plugin undoing its
-    :func:`register_verifier`); an unknown name raises VerifierSpecError."""
+    :func:`register_verifier`); an unknown name raises VerifierSpecError.
+    """
     if name not in _REGISTRY:
         raise VerifierSpecError(f"verifier {name!r} is not registered, so it cannot be unregistered")
     del _REGISTRY[name]

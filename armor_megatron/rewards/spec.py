@@ -47,7 +47,8 @@ def import_callable(spec: str) -> Callable[..., Any]:
 def add_search_paths(directories: Iterable[str]) -> list[str]:
     """Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
     so ``module:function`` specs import user modules from it without shadowing an installed
-    module; returns the absolute paths."""
+    module; returns the absolute paths.
+    """
     added = []
     for directory in directories:
         path = os.path.abspath(directory)

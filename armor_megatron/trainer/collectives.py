@@ -79,7 +79,8 @@ def collective(fn: Callable | None = None, *, name: str | None = None):
 
 def _group_key(group) -> str | tuple:
     """``"world"`` for the default group, else (the group's name, its global ranks): the same
-    key on every member, since groups are made by every rank in the same order."""
+    key on every member, since groups are made by every rank in the same order.
+    """
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
     return (group.group_name, tuple(dist.get_process_group_ranks(group)))

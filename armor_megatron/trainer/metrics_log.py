@@ -39,7 +39,8 @@ class MetricsLogger:
     ):
         """``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
         starts from step 0 moves an earlier run's ``metrics.jsonl`` aside (``self.set_aside``:
-        where to) instead of appending to it."""
+        where to) instead of appending to it.
+        """
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.path = os.path.join(log_dir, "metrics.jsonl")
@@ -103,7 +104,8 @@ class MetricsLogger:
 
 def wandb_run_id(log_dir: str) -> str:
     """The W&B run id of this run directory: made once, then read back (a requeued job continues
-    the same W&B run instead of starting a new one)."""
+    the same W&B run instead of starting a new one).
+    """
     path = os.path.join(log_dir, "wandb_run_id")
     if os.path.exists(path):
         with open(path) as f:
@@ -116,7 +118,8 @@ def wandb_run_id(log_dir: str) -> str:
 
 def read_metrics(path: str) -> list[dict]:
     """All records of a ``metrics.jsonl``; a torn last line (killed writer) is ignored, and so is
-    everything after a line that is not JSON (bytes that are not UTF-8 read as U+FFFD)."""
+    everything after a line that is not JSON (bytes that are not UTF-8 read as U+FFFD).
+    """
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -169,7 +172,8 @@ BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate
 
 def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
     """One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
-    rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out)."""
+    rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out).
+    """
     parts = [f"step {step}/{total}"]
     for short, key in LINE_FIELDS:
         if key in metrics:
@@ -194,7 +198,8 @@ class StepReporter:
     text line on ``stream``, or, when ``progress_bar`` and ``stream`` is a terminal, as a tqdm bar.
 
     Logging policy: a step is logged when ``step % every_steps == 0`` or when it carries an
-    evaluation (``eval/`` keys): evaluations are never dropped."""
+    evaluation (``eval/`` keys): evaluations are never dropped.
+    """
 
     def __init__(
         self,

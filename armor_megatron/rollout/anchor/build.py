@@ -11,7 +11,8 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 def anchor_reward(text: str, truth) -> float:
     """An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group is scored with."""
+    passes exactly the check its group is scored with.
+    """
     from armor_megatron.rewards import load_verifier
 
     spec, answer = truth
@@ -34,7 +35,8 @@ def build_anchor_cache(
     reference_version: str = "ref-0",
 ) -> AnchorCache | None:
     """None without anchors. With ``anchor.cache: false`` the trainer empties the cache every
-    step, so anchors are never reused and one code path serves both."""
+    step, so anchors are never reused and one code path serves both.
+    """
     an = cfg.anchor
     if not an.enabled:
         return None

@@ -46,7 +46,8 @@ class AnchorSamplingConfig:
     @classmethod
     def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
         """From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
-        ``anchor.temperature`` when that is set."""
+        ``anchor.temperature`` when that is set.
+        """
         if anchor_section.temperature is not None:
             sampling = dataclasses.replace(sampling, temperature=anchor_section.temperature)
         return cls(

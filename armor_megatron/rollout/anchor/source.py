@@ -28,7 +28,8 @@ WeightProvider = WeightSource | Callable[[], WeightSource]
 
 def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
     """A zero-argument callable giving fresh weights each call: an iterator (a weight export
-    stream, readable once) is read into a host list first."""
+    stream, readable once) is read into a host list first.
+    """
     if callable(weights):
         return weights
     if isinstance(weights, (str, os.PathLike, list, tuple)):
@@ -119,7 +120,8 @@ class SwapReference:
 
     def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
         """The policy the trainer pushes next, kept to be swapped back after anchor requests;
-        returns what to push (a host list when given a stream)."""
+        returns what to push (a host list when given a stream).
+        """
         self._policy = _provider(weights)
         return self._policy()
 

@@ -68,7 +68,8 @@ class LauncherConfig:
     config (the trainer attaches to ``rollout.sglang.urls``; the SLURM plan starts its own
     servers); building one by hand, a run config's ``rollout.sglang.python`` is ``python`` (null
     there means the trainer's interpreter, ``sys.executable`` here), ``rollout.sglang.tp_per_engine``
-    is ``tp_size``, ``placement: colocated`` is ``colocated``."""
+    is ``tp_size``, ``placement: colocated`` is ``colocated``.
+    """
 
     model_path: str
     num_engines: int = 1
@@ -327,7 +328,8 @@ class SGLangLauncher:
 def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
     """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``: run ``MODULE`` as
     ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added to this
-    process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``)."""
+    process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``).
+    """
     import runpy
 
     if not argv:

@@ -161,7 +161,8 @@ class OwnerBroadcastDelivery(ShardDelivery):
 
     def settle(self) -> None:
         """Wait for every engine's poster; the first failure is raised at once (the other
-        posters may be waiting in a broadcast that will not come: they are left behind)."""
+        posters may be waiting in a broadcast that will not come: they are left behind).
+        """
         running, self._running = self._running, []
         done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_EXCEPTION)
         for f in done:
@@ -179,8 +180,8 @@ class OwnerBroadcastDelivery(ShardDelivery):
 
 def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
     """Tell every owner waiting in a join or a broadcast that the engines will not come (best
-    effort): a key in the owner's rendezvous store, which it checks while it waits."""
-
+    effort): a key in the owner's rendezvous store, which it checks while it waits.
+    """
     for a in announcements:
         try:
             _store_client(a["address"], a["port"], min(timeout, 30)).set(ABORT_KEY, reason)

@@ -31,7 +31,8 @@ _ABANDONED: list = []  # aborted groups' backends, never destroyed while their c
 
 def listen(world_size: int, port: int = 0, timeout: float = 600.0):
     """Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
-    one the OS picks, read it from ``.port``); the engines connect to it as clients."""
+    one the OS picks, read it from ``.port``); the engines connect to it as clients.
+    """
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -48,7 +49,8 @@ def address_towards(peer: str) -> str:
     """This host's address on the route to ``peer`` (what a process there can reach us at):
     the source address the kernel picks for it (no packet is sent); this host's name when that
     is a loopback address (``peer`` names this host through a hosts-file alias) and ``peer``
-    itself is not one."""
+    itself is not one.
+    """
     if peer in ("localhost", "") or peer.startswith("127."):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -62,7 +64,8 @@ class WeightUpdateGroup:
 
     Rank 0 hosts the rendezvous: pass the ``store`` :func:`listen` bound (else it binds
     ``master_port`` here). Building the group waits until every rank has joined (gloo; NCCL
-    meets at the first collective)."""
+    meets at the first collective).
+    """
 
     def __init__(
         self,
@@ -104,7 +107,8 @@ class WeightUpdateGroup:
     def broadcast(self, tensor: Any, src: int = 0, cancelled=None) -> Any:
         """Broadcast ``tensor`` from ``src``. ``cancelled()`` (checked about twice a second while
         the broadcast is under way) may return a reason to give up: then `RuntimeError`, and the
-        group is unusable (a peer may be left in the collective)."""
+        group is unusable (a peer may be left in the collective).
+        """
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
@@ -123,7 +127,8 @@ class WeightUpdateGroup:
 
     def _abandon(self) -> None:
         """Abort the group (its peers may be stuck in a collective). Its backend object is kept
-        alive: dropping it would wait for the pending collective until the group's timeout."""
+        alive: dropping it would wait for the pending collective until the group's timeout.
+        """
         pg, self._pg = self._pg, None
         try:
             pg.abort()

@@ -106,7 +106,8 @@ def sglang_admits(module: str, name: str) -> bool:
 
 class SGLangUnpickler(pickle.Unpickler):
     """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
-    and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID."""
+    and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID.
+    """
 
     def find_class(self, module, name):
         if not sglang_admits(module, name):

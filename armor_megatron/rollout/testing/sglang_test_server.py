@@ -172,7 +172,8 @@ def _join_weight_update_group(address, port, rank, world_size, group_name, backe
     ``tcp://`` rendezvous, ``PrefixStore(group_name)`` around its store, torch's
     ``_new_process_group_helper`` (which adds ``"<group_name>/"`` and ``"<device>/"``), the
     group's ranks registered so ``dist.broadcast(..., group=)`` finds them. A trainer whose
-    rendezvous keys differ from SGLang's times out here as it would against SGLang."""
+    rendezvous keys differ from SGLang's times out here as it would against SGLang.
+    """
     import datetime
 
     from torch.distributed import distributed_c10d as c10d
@@ -212,7 +213,8 @@ class SGLangTestServer:
         original_logprobs: bool | None = None,
     ):
         """``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
-        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
+        """
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
         self.deterministic, self.original_logprobs = deterministic, original_logprobs
@@ -433,7 +435,8 @@ class SGLangTestServer:
     def _sample(self, prompt, n, sampling, return_logprob):
         """The n samples of one prompt. Without deterministic inference the seed is ignored and the
         copies draw independently (one batch, the engine's own stream); with it each copy is drawn
-        alone from its seed (42 without one), so the copies of one request come out identical."""
+        alone from its seed (42 without one), so the copies of one request come out identical.
+        """
         if sampling is None:  # max_new_tokens 0: nothing generated
             empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
             return [empty] * n
@@ -539,7 +542,8 @@ class SGLangTestServer:
     def _defer_fused(self, named):
         """Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
         places into its own fused parameters as they come, wait here until the update's last
-        request; every other tensor goes in now."""
+        request; every other tensor goes in now.
+        """
         if self.model_path is None:
             return named
         state = self.engine.model.state_dict()
