@@ -72,8 +72,10 @@ class DynamicSampler:
         return kept
 
     def take(self, allow_partial: bool = False) -> RolloutBatch | None:
-        """The first ``target_groups`` kept groups (target_groups·G rows). Before ``done`` it
-        raises, unless ``allow_partial``: then it returns what was kept (None if nothing).
+        """The first ``target_groups`` kept groups (target_groups·G rows).
+
+        Before ``done`` it raises, unless ``allow_partial``: then it returns what was kept (None if
+        nothing).
         """
         if not self.done and not allow_partial:
             raise RuntimeError(

@@ -205,15 +205,17 @@ def policy_loss(
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """The policy loss registered as ``name`` (``"armor"``); an unknown name raises one line
-    listing the known ones.
+    """The policy loss registered as ``name`` (``"armor"``).
+
+    An unknown name raises one line listing the known ones.
     """
     return POLICY_LOSSES.entry(name).fn
 
 
 def make_policy_loss_config(name: str, **hyper_parameters):
-    """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields);
-    an unknown field raises one line listing the fields the loss takes.
+    """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields).
+
+    An unknown field raises one line listing the fields the loss takes.
     """
     config_cls = POLICY_LOSSES.entry(name).meta["config"]
     fields = [f.name for f in dataclasses.fields(config_cls)]

@@ -24,9 +24,11 @@ DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
-    """The checked RunConfig; an unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one
-    directory). ``reward.python_path`` entries, relative to the config file, become absolute and
-    are searched for user modules (``module:function`` verifiers and hooks) from here on.
+    """The checked RunConfig.
+
+    An unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory).
+    ``reward.python_path`` entries, relative to the config file, become absolute and are searched
+    for user modules (``module:function`` verifiers and hooks) from here on.
     """
     cfg = from_dict(RunConfig, config_tree(path, overrides))
     if cfg.checkpoint.dir is None:

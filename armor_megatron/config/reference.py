@@ -60,8 +60,9 @@ def missing_docs(cls: type = RunConfig) -> list[str]:
 
 
 def explain(key: str) -> str:
-    """The reference entry of one key (``eval.datasets[0].path`` reads as ``eval.datasets[].path``);
-    an unknown key raises ConfigError with the closest known one.
+    """The reference entry of one key (``eval.datasets[0].path`` reads as ``eval.datasets[].path``).
+
+    An unknown key raises ConfigError with the closest known one.
     """
     docs = key_docs()
     name = _normalise(key)

@@ -46,8 +46,9 @@ def checked(
     help: str = "",
     secret: bool = False,
 ):
-    """A dataclass field with an optional value check (returns an error text or None) and a help text;
-    a ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets.
+    """A dataclass field with an optional value check (returns an error text or None) and a help text.
+
+    A ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets.
     """
     meta = {"check": check, "help": help, "secret": secret}
     if factory is not None:
@@ -133,8 +134,10 @@ def from_dict(cls: type, data: Any, key: str = "") -> Any:
 
 
 def to_dict(obj: Any, *, secrets: bool = False) -> Any:
-    """The plain-data form of a config (for printing and saving beside checkpoints); a set secret
-    field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config another job runs).
+    """The plain-data form of a config (for printing and saving beside checkpoints).
+
+    A set secret field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config
+    another job runs).
     """
     if dataclasses.is_dataclass(obj):
         out = {}

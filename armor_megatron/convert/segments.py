@@ -78,8 +78,9 @@ def _copy_through_buffer(segment: FileSegment, dst_fd: int, dst_offset: int) -> 
 
 
 def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int) -> int:
-    """Write the segments, concatenated, at ``dst_offset`` of ``dst_fd`` (whose file position is
-    left alone); returns the bytes written. EOFError if a source file is shorter than claimed.
+    """Write the segments, concatenated, at ``dst_offset`` of ``dst_fd`` (whose file position is left alone).
+
+    Returns the bytes written. EOFError if a source file is shorter than claimed.
     """
     at, kernel = dst_offset, hasattr(os, "copy_file_range")
     for segment in segments:

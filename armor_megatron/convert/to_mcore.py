@@ -98,8 +98,9 @@ def convert_hf_to_mcore(
     digest = TensorDigest()
 
     def produce(chunk: torch_dist.Chunk) -> list[FileSegment]:
-        """The chunk's bytes as segments of the HF shards, in Megatron row order; its HF
-        tensors are queued for the source checksum (read again from the page cache).
+        """The chunk's bytes as segments of the HF shards, in Megatron row order.
+
+        Its HF tensors are queued for the source checksum (read again from the page cache).
         """
         hf_segments = [hf.segment(name) for name in names[chunk]]
         for name, segment in zip(names[chunk], hf_segments):

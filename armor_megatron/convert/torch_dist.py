@@ -217,8 +217,9 @@ def write_checkpoint(
 # ---------------------------------------------------------------------- reading
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
-    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to
-    the HF vocabulary size.
+
+    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to the
+    HF vocabulary size.
 
     A chunk the checkpoint stores as one item (this converter's output; a layer saved at TP=1)
     is read straight from the file into a reused buffer of ``buffer_bytes`` (at least the
@@ -259,8 +260,9 @@ class TorchDistReader:
         return self.dtypes[chunk.rule].itemsize * math.prod(chunk.rule.shape)
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
-        """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
-        chunk) per call; the tensors are valid until the next call.
+        """The chunks' tensors (shape ``rule.shape``), in order.
+
+        At most ``buffer_bytes`` (or one chunk) per call; the tensors are valid until the next call.
         """
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.api import CheckpointException

@@ -142,10 +142,12 @@ class RolloutBatch:
     def concat(
         cls, batches: Iterable[RolloutBatch], pad_values: Mapping[str, float | int] | None = None
     ) -> RolloutBatch:
-        """Rows of all batches in order. All must have the same fields. A tensor whose trailing
-        dims differ between batches (e.g. [N, T] with different T) is right-padded to the
-        largest with ``pad_values[key]``; without an entry for it, the mismatch raises. Meta
-        dicts are merged; one key with two different values raises.
+        """Rows of all batches in order.
+
+        All must have the same fields. A tensor whose trailing dims differ between batches (e.g. [N,
+        T] with different T) is right-padded to the largest with ``pad_values[key]``; without an
+        entry for it, the mismatch raises. Meta dicts are merged; one key with two different values
+        raises.
         """
         batches = list(batches)
         if not batches:

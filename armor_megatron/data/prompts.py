@@ -53,9 +53,7 @@ def field_kind(key: str) -> str:
 
 
 def ground_truth_column(row: dict, answer_key: str) -> str | None:
-    """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``;
-    None if neither.
-    """
+    """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``, else None."""
     if has_field(row, answer_key):
         return answer_key
     return LABEL_KEY if LABEL_KEY in row else None
@@ -76,8 +74,9 @@ def read_rows(path: str) -> list[dict]:
 
 
 def peek_rows(path: str, n: int) -> list[dict]:
-    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
-    list is parsed); the same one-line errors as :func:`read_rows`.
+    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole list is parsed).
+
+    The same one-line errors as :func:`read_rows`.
     """
     return _rows(path, n)
 
@@ -152,8 +151,9 @@ class PromptDataset:
             self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra))
 
     def keep(self, predicate) -> int:
-        """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);
-        returns how many were left out.
+        """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number).
+
+        Returns how many were left out.
         """
         before = len(self.rows)
         self.rows = [row for row in self.rows if predicate(row)]

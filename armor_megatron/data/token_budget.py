@@ -60,9 +60,10 @@ def packed_capacity(budget: int, multiple: int = 1) -> int:
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int, multiple: int = 1) -> list[list[int]]:
-    """First-fit decreasing: row indices in bins whose packed length round_up(Σ lengths, multiple)
-    is at most `budget`. Longest rows are placed first; bins come in the order they were opened,
-    each with its indices in increasing order. A row that cannot fit an empty bin is an error.
+    """First-fit decreasing: row indices in bins whose packed length round_up(Σ lengths, multiple) is at most `budget`.
+
+    Longest rows are placed first; bins come in the order they were opened, each with its indices in
+    increasing order. A row that cannot fit an empty bin is an error.
     """
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")

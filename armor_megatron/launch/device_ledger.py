@@ -69,8 +69,10 @@ class Phase:
 
 
 class DeviceLedger:
-    """Bytes one GPU holds while a step runs (module docstring). ``trainer_on_device`` and
-    ``engines_hold``: the state before the first event (engines hold every tag).
+    """Bytes one GPU holds while a step runs (module docstring).
+
+    ``trainer_on_device`` and ``engines_hold``: the state before the first event (engines hold every
+    tag).
     """
 
     def __init__(self, sizes: DeviceSizes, *, trainer_on_device: bool = True, engines_hold: bool = True):
@@ -219,8 +221,9 @@ def replay_colocated_step(
 
 
 def replay_disaggregated_step(ledger: DeviceLedger, *, ref_logprobs: bool = True) -> DeviceLedger:
-    """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on
-    the device; log-probs, update, then the weight export's bucket.
+    """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on the device.
+
+    Log-probs, update, then the weight export's bucket.
     """
     ledger.start("rollout")
     for _ in range(2 if ref_logprobs else 1):

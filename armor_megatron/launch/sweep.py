@@ -1,6 +1,6 @@
-"""Scale-out sweeps: a grid over config keys -> one resolved config per SLURM array task.
+r"""Scale-out sweeps: a grid over config keys -> one resolved config per SLURM array task.
 
-    python tools/sweep.py --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \\
+    python tools/sweep.py --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
         --grid alpha=0.875,0.9375 --grid tau=80,160 --grid seed=1,2 --max-parallel 4
 
 writes ``sweeps/alpha-tau/configs/{0..7}.yaml`` (every config validated by ``load_config``, and

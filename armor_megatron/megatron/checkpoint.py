@@ -399,8 +399,9 @@ def load_checkpoint(
     load_optimizer: bool = True,
     critic: TrainableState | None = None,
 ) -> tuple[int, dict]:
-    """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
-    ``latest`` names in a root. Returns (step, extra).
+    """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one ``latest`` names in a root.
+
+    Returns (step, extra).
     """
     from megatron.core import dist_checkpointing
 

@@ -64,8 +64,10 @@ _MOMENTS = ("value_error_mean", "return_sq_mean")  # only needed to compute expl
 
 
 class ValueHead(torch.nn.Module):
-    """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c. Called by ``GPTModel`` as its
-    output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused).
+    """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c.
+
+    Called by ``GPTModel`` as its output layer (``weight`` and ``runtime_gather_output`` are the LM
+    head's arguments, unused).
     """
 
     def __init__(

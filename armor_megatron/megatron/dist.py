@@ -106,9 +106,11 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
 # ----------------------------------------------------------------------------- parallel layout
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Model-parallel sizes. ``vpp`` is the number of virtual pipeline chunks per stage (None: off);
-    ``etp`` the expert tensor-parallel size (None: same as ``tp``, megatron-core's default);
-    ``sp`` sequence parallelism (not a size: it splits activations along the sequence over TP).
+    """Model-parallel sizes.
+
+    ``vpp`` is the number of virtual pipeline chunks per stage (None: off); ``etp`` the expert
+    tensor-parallel size (None: same as ``tp``, megatron-core's default); ``sp`` sequence
+    parallelism (not a size: it splits activations along the sequence over TP).
     """
 
     tp: int = 1
@@ -234,9 +236,11 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for device tensors, gloo for host on
 
 
 def process_group_backend(on_cuda: bool) -> str:
-    """The default group's backend. On GPUs it gets both: NCCL carries CUDA tensors, gloo the host
-    tensors a trainer reduces between steps (a preemption flag, small metrics); a NCCL-only group
-    fails those with "No backend type associated with device type cpu".
+    """The default group's backend.
+
+    On GPUs it gets both: NCCL carries CUDA tensors, gloo the host tensors a trainer reduces between
+    steps (a preemption flag, small metrics); a NCCL-only group fails those with "No backend type
+    associated with device type cpu".
     """
     return CUDA_BACKEND if on_cuda else "gloo"
 

@@ -46,8 +46,9 @@ DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` is an HF model directory (a config.json; a torch_dist checkpoint has a
-    metadata.json instead). Its weights must be safetensors (`HFCheckpoint` says so otherwise).
+    """Whether ``path`` is an HF model directory (a config.json; a torch_dist checkpoint has a metadata.json instead).
+
+    Its weights must be safetensors (`HFCheckpoint` says so otherwise).
     """
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
@@ -65,9 +66,11 @@ def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None
 def load_hf_weights(
     chunks: list, hf_dir: str, exclude: tuple[str, ...] = (), buffer_bytes: int = DEFAULT_BUFFER_BYTES
 ) -> None:
-    """Fill this rank's model chunks from the HF directory ``hf_dir``; tensors whose keys start
-    with one of ``exclude`` are not read (the critic's value head). Raises `CheckpointError`
-    (one line) for a tensor that is missing, mis-shaped or unknown to the family's rules.
+    """Fill this rank's model chunks from the HF directory ``hf_dir``.
+
+    Tensors whose keys start with one of ``exclude`` are not read (the critic's value head). Raises
+    `CheckpointError` (one line) for a tensor that is missing, mis-shaped or unknown to the family's
+    rules.
     """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, merge, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges

@@ -214,8 +214,9 @@ class LogProbs:
 
 
 def model_forward(model, mb: MicroBatch) -> torch.Tensor:
-    """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage,
-    hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``).
+    """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage, hidden states elsewhere.
+
+    A packed micro-batch runs as THD (``PackedSeqParams``).
     """
     device = _device_of(model)
     tokens = to_device(mb.tokens, device)

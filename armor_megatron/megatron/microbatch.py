@@ -101,9 +101,10 @@ def pinned_copy(src: torch.Tensor, device) -> bool:
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device` (None: left where it is). Host tensors bound for a GPU are pinned and copied
-    asynchronously (`pinned_copy`): the caching host allocator keeps the pinned buffer until the
-    copy has run.
+    """`t` on `device` (None: left where it is).
+
+    Host tensors bound for a GPU are pinned and copied asynchronously (`pinned_copy`): the caching
+    host allocator keeps the pinned buffer until the copy has run.
     """
     if device is None:
         return t

@@ -23,8 +23,9 @@ def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
 
 
 def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
-    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
-    module keys starting with one of `exclude` may be absent (they keep their values).
+    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`.
+
+    Module keys starting with one of `exclude` may be absent (they keep their values).
     """
     for i, c in enumerate(chunks):
         state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
@@ -37,8 +38,9 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
 
 
 def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
-    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
-    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head).
+    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding.
+
+    Tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head).
     """
     from megatron.core import dist_checkpointing
 

@@ -92,10 +92,11 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
 
 
 class HostOffload:
-    """The distinct storages behind some tensors, movable to host memory and back (module
-    docstring). ``tensors`` and ``scratch``: iterables, or callables returning one, read at each
-    `offload` (an optimizer creates its state at the first step). ``device``: only storages on
-    it move (None: all).
+    """The distinct storages behind some tensors, movable to host memory and back (module docstring).
+
+    ``tensors`` and ``scratch``: iterables, or callables returning one, read at each `offload` (an
+    optimizer creates its state at the first step). ``device``: only storages on it move (None:
+    all).
     """
 
     def __init__(
@@ -255,8 +256,10 @@ def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
 
 
 def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A host byte buffer of exactly ``nbytes``; page-locked in place when ``pinned`` (the caching
-    host allocator behind ``pin_memory=True`` would round it up to a power of two).
+    """A host byte buffer of exactly ``nbytes``.
+
+    Page-locked in place when ``pinned`` (the caching host allocator behind ``pin_memory=True``
+    would round it up to a power of two).
     """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:

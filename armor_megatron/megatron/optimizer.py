@@ -84,8 +84,10 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
 
 
 def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
-    """Megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring); sets the lr of
-    every param group of `optimizer` (anything with ``param_groups``) to lr(0) at once.
+    """Megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring).
+
+    Sets the lr of every param group of `optimizer` (anything with ``param_groups``) to lr(0) at
+    once.
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 

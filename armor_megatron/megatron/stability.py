@@ -258,8 +258,10 @@ class StabilityGuard:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`; the keys missing from a checkpoint of the old skip-only guard
-        ({history, skipped_total}) take their fresh values.
+        """Restore `state_dict`.
+
+        The keys missing from a checkpoint of the old skip-only guard ({history, skipped_total})
+        take their fresh values.
         """
         self.history = collections.deque((float(x) for x in state["history"]), maxlen=self.config.window)
         self.skipped_total = int(state["skipped_total"])

@@ -140,10 +140,11 @@ class TrainedModel:
 
     # ------------------------------------------------------------------ training
     def _train_on(self, batch: dict, loss_of: Callable) -> dict[str, float]:
-        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU
-        tensors). ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with
-        ``num_tokens``) of one micro-batch from the last stage's output; the metrics of all
-        micro-batches and data-parallel ranks are combined by ``reduce_loss_metrics``.
+        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU tensors).
+
+        ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with ``num_tokens``) of
+        one micro-batch from the last stage's output; the metrics of all micro-batches and
+        data-parallel ranks are combined by ``reduce_loss_metrics``.
         """
         calls, losses = [], []
 
@@ -179,8 +180,9 @@ class TrainedModel:
         return optim.current_lr(self.optimizer)
 
     def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
-        """Zero the grads, then forward and backward of every micro-batch through megatron's
-        pipeline schedule; the grads end summed over micro-batches and data-parallel ranks.
+        """Zero the grads, then forward and backward of every micro-batch through megatron's pipeline schedule.
+
+        The grads end summed over micro-batches and data-parallel ranks.
         """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -241,8 +243,9 @@ class TrainedModel:
         return out
 
     def _packed_local_microbatches(self, batch: dict, budget: int) -> list[TrainMicroBatch]:
-        """Token-budget micro-batches (`microbatch.local_packed_microbatches`); a filler runs one
-        padding row, appended after this rank's rows.
+        """Token-budget micro-batches (`microbatch.local_packed_microbatches`).
+
+        A filler runs one padding row, appended after this rank's rows.
         """
         from megatron.core import parallel_state
 

@@ -167,8 +167,9 @@ class HFWeightExport:
 
     # ------------------------------------------------------------------ the two reads
     def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:
-        """This rank's parameters cut into buckets; the completeness check (every rank);
-        the owner ranks and the number of rounds (the most buckets any rank has).
+        """This rank's parameters cut into buckets; the completeness check (every rank).
+
+        The owner ranks and the number of rounds (the most buckets any rank has).
         """
         try:
             params = _plan(self.model_chunks, self.arch)
@@ -277,9 +278,10 @@ class HFWeightExport:
 
     @staticmethod
     def _step(delivery, note, state: dict, conduct) -> None:
-        """Gather every rank's ``note`` and error on the driver; unless some rank failed, the
-        driver starts ``conduct(notes)`` (owner rank -> note, None left out); the verdict
-        reaches every rank, which raises `WeightUpdateError` if anything failed.
+        """Gather every rank's ``note`` and error on the driver.
+
+        Unless some rank failed, the driver starts ``conduct(notes)`` (owner rank -> note, None left
+        out); the verdict reaches every rank, which raises `WeightUpdateError` if anything failed.
         """
         from armor_megatron.rollout.engine import WeightUpdateError
 
@@ -322,8 +324,9 @@ def _distributed() -> bool:
 
 
 def _driver_says(message):
-    """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or
-    ("deliver", delivery)); a small object broadcast, no tensors.
+    """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or ("deliver", delivery)).
+
+    A small object broadcast, no tensors.
     """
     if not _distributed():
         return message
@@ -341,9 +344,10 @@ def _gather_to_rank0(obj) -> list | None:
 
 
 def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
-    """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one
-    alone). Every rank of a pipeline stage has the same parameter shapes, hence the same cuts,
-    so the gathers of a bucket run in lockstep within each TP / expert-TP group.
+    """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one alone).
+
+    Every rank of a pipeline stage has the same parameter shapes, hence the same cuts, so the
+    gathers of a bucket run in lockstep within each TP / expert-TP group.
     """
     from megatron.core import parallel_state as ps
 
@@ -506,9 +510,7 @@ def _in_owner_replica(expert: bool) -> bool:
 
 
 def _owns(expert: bool) -> bool:
-    """Whether this rank is the one that exports a (TP-gathered) tensor: TP rank 0 of the
-    exporting replica.
-    """
+    """Whether this rank exports a (TP-gathered) tensor: TP rank 0 of the exporting replica."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
@@ -574,11 +576,12 @@ def _listing(kind: str, names: list[str]) -> str:
 
 # ---------------------------------------------------------------------- gather and map
 def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share of ``params``: full-TP tensors, only where it is the owner; each
-    contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
-    memory. At most about twice the largest full tensor is alive at once: the gathered
-    shards are dropped once merged, and a merged tensor is copied only where it is not
-    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP).
+    """This rank's share of ``params``: full-TP tensors, only where it is the owner.
+
+    Each contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
+    memory. At most about twice the largest full tensor is alive at once: the gathered shards are
+    dropped once merged, and a merged tensor is copied only where it is not contiguous (fused QKV /
+    fc1 split into HF tensors) or is the parameter itself (no TP).
     """
     from megatron.core import parallel_state as ps
 

@@ -15,11 +15,11 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 
 
 def make_choice_verifier(num_options: int = 10) -> Verifier:
-    """Verifier for questions with options ``A``.. (``num_options`` of them; 10 = A–J, MMLU-Pro).
+    r"""Verifier for questions with options ``A``.. (``num_options`` of them; 10 = A–J, MMLU-Pro).
 
     ground_truth: the gold letter (``"C"``, ``"(C)"``, ``"c"``, in LaTeX wrappers such as
-    ``\\text{C}``, ``\\textbf{(C)}``, ``\\mathrm{C}``) or its 0-based index (``2``, as in MMLU-Pro's
-    ``answer_index``). The response's letter may be wrapped too (``\\boxed{\\text{(C)}}``, ``(C)``,
+    ``\text{C}``, ``\textbf{(C)}``, ``\mathrm{C}``) or its 0-based index (``2``, as in MMLU-Pro's
+    ``answer_index``). The response's letter may be wrapped too (``\boxed{\text{(C)}}``, ``(C)``,
     ``C``): see :func:`~armor_megatron.rewards.extract.extract_choice`.
     """
     if not 2 <= num_options <= 26:

@@ -230,8 +230,9 @@ class WorkerPool:
             self._cond.notify()
 
     def _replace(self, modules: set[str]) -> None:
-        """Start a worker with ``modules`` imported into the slot of a killed one; if that
-        fails, free the slot (the next call starts a worker on demand).
+        """Start a worker with ``modules`` imported into the slot of a killed one.
+
+        If that fails, free the slot (the next call starts a worker on demand).
         """
         try:
             self._start_replacement(modules)
@@ -284,8 +285,9 @@ atexit.register(lambda: _POOL.shutdown())
 
 
 def run_isolated(target: str, *args: Any, timeout_s: float) -> Any:
-    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared
-    worker pool; raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds.
+    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared worker pool.
+
+    Raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds.
     """
     return _POOL.run(target, args, timeout_s)
 

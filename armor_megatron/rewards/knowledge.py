@@ -1,4 +1,4 @@
-"""Knowledge verifier: short-answer factual questions (rows ``type: knowledge``), scored by
+r"""Knowledge verifier: short-answer factual questions (rows ``type: knowledge``), scored by
 normalised exact match against the gold answer and its aliases, as TriviaQA's scorer does.
 
 score = 1 if normalise(answer) equals normalise(alias) for some alias, else 0, where
@@ -7,7 +7,7 @@ the articles ``a``/``an``/``the``, and collapses white space: ``"The Beatles!"``
 ``"beatles"``, ``"Pelé"`` == ``"pele"``.
 
 The answer is the response's final answer as the math verifier reads it (the last
-``\\boxed{}``, else a final ``Answer:`` line or ``The final answer is X.`` at the very end);
+``\boxed{}``, else a final ``Answer:`` line or ``The final answer is X.`` at the very end);
 a response without one counts as its own answer only if it is short (at most
 ``MAX_BARE_WORDS`` words: a bare ``Paris``), so that a long explanation that merely contains
 the right words scores 0.

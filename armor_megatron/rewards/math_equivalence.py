@@ -1,4 +1,4 @@
-"""math-verify equivalence, imported only inside reward worker processes.
+r"""math-verify equivalence, imported only inside reward worker processes.
 
 Importing this module loads math-verify and sympy and warms their first-use caches (the
 LaTeX grammar, sympy's simplifier), so that the worker's timed calls measure comparison
@@ -8,26 +8,26 @@ math-verify's signal-based one is switched off.
 Before math-verify sees them, both texts are read the way competition answers are written
 where its LaTeX parser reads them otherwise:
 
-* a thousands separator written as a LaTeX space (``10\\,000``, ``2\\ 500``) is dropped
-  (math-verify reads ``10\\,000`` as ``10·000 = 0``);
+* a thousands separator written as a LaTeX space (``10\,000``, ``2\ 500``) is dropped
+  (math-verify reads ``10\,000`` as ``10·000 = 0``);
 * plain numbers on both sides (``033``, ``2.50``, ``4.5e33``, ``1e-07``) are compared as decimals:
   integers exactly, others within a relative 1e-6 (math-verify rounds to 6 decimals, which
   makes ``1e-7`` equal ``2e-7``); a number in E-notation against LaTeX becomes
-  ``m\\times10^{k}`` (math-verify reads ``4.5e33`` as ``4.5·e·33``, e being Euler's number);
-* an option letter in any wrapper (``C``, ``(C)``, ``\\text{C}``, ``\\textbf{(C)}``,
-  ``\\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify alone
-  tells ``\\text{(C)}`` and ``(C)`` from ``\\text{C}``);
-* an AMC-style answer that names an option and its value, ``\\textbf{(D)}\\ 24`` (math-verify
-  reads ``d·24``), matches the gold letter (``D``, ``(D)``, ``\\text{(D)}``) or, against a gold
-  value, by its value. A text naming two options (``\\text{(C)}, \\text{(D)}``,
-  ``(C) \\text{ or } (D)``) names no single option.
+  ``m\times10^{k}`` (math-verify reads ``4.5e33`` as ``4.5·e·33``, e being Euler's number);
+* an option letter in any wrapper (``C``, ``(C)``, ``\text{C}``, ``\textbf{(C)}``,
+  ``\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify alone
+  tells ``\text{(C)}`` and ``(C)`` from ``\text{C}``);
+* an AMC-style answer that names an option and its value, ``\textbf{(D)}\ 24`` (math-verify
+  reads ``d·24``), matches the gold letter (``D``, ``(D)``, ``\text{(D)}``) or, against a gold
+  value, by its value. A text naming two options (``\text{(C)}, \text{(D)}``,
+  ``(C) \text{ or } (D)``) names no single option.
 
 The answers of a final answer segment of several boxes
 (:func:`~armor_megatron.rewards.extract.final_math_answers`) match a gold when their union,
 ``a, b, c``, equals it (math-verify reads a comma list as a set: order-free), or when each of
-them equals it on its own (the same answer restated, ``\\boxed{x = 6}``, ``\\boxed{6}``). Boxes
-that name different values of which only the last equals the gold (``\\boxed{2}`` or
-``\\boxed{3}`` for gold 3) do not match: a response claiming both is not right, and a hedge
+them equals it on its own (the same answer restated, ``\boxed{x = 6}``, ``\boxed{6}``). Boxes
+that name different values of which only the last equals the gold (``\boxed{2}`` or
+``\boxed{3}`` for gold 3) do not match: a response claiming both is not right, and a hedge
 must not score what a committed answer scores.
 """
 
@@ -122,8 +122,8 @@ def _numbers_equal(answer: str, a: Decimal, gold: str, g: Decimal) -> bool:
 
 
 def _split_option(text: str) -> tuple[str | None, str]:
-    """``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
-    in ``\\text{}``/``\\textbf{}`` (``\\textbf{(D)}\\ 24`` -> ``("D", "24")``, ``\\text{(C)}`` ->
+    r"""``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
+    in ``\text{}``/``\textbf{}`` (``\textbf{(D)}\ 24`` -> ``("D", "24")``, ``\text{(C)}`` ->
     ``("C", "")``); ``(None, text)`` otherwise.
     """
     match = _OPTION.match(text)

@@ -66,8 +66,9 @@ def scorable(dataset, default_verifier: str):
 
 
 def check_ground_truth(verifier: str, ground_truth: Any) -> None:
-    """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable; verifiers
-    that declare no check (user verifiers) accept anything.
+    """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable.
+
+    Verifiers that declare no check (user verifiers) accept anything.
     """
     check = _GROUND_TRUTH_CHECKS.get(verifier)
     if check is None:
@@ -79,8 +80,8 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
 
 
 def probe_verifier(spec: str, ground_truth: Any) -> None:
-    """Call a user verifier (``module:function``, or a name registered outside this package) once,
-    on a response that states ``ground_truth`` in ``\\boxed{}``, and raise VerifierSpecError in
+    r"""Call a user verifier (``module:function``, or a name registered outside this package) once,
+    on a response that states ``ground_truth`` in ``\boxed{}``, and raise VerifierSpecError in
     one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
     dict without ``score``, a non-finite score). Built-in verifiers are not called: they always
     return a RewardResult, and the math one starts worker processes.
@@ -106,8 +107,9 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
 
 
 def unregister_verifier(name: str) -> None:
-    """Remove the verifier registered as ``name`` (a test or plugin undoing its
-    :func:`register_verifier`); an unknown name raises VerifierSpecError.
+    """Remove the verifier registered as ``name`` (a test or plugin undoing its :func:`register_verifier`).
+
+    An unknown name raises VerifierSpecError.
     """
     if name not in _REGISTRY:
         raise VerifierSpecError(f"verifier {name!r} is not registered, so it cannot be unregistered")

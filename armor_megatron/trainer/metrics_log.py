@@ -117,8 +117,10 @@ def wandb_run_id(log_dir: str) -> str:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """All records of a ``metrics.jsonl``; a torn last line (killed writer) is ignored, and so is
-    everything after a line that is not JSON (bytes that are not UTF-8 read as U+FFFD).
+    """All records of a ``metrics.jsonl``.
+
+    A torn last line (killed writer) is ignored, and so is everything after a line that is not JSON
+    (bytes that are not UTF-8 read as U+FFFD).
     """
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:

@@ -34,8 +34,10 @@ def build_anchor_cache(
     policy_weights=None,
     reference_version: str = "ref-0",
 ) -> AnchorCache | None:
-    """None without anchors. With ``anchor.cache: false`` the trainer empties the cache every
-    step, so anchors are never reused and one code path serves both.
+    """None without anchors.
+
+    With ``anchor.cache: false`` the trainer empties the cache every step, so anchors are never
+    reused and one code path serves both.
     """
     an = cfg.anchor
     if not an.enabled:

@@ -68,8 +68,7 @@ class VerifiedSample:
 
 @dataclasses.dataclass
 class AnchorResult:
-    """The outcome for one prompt: ``anchor`` (or None) with its verified ``reward``, the tries
-    and tokens it cost.
+    """The outcome for one prompt: ``anchor`` (or None) with its verified ``reward``, the tries and tokens it cost.
 
     ``extra``: further verified samples from the same rounds (candidates for a cache).
     ``cached``: the anchor came from an anchor cache at no generation cost.

@@ -119,8 +119,9 @@ class SwapReference:
                     self.engine.update_weights(self._policy(), policy_version)
 
     def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
-        """The policy the trainer pushes next, kept to be swapped back after anchor requests;
-        returns what to push (a host list when given a stream).
+        """The policy the trainer pushes next, kept to be swapped back after anchor requests.
+
+        Returns what to push (a host list when given a stream).
         """
         self._policy = _provider(weights)
         return self._policy()

@@ -64,11 +64,12 @@ ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
 
 @dataclasses.dataclass
 class LauncherConfig:
-    """How :class:`SGLangLauncher` starts servers on this node. No code builds one from a run
-    config (the trainer attaches to ``rollout.sglang.urls``; the SLURM plan starts its own
-    servers); building one by hand, a run config's ``rollout.sglang.python`` is ``python`` (null
-    there means the trainer's interpreter, ``sys.executable`` here), ``rollout.sglang.tp_per_engine``
-    is ``tp_size``, ``placement: colocated`` is ``colocated``.
+    """How :class:`SGLangLauncher` starts servers on this node.
+
+    No code builds one from a run config (the trainer attaches to ``rollout.sglang.urls``; the SLURM
+    plan starts its own servers); building one by hand, a run config's ``rollout.sglang.python`` is
+    ``python`` (null there means the trainer's interpreter, ``sys.executable`` here),
+    ``rollout.sglang.tp_per_engine`` is ``tp_size``, ``placement: colocated`` is ``colocated``.
     """
 
     model_path: str

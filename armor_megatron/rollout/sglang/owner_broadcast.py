@@ -160,8 +160,10 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self.version_sent = self.version_sent or version is not None
 
     def settle(self) -> None:
-        """Wait for every engine's poster; the first failure is raised at once (the other
-        posters may be waiting in a broadcast that will not come: they are left behind).
+        """Wait for every engine's poster.
+
+        The first failure is raised at once (the other posters may be waiting in a broadcast that
+        will not come: they are left behind).
         """
         running, self._running = self._running, []
         done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_EXCEPTION)

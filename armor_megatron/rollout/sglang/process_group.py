@@ -105,9 +105,11 @@ class WeightUpdateGroup:
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
     def broadcast(self, tensor: Any, src: int = 0, cancelled=None) -> Any:
-        """Broadcast ``tensor`` from ``src``. ``cancelled()`` (checked about twice a second while
-        the broadcast is under way) may return a reason to give up: then `RuntimeError`, and the
-        group is unusable (a peer may be left in the collective).
+        """Broadcast ``tensor`` from ``src``.
+
+        ``cancelled()`` (checked about twice a second while the broadcast is under way) may return a
+        reason to give up: then `RuntimeError`, and the group is unusable (a peer may be left in the
+        collective).
         """
         import torch.distributed as dist
 
@@ -126,8 +128,10 @@ class WeightUpdateGroup:
         return tensor
 
     def _abandon(self) -> None:
-        """Abort the group (its peers may be stuck in a collective). Its backend object is kept
-        alive: dropping it would wait for the pending collective until the group's timeout.
+        """Abort the group (its peers may be stuck in a collective).
+
+        Its backend object is kept alive: dropping it would wait for the pending collective until
+        the group's timeout.
         """
         pg, self._pg = self._pg, None
         try:

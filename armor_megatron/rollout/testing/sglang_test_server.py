@@ -433,9 +433,11 @@ class SGLangTestServer:
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
     def _sample(self, prompt, n, sampling, return_logprob):
-        """The n samples of one prompt. Without deterministic inference the seed is ignored and the
-        copies draw independently (one batch, the engine's own stream); with it each copy is drawn
-        alone from its seed (42 without one), so the copies of one request come out identical.
+        """The n samples of one prompt.
+
+        Without deterministic inference the seed is ignored and the copies draw independently (one
+        batch, the engine's own stream); with it each copy is drawn alone from its seed (42 without
+        one), so the copies of one request come out identical.
         """
         if sampling is None:  # max_new_tokens 0: nothing generated
             empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
