@@ -56,9 +56,15 @@ class AnchorGroups:
         """The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
         the rewards passed to ``assemble_anchor_groups``.
         """
-        return [
-            (policy_items if row.source == "policy" else reference_items)[row.prompt][row.index] for row in self.rows
-        ]
+
+        def source(row: RowSource) -> Sequence[Sequence[T]]:
+            if row.source == "policy":
+                return policy_items
+            if reference_items is None:
+                raise ValueError("gather: the groups hold anchor rows but no reference_items were given")
+            return reference_items
+
+        return [source(row)[row.prompt][row.index] for row in self.rows]
 
     def stats(self) -> dict[str, float]:
         """anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
@@ -128,7 +134,7 @@ def assemble_anchor_groups(
             )
         rows += [RowSource(p, "policy", i) for i in range(need)]
         group = [float(r) for r in list(pol)[:need]]
-        if anchor is not None:
+        if anchor is not None and reference_rewards is not None:
             rows.append(RowSource(p, "reference", anchor))
             group.append(float(reference_rewards[p][anchor]))
         rewards.append(group)

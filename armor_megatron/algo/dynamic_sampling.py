@@ -33,7 +33,9 @@ class DynamicSampler:
     raises (DAPO's max_num_gen_batches) unless the caller stops adding and takes a partial batch.
     """
 
-    def __init__(self, target_groups: int, max_rounds: int | None = None, pad_values: dict | None = None):
+    def __init__(
+        self, target_groups: int, max_rounds: int | None = None, pad_values: dict[str, float | int] | None = None
+    ):
         if target_groups < 1:
             raise ValueError(f"dynamic sampling target_groups must be >= 1, got {target_groups!r}")
         if max_rounds is not None and max_rounds < 1:
@@ -84,6 +86,7 @@ class DynamicSampler:
             )
         if not self._kept:
             return None
+        assert self.group_size is not None  # set by the first add(), which _kept implies
         return RolloutBatch.concat(self._kept, self.pad_values).slice(0, self.target_groups * self.group_size)
 
     def stats(self) -> dict[str, float]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +71,7 @@ class PolicyLossConfig:
     dual_clip_c: float | None = None  # e.g. 3.0; bounds the loss of negative advantages
     loss_agg: str = "token-mean"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_alpha(self.alpha)
         if not 0.0 < self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in (0, 1), got {self.eps_low!r}")
@@ -80,11 +81,13 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> PolicyLossConfig:
+    def replace(self, **changes: Any) -> PolicyLossConfig:
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
 def check_loss_agg(loss_agg: str) -> None:
+    """Raise one line unless ``loss_agg`` is one of ``LOSS_AGG_MODES``."""
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
 
@@ -122,7 +125,15 @@ def aggregate_token_loss(
     return total / normalizer
 
 
-def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, token_weights=None) -> None:
+def _check_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    token_weights: torch.Tensor | None = None,
+) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     named = (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("entropy", entropy))
@@ -212,7 +223,7 @@ def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, to
     return POLICY_LOSSES.entry(name).fn
 
 
-def make_policy_loss_config(name: str, **hyper_parameters):
+def make_policy_loss_config(name: str, **hyper_parameters: Any) -> PolicyLossConfig:
     """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields).
 
     An unknown field raises one line listing the fields the loss takes.
@@ -222,10 +233,21 @@ def make_policy_loss_config(name: str, **hyper_parameters):
     unknown = [k for k in hyper_parameters if k not in fields]
     if unknown:
         raise ValueError(f"policy loss {name!r} takes no {', '.join(unknown)}; its config fields: {', '.join(fields)}")
-    return config_cls(**hyper_parameters)
+    config: PolicyLossConfig = config_cls(**hyper_parameters)
+    return config
 
 
-def _metrics(ratio, log_ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
+def _metrics(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    cfg: PolicyLossConfig,
+) -> dict[str, torch.Tensor]:
     n = valid.sum()
     denom = n.clamp(min=1).float()
     has_tokens = n > 0

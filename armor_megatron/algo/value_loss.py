@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,12 +37,13 @@ class ValueLossConfig:
     clip_eps: float | None = 0.2
     loss_agg: str = "token-mean"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.clip_eps is not None and not self.clip_eps > 0.0:
             raise ValueError(f"clip_eps must be > 0 (or None), got {self.clip_eps!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> ValueLossConfig:
+    def replace(self, **changes: Any) -> ValueLossConfig:
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 

@@ -13,7 +13,7 @@ import importlib.util
 import os
 
 from armor_megatron.config import needs
-from armor_megatron.config.identity import check_run_identity
+from armor_megatron.config.identity import check_run_identity, checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows
@@ -51,7 +51,7 @@ def check_files(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
     if cfg.reference.init_from and not os.path.isdir(cfg.reference.init_from):
         raise ConfigError("reference.init_from", f"{cfg.reference.init_from}: no such checkpoint directory")
-    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+    for key, path in (("checkpoint.dir", checkpoint_dir(cfg)), ("logging.dir", cfg.logging.dir)):
         _check_writable_dir(key, path)
     _check_packages(cfg)
     needs.check(cfg)
@@ -121,6 +121,7 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
                     key,
                     f"{path}: row {i} has no {column!r} {field_kind(column)} ({setting}; columns: {', '.join(sorted(row))})",
                 )
+        assert truth is not None  # a row without one raised above
         verifier = field_of(row, data.type_key) if has_field(row, data.type_key) else None
         if verifier is not None:
             try:

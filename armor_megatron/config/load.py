@@ -39,7 +39,7 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     return cfg
 
 
-def config_tree(path: str, overrides: Iterable[str] = ()) -> dict:
+def config_tree(path: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """The plain data of ``path`` (``extends`` resolved) with the dotted ``overrides`` applied, unchecked."""
     data = read_yaml_tree(path)
     for item in overrides:
@@ -48,7 +48,7 @@ def config_tree(path: str, overrides: Iterable[str] = ()) -> dict:
     return data
 
 
-def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
+def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read ``path``; a top-level ``extends: other.yaml`` (relative to it) is read first and deep-merged under it."""
     real = os.path.realpath(path)
     if real in _seen:
@@ -95,7 +95,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def set_dotted(data: dict, key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -106,7 +106,7 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def deep_merge(base: dict, top: dict) -> dict:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """``top`` over ``base``; nested mappings merge, everything else is replaced."""
     out = copy.deepcopy(base)
     for key, value in top.items():

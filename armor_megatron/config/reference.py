@@ -135,7 +135,7 @@ def _walk(cls: type, prefix: str, out: dict[str, KeyDoc]) -> None:
         key = f"{prefix}.{f.name}" if prefix else f.name
         own.append(key)
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             _walk(tp, key, out)
             continue
         item = _section_item(tp)
@@ -156,7 +156,7 @@ def _docstring(cls: type) -> str:
 
 def _section_item(tp: Any) -> type | None:
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+    if typing.get_origin(tp) is list and args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
         return args[0]
     return None
 
@@ -177,7 +177,7 @@ def _type_text(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _default_text(f: dataclasses.Field) -> str:
+def _default_text(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:

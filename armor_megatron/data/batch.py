@@ -34,8 +34,8 @@ class RolloutBatch:
         self._size: int | None = None
         for key, value in (tensors or {}).items():
             self[key] = value
-        for key, value in (objects or {}).items():
-            self[key] = value
+        for key, items in (objects or {}).items():
+            self[key] = items
 
     # ----- fields -------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -70,7 +70,10 @@ class RolloutBatch:
         others = [k for k in self.keys() if k != key]
         if others and size != self._size:
             raise ValueError(f"field {key!r} has {size} rows, the batch has {self._size}")
-        (self.tensors if isinstance(value, torch.Tensor) else self.objects)[key] = value
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = value
+        else:
+            self.objects[key] = value
         self._size = size
 
     def __repr__(self) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ import torch
 LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safety rows)
 
 
-def field_of(row: dict, key: str) -> Any:
+def field_of(row: dict[str, Any], key: str) -> Any:
     """``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
     (``"reward_model.ground_truth"`` -> ``row["reward_model"]["ground_truth"]``); KeyError(key)
     when absent.
@@ -38,7 +38,7 @@ def field_of(row: dict, key: str) -> Any:
     return node
 
 
-def has_field(row: dict, key: str) -> bool:
+def has_field(row: dict[str, Any], key: str) -> bool:
     """Whether :func:`field_of` finds ``key`` in ``row``."""
     try:
         field_of(row, key)
@@ -52,7 +52,7 @@ def field_kind(key: str) -> str:
     return "field" if "." in key else "column"
 
 
-def ground_truth_column(row: dict, answer_key: str) -> str | None:
+def ground_truth_column(row: dict[str, Any], answer_key: str) -> str | None:
     """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``, else None."""
     if has_field(row, answer_key):
         return answer_key
@@ -65,15 +65,15 @@ class PromptRow:
     prompt: Any
     answer: Any
     verifier: str | None = None
-    extra: dict = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def read_rows(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict[str, Any]]:
     """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts; one-line errors on bad input."""
     return _rows(path, None)
 
 
-def peek_rows(path: str, n: int) -> list[dict]:
+def peek_rows(path: str, n: int) -> list[dict[str, Any]]:
     """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole list is parsed).
 
     The same one-line errors as :func:`read_rows`.
@@ -81,7 +81,7 @@ def peek_rows(path: str, n: int) -> list[dict]:
     return _rows(path, n)
 
 
-def _rows(path: str, limit: int | None) -> list[dict]:
+def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset not found: {path}")
     if path.endswith(".parquet"):
@@ -91,11 +91,13 @@ def _rows(path: str, limit: int | None) -> list[dict]:
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
         try:
             if limit is None:
-                return pq.read_table(path).to_pylist()
+                table_rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+                return table_rows
             batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
         except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError on a damaged file
             raise ValueError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
-        return [] if batch is None else batch.to_pylist()
+        batch_rows: list[dict[str, Any]] = [] if batch is None else batch.to_pylist()
+        return batch_rows
     if path.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as f:
@@ -131,7 +133,7 @@ class PromptDataset:
         if not rows:
             raise ValueError(f"{path}: dataset is empty")
         self.path = path
-        self.rows = []
+        self.rows: list[PromptRow] = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
@@ -141,6 +143,7 @@ class PromptDataset:
                     raise ValueError(
                         f"{path}: row {i} has no {key!r} {field_kind(key)} (columns: {', '.join(sorted(row))})"
                     )
+            assert truth is not None  # a row without one raised above
             prompt = field_of(row, prompt_key)
             if not isinstance(prompt, (str, list)):
                 raise ValueError(
@@ -150,7 +153,7 @@ class PromptDataset:
             extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
             self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra))
 
-    def keep(self, predicate) -> int:
+    def keep(self, predicate: Callable[[PromptRow], bool]) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number).
 
         Returns how many were left out.
@@ -197,17 +200,17 @@ class PromptLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 def encode_prompt(
-    tokenizer, prompt: Any, *, apply_chat_template: bool = True, template: str | None = None
+    tokenizer: Any, prompt: Any, *, apply_chat_template: bool = True, template: str | None = None
 ) -> list[int]:
     """Token ids of one prompt.
 

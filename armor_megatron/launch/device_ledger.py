@@ -160,7 +160,8 @@ class DeviceLedger:
             for role, engine in self.sizes.engines.items()
         }
         if roles:  # one engine rank per GPU: the heavier role's GPU
-            parts.update(max(roles.values(), key=lambda r: sum(r.values())))
+            heaviest = max(roles.values(), key=lambda r: sum(r.values()))
+            parts.update(heaviest)
         extra = {
             "allocator cache": self.cache,
             "activations": computing,

@@ -34,7 +34,7 @@ import yaml
 
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
 from armor_megatron.config.load import config_tree, parse_override
-from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.plan import Launcher, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
 ALIASES = {"alpha": "algorithm.alpha", "tau": "reference.tau", "G": "rollout.group_size", "seed": "train.seed"}
@@ -107,7 +107,7 @@ def plan_sweep(
     *,
     fixed_overrides: Sequence[str] = (),
     max_parallel: int | None = None,
-    launcher: str = "srun",
+    launcher: Launcher = "srun",
     template: str = TEMPLATE,
     log_dir: str = DEFAULT_LOG_DIR,
     signal_grace_s: int = 120,

@@ -80,8 +80,9 @@ def find_latest(root: str) -> str | None:
 
 def resolve_checkpoint_dir(path_or_root: str) -> str:
     """A checkpoint directory as given, or the one a root's ``latest`` names."""
-    if os.path.isfile(os.path.join(path_or_root, LATEST)):
-        return find_latest(path_or_root)
+    latest = find_latest(path_or_root) if os.path.isfile(os.path.join(path_or_root, LATEST)) else None
+    if latest is not None:
+        return latest
     if os.path.isfile(os.path.join(path_or_root, "metadata.json")):
         return path_or_root
     raise FileNotFoundError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")

@@ -163,11 +163,18 @@ def _skip_blanks(text: str, pos: int) -> int:
     return pos
 
 
+def match_end(pattern: re.Pattern[str], text: str, pos: int = 0) -> int:
+    """Where ``pattern``'s match at ``pos`` ends; the pattern matches the empty string, so it always matches."""
+    match = pattern.match(text, pos)
+    assert match is not None
+    return match.end()
+
+
 def _bare_span(text: str, pos: int) -> tuple[int, int] | None:
     r"""``\boxed 5``: one whitespace/``$``-delimited token, only after a blank."""
     if pos >= len(text) or pos == 0 or text[pos - 1] not in " \t":
         return None
-    end = _BARE_TOKEN.match(text, pos).end()
+    end = match_end(_BARE_TOKEN, text, pos)
     return (pos, end) if end > pos else None
 
 
@@ -345,9 +352,10 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
       or blank;
     * without a box, with ``answer_line_fallback``, ``[statement]`` of the whole text.
     """
-    text = after_reasoning(text)
-    if text is None:
+    answer_part = after_reasoning(text)
+    if answer_part is None:
         return None
+    text = answer_part
     boxes = _boxes(text)
     if not boxes:
         statement = final_answer_text(text) if answer_line_fallback else None
@@ -361,7 +369,7 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
             return [statement]
     answers: list[str] = []
     seen: set[str] = set()
-    for start, stop in reversed(_segment(text, boxes)):
+    for start, stop in reversed(_segment(text, boxes) or []):  # not None: the last box is closed
         answer = clean_answer(text[start:stop])
         if answer not in seen and (answer or not answers):
             seen.add(answer)
@@ -382,7 +390,7 @@ def last_answer_line(text: str) -> str | None:
     return final_answer_text(text)
 
 
-def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     last = None
     for match in pattern.finditer(text):
         last = match
@@ -439,9 +447,10 @@ def extract_choice(text: str, letters: str) -> str | None:
     answer phrase, or a last line holding nothing but the letter (``C``, ``(C)``, ``**C.**``,
     ``$\text{(C)}$``).
     """
-    text = after_reasoning(text)
-    if text is None:
+    answer_part = after_reasoning(text)
+    if answer_part is None:
         return None
+    text = answer_part
     cls = "[" + re.escape(letters) + "]"
     boxes = _boxes(text)
     if boxes:

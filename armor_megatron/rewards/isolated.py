@@ -76,6 +76,8 @@ class _Worker:
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are PIPEs
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.imported: set[str] = set()
         try:
             self._receive(time.monotonic() + STARTUP_TIMEOUT_S)  # the worker's "ready"
@@ -83,7 +85,8 @@ class _Worker:
             self.kill()
             raise
 
-    def call(self, target: str, args: tuple, timeout_s: float) -> Any:
+    def call(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        """``target(*args)`` in this worker (``target``'s module imported first)."""
         self.preload(target.split(":", 1)[0])
         return self._request(("call", (target, args)), timeout_s)
 
@@ -93,12 +96,12 @@ class _Worker:
             self._request(("import", module), STARTUP_TIMEOUT_S)
             self.imported.add(module)
 
-    def _request(self, message: tuple, timeout_s: float) -> Any:
+    def _request(self, message: tuple[Any, ...], timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
+            self.stdin.write(_HEADER.pack(len(data)) + data)
+            self.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise WorkerDied(f"reward worker process died ({exc})") from None
         status, value = self._receive(deadline)
@@ -108,10 +111,11 @@ class _Worker:
 
     def _receive(self, deadline: float) -> tuple[str, Any]:
         header = self._read_exact(_HEADER.size, deadline)
-        return pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+        reply: tuple[str, Any] = pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+        return reply
 
     def _read_exact(self, size: int, deadline: float) -> bytes:
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         poller = select.poll()  # not select.select: trainers hold fds above FD_SETSIZE (1024)
         poller.register(fd, select.POLLIN)
         chunks, remaining = [], size
@@ -137,7 +141,7 @@ class _Worker:
         self.close_pipes()
 
     def close_pipes(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.stdin, self.stdout):
             try:
                 pipe.close()
             except OSError:
@@ -162,7 +166,7 @@ class WorkerPool:
         self._replacing: set[threading.Thread] = set()  # replacements of killed workers, still starting
         self._cond = threading.Condition()
 
-    def run(self, target: str, args: tuple, timeout_s: float) -> Any:
+    def run(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
         """``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
         (worker start-up and module import are not counted).
         """

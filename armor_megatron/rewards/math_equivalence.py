@@ -39,7 +39,7 @@ from decimal import Decimal, InvalidOperation
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from armor_megatron.rewards.extract import option_letter
+from armor_megatron.rewards.extract import match_end, option_letter
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings
 
@@ -132,7 +132,7 @@ def _split_option(text: str) -> tuple[str | None, str]:
     rest = text[match.end() :]
     inside = 0
     if match.group(1):  # the wrapper's closing brace, after an optional gap inside it
-        inside = _OPTION_GAP.match(rest).end()
+        inside = match_end(_OPTION_GAP, rest)
         if not rest[inside:].startswith("}"):
             rest = rest[inside:]
             close = rest.find("}")
@@ -141,7 +141,7 @@ def _split_option(text: str) -> tuple[str | None, str]:
             rest = rest[:close] + rest[close + 1 :]
         else:
             rest = rest[inside + 1 :]
-    gap = _OPTION_GAP.match(rest).end()
+    gap = match_end(_OPTION_GAP, rest)
     if rest and not gap and not inside:
         return None, text  # "(A)\cup(B)", "\text{(C)}, \text{(D)}": not one option and its value
     value = rest[gap:].strip()

@@ -6,6 +6,7 @@ import math
 import numbers
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -31,7 +32,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def avg_at_k(scores: Iterable) -> float:
+def avg_at_k(scores: Iterable[Any]) -> float:
     """Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
     sequence per prompt, the mean over prompts of each prompt's mean.
     """
@@ -117,5 +118,5 @@ def flatten_metrics(metrics: Mapping[str, Mapping[str, float]], prefix: str = "e
     }
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real)

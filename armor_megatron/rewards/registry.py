@@ -13,8 +13,8 @@ import difflib
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
@@ -25,7 +25,7 @@ _GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
 
 def register_verifier(
     name: str, *, replace: bool = False, check_ground_truth: Callable[[Any], Any] | None = None
-) -> Callable[[Callable], Callable]:
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn(response, ground_truth)`` under ``name``; returns ``fn`` unchanged.
 
     Registering a taken name raises unless ``replace=True`` (e.g. to swap in a ``math``
@@ -37,7 +37,7 @@ def register_verifier(
     if not isinstance(name, str) or not name or ":" in name or name != name.strip():
         raise VerifierSpecError(f"verifier name {name!r} must be a non-empty string without ':' or surrounding spaces")
 
-    def decorator(fn: Callable) -> Callable:
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and not replace:
             raise VerifierSpecError(f"verifier {name!r} is already registered (pass replace=True to replace it)")
         _check_signature(fn, name)
@@ -50,7 +50,26 @@ def register_verifier(
     return decorator
 
 
-def scorable(dataset, default_verifier: str):
+class _ScorableRow(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def verifier(self) -> str | None: ...
+    @property
+    def answer(self) -> Any: ...
+
+
+class _Scorable(Protocol):
+    @property
+    def path(self) -> str: ...
+    @property
+    def rows(self) -> Sequence[_ScorableRow]: ...
+
+
+_D = TypeVar("_D", bound=_Scorable)
+
+
+def scorable(dataset: _D, default_verifier: str) -> _D:
     """``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
     :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
     else ``default_verifier``) has accepted its ground truth: a row no verifier can score
@@ -91,7 +110,7 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
         return
     response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
     try:
-        value = verifier.__wrapped__(response, ground_truth)
+        value = cast(Any, verifier).__wrapped__(response, ground_truth)  # set by _coercing's functools.wraps
     except Exception as err:
         raise VerifierSpecError(
             f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
@@ -154,7 +173,7 @@ def _load_user_verifier(spec: str) -> Verifier:
     return _coercing(fn, spec)
 
 
-def _check_signature(fn: Callable, name: str) -> None:
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -167,7 +186,7 @@ def _check_signature(fn: Callable, name: str) -> None:
         ) from None
 
 
-def _coercing(fn: Callable, name: str) -> Verifier:
+def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
     @functools.wraps(fn)
     def verifier(response: str, ground_truth: Any) -> RewardResult:
         return as_reward_result(fn(response, ground_truth), name)

@@ -41,7 +41,8 @@ def import_callable(spec: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise VerifierSpecError(f"verifier spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    fn: Callable[..., Any] = obj
+    return fn
 
 
 def add_search_paths(directories: Iterable[str]) -> list[str]:

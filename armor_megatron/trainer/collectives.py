@@ -71,7 +71,7 @@ def collective(fn: Callable | None = None, *, name: str | None = None):
                 _log.append(("call", label))
             return f(*args, **kwargs)
 
-        marked.collective = label
+        setattr(marked, "collective", label)  # noqa: B010 (a function attribute: no declared field to assign)
         return marked
 
     return mark if fn is None else mark(fn)

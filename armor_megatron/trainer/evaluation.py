@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import metrics_by_dataset, score_batch
@@ -39,7 +40,8 @@ def evaluate(
     timeout: float | None = None,
 ) -> EvalResult:
     """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``."""
-    metrics, records = {}, []
+    metrics: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
     for es in eval_sets:
         rows = list(es.dataset.rows)
         groups = engine.generate([encode(r.prompt) for r in rows], n=es.k, sampling=sampling, timeout=timeout)

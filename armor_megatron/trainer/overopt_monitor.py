@@ -24,8 +24,8 @@ class OverOptimizationMonitor:
         if window < 2:
             raise ValueError(f"window must be >= 2, got {window}")
         self.window, self.tol = window, tol
-        self.train = deque(maxlen=window)
-        self.val = deque(maxlen=window)
+        self.train: deque[float] = deque(maxlen=window)
+        self.val: deque[float] = deque(maxlen=window)
 
     def update(self, train_reward: float, val_accuracy: float) -> tuple[dict, str | None]:
         """Record one evaluation; returns (metrics, warning or None)."""

@@ -23,7 +23,7 @@ import dataclasses
 import random
 import threading
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample
 from armor_megatron.rollout.engine import Sample
@@ -120,7 +120,7 @@ class AnchorCache:
                     results[i] = dataclasses.replace(
                         r, prompt_index=i, anchor=r.anchor and dataclasses.replace(r.anchor, prompt_index=i)
                     )
-        return results
+        return cast(list[AnchorResult], results)  # every slot is filled above
 
     def prefetch(
         self,
@@ -268,6 +268,7 @@ class AnchorCache:
         if not result.found:
             self._failures[key] = self._failures.get(key, 0) + 1
             return
+        assert result.anchor is not None and result.reward is not None  # found: an anchor and its reward
         pool = self._pools.setdefault(key, [])
         for v in [VerifiedSample(result.anchor, result.reward), *result.extra]:
             if len(pool) < self.max_pool:

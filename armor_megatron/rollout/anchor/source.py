@@ -132,7 +132,10 @@ class SwapReference:
             self.version = str(version)
 
 
-ANCHOR_SOURCES = {"separate": SeparateReference, "swap": SwapReference}
+ANCHOR_SOURCES: dict[str, type[SeparateReference] | type[SwapReference]] = {
+    "separate": SeparateReference,
+    "swap": SwapReference,
+}
 
 
 def make_anchor_source(
@@ -161,5 +164,7 @@ def make_anchor_source(
         ]
         if missing:
             raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
+        assert policy_engine is not None and reference_weights is not None  # none is missing
+        assert reference_version is not None and policy_weights is not None
         return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)
     raise ValueError(f"anchor_source must be one of {tuple(ANCHOR_SOURCES)}, got {kind!r}")

@@ -187,7 +187,7 @@ class SGLangClient:
         then the prompt is sent as a batch of ``len(list)`` copies, each with its own params.
         """
         ids = [int(t) for t in input_ids]
-        body = {
+        body: dict[str, Any] = {
             "input_ids": [ids] * len(sampling_params) if isinstance(sampling_params, list) else ids,
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,

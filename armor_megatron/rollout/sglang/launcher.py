@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any, cast
 
 from armor_megatron.launch.plan import API_KEY_ENV
 from armor_megatron.rollout.engine import EngineUnavailableError
@@ -119,7 +120,7 @@ class SGLangLauncher:
         self._logs: list[str] = []
         self._log_starts: list[int] = []  # where each process's part of its log begins
         self._lock = threading.Lock()
-        self._prev_sigterm = None
+        self._prev_sigterm: Any = None
 
     # ---- commands ------------------------------------------------------------------------
 
@@ -270,7 +271,7 @@ class SGLangLauncher:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise EngineUnavailableError(
-                    f"SGLang process {' '.join(proc.args[:3])} for {url} exited with code {proc.returncode}; "
+                    f"SGLang process {' '.join(cast(list[str], proc.args)[:3])} for {url} exited with code {proc.returncode}; "
                     f"log tail ({self._logs[index]}):\n{log_tail(self._logs[index])}"
                 )
             if client.health(generate=path_generate, timeout=5.0):

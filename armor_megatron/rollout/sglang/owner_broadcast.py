@@ -48,7 +48,7 @@ from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, addre
 
 ABORT_KEY = "armor/aborted"  # outside every group's key prefix
 # this process's groups: (prefix, owner rank) -> (group, its address, a store client watching for ABORT_KEY)
-_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str, Any]] = {}
+_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str | None, Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +202,11 @@ class _OwnerSink(ShardSink):
 
     def __init__(self, groups: OwnerGroups, rank: int):
         self.groups, self.rank = groups, rank
-        self.group, self.address, self._watch = _GROUPS.get((groups.prefix, rank), (None, None, None))
+        self.group: WeightUpdateGroup | None = None
+        self.address: str | None = None
+        self._watch: Any = None
+        if (groups.prefix, rank) in _GROUPS:
+            self.group, self.address, self._watch = _GROUPS[(groups.prefix, rank)]
         if self.group is not None and self._aborted():  # a failed sync left it: the engines may be stuck in it
             _GROUPS.pop((groups.prefix, rank), None)
             self.group = self._watch = None
@@ -211,7 +215,7 @@ class _OwnerSink(ShardSink):
     def announce(self) -> dict:
         g = self.groups
         new = self.group is None
-        if new:
+        if self.group is None:
             self._name = f"{g.prefix}-rank{self.rank}-{secrets.token_hex(3)}"
             self._store = listen(g.world_size, g.base_port + 1 + self.rank if g.base_port else 0, g.timeout)
             self.address = address_towards(g.engine_address)
@@ -221,6 +225,11 @@ class _OwnerSink(ShardSink):
             self._name = self.group.group_name
         return {"group": self._name, "address": self.address, "port": self._watch.port, "new": new}
 
+    def _joined(self) -> WeightUpdateGroup:
+        if self.group is None:
+            raise WeightUpdateError("weights update group: used before join()")
+        return self.group
+
     def _aborted(self) -> str | None:
         if self._watch.check([ABORT_KEY]):
             return self._watch.get(ABORT_KEY).decode()
@@ -229,7 +238,8 @@ class _OwnerSink(ShardSink):
     def join(self) -> None:
         if self.group is not None:
             return
-        g, made = self.groups, {}
+        g = self.groups
+        made: dict[str, Any] = {}
 
         def make():
             try:
@@ -249,12 +259,12 @@ class _OwnerSink(ShardSink):
         if "error" in made:
             raise WeightUpdateError(f"weights update group {self._name!r}: {made['error']}")
         self.group = made["group"]
-        _GROUPS[(g.prefix, self.rank)] = (self.group, self.address, self._watch)
+        _GROUPS[(g.prefix, self.rank)] = (made["group"], self.address, self._watch)
 
     def describe(self, bucket) -> dict:
         parts = tensor_payload.buckets(bucket, bucket_bytes=1 << 62)  # one request per dtype
         return {
-            "group": self.group.group_name,
+            "group": self._joined().group_name,
             "buckets": [
                 (
                     [n for n, _ in part],
@@ -273,7 +283,7 @@ class _OwnerSink(ShardSink):
             # FlattenedTensorBucket's layout: each tensor's bytes, back to back, in order
             flat = torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in part])
             try:
-                self.group.broadcast(flat, src=0, cancelled=self._aborted)
+                self._joined().broadcast(flat, src=0, cancelled=self._aborted)
             except BaseException:
                 _GROUPS.pop(
                     (self.groups.prefix, self.rank), None

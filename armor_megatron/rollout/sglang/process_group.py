@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
@@ -94,9 +95,10 @@ class WeightUpdateGroup:
                 if rank == 0
                 else dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=delta)
             )
-        self.store = store  # the rendezvous store (rank 0 hosts it); also a side channel to rank 0
+        self.store: Any = store  # the rendezvous store (rank 0 hosts it); also a side channel to rank 0
         prefixed = dist.PrefixStore(group_name, store)  # init_custom_process_group's own layer
         prefixed = dist.PrefixStore(f"{BACKEND_DEVICE[backend]}/", dist.PrefixStore(f"{group_name}/", prefixed))
+        self._pg: Any  # a c10d backend: ProcessGroupGloo or ProcessGroupNCCL, None once dropped
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
         else:
@@ -104,7 +106,7 @@ class WeightUpdateGroup:
             options._timeout = delta
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
-    def broadcast(self, tensor: Any, src: int = 0, cancelled=None) -> Any:
+    def broadcast(self, tensor: Any, src: int = 0, cancelled: Callable[[], str | None] | None = None) -> Any:
         """Broadcast ``tensor`` from ``src``.
 
         ``cancelled()`` (checked about twice a second while the broadcast is under way) may return a
@@ -115,6 +117,8 @@ class WeightUpdateGroup:
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
+        if self._pg is None:
+            raise RuntimeError(f"weight update group {self.group_name!r} was destroyed or abandoned")
         work = self._pg.broadcast([tensor], opts)
         if cancelled is not None:
             done = threading.Event()
@@ -134,6 +138,8 @@ class WeightUpdateGroup:
         the group's timeout.
         """
         pg, self._pg = self._pg, None
+        if pg is None:
+            return
         try:
             pg.abort()
         except Exception:  # noqa: BLE001 - best effort
@@ -141,5 +147,6 @@ class WeightUpdateGroup:
         _ABANDONED.append(pg)
 
     def destroy(self) -> None:
+        """Drop this rank's group and store references."""
         self._pg = None
         self.store = None

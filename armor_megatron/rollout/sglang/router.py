@@ -206,19 +206,22 @@ class SGLangRouter:
         env = dict(os.environ)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
+        assert self.log_path is not None  # start() names one
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _wait_ready(self, deadline: float) -> None:
         client = self._client()
+        proc, log_path = self.proc, self.log_path
+        assert proc is not None and log_path is not None  # _spawn started it, logging there
         ready = None
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = log_tail(self.log_path)
+            if proc.poll() is not None:
+                tail = log_tail(log_path)
                 if "Address already in use" in tail:
                     raise _PortTaken()
                 raise EngineUnavailableError(
-                    f"SGLang router exited with code {self.proc.returncode}; log tail ({self.log_path}):\n{tail}"
+                    f"SGLang router exited with code {proc.returncode}; log tail ({log_path}):\n{tail}"
                 )
             try:
                 ready = client.get("/readiness", timeout=5.0, retry=False)
@@ -229,7 +232,7 @@ class SGLangRouter:
             time.sleep(0.2)
         raise EngineUnavailableError(
             f"SGLang router {self.url} not routing to all {len(self.worker_urls)} workers after "
-            f"{self.startup_timeout:.0f}s (last /readiness: {ready}); log tail ({self.log_path}):\n{log_tail(self.log_path)}"
+            f"{self.startup_timeout:.0f}s (last /readiness: {ready}); log tail ({log_path}):\n{log_tail(log_path)}"
         )
 
     def stop(self, timeout: float | None = None) -> None:

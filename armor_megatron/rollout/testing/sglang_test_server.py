@@ -232,18 +232,20 @@ class SGLangTestServer:
         self.pause_mode = None  # the mode of the last /pause_generation (test hook)
         self._abort_epoch = 0  # bumped by an "abort" pause: requests that started before are aborted
         self._running = 0  # generations in flight
-        self._released = set()  # memory tags released
-        self._groups = {}
+        self._released: set[str] = set()  # memory tags released
+        self._groups: dict[str, Any] = {}
         self._weights_lock = threading.Lock()  # weight requests one at a time (SGLang's communicators queue them)
-        self.distributed_updates = []  # (group_name, names) of every update_weights_from_distributed received
-        self._deferred = {}  # fused-in-memory checkpoint tensors of the update in progress
-        self._ckpt_names = None
-        self._failures = {}  # path -> [remaining, status]
+        self.distributed_updates: list[
+            tuple[str, list[str]]
+        ] = []  # (group_name, names) of every update_weights_from_distributed received
+        self._deferred: dict[str, Any] = {}  # fused-in-memory checkpoint tensors of the update in progress
+        self._ckpt_names: set[str] | None = None
+        self._failures: dict[str, list[int]] = {}  # path -> [remaining, status]
         self._aborts = 0
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._connections = set()
-        self.requests = {}  # path -> count, for tests
+        self._connections: set[socket.socket] = set()
+        self.requests: dict[str, int] = {}  # path -> count, for tests
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -268,7 +270,8 @@ class SGLangTestServer:
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
-            self._thread.join(timeout=10)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
             self._httpd = None
 
     def crash(self) -> None:
@@ -473,6 +476,7 @@ class SGLangTestServer:
         with self._cond:
             aborted = self._aborts > 0
             self._aborts -= aborted
+        reason: dict[str, Any]
         if aborted:
             reason = {"type": "abort", "message": "injected abort"}
         elif sample.finish_reason == "length":
@@ -538,6 +542,8 @@ class SGLangTestServer:
         from armor_megatron.rollout.hf_checkpoint import read_hf_checkpoint
 
         if self._ckpt_names is None:
+            if self.model_path is None:
+                raise ValueError("this server was started without a model_path: no checkpoint to read")
             self._ckpt_names = {n for n, _ in read_hf_checkpoint(self.model_path, keys_only=True)}
         return self._ckpt_names
 
