@@ -18,6 +18,7 @@ format is safetensors': 8-byte little-endian header length, JSON header
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -220,18 +221,18 @@ class SafetensorsWriter:
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._pos = 0
         self._open_shard: int | None = None
-        self._stream = None
+        self._stream: io.BufferedWriter | None = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
         self.write_blocks(name, tuple(tensor.shape), [tensor])
 
     def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Sequence[torch.Tensor]) -> None:
         """Write tensor ``name`` of ``shape`` whose data is the concatenation of ``blocks``' bytes."""
-        self._start_tensor(name, shape, {b.dtype for b in blocks}, sum(b.nbytes for b in blocks))
+        stream = self._start_tensor(name, shape, {b.dtype for b in blocks}, sum(b.nbytes for b in blocks))
         for block in blocks:
             if block.numel():
                 block = block.contiguous()
-                self._stream.write(byte_view(block))
+                stream.write(byte_view(block))
         self._pos += 1
 
     def write_segments(
@@ -241,15 +242,17 @@ class SafetensorsWriter:
         the kernel: the bytes never enter this process).
         """
         nbytes = total_bytes(segments)
-        self._start_tensor(name, shape, {dtype}, nbytes)
-        self._stream.flush()
-        at = self._stream.tell()
-        copy_segments(segments, self._stream.fileno(), at)
-        self._stream.seek(at + nbytes)
+        stream = self._start_tensor(name, shape, {dtype}, nbytes)
+        stream.flush()
+        at = stream.tell()
+        copy_segments(segments, stream.fileno(), at)
+        stream.seek(at + nbytes)
         self._pos += 1
 
-    def _start_tensor(self, name: str, shape: tuple[int, ...], dtypes: set, nbytes: int) -> None:
-        """Check the tensor is the next one declared; open its shard (header first) if needed."""
+    def _start_tensor(
+        self, name: str, shape: tuple[int, ...], dtypes: set[torch.dtype], nbytes: int
+    ) -> io.BufferedWriter:
+        """Check the tensor is the next one declared; open its shard (header first) if needed; its stream."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"{name}: more tensors written than declared")
         shard, planned = self._queue[self._pos]
@@ -263,6 +266,8 @@ class SafetensorsWriter:
             self._stream = open_sliced(os.path.join(self.out_dir, self.files[shard]))
             self._stream.write(_header(self.shards[shard]))
             self._open_shard = shard
+        assert self._stream is not None  # the shard is open
+        return self._stream
 
     def _close_stream(self) -> None:
         if self._stream is not None:

@@ -35,7 +35,8 @@ def plan_hf_tensors(hf: HFCheckpoint, notice: Callable[[str], None] | None = Non
     no weight would be dropped; return the dtype of each rule. DeepSeek-V3's multi-token-prediction
     layers are left out, said in one line to ``notice``.
     """
-    arch, dtypes, used = hf.arch, {}, set()
+    arch, used = hf.arch, set()
+    dtypes: dict[TensorRule, torch.dtype] = {}
     mtp = [n for n in hf.tensors if is_mtp_tensor(arch, n)]
     if mtp and notice is not None:
         last = arch.num_layers + arch.mtp_layers - 1

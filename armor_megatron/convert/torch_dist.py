@@ -158,7 +158,7 @@ def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callab
                             index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
                         )
                     )
-            done = Future()
+            done: Future[list[WriteResult]] = Future()
             done.set_result(results)
             return done
 
@@ -239,7 +239,8 @@ class TorchDistReader:
             self.metadata = self._storage.read_metadata()
         except Exception as e:  # missing / corrupt .metadata: torch raises several types
             raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({e})") from None
-        self._storage.read_metadata = lambda *args, **kwargs: self.metadata  # parse the pickle once
+        # parse the pickle once: an instance attribute shadows the method
+        setattr(self._storage, "read_metadata", lambda *args, **kwargs: self.metadata)  # noqa: B010
         stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}
@@ -310,10 +311,12 @@ class TorchDistReader:
         """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
         (untransformed, uncompressed, little-endian) item, else None.
         """
-        from torch.distributed.checkpoint.metadata import MetadataIndex
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
         key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
-        stored = self.metadata.state_dict_metadata[key].chunks
+        meta = self.metadata.state_dict_metadata[key]
+        assert isinstance(meta, TensorStorageMetadata)  # self.keys holds tensor keys only
+        stored = meta.chunks
         if not any(c.offsets == offset and tuple(c.sizes) == shape for c in stored):
             return None
         info = self.metadata.storage_data.get(MetadataIndex(key, offset))
@@ -385,7 +388,7 @@ def _chunk_load_planner_class():
     """
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -401,7 +404,10 @@ def _chunk_load_planner_class():
             items = []
             for (key, offsets), tensor in self.targets.items():
                 want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
-                reads = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [want])
+                assert self.metadata is not None  # set_up_planner ran
+                meta = self.metadata.state_dict_metadata[key]
+                assert isinstance(meta, TensorStorageMetadata)
+                reads = create_read_items_for_chunk_list(key, meta, [want])
                 covered = sum(math.prod(r.lengths) for r in reads)
                 if covered != tensor.numel():
                     raise CheckpointError(

@@ -54,7 +54,7 @@ import shutil
 import signal
 import sys
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -211,7 +211,7 @@ def _write_agreed_manifest(path: str) -> None:
     names = list_files(path) if dist.get_rank() == 0 else None
     names = _broadcast(names)
     share = describe_files(path, names, dist.get_rank(), dist.get_world_size())
-    shares = [None] * dist.get_world_size()
+    shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, share)
     if dist.get_rank() == 0:
         write_manifest(path, {k: v for s in shares for k, v in s.items()})
@@ -225,7 +225,7 @@ def _broadcast(obj):
 
 def _agreed_tmp_name(root: str, name: str) -> str:
     """Rank 0 checks the target and creates ``{name}.tmp-<uuid>``; every rank gets its name or its error."""
-    message = [None]
+    message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             if latest_name(root) == name:
@@ -297,10 +297,11 @@ def find_latest(root: str) -> str | None:
         remove_save_leftovers(root)
     if dist.is_initialized():
         dist.barrier()
-    candidates = []
+    candidates: list[str] = []
     if has_latest:
         try:
-            candidates = [model_state.find_latest(root)]
+            latest = model_state.find_latest(root)
+            candidates = [] if latest is None else [latest]
         except FileNotFoundError as e:
             _warn(str(e))
     else:
@@ -332,7 +333,7 @@ _VERIFIED: set[str] = set()  # checkpoints this process found intact (find_lates
 def agreed_damage(path: str) -> str | None:
     if not dist.is_initialized():
         return damaged_file(path)
-    problems = [None] * dist.get_world_size()
+    problems: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, damaged_file(path, dist.get_rank(), dist.get_world_size()))
     return next((p for p in problems if p is not None), None)
 

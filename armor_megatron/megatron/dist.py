@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -213,7 +214,9 @@ def initialize(
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if env.master_port == 0:  # a single process: its own store on a port the OS picks, held by the group
-            rendezvous = dict(store=torch.distributed.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout))
+            rendezvous: dict[str, Any] = dict(
+                store=torch.distributed.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout)
+            )
         else:
             rendezvous = dict(init_method=f"tcp://{env.master_addr}:{env.master_port}")
         torch.distributed.init_process_group(

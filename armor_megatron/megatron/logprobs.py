@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -90,13 +91,13 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
             sums = [e.sum(dim=-1), torch.where(owned[a:b], target, 0.0)]
             if with_entropy:  # Σ exp(z−m)·(z−m), with 0·(−inf) := 0 for masked (−inf) logits
                 sums.append(torch.linalg.vecdot(e, z.clamp_(min=_FP32_MIN)))
-            sums = torch.stack(sums)
-            _all_reduce(sums, dist.ReduceOp.SUM, group)
-            log_s = sums[0].log()
-            logprobs[a:b] = sums[1] - log_s
+            sums_t = torch.stack(sums)
+            _all_reduce(sums_t, dist.ReduceOp.SUM, group)
+            log_s = sums_t[0].log()
+            logprobs[a:b] = sums_t[1] - log_s
             lse[a:b] = m + log_s
-            if with_entropy:  # H = log s − Σ p·(z−m)
-                entropy[a:b] = log_s - sums[2] / sums[0]
+            if entropy is not None:  # H = log s − Σ p·(z−m)
+                entropy[a:b] = log_s - sums_t[2] / sums_t[0]
         ctx.save_for_backward(logits, local, owned, lse, entropy if with_entropy else lse)
         ctx.args = (valid, temperature, chunk, with_entropy)
         # an entropy that only feeds metrics gets no gradient: backward then skips its term
@@ -275,13 +276,18 @@ def compute_logprobs(
         vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements
     )
     names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+
+    def collect(mb: MicroBatch, logits: torch.Tensor) -> list[torch.Tensor]:
+        logprobs, entropy = token_logprobs(logits, mb, **kwargs)
+        return [logprobs] if entropy is None else [logprobs, entropy]
+
     out = forward_only(
         model_chunks,
         input_ids,
         lengths,
         micro_batch_size=micro_batch_size,
         names=names,
-        collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)],
+        collect=collect,
         max_tokens=max_tokens,
     )
     return LogProbs(out["logprobs"], out.get("entropy"))
@@ -313,7 +319,9 @@ def forward_only(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    chunks: list[torch.nn.Module] = (
+        list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [cast(torch.nn.Module, model_chunks)]
+    )
     multiple = sequence_multiple(chunks)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     B, T = input_ids.shape

@@ -61,14 +61,14 @@ class MicroBatch:
         """
         b, t = self.tokens.shape
         positions = torch.arange(t, device=device)
-        if self.packed:
+        if self.cu_seqlens is not None:  # packed
             cu = to_device(self.cu_seqlens, device).long()
             positions = positions - cu[:-1].repeat_interleave(cu.diff(), output_size=t)
         return positions.expand(b, t)
 
     def packed_seq_params(self, device=None):
         """Megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
-        if not self.packed:
+        if self.cu_seqlens is None:  # padded
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -84,7 +84,7 @@ class MicroBatch:
         Packed: row i's position j is packed position cu_seqlens[i] + j for j < lengths[i];
         positions past a row's length hold values of the next segment (callers mask them).
         """
-        if not self.packed:
+        if self.cu_seqlens is None:  # padded
             return x
         t = x.shape[1]
         starts = to_device(self.cu_seqlens[: len(self.lengths)], x.device).long()

@@ -252,7 +252,10 @@ class HostOffload:
 
 
 def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
-    return tensors if callable(tensors) else (lambda kept=list(tensors): kept)
+    if callable(tensors):
+        return tensors
+    kept = list(tensors)
+    return lambda: kept
 
 
 def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -266,14 +269,14 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
         status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(status) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
-        buffer._armor_registered = True
+        setattr(buffer, "_armor_registered", True)  # noqa: B010 (a mark on a tensor: no declared field)
     return buffer
 
 
 def _unpin(buffer: torch.Tensor) -> None:
     if getattr(buffer, "_armor_registered", False):
         torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        buffer._armor_registered = False
+        setattr(buffer, "_armor_registered", False)  # noqa: B010
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -411,11 +412,11 @@ def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
     """
     from megatron.core import parallel_state
 
-    result = [None]
+    result: list[Any] = [None]
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         local = reduce_loss_metrics(calls)
         local["loss"] = float(sum(losses))
-        gathered = [None] * parallel_state.get_data_parallel_world_size()
+        gathered: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
         combined = reduce_loss_metrics(gathered)
         combined["loss"] = sum(g["loss"] for g in gathered)

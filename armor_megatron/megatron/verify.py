@@ -93,5 +93,6 @@ def verify(hf_dir: str, mcore_dir: str, *, logits: bool = True, atol: float = DE
         tokens = prompts(hf.arch)
         expected = hf_logits(hf_dir, tokens)
         actual = megatron_logits(load_megatron_model(hf.arch, mcore_dir), hf.arch, tokens)
-        diff = (actual - expected).abs().max().item()
+        if actual is not None:  # the last pipeline stage
+            diff = (actual - expected).abs().max().item()
     return VerifyReport(compared, mismatched, diff, atol)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -225,7 +226,7 @@ class HFWeightExport:
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
         reports = _gather_to_rank0((report, error))
-        verdict = [None]
+        verdict: list[Any] = [None]
         if reports is not None:
             failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
             verdict = ["; ".join(failed) or None]
@@ -246,7 +247,7 @@ class HFWeightExport:
         fails every rank at the same step, with every rank's message.
         """
         rank = _rank()
-        state = {"error": None}
+        state: dict[str, Any] = {"error": None}
 
         def attempt(fn, *args):
             if state["error"] is None:
@@ -267,7 +268,7 @@ class HFWeightExport:
             description = attempt(sink.describe, bucket) if sink is not None and bucket else None
             last = k == rounds - 1
             self._step(delivery, description, state, lambda notes, last=last: delivery.conduct_bucket(notes, last))
-            if description is not None:
+            if sink is not None and description is not None:
                 attempt(sink.put, bucket)
             del bucket
             self._settle(delivery, state)
@@ -286,7 +287,7 @@ class HFWeightExport:
         from armor_megatron.rollout.engine import WeightUpdateError
 
         gathered = _gather_to_rank0((note, state["error"]))
-        verdict = [None]
+        verdict: list[Any] = [None]
         if gathered is not None:
             failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
             if not failed and conduct is not None:
@@ -338,7 +339,7 @@ def _driver_says(message):
 def _gather_to_rank0(obj) -> list | None:
     if not _distributed():
         return [obj]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0)
     return gathered
 
@@ -352,7 +353,9 @@ def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
     from megatron.core import parallel_state as ps
 
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    buckets, bucket, size = [], [], 0
+    buckets: list[list[_Param]] = []
+    bucket: list[_Param] = []
+    size = 0
     for p in params:
         nbytes = p.tensor.numel() * p.tensor.element_size() * ((etp if p.expert else tp) if p.gather else 1)
         if bucket and size + nbytes > limit:
@@ -384,7 +387,7 @@ def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int) -> None:
 
 
 def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
-    box = [None]
+    box: list[Any] = [None]
     dist.recv_object_list(box, src=src)
     meta, nbytes = box[0]
     if not meta:
@@ -472,6 +475,7 @@ def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_P
         return (piece(sequential, int(sequential.group(1)), sequential.group(2)),)
     if te_grouped:
         return (piece(te_grouped, int(te_grouped.group(2)), te_grouped.group(1)),)
+    assert legacy is not None  # one of the three matched
     h, fc1 = arch.hidden_size, legacy.group(1) == "1"
     stacked_dim = 1 if fc1 else 0  # weight1 [h, E_local·2f/etp], weight2 [E_local·f/etp, h]
     if tensor.dim() != 2 or tensor.shape[1 - stacked_dim] != h or tensor.shape[stacked_dim] % local:
@@ -527,7 +531,7 @@ def _check_complete(
     of parameter ``buckets`` any rank has (the rounds of a gather on rank 0).
     """
     gathered = _gather_to_rank0((owned_names, problem, buckets))
-    verdict = [None]
+    verdict: list[Any] = [None]
     if gathered is not None:
         reports = dict(enumerate(gathered))
         problems = [f"rank {r}: {p}" for r, (_, p, _) in reports.items() if p]
@@ -591,7 +595,7 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
         shard = _staged(p.tensor)
         shards = _gather_to_owner(shard, group) if p.gather else [shard]
-        if not _owns(p.expert):
+        if shards is None or not _owns(p.expert):  # None: not this group's owner
             continue
         for i, piece in enumerate(p.pieces):
             rule = piece.ref.rule
