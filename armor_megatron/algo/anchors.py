@@ -82,8 +82,10 @@ class AnchorGroups:
 def select_anchor(
     reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
 ) -> tuple[int | None, int]:
-    """Rejection sampling over the tries in order: (index of the first try with reward ≥
-    ``success_reward`` among the first ``max_tries``, or None; tries used).
+    """Rejection sampling over the tries in order.
+
+    (index of the first try with reward ≥ ``success_reward`` among the first ``max_tries``, or None;
+    tries used).
     """
     if max_tries < 1:
         raise ValueError(f"anchor max_tries must be >= 1, got {max_tries!r}")
@@ -147,8 +149,10 @@ def assemble_anchor_groups(
 
 
 def anchor_zero_advantage_rate(advantages: torch.Tensor, is_anchor: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """Share of anchor rows whose advantage is zero (|A| ≤ atol): anchors that contribute no
-    gradient, e.g. under QAE's quantile baseline on easy prompts. 0 when there are no anchors.
+    """Share of anchor rows whose advantage is zero (|A| ≤ atol).
+
+    Anchors that contribute no gradient, e.g. under QAE's quantile baseline on easy prompts. 0 when
+    there are no anchors.
 
     advantages: [num_groups, G] (or any shape) sequence-level advantages; is_anchor: same shape.
     """

@@ -93,9 +93,10 @@ def check_loss_agg(loss_agg: str) -> None:
 
 
 def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
-    sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
-    data-parallel ranks to get the global ``normalizer`` of ``policy_loss``.
+    """The local count of aggregation units in ``mask`` [B, T].
+
+    Valid tokens for token-mean, sequences with at least one valid token for the seq-* modes. Sum it
+    over micro-batches and data-parallel ranks to get the global ``normalizer`` of ``policy_loss``.
     """
     check_loss_agg(loss_agg)
     valid = mask.bool()
@@ -107,9 +108,10 @@ def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
 def aggregate_token_loss(
     token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str, normalizer: torch.Tensor | float | None = None
 ) -> torch.Tensor:
-    """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc):
-    Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where
-    ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count).
+    """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc).
+
+    Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where ``mask``
+    is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count).
     """
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer!r}")

@@ -102,8 +102,9 @@ def value_loss(
 
 
 def explained_variance_from_moments(metrics: dict[str, float]) -> float:
-    """1 − Var(R − V) / Var(R) from token-weighted means (``value_loss`` metrics, possibly combined
-    over calls): Var(x) = E[x²] − E[x]². NaN when the returns do not vary (undefined).
+    """1 − Var(R − V) / Var(R) from token-weighted means (``value_loss`` metrics, possibly combined over calls).
+
+    Var(x) = E[x²] − E[x]². NaN when the returns do not vary (undefined).
     """
     var_return = metrics["return_sq_mean"] - metrics["return_mean"] ** 2
     var_error = metrics["value_error_sq_mean"] - metrics["value_error_mean"] ** 2

@@ -40,8 +40,10 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
-    """The prompt, answer and type keys of evaluation set ``name``: the config's ``data`` keys,
-    an ``eval.datasets`` entry's own keys first; the row defaults without a config.
+    """The prompt, answer and type keys of evaluation set ``name``.
+
+    The config's ``data`` keys, an ``eval.datasets`` entry's own keys first; the row defaults
+    without a config.
     """
     if cfg is None:
         return "prompt", "answer", "type"
@@ -115,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def domain_accuracy(records: list[dict], eval_sets, default_verifier: str) -> dict[str, dict[str, float]]:
-    """Accuracy per domain over every scored sample: a sample's domain is the verifier its row
-    was scored with (the row's ``type``, else ``default_verifier``).
+    """Accuracy per domain over every scored sample.
+
+    A sample's domain is the verifier its row was scored with (the row's ``type``, else
+    ``default_verifier``).
     """
     from armor_megatron.rewards.metrics import accuracy_by_domain
 

@@ -60,8 +60,9 @@ class LaunchResult:
 
 
 class SignalForwarder:
-    """Forward ``signals`` received by this process to its child processes (the ranks): at once,
-    and to children that appear later (every ``poll_s`` seconds) while installed.
+    """Forward ``signals`` received by this process to its child processes (the ranks).
+
+    At once, and to children that appear later (every ``poll_s`` seconds) while installed.
     """
 
     def __init__(self, signals, poll_s: float = 0.5):

@@ -1,6 +1,7 @@
-"""Checks of what a run config names on this machine: paths, the first rows of each dataset,
-optional packages it turns on, what its settings need (`config.needs`), and the run that owns its
-checkpoint directory.
+"""Checks of what a run config names on this machine.
+
+Paths, the first rows of each dataset, optional packages it turns on, what its settings need
+(`config.needs`), and the run that owns its checkpoint directory.
 
 ``armor-train --check`` runs them after the config's own checks (``validate``); a run started
 on a machine without the files (a laptop preparing a cluster recipe) skips them with
@@ -59,8 +60,9 @@ def check_files(cfg: RunConfig) -> None:
 
 
 def _check_writable_dir(key: str, path: str) -> None:
-    """``path`` is a directory this process can write, or can be created: its nearest existing
-    ancestor is a writable directory (not a file).
+    """``path`` is a directory this process can write, or can be created.
+
+    Its nearest existing ancestor is a writable directory (not a file).
     """
     probe = os.path.abspath(path)
     while not os.path.exists(probe):

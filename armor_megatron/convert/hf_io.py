@@ -289,17 +289,18 @@ class SafetensorsWriter:
 
 
 class TensorDigest:
-    """Content checksum of a set of named tensors, independent of order and file layout:
-    xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory
-    speed -- ~5x sha256 on the development machines -- and only has to catch corruption).
+    """Content checksum of a set of named tensors, independent of order and file layout.
+
+    It is xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory speed
+    -- ~5x sha256 on the development machines -- and only has to catch corruption).
 
     Hashing runs on one worker thread (xxhash releases the GIL) while the caller goes on:
 
     * ``update(named)`` hashes (name, tensor) pairs -- or the pairs a callable returns,
-      evaluated on the worker; it first waits for all earlier work, so at most one batch of
-      tensors is kept alive for hashing;
+    evaluated on the worker; it first waits for all earlier work, so at most one batch of
+    tensors is kept alive for hashing;
     * ``update_file(name, dtype, shape, segment)`` hashes a tensor's bytes read from its file
-      through a small reused buffer (1 MiB: it stays in cache); it is queued without waiting.
+    through a small reused buffer (1 MiB: it stays in cache); it is queued without waiting.
     """
 
     ALGORITHM = "xxh3_128"

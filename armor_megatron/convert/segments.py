@@ -119,9 +119,10 @@ def _torch_save_without_data() -> Iterator[None]:
 
 
 class HoleFillingWriter(io.BufferedWriter):
-    """A buffered file writer that appends ``torch.save`` archives whose tensor data are file
-    segments: torch writes the archive around a hole (``skip_data``) and the seek over the
-    hole is turned into ``copy_segments``.
+    """A buffered file writer that appends ``torch.save`` archives whose tensor data are file segments.
+
+    Torch writes the archive around a hole (``skip_data``) and the seek over the hole is turned into
+    ``copy_segments``.
     """
 
     def __init__(self, path: str):

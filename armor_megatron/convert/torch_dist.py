@@ -129,9 +129,11 @@ def _planner(write_items: list):
 
 
 def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callable[[Chunk], list[FileSegment]]):
-    """DCP's file-system writer with its data step replaced: one file, items in plan order, each
-    tensor a ``torch.save`` archive whose data the kernel copies in from ``produce(chunk)``'s
-    segments (see ``segments``). DCP still plans the items and writes ``.metadata``.
+    """DCP's file-system writer with its data step replaced.
+
+    One file, items in plan order, each tensor a ``torch.save`` archive whose data the kernel copies
+    in from ``produce(chunk)``'s segments (see ``segments``). DCP still plans the items and writes
+    ``.metadata``.
     """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo

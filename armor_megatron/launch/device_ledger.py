@@ -91,8 +91,9 @@ class DeviceLedger:
         self._record("trainer to the device")
 
     def trainer_to_host(self, *, emptied_cache: bool) -> None:
-        """The trainer's storages freed on the device; ``emptied_cache``: and the allocator's
-        cached blocks returned (``torch.cuda.empty_cache()``).
+        """The trainer's storages freed on the device.
+
+        ``emptied_cache``: and the allocator's cached blocks returned (``torch.cuda.empty_cache()``).
         """
         self.trainer_on_device = False
         if emptied_cache:
@@ -100,8 +101,10 @@ class DeviceLedger:
         self._record("trainer to the host" + (" + empty_cache" if emptied_cache else ""))
 
     def compute(self, kind: str) -> None:
-        """A log-prob pass (``logprobs``) or an update (``update``) runs: its peak is charged on
-        top, and stays reserved by the allocator afterwards (until `trainer_to_host` empties it).
+        """A log-prob pass (``logprobs``) or an update (``update``) runs.
+
+        Its peak is charged on top, and stays reserved by the allocator afterwards (until
+        `trainer_to_host` empties it).
         """
         peak = {"logprobs": self.sizes.logprobs, "update": self.sizes.update}[kind]
         self._record(kind, computing=max(peak - self.cache, 0.0))

@@ -83,7 +83,8 @@ class ModelState(Protocol):
 
 
 class TrainableState(ModelState, Protocol):
-    """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`):
+    """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`).
+
     ``sharded_state_dict`` holds the optimizer only once it has state.
     """
 
@@ -144,8 +145,10 @@ def save_checkpoint(
 
 @contextlib.contextmanager
 def preemption_signals_held():
-    """Block SIGTERM/SIGUSR1 in this thread: processes started meanwhile inherit the mask (across
-    exec too) and never see them; this process gets a held signal when the block ends.
+    """Block SIGTERM/SIGUSR1 in this thread.
+
+    Processes started meanwhile inherit the mask (across exec too) and never see them; this process
+    gets a held signal when the block ends.
 
     multiprocessing's resource tracker unblocks the signals after starting itself, so it is
     started first. megatron's long-lived writer-results server is started inside the block
@@ -279,13 +282,14 @@ def _fsync_dir(path: str) -> None:
 
 # ----------------------------------------------------------------------------- find / verify / prune
 def find_latest(root: str) -> str | None:
-    """The checkpoint to resume from in ``root``: the one ``latest`` names when it is intact,
-    else the newest intact ``iter_*`` (each damaged one skipped with a one-line warning); None
-    when ``root`` has neither a ``latest`` nor a complete ``iter_*`` (a fresh run). A missing,
-    empty or garbled ``latest`` beside complete checkpoints (a save that died between
-    publishing and naming its checkpoint, a damaged file) is warned about, never taken for a
-    fresh start that would overwrite them. Removes the leftovers of interrupted saves first.
-    Every rank of a job calls it (the checks are split between them).
+    """The checkpoint to resume from in ``root``.
+
+    The one ``latest`` names when it is intact, else the newest intact ``iter_*`` (each damaged one
+    skipped with a one-line warning); None when ``root`` has neither a ``latest`` nor a complete
+    ``iter_*`` (a fresh run). A missing, empty or garbled ``latest`` beside complete checkpoints (a
+    save that died between publishing and naming its checkpoint, a damaged file) is warned about,
+    never taken for a fresh start that would overwrite them. Removes the leftovers of interrupted
+    saves first. Every rank of a job calls it (the checks are split between them).
     """
     has_latest = latest_name(root) is not None
     complete = (
@@ -359,9 +363,11 @@ def _warn(message: str) -> None:
 
 
 def adopt_as_latest(root: str, path: str) -> None:
-    """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
-    run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
-    ``--resume auto`` after a crash comes back to this timeline). Every rank calls it.
+    """Resuming from ``path``, an earlier checkpoint in ``root``.
+
+    ``latest`` names it, so the run's own later saves replace the abandoned timeline's checkpoints
+    of the same steps (and ``--resume auto`` after a crash comes back to this timeline). Every rank
+    calls it.
     """
     root, path = os.path.abspath(root), os.path.abspath(path)
     if os.path.dirname(path) == root and latest_name(root) != os.path.basename(path):
@@ -442,8 +448,10 @@ def load_checkpoint(
 
 
 def load_trainer_state(path: str) -> dict:
-    """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``: only containers,
-    numbers, strings and tensors come back, so a checkpoint from elsewhere cannot run code.
+    """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``.
+
+    Only containers, numbers, strings and tensors come back, so a checkpoint from elsewhere cannot
+    run code.
     """
     full = os.path.join(path, EXTRA_FILE)
     try:

@@ -249,8 +249,10 @@ def process_group_backend(on_cuda: bool) -> str:
 
 
 def _gpu_index(local_rank: int, visible: int) -> int:
-    """GPU of this process: ``cuda:LOCAL_RANK``, or the only visible one when the launcher
-    already bound one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES).
+    """GPU of this process.
+
+    ``cuda:LOCAL_RANK``, or the only visible one when the launcher already bound one GPU per task
+    (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES).
     """
     if local_rank < visible:
         return local_rank
@@ -278,9 +280,11 @@ def set_model_parallel(
 
 
 def set_deterministic() -> None:
-    """Bit-reproducible kernels: deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace,
-    Transformer Engine's deterministic attention (megatron's ``deterministic_mode``, which the model
-    builder turns on with these on a GPU, refuses TE attention without it).
+    """Bit-reproducible kernels.
+
+    Deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace, Transformer Engine's
+    deterministic attention (megatron's ``deterministic_mode``, which the model builder turns on
+    with these on a GPU, refuses TE attention without it).
     """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"

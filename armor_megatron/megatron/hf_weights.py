@@ -54,8 +54,10 @@ def is_hf_dir(path: str) -> bool:
 
 
 def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None:
-    """Model weights from ``path``: an HF directory (`load_hf_weights`: each rank reads its own
-    slices) or a torch_dist checkpoint / checkpoint root (`model_state.load_model_weights`).
+    """Model weights from ``path``.
+
+    An HF directory (`load_hf_weights`: each rank reads its own slices) or a torch_dist checkpoint /
+    checkpoint root (`model_state.load_model_weights`).
     """
     if is_hf_dir(path):
         load_hf_weights(chunks, path, exclude)

@@ -93,9 +93,10 @@ class MicroBatch:
 
 
 def pinned_copy(src: torch.Tensor, device) -> bool:
-    """Whether `src` goes to `device` through pinned host memory, without blocking the host: when
-    it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host wait
-    until the GPU has finished its queued work; pinning needs an accelerator.
+    """Whether `src` goes to `device` through pinned host memory, without blocking the host.
+
+    When it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host
+    wait until the GPU has finished its queued work; pinning needs an accelerator.
     """
     return src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda"
 
@@ -154,8 +155,9 @@ def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
 
 
 def padded_rows(rows: dict, count: int) -> dict:
-    """`rows` ({name: [N, ...]}) with `count` padding rows appended: token 0, length 1, zeros
-    everywhere else (zero mask: no loss, no gradient).
+    """`rows` ({name: [N, ...]}) with `count` padding rows appended.
+
+    Token 0, length 1, zeros everywhere else (zero mask: no loss, no gradient).
     """
     if count == 0:
         return rows
@@ -171,8 +173,10 @@ def round_up(n: int, multiple: int) -> int:
 
 
 def sequence_multiple(model_chunks) -> int:
-    """What micro-batch lengths must be a multiple of: the TP size under sequence parallelism
-    (each TP rank holds s / tp positions between the layers), else 1.
+    """What micro-batch lengths must be a multiple of.
+
+    The TP size under sequence parallelism (each TP rank holds s / tp positions between the layers),
+    else 1.
     """
     from megatron.core import parallel_state
 
@@ -186,8 +190,10 @@ def sequence_multiple(model_chunks) -> int:
 def packed_microbatch(
     input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, multiple_of: int = 1, width: int | None = None
 ) -> MicroBatch:
-    """Rows ``index`` of [B, T] packed back to back into tokens [1, t]: t = round_up(Σ lengths,
-    multiple_of), or `width` when given (fixed shapes), the rest one padding segment of token 0.
+    """Rows ``index`` of [B, T] packed back to back into tokens [1, t].
+
+    Here t = round_up(Σ lengths, multiple_of), or `width` when given (fixed shapes), the rest one padding
+    segment of token 0.
     """
     lengths = lengths[index]
     total = int(lengths.sum())
@@ -206,9 +212,11 @@ def packed_microbatch(
 
 @dataclasses.dataclass(frozen=True)
 class TokenBudget:
-    """Token-budget micro-batches (``train.max_tokens_per_micro_batch``): rows packed into
-    micro-batches of at most ``train`` tokens for training and ``forward`` tokens for the no-grad
-    log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per micro-batch.
+    """Token-budget micro-batches (``train.max_tokens_per_micro_batch``).
+
+    Rows packed into micro-batches of at most ``train`` tokens for training and ``forward`` tokens
+    for the no-grad log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per
+    micro-batch.
     """
 
     train: int | None = None

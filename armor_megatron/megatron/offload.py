@@ -43,9 +43,11 @@ import torch
 
 
 def model_tensors(model) -> Iterator[torch.Tensor]:
-    """Every tensor a trained or frozen model keeps between steps: parameters and buffers of its
-    chunks, megatron DDP's parameter and gradient buffers (``main_grad`` lives there), and the
-    optimizer's state and master parameters (chained optimizers included).
+    """Every tensor a trained or frozen model keeps between steps.
+
+    Parameters and buffers of its chunks, megatron DDP's parameter and gradient buffers
+    (``main_grad`` lives there), and the optimizer's state and master parameters (chained optimizers
+    included).
     """
     for chunk in getattr(model, "model_chunks", []):
         yield from (t for t in chunk.state_dict(keep_vars=True).values() if torch.is_tensor(t))
@@ -62,8 +64,10 @@ def model_tensors(model) -> Iterator[torch.Tensor]:
 
 
 def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
-    """Megatron DDP's gradient buffers (``main_grad`` views into them): zeroed at the start of
-    every update (`TrainedModel._forward_backward`), so their contents need not survive.
+    """Megatron DDP's gradient buffers (``main_grad`` views into them).
+
+    Zeroed at the start of every update (`TrainedModel._forward_backward`), so their contents need
+    not survive.
     """
     for ddp in getattr(model, "ddp_chunks", []):
         for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
@@ -204,8 +208,9 @@ class HostOffload:
             self.reload()
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
-        """While offloaded: ``t``'s values in its host copy (same dtype, shape, strides); ``t``
-        itself when its storage did not move.
+        """``t``'s values in its host copy while offloaded (same dtype, shape, strides).
+
+        ``t`` itself when not offloaded or when its storage did not move.
         """
         if not self._offloaded:
             return t
@@ -219,9 +224,10 @@ class HostOffload:
 
     @contextlib.contextmanager
     def host_views(self, *models):
-        """While offloaded: the parameters and buffers of ``models``' chunks read their host
-        copies inside the block (``.data`` swapped, restored after), so a weight export streams
-        from host memory without bringing the trainer back. A no-op when not offloaded.
+        """Inside the block, the parameters and buffers of ``models``' chunks read their host copies.
+
+        ``.data`` is swapped and restored after, so a weight export streams from host memory
+        without bringing the trainer back. A no-op when not offloaded.
         """
         if not self._offloaded:
             yield

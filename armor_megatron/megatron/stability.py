@@ -58,9 +58,11 @@ GAP_KEY = "rollout/logprob_abs_diff"
 
 @dataclasses.dataclass(frozen=True)
 class GuardDecision:
-    """The verdict on one step: skip it or not, why (``reasons``: every signal that fired), what
-    the guard did (``interventions``, a subset of INTERVENTIONS) and the scales after it: this
-    step's update (if any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``.
+    """The verdict on one step.
+
+    Skip it or not, why (``reasons``: every signal that fired), what the guard did
+    (``interventions``, a subset of INTERVENTIONS) and the scales after it: this step's update (if
+    any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``.
     """
 
     skip: bool
@@ -203,8 +205,10 @@ class StabilityGuard:
         return found
 
     def _escalate(self) -> list[str]:
-        """K unhealthy steps in a row: lower LR and clip range, or ask for a rollback, and
-        re-baseline the spike reference on the grad norms just skipped.
+        """K unhealthy steps in a row.
+
+        Lower LR and clip range, or ask for a rollback, and re-baseline the spike reference on the
+        grad norms just skipped.
         """
         cfg, done = self.config, []
         if self.level < cfg.max_reductions:
@@ -224,9 +228,11 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ the trainer's side
     def observe_step(self, metrics: Mapping[str, float]) -> str | None:
-        """Once per RL step, after it, with the step's metrics (identical on every rank): records
-        the engine-vs-trainer gap ``rollout/logprob_abs_diff`` that the following optimizer steps
-        are judged with, and returns ``"rollback"`` once when the guard asks for one (else None).
+        """Once per RL step, after it, with the step's metrics (identical on every rank).
+
+        Records the engine-vs-trainer gap ``rollout/logprob_abs_diff`` that the following optimizer
+        steps are judged with, and returns ``"rollback"`` once when the guard asks for one (else
+        None).
         """
         if GAP_KEY in metrics:
             self.logprob_gap = float(metrics[GAP_KEY])
@@ -236,8 +242,9 @@ class StabilityGuard:
         return None
 
     def rolled_back(self) -> None:
-        """The trainer restored the last good checkpoint (and then this guard's state from before
-        the load): the reductions stay in force, the spike reference and the gap start afresh.
+        """The trainer restored the last good checkpoint (and then this guard's state from before the load).
+
+        The reductions stay in force, the spike reference and the gap start afresh.
         """
         self.history.clear()
         self.skipped_norms, self.strikes, self.healthy_steps = [], 0, 0

@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainMicroBatch:
-    """One micro-batch and the per-row loss inputs of its rows, trimmed to its width s
-    (``mb.width``): ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones.
+    """One micro-batch and the per-row loss inputs of its rows, trimmed to its width s (``mb.width``).
+
+    ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones.
     """
 
     mb: MicroBatch
@@ -63,13 +64,15 @@ class TrainMicroBatch:
 
 
 class TrainedModel:
-    """What the actor and the critic share: this rank's model chunks wrapped in Megatron DDP, the
-    optimizer, LR schedule and stability guard; data-parallel rows cut into micro-batches, the
-    forward/backward through megatron's pipeline schedule, the guarded optimizer step, and the
-    checkpoint hooks. Subclasses add their loss (``train_step``) and may adapt the built chunks
-    (``_build_chunks``) before DDP wraps them. ``init_weights=False`` leaves the model's weights
-    uninitialised (megatron's ``perform_initialization``) for a caller that loads them all next:
-    on CPU megatron draws every TP rank's initial weights at full size, which costs more than the load.
+    """What the actor and the critic share.
+
+    This rank's model chunks wrapped in Megatron DDP, the optimizer, LR schedule and stability
+    guard; data-parallel rows cut into micro-batches, the forward/backward through megatron's
+    pipeline schedule, the guarded optimizer step, and the checkpoint hooks. Subclasses add their
+    loss (``train_step``) and may adapt the built chunks (``_build_chunks``) before DDP wraps them.
+    ``init_weights=False`` leaves the model's weights uninitialised (megatron's
+    ``perform_initialization``) for a caller that loads them all next: on CPU megatron draws every
+    TP rank's initial weights at full size, which costs more than the load.
     """
 
     def __init__(
@@ -210,8 +213,10 @@ class TrainedModel:
             config.variable_seq_lengths, config.moe_aux_loss_coeff = variable, aux_coeff
 
     def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
-        """This data-parallel rank's rows cut into micro-batches: `micro_batch_size` rows each, or
-        with ``token_budget.train`` set, packed into micro-batches of at most that many tokens.
+        """This data-parallel rank's rows cut into micro-batches.
+
+        `micro_batch_size` rows each, or with ``token_budget.train`` set, packed into micro-batches
+        of at most that many tokens.
 
         Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
         data-parallel rank as many micro-batches -- which the expert all-to-alls of an MoE model
@@ -353,9 +358,10 @@ def _routers_without_token_scaling(model_chunks) -> None:
 
 
 def _mean_aux_loss_coeff(coeff, microbatches: int):
-    """The aux-loss coefficient for one step of `microbatches` per data-parallel rank: c / (m · dp),
-    so that the gradients, summed over micro-batches and ranks like the main loss's, carry c times
-    the MEAN load-balancing loss over them (megatron's own semantics for it).
+    """The aux-loss coefficient for one step of `microbatches` per data-parallel rank.
+
+    C / (m · dp), so that the gradients, summed over micro-batches and ranks like the main loss's,
+    carry c times the MEAN load-balancing loss over them (megatron's own semantics for it).
     """
     from megatron.core import parallel_state
 
@@ -382,9 +388,11 @@ def _loss_rows(local: dict, mb: MicroBatch) -> dict:
 
 
 def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:
-    """Check a train batch: input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking
-    only positions 1 <= t < lengths, the `required` keys present, `token_keys` (when given) [N, L].
-    Returns detached CPU tensors; raises one line naming the first problem.
+    """Check a train batch.
+
+    Expects input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking only positions 1 <= t <
+    lengths, the `required` keys present, `token_keys` (when given) [N, L]. Returns detached CPU
+    tensors; raises one line naming the first problem.
     """
     missing = [k for k in ("input_ids", "lengths", "response_mask", *required) if k not in batch]
     if missing:

@@ -72,8 +72,10 @@ class WeightExportError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """One Megatron tensor (one layer, one expert) inside a parameter: its global name resolved
-    to a rule, and how to take its TP shard from the parameter's TP shard (None: the whole).
+    """One Megatron tensor (one layer, one expert) inside a parameter.
+
+    Its global name resolved to a rule, and how to take its TP shard from the parameter's TP shard
+    (None: the whole).
     """
 
     ref: ParamRef
@@ -82,8 +84,9 @@ class _Piece:
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
-    """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to gather
-    (False: each holds the whole tensor).
+    """One parameter (or exported buffer) and the Megatron tensors it holds.
+
+    ``gather``: its TP ranks hold shards to gather (False: each holds the whole tensor).
     """
 
     tensor: torch.Tensor
@@ -237,11 +240,12 @@ class HFWeightExport:
         return [r for r, _ in reports] if reports is not None else None
 
     def _deliver_coordinated(self, delivery, chunks, owners, rounds) -> list | None:
-        """A delivery the driver conducts step by step (``delivery.coordinated``): the owners'
-        announcements, then their joins while the driver conducts them; then per round k every
-        rank makes its k-th bucket (TP/EP gathers in its own groups), the owners' descriptions
-        reach the driver (small objects), and each owner puts its bucket while the driver
-        conducts the round. Tensors never leave their owner but through its sink.
+        """A delivery the driver conducts step by step (``delivery.coordinated``).
+
+        The owners' announcements, then their joins while the driver conducts them; then per round k
+        every rank makes its k-th bucket (TP/EP gathers in its own groups), the owners' descriptions
+        reach the driver (small objects), and each owner puts its bucket while the driver conducts
+        the round. Tensors never leave their owner but through its sink.
 
         Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
         fails every rank at the same step, with every rank's message.
@@ -433,10 +437,12 @@ def _exported(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _is_tp_shard(arch: ModelArch, ref: ParamRef, name: str, tensor: torch.Tensor) -> bool:
-    """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor: False when
-    the rule replicates it, and when a column/row rule's tensor is whole on every TP rank -- the
-    TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the local
-    spec splits them by rows. Any other shape is an error (a layout the rules do not describe).
+    """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor.
+
+    False when the rule replicates it, and when a column/row rule's tensor is whole on every TP rank
+    -- the TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the
+    local spec splits them by rows. Any other shape is an error (a layout the rules do not
+    describe).
     """
     from megatron.core import parallel_state as ps
 
@@ -503,8 +509,9 @@ def _ep_rank() -> int:
 
 
 def _in_owner_replica(expert: bool) -> bool:
-    """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports:
-    every rank of a TP group has the same data-parallel (and context-parallel) rank.
+    """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports.
+
+    Every rank of a TP group has the same data-parallel (and context-parallel) rank.
     """
     from megatron.core import parallel_state as ps
 

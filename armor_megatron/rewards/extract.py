@@ -405,10 +405,11 @@ _MAX_LETTER_TEXT = 64  # an option letter in its wrappers is short; longer texts
 
 
 def strip_option_wrappers(text: str) -> str:
-    r"""``text`` without the wrappers an option letter is written in: surrounding ``$``, text
-    commands (``\text{}``, ``\textbf{}``, ``\textrm{}``, ``\mathrm{}``, ``\mathbf{}``,
-    ``\mbox{}``) and parentheses, any number, in any order: ``\textbf{(C)}`` -> ``C``,
-    ``(\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only.
+    r"""``text`` without the wrappers an option letter is written in.
+
+    Surrounding ``$``, text commands (``\text{}``, ``\textbf{}``, ``\textrm{}``, ``\mathrm{}``,
+    ``\mathbf{}``, ``\mbox{}``) and parentheses, any number, in any order: ``\textbf{(C)}`` ->
+    ``C``, ``(\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only.
     """
     text = text.strip()
     if len(text) > _MAX_LETTER_TEXT:
@@ -425,10 +426,11 @@ def strip_option_wrappers(text: str) -> str:
 
 
 def option_letter(text: str) -> str | None:
-    r"""The option letter ``text`` names and nothing else, or ``None``: one capital letter in
-    any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``, ``\text{C}``, ``\textbf{C}``,
-    ``\mathrm{C}``, ``\text{(C)}``, ``$\textbf{(C)}$`` all name ``C``; ``c``, ``CD``,
-    ``\text{C} + 1`` name none.
+    r"""The option letter ``text`` names and nothing else, or ``None``.
+
+    One capital letter in any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``,
+    ``\text{C}``, ``\textbf{C}``, ``\mathrm{C}``, ``\text{(C)}``, ``$\textbf{(C)}$`` all name ``C``;
+    ``c``, ``CD``, ``\text{C} + 1`` name none.
     """
     letter = strip_option_wrappers(text)
     return letter if len(letter) == 1 and "A" <= letter <= "Z" else None

@@ -1,5 +1,7 @@
-r"""Knowledge verifier: short-answer factual questions (rows ``type: knowledge``), scored by
-normalised exact match against the gold answer and its aliases, as TriviaQA's scorer does.
+r"""Knowledge verifier.
+
+Short-answer factual questions (rows ``type: knowledge``), scored by normalised exact match against
+the gold answer and its aliases, as TriviaQA's scorer does.
 
 score = 1 if normalise(answer) equals normalise(alias) for some alias, else 0, where
 normalise lower-cases, strips accents (NFD), turns ``_`` into a space, drops punctuation and

@@ -1,5 +1,7 @@
-r"""Math final-answer verifier: the final answer (its boxes, or a closing statement) vs the ground
-truth, equivalence by math-verify.
+r"""Math final-answer verifier.
+
+The final answer (its boxes, or a closing statement) vs the ground truth, equivalence by
+math-verify.
 
 score = 1 if the response's final answer equals the ground truth mathematically, else 0.
 "Equal" is math-verify's judgement (``verify(parse(gold), parse(answer))``): ``\frac{1}{2}``,

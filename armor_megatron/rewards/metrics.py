@@ -10,11 +10,12 @@ from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k estimator (Chen et al., 2021, "Evaluating Large Language Models
-    Trained on Code"): from n samples of which c are correct, the probability that at
-    least one of k samples drawn without replacement is correct,
+    """Unbiased pass@k estimator (Chen et al., 2021, "Evaluating Large Language Models Trained on Code").
 
-        pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i),
+    From n samples of which c are correct, the probability that at least one of k samples drawn
+    without replacement is correct,
+
+    pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i),
 
     the product form avoiding huge binomials. It is exactly 1 when n − c < k (every k-subset
     holds a correct sample) and 0 when c = 0.
@@ -96,10 +97,11 @@ def metrics_by_dataset(
 
 
 def accuracy_by_domain(records: Iterable[tuple[str, float]], threshold: float = 1.0) -> dict[str, dict[str, float]]:
-    """Per-domain accuracy of scored samples: ``(domain, score)`` records (the domain is the
-    row's verifier, e.g. ``math``, ``safety``, ``knowledge``) ->
-    ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``, domains in
-    order of first appearance.
+    """Per-domain accuracy of scored samples.
+
+    ``(domain, score)`` records (the domain is the row's verifier, e.g. ``math``, ``safety``,
+    ``knowledge``) -> ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``,
+    domains in order of first appearance.
     """
     counts: dict[str, list[int]] = {}
     for domain, score in records:

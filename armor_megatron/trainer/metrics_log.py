@@ -37,7 +37,9 @@ class MetricsLogger:
         resume_step: int | None = None,
         fresh_start: bool = False,
     ):
-        """``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
+        """Open the run's metrics log in ``log_dir``.
+
+        ``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
         starts from step 0 moves an earlier run's ``metrics.jsonl`` aside (``self.set_aside``:
         where to) instead of appending to it.
         """
@@ -103,8 +105,10 @@ class MetricsLogger:
 
 
 def wandb_run_id(log_dir: str) -> str:
-    """The W&B run id of this run directory: made once, then read back (a requeued job continues
-    the same W&B run instead of starting a new one).
+    """The W&B run id of this run directory.
+
+    Made once, then read back (a requeued job continues the same W&B run instead of starting a new
+    one).
     """
     path = os.path.join(log_dir, "wandb_run_id")
     if os.path.exists(path):
@@ -196,8 +200,10 @@ def _fmt(value) -> str:
 
 
 class StepReporter:
-    """Reports each completed step on the driver: to ``logger`` by the policy below, and as one
-    text line on ``stream``, or, when ``progress_bar`` and ``stream`` is a terminal, as a tqdm bar.
+    """Reports each completed step on the driver.
+
+    To ``logger`` by the policy below, and as one text line on ``stream``, or, when ``progress_bar``
+    and ``stream`` is a terminal, as a tqdm bar.
 
     Logging policy: a step is logged when ``step % every_steps == 0`` or when it carries an
     evaluation (``eval/`` keys): evaluations are never dropped.

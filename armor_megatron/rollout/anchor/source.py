@@ -27,8 +27,9 @@ WeightProvider = WeightSource | Callable[[], WeightSource]
 
 
 def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
-    """A zero-argument callable giving fresh weights each call: an iterator (a weight export
-    stream, readable once) is read into a host list first.
+    """A zero-argument callable giving fresh weights each call.
+
+    An iterator (a weight export stream, readable once) is read into a host list first.
     """
     if callable(weights):
         return weights

@@ -328,9 +328,10 @@ class SGLangLauncher:
 
 
 def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
-    """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``: run ``MODULE`` as
-    ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added to this
-    process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``).
+    """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``.
+
+    Run ``MODULE`` as ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added
+    to this process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``).
     """
     import runpy
 

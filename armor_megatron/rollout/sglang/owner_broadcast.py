@@ -181,8 +181,9 @@ class OwnerBroadcastDelivery(ShardDelivery):
 
 
 def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
-    """Tell every owner waiting in a join or a broadcast that the engines will not come (best
-    effort): a key in the owner's rendezvous store, which it checks while it waits.
+    """Tell every owner waiting in a join or a broadcast that the engines will not come (best effort).
+
+    A key in the owner's rendezvous store, which it checks while it waits.
     """
     for a in announcements:
         try:

@@ -47,10 +47,11 @@ def listen(world_size: int, port: int = 0, timeout: float = 600.0):
 
 
 def address_towards(peer: str) -> str:
-    """This host's address on the route to ``peer`` (what a process there can reach us at):
-    the source address the kernel picks for it (no packet is sent); this host's name when that
-    is a loopback address (``peer`` names this host through a hosts-file alias) and ``peer``
-    itself is not one.
+    """This host's address on the route to ``peer`` (what a process there can reach us at).
+
+    The source address the kernel picks for it (no packet is sent); this host's name when that is a
+    loopback address (``peer`` names this host through a hosts-file alias) and ``peer`` itself is
+    not one.
     """
     if peer in ("localhost", "") or peer.startswith("127."):
         return "127.0.0.1"

@@ -212,7 +212,9 @@ class SGLangTestServer:
         deterministic: bool = False,
         original_logprobs: bool | None = None,
     ):
-        """``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
+        """A server double in front of ``engine`` (not started: see :meth:`start`).
+
+        ``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
         ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
         """
         if original_logprobs is None:
