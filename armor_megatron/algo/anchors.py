@@ -1,4 +1,6 @@
-"""Anchor groups: assembling training groups of G responses from on-policy samples and
+"""Anchor groups: training groups of G responses from on-policy samples and reference tries.
+
+Anchor groups: assembling training groups of G responses from on-policy samples and
 reference tries (the sampling side of anchors lives in `armor_megatron.rollout.anchor`).
 
 For every prompt the rollout draws G−1 responses from π_old and up to ``max_tries`` responses
@@ -53,7 +55,9 @@ class AnchorGroups:
     def gather(
         self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
     ) -> list[T]:
-        """The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
+        """Items in row order (num_groups·G), gathered from per-prompt policy and reference lists.
+
+        The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
         the rewards passed to ``assemble_anchor_groups``.
         """
 
@@ -67,7 +71,9 @@ class AnchorGroups:
         return [source(row)[row.prompt][row.index] for row in self.rows]
 
     def stats(self) -> dict[str, float]:
-        """anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
+        """Anchor statistics of this batch of groups.
+
+        anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
         tries per prompt), anchor_tries_total, num_groups.
         """
         n = len(self.found)

@@ -1,4 +1,6 @@
-"""DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
+"""DAPO clipped surrogate on the ARMOR mixed ratio.
+
+DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
 aggregation modes of the RL frameworks.
 
 Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantage A:
@@ -170,8 +172,9 @@ def policy_loss(
     """ARMOR/DAPO policy loss of one micro-batch (registered as ``"armor"``; α = 1 is PPO/DAPO).
 
     Args:
-        logp, old_logp, ref_logp: [B, T] log-probs of the response tokens under π_θ (with grad),
-            π_old and π_ref (ref_logp may be None when ``cfg.alpha`` == 1).
+        logp: [B, T] log-probs of the response tokens under π_θ (with grad).
+        old_logp: [B, T] log-probs under π_old.
+        ref_logp: [B, T] log-probs under π_ref; may be None when ``cfg.alpha`` == 1.
         advantages: [B] (one per sequence) or [B, T] (per token).
         mask: [B, T], 1/True on real response tokens.
         cfg: the loss hyper-parameters.

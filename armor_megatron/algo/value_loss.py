@@ -59,7 +59,9 @@ def value_loss(
     """Clipped value loss of one micro-batch.
 
     Args:
-        values: [B, T] V (with grad); old_values: [B, T] V_old; returns: [B, T] R.
+        values: [B, T] V (with grad).
+        old_values: [B, T] V_old, the values at rollout time.
+        returns: [B, T] R, the value targets.
         mask: [B, T], 1/True on response tokens.
         cfg: clip ε_v and aggregation mode.
         normalizer: the GLOBAL count of aggregation units (``loss.loss_normalizer``); None: this call's.

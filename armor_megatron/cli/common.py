@@ -22,7 +22,9 @@ def fail(prog: str, message: str, code: int = EXIT_BAD_INPUT) -> int:
 
 
 def quiet_third_party_warnings() -> None:
-    """megatron-core and torch.distributed.checkpoint warn about missing GPU extras, deprecations
+    """Silence third-party warnings no command user can act on.
+
+    megatron-core and torch.distributed.checkpoint warn about missing GPU extras, deprecations
     and single-process saving on every run; none of it is actionable for the user of a command.
     """
     for module in ("megatron", "torch.distributed"):

@@ -97,7 +97,9 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]) -> None:
-    """The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
+    """Check one dataset file's first rows against the config.
+
+    The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
     ``answer``: the field and the setting that names it), a row's
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
     and a user verifier called on it returns a reward (``probe_verifier``).

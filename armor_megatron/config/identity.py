@@ -97,7 +97,9 @@ def defining_config(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def differences(recorded: dict[str, Any], cfg: RunConfig) -> list[str]:
-    """``key: recorded -> now`` for each defining key that differs, in key order (a key the record
+    """The defining keys whose recorded value differs from ``cfg``'s.
+
+    ``key: recorded -> now`` for each defining key that differs, in key order (a key the record
     lacks is read as its schema default).
     """
     before, now = defining_config(recorded), defining_config(to_dict(cfg))

@@ -83,7 +83,9 @@ def explain(key: str) -> str:
 
 
 def schema_key(key: str) -> str | None:
-    """``key`` as the reference names it, or None when it names no key (``eval.datasets[0].k`` ->
+    """The reference's spelling of ``key``, or None when it names no key.
+
+    ``key`` as the reference names it, or None when it names no key (``eval.datasets[0].k`` ->
     ``eval.datasets[].k``).
     """
     name = _normalise(key)

@@ -238,7 +238,9 @@ class SafetensorsWriter:
     def write_segments(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, segments: Sequence[FileSegment]
     ) -> None:
-        """Write tensor ``name`` whose data is the concatenation of the file segments (copied by
+        """Write tensor ``name`` from file segments, copied by the kernel.
+
+        Write tensor ``name`` whose data is the concatenation of the file segments (copied by
         the kernel: the bytes never enter this process).
         """
         nbytes = total_bytes(segments)

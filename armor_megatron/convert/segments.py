@@ -54,7 +54,9 @@ def total_bytes(segments: Sequence[FileSegment]) -> int:
 
 
 def read_chunks(segment: FileSegment, buffer: memoryview) -> Iterator[memoryview]:
-    """The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
+    """Read a segment into ``buffer``, one buffer-full at a time.
+
+    The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
     the next one); EOFError if the file is shorter than the segment.
     """
     done = 0
@@ -106,7 +108,9 @@ def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int)
 
 @contextlib.contextmanager
 def _torch_save_without_data() -> Iterator[None]:
-    """torch.save writes an archive's records but seeks over the tensor data and leaves the zip
+    """Run torch.save with the tensor data left out (a hole in the file).
+
+    torch.save writes an archive's records but seeks over the tensor data and leaves the zip
     CRC-32 empty (torch.load does not check it).
     """
     before = torch.serialization.get_crc32_options()
@@ -131,7 +135,9 @@ class HoleFillingWriter(io.BufferedWriter):
         self._error: Exception | None = None
 
     def save_tensor(self, shape: Sequence[int], dtype: torch.dtype, segments: Sequence[FileSegment]) -> None:
-        """Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``
+        """Append a ``torch.save`` archive of a tensor whose data are file segments.
+
+        Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``
         and ``dtype`` whose bytes are the segments, concatenated.
         """
         nbytes = math.prod(shape) * dtype.itemsize

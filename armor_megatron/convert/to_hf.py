@@ -30,7 +30,9 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def hf_config_dir_of(mcore_dir: str, hf_config_dir: str | None = None) -> str:
-    """``hf_config_dir``, else ``MCORE_DIR/hf_config`` (this converter's output), else
+    """The directory with the HF config files for a torch_dist checkpoint.
+
+    ``hf_config_dir``, else ``MCORE_DIR/hf_config`` (this converter's output), else
     ``hf_config`` beside MCORE_DIR (a training run records the files it started from there).
     """
     if hf_config_dir:

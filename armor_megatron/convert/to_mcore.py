@@ -31,7 +31,9 @@ _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
 
 
 def plan_hf_tensors(hf: HFCheckpoint, notice: Callable[[str], None] | None = None) -> dict[TensorRule, torch.dtype]:
-    """Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
+    """Plan the HF tensors of a conversion: check them and return each rule's dtype.
+
+    Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
     no weight would be dropped; return the dtype of each rule. DeepSeek-V3's multi-token-prediction
     layers are left out, said in one line to ``notice``.
     """

@@ -88,7 +88,9 @@ def chunks(arch: ModelArch) -> list[Chunk]:
 
 
 def extra_state_keys(arch: ModelArch) -> list[str]:
-    """Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
+    """Unique keys of the ``_extra_state`` objects of Megatron's linear layers.
+
+    Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
     linear layers put in the sharded state dict: ``<key>/shard_<offset>_<global shape>``, dims
     joined by '.', as ``ShardedObject.unique_key`` spells them. Layers stacked on a leading axis
     count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none.
@@ -296,7 +298,9 @@ class TorchDistReader:
         ]
 
     def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> torch.Tensor | None:
-        """The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
+        """Read a chunk stored as one plain item straight into the buffer.
+
+        The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
         item that fits there, else None.
         """
         segment = self.stored_segment(chunk)
@@ -310,7 +314,9 @@ class TorchDistReader:
         return tensor
 
     def stored_segment(self, chunk: Chunk) -> FileSegment | None:
-        """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
+        """The file segment holding a chunk's raw bytes, if stored as one plain item.
+
+        Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
         (untransformed, uncompressed, little-endian) item, else None.
         """
         from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
@@ -361,7 +367,9 @@ def _root_cause(error: BaseException) -> str:
 
 
 def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
-    """The stored global shape is the expected one or, for a vocabulary tensor (embedding,
+    """Whether a stored global shape fits the expected one.
+
+    The stored global shape is the expected one or, for a vocabulary tensor (embedding,
     output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
     128·TP) and the rows past the HF vocabulary are padding, left unread.
     """

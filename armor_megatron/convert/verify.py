@@ -52,7 +52,9 @@ def prompts(arch: ModelArch, batch: int = 3, length: int = 16, seed: int = 0) ->
 
 
 def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, list[str]]:
-    """Bitwise comparison of every tensor of ``expected`` (tied lm_head copies and the tensors the
+    """Compare every tensor of two checkpoints bitwise.
+
+    Bitwise comparison of every tensor of ``expected`` (tied lm_head copies and the tensors the
     converter leaves out -- rotary caches, DeepSeek-V3's multi-token-prediction layers -- excepted).
     """
     arch = expected.arch
@@ -79,7 +81,9 @@ def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, 
 
 
 def check_same_model(hf_dir: str, mcore_dir: str) -> None:
-    """Refuse to compare checkpoints of different models (family or shapes), in one line, when
+    """Refuse to compare checkpoints of different models.
+
+    Refuse to compare checkpoints of different models (family or shapes), in one line, when
     the torch_dist checkpoint carries its HF config (this converter's outputs do).
     """
     from armor_megatron.convert.output import HF_FILES_DIR

@@ -24,7 +24,9 @@ LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safe
 
 
 def field_of(row: dict[str, Any], key: str) -> Any:
-    """``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
+    """A row's field ``key``, dotted keys reading nested fields.
+
+    ``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
     (``"reward_model.ground_truth"`` -> ``row["reward_model"]["ground_truth"]``); KeyError(key)
     when absent.
     """

@@ -188,7 +188,9 @@ KV_AND_GRAPHS = ("kv_cache", "cuda_graph")
 def replay_colocated_step(
     ledger: DeviceLedger, *, offload: bool = True, ref_logprobs: bool = True, reset_and_checkpoint: bool = True
 ) -> DeviceLedger:
-    """``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
+    """Replay one colocated step's memory events on a GPU's ledger.
+
+    ``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
     test checks the loop records these very phases): rollout with the trainer on the host →
     engines released → trainer to the device → log-probs, update → trainer to the host and
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and

@@ -246,7 +246,9 @@ def _agreed_tmp_name(root: str, name: str) -> str:
 
 
 def _publish(tmp: str, final: str) -> None:
-    """Rename the finished temporary directory into place (an unnamed leftover of the same step,
+    """Rename the finished temporary checkpoint directory into place.
+
+    Rename the finished temporary directory into place (an unnamed leftover of the same step,
     from a save interrupted before `latest` was written, is replaced).
     """
     _VERIFIED.discard(os.path.abspath(final))
@@ -321,7 +323,9 @@ def find_latest(root: str) -> str | None:
 
 
 def verify_checkpoint(path: str) -> None:
-    """Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
+    """Check a checkpoint against its manifest on every rank.
+
+    Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
     manifest (all ranks agree on the answer; each hashes a share of the files).
     """
     if os.path.abspath(path) in _VERIFIED:
@@ -378,7 +382,9 @@ def adopt_as_latest(root: str, path: str) -> None:
 
 
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
+    """Delete old ``iter_*`` checkpoints, keeping the newest ``keep_last``.
+
+    Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
     names) and the leftovers of interrupted saves; returns the removed paths. Any rank may call
     it (in a distributed job only rank 0 deletes, the others return []); not while a save into
     `root` is running.

@@ -267,7 +267,9 @@ class _NoTELinear:
 
 
 def mla_without_te() -> None:
-    """``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
+    """Let MLA attention build without Transformer Engine.
+
+    ``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
     ``HAVE_TE`` flag that is True whenever megatron's TE extension module imports, even when
     ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent.
     """

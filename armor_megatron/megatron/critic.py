@@ -92,7 +92,9 @@ class ValueHead(torch.nn.Module):
 
 
 def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
+    """Values [b, mb.width] per predicted token from the value head's output.
+
+    The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
     [b, mb.width] per predicted token.
     """
     return shift_to_predicted(mb.unpack(output.squeeze(-1).float()), mb)
@@ -157,7 +159,9 @@ class MegatronCritic(TrainedModel):
         return chunks
 
     def load_weights(self, path: str) -> None:
-        """The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
+        """Load the critic's backbone from the actor's checkpoint or HF directory.
+
+        The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
         actor's architecture, any layout, or from its HF directory; the value head keeps its
         initial weights.
         """

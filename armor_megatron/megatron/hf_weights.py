@@ -159,7 +159,9 @@ class _SliceReader:
             raise CheckpointError(f"{st.key}: the HF tensors cover {covered} of the model's {count} rows")
 
     def _copy_rows(self, name: str, first: int, count: int, columns: tuple[int, int] | None, out: torch.Tensor) -> None:
-        """Rows ``first:first+count`` of HF tensor ``name`` (only ``columns`` = (start, length) of
+        """Copy rows of an HF tensor into a destination slice.
+
+        Rows ``first:first+count`` of HF tensor ``name`` (only ``columns`` = (start, length) of
         dim 1 if given) into ``out``, casting to its dtype.
         """
         info = self.hf.info(name)

@@ -195,7 +195,9 @@ def vocab_parallel_logprobs(
 
 
 def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """`lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
+    """``lp`` with NaN where the label lies outside the vocabulary.
+
+    `lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
     which never reads them on the host.
     """
     return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
@@ -225,7 +227,9 @@ def model_forward(model, mb: MicroBatch) -> torch.Tensor:
 
 
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
+    """Per-token log-probs [b, w] of a micro-batch from its logits.
+
+    Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
     [1, t, V_local] packed); column 0 and padding are 0.
 
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
@@ -303,7 +307,9 @@ def forward_only(
     collect: Callable[[MicroBatch, torch.Tensor], Sequence[torch.Tensor]],
     max_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
+    """Forward-only pass over a batch, per-token results gathered on every rank.
+
+    Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
     schedule, forward only, no grad, and gather per-token results on every rank.
 
     Each data-parallel rank runs only its share of the rows: ceil(B / dp) consecutive rows in
@@ -378,7 +384,9 @@ def forward_only(
 
 
 def _gathered_rows(local: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
+    """The batch's [B, w] from every data-parallel rank's results, on every rank.
+
+    Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
     batch rows shares[r], in that order) -> the batch's [B, w], on every rank.
     """
     from megatron.core import parallel_state

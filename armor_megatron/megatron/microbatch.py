@@ -56,7 +56,9 @@ class MicroBatch:
         return self.position_ids_on(self.tokens.device)
 
     def position_ids_on(self, device) -> torch.Tensor:
-        """Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
+        """Position ids [b, s] ([1, t] packed) on ``device``.
+
+        Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
         copied there; ``output_size`` spares the device a read-back of the repeat counts).
         """
         b, t = self.tokens.shape
@@ -117,7 +119,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 def split_microbatches(
     input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, multiple_of: int = 1
 ) -> list[MicroBatch]:
-    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
+    """Cut [B, T] into consecutive padded micro-batches.
+
+    Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
     rounded up to a multiple of ``multiple_of`` (see ``sequence_multiple``; zero-padded past T).
 
     Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
@@ -143,7 +147,9 @@ def split_microbatches(
 
 
 def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
-    """The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
+    """Each data-parallel rank's row indices: near-equal consecutive shares.
+
+    The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
     and how many rows every rank runs, ceil(n / dp) >= 1. Ranks with fewer pad up to it
     (``padded_rows``), so all run as many micro-batches: the expert all-to-alls of an MoE model
     (one per micro-batch) span these ranks.
@@ -244,7 +250,9 @@ def local_packed_microbatches(
     count_multiple: int = 1,
     fixed_width: bool = False,
 ) -> tuple[list[MicroBatch], list[torch.Tensor]]:
-    """This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
+    """This data-parallel rank's packed micro-batches under a token budget.
+
+    This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
     batch rows of every rank r in the order its micro-batches hold them: rows balanced over ranks by
     tokens, every rank as many micro-batches (`data.token_budget.token_budget_plan`).
 
@@ -278,7 +286,9 @@ def local_packed_microbatches(
 def filler_microbatch(
     input_ids: torch.Tensor, multiple_of: int = 1, packed: bool = False, width: int | None = None
 ) -> MicroBatch:
-    """A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
+    """A one-token micro-batch standing for no row (filler for the schedule).
+
+    A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
     (``index`` is empty); its output is dropped. ``packed``: in the packed layout.
     """
     one = torch.zeros(1, 1, dtype=input_ids.dtype)

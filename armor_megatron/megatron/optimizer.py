@@ -32,7 +32,9 @@ from armor_megatron.megatron.model import Throughput, resolve_dtype
 
 
 def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None = None) -> list:
-    """Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
+    """Wrap each model chunk in Megatron's ``DistributedDataParallel``.
+
+    Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
     chunk is bucketed, as Megatron-LM does). Grads are reduced after the last micro-batch's backward,
     or bucket by bucket during it with ``throughput.overlap_grad_reduce``; with
     ``throughput.overlap_param_gather`` the distributed optimizer's parameter all-gather is left
@@ -114,7 +116,9 @@ def current_lr(optimizer) -> float:
 
 @torch.no_grad()
 def grad_norm(optimizer) -> float:
-    """Move the reduced grads to the optimizer's params and return their global L2 norm
+    """Move the reduced grads to the optimizer's params; their global L2 norm.
+
+    Move the reduced grads to the optimizer's params and return their global L2 norm
     (over every model-parallel shard, counting tensor-parallel duplicates once).
     """
     optimizer.prepare_grads()
@@ -123,7 +127,9 @@ def grad_norm(optimizer) -> float:
 
 @torch.no_grad()
 def apply_update(optimizer, scheduler, norm: float) -> None:
-    """Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),
+    """Clip the grads by ``norm``, step the optimizer and the LR schedule.
+
+    Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),
     take the optimizer step and advance the LR schedule by one update.
     """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32

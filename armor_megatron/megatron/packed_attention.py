@@ -27,7 +27,9 @@ def attend_per_segment(
     value: torch.Tensor,
     packed_seq_params,
 ) -> torch.Tensor:
-    """``attend(q, k, v)`` ([s, 1, n, d] each -> [s, 1, n·d_v]) on every segment of a packed
+    """Attention on every segment of a packed micro-batch.
+
+    ``attend(q, k, v)`` ([s, 1, n, d] each -> [s, 1, n·d_v]) on every segment of a packed
     micro-batch (q, k, v [t, n, d]); the results back to back, [t, 1, n·d_v].
     """
     if packed_seq_params.qkv_format != "thd":

@@ -133,7 +133,9 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ judging
     def check(self, metrics: Mapping[str, float]) -> GuardDecision:
-        """Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
+        """Judge one optimizer step from its all-reduced metrics.
+
+        Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
         required) and update the guard's state; see the module docstring.
         """
         loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])

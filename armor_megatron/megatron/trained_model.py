@@ -135,7 +135,9 @@ class TrainedModel:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, path: str) -> None:
-        """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
+        """Load model weights from a torch_dist checkpoint.
+
+        Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
         no prefix: the converter's output or one of our checkpoints), resharding as needed, or
         from an HF directory (each rank reads its own slices: `hf_weights`).
         """
@@ -176,7 +178,9 @@ class TrainedModel:
         return metrics
 
     def _scale_lr(self, scale: float) -> float:
-        """Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
+        """Set every param group's lr for this update.
+
+        Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
         step's update (the schedule resets it when it advances); returns the lr now in force.
         """
         for group in self.optimizer.param_groups:
@@ -281,7 +285,9 @@ class TrainedModel:
         return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
     def sharded_state_dict(self) -> dict:
-        """Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
+        """What a checkpoint saves of this model.
+
+        Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
         and guard, for dist_checkpointing.save.
         """
         model = self.model_sharded_state_dict()
@@ -302,7 +308,9 @@ class TrainedModel:
         return state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
+        """Restore what :meth:`sharded_state_dict` saved.
+
+        Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
         (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh).
         """
         load_chunks_state(self.model_chunks, loaded["model"], self.checkpoint_prefix)
@@ -333,7 +341,9 @@ def check_layout(parallel: ParallelConfig) -> None:
 
 
 def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
-    """Megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
+    """Megatron's finalize_model_grads without its 1/num_tokens scaling.
+
+    Megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
     its 1/num_tokens scaling: our losses are already divided by the global normalizer.
     """
     from megatron.core.distributed import finalize_model_grads
@@ -415,7 +425,9 @@ def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], tok
 
 
 def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
-    """Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
+    """Combine the step's per-micro-batch metrics over data-parallel ranks.
+
+    Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
     the result to every rank of the pipeline (object collectives: a few floats per step).
     """
     from megatron.core import parallel_state

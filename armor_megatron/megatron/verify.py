@@ -29,7 +29,9 @@ from armor_megatron.models import ModelArch
 
 
 def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
-    """This rank's fp32 local-spec GPTModel stage with the checkpoint's model weights loaded (after
+    """Load a checkpoint's weights into this rank's fp32 local-spec GPTModel stage.
+
+    This rank's fp32 local-spec GPTModel stage with the checkpoint's model weights loaded (after
     ``dist.initialize``): a converter output or a training checkpoint (whose other state is left).
     """
     from armor_megatron.megatron.model import build_gpt_model

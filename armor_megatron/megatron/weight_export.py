@@ -155,7 +155,9 @@ class HFWeightExport:
         yield from self._gather_on_rank0()
 
     def deliver(self, delivery) -> list | None:
-        """Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
+        """Deliver every owner's tensors to the engines (rank 0 conducts).
+
+        Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
         (:class:`~armor_megatron.rollout.engine.ShardDelivery`); returns each rank's report
         (None for ranks that own nothing), in rank order. The other ranks take part when they
         iterate their own export. A sink that fails on any rank fails every rank with
@@ -532,7 +534,9 @@ def _owns(expert: bool) -> bool:
 def _check_complete(
     arch: ModelArch, owned_names: list[str], problem: str | None = None, buckets: int = 0
 ) -> tuple[list[int], int]:
-    """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
+    """Refuse, on every rank, an export that would miss or repeat HF tensors.
+
+    Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
     ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
     (a collective when distributed). Returns the ranks that own tensors and the largest number
     of parameter ``buckets`` any rank has (the rounds of a gather on rank 0).
@@ -623,7 +627,9 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
 
 
 def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter read from host memory (a trainer offloaded during the weight sync, a reference
+    """A parameter's tensor where the export reads it (host copy or device).
+
+    A parameter read from host memory (a trainer offloaded during the weight sync, a reference
     kept on the host) goes to the GPU one at a time: gathers then run over NCCL, and the sync's
     device memory is one parameter and one bucket. On CPU-only machines it stays.
     """
@@ -643,7 +649,9 @@ def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None
 
 
 def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
-    """Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
+    """Gather a parameter's shards on the group's owner (rank 0).
+
+    Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
     owner; None on the others (they only send theirs).
     """
     size = dist.get_world_size(group) if dist.is_initialized() else 1

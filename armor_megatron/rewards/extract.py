@@ -77,14 +77,18 @@ _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 
 
 def box_spans(text: str) -> list[tuple[int, int] | None]:
-    r"""``(start, end)`` of every ``\boxed``/``\fbox`` argument (``text[start:end]``), in order;
+    r"""The argument spans of every box command, in order.
+
+    ``(start, end)`` of every ``\boxed``/``\fbox`` argument (``text[start:end]``), in order;
     ``None`` for a command whose argument is missing or never closed. One pass over ``text``.
     """
     return [box[:2] if box is not None else None for _, box in _boxes(text)]
 
 
 def _boxes(text: str) -> list[tuple[int, tuple[int, int, int] | None]]:
-    """Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
+    """Every box command and its argument span, in one pass.
+
+    Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
     the position past its closing brace; the second item is ``None`` for a command whose
     argument is missing or never closed. One pass over ``text``.
     """
@@ -126,7 +130,9 @@ def last_box_command(text: str) -> int | None:
 
 
 def last_boxed(text: str) -> str | None:
-    r"""Content of the LAST ``\boxed{...}`` (or ``\fbox``), cleaned (:func:`clean_answer`);
+    r"""Content of the last box, cleaned; None if absent or unterminated.
+
+    Content of the LAST ``\boxed{...}`` (or ``\fbox``), cleaned (:func:`clean_answer`);
     ``None`` if there is none or the last one is unterminated (an earlier box is never taken
     in its place).
     """
@@ -200,7 +206,9 @@ _JOINER = re.compile(
 
 
 def final_box_segment(text: str) -> list[tuple[int, int]] | None:
-    """Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
+    """Argument spans of the boxes in the final answer segment.
+
+    Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
     in order, the last box last; ``None`` if ``text`` has no box or its last box is never
     closed. Each gap between two boxes is scanned once: linear time.
     """
@@ -291,7 +299,9 @@ def final_answer_text(text: str) -> str | None:
 
 
 def _find_closing(text: str, closing: str, pos: int) -> int:
-    r"""Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
+    r"""Index of the first unescaped ``closing`` delimiter from ``pos``, or -1.
+
+    Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
     (``\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan.
     """
     for token in re.compile(re.escape(closing) + r"|\\.", re.S).finditer(text, pos):
@@ -310,7 +320,7 @@ def _opening_delimiter(text: str) -> tuple[str, str] | None:
 
 
 def _without_hope(text: str) -> str:
-    """``text`` without a trailing ``I hope it is correct.``"""
+    """``text`` without a trailing "I hope it is correct."."""
     stripped = text.rstrip(_CLOSING_CHARACTERS)
     if stripped.lower().endswith(_HOPE):
         return stripped[: -len(_HOPE)]
@@ -338,7 +348,9 @@ def after_reasoning(text: str) -> str | None:
 
 
 def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str] | None:
-    """The final answer of a math response (after its reasoning, :func:`after_reasoning`), as
+    """The final answer of a math response, as the list of what it states.
+
+    The final answer of a math response (after its reasoning, :func:`after_reasoning`), as
     the list of what it states, or ``None`` if it states nothing (module docstring, rules 1-3):
 
     * a final-answer statement (:func:`final_answer_text`) in the text after the last box
@@ -378,7 +390,9 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
 
 
 def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
-    """The last answer :func:`final_math_answers` reads (the final-answer statement, or the
+    """The last answer :func:`final_math_answers` reads, or None.
+
+    The last answer :func:`final_math_answers` reads (the final-answer statement, or the
     last box of the final answer segment), ``None`` if there is none.
     """
     answers = final_math_answers(text, answer_line_fallback)
@@ -474,7 +488,9 @@ def extract_choice(text: str, letters: str) -> str | None:
 
 
 def _stated_choice(text: str, cls: str) -> str | None:
-    """The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
+    """The letter of an answer phrase on the last non-empty line, or None.
+
+    The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
     punctuation follows (``the answer is (C).``), or ``None``.
     """
     line = _TEXT_WRAPPER.sub(r"\1", last_line(text))

@@ -167,7 +167,9 @@ class WorkerPool:
         self._cond = threading.Condition()
 
     def run(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        """``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
+        """Run ``target(*args)`` in a worker process under a timeout.
+
+        ``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
         (worker start-up and module import are not counted).
         """
         if not timeout_s > 0:
@@ -191,7 +193,9 @@ class WorkerPool:
         return result
 
     def shutdown(self) -> None:
-        """Stop all idle workers (busy ones stop when their call returns and they are released),
+        """Stop all idle workers.
+
+        Busy ones stop when their call returns and they are released),
         after the replacements still starting have joined them (else they would outlive this).
         """
         with self._cond:

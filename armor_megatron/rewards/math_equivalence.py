@@ -54,7 +54,9 @@ _ANY_OPTION = re.compile(r"\(\s*[A-Z]\s*\)")
 
 
 def equivalent(answer: str, gold: str) -> bool:
-    """Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
+    """Whether ``answer`` equals ``gold`` mathematically.
+
+    Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
     plain; math-verify's verify is not symmetric, the gold goes first).
     """
     answer_letter, gold_letter = option_letter(answer), option_letter(gold)
@@ -82,7 +84,9 @@ def equivalent_to_any(answer: str, golds: list[str]) -> bool:
 
 
 def answers_match(answers: list[str], golds: list[str]) -> bool:
-    """Whether the answers of a response's final answer segment (one or several boxes, or one
+    """Whether a response's final answers match one of ``golds``.
+
+    Whether the answers of a response's final answer segment (one or several boxes, or one
     statement) match one of ``golds``: one answer equal to it, or several whose union
     ``", ".join(answers)`` equals it, or several each equal to it (module docstring).
     """
@@ -122,7 +126,9 @@ def _numbers_equal(answer: str, a: Decimal, gold: str, g: Decimal) -> bool:
 
 
 def _split_option(text: str) -> tuple[str | None, str]:
-    r"""``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
+    r"""Split an answer that starts by naming an option into (letter, value).
+
+    ``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
     in ``\text{}``/``\textbf{}`` (``\textbf{(D)}\ 24`` -> ``("D", "24")``, ``\text{(C)}`` ->
     ``("C", "")``); ``(None, text)`` otherwise.
     """

@@ -34,7 +34,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def avg_at_k(scores: Iterable[Any]) -> float:
-    """Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
+    """Mean score of one prompt's samples, or mean over prompts.
+
+    Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
     sequence per prompt, the mean over prompts of each prompt's mean.
     """
     items = list(scores)
@@ -77,7 +79,9 @@ def group_metrics(
 def metrics_by_dataset(
     records: Iterable[tuple[str, Hashable, float]], ks: Sequence[int] = (1,), threshold: float = 1.0
 ) -> dict[str, dict[str, float]]:
-    """Group ``(dataset, prompt_id, score)`` records by dataset and prompt, then apply
+    """Per-dataset metrics from ``(dataset, prompt_id, score)`` records.
+
+    Group ``(dataset, prompt_id, score)`` records by dataset and prompt, then apply
     :func:`group_metrics` to each dataset: ``{dataset: {"num_prompts", "avg@n", "pass@k"...}}``.
     """
     by_dataset: dict[str, dict[Hashable, list[float]]] = defaultdict(lambda: defaultdict(list))

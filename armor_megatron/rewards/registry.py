@@ -70,7 +70,9 @@ _D = TypeVar("_D", bound=_Scorable)
 
 
 def scorable(dataset: _D, default_verifier: str) -> _D:
-    """``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
+    """``dataset``, once every row's verifier has accepted its ground truth.
+
+    ``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
     :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
     else ``default_verifier``) has accepted its ground truth: a row no verifier can score
     stops a run at start-up, in one line naming the file and row, not at the step that first
@@ -99,7 +101,9 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
 
 
 def probe_verifier(spec: str, ground_truth: Any) -> None:
-    r"""Call a user verifier (``module:function``, or a name registered outside this package) once,
+    r"""Check a user verifier on one response stating ``ground_truth``.
+
+    Call a user verifier (``module:function``, or a name registered outside this package) once,
     on a response that states ``ground_truth`` in ``\boxed{}``, and raise VerifierSpecError in
     one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
     dict without ``score``, a non-finite score). Built-in verifiers are not called: they always

@@ -46,7 +46,9 @@ def import_callable(spec: str) -> Callable[..., Any]:
 
 
 def add_search_paths(directories: Iterable[str]) -> list[str]:
-    """Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
+    """Add directories to ``sys.path`` for user verifier modules.
+
+    Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
     so ``module:function`` specs import user modules from it without shadowing an installed
     module; returns the absolute paths.
     """

@@ -53,7 +53,9 @@ def save_hf_due(cfg: SaveHFConfig, step: int, last_step: int) -> bool:
 
 
 def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
-    """Copy ``model_path``'s config and tokenizer files into ``<checkpoint_dir>/hf_config`` (through a
+    """Record the HF config and tokenizer files a run started from.
+
+    Copy ``model_path``'s config and tokenizer files into ``<checkpoint_dir>/hf_config`` (through a
     temporary directory renamed into place; an earlier record is replaced). Returns its path.
     """
     final = os.path.join(checkpoint_dir, HF_FILES_DIR)
@@ -69,7 +71,9 @@ def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
 
 
 def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
-    """Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
+    """Save the exported policy as an HF checkpoint.
+
+    Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
     ``<checkpoint_dir>/hf/step_<step>``; every rank calls it, and every rank raises if it failed.
     An owner holds one bucket of at most ``bucket_bytes`` (one file). Returns the directory's path.
     """

@@ -177,7 +177,9 @@ BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate
 
 
 def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
+    """One plain text line summarising a step.
+
+    One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
     rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out).
     """
     parts = [f"step {step}/{total}"]

@@ -45,7 +45,9 @@ class AnchorSamplingConfig:
 
     @classmethod
     def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
-        """From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
+        """A sampler from a run config's ``anchor`` section.
+
+        From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
         ``anchor.temperature`` when that is set.
         """
         if anchor_section.temperature is not None:

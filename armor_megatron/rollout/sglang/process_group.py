@@ -31,7 +31,9 @@ _ABANDONED: list = []  # aborted groups' backends, never destroyed while their c
 
 
 def listen(world_size: int, port: int = 0, timeout: float = 600.0):
-    """Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
+    """Bind rank 0's rendezvous store now.
+
+    Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
     one the OS picks, read it from ``.port``); the engines connect to it as clients.
     """
     import torch.distributed as dist

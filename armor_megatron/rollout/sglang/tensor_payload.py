@@ -105,7 +105,9 @@ def sglang_admits(module: str, name: str) -> bool:
 
 
 class SGLangUnpickler(pickle.Unpickler):
-    """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
+    """An unpickler with SGLang's allowlist, usable where SGLang is not installed.
+
+    SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
     and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID.
     """
 

@@ -166,7 +166,9 @@ def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
 
 
 def _join_weight_update_group(address, port, rank, world_size, group_name, backend, timeout):
-    """The engine's end of a weights update group, built as SGLang 0.5.23's
+    """The engine's end of a weights update group, built as SGLang builds it.
+
+    The engine's end of a weights update group, built as SGLang 0.5.23's
     ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
     trainer's :class:`~armor_megatron.rollout.sglang.process_group.WeightUpdateGroup`: a
     ``tcp://`` rendezvous, ``PrefixStore(group_name)`` around its store, torch's
@@ -550,7 +552,9 @@ class SGLangTestServer:
         return self._ckpt_names
 
     def _defer_fused(self, named):
-        """Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
+        """Hold back checkpoint tensors the in-memory model fuses.
+
+        Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
         places into its own fused parameters as they come, wait here until the update's last
         request; every other tensor goes in now.
         """
