@@ -50,6 +50,7 @@ class AnchorGroups:
 
     @property
     def group_size(self) -> int:
+        """G, the number of rows per group."""
         return self.rewards.shape[1]
 
     def gather(

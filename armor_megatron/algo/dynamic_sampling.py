@@ -47,6 +47,7 @@ class DynamicSampler:
 
     @property
     def done(self) -> bool:
+        """Whether ``target_groups`` groups have been kept."""
         return self.groups_kept >= self.target_groups
 
     def add(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:

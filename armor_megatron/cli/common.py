@@ -17,6 +17,7 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def fail(prog: str, message: str, code: int = EXIT_BAD_INPUT) -> int:
+    """Print ``prog: error: message`` to stderr and return the exit code ``code``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
 

@@ -23,6 +23,7 @@ PROG = "armor-eval"
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-eval`` argument parser."""
     p = OneLineArgumentParser(prog=PROG, description="Evaluate a model: avg@k and unbiased pass@k per dataset.")
     p.add_argument("--config", help="run config; its eval section and model are the defaults")
     p.add_argument("--model", help="HF model directory (weights and tokenizer)")
@@ -55,6 +56,7 @@ def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``armor-eval``; returns the exit code."""
     args = build_parser().parse_args(argv)
     from armor_megatron.config import ConfigError, load_config
 

@@ -37,10 +37,12 @@ class RankReport:
 
     @classmethod
     def from_env(cls) -> RankReport | None:
+        """The report of this rank, or None when the launcher set no status folder."""
         folder = os.environ.get(STATUS_DIR_VAR)
         return None if not folder else cls(folder, int(os.environ.get("RANK", "0")))
 
     def failed(self, line: str) -> None:
+        """Record this rank's one-line failure message."""
         _write(os.path.join(self.folder, f"rank{self.rank}.error"), line)
 
     def others_failed(self) -> bool:
@@ -49,11 +51,14 @@ class RankReport:
         return any(n.endswith(".error") and n != mine for n in os.listdir(self.folder))
 
     def preempted(self) -> None:
+        """Record that this rank saved the preemption checkpoint."""
         _write(os.path.join(self.folder, PREEMPTED_FILE), str(self.rank))
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
+    """How a local multi-rank launch ended."""
+
     code: int  # the first failing rank's exit code (negative: killed by that signal); 0 when all succeeded
     preempted: bool  # a rank saved the preemption checkpoint
     line: str | None  # the first failing rank's one-line message, when it left one
@@ -78,12 +83,14 @@ class SignalForwarder:
         self._thread = threading.Thread(target=self._poll, name="armor-signal-forwarder", daemon=True)
 
     def install(self) -> SignalForwarder:
+        """Install the signal handlers and start forwarding; returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         self._thread.start()
         return self
 
     def uninstall(self) -> None:
+        """Stop forwarding and restore the previous signal handlers."""
         self._stop.set()
         self._thread.join()
         for sig, handler in self._previous.items():
@@ -94,6 +101,7 @@ class SignalForwarder:
         self.forward()
 
     def forward(self) -> None:
+        """Send every received signal to each child process that has not had it yet."""
         import psutil
 
         with self._lock:

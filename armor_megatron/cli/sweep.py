@@ -31,6 +31,7 @@ PROG = "armor-sweep"
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-sweep`` argument parser."""
     parser = OneLineArgumentParser(prog=PROG, description="Expand a config grid into a SLURM job array.")
     parser.add_argument("--config", required=True, help="base YAML run config")
     parser.add_argument("--out", required=True, help="sweep directory (configs/, manifest.json)")
@@ -56,6 +57,7 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``armor-sweep``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         grid = read_grid_file(args.grid_file) if args.grid_file else {}

@@ -25,6 +25,7 @@ SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # w
 
 
 def check_files(cfg: RunConfig) -> None:
+    """Check the files and datasets ``cfg`` names, the packages it needs and its run identity."""
     _check_model(cfg)
     data = cfg.data
     _check_dataset(

@@ -84,6 +84,7 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``section.key=value`` into the dotted key and its YAML-parsed value."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -96,6 +97,7 @@ def parse_override(item: str) -> tuple[str, Any]:
 
 
 def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` in nested ``data``, creating sections on the way."""
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):

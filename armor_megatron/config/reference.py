@@ -38,6 +38,7 @@ class KeyDoc:
 
     @property
     def is_section(self) -> bool:
+        """Whether this entry is a section (it has keys) rather than a value."""
         return bool(self.keys)
 
 

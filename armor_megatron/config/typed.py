@@ -164,6 +164,7 @@ def to_dict(obj: Any, *, secrets: bool = False) -> Any:
 
 
 def field_names(cls: type) -> list[str]:
+    """The field names of dataclass ``cls``, in order."""
     return [f.name for f in dataclasses.fields(cls)]
 
 

@@ -55,6 +55,8 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
+    """Where one tensor lies in a safetensors file, and its dtype and shape."""
+
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -62,6 +64,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -84,6 +87,7 @@ class HFCheckpoint:
             raise
 
     def close(self) -> None:
+        """Close the open shard files."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -134,6 +138,7 @@ class HFCheckpoint:
         self._fds[shard] = os.open(path, os.O_RDONLY)
 
     def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of tensor ``name``; a missing one raises CheckpointError."""
         try:
             return self.tensors[name]
         except KeyError:
@@ -173,12 +178,15 @@ class HFCheckpoint:
 # ---------------------------------------------------------------------- writing
 @dataclasses.dataclass(frozen=True)
 class PlannedTensor:
+    """A tensor the writer is told of before it is written: name, shape and dtype."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -224,6 +232,7 @@ class SafetensorsWriter:
         self._stream: io.BufferedWriter | None = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor ``name`` from ``tensor``."""
         self.write_blocks(name, tuple(tensor.shape), [tensor])
 
     def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Sequence[torch.Tensor]) -> None:
@@ -347,13 +356,16 @@ class TensorDigest:
         self._pending = []
 
     def update(self, named) -> None:
+        """Add named tensors (an iterable, or a callable giving one) to the checksum, hashed on a worker thread."""
         self.wait()
         self._pending.append(self._pool.submit(self._lines_of, named if callable(named) else list(named)))
 
     def update_file(self, name: str, dtype: torch.dtype, shape: Sequence[int], segment: FileSegment) -> None:
+        """Add one tensor read from a file segment to the checksum."""
         self._pending.append(self._pool.submit(self._file_lines, name, dtype, tuple(shape), segment))
 
     def hexdigest(self) -> str:
+        """The checksum of everything added, once the pending work is done."""
         import xxhash
 
         self.wait()

@@ -50,6 +50,7 @@ class FileSegment:
 
 
 def total_bytes(segments: Sequence[FileSegment]) -> int:
+    """The bytes of all ``segments`` together."""
     return sum(s.nbytes for s in segments)
 
 
@@ -156,6 +157,7 @@ class HoleFillingWriter(io.BufferedWriter):
             raise RuntimeError("torch.save wrote the tensor data instead of skipping it")
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Seek as a file does; a forward seek over a tensor's hole copies in the pending segments."""
         if whence == io.SEEK_CUR and offset > 0:
             segments, self._pending = self._pending, None
             if segments is None or total_bytes(segments) != offset:

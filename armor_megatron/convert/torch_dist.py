@@ -71,6 +71,7 @@ class Chunk:
 
     @property
     def stacked_index(self) -> tuple[int, ...]:
+        """The (layer, expert) indices of a stacked chunk, those that are set."""
         return tuple(i for i in (self.layer, self.expert) if i is not None)
 
     def global_offset(self) -> tuple[int, ...]:
@@ -262,6 +263,7 @@ class TorchDistReader:
         self._buffer = ChunkBuffer(max(buffer_bytes, largest))
 
     def chunk_bytes(self, chunk: Chunk) -> int:
+        """Size of a chunk's data in bytes."""
         return self.dtypes[chunk.rule].itemsize * math.prod(chunk.rule.shape)
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
@@ -348,6 +350,7 @@ class TorchDistReader:
         return self._files[relative_path]
 
     def close(self) -> None:
+        """Close the open checkpoint files."""
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()

@@ -25,6 +25,8 @@ DEFAULT_ATOL = 1e-4
 
 @dataclasses.dataclass
 class VerifyReport:
+    """The outcome of a round-trip check: tensors compared, mismatches, logit difference."""
+
     tensors_compared: int
     mismatched: list[str]
     max_logit_diff: float | None
@@ -32,9 +34,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether every tensor matched and the logits (if compared) are within ``atol``."""
         return not self.mismatched and (self.max_logit_diff is None or self.max_logit_diff <= self.atol)
 
     def lines(self) -> list[str]:
+        """The report as printable lines."""
         out = [
             f"round trip: {self.tensors_compared - len(self.mismatched)}/{self.tensors_compared} tensors "
             f"bit-identical" + (f"; first mismatch {self.mismatched[0]}" if self.mismatched else "")
@@ -102,6 +106,7 @@ def check_same_model(hf_dir: str, mcore_dir: str) -> None:
 
 
 def round_trip(hf_dir: str, mcore_dir: str) -> tuple[int, list[str]]:
+    """Convert ``mcore_dir`` back to HF and compare it with ``hf_dir``: (tensors compared, mismatched names)."""
     check_same_model(hf_dir, mcore_dir)
     with tempfile.TemporaryDirectory(prefix="armor_verify_", dir=os.path.dirname(os.path.abspath(mcore_dir))) as tmp:
         out = os.path.join(tmp, "hf")

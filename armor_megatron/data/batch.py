@@ -42,6 +42,7 @@ class RolloutBatch:
         return self._size or 0
 
     def keys(self) -> list[str]:
+        """The field names: tensor fields, then object fields."""
         return [*self.tensors, *self.objects]
 
     def __contains__(self, key: str) -> bool:
@@ -137,6 +138,7 @@ class RolloutBatch:
         return self.index(torch.arange(len(self)).repeat_interleave(repeats))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        """The batch with its tensors moved to ``device`` (objects and meta shared)."""
         return self._derive(
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}, dict(self.objects)
         )

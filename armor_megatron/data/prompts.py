@@ -63,6 +63,8 @@ def ground_truth_column(row: dict[str, Any], answer_key: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
+    """One dataset row: its index in the file, prompt, ground truth, verifier and other columns."""
+
     index: int
     prompt: Any
     answer: Any
@@ -203,9 +205,11 @@ class PromptLoader:
             yield self.next_batch()
 
     def state_dict(self) -> dict[str, Any]:
+        """The loader's position (epoch, position, seed), for checkpoints."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position :meth:`state_dict` saved; a different seed raises."""
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])

@@ -41,6 +41,7 @@ class EngineSizes:
     cuda_graph: float
 
     def tag(self, name: str) -> float:
+        """The bytes an engine holds under memory tag ``name``."""
         return getattr(self, name)
 
 
@@ -58,11 +59,14 @@ class DeviceSizes:
 
     @property
     def trainer_state(self) -> float:
+        """Bytes of the trainer's state on one GPU (weights, grads, optimizer state)."""
         return sum(self.trainer.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
+    """One recorded moment of a step: its label, the GPU's total bytes and what they are made of."""
+
     label: str
     total: float
     holdings: dict  # what the total is made of: name -> bytes
@@ -84,9 +88,11 @@ class DeviceLedger:
 
     # ------------------------------------------------------------------ events
     def start(self, label: str = "start") -> None:
+        """Record the state before the first event."""
         self._record(label)
 
     def trainer_to_device(self) -> None:
+        """The trainer's state comes back to the device."""
         self.trainer_on_device = True
         self._record("trainer to the device")
 
@@ -111,10 +117,12 @@ class DeviceLedger:
         self.cache = max(self.cache, peak)
 
     def engine_released(self, role: str, tags) -> None:
+        """The ``role`` engine released the memory under ``tags``."""
         self._set(role, tags, False)
         self._record(f"{role} engine released {'+'.join(tags)}")
 
     def engine_resumed(self, role: str, tags) -> None:
+        """The ``role`` engine took the memory under ``tags`` back."""
         self._set(role, tags, True)
         self._record(f"{role} engine resumed {'+'.join(tags)}")
 
@@ -123,11 +131,13 @@ class DeviceLedger:
         self._record(f"weights pushed to the {role} engine", bucket=self.sizes.bucket)
 
     def checkpoint(self) -> None:
+        """Record a checkpoint save (no change in holdings)."""
         self._record("checkpoint")
 
     # ------------------------------------------------------------------ results
     @property
     def peak(self) -> Phase:
+        """The phase with the most bytes on the GPU."""
         return max(self.phases, key=lambda p: p.total)
 
     def problem(self, what: str = "step") -> str | None:
@@ -151,6 +161,7 @@ class DeviceLedger:
             self.held[(role, tag)] = held
 
     def holdings(self, computing: float = 0.0, bucket: float = 0.0) -> dict:
+        """What the GPU holds now, by name (bytes), with ``computing`` and ``bucket`` on top."""
         parts: dict = {}
         if self.trainer_on_device:
             parts.update({k: v for k, v in self.sizes.trainer.items() if v})

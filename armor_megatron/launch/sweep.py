@@ -47,6 +47,8 @@ class SweepError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SweepRun:
+    """One run of a sweep: its index, name, grid values and the overrides that make its config."""
+
     index: int
     name: str
     values: dict[str, Any]  # dotted key -> grid value
@@ -56,6 +58,8 @@ class SweepRun:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
+    """A resolved sweep: the base config, output directory, grid and runs."""
+
     base_config: str
     out_dir: str
     grid: dict[str, list]
@@ -64,6 +68,7 @@ class Sweep:
     sbatch: tuple[str, ...]
 
     def config_path(self, index: int | str) -> str:
+        """Where run ``index``'s config is written."""
         return os.path.join(self.out_dir, "configs", f"{index}.yaml")
 
 
@@ -81,6 +86,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
 
 
 def read_grid_file(path: str) -> dict[str, list]:
+    """The grid of a YAML file (``{dotted key: [values]}``); one-line SweepError when it is unreadable."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -209,6 +215,7 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
 
 
 def add_grid_key(grid: dict[str, list], key: str, values: list) -> None:
+    """Add grid key ``key`` (aliases resolved) with ``values``; a reserved or repeated key raises SweepError."""
     key = ALIASES.get(key, key)
     if key in _RESERVED:
         raise SweepError(f"grid key {key!r} is set per run by the sweep itself")
@@ -236,4 +243,5 @@ def _format(value: Any) -> str:
 
 
 def describe_values(values: Mapping[str, Any]) -> str:
+    """``key=value`` pairs of a run's grid values, values as JSON."""
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())

@@ -77,9 +77,11 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class ModelState(Protocol):
     """What a checkpoint needs of a model without an optimizer (the reference)."""
 
-    def sharded_state_dict(self) -> dict: ...
+    def sharded_state_dict(self) -> dict:
+        """The state to save, as a sharded state dict."""
 
-    def load_sharded_state_dict(self, loaded: dict) -> None: ...
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict_to_load`."""
 
 
 class TrainableState(ModelState, Protocol):
@@ -89,15 +91,18 @@ class TrainableState(ModelState, Protocol):
     """
 
     @property
-    def has_optimizer_state(self) -> bool: ...
+    def has_optimizer_state(self) -> bool:
+        """Whether the optimizer holds state yet (it is saved only then)."""
 
-    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict: ...
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
+        """The sharded state dict to load into; with or without the optimizer."""
 
 
 EXTRA_FILE = "trainer_state.pt"
 
 
 def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint at ``step``: ``iter_0000042``."""
     return f"iter_{step:07d}"
 
 
@@ -339,6 +344,7 @@ _VERIFIED: set[str] = set()  # checkpoints this process found intact (find_lates
 
 
 def agreed_damage(path: str) -> str | None:
+    """The first damaged file any rank finds in ``path``, the same line on every rank; None when intact."""
     if not dist.is_initialized():
         return damaged_file(path)
     problems: list[Any] = [None] * dist.get_world_size()

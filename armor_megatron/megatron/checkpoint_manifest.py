@@ -55,6 +55,7 @@ def list_files(path: str) -> list[str]:
 
 
 def file_digest(path: str) -> str:
+    """The xxh3-64 hex digest of a file's bytes."""
     import xxhash
 
     digest = xxhash.xxh3_64()

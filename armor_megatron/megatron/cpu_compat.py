@@ -204,21 +204,26 @@ class CpuRNGStatesTracker:
         self.reset()
 
     def is_initialized(self) -> bool:
+        """Whether any state was added or set."""
         return self._is_initialized
 
     def reset(self) -> None:
+        """Forget every state and seed."""
         self._is_initialized = False
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: set[int] = set()
 
     def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of the named RNG states."""
         return dict(self.states_)
 
     def set_states(self, states) -> None:
+        """Replace the named RNG states."""
         self._is_initialized = True
         self.states_ = dict(states)
 
     def add(self, name: str, seed: int) -> None:
+        """Add an RNG state ``name`` seeded with ``seed``; a repeated name or seed raises."""
         self._is_initialized = True
         if seed in self.seeds_:
             raise RuntimeError(f"rng seed {seed} already exists")
@@ -229,6 +234,7 @@ class CpuRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
+        """Run the block under RNG state ``name`` (saved back after), restoring the outer state."""
         if name not in self.states_:
             raise RuntimeError(f"rng state {name} is not added")
         outer = torch.get_rng_state()

@@ -82,6 +82,7 @@ class ValueHead(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        """Values [s, b, 1] in fp32 from hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
         if self.sequence_parallel:
             # [s/tp, b, h] -> [s, b, h]. Every TP rank then computes the whole (identical) loss,
             # so the backward takes this rank's slice of the gradient instead of summing tp copies.
@@ -101,6 +102,8 @@ def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
 
 
 class MegatronCritic(TrainedModel):
+    """The PPO critic: the actor's architecture with a scalar value head, trained with the value loss."""
+
     checkpoint_prefix = "critic."
 
     def __init__(

@@ -54,6 +54,7 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """Rank, world size and rendezvous from a launcher's environment (torchrun or SLURM), else a single process."""
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls(
@@ -129,6 +130,7 @@ class ParallelConfig:
 
     @property
     def expert_tp(self) -> int:
+        """The expert tensor-parallel size (the tensor-parallel size unless set)."""
         return self.tp if self.etp is None else self.etp
 
     def megatron_sizes(self) -> dict:
@@ -143,6 +145,7 @@ class ParallelConfig:
         )
 
     def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size of ``world_size`` ranks: world / (tp · pp · cp)."""
         return world_size // (self.tp * self.pp * self.cp)
 
     def validate(self, world_size: int, arch: ModelArch | None = None) -> None:
@@ -172,6 +175,8 @@ class ParallelConfig:
 # ----------------------------------------------------------------------------- start-up
 @dataclasses.dataclass(frozen=True)
 class DistContext:
+    """What :func:`initialize` set up: launcher environment, parallel layout, device and backend."""
+
     env: DistEnv
     parallel: ParallelConfig
     device: torch.device
@@ -179,6 +184,7 @@ class DistContext:
 
     @property
     def is_cpu(self) -> bool:
+        """Whether this process computes on the CPU."""
         return self.device.type == "cpu"
 
 

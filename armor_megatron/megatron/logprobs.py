@@ -212,6 +212,8 @@ def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------- pipeline forward
 @dataclasses.dataclass
 class LogProbs:
+    """Per-token log-probs [B, T] in fp32 and, when asked for, entropies [B, T]."""
+
     logprobs: torch.Tensor  # [B, T] fp32
     entropy: torch.Tensor | None  # [B, T] fp32 or None
 

@@ -44,6 +44,7 @@ class MicroBatch:
 
     @property
     def packed(self) -> bool:
+        """Whether the micro-batch is packed (THD) rather than padded."""
         return self.cu_seqlens is not None
 
     @property
@@ -53,6 +54,7 @@ class MicroBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
+        """Position ids on the tokens' device."""
         return self.position_ids_on(self.tokens.device)
 
     def position_ids_on(self, device) -> torch.Tensor:
@@ -175,6 +177,7 @@ def padded_rows(rows: dict, count: int) -> dict:
 
 
 def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
 
 

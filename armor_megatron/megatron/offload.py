@@ -121,6 +121,7 @@ class HostOffload:
 
     @classmethod
     def of(cls, *models) -> HostOffload:
+        """An offload of the given models' tensors (None entries skipped), on their compute device."""
         return cls(
             lambda: (t for model in models if model is not None for t in model_tensors(model)),
             scratch=lambda: (t for model in models if model is not None for t in model_scratch_tensors(model)),
@@ -152,9 +153,11 @@ class HostOffload:
 
     @property
     def offloaded(self) -> bool:
+        """Whether the tensors are in host memory now."""
         return self._offloaded
 
     def offload(self) -> None:
+        """Copy the tensors' storages to host memory and free them on the device (no-op when offloaded)."""
         if self._offloaded:
             return
         self._storages, scratch = self._collect()
@@ -180,6 +183,7 @@ class HostOffload:
             self.ledger.trainer_to_host(emptied_cache=True)
 
     def reload(self) -> None:
+        """Bring the storages back to the device from their host copies (no-op when not offloaded)."""
         if not self._offloaded:
             return
         for storage, copy in zip(self._storages, self._host):

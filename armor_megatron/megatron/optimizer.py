@@ -111,6 +111,7 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
 
 
 def current_lr(optimizer) -> float:
+    """The learning rate of the optimizer's first param group."""
     return float(optimizer.param_groups[0]["lr"])
 
 

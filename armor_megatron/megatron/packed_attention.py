@@ -55,6 +55,7 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        """Megatron's dot-product attention, or per segment for a packed micro-batch (``packed_seq_params``)."""
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if attention_mask is not None:

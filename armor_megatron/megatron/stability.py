@@ -74,6 +74,7 @@ class GuardDecision:
     skipped_total: int
 
     def metrics(self) -> dict[str, float]:
+        """The verdict as metrics (skipped, totals, LR and clip scales, level)."""
         out = {
             "skipped": float(self.skip),
             "skipped_total": float(self.skipped_total),
@@ -96,6 +97,8 @@ class GuardDecision:
 
 
 class StabilityGuard:
+    """Skips unstable optimizer steps and lowers LR and clipping after repeated ones (module docstring)."""
+
     def __init__(self, max_ratio: float = 10.0, config: StabilityConfig | None = None, **overrides):
         if not max_ratio > 1.0:
             raise ValueError(f"max_ratio must be > 1, got {max_ratio!r}")
@@ -115,14 +118,17 @@ class StabilityGuard:
     # ------------------------------------------------------------------ scales
     @property
     def lr_scale(self) -> float:
+        """The factor on the learning rate at the current level."""
         return self.config.lr_factor**self.level
 
     @property
     def clip_scale(self) -> float:
+        """The factor on the gradient-clip threshold at the current level."""
         return self.config.clip_factor**self.level
 
     @property
     def healthy(self) -> bool:
+        """Whether the guard is at level 0 with no strikes and no rollback pending."""
         return self.level == 0 and self.strikes == 0 and not self.rollback_pending
 
     def threshold(self) -> float | None:
@@ -254,6 +260,7 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
+        """The guard's state, for checkpoints."""
         return {
             "history": list(self.history),
             "skipped_total": self.skipped_total,

@@ -282,6 +282,7 @@ class TrainedModel:
     checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
 
     def model_sharded_state_dict(self) -> dict:
+        """The model chunks' weights as a sharded state dict (keys prefixed ``checkpoint_prefix``)."""
         return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
     def sharded_state_dict(self) -> dict:
@@ -298,6 +299,7 @@ class TrainedModel:
 
     @property
     def has_optimizer_state(self) -> bool:
+        """Whether the optimizer holds state yet (after its first step)."""
         return len(self.optimizer.state) > 0
 
     def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:

@@ -28,6 +28,7 @@ def make_format_verifier(
     think_open: str = THINK_OPEN,
     think_close: str = THINK_CLOSE,
 ) -> Verifier:
+    r"""A verifier scoring format only: the ``\boxed{}`` rule and/or a closed think block."""
     if boxed not in _BOXED_RULES:
         raise ValueError(f"format verifier boxed must be one of {_BOXED_RULES}, got {boxed!r}")
     if boxed is None and not think:

@@ -79,6 +79,7 @@ def knowledge_answer(response: str) -> str | None:
 
 
 def verify_knowledge(response: str, ground_truth: Any) -> RewardResult:
+    """1 when the response's answer matches one of the ground truth's aliases after normalisation, else 0."""
     aliases = {normalize_answer(a) for a in gold_aliases(ground_truth)}
     answer = knowledge_answer(response)
     correct = answer is not None and normalize_answer(answer) in aliases

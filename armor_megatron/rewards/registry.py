@@ -141,6 +141,7 @@ def unregister_verifier(name: str) -> None:
 
 
 def registered_verifiers() -> list[str]:
+    """The names of the registered verifiers, sorted."""
     return sorted(_REGISTRY)
 
 

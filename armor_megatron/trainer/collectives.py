@@ -169,6 +169,7 @@ def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, keys: Sequence
 
 @collective
 def barrier() -> None:
+    """A barrier over the default group (no-op in a single process)."""
     if _distributed():
         dist.barrier()
 

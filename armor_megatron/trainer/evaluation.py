@@ -17,6 +17,8 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 @dataclasses.dataclass
 class EvalSet:
+    """One evaluation dataset and its k (samples per prompt)."""
+
     name: str
     dataset: PromptDataset
     k: int = 1
@@ -24,6 +26,8 @@ class EvalSet:
 
 @dataclasses.dataclass
 class EvalResult:
+    """Metrics per dataset and one record per scored sample."""
+
     metrics: dict  # {dataset: {"num_prompts", "avg@k", "pass@j", ...}}
     records: list  # one dict per sample: dataset, index, prompt, answer, response, score, finish_reason
 

@@ -44,6 +44,7 @@ HF_DIR = "hf"
 
 
 def step_name(step: int) -> str:
+    """The directory name of the HF save at ``step``: ``step_0000042``."""
     return f"step_{step:07d}"
 
 

@@ -24,6 +24,8 @@ from typing import Any
 
 
 class MetricsLogger:
+    """Writes each step's scalar metrics to ``metrics.jsonl``, and to TensorBoard and W&B when enabled."""
+
     def __init__(
         self,
         log_dir: str,
@@ -83,6 +85,7 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Write the scalar metrics of ``step`` to every enabled sink."""
         scalars = {k: float(v) for k, v in metrics.items() if _is_scalar(v)}
         if self._jsonl is not None:
             record = {"step": step, "time": time.time(), **{k: _json_float(v) for k, v in scalars.items()}}
@@ -96,6 +99,7 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        """Close every sink."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
@@ -234,6 +238,7 @@ class StepReporter:
             )
 
     def should_log(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Whether ``step`` is shown: every ``every_steps`` steps and at evaluations."""
         return step % self.every_steps == 0 or any(k.startswith("eval/") for k in metrics)
 
     def report(self, step: int, metrics: Mapping[str, Any]) -> dict:
@@ -249,6 +254,7 @@ class StepReporter:
         return metrics
 
     def close(self) -> None:
+        """Close the progress bar, if any."""
         if self.bar is not None:
             self.bar.close()
 

@@ -54,6 +54,7 @@ class SeparateReference:
 
     @property
     def version(self) -> str:
+        """The reference engine's weight version."""
         return self.engine.weight_version
 
     def generate(
@@ -63,12 +64,15 @@ class SeparateReference:
         sampling: SamplingParams,
         timeout: float | None = None,
     ):
+        """Sample ``n`` responses per prompt from the reference engine."""
         return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
 
     def reset(self, weights: WeightSource, version: str) -> None:
+        """Load new reference weights into the reference engine."""
         self.engine.update_weights(weights, version)
 
     def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        """The policy weights, unchanged: the policy engine is not this source's."""
         return weights  # the policy engine is not ours
 
 
@@ -109,6 +113,7 @@ class SwapReference:
         sampling: SamplingParams,
         timeout: float | None = None,
     ):
+        """Sample from the reference weights, swapped into the policy engine for the call (and back, unless not ``swap_back``)."""
         with self._lock:
             policy_version = self.engine.weight_version
             if policy_version != self.version:
@@ -128,6 +133,7 @@ class SwapReference:
         return self._policy()
 
     def reset(self, weights: WeightProvider, version: str) -> None:
+        """Take new reference weights (used at the next anchor request)."""
         with self._lock:
             self._reference = _provider(weights)
             self.version = str(version)

@@ -167,9 +167,11 @@ class SGLangClient:
         )
 
     def get(self, path: str, timeout: float | None = None, retry: bool = True) -> Any:
+        """``GET path``; the decoded JSON reply."""
         return self.request("GET", path, None, timeout=timeout, retry=retry)
 
     def post(self, path: str, body: Any = None, timeout: float | None = None, retry: bool = True) -> Any:
+        """``POST path`` with a JSON ``body``; the decoded JSON reply."""
         return self.request("POST", path, {} if body is None else body, timeout=timeout, retry=retry)
 
     # ---- endpoints ---------------------------------------------------------------------

@@ -112,6 +112,8 @@ __all__ = ["LauncherConfig", "SGLangLauncher", "free_port", "run_server_with_env
 
 
 class SGLangLauncher:
+    """Starts and stops the SGLang server processes (and their router) of one role."""
+
     def __init__(self, config: LauncherConfig):
         self.config = config
         self.ports: list[int] = []
@@ -125,6 +127,7 @@ class SGLangLauncher:
     # ---- commands ------------------------------------------------------------------------
 
     def server_command(self, engine_index: int, port: int) -> list[str]:
+        """The command line of engine ``engine_index`` listening on ``port``."""
         c = self.config
         cmd = [
             *self._entry(c.server_module),
@@ -166,6 +169,7 @@ class SGLangLauncher:
         )
 
     def router_command(self, port: int) -> list[str]:
+        """The router's command line for ``port``."""
         return self.make_router().command(port, free_port(self.config.host))
 
     def _entry(self, module: str) -> list[str]:
@@ -175,15 +179,18 @@ class SGLangLauncher:
 
     @property
     def worker_urls(self) -> list[str]:
+        """The URLs of the started servers."""
         return [local_url(self.config.host, p) for p in self.ports]
 
     @property
     def router_url(self) -> str | None:
+        """The router's URL, None without a router."""
         return None if self.router is None else self.router.url
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> SGLangLauncher:
+        """Start the servers (and the router), wait until they are healthy; returns self."""
         c = self.config
         if self._procs:
             raise RuntimeError("SGLang servers already started")
@@ -302,6 +309,7 @@ class SGLangLauncher:
 
     @property
     def running(self) -> bool:
+        """Whether any server or the router is still running."""
         return any(p.poll() is None for p in self._procs) or (self.router is not None and self.router.running)
 
     def _install_exit_handlers(self) -> None:

@@ -83,6 +83,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         return {"groups": self.groups, "bucket_bytes": self.bucket_bytes}
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``."""
         return _OwnerSink(self.groups, rank)
 
     # ---------------------------------------------------------------- driver
@@ -95,6 +96,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self._running = [self._pool.submit(per_engine, c, i) for i, c in enumerate(self._clients)]
 
     def conduct_join(self, announcements: dict[int, Any]) -> None:
+        """Ask the engines to join every new owner's group, given the owners' announcements."""
         self._owners = [a for _, a in sorted(announcements.items())]
         new = [a for a in self._owners if a["new"]]
         g = self.groups
@@ -122,6 +124,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self.joined += [a["group"] for a in new]
 
     def conduct_bucket(self, descriptions: dict[int, Any], last: bool) -> None:
+        """Ask the engines to receive one round of buckets, as the owners described them."""
         requests = [
             (d["group"], names, dtypes, shapes)
             for _, d in sorted(descriptions.items())
@@ -175,6 +178,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
                 raise e if isinstance(e, WeightUpdateError) else WeightUpdateError(f"{type(e).__name__}: {e}")
 
     def shutdown(self) -> None:
+        """Stop the request threads without waiting."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None

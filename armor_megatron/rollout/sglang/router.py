@@ -78,6 +78,7 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def log_tail(path: str, lines: int = 20) -> str:
+    """The last ``lines`` lines of the log at ``path`` ('' when unreadable)."""
     try:
         with open(path, "rb") as f:
             return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
@@ -131,6 +132,7 @@ class SGLangRouter:
 
     @property
     def url(self) -> str:
+        """The router's URL; raises before it started."""
         if self.port is None:
             raise RuntimeError("the SGLang router is not started")
         return local_url(self.host, self.port)
@@ -251,6 +253,7 @@ class SGLangRouter:
 
     @property
     def running(self) -> bool:
+        """Whether the router process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self):

@@ -112,6 +112,7 @@ class SGLangUnpickler(pickle.Unpickler):
     """
 
     def find_class(self, module, name):
+        """The class ``module.name`` if SGLang's allowlist admits it, else UnpicklingError."""
         if not sglang_admits(module, name):
             raise pickle.UnpicklingError(f"SGLang's unpickler refuses {module}.{name} (not in its allowlist)")
         if (module, name) == (SGLANG_METADATA_MODULE, "FlattenedTensorMetadata"):

@@ -255,9 +255,11 @@ class SGLangTestServer:
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> SGLangTestServer:
+        """Listen on ``host:port`` in a background thread; returns self."""
         server = self
 
         class Handler(_Handler):
@@ -271,6 +273,7 @@ class SGLangTestServer:
         return self
 
     def stop(self) -> None:
+        """Stop listening and join the server thread."""
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
@@ -321,6 +324,7 @@ class SGLangTestServer:
     # ---- request handling --------------------------------------------------------------
 
     def handle(self, method: str, path: str, headers, body: Any):
+        """Serve one request: count it, check the API key, apply injected failures, dispatch to the route's method."""
         with self._cond:
             self.requests[path] = self.requests.get(path, 0) + 1
         if self.api_key and not self._authorized(method, path, headers):
@@ -356,6 +360,7 @@ class SGLangTestServer:
     # -- generation
 
     def generate(self, body):
+        """``POST /generate``: sample from the local engine, SGLang's request and reply formats."""
         if not isinstance(body, dict):
             raise _invalid_request("request body must be a JSON object")
         prompts, single = self._prompts(body)
@@ -437,6 +442,7 @@ class SGLangTestServer:
 
     @property
     def context_length(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), None when unknown."""
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
     def _sample(self, prompt, n, sampling, return_logprob):
@@ -508,6 +514,7 @@ class SGLangTestServer:
     # -- weights
 
     def begin_weight_update(self, body):
+        """``POST /begin_weight_update``: open a weight update session (one at a time)."""
         with self._cond:
             if self._session_open:
                 raise _failed_update("a weight update session is already open")
@@ -515,6 +522,7 @@ class SGLangTestServer:
         return {"success": True, "message": "weight update session opened"}
 
     def end_weight_update(self, body):
+        """``POST /end_weight_update``: close the weight update session."""
         with self._cond:
             if not self._session_open:
                 raise _failed_update("no weight update session is open")
@@ -578,6 +586,7 @@ class SGLangTestServer:
         self.engine.load_weights(list(full.items()), strict=True)
 
     def update_weights_from_disk(self, body):
+        """``POST /update_weights_from_disk``: load an HF checkpoint directory (every weight required)."""
         path = body.get("model_path")
         if not path or not os.path.isdir(path):
             raise _failed_update(f"Failed to update weights: model_path {path!r} is not a directory")
@@ -585,6 +594,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def update_weights_from_tensor(self, body):
+        """``POST /update_weights_from_tensor``: apply serialized named tensors, within a session."""
         from armor_megatron.rollout.sglang import tensor_payload
 
         self._require_session("update_weights_from_tensor")
@@ -599,6 +609,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def init_weights_update_group(self, body):
+        """``POST /init_weights_update_group``: join a trainer's weights update group."""
         with self._weights_lock:
             return self._init_weights_update_group(body)
 
@@ -619,6 +630,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def update_weights_from_distributed(self, body):
+        """``POST /update_weights_from_distributed``: receive a broadcast bucket over a joined group."""
         import torch
         import torch.distributed as dist
 
@@ -656,6 +668,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
     def destroy_weights_update_group(self, body):
+        """``POST /destroy_weights_update_group``: leave a group."""
         import torch.distributed as dist
 
         with self._weights_lock:
@@ -678,6 +691,7 @@ class SGLangTestServer:
         return set(tags)
 
     def release_memory_occupation(self, body):
+        """``POST /release_memory_occupation``: release memory tags (weights lost unless backed up on the CPU)."""
         tags = self._memory_tags(body, "release_memory_occupation")
         self._released |= tags
         if "weights" in tags and not self.weights_cpu_backup:
@@ -685,10 +699,12 @@ class SGLangTestServer:
         return JSON_NULL
 
     def resume_memory_occupation(self, body):
+        """``POST /resume_memory_occupation``: take the memory of the tags back."""
         self._released -= self._memory_tags(body, "resume_memory_occupation")
         return JSON_NULL
 
     def pause_generation(self, body):
+        """``POST /pause_generation``: pause in ``abort``, ``retract`` or ``in_place`` mode."""
         if not isinstance(body, dict):
             raise _invalid_request("pause_generation needs a JSON body")
         mode = body.get("mode", "abort")
@@ -701,17 +717,20 @@ class SGLangTestServer:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, body):
+        """``POST /continue_generation``: resume paused generation."""
         with self._cond:
             self._paused = False
             self._cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def health_generate(self, body):
+        """``GET /health_generate``: 503 while paused."""
         if self._paused:
             raise _HTTPError(503, {"error": "server is paused"})
         return None
 
     def update_weight_version(self, body):
+        """``POST /update_weight_version``: set the weight version without new weights."""
         version = (body or {}).get("new_version")
         if not isinstance(version, str):
             raise _invalid_request("new_version must be a string", "new_version")
@@ -719,6 +738,7 @@ class SGLangTestServer:
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
     def server_info(self, body):
+        """``GET /get_server_info``: model path, context length, weight version."""
         return {
             "model_path": self.model_path,
             "context_length": self.context_length,
@@ -727,6 +747,7 @@ class SGLangTestServer:
         }
 
     def models(self, body):
+        """``GET /v1/models``: the served model, as SGLang lists it."""
         name = self.model_path or "default"
         return {
             "object": "list",
@@ -734,6 +755,7 @@ class SGLangTestServer:
         }
 
     def model_info(self, body):
+        """``GET /model_info`` (and ``/get_model_info``): model and tokenizer paths."""
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
@@ -844,6 +866,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv=None) -> None:
+    """Run the test double as a server process (its command line mirrors SGLang's)."""
     parser = argparse.ArgumentParser(
         description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine"
     )
