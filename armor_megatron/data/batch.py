@@ -48,7 +48,7 @@ class RolloutBatch:
     def __contains__(self, key: str) -> bool:
         return key in self.tensors or key in self.objects
 
-    def __getitem__(self, key: str) -> torch.Tensor | list[Any]:
+    def __getitem__(self, key: str) -> Any:  # a tensor field, or an object field (a list)
         if key in self.tensors:
             return self.tensors[key]
         if key in self.objects:
