@@ -92,6 +92,7 @@ class LaunchOptions:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], launcher: str | None = None) -> LaunchOptions:
+        """Options from ``ARMOR_*`` environment variables; a malformed one raises LaunchPlanError."""
         grace = env.get("ARMOR_SIGNAL_GRACE", "120")
         if not grace.isdigit():
             raise LaunchPlanError(f"ARMOR_SIGNAL_GRACE={grace!r} is not a number of seconds")
@@ -124,6 +125,8 @@ class EngineStep:
 
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
+    """The commands and addresses of one SLURM job: trainer ranks and engines on its nodes."""
+
     run_name: str
     job_id: str
     launcher: Launcher
@@ -140,13 +143,16 @@ class JobPlan:
 
     @property
     def world_size(self) -> int:
+        """The number of trainer ranks."""
         return len(self.trainer_nodes) * self.trainer_procs_per_node
 
     @property
     def engine_urls(self) -> tuple[str, ...]:
+        """The URLs of every engine."""
         return tuple(e.url for e in self.engines)
 
     def group_urls(self, group: str) -> list[str]:
+        """The URLs of the engines of ``group``."""
         return [e.url for e in self.engines if e.group == group]
 
 
@@ -380,8 +386,11 @@ def _trainer_command(
 
 
 def _cpus_per_gpu(env: Mapping[str, str]) -> int | None:
-    """``ARMOR_CPUS_PER_GPU``, else the allocation's cores per GPU (``SLURM_CPUS_ON_NODE`` over
-    ``SLURM_GPUS_ON_NODE``), else None (srun's default)."""
+    """CPU cores per GPU for srun, or None for srun's default.
+
+    ``ARMOR_CPUS_PER_GPU``, else the allocation's cores per GPU (``SLURM_CPUS_ON_NODE`` over
+    ``SLURM_GPUS_ON_NODE``), else None (srun's default).
+    """
     explicit = env.get("ARMOR_CPUS_PER_GPU")
     if explicit is not None:
         if not explicit.isdigit():

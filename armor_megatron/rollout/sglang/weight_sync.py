@@ -72,6 +72,8 @@ SYNC_MODES = ("tensor", "distributed", "disk")
 
 @dataclasses.dataclass
 class WeightSyncConfig:
+    """How weights reach the engines: mode, bucket size, TP size, and each mode's settings."""
+
     mode: str = "tensor"
     bucket_bytes: int = 512 << 20
     tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
@@ -153,6 +155,7 @@ class WeightSync(abc.ABC):
         self.verify(version)
 
     def verify(self, version: str) -> None:
+        """Raise WeightUpdateError unless every engine reports ``version``."""
         for c in self.clients:
             reported = c.weight_version(timeout=self.config.timeout)
             if reported != version:
@@ -179,6 +182,7 @@ class WeightSync(abc.ABC):
             self._maybe_open.discard(i)
 
     def close(self) -> None:
+        """Release what the sync holds (nothing by default)."""
         pass
 
 
@@ -257,7 +261,9 @@ def _mark_last(iterable):
 def _post_tensor_bucket(
     clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
 ) -> None:
-    """One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
+    """Send one bucket to every engine with ``/update_weights_from_tensor``.
+
+    One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
     update's last request (it also flushes the cache)."""
     load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
     device = cfg.device or _default_handle_device()
@@ -278,7 +284,10 @@ def _post_tensor_bucket(
 
 
 class TensorWeightSync(WeightSync):
+    """Pushes buckets as CUDA IPC handles (``update_weights_from_tensor``); engines on the trainer's node."""
+
     def push(self, named_tensors, version):
+        """Push ``named_tensors`` bucket by bucket, then set ``version``."""
         cfg = self.config
         sent = 0
         with self._session():
@@ -290,6 +299,7 @@ class TensorWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
+        """Push every owner's tensors (each owner sends its own), then set ``version``."""
         if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
             self.push(iter(weights), version)
             return
@@ -301,7 +311,9 @@ class TensorWeightSync(WeightSync):
 
 
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether every trainer rank shares the driver's node, from the launcher's environment
+    """Whether every trainer rank shares the driver's node.
+
+    Whether every trainer rank shares the driver's node, from the launcher's environment
     (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process)."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
@@ -324,6 +336,7 @@ class TensorDelivery(ShardDelivery):
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``; an owner on another node raises."""
         if socket.gethostname() != self.driver_host:
             raise WeightUpdateError(
                 f"tensor weight sync: rank {rank} runs on {socket.gethostname()}, but CUDA IPC handles open only on "
@@ -366,11 +379,15 @@ class _TensorSink(ShardSink):
 
 
 class DiskWeightSync(WeightSync):
+    """Writes an HF checkpoint on a shared file system and has the engines load it."""
+
     def push(self, named_tensors, version):
+        """Write ``named_tensors`` as an HF checkpoint and load it into the engines at ``version``."""
         path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
         self.load_from_disk(path, version)
 
     def push_sharded(self, weights, version):
+        """Every owner writes its own shards; the assembled checkpoint is loaded at ``version``."""
         cfg = self.config
         directory = os.path.abspath(cfg.disk_dir)
         os.makedirs(os.path.dirname(directory), exist_ok=True)
@@ -405,6 +422,7 @@ class DiskDelivery(ShardDelivery):
         self.directory, self.bucket_bytes = directory, bucket_bytes
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``: its shard files in the staging directory."""
         return _DiskSink(self.directory, rank)
 
 
@@ -508,6 +526,7 @@ class DistributedWeightSync(WeightSync):
         self.group = joined["group"]
 
     def push(self, named_tensors, version):
+        """Broadcast ``named_tensors`` to the engines over the weights update group, then set ``version``."""
         cfg = self.config
         if self.group is None:
             self._init_group()
@@ -560,6 +579,7 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def close(self):
+        """Ask the engines to leave every group made, and destroy this side's."""
         names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
         for name in names:
             for c in self.clients:
@@ -574,6 +594,7 @@ class DistributedWeightSync(WeightSync):
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
+    """The weight sync of ``config.mode`` over ``clients``."""
     return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](
         clients, config
     )
