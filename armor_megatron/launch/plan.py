@@ -32,7 +32,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
@@ -99,7 +99,7 @@ class LaunchOptions:
         python = env.get("ARMOR_PYTHON") or "python"
         entry = env.get("ARMOR_TRAIN_ENTRY")
         return cls(
-            launcher=launcher or env.get("ARMOR_LAUNCHER") or "srun",
+            launcher=cast(Launcher, launcher or env.get("ARMOR_LAUNCHER") or "srun"),  # checked in __post_init__
             python=python,
             train_entry=tuple(shlex.split(entry)) if entry is not None else (python, *DEFAULT_TRAIN_ENTRY[1:]),
             srun_args=tuple(shlex.split(env.get("ARMOR_SRUN_ARGS", ""))),
@@ -184,7 +184,9 @@ def plan_job(
             f"rollout.sglang.host={sg.host}: in a multi-node job the engines must listen on all interfaces "
             "so trainer ranks on other nodes reach them; set rollout.sglang.host=0.0.0.0 (and rollout.sglang.api_key)"
         )
-    groups = ["policy"] * sg.num_engines + ["reference"] * (len(layout.engine_slots) - sg.num_engines)
+    groups: list[Literal["policy", "reference"]] = [
+        "policy" if i < sg.num_engines else "reference" for i in range(len(layout.engine_slots))
+    ]
     engines = tuple(
         _engine_step(cfg, opts, i, group, node, first_gpu, port)
         for i, (group, (node, first_gpu), port) in enumerate(zip(groups, layout.engine_slots, ports))
@@ -299,7 +301,13 @@ def _check_weight_sync(cfg: RunConfig, engines: Sequence[EngineStep], driver_nod
 
 
 def _engine_step(
-    cfg: RunConfig, opts: LaunchOptions, index: int, group: str, node: str, first_gpu: int, port: int
+    cfg: RunConfig,
+    opts: LaunchOptions,
+    index: int,
+    group: Literal["policy", "reference"],
+    node: str,
+    first_gpu: int,
+    port: int,
 ) -> EngineStep:
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
