@@ -1,6 +1,4 @@
-"""Name -> function registries for the algorithm's pluggable parts.
-
-Name -> function registries for the algorithm's pluggable parts (advantage estimators,
+"""Name -> function registries for the algorithm's pluggable parts (advantage estimators,
 policy losses), in the shape of verl's ``register_adv_est`` / ``register_policy_loss``.
 
 Each entry keeps the function, the arguments its signature takes, and free metadata (an
@@ -25,8 +23,6 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RegistryEntry:
-    """One registered variant: its name, function, parameter names and metadata."""
-
     name: str
     fn: Callable[..., Any]
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
@@ -65,7 +61,6 @@ class Registry(Mapping[str, Callable[..., Any]]):
         del self._entries[name]
 
     def entry(self, name: str) -> RegistryEntry:
-        """The entry registered as ``name``; an unknown name raises one line listing the known ones."""
         try:
             return self._entries[name]
         except (KeyError, TypeError):
@@ -75,9 +70,7 @@ class Registry(Mapping[str, Callable[..., Any]]):
         raise ValueError(f"unknown {self.kind} {name!r}{hint}; known: {', '.join(self._entries)}") from None
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call the function registered as ``name``, checking it takes the given arguments.
-
-        ``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
+        """``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
         it takes those arguments (one-line ValueError naming the ones it takes otherwise)."""
         entry = self.entry(name)
         try:

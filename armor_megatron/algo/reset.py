@@ -28,32 +28,25 @@ class ResetSchedule(Protocol):
     """What the trainer calls: ``observe_start`` once with the evaluation before training,
     ``should_reset`` after every step, ``state_dict`` / ``load_state_dict`` with checkpoints."""
 
-    def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """Whether θ_ref ← θ after ``step`` (1-based), given the step's metrics when there are any."""
+    def should_reset(self, step: int, metrics: Metrics = None) -> bool: ...
 
-    def observe_start(self, metrics: Metrics) -> None:
-        """See the metrics of the run's start (before step 1)."""
+    def observe_start(self, metrics: Metrics) -> None: ...
 
-    def state_dict(self) -> dict[str, Any]:
-        """The schedule's state, for checkpoints."""
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore what :meth:`state_dict` saved."""
+    def load_state_dict(self, state: Mapping[str, Any]) -> None: ...
 
 
 class StatelessSchedule:
     """The rest of the `ResetSchedule` surface for schedules that depend on the step alone."""
 
     def observe_start(self, metrics: Metrics) -> None:
-        """Nothing to observe."""
         return None
 
     def state_dict(self) -> dict[str, Any]:
-        """No state: an empty dict."""
         return {}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """No state to restore."""
         return None
 
 
@@ -73,7 +66,6 @@ class EveryTau(StatelessSchedule):
             raise ValueError(f"reset tau must be >= 1, got {self.tau!r}")
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """True every ``tau`` steps."""
         _check_step(step)
         return step % self.tau == 0
 
@@ -93,7 +85,6 @@ class TwoStage(StatelessSchedule):
             )
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """True every ``tau`` steps up to ``first_stage_steps``, then never."""
         _check_step(step)
         return step <= self.first_stage_steps and step % self.tau == 0
 
@@ -103,7 +94,6 @@ class Never(StatelessSchedule):
     """A static reference."""
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """Never true: the reference stays frozen."""
         _check_step(step)
         return False
 
@@ -119,16 +109,13 @@ class ValidationHook(StatelessSchedule):
             self.hook = load_callable(self.hook)
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """What the user hook answers for this step and its metrics."""
         _check_step(step)
         return bool(self.hook(step, metrics))
 
 
 @dataclass
 class OnValidationBest:
-    """Reset when a validation metric beats its best so far.
-
-    Reset when ``metrics[metric]`` (present on validation steps) beats the best so far by
+    """Reset when ``metrics[metric]`` (present on validation steps) beats the best so far by
     more than ``min_delta`` (``mode`` "max" or "min"). Stateful: save ``state_dict()`` with the
     trainer checkpoint."""
 
@@ -142,7 +129,6 @@ class OnValidationBest:
             raise ValueError(f"validation reset mode must be 'max' or 'min', got {self.mode!r}")
 
     def should_reset(self, step: int, metrics: Metrics = None) -> bool:
-        """True when the step's evaluation improves ``metric`` beyond the best so far."""
         _check_step(step)
         if not metrics or self.metric not in metrics:
             return False
@@ -160,11 +146,9 @@ class OnValidationBest:
             self.best = float(metrics[self.metric])
 
     def state_dict(self) -> dict[str, Any]:
-        """The best value so far, for checkpoints."""
         return {"best": self.best}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore the best value so far."""
         self.best = float(state["best"])
 
 
@@ -192,9 +176,7 @@ RESET_SCHEDULES = {
 
 
 def build_reset_schedule(kind: str, **params) -> ResetSchedule:
-    """The reset schedule registered as ``kind``, built from its parameters.
-
-    ``build_reset_schedule("every", tau=160)``, ``("two_stage", first_stage_steps=180)``,
+    """``build_reset_schedule("every", tau=160)``, ``("two_stage", first_stage_steps=180)``,
     ``("never")``, ``("validation_hook", hook="pkg.mod:fn")``,
     ``("validation_best", metric="val/acc")``."""
     if kind not in RESET_SCHEDULES:

@@ -610,9 +610,7 @@ class LaunchConfig:
 
 @dataclasses.dataclass
 class ThroughputConfig:
-    """Speed options of the trained models, none changing what is computed.
-
-    Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
+    """Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
     default is what it is): overlapped communication and fused kernels, none changing what is
     computed. The defaults run on an image installed from the lock files alone (no APEX, no C
     compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run

@@ -13,7 +13,6 @@ from armor_megatron.models.megatron_options import MoESettings
 
 
 def validate_run_config(cfg: RunConfig) -> None:
-    """Check the settings of ``cfg`` against each other; one-line ConfigError naming the key otherwise."""
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
     _check_lengths_fit_context(cfg)

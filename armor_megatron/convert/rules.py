@@ -65,16 +65,13 @@ class TensorRule:
 
     @property
     def per_layer(self) -> bool:
-        """Whether the rule has one tensor per layer."""
         return "{layer}" in self.local_name
 
     @property
     def per_expert(self) -> bool:
-        """Whether the rule has one tensor per expert."""
         return "{expert}" in self.local_name
 
     def hf(self, layer: int | None = None, expert: int | None = None) -> list[str]:
-        """The HF tensor names of this rule at ``layer`` and ``expert``."""
         return [n.format(layer=layer, expert=expert) for n in self.hf_names]
 
     def name(
@@ -110,9 +107,7 @@ def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
-    """Every HF tensor name a full checkpoint of ``arch`` holds, in checkpoint order.
-
-    Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
+    """Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
     (embedding, per layer and expert, final norm, lm_head unless tied): what a complete export
     must yield."""
     return [
@@ -124,9 +119,7 @@ _HF_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def is_mtp_tensor(arch: ModelArch, name: str) -> bool:
-    """Whether ``name`` belongs to a DeepSeek-V3 multi-token-prediction layer.
-
-    Whether ``name`` belongs to one of DeepSeek-V3's multi-token-prediction layers,
+    """Whether ``name`` belongs to one of DeepSeek-V3's multi-token-prediction layers,
     ``model.layers.{n}.*`` with num_layers <= n < num_layers + mtp_layers (a draft head that
     transformers and this project's models leave out; the converter skips these tensors)."""
     match = _HF_LAYER_INDEX.match(name)
@@ -506,9 +499,7 @@ def hf_to_mcore(arch: ModelArch, rule: TensorRule, hf_tensors: Sequence[torch.Te
 
 
 def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Per HF tensor, the views of ``tensor`` whose rows make it.
-
-    Per HF tensor (``rule.hf_names`` order), the views of ``tensor`` whose rows, concatenated
+    """Per HF tensor (``rule.hf_names`` order), the views of ``tensor`` whose rows, concatenated
     in order, are that HF tensor: a writer can stream them without assembling a copy."""
     if tuple(tensor.shape) != rule.shape:
         raise ValueError(f"{rule.ckpt_key}: shape {tuple(tensor.shape)} != expected {rule.shape}")
@@ -519,9 +510,7 @@ def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) 
 
 
 def mcore_to_hf(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Split one Megatron tensor into its HF tensors.
-
-    Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
+    """Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
     are), in ``rule.hf_names`` order."""
     out = []
     for blocks, shape in zip(mcore_to_hf_blocks(arch, rule, tensor), hf_shapes(arch, rule)):
@@ -540,7 +529,6 @@ class ParamRef:
 
     @property
     def hf_names(self) -> list[str]:
-        """The HF tensor names this parameter holds."""
         return self.rule.hf(self.layer, self.expert)
 
 

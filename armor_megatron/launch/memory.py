@@ -142,9 +142,7 @@ TRAINER_TERMS = ("weights", "gradients", "optimizer", "reference", "critic")
 
 # ----------------------------------------------------------------------------- parameters
 def layer_params(arch: ModelArch, layer: int) -> tuple[int, int, int]:
-    """Parameter counts of decoder layer ``layer``: (tensor-parallel-split, replicated, expert).
-
-    (tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`."""
+    """(tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`."""
     h, d, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads
     if arch.is_mla:
         dv, rope = arch.v_head_dim, arch.qk_rope_head_dim
@@ -173,7 +171,6 @@ def padded_vocab(arch: ModelArch, tp: int) -> int:
 
 
 def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
-    """The layers of pipeline stage ``stage`` of ``pp`` (equal consecutive shares)."""
     per = arch.num_layers // pp
     return range(stage * per, (stage + 1) * per)
 
@@ -256,9 +253,7 @@ class ActivationSettings:
 
 
 def activation_bytes(arch: ModelArch, layers: range, a: ActivationSettings, in_flight: float) -> float:
-    """Activation bytes of one pipeline stage's layers.
-
-    Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
+    """Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
     kept, plus one recomputed unit under full recompute."""
     tokens = a.tokens
     keep_scores = a.recompute != "selective"  # a fully recomputed layer keeps them while it runs again
@@ -293,7 +288,6 @@ def in_flight_microbatches(pp: int, vpp: int | None, stage: int, microbatches: i
 
 
 def logits_bytes(arch: ModelArch, tp: int, tokens: int, dtype_bytes: int) -> float:
-    """Bytes of the logits: 2 × [tokens, V/tp] in the model dtype, plus the two fp32 [rows, V/tp] log-prob workspaces."""
     v_local = padded_vocab(arch, tp) // tp
     rows = min(tokens, max(1, LOGPROB_CHUNK_ELEMENTS // v_local))
     return 2 * tokens * v_local * dtype_bytes + 2 * rows * v_local * 4
@@ -316,18 +310,14 @@ class StageMemory:
 
     @property
     def peak(self) -> Phase:
-        """The phase with the most bytes."""
         return max(self.phases, key=lambda p: p.total)
 
     def largest(self) -> tuple[str, float]:
-        """The largest term: (name, bytes)."""
         return max(self.terms.items(), key=lambda kv: kv[1])
 
 
 @dataclasses.dataclass
 class MemoryPlan:
-    """Estimated device memory of every pipeline stage of a layout, and the GPU's size."""
-
     stages: list[StageMemory]
     gpu_bytes: float
     layout: str

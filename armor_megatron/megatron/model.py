@@ -102,15 +102,12 @@ def te_available() -> bool:
 
 
 def set_compile_stance(compile: bool) -> None:
-    """Whether megatron's ``jit_fuser`` functions compile or run eagerly, process-wide.
-
-    Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
+    """Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
     (False), for this whole process; see `Throughput` (``throughput.torch_compile``)."""
     torch.compiler.set_stance("default" if compile else "force_eager")
 
 
 def resolve_dtype(dtype) -> torch.dtype:
-    """The torch dtype named by ``dtype`` (fp32 or bf16); others raise ValueError."""
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16):
             return dtype
@@ -152,7 +149,6 @@ class Recompute:
         return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
 
     def config_kwargs(self, layers_per_chunk: int) -> dict:
-        """The TransformerConfig keywords of this recompute setting."""
         if self.mode == "none":
             return {}
         if self.mode == "selective":

@@ -128,17 +128,14 @@ class ModelArch:
 
     @property
     def is_moe(self) -> bool:
-        """Whether the model has routed experts."""
         return self.num_experts > 0
 
     @property
     def is_mla(self) -> bool:
-        """Whether attention is multi-head latent attention (DeepSeek's MLA)."""
         return self.kv_lora_rank > 0
 
     @property
     def qk_nope_head_dim(self) -> int:
-        """The query/key head dimension without the rotary part (MLA)."""
         return self.head_dim - self.qk_rope_head_dim
 
     @property
@@ -152,12 +149,10 @@ class ModelArch:
         return not (self.is_moe and self.moe_first_dense_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether ``layer`` is an MoE layer (the first ``moe_first_dense_layers`` are dense)."""
         return self.is_moe and layer >= self.moe_first_dense_layers
 
     @property
     def queries_per_group(self) -> int:
-        """Query heads per key/value head (GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
 
     def validate_parallelism(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:

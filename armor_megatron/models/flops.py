@@ -34,9 +34,7 @@ from armor_megatron.models.arch import ModelArch
 
 
 def attention_weights(arch: ModelArch) -> int:
-    """Weights of one layer's attention matmuls a token goes through.
-
-    Weights of one layer's attention matmuls a token goes through (module docstring)."""
+    """Weights of one layer's attention matmuls a token goes through (module docstring)."""
     h, nq, d = arch.hidden_size, arch.num_attention_heads, arch.head_dim
     if not arch.is_mla:
         return h * (nq + 2 * arch.num_key_value_heads) * d + nq * d * h

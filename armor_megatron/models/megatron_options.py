@@ -140,7 +140,6 @@ class MoESettings:
         return cls(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(cls)})
 
     def balancing_type(self, arch: ModelArch) -> str:
-        """Megatron's ``moe_router_load_balancing_type`` for ``arch``."""
         if self.load_balancing_type is not None:
             return self.load_balancing_type
         if self.aux_loss_coeff > 0:

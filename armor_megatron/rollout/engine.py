@@ -44,9 +44,7 @@ class ShardSink(abc.ABC):
         """Blocking set-up, run by every owner while the driver conducts it (e.g. a rendezvous)."""
 
     def describe(self, bucket: list[tuple[str, Any]]) -> Any:
-        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver.
-
-        A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
+        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
         :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round."""
         return None
 
@@ -93,8 +91,7 @@ class ShardedWeights(Protocol):
 
     def __iter__(self): ...
 
-    def deliver(self, delivery: ShardDelivery) -> list:
-        """Stream every owner's tensors into ``delivery``; returns what each owner reported."""
+    def deliver(self, delivery: ShardDelivery) -> list: ...
 
 
 class RolloutError(RuntimeError):
@@ -192,7 +189,6 @@ class Sample:
 
     @property
     def num_tokens(self) -> int:
-        """The number of generated tokens."""
         return len(self.token_ids)
 
 
@@ -210,7 +206,6 @@ def check_versions(groups: Sequence[Sequence[Sample]], expected: str | None) -> 
 
 
 def check_prompts(prompts_token_ids: Sequence[Sequence[int]], n: int) -> None:
-    """Raise ValueError for ``n`` < 1 or an empty prompt."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     for i, p in enumerate(prompts_token_ids):

@@ -34,9 +34,7 @@ def make_problems(n: int, *, seed: int, max_operand: int = 30) -> list[dict]:
 
 
 def split_problems(num_val: int, *, seed: int, max_operand: int = 30) -> tuple[list[dict], list[dict]]:
-    """Every problem up to ``max_operand``, shuffled and split into (train, val).
-
-    Every problem with operands in [0, max_operand], shuffled, split into (train, val) with
+    """Every problem with operands in [0, max_operand], shuffled, split into (train, val) with
     ``num_val`` validation problems that never appear in train."""
     rows = [
         {"prompt": f"{a}+{b}=", "answer": str(a + b), "type": "math"}

@@ -29,8 +29,6 @@ VAL, TRAIN, RESET = "eval/mean/pass@1", "rollout/on_policy_accuracy", "reference
 
 @dataclasses.dataclass
 class VariantCurves:
-    """One variant's curves over seeds: mean validation accuracy (and sd) and training reward per evaluation step."""
-
     name: str
     seeds: int
     steps: list[int]  # evaluation steps every seed logged
@@ -42,37 +40,30 @@ class VariantCurves:
 
     @property
     def start(self) -> float:
-        """Mean validation accuracy at the first evaluation."""
         return self.val_mean[0]
 
     @property
     def peak_index(self) -> int:
-        """The index of the best mean validation accuracy (the earliest of equals)."""
         return max(range(len(self.val_mean)), key=lambda i: (self.val_mean[i], -i))
 
     @property
     def peak(self) -> float:
-        """The best mean validation accuracy."""
         return self.val_mean[self.peak_index]
 
     @property
     def peak_step(self) -> int:
-        """The step of the best mean validation accuracy."""
         return self.steps[self.peak_index]
 
     @property
     def end(self) -> float:
-        """Mean validation accuracy at the last evaluation."""
         return self.val_mean[-1]
 
     @property
     def end_sd(self) -> float:
-        """Its standard deviation over seeds at the last evaluation."""
         return self.val_sd[-1]
 
     @property
     def train_end(self) -> float:
-        """Mean training reward at the last evaluation."""
         return self.train_mean[-1]
 
 
@@ -132,8 +123,6 @@ def pooled_se(sd_a: float, sd_b: float, n: int) -> float:
 
 @dataclasses.dataclass
 class Verdict:
-    """What the study shows: DAPO's drop from its peak and ARMOR's gain over DAPO, each with its standard error."""
-
     dapo_drop: float  # DAPO peak − end
     dapo_drop_se: float
     armor_gain: float  # ARMOR end − DAPO end
@@ -141,12 +130,10 @@ class Verdict:
 
     @property
     def overoptimisation_seen(self) -> bool:
-        """Whether DAPO's drop is at least two standard errors."""
         return self.dapo_drop_se > 0 and self.dapo_drop >= 2 * self.dapo_drop_se
 
     @property
     def armor_beats_dapo(self) -> bool:
-        """Whether ARMOR's gain over DAPO is at least two standard errors."""
         return self.armor_gain_se > 0 and self.armor_gain >= 2 * self.armor_gain_se
 
 

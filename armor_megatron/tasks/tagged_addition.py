@@ -32,7 +32,6 @@ def build_tokenizer():
 
 
 def tagged(a: int, b: int, tag: int) -> dict:
-    """One dataset row: the problem ``#tag a+b=`` and its answer, scored by the math verifier."""
     return {"prompt": f"#{tag} {a}+{b}=", "answer": str(a + b), "type": "math"}
 
 

@@ -36,7 +36,6 @@ TASKS = {
 
 
 def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
-    """The HF config of the run's tiny model (``model.arch``), checked against the tokenizer."""
     hf = dict(cfg.model.arch)
     if len(tokenizer) > hf["vocab_size"]:
         raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
@@ -64,9 +63,7 @@ def prepare_tiny_run(
     seed: int = 0,
     log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Write the tiny run's HF model, tokenizer and datasets named by ``cfg``.
-
-    Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
+    """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
     config. The model is kept when ``armor_tiny_run.json`` there records the same recipe (task,
     sizes, warm-up, seed, architecture), and rebuilt otherwise. ``task`` names an entry of
     ``TASKS``. Returns {"train": rows, "val": rows}."""
@@ -115,9 +112,7 @@ def prepare_tiny_run(
 
 
 def _recorded_recipe(path: str) -> dict | None:
-    """The recipe ``armor_tiny_run.json`` in ``path`` records.
-
-    What ``armor_tiny_run.json`` in ``path`` records (JSON types), {} for a model without one,
+    """What ``armor_tiny_run.json`` in ``path`` records (JSON types), {} for a model without one,
     None when there is no model."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None

@@ -33,7 +33,6 @@ def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
 
 
 def reset_schedule(cfg: RunConfig):
-    """The reference reset schedule ``cfg.reference`` describes."""
     ref = cfg.reference
     if ref.reset == "every":
         return build_reset_schedule("every", tau=ref.tau)
@@ -47,7 +46,6 @@ def reset_schedule(cfg: RunConfig):
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """The sampling parameters of training rollouts."""
     ro = cfg.rollout
     # No per-request seed: every request must draw fresh samples; the loop reseeds the engines
     # at each step from rollout.seed and the step, so runs are reproducible and resumable.
@@ -61,7 +59,6 @@ def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingP
 
 
 def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
-    """The sampling parameters of evaluation."""
     ev = cfg.eval
     return SamplingParams(
         max_new_tokens=ev.max_response_len,
@@ -73,7 +70,6 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
 
 
 def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
-    """The rollout phase's settings: group size, sampling, advantage estimator and its parameters."""
     algo = cfg.algorithm
     offered = {"k": algo.qae_quantile, "eps": algo.std_eps}  # the estimator takes those it names
     kwargs = {k: v for k, v in offered.items() if k in ADVANTAGE_ESTIMATORS.entry(algo.estimator).parameters}
@@ -93,9 +89,7 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
 
 # ----------------------------------------------------------------------------- engines
 def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
-    """A factory of the policy and reference engines the config asks for.
-
-    ``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
+    """``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
     (policy_engine, reference_engine or None)``, called once on the driver: the local
     transformers engine (``rollout.engine: local``) or clients of SGLang servers."""
     if cfg.rollout.engine == "local":

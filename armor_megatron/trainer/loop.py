@@ -101,13 +101,10 @@ class Preempted(Exception):
 
 @dataclasses.dataclass
 class StepTimer:
-    """Wall-clock seconds of a step's phases."""
-
     times: dict = dataclasses.field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str):
-        """Time the block as phase ``name`` (added up when a phase repeats)."""
         start = time.perf_counter()
         try:
             yield
@@ -182,9 +179,7 @@ class ArmorTrainer:
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
-        """The training set without the prompts longer than ``rollout.max_prompt_len``.
-
-        The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
+        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
         encoded for the engine), which are left out once, up front, with a count."""
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
@@ -205,7 +200,6 @@ class ArmorTrainer:
         return dataset
 
     def encode(self, prompt) -> list[int]:
-        """Token ids of a dataset prompt (chat template and prompt template as configured)."""
         data = self.cfg.data
         return encode_prompt(
             self.tokenizer, prompt, apply_chat_template=data.apply_chat_template, template=data.prompt_template
@@ -242,9 +236,7 @@ class ArmorTrainer:
             self.anchors.load_state_dict(self._anchor_state)
 
     def _anchor_cost(self, metrics: dict) -> dict:
-        """Tokens π_ref generated since the last step, and the step's relative generation cost.
-
-        Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
+        """Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
         counts only this step's cache misses), and the step's generation cost relative to on-policy only."""
         total = self.anchors.sampler.stats.generated_tokens
         spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
@@ -272,7 +264,6 @@ class ArmorTrainer:
         }
 
     def load_trainer_state(self, state: dict) -> None:
-        """Restore the loop's state from a checkpoint's trainer state."""
         self.step = state["step"]
         self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
@@ -362,9 +353,7 @@ class ArmorTrainer:
 
     @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
-        """The step's update on all ranks: log-probs, then the actor's (and critic's) updates.
-
-        All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
+        """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
         then the mini-batch / epoch updates of the actor and the critic. During the critic's
         warm-up (the first ``critic.warmup_steps`` steps) only the critic trains.
 
@@ -471,9 +460,7 @@ class ArmorTrainer:
             engine.resume_memory(tags=tags)
 
     def _park_trainer(self) -> None:
-        """Move the trainer to the host and empty the allocator's cache, on every rank.
-
-        Every rank: the trainer's device memory to the host (when it offloads) and the
+        """Every rank: the trainer's device memory to the host (when it offloads) and the
         allocator's cache emptied, before engines use the GPU."""
         if self.trainer_memory is not None:
             self.trainer_memory.offload()
@@ -481,9 +468,7 @@ class ArmorTrainer:
     @collective
     @contextmanager
     def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
-        """Bring the trainer to the device for the block, with colocated engines released.
-
-        Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
+        """Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
         trainer comes to the device; after the block it goes back to the host (``empty_cache``)
         before the engines take their memory back (``resume``; else `sync_weights` does, after
         pushing the new weights into released ones)."""
@@ -534,9 +519,7 @@ class ArmorTrainer:
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
     ) -> dict:
-        """Train until ``train.steps``, with evaluations and checkpoints as configured.
-
-        Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
+        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
         ``save_hf()`` the policy as an HF directory when ``checkpoint.save_hf`` says it is due.
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.

@@ -42,7 +42,6 @@ class Run:
     records: list[dict]
 
     def keys(self) -> set[str]:
-        """The metric names the run logged."""
         return {k for r in self.records for k in r} - {"step", "time"}
 
 

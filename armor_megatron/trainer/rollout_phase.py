@@ -47,8 +47,6 @@ from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
-    """What the rollout phase needs: group size, sampling, advantage estimator and its parameters."""
-
     group_size: int
     sampling: SamplingParams
     estimator: str = "dapo"  # read by trainer.advantages

@@ -69,8 +69,6 @@ VARIANTS = {
 
 @dataclasses.dataclass
 class StudyResult:
-    """The study's curves per variant, its table, figure and duration."""
-
     curves: dict[str, VariantCurves]
     table: str
     png: str
@@ -88,9 +86,7 @@ def run_study(
     task: dict = TASK,
     log: Callable[[str], None] = print,
 ) -> StudyResult:
-    """Run every variant and seed of the study, then write its figure, table and summary.
-
-    Run ``variants`` × ``seeds`` in ``out`` with ``jobs`` processes at a time (default: one per
+    """Run ``variants`` × ``seeds`` in ``out`` with ``jobs`` processes at a time (default: one per
     CPU), then write ``out/curves.png``, ``out/table.md`` and ``out/summary.json``. ``task`` is
     passed to ``prepare_tiny_run`` (the task, its sizes and the warm-up)."""
     unknown = [v for v in variants if v not in VARIANTS]
@@ -200,9 +196,7 @@ def _records(out: str, variant: str, seed: int) -> list[dict]:
 
 
 def _recovery_start(ckpt_dir: str, dapo_records: list[dict], hf_dir: str) -> tuple[str, str]:
-    """Where the recovery run starts: DAPO's last checkpoint and its best one.
-
-    (DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
+    """(DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
     the warm-up model, the HF directory ``hf_dir`` the runs start from, counting as step 0; the
     earliest on a tie)."""
     saved = {

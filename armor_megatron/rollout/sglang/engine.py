@@ -180,7 +180,6 @@ class SGLangEngine(RolloutEngine):
         timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
-        """``n`` samples per prompt from the SGLang servers, spread over them."""
         check_prompts(prompts_token_ids, n)
         deadline = None if timeout is None else time.monotonic() + timeout
         per_prompt = [
@@ -234,9 +233,7 @@ class SGLangEngine(RolloutEngine):
             self._calls = itertools.count()
 
     def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
-        """The first of the request's seeds in deterministic mode, else None.
-
-        The first of the request's n seeds in deterministic mode (never None there: a
+        """The first of the request's n seeds in deterministic mode (never None there: a
         deterministic server seeds unseeded requests alike), else None."""
         if not self.deterministic:
             return None
@@ -285,9 +282,7 @@ class SGLangEngine(RolloutEngine):
             c.post(path, body, timeout=timeout)
 
     def release_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Colocated mode: free ``tags`` on the servers before the trainer comes to the device.
-
-        Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
+        """Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
         trainer comes to the device; the servers must be idle (module docstring: the order)."""
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
@@ -317,11 +312,9 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/pause_generation", {"mode": mode}, timeout)
 
     def resume(self, timeout: float | None = None) -> None:
-        """Continue generation on every server."""
         self._post_all("/continue_generation", {}, timeout)
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Stop the request threads, the weight sync and the processes this engine started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
         if self.router_process is not None:

@@ -72,8 +72,6 @@ SYNC_MODES = ("tensor", "distributed", "disk")
 
 @dataclasses.dataclass
 class WeightSyncConfig:
-    """How weights reach the engines: mode, bucket size, TP size, and each mode's settings."""
-
     mode: str = "tensor"
     bucket_bytes: int = 512 << 20
     tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
@@ -155,7 +153,6 @@ class WeightSync(abc.ABC):
         self.verify(version)
 
     def verify(self, version: str) -> None:
-        """Raise WeightUpdateError unless every engine reports ``version``."""
         for c in self.clients:
             reported = c.weight_version(timeout=self.config.timeout)
             if reported != version:
@@ -182,7 +179,6 @@ class WeightSync(abc.ABC):
             self._maybe_open.discard(i)
 
     def close(self) -> None:
-        """Release what the sync holds (nothing by default)."""
         pass
 
 
@@ -261,9 +257,7 @@ def _mark_last(iterable):
 def _post_tensor_bucket(
     clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
 ) -> None:
-    """Send one bucket to every engine with ``/update_weights_from_tensor``.
-
-    One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
+    """One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
     update's last request (it also flushes the cache)."""
     load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
     device = cfg.device or _default_handle_device()
@@ -284,10 +278,7 @@ def _post_tensor_bucket(
 
 
 class TensorWeightSync(WeightSync):
-    """Pushes buckets as CUDA IPC handles (``update_weights_from_tensor``); engines on the trainer's node."""
-
     def push(self, named_tensors, version):
-        """Push ``named_tensors`` bucket by bucket, then set ``version``."""
         cfg = self.config
         sent = 0
         with self._session():
@@ -299,7 +290,6 @@ class TensorWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
-        """Push every owner's tensors (each owner sends its own), then set ``version``."""
         if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
             self.push(iter(weights), version)
             return
@@ -311,9 +301,7 @@ class TensorWeightSync(WeightSync):
 
 
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether every trainer rank shares the driver's node.
-
-    Whether every trainer rank shares the driver's node, from the launcher's environment
+    """Whether every trainer rank shares the driver's node, from the launcher's environment
     (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process)."""
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
@@ -336,7 +324,6 @@ class TensorDelivery(ShardDelivery):
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
-        """The sink of owner ``rank``; an owner on another node raises."""
         if socket.gethostname() != self.driver_host:
             raise WeightUpdateError(
                 f"tensor weight sync: rank {rank} runs on {socket.gethostname()}, but CUDA IPC handles open only on "
@@ -379,15 +366,11 @@ class _TensorSink(ShardSink):
 
 
 class DiskWeightSync(WeightSync):
-    """Writes an HF checkpoint on a shared file system and has the engines load it."""
-
     def push(self, named_tensors, version):
-        """Write ``named_tensors`` as an HF checkpoint and load it into the engines at ``version``."""
         path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
         self.load_from_disk(path, version)
 
     def push_sharded(self, weights, version):
-        """Every owner writes its own shards; the assembled checkpoint is loaded at ``version``."""
         cfg = self.config
         directory = os.path.abspath(cfg.disk_dir)
         os.makedirs(os.path.dirname(directory), exist_ok=True)
@@ -422,7 +405,6 @@ class DiskDelivery(ShardDelivery):
         self.directory, self.bucket_bytes = directory, bucket_bytes
 
     def open(self, rank: int) -> ShardSink:
-        """The sink of owner ``rank``: its shard files in the staging directory."""
         return _DiskSink(self.directory, rank)
 
 
@@ -526,7 +508,6 @@ class DistributedWeightSync(WeightSync):
         self.group = joined["group"]
 
     def push(self, named_tensors, version):
-        """Broadcast ``named_tensors`` to the engines over the weights update group, then set ``version``."""
         cfg = self.config
         if self.group is None:
             self._init_group()
@@ -579,7 +560,6 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def close(self):
-        """Ask the engines to leave every group made, and destroy this side's."""
         names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
         for name in names:
             for c in self.clients:
@@ -594,7 +574,6 @@ class DistributedWeightSync(WeightSync):
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
-    """The weight sync of ``config.mode`` over ``clients``."""
     return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](
         clients, config
     )
