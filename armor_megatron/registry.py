@@ -1,4 +1,6 @@
-"""Name -> definition registries for the pluggable parts, in the shape of verl's
+"""Name -> definition registries for the pluggable parts.
+
+Name -> definition registries for the pluggable parts, in the shape of verl's
 ``register_adv_est`` / ``register_policy_loss``: advantage estimators and policy losses
 (`algo.advantages`, `algo.loss`), model families (`models.families`).
 
@@ -25,6 +27,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RegistryEntry:
+    """One registered definition: its name, function, parameter names and metadata."""
+
     name: str
     fn: Callable[..., Any]
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
@@ -32,8 +36,10 @@ class RegistryEntry:
 
 
 class Registry(Mapping[str, Callable[..., Any]]):
-    """Registered functions of one kind (e.g. ``"advantage estimator"``); a read-only mapping
-    name -> function, plus :meth:`register`, :meth:`entry` and :meth:`call`."""
+    """Registered functions of one kind (e.g. ``"advantage estimator"``).
+
+    A read-only mapping name -> function, plus :meth:`register`, :meth:`entry` and :meth:`call`.
+    """
 
     def __init__(self, kind: str) -> None:
         self.kind = kind
@@ -41,7 +47,9 @@ class Registry(Mapping[str, Callable[..., Any]]):
 
     def register(self, name: str, *aliases: str, replace: bool = False, **meta: Any) -> Callable:
         """Decorator registering ``fn`` under ``name`` (and ``aliases``); returns ``fn`` unchanged.
-        A taken name raises unless ``replace=True``."""
+
+        A taken name raises unless ``replace=True``.
+        """
         names = (name, *aliases)
         for n in names:
             if not isinstance(n, str) or not n or n != n.strip():
@@ -63,6 +71,7 @@ class Registry(Mapping[str, Callable[..., Any]]):
         del self._entries[name]
 
     def entry(self, name: str) -> RegistryEntry:
+        """The entry registered as ``name``; an unknown name raises one line listing the known ones."""
         try:
             return self._entries[name]
         except (KeyError, TypeError):
@@ -72,8 +81,11 @@ class Registry(Mapping[str, Callable[..., Any]]):
         raise ValueError(f"unknown {self.kind} {name!r}{hint}; known: {', '.join(self._entries)}") from None
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
-        it takes those arguments (one-line ValueError naming the ones it takes otherwise)."""
+        """Call the function registered as ``name``, checking it takes the given arguments.
+
+        ``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
+        it takes those arguments (one-line ValueError naming the ones it takes otherwise).
+        """
         entry = self.entry(name)
         try:
             inspect.signature(entry.fn).bind(*args, **kwargs)

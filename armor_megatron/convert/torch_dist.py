@@ -99,9 +99,12 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
 
 
 def _is_linear_weight(ckpt_key: str) -> bool:
-    """Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
+    """Whether ``ckpt_key`` is the weight of one of megatron's linear layers.
+
+    Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
     ``linear_*`` (linear_qkv, linear_proj, linear_fc1/fc2, MLA's linear_q/kv_*_proj); routers,
-    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``."""
+    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``.
+    """
     *_, module, leaf = ckpt_key.split(".")
     return leaf == "weight" and module.startswith("linear_")
 

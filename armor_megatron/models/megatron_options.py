@@ -19,9 +19,12 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 
 
 def grad_accumulation_fusion_available() -> bool:
-    """True when APEX's ``fused_weight_gradient_mlp_cuda`` imports: megatron's own linear layers (the
-    local spec, and the output layer under the TE spec too) refuse ``gradient_accumulation_fusion``
-    without it; TE's layers would fuse on their own, but the output layer is megatron's."""
+    """True when APEX's ``fused_weight_gradient_mlp_cuda`` imports.
+
+    Megatron's own linear layers (the local spec, and the output layer under the TE spec too) refuse
+    ``gradient_accumulation_fusion`` without it; TE's layers would fuse on their own, but the output
+    layer is megatron's.
+    """
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
@@ -32,8 +35,10 @@ def deep_ep_available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-    """Speed options of a model's megatron config and DDP wrapper (``throughput.*``); none changes
-    the values computed, only how (fused kernels) or when (communication overlapped with compute).
+    """Speed options of a model's megatron config and DDP wrapper (``throughput.*``).
+
+    None changes the values computed, only how (fused kernels) or when (communication overlapped
+    with compute).
 
     ``overlap_grad_reduce``: DDP starts each bucket's gradient reduction as soon as backward
     fills it (megatron's ``DistributedDataParallelConfig.overlap_grad_reduce``).
@@ -45,24 +50,24 @@ class Throughput:
     alone (pip wheels: Transformer Engine, Triton with torch; no APEX, maybe no C compiler):
 
     * ``gradient_accumulation_fusion`` (False): weight gradients accumulate straight into the fp32
-      main_grad buffers inside the GEMM. Needs APEX's ``fused_weight_gradient_mlp_cuda`` (megatron's
-      output layer refuses the fusion without it), which is built from source, not on the index.
+    main_grad buffers inside the GEMM. Needs APEX's ``fused_weight_gradient_mlp_cuda`` (megatron's
+    output layer refuses the fusion without it), which is built from source, not on the index.
     * ``apply_rope_fusion`` (None = on with the TE spec): Transformer Engine's RoPE kernel, shipped
-      compiled in TE. Off for families that declare they cannot use it (`MegatronSpec.fused_rope_refused`:
-      DeepSeek's MLA, whose fused RoPE is training-only; log-prob passes run in eval).
+    compiled in TE. Off for families that declare they cannot use it (`MegatronSpec.fused_rope_refused`:
+    DeepSeek's MLA, whose fused RoPE is training-only; log-prob passes run in eval).
     * ``bias_activation_fusion`` (None = on with the TE spec): megatron's SwiGLU as one autograd
-      function that keeps only its input [tokens, 2f] for backward (what `launch.memory` plans for
-      the TE spec; the unfused path also keeps silu's output [tokens, f]).
+    function that keeps only its input [tokens, 2f] for backward (what `launch.memory` plans for
+    the TE spec; the unfused path also keeps silu's output [tokens, f]).
     * ``bias_dropout_fusion`` (False): our layers have neither linear biases nor dropout, so there
-      is nothing to fuse: the fused path computes the same ``x + residual`` through a compiled function.
+    is nothing to fuse: the fused path computes the same ``x + residual`` through a compiled function.
     * ``torch_compile`` (False): megatron's ``jit_fuser`` is ``torch.compile`` (torch >= 2.2), applied
-      when megatron-core is imported to the SwiGLU and bias-dropout-add bodies and to MoE router
-      and dispatcher helpers. Compiled, they need Triton and a C compiler on every node (Inductor
-      and Triton build their launchers at run time), compile on every rank at the first step, and
-      compile again when micro-batch token counts change (until dynamo marks the length dynamic)
-      and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes
-      (``torch.compiler.set_stance("force_eager")``): the same values and memory, a few more
-      elementwise kernels. True restores megatron's compiled kernels.
+    when megatron-core is imported to the SwiGLU and bias-dropout-add bodies and to MoE router
+    and dispatcher helpers. Compiled, they need Triton and a C compiler on every node (Inductor
+    and Triton build their launchers at run time), compile on every rank at the first step, and
+    compile again when micro-batch token counts change (until dynamo marks the length dynamic)
+    and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes
+    (``torch.compiler.set_stance("force_eager")``): the same values and memory, a few more
+    elementwise kernels. True restores megatron's compiled kernels.
 
     Always off, not keys: ``masked_softmax_fusion`` (only megatron's local attention reads it; its
     kernels come from an APEX-style source build, and TE's attention has its own),
@@ -83,8 +88,10 @@ class Throughput:
         return cls(**{f.name: getattr(throughput, f.name) for f in dataclasses.fields(cls)})
 
     def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict:
-        """The TransformerConfig fields; raises ValueError (one line naming the key) for a kernel
-        this process cannot run."""
+        """The TransformerConfig fields.
+
+        Raises ValueError (one line naming the key) for a kernel this process cannot run.
+        """
         if self.gradient_accumulation_fusion:
             if not on_gpu:
                 raise ValueError("throughput.gradient_accumulation_fusion needs CUDA; this process has no GPU")
@@ -142,6 +149,7 @@ class MoESettings:
         return cls(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(cls)})
 
     def balancing_type(self, arch: ModelArch) -> str:
+        """Megatron's ``moe_router_load_balancing_type`` for ``arch``."""
         if self.load_balancing_type is not None:
             return self.load_balancing_type
         if self.aux_loss_coeff > 0:
@@ -149,8 +157,10 @@ class MoESettings:
         return "none"
 
     def config_kwargs(self, arch: ModelArch) -> dict:
-        """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather);
-        raises ValueError (one line naming the key) for a setting megatron or this process refuses."""
+        """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather).
+
+        Raises ValueError (one line naming the key) for a setting megatron or this process refuses.
+        """
         if self.token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ValueError(
                 f"moe.token_dispatcher_type {self.token_dispatcher_type!r} is not one of {TOKEN_DISPATCHERS}"
