@@ -42,7 +42,8 @@ SPECS = ("local", "te")
 
 def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     """All tensors of ``arch`` in checkpoint order: embedding, layer tensors, final norm, output."""
-    return _tensor_rules(_hashable(arch), type(family_of(arch)))
+    # a class is hashable; mypy matches type() of an instance against Hashable with the unbound __hash__
+    return _tensor_rules(_hashable(arch), type(family_of(arch)))  # type: ignore[arg-type]
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -68,7 +69,7 @@ def is_mtp_tensor(arch: ModelArch, name: str) -> bool:
     transformers and this project's models leave out; the converter skips these tensors).
     """
     match = _HF_LAYER_INDEX.match(name)
-    return bool(match) and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.mtp_layers
+    return match is not None and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.mtp_layers
 
 
 def _hashable(arch: ModelArch) -> ModelArch:
@@ -235,8 +236,9 @@ def _name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]
 def _cached_name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]:
     out = []
     for rule in tensor_rules(arch):
-        for template in {rule.local_name, rule.te_name, rule.grouped_name} - {None}:
-            out.append((_pattern(template), rule))
+        for template in {rule.local_name, rule.te_name, rule.grouped_name}:
+            if template is not None:
+                out.append((_pattern(template), rule))
     return tuple(out)
 
 

@@ -34,9 +34,12 @@ import dataclasses
 import json
 import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from armor_megatron.registry import Registry
+
+if TYPE_CHECKING:
+    from armor_megatron.models.family import Family
 
 # name -> family class (`models.family.Family`); each module of `models.families` registers one
 FAMILIES = Registry("model family")
@@ -212,7 +215,7 @@ class ModelArch:
             raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
 
 
-def load_hf_config(path: str) -> dict:
+def load_hf_config(path: str) -> dict[str, Any]:
     """Read ``config.json`` from an HF model directory; one clear error if it is absent."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -229,21 +232,26 @@ def load_hf_config(path: str) -> dict:
     return cfg
 
 
+def _family_class(name: str) -> type[Family]:
+    """The family class registered as ``name`` (every entry of ``FAMILIES`` is a `Family`)."""
+    return cast("type[Family]", FAMILIES[name])
+
+
 def _family_of(cfg: Mapping[str, Any]) -> str:
     """The registered family reading ``cfg``: by ``model_type``, else by ``architectures``."""
     model_type = cfg.get("model_type")
     for name in FAMILIES:
-        if model_type in FAMILIES[name].model_types:
+        if model_type in _family_class(name).model_types:
             return name
     for arch in cfg.get("architectures") or ():
         for name in FAMILIES:
-            if arch in FAMILIES[name].architectures:
+            if arch in _family_class(name).architectures:
                 return name
     shown = model_type or (cfg.get("architectures") or ["<none>"])[0]
     raise UnsupportedModelError(f"unsupported architecture {shown!r}; supported families: {', '.join(FAMILIES)}")
 
 
-def _rope_of(cfg: Mapping[str, Any], family: str, scalings: tuple[str, ...]) -> tuple[float, dict | None]:
+def _rope_of(cfg: Mapping[str, Any], family: str, scalings: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
     """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys.
 
     A scaling the family does not take (`scalings`) is refused.

@@ -103,7 +103,8 @@ class Family:
 
 def family_of(arch: ModelArch) -> Family:
     """The registered family of `arch` (one-line ValueError listing the known ones)."""
-    return FAMILIES.entry(arch.family).fn()
+    family: Family = FAMILIES.entry(arch.family).fn()
+    return family
 
 
 def layer_rules(arch: ModelArch, layer: int) -> list[TensorRule]:

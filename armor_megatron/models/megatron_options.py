@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Any
 
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.models.family import family_of
@@ -83,11 +84,11 @@ class Throughput:
     torch_compile: bool = False
 
     @classmethod
-    def of(cls, throughput) -> Throughput:
+    def of(cls, throughput: Any) -> Throughput:
         """From a run config's ``throughput`` section."""
         return cls(**{f.name: getattr(throughput, f.name) for f in dataclasses.fields(cls)})
 
-    def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict:
+    def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict[str, Any]:
         """The TransformerConfig fields.
 
         Raises ValueError (one line naming the key) for a kernel this process cannot run.
@@ -144,7 +145,7 @@ class MoESettings:
     pad_expert_input_to_capacity: bool = False
 
     @classmethod
-    def of(cls, moe) -> MoESettings:
+    def of(cls, moe: Any) -> MoESettings:
         """From a run config's ``moe`` section."""
         return cls(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(cls)})
 
@@ -156,7 +157,7 @@ class MoESettings:
             return family_of(arch).megatron(arch).default_load_balancing
         return "none"
 
-    def config_kwargs(self, arch: ModelArch) -> dict:
+    def config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
         """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather).
 
         Raises ValueError (one line naming the key) for a setting megatron or this process refuses.
@@ -181,7 +182,7 @@ class MoESettings:
             raise ValueError("moe.pad_expert_input_to_capacity needs moe.expert_capacity_factor")
         if not arch.is_moe:  # no dispatcher; megatron's post-init refuses allgather with variable lengths
             return dict(moe_token_dispatcher_type="alltoall")
-        out = dict(moe_token_dispatcher_type=self.token_dispatcher_type)
+        out: dict[str, Any] = dict(moe_token_dispatcher_type=self.token_dispatcher_type)
         if self.token_dispatcher_type == "flex":
             if not deep_ep_available():
                 raise ValueError("moe.token_dispatcher_type flex needs DeepEP (deep_ep does not import here)")

@@ -90,7 +90,7 @@ class TensorRule:
 
     def stacked_shape(self, arch: ModelArch) -> tuple[int, ...]:
         """Global checkpoint shape: [layers, (experts,)] + shape."""
-        lead = (arch.num_layers,) if self.per_layer else ()
+        lead: tuple[int, ...] = (arch.num_layers,) if self.per_layer else ()
         lead += (arch.num_experts,) if self.per_expert else ()
         return lead + self.shape
 

@@ -205,7 +205,7 @@ def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
                 "(megatron-core ranks groups by the sum of their top num_experts_per_tok // topk_group experts)"
             )
     shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
-    moe = dict(
+    moe: dict[str, Any] = dict(
         num_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
