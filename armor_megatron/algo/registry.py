@@ -1,15 +1,20 @@
-"""Name -> function registries for the algorithm's pluggable parts (advantage estimators,
-policy losses), in the shape of verl's ``register_adv_est`` / ``register_policy_loss``.
+"""Name -> definition registries, one per kind of pluggable part: advantage estimators, policy
+losses, reference reset schedules (``algo/``) and weight-sync modes (``rollout/sglang``), in the
+shape of verl's ``register_adv_est`` / ``register_policy_loss``.
 
-Each entry keeps the function, the arguments its signature takes, and free metadata (an
-estimator's ``kind``, a loss's config class). Adding an estimator or a loss is one decorated
-function plus its test::
+Each entry keeps the function (or class), the arguments its signature takes, what callers need
+to know about it (its *traits*, declared with defaults by the registry: an estimator's
+``critic``, a reset schedule's ``needs_eval``) and which config keys supply its
+hyper-parameters (``config_keys``: parameter -> key of the config section). Adding a variant is
+one decorated definition, its config keys and its test::
 
-    @register_advantage_estimator("my_est")
-    def my_advantages(rewards: torch.Tensor, temperature: float = 1.0) -> torch.Tensor: ...
+    @register_advantage_estimator("my_est", config_keys={"eps": "std_eps"})
+    def my_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor: ...
 
-A wrong name raises one line listing the known names; arguments the function does not take
-raise one line listing those it does.
+The config accepts every registered name (``config.typed.registered``) and the trainer builds
+the variant with ``registry.call_configured(name, section, ...)``. A wrong name raises one line
+listing the known names; arguments the function does not take raise one line listing those it
+does; an undeclared trait raises one line listing the declared ones.
 """
 
 from __future__ import annotations
@@ -26,31 +31,68 @@ class RegistryEntry:
     name: str
     fn: Callable[..., Any]
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
-    meta: Mapping[str, Any] = field(default_factory=dict)
+    meta: Mapping[str, Any] = field(default_factory=dict)  # the registry's traits (and free metadata)
+    config_keys: Mapping[str, str] = field(default_factory=dict)  # parameter -> config key of its section
+
+    def required(self, parameter: str) -> bool:
+        """``parameter`` has no default: the caller (or its config key) must give it."""
+        return inspect.signature(self.fn).parameters[parameter].default is inspect.Parameter.empty
+
+    def config_kwargs(self, section: Any) -> dict[str, Any]:
+        """``{parameter: section.<config key>}`` for every hyper-parameter the entry takes from the config."""
+        return {param: getattr(section, key) for param, key in self.config_keys.items()}
 
 
 class Registry(Mapping[str, Callable[..., Any]]):
-    """Registered functions of one kind (e.g. ``"advantage estimator"``); a read-only mapping
-    name -> function, plus :meth:`register`, :meth:`entry` and :meth:`call`."""
+    """Registered functions (or classes) of one kind (e.g. ``"advantage estimator"``); a read-only
+    mapping name -> function, plus :meth:`register`, :meth:`entry`, :meth:`call` and
+    :meth:`call_configured`.
 
-    def __init__(self, kind: str) -> None:
+    ``traits``: the metadata every entry carries, with its default (e.g. ``{"critic": False}``);
+    registering another keyword fails in one line. Without ``traits`` any metadata is kept."""
+
+    def __init__(self, kind: str, traits: Mapping[str, Any] | None = None) -> None:
         self.kind = kind
+        self.traits = None if traits is None else dict(traits)
         self._entries: dict[str, RegistryEntry] = {}
 
-    def register(self, name: str, *aliases: str, replace: bool = False, **meta: Any) -> Callable:
+    def register(
+        self,
+        name: str,
+        *aliases: str,
+        replace: bool = False,
+        config_keys: Mapping[str, str] | None = None,
+        **meta: Any,
+    ) -> Callable:
         """Decorator registering ``fn`` under ``name`` (and ``aliases``); returns ``fn`` unchanged.
-        A taken name raises unless ``replace=True``."""
+        ``config_keys`` maps parameters of ``fn`` to the config keys that supply them; ``meta``
+        sets traits. A taken name raises unless ``replace=True``."""
         names = (name, *aliases)
         for n in names:
             if not isinstance(n, str) or not n or n != n.strip():
                 raise ValueError(f"{self.kind} name {n!r} must be a non-empty string without surrounding spaces")
             if n in self._entries and not replace:
                 raise ValueError(f"{self.kind} {n!r} is already registered (pass replace=True to replace it)")
+        if self.traits is not None:
+            unknown = sorted(set(meta) - set(self.traits))
+            if unknown:
+                raise ValueError(
+                    f"{self.kind} {name!r}: unknown trait {', '.join(unknown)}; "
+                    f"declared: {', '.join(self.traits) or 'none'}"
+                )
+            meta = {**self.traits, **meta}
+        keys = dict(config_keys or {})
 
         def decorator(fn: Callable) -> Callable:
             parameters = tuple(inspect.signature(fn).parameters)
+            missing = [p for p in keys if p not in parameters]
+            if missing:
+                raise ValueError(
+                    f"{self.kind} {name!r}: config_keys name {', '.join(missing)}, which it does not take "
+                    f"({', '.join(parameters)})"
+                )
             for n in names:
-                self._entries[n] = RegistryEntry(n, fn, parameters, dict(meta))
+                self._entries[n] = RegistryEntry(n, fn, parameters, dict(meta), keys)
             return fn
 
         return decorator
@@ -81,6 +123,11 @@ class Registry(Mapping[str, Callable[..., Any]]):
                 f"got {len(args)} positional and keywords ({', '.join(kwargs) or 'none'})"
             ) from None
         return entry.fn(*args, **kwargs)
+
+    def call_configured(self, name: str, section: Any, *args: Any, **kwargs: Any) -> Any:
+        """:meth:`call` with the hyper-parameters ``name`` takes from the config ``section`` (its
+        ``config_keys``) added to ``kwargs``."""
+        return self.call(name, *args, **self.entry(name).config_kwargs(section), **kwargs)
 
     def __getitem__(self, name: str) -> Callable[..., Any]:
         if name not in self._entries:
