@@ -15,6 +15,11 @@ The config accepts every registered name (``config.typed.registered``) and the t
 the variant with ``registry.call_configured(name, section, ...)``. A wrong name raises one line
 listing the known names; arguments the function does not take raise one line listing those it
 does; an undeclared trait raises one line listing the declared ones.
+
+A layer that must know the names before the code defining them is imported (the config, below
+the engines that define weight-sync modes) declares them
+(:meth:`~Registry.declare`); the definition registered later under a declared name fills the
+entry in.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Any
 @dataclass(frozen=True)
 class RegistryEntry:
     name: str
-    fn: Callable[..., Any]
+    fn: Callable[..., Any] | None  # None: declared, its definition not registered yet
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
     meta: Mapping[str, Any] = field(default_factory=dict)  # the registry's traits (and free metadata)
     config_keys: Mapping[str, str] = field(default_factory=dict)  # parameter -> config key of its section
@@ -69,18 +74,10 @@ class Registry(Mapping[str, Callable[..., Any]]):
         sets traits. A taken name raises unless ``replace=True``."""
         names = (name, *aliases)
         for n in names:
-            if not isinstance(n, str) or not n or n != n.strip():
-                raise ValueError(f"{self.kind} name {n!r} must be a non-empty string without surrounding spaces")
-            if n in self._entries and not replace:
+            self._check_name(n)
+            if n in self._entries and self._entries[n].fn is not None and not replace:
                 raise ValueError(f"{self.kind} {n!r} is already registered (pass replace=True to replace it)")
-        if self.traits is not None:
-            unknown = sorted(set(meta) - set(self.traits))
-            if unknown:
-                raise ValueError(
-                    f"{self.kind} {name!r}: unknown trait {', '.join(unknown)}; "
-                    f"declared: {', '.join(self.traits) or 'none'}"
-                )
-            meta = {**self.traits, **meta}
+        meta = self._with_traits(name, meta)
         keys = dict(config_keys or {})
 
         def decorator(fn: Callable) -> Callable:
@@ -97,6 +94,29 @@ class Registry(Mapping[str, Callable[..., Any]]):
 
         return decorator
 
+    def declare(self, *names: str) -> None:
+        """Make ``names`` known before their definitions are registered (their module sits above
+        the layer that reads the names); :meth:`call` refuses a name still without one."""
+        for n in names:
+            self._check_name(n)
+            if n in self._entries:
+                raise ValueError(f"{self.kind} {n!r} is already registered")
+            self._entries[n] = RegistryEntry(n, None, (), self._with_traits(n, {}))
+
+    def _check_name(self, n: Any) -> None:
+        if not isinstance(n, str) or not n or n != n.strip():
+            raise ValueError(f"{self.kind} name {n!r} must be a non-empty string without surrounding spaces")
+
+    def _with_traits(self, name: str, meta: dict[str, Any]) -> dict[str, Any]:
+        if self.traits is None:
+            return meta
+        unknown = sorted(set(meta) - set(self.traits))
+        if unknown:
+            raise ValueError(
+                f"{self.kind} {name!r}: unknown trait {', '.join(unknown)}; declared: {', '.join(self.traits) or 'none'}"
+            )
+        return {**self.traits, **meta}
+
     def unregister(self, name: str) -> None:
         """Remove ``name`` (tests and plugins that register temporarily)."""
         self.entry(name)
@@ -111,10 +131,19 @@ class Registry(Mapping[str, Callable[..., Any]]):
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise ValueError(f"unknown {self.kind} {name!r}{hint}; known: {', '.join(self._entries)}") from None
 
+    def definition(self, name: str) -> Callable[..., Any]:
+        """The function (or class) registered as ``name``; one line for an unknown name or one
+        only declared so far."""
+        fn = self.entry(name).fn
+        if fn is None:
+            raise ValueError(f"{self.kind} {name!r} is declared but its definition is not registered")
+        return fn
+
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
         """``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
         it takes those arguments (one-line ValueError naming the ones it takes otherwise)."""
         entry = self.entry(name)
+        self.definition(name)
         try:
             inspect.signature(entry.fn).bind(*args, **kwargs)
         except TypeError as exc:

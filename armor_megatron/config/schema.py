@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import POLICY_LOSSES
+from armor_megatron.algo.registry import Registry
 from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.typed import (
     at_least,
@@ -83,6 +84,13 @@ class SGLangRouterConfig:
     startup_timeout_s: float = checked(300.0, check=positive, help="until the router routes to every engine")
 
 
+WEIGHT_SYNC_MODES = Registry("weight sync mode")
+"""``rollout.sglang.weight_sync``: each mode a ``WeightSync`` class registered in
+``rollout/sglang/weight_sync.py``. The config sits below the engines, so it declares the built-in
+names it accepts before their module is imported."""
+WEIGHT_SYNC_MODES.declare("tensor", "distributed", "disk")
+
+
 @dataclasses.dataclass
 class SGLangConfig:
     """The SGLang servers of ``rollout.engine: sglang``: launched by the SLURM job or given as URLs, and how trained weights reach them."""
@@ -114,8 +122,9 @@ class SGLangConfig:
         "colocated",
         help="colocated: engines share the trainer's GPUs and release memory in turn; disaggregated: engines on launch.engine_gpus",
     )
-    weight_sync: Literal["tensor", "distributed", "disk"] = checked(
+    weight_sync: str = checked(
         "tensor",
+        check=registered(WEIGHT_SYNC_MODES),
         help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
     )
     deterministic: bool = checked(

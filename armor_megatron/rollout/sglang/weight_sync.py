@@ -22,7 +22,9 @@ Modes (``WeightSyncConfig.mode``):
 Every mode is a :class:`WeightSync` subclass registered in ``WEIGHT_SYNC_MODES``
 (``@register_weight_sync_mode("name")``); ``WeightSyncConfig`` refuses an unregistered name in one
 line listing the registered ones, asks the mode's :meth:`WeightSync.check_config` for what it
-needs, and :func:`make_weight_sync` builds the registered class.
+needs, and :func:`make_weight_sync` builds the registered class. The registry lives with the run
+config (``config.schema``), which declares the built-in names it must accept before this module
+is imported; a mode registered by code imported before the config loads needs no declaration.
 
 Only the last request of an update carries ``weight_version``, so an engine reports the new
 version only once all weights are in; afterwards every engine's reported version is read
@@ -65,7 +67,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from armor_megatron.algo.registry import Registry
+from armor_megatron.config.schema import WEIGHT_SYNC_MODES
 from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
 from armor_megatron.rollout.hf_checkpoint import SAFETENSORS_INDEX, _replace_dir, write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
@@ -73,7 +75,6 @@ from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 
 logger = logging.getLogger(__name__)
 
-WEIGHT_SYNC_MODES = Registry("weight sync mode")
 register_weight_sync_mode = WEIGHT_SYNC_MODES.register
 
 
@@ -96,7 +97,7 @@ class WeightSyncConfig:
     timeout: float = 600.0
 
     def __post_init__(self):
-        WEIGHT_SYNC_MODES.entry(self.mode).fn.check_config(self)
+        WEIGHT_SYNC_MODES.definition(self.mode).check_config(self)
 
 
 def _on_all(clients: Sequence[SGLangClient], fn) -> list:
