@@ -466,7 +466,7 @@ def launched_reference_engines(cfg: RunConfig) -> int:
 
 def _check_user_code(cfg: RunConfig) -> None:
     """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must
-    ``reference.validation_hook`` when the reset uses it (the trainer would fail on its first step)."""
+    ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail on its first step)."""
     from armor_megatron.algo.reset import load_callable
     from armor_megatron.rewards.registry import load_verifier
 
@@ -475,7 +475,7 @@ def _check_user_code(cfg: RunConfig) -> None:
     except ValueError as err:  # VerifierSpecError
         raise ConfigError("reward.verifier", str(err).splitlines()[0]) from None
     hook = cfg.reference.validation_hook
-    if hook and cfg.reference.reset == "validation_hook":
+    if hook and "validation_hook" in RESET_SCHEDULES.entry(cfg.reference.reset).config_keys.values():
         try:
             load_callable(hook)
         except ValueError as err:

@@ -157,10 +157,13 @@ def test_a_reset_schedule_s_traits_and_required_keys_are_checked():
             "reference.validation_hook: required when reference.reset is 'test-hook'"
         )
         assert _one_line_error(
-            TINY, ["reference.reset=test-hook", "reference.validation_hook=m:f", "eval.every_steps=0"]
+            TINY,
+            ["reference.reset=test-hook", f"reference.validation_hook={__name__}:never_reset", "eval.every_steps=0"],
         ) == ("reference.reset: 'test-hook' needs periodic evaluation (eval.every_steps > 0)")
-        cfg = load_config(TINY, ["reference.reset=test-hook", "reference.validation_hook=m:f"])
-        assert components.reset_schedule(cfg).hook == "m:f"
+        cfg = load_config(TINY, ["reference.reset=test-hook", f"reference.validation_hook={__name__}:never_reset"])
+        assert components.reset_schedule(cfg).hook == f"{__name__}:never_reset"
+        bad = _one_line_error(TINY, ["reference.reset=test-hook", "reference.validation_hook=no_such_module:f"])
+        assert bad.startswith("reference.validation_hook: cannot load 'no_such_module:f'")
 
 
 def never_reset(step, metrics):
