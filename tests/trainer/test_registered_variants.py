@@ -75,7 +75,7 @@ def test_a_registered_group_estimator_runs_from_config_to_advantages():
         torch.testing.assert_close(batch["advantages"], expected)
 
 
-def test_a_registered_critic_estimator_gets_a_critic_and_per_token_targets():
+def test_a_registered_critic_estimator_is_planned_checked_and_computed_as_one_with_a_critic():
     with registered(ADVANTAGE_ESTIMATORS, "test-td0", td0, critic=True, config_keys={"gamma": "gamma"}):
         overrides = ["algorithm.estimator=test-td0", "algorithm.gamma=0.5", "critic.whiten_advantages=false"]
         cfg = load_config(PPO, overrides)
