@@ -25,7 +25,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from armor_megatron.algo.registry import Registry
+from armor_megatron.registry import Registry
 
 Metrics = Mapping[str, float] | None
 

@@ -12,7 +12,6 @@ from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import POLICY_LOSSES
-from armor_megatron.algo.registry import Registry
 from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.typed import (
     at_least,
@@ -24,6 +23,7 @@ from armor_megatron.config.typed import (
     positive,
     registered,
 )
+from armor_megatron.registry import Registry
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 

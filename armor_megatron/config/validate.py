@@ -8,13 +8,14 @@ import os
 from typing import Any
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
-from armor_megatron.algo.registry import Registry, RegistryEntry
 from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
+from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
+from armor_megatron.registry import Registry, RegistryEntry
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -423,8 +424,9 @@ def _check_throughput(cfg: RunConfig) -> None:
             "the engines, reference reset, checkpoints) before the deferred all-gather has run; use false",
         )
     arch = model_arch_of(cfg)
-    if th.apply_rope_fusion and arch is not None and arch.is_mla:
-        raise ConfigError("throughput.apply_rope_fusion", "megatron's fused MLA RoPE is training-only; use null")
+    refused = family_of(arch).megatron(arch).fused_rope_refused if arch is not None else None
+    if th.apply_rope_fusion and refused:
+        raise ConfigError("throughput.apply_rope_fusion", f"{refused}; use null")
 
 
 def _check_moe(cfg: RunConfig) -> None:

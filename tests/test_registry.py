@@ -1,11 +1,11 @@
-"""The one registry pattern every variant kind uses (algo/registry.py): traits with defaults,
+"""The one registry pattern every variant kind uses (armor_megatron/registry.py): traits with defaults,
 config keys, declared names, and one-line errors."""
 
 from types import SimpleNamespace
 
 import pytest
 
-from armor_megatron.algo.registry import Registry
+from armor_megatron.registry import Registry
 
 
 def scaled(x: float, scale: float, shift: float = 0.0) -> float:
