@@ -85,6 +85,7 @@ import copy
 import dataclasses
 import sys
 
+from armor_megatron.algo.advantages import needs_critic
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.config.validate import launched_reference_engines, validate_run_config
@@ -276,7 +277,7 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
     external = anchor.enabled and not anchors  # anchors from servers outside the job: not timed here
     s = ro.max_prompt_len + L
     passes = 1 + (1 if cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl else 0) + 3 * cfg.train.epochs_per_step
-    if cfg.algorithm.estimator == "gae":
+    if needs_critic(cfg.algorithm.estimator):
         passes += 1 + 3 * cfg.train.epochs_per_step
     return Workload(
         policy_tokens=(G - 1 if anchors or external else G) * P * L,
