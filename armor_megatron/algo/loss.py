@@ -225,7 +225,7 @@ def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, to
 
     An unknown name raises one line listing the known ones.
     """
-    return POLICY_LOSSES.entry(name).fn
+    return POLICY_LOSSES.definition(name)
 
 
 def make_policy_loss_config(name: str, **hyper_parameters: Any) -> PolicyLossConfig:

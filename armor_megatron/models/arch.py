@@ -169,7 +169,7 @@ class ModelArch:
         (`models.family.Family.hf_fields`); raises UnsupportedModelError.
         """
         name = _family_of(cfg)
-        family = FAMILIES.entry(name).fn()
+        family = FAMILIES.definition(name)()
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         rope_theta, rope_scaling = _rope_of(cfg, name, family.rope_scaling_types)

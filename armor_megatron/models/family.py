@@ -103,7 +103,7 @@ class Family:
 
 def family_of(arch: ModelArch) -> Family:
     """The registered family of `arch` (one-line ValueError listing the known ones)."""
-    family: Family = FAMILIES.entry(arch.family).fn()
+    family: Family = FAMILIES.definition(arch.family)()
     return family
 
 
