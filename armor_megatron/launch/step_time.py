@@ -294,7 +294,12 @@ def rates_of(cfg: RunConfig, arch: ModelArch, weight_sync: str) -> Rates:
     """The rates of ``cfg`` (launch.step_time, GPU peak, weight-sync bandwidth) for ``arch``."""
     st = cfg.launch.step_time
     peak = cfg.launch.gpu_peak_tflops or DEFAULT_PEAK_TFLOPS
-    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S[weight_sync]
+    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S.get(weight_sync)
+    if gbps is None:
+        raise ConfigError(
+            "launch.step_time.sync_gb_per_s",
+            f"no default bandwidth for weight-sync mode {weight_sync!r} (defaults exist for {', '.join(sorted(DEFAULT_SYNC_GB_PER_S))}); set it to plan this run",
+        )
     return Rates(
         decode_tokens_per_s_per_gpu=st.decode_tokens_per_s_per_gpu or default_decode_rate(arch),
         trainer_flops_per_s_per_gpu=peak * 1e12 * st.mfu,
