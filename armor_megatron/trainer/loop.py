@@ -13,6 +13,11 @@
         reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
         checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
 
+With ``rollout.overlap: one_step`` (`trainer.overlap`) the driver takes the batch generated during
+the last step, starts generating the next one in a background thread (driver work only, no
+collective) while every rank computes log-probs and updates, and joins it before the sync: the
+engines sample one update behind π_old, which TIS corrects. The phases below stay the same.
+
 Device memory with colocated SGLang engines (never the trainer and the engines' memory at once;
 `armor_megatron.launch.device_ledger` replays this order for ``--plan``): rollout and evaluation
 with the trainer in host memory → engines release theirs (policy: weights, KV cache, CUDA graphs;
