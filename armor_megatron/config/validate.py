@@ -26,6 +26,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_engines(cfg)
     _check_throughput(cfg)
     _check_moe(cfg)
+    _check_step_time(cfg)
     _check_user_code(cfg)
 
 
@@ -455,6 +456,16 @@ def _check_moe(cfg: RunConfig) -> None:
             raise ConfigError("moe.token_dispatcher_type", "flex needs DeepEP on GPUs, but launch.gpus_per_node=0")
         if moe.pad_expert_input_to_capacity:
             raise ConfigError("moe.pad_expert_input_to_capacity", "is not supported by the flex (DeepEP) dispatcher")
+
+
+def _check_step_time(cfg: RunConfig) -> None:
+    """``--plan``'s step-time model needs a mean response of at least one token."""
+    fraction, longest = cfg.launch.step_time.response_len_fraction, cfg.rollout.max_response_len
+    if fraction * longest < 1:
+        raise ConfigError(
+            "launch.step_time.response_len_fraction",
+            f"{fraction:g} x rollout.max_response_len {longest} is under one token per response",
+        )
 
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")
