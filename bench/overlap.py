@@ -31,6 +31,7 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # runs from a checkout too
 from armor_megatron.config import load_config  # noqa: E402
+from armor_megatron.launch.step_time import overlap_ratio  # noqa: E402
 from armor_megatron.tasks.tiny_run import prepare_tiny_run  # noqa: E402
 from armor_megatron.trainer.metrics_log import read_metrics  # noqa: E402
 
@@ -177,6 +178,9 @@ def main(argv=None) -> None:
                 proc.terminate()
                 proc.wait(timeout=30)
     off, one = results["off"], results["one_step"]
+    serial = max(off["step_s"] - off["generation_s"] - off["trainer_s"], 0.0)  # sync, rewards, metrics
+    predicted = overlap_ratio(off["generation_s"], off["trainer_s"], serial)
+    print(f"--plan's step-time model, from the off run's phases: one_step/off = {predicted:.3f}")
     print(
         f"step_time_ratio_overlap_vs_off={one['step_s'] / off['step_s']:.3f} "
         f"trainer_idle_frac_off={off['trainer_idle_frac']:.3f} "
