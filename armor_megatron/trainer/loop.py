@@ -93,7 +93,7 @@ from armor_megatron.trainer.overlap import (
 )
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors
+from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
@@ -324,9 +324,7 @@ class ArmorTrainer:
 
         if self.anchors is not None:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
-        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
-            if engine is not None:
-                engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * step + offset))
+        self._reseed_engines(step)
         ds = cfg.algorithm.dynamic_sampling
         with timer.phase("rollout"):
             if not ds.enabled:
@@ -348,6 +346,13 @@ class ArmorTrainer:
         metrics = _merge_rounds(rounds)
         metrics.update(sampler.stats())
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
+
+    def _reseed_engines(self, step: int, salt: int = 0) -> None:
+        """Seed both engines from the step (and ``salt``, for a second draw in one step), so a
+        resumed run samples what the uninterrupted one did."""
+        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
+            if engine is not None:
+                engine.reseed(self.cfg.rollout.seed + 1_000_003 * (2 * step + offset) + 7_919 * salt)
 
     def _with_advantages(self, batch: RolloutBatch | None, metrics: dict) -> tuple[RolloutBatch | None, dict]:
         """The step's advantages, once, over the batch that trains (None: no group had signal)."""
@@ -403,24 +408,34 @@ class ArmorTrainer:
                     f"the pending batch was generated for step {pending.for_step + 1}, not {self.step + 1}"
                 )
             if batch is not None and self.anchors is not None:
-                batch, stale = replace_stale_anchors(
-                    batch,
-                    self._ref_version(),
-                    self._rows_by_index,
-                    self.encode,
-                    self.policy_engine,
-                    self.settings,
-                    self.anchors,
-                    pad_id=self.tokenizer.pad_token_id or 0,
-                )
-                metrics["anchor/stale_resampled"] = float(stale)
-                if stale:
-                    batch, metrics = self._with_advantages(batch, metrics)
+                batch, metrics = self._resample_stale_anchors(batch, metrics)
             metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
         self._timeline_rollout = pending
         if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
             self._background.start(lambda step=self.step + 1: self._generate(step))
         return batch, metrics, ran
+
+    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict]:
+        """Driver: anchors of an older reference (the batch was generated before a reset) replaced
+        by the current reference's (`rollout_phase.replace_stale_anchors`), advantages recomputed;
+        ``anchor/stale_resampled`` counts them."""
+        stale = 0
+        if stale_anchor_rows(batch, self._ref_version()):
+            self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
+            batch, stale = replace_stale_anchors(
+                batch,
+                self._ref_version(),
+                self._rows_by_index,
+                self.encode,
+                self.policy_engine,
+                self.settings,
+                self.anchors,
+                pad_id=self.tokenizer.pad_token_id or 0,
+            )
+            if not self.cfg.anchor.cache:
+                self.anchors.reset(self._ref_version())  # they serve once
+            batch, metrics = self._with_advantages(batch, metrics)
+        return batch, {**metrics, "anchor/stale_resampled": float(stale)}
 
     def _settled_pending(self) -> PendingBatch | None:
         """Driver: the pending batch, once no generation runs (a checkpoint holds it)."""

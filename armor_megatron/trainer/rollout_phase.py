@@ -159,7 +159,7 @@ def replace_stale_anchors(
     the advantages. Every other row is kept as it was, with its engine log-probs and version.
     """
     is_anchor = batch["is_anchor"].clone()
-    stale = [i for i, v in enumerate(batch["weight_version"]) if is_anchor[i] and v != reference_version]
+    stale = stale_anchor_rows(batch, reference_version)
     if not stale:
         return batch, 0
     prompts, samples = rows_as_samples(batch)
@@ -204,6 +204,12 @@ def replace_stale_anchors(
     out["prompt_index"] = list(batch["prompt_index"])
     out.meta.update(batch.meta)
     return out, len(stale)
+
+
+def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
+    """Rows of ``batch`` holding an anchor of another reference than ``reference_version``."""
+    anchors = batch["is_anchor"].tolist()
+    return [i for i, v in enumerate(batch["weight_version"]) if anchors[i] and v != reference_version]
 
 
 def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]:

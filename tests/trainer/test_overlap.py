@@ -66,6 +66,7 @@ def test_an_anchor_of_another_reference_is_refused():
 
 
 def test_config_refuses_one_step_without_tis_with_colocated_engines_or_pregeneration():
+    assert load_config(CONFIG, ["rollout.overlap=off"]).rollout.overlap == "off"  # YAML 1.1 reads off as false
     base = ["rollout.overlap=one_step"]
     with pytest.raises(ConfigError, match=r"^rollout.overlap: one_step needs algorithm.tis.enabled: true: .*staleness"):
         load_config(CONFIG, base)
