@@ -5,7 +5,8 @@ Setup: the tiny arithmetic task (``configs/tiny_cpu.yaml``, its model warmed up 
 transformers engine behind SGLang's API, not SGLang) in their own processes pinned to core 0, the
 policy group's and the frozen reference's; the trainer (Megatron actor and reference, one process,
 one thread) is pinned to core 1; weights reach the engines by ``disk`` sync. Generation and update
-are balanced by the response length (the engine's decode steps) and the batch. Both runs train the
+are balanced by the model's size (the update's FLOPs), the response length (the engine's decode
+steps) and the batch; dynamic sampling is off so that every step generates one round. Both runs train the
 same steps from the same start with TIS on (one_step requires it); the first step of each run
 (start-up, nothing to overlap with yet) and the last (the final checkpoint) are left out of the times.
 
@@ -82,6 +83,16 @@ def start_engine(model: str, core: int | None, log: str) -> tuple[subprocess.Pop
             time.sleep(0.2)
 
 
+def model_overrides(args) -> list[str]:
+    """The tiny model's size: the update's FLOPs grow with it much faster than the engine's
+    latency-bound decoding does, which is how the two sides are balanced."""
+    return [
+        f"model.arch.hidden_size={args.hidden}",
+        f"model.arch.intermediate_size={2 * args.hidden}",
+        f"model.arch.num_hidden_layers={args.layers}",
+    ]
+
+
 def train(work: str, name: str, paths: list[str], urls: tuple[str, str], overlap: str, args, core) -> list[dict]:
     overrides = [
         *paths,
@@ -106,6 +117,8 @@ def train(work: str, name: str, paths: list[str], urls: tuple[str, str], overlap
         "checkpoint.every_steps=0",
         "checkpoint.save_hf.at_end=false",
         "reference.tau=1000",
+        "algorithm.dynamic_sampling.enabled=false",  # one round per step: the same generation work every step
+        f"train.epochs_per_step={args.epochs}",
     ]
     cmd = [sys.executable, "-m", "armor_megatron.cli.train", "--config", CONFIG, *overrides]
     proc = subprocess.run(
@@ -146,7 +159,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
-    p.add_argument("--response-len", type=int, default=16, help="max new tokens: the generation side's weight")
+    p.add_argument("--response-len", type=int, default=8, help="max new tokens: the generation side's weight")
+    p.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny model: the update side's weight")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--epochs", type=int, default=1, help="train.epochs_per_step")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--warmup-steps", type=int, default=150)
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
@@ -160,6 +176,7 @@ def main(argv=None) -> None:
             f"model.path={work}/hf",
             f"data.train_path={work}/train.jsonl",
             f"eval.datasets=[{{name: val, path: {work}/val.jsonl, k: 1}}]",
+            *model_overrides(args),
         ]
         prepare_tiny_run(load_config(CONFIG, paths), num_val=16, warmup_steps=args.warmup_steps, log=None)
         engines = []

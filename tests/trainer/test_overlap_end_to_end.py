@@ -13,7 +13,7 @@ from armor_megatron.trainer.metrics_log import read_metrics
 from tests.processes import stopped_after
 from tests.trainer.test_end_to_end import _args, _env, _latest, _train
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 ONE_STEP = ["parallelism.tp=1", "rollout.overlap=one_step", "algorithm.tis.enabled=true"]
 # what a step computes: equal in two runs that trained alike
@@ -117,12 +117,16 @@ def test_the_tiny_task_still_learns_with_one_step(tiny, tmp_path):
         tiny,
         tmp_path,
         *ONE_STEP,
-        "train.steps=16",
-        "rollout.prompts_per_step=16",
-        "optimizer.lr=1e-3",
+        "train.steps=40",
+        "rollout.prompts_per_step=32",
+        "rollout.group_size=8",
+        "train.micro_batch_size=32",
+        "optimizer.lr=5e-4",
         "eval.every_steps=0",
         "checkpoint.every_steps=0",
-        timeout=900,
+        timeout=1200,
     )
-    reward = [metrics[step]["rollout/reward"] for step in range(1, 17)]
-    assert sum(reward[-4:]) / 4 > sum(reward[:4]) / 4 + 0.05, reward
+    reward = [metrics[step]["rollout/reward"] for step in range(1, 41)]
+    # 256 samples a step at a success rate near 0.07: a 10-step mean has a standard error near 0.005
+    assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.01, reward
+    assert all(metrics[step]["rollout/lag"] == 1.0 for step in range(2, 41))
