@@ -9,6 +9,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
+from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
 
 
@@ -426,8 +427,9 @@ def _check_throughput(cfg: RunConfig) -> None:
             "the engines, reference reset, checkpoints) before the deferred all-gather has run; use false",
         )
     arch = model_arch_of(cfg)
-    if th.apply_rope_fusion and arch is not None and arch.is_mla:
-        raise ConfigError("throughput.apply_rope_fusion", "megatron's fused MLA RoPE is training-only; use null")
+    refused = family_of(arch).megatron(arch).fused_rope_refused if arch is not None else None
+    if th.apply_rope_fusion and refused:
+        raise ConfigError("throughput.apply_rope_fusion", f"{refused}; use null")
 
 
 def _check_moe(cfg: RunConfig) -> None:
