@@ -156,13 +156,13 @@ def summary(records: list[dict]) -> dict:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--steps", type=int, default=8)
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--response-len", type=int, default=8, help="max new tokens: the generation side's weight")
-    p.add_argument("--hidden", type=int, default=256, help="hidden size of the tiny model: the update side's weight")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--epochs", type=int, default=1, help="train.epochs_per_step")
+    p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model: the update side's weight")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--epochs", type=int, default=8, help="train.epochs_per_step")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--warmup-steps", type=int, default=150)
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
