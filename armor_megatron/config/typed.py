@@ -85,12 +85,17 @@ def at_least_or_null(n: int) -> Check:
 
 
 def registered(registry) -> Check:
-    """The value must name an entry of `registry` (an ``algo.registry.Registry``)."""
+    """The value must name an entry of `registry` (an ``algo.registry.Registry``); the description
+    lists each entry with the config keys that supply its parameters, e.g. ``qae (qae_quantile, std_eps)``."""
 
     def check(name) -> str | None:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
-    return described(f"a registered {registry.kind}: {', '.join(registry)}", check)
+    def listed(name: str) -> str:
+        keys = registry.entry(name).config_keys
+        return f"{name} ({', '.join(keys.values())})" if keys else name
+
+    return described(f"a registered {registry.kind}: {', '.join(map(listed, registry))}", check)
 
 
 def non_empty(x) -> str | None:
