@@ -184,6 +184,16 @@ class RolloutConfig:
     local_device: str = checked(
         "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
     )
+    overlap: Literal["off", "one_step"] = checked(
+        "off",
+        help="one_step: the engines generate the next step's batch with the current weights while the trainer "
+        "updates on this one (one step of staleness, corrected by algorithm.tis; disaggregated engines only)",
+    )
+    overlap_forced_wait: bool = checked(
+        False,
+        help="one_step only, a check: generate the next batch after the update and weight push, through the "
+        "overlap's code path; the run then equals overlap off bit for bit",
+    )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
 
 

@@ -195,6 +195,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise errors[0]
         raise ConfigError(key, f"{value!r} does not match any of {', '.join(_type_name_of(o) for o in options)}")
     if origin is typing.Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads off / on as booleans
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(
                 key,

@@ -25,6 +25,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_lengths_fit_context(cfg)
     _check_token_budget(cfg)
     _check_rollout(cfg)
+    _check_overlap(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
@@ -279,6 +280,31 @@ def _check_rollout(cfg: RunConfig) -> None:
         )
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
+
+
+def _check_overlap(cfg: RunConfig) -> None:
+    ro = cfg.rollout
+    if ro.overlap_forced_wait and ro.overlap != "one_step":
+        raise ConfigError("rollout.overlap_forced_wait", "needs rollout.overlap: one_step")
+    if ro.overlap != "one_step":
+        return
+    if not cfg.algorithm.tis.enabled:
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs algorithm.tis.enabled: true: its samples come from the weights one update behind "
+            "π_old, and only TIS's min(π_old/π_engine, C) corrects the loss for that staleness",
+        )
+    if ro.engine == "sglang" and ro.sglang.placement == "colocated":
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs rollout.sglang.placement disaggregated: colocated engines share the trainer's GPUs "
+            "and cannot generate while it updates",
+        )
+    if cfg.anchor.enabled and cfg.anchor.pregenerate:
+        raise ConfigError(
+            "anchor.pregenerate",
+            "not with rollout.overlap one_step, which already samples the next batch's anchors during the update",
+        )
 
 
 def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:
