@@ -132,11 +132,13 @@ class LocalEngine(RolloutEngine):
                 raise WeightUpdateError(str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from e
 
     def reseed(self, seed: int) -> None:
+        """Make the following samples reproducible from ``seed``."""
         with self._lock:
             self._seed = int(seed)
             self._calls = itertools.count()
 
     def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
+        """Load new weights (every one required) and take ``version``."""
         with self._lock:
             self.load_weights(weights, strict=True)
             self.weight_version = str(version)
@@ -155,6 +157,7 @@ class LocalEngine(RolloutEngine):
         timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
+        """``n`` samples per prompt from the local transformers model."""
         import torch
 
         check_prompts(prompts_token_ids, n)
@@ -252,9 +255,11 @@ class LocalEngine(RolloutEngine):
     # ---- lifecycle ---------------------------------------------------------------------
 
     def health(self, timeout: float | None = None) -> bool:
+        """Whether the model is loaded."""
         return self.model is not None
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Drop the model."""
         self.model = None
 
 
