@@ -155,7 +155,7 @@ class SamplingParams:
 
     def to_sglang(self, n: int = 1) -> dict:
         """The ``sampling_params`` body of an SGLang ``/generate`` request."""
-        params = {
+        params: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,

@@ -167,7 +167,7 @@ class LocalEngine(RolloutEngine):
         rows = [(i, list(map(int, p))) for i, p in enumerate(prompts_token_ids) for _ in range(n)]
         seed = sampling.seed if sampling.seed is not None else self._seed + next(self._calls)
         generator = torch.Generator(device=self.device).manual_seed(int(seed))
-        groups = [[] for _ in prompts_token_ids]
+        groups: list[list[tuple[list[int], str, list[float], str]]] = [[] for _ in prompts_token_ids]
         with self._lock:
             version = self.weight_version
             for start in range(0, len(rows), self.max_batch_size):
@@ -200,9 +200,9 @@ class LocalEngine(RolloutEngine):
         stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | set(self.eos_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs = [[] for _ in range(batch)]
-        reasons = [None] * batch
-        stop_at = [None] * batch  # character offset of a matched stop string
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        reasons: list[str | None] = [None] * batch
+        stop_at: list[int | None] = [None] * batch  # character offset of a matched stop string
         with torch.no_grad():
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for _ in range(sampling.max_new_tokens):

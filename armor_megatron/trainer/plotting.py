@@ -110,7 +110,7 @@ def step_timeline(records: Sequence[dict]) -> list[tuple[int, dict[str, tuple[fl
     Per step that logged one, ``(step, {bar: (begin, end)})`` in seconds since the run started
     (a resumed run's clock restarts: only records after the last restart are kept).
     """
-    out = []
+    out: list[tuple[int, dict[str, tuple[float, float]]]] = []
     for r in sorted(records, key=lambda r: r["step"]):
         bars = {}
         for bar in TIMELINE_BARS:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -128,7 +128,7 @@ def collect_groups(
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
-    if anchors:
+    if anchor_results is not None:  # set exactly when there are anchors
         metrics.update(
             {
                 "anchor/found_rate": sum(found) / len(found),  # anchors in the groups
@@ -268,7 +268,7 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
         )
         for i, group in zip(idx, groups):
             out[i] = list(group)
-    return out
+    return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
 def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:

@@ -282,7 +282,7 @@ class SGLangEngine(RolloutEngine):
                 f"; the router {self.router.url} routes around them" if self.router is not None else "",
             )
         router_ok = self.router is None or self.router.health(timeout=timeout or 30.0)
-        if not router_ok:
+        if not router_ok and self.router is not None:
             logger.warning("SGLang router %s not healthy", self.router.url)
         return not dead and router_ok
 
