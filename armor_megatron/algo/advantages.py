@@ -86,7 +86,7 @@ def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_E
 
     GRPO/DAPO with the group mean replaced by the group's K-quantile,
 
-    A_gi = (r_gi − Q_K(r_g)) / (std_g + ε),
+        A_gi = (r_gi − Q_K(r_g)) / (std_g + ε),
 
     Q_K = ``torch.quantile(r_g, K)`` with its default linear interpolation (authors' K = 0.4).
     With binary rewards and success rate p: if p ≤ 1−K, Q_K = 0 (hard prompt: only the rare
@@ -108,7 +108,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
     The baseline of each response is the mean of the other G−1 responses of its group,
 
-    A_gi = r_gi − (1/(G−1)) Σ_{j≠i} r_gj = G/(G−1) · (r_gi − mean_g).
+        A_gi = r_gi − (1/(G−1)) Σ_{j≠i} r_gj = G/(G−1) · (r_gi − mean_g).
     """
     r = _check_groups(rewards)
     g = r.shape[1]
@@ -122,7 +122,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> 
     The return of every response is its reward, normalised over the whole batch (all groups
     together, each response once):
 
-    A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
+        A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
     """
     r = _check_groups(rewards)
     return _zero_where(r.amax() == r.amin(), (r - r.mean()) / (r.std() + eps))

@@ -11,14 +11,14 @@ between the jobs of one run without changing what is trained:
 * where things go and how often: ``logging``, ``checkpoint``, ``eval`` (how the run is watched);
 * how long: ``train.steps`` (extending a run), ``train.collective_timeout_minutes``;
 * where memory and engines live: ``train.offload_during_rollout`` (bit-exact), ``rollout.local_device``,
-how rows become micro-batches (``train.micro_batch_size``, ``train.*max_tokens_per_micro_batch``),
-activation recomputation (``train.recompute*``, bit-exact) and ``throughput`` (fused kernels,
-overlapped communication): they change memory and speed, not the loss;
+  how rows become micro-batches (``train.micro_batch_size``, ``train.*max_tokens_per_micro_batch``),
+  activation recomputation (``train.recompute*``, bit-exact) and ``throughput`` (fused kernels,
+  overlapped communication): they change memory and speed, not the loss;
 * where it runs: ``launch``, ``parallelism`` (torch_dist checkpoints load at any TP/PP/EP),
-``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
-every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``, ``reward.python_path``,
-``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
-(the starting weights, already consumed);
+  ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
+  every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``, ``reward.python_path``,
+  ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
+  (the starting weights, already consumed);
 * resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
 
 A key the record lacks (a run recorded before the key existed) counts as the schema default, so

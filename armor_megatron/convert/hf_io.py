@@ -308,10 +308,10 @@ class TensorDigest:
     Hashing runs on one worker thread (xxhash releases the GIL) while the caller goes on:
 
     * ``update(named)`` hashes (name, tensor) pairs -- or the pairs a callable returns,
-    evaluated on the worker; it first waits for all earlier work, so at most one batch of
-    tensors is kept alive for hashing;
+      evaluated on the worker; it first waits for all earlier work, so at most one batch of
+      tensors is kept alive for hashing;
     * ``update_file(name, dtype, shape, segment)`` hashes a tensor's bytes read from its file
-    through a small reused buffer (1 MiB: it stays in cache); it is queued without waiting.
+      through a small reused buffer (1 MiB: it stays in cache); it is queued without waiting.
     """
 
     ALGORITHM = "xxh3_128"

@@ -5,11 +5,11 @@ converter output or a training checkpoint.
 
 Public interface (every rank calls every function)::
 
-sd = chunks_sharded_state_dict(model_chunks, prefix="")     # {"chunk<i>": sharded state dict}
-load_chunks_state(model_chunks, loaded, prefix="", exclude=())
-load_model_weights(model_chunks, mcore_dir, exclude=())     # model tensors only, resharding
-path = resolve_checkpoint_dir(path_or_root)                  # a torch_dist dir, or the one `latest` names
-path = find_latest(root)                                     # the dir ``{root}/latest`` names, or None
+    sd = chunks_sharded_state_dict(model_chunks, prefix="")     # {"chunk<i>": sharded state dict}
+    load_chunks_state(model_chunks, loaded, prefix="", exclude=())
+    load_model_weights(model_chunks, mcore_dir, exclude=())     # model tensors only, resharding
+    path = resolve_checkpoint_dir(path_or_root)                  # a torch_dist dir, or the one `latest` names
+    path = find_latest(root)                                     # the dir ``{root}/latest`` names, or None
 """
 
 from __future__ import annotations

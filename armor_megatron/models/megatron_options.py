@@ -51,24 +51,24 @@ class Throughput:
     alone (pip wheels: Transformer Engine, Triton with torch; no APEX, maybe no C compiler):
 
     * ``gradient_accumulation_fusion`` (False): weight gradients accumulate straight into the fp32
-    main_grad buffers inside the GEMM. Needs APEX's ``fused_weight_gradient_mlp_cuda`` (megatron's
-    output layer refuses the fusion without it), which is built from source, not on the index.
+      main_grad buffers inside the GEMM. Needs APEX's ``fused_weight_gradient_mlp_cuda`` (megatron's
+      output layer refuses the fusion without it), which is built from source, not on the index.
     * ``apply_rope_fusion`` (None = on with the TE spec): Transformer Engine's RoPE kernel, shipped
-    compiled in TE. Off for families that declare they cannot use it (`MegatronSpec.fused_rope_refused`:
-    DeepSeek's MLA, whose fused RoPE is training-only; log-prob passes run in eval).
+      compiled in TE. Off for families that declare they cannot use it (`MegatronSpec.fused_rope_refused`:
+      DeepSeek's MLA, whose fused RoPE is training-only; log-prob passes run in eval).
     * ``bias_activation_fusion`` (None = on with the TE spec): megatron's SwiGLU as one autograd
-    function that keeps only its input [tokens, 2f] for backward (what `launch.memory` plans for
-    the TE spec; the unfused path also keeps silu's output [tokens, f]).
+      function that keeps only its input [tokens, 2f] for backward (what `launch.memory` plans for
+      the TE spec; the unfused path also keeps silu's output [tokens, f]).
     * ``bias_dropout_fusion`` (False): our layers have neither linear biases nor dropout, so there
-    is nothing to fuse: the fused path computes the same ``x + residual`` through a compiled function.
+      is nothing to fuse: the fused path computes the same ``x + residual`` through a compiled function.
     * ``torch_compile`` (False): megatron's ``jit_fuser`` is ``torch.compile`` (torch >= 2.2), applied
-    when megatron-core is imported to the SwiGLU and bias-dropout-add bodies and to MoE router
-    and dispatcher helpers. Compiled, they need Triton and a C compiler on every node (Inductor
-    and Triton build their launchers at run time), compile on every rank at the first step, and
-    compile again when micro-batch token counts change (until dynamo marks the length dynamic)
-    and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes
-    (``torch.compiler.set_stance("force_eager")``): the same values and memory, a few more
-    elementwise kernels. True restores megatron's compiled kernels.
+      when megatron-core is imported to the SwiGLU and bias-dropout-add bodies and to MoE router
+      and dispatcher helpers. Compiled, they need Triton and a C compiler on every node (Inductor
+      and Triton build their launchers at run time), compile on every rank at the first step, and
+      compile again when micro-batch token counts change (until dynamo marks the length dynamic)
+      and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes
+      (``torch.compiler.set_stance("force_eager")``): the same values and memory, a few more
+      elementwise kernels. True restores megatron's compiled kernels.
 
     Always off, not keys: ``masked_softmax_fusion`` (only megatron's local attention reads it; its
     kernels come from an APEX-style source build, and TE's attention has its own),

@@ -15,7 +15,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     From n samples of which c are correct, the probability that at least one of k samples drawn
     without replacement is correct,
 
-    pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i),
+        pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i),
 
     the product form avoiding huge binomials. It is exactly 1 when n − c < k (every k-subset
     holds a correct sample) and 0 when c = 0.

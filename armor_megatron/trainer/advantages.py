@@ -5,12 +5,12 @@ estimator's registered ``critic`` trait (``algo.needs_critic``); its hyper-param
 registered ``algorithm`` config keys.
 
 * ``group_advantages(batch, settings)``: once per step, after dynamic sampling has chosen the
-groups (estimators normalised over the whole batch, REINFORCE++, must see exactly those):
-``advantages`` [N] fp32 = the configured estimator (``algo.compute_advantages``) over the
-rewards viewed as [P, G], each group whole, anchor included; zeros for a critic estimator,
-whose per-token advantages come from the critic.
+  groups (estimators normalised over the whole batch, REINFORCE++, must see exactly those):
+  ``advantages`` [N] fp32 = the configured estimator (``algo.compute_advantages``) over the
+  rewards viewed as [P, G], each group whole, anchor included; zeros for a critic estimator,
+  whose per-token advantages come from the critic.
 * ``gae_targets(batch, cfg)``: on every rank, from the critic's ``old_values`` [N, L]: the critic
-estimator's per-token advantages and returns [N, L].
+  estimator's per-token advantages and returns [N, L].
 """
 
 from __future__ import annotations
