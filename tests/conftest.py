@@ -1,4 +1,13 @@
-"""Suite-wide rule: every process a test starts is stopped by that test (a ``finally`` or a
+"""Two suite-wide rules.
+
+**Slow tests are marked by measurement.** A test not marked ``slow`` whose setup and call take more
+than ``ARMOR_SLOW_TEST_SECONDS`` seconds of wall time (default 10, the budget of one test of the
+fast subset, ``-m "not slow"``, on 2 idle cores) fails, with a line asking to mark it
+``@pytest.mark.slow`` or make it faster. On a loaded machine raise the limit
+(``ARMOR_SLOW_TEST_SECONDS=30``); ``0`` turns the check off. A test that failed already is left as
+it is; time spent in a shared (module or session) fixture counts for the first test that uses it.
+
+**Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
 still alive after a grace period fails the run, named, and is killed.
 
@@ -17,12 +26,67 @@ are stopped here the way their owners stop them before the check:
 
 from __future__ import annotations
 
+import os
 import sys
 
 import psutil
 import pytest
 
 GRACE_S = 10.0
+SLOW_ENV = "ARMOR_SLOW_TEST_SECONDS"
+SLOW_DEFAULT_S = 10.0
+
+
+def slow_limit_s() -> float:
+    """The wall-time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit)."""
+    raw = os.environ.get(SLOW_ENV, "")
+    try:
+        return float(raw) if raw.strip() else SLOW_DEFAULT_S
+    except ValueError:
+        raise pytest.UsageError(f"{SLOW_ENV}={raw!r} is not a number of seconds") from None
+
+
+_LIMIT = pytest.StashKey[float]()
+_SETUP_S = pytest.StashKey[float]()
+
+
+def pytest_configure(config):
+    config.stash[_LIMIT] = slow_limit_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_SETUP_S] = report.duration
+        return
+    limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
+    if report.when != "call" or not report.passed or limit <= 0 or item.get_closest_marker("slow"):
+        return
+    took = item.stash.get(_SETUP_S, 0.0) + report.duration
+    if took > limit:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {took:.1f} s (setup {item.stash.get(_SETUP_S, 0.0):.1f} s), over the "
+            f"{limit:g} s limit of a test not marked slow ({SLOW_ENV}): mark it @pytest.mark.slow or make it faster"
+        )
+
+
+@pytest.fixture(scope="session")
+def world_of_one():
+    """torch.distributed and megatron-core's model-parallel state of this process alone (gloo,
+    world size 1, TP=PP=1), for in-process Megatron tests; started once, stopped at the session's
+    end (a group that an earlier test left running serves as well and is left to it)."""
+    import torch.distributed as dist
+
+    from armor_megatron.megatron import dist as mdist
+
+    owned = not dist.is_initialized()
+    mdist.initialize(mdist.ParallelConfig(), environ={})
+    yield
+    if owned:
+        mdist.shutdown()
 
 
 def _stop_lifetime_helpers() -> None:
