@@ -67,10 +67,16 @@ def _config(data, run_dir, *overrides, config=ARMOR):
 
 
 def _train(cfg, resume=None) -> dict:
-    """Train ``cfg`` here; {step: metrics} as logged."""
+    """Train ``cfg`` here on one thread (a tiny model's kernels are too small to share; two threads
+    cost twice the CPU time); {step: metrics} as logged."""
     from armor_megatron.trainer.run import train
 
-    train(cfg, resume)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        train(cfg, resume)
+    finally:
+        torch.set_num_threads(threads)
     return {r["step"]: r for r in read_metrics(os.path.join(cfg.logging.dir, cfg.name, "metrics.jsonl"))}
 
 
