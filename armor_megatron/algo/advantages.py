@@ -14,9 +14,18 @@ rewards are all equal (a group for the group estimators, the batch for REINFORCE
 advantages of exactly 0 whatever the reward value: in fp32, mean(0.7, …, 0.7) ≠ 0.7 and the
 rounding error divided by std + ε ≈ 1e-6 gave 0.056.
 
-Every estimator is registered in ``ADVANTAGE_ESTIMATORS`` (``kind`` "group": takes
-``rewards`` [num_groups, G]; "token": per-token inputs, GAE) with the arguments its signature
-takes; ``compute_advantages(name, rewards=..., **kwargs)`` checks them and dispatches.
+Every estimator is registered in ``ADVANTAGE_ESTIMATORS`` with the arguments its signature
+takes, the ``algorithm`` config keys that supply its hyper-parameters (``config_keys``) and
+one trait, ``critic``:
+
+* False (group-based): ``fn(rewards [num_groups, G], **hyper) -> advantages [num_groups, G]``,
+  computed once per step on the driver;
+* True: the trainer trains a critic beside the actor and calls, on every rank,
+  ``fn(values [B, T], rewards [B, T], mask [B, T], **hyper) -> (advantages, returns) [B, T]``
+  with the critic's values and the outcome reward on each response's last token.
+
+``compute_advantages(name, rewards=..., **kwargs)`` checks the arguments and dispatches;
+``needs_critic(name)`` is what the trainer, the config checks and the memory plan ask.
 """
 
 from __future__ import annotations
@@ -29,7 +38,7 @@ from armor_megatron.algo.registry import Registry
 
 DEFAULT_EPS = 1e-6
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", traits={"critic": False})
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
@@ -48,7 +57,7 @@ def _zero_where(constant: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
     return torch.where(constant, torch.zeros_like(adv), adv).float()
 
 
-@register_advantage_estimator("grpo", "dapo", kind="group")
+@register_advantage_estimator("grpo", "dapo", config_keys={"eps": "std_eps"})
 def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """GRPO / DAPO group normalisation:  A_gi = (r_gi − mean_g) / (std_g + ε).
 
@@ -59,7 +68,7 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Te
     return _zero_where(_constant_rows(r), adv)
 
 
-@register_advantage_estimator("drgrpo", kind="group")
+@register_advantage_estimator("drgrpo")
 def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """Dr. GRPO (GRPO done right): the mean baseline without the std division,
     A_gi = r_gi − mean_g, which removes the question-difficulty bias of 1/std_g."""
@@ -67,7 +76,7 @@ def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return _zero_where(_constant_rows(r), r - r.mean(dim=1, keepdim=True))
 
 
-@register_advantage_estimator("qae", kind="group")
+@register_advantage_estimator("qae", config_keys={"k": "qae_quantile", "eps": "std_eps"})
 def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """QAE (Quantile Advantage Estimation, arXiv 2509.22611): GRPO/DAPO with the group mean
     replaced by the group's K-quantile,
@@ -88,7 +97,7 @@ def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_E
     return _zero_where(_constant_rows(r), adv)
 
 
-@register_advantage_estimator("rloo", kind="group")
+@register_advantage_estimator("rloo")
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     """RLOO (REINFORCE leave-one-out): the baseline of each response is the mean of the
     other G−1 responses of its group,
@@ -100,7 +109,7 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return _zero_where(_constant_rows(r), (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
 
 
-@register_advantage_estimator("reinforce++", kind="group")
+@register_advantage_estimator("reinforce++", config_keys={"eps": "std_eps"})
 def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """REINFORCE++ with outcome rewards and no per-token KL: the return of every response is
     its reward, normalised over the whole batch (all groups together, each response once):
@@ -111,7 +120,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> 
     return _zero_where(r.amax() == r.amin(), (r - r.mean()) / (r.std() + eps))
 
 
-@register_advantage_estimator("reinforce++-baseline", kind="group")
+@register_advantage_estimator("reinforce++-baseline", config_keys={"eps": "std_eps"})
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """REINFORCE++-baseline: subtract the group mean, then divide by the std of those centred
     values over the whole batch:  c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε)."""
@@ -121,7 +130,7 @@ def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT
     return _zero_where(constant, centred / (centred.std() + eps))
 
 
-@register_advantage_estimator("gae", kind="token")
+@register_advantage_estimator("gae", critic=True, config_keys={"gamma": "gamma", "lam": "lam"})
 def gae_advantages(
     values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,9 +197,12 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float =
 
 
 ESTIMATORS = ADVANTAGE_ESTIMATORS  # name -> function (read-only mapping; register with the decorator)
-GROUP_ESTIMATORS = tuple(
-    name for name, e in ADVANTAGE_ESTIMATORS.items() if ADVANTAGE_ESTIMATORS.entry(name).meta["kind"] == "group"
-)
+
+
+def needs_critic(name: str) -> bool:
+    """The estimator registered as ``name`` works from a critic's per-token values (GAE): the
+    trainer builds and trains one, and its advantages are per token, not per group."""
+    return bool(ADVANTAGE_ESTIMATORS.entry(name).meta["critic"])
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:

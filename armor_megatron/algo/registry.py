@@ -1,5 +1,5 @@
-"""The registries of the algorithm's pluggable parts (advantage estimators, policy losses) use the
-package's one registry mechanism, `armor_megatron.registry`."""
+"""The registries of the algorithm's pluggable parts (advantage estimators, policy losses, reset
+schedules) use the package's one registry mechanism, `armor_megatron.registry`."""
 
 from armor_megatron.registry import Registry, RegistryEntry
 

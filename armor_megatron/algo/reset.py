@@ -10,6 +10,11 @@ trainer's reference model AND the weights the rollout samples anchors from.
     never          static reference
     validation     a user hook, or reset when a validation metric reaches a new best
                    (the reference then tracks the best checkpoint so far)
+
+Every schedule is a class registered in ``RESET_SCHEDULES`` (``reference.reset`` names one) with
+the ``reference`` config keys that supply its constructor's arguments (``config_keys``) and one
+trait, ``needs_eval``: the schedule reads validation metrics, so the run must evaluate
+periodically. Adding one is a decorated class, its config keys and its test.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
+
+from armor_megatron.registry import Registry
 
 Metrics = Mapping[str, float] | None
 
@@ -50,11 +57,16 @@ class StatelessSchedule:
         return None
 
 
+RESET_SCHEDULES = Registry("reset schedule", traits={"needs_eval": False})
+register_reset_schedule = RESET_SCHEDULES.register
+
+
 def _check_step(step: int) -> None:
     if step < 1:
         raise ValueError(f"reset schedules count completed steps from 1, got step={step!r}")
 
 
+@register_reset_schedule("every", config_keys={"tau": "tau"})
 @dataclass(frozen=True)
 class EveryTau(StatelessSchedule):
     """Reset after every ``tau``-th step."""
@@ -70,6 +82,7 @@ class EveryTau(StatelessSchedule):
         return step % self.tau == 0
 
 
+@register_reset_schedule("two_stage", config_keys={"first_stage_steps": "stage_one_steps", "tau": "tau"})
 @dataclass(frozen=True)
 class TwoStage(StatelessSchedule):
     """Reset every ``tau`` steps for the first ``first_stage_steps`` steps, then never."""
@@ -89,6 +102,7 @@ class TwoStage(StatelessSchedule):
         return step <= self.first_stage_steps and step % self.tau == 0
 
 
+@register_reset_schedule("never")
 @dataclass(frozen=True)
 class Never(StatelessSchedule):
     """A static reference."""
@@ -98,6 +112,7 @@ class Never(StatelessSchedule):
         return False
 
 
+@register_reset_schedule("validation_hook", config_keys={"hook": "validation_hook"})
 @dataclass
 class ValidationHook(StatelessSchedule):
     """Delegates to ``hook(step, metrics) -> bool``, a callable or a ``"module:function"`` path."""
@@ -113,6 +128,7 @@ class ValidationHook(StatelessSchedule):
         return bool(self.hook(step, metrics))
 
 
+@register_reset_schedule("validation_best", needs_eval=True, config_keys={"metric": "validation_metric"})
 @dataclass
 class OnValidationBest:
     """Reset when ``metrics[metric]`` (present on validation steps) beats the best so far by
@@ -166,22 +182,8 @@ def load_callable(path: str) -> Callable:
     return obj
 
 
-RESET_SCHEDULES = {
-    "every": EveryTau,
-    "two_stage": TwoStage,
-    "never": Never,
-    "validation_hook": ValidationHook,
-    "validation_best": OnValidationBest,
-}
-
-
 def build_reset_schedule(kind: str, **params) -> ResetSchedule:
     """``build_reset_schedule("every", tau=160)``, ``("two_stage", first_stage_steps=180)``,
     ``("never")``, ``("validation_hook", hook="pkg.mod:fn")``,
-    ``("validation_best", metric="val/acc")``."""
-    if kind not in RESET_SCHEDULES:
-        raise ValueError(f"unknown reset schedule {kind!r}; choose one of {', '.join(RESET_SCHEDULES)}")
-    try:
-        return RESET_SCHEDULES[kind](**params)
-    except TypeError as exc:
-        raise ValueError(f"reset schedule {kind!r}: {exc}") from None
+    ``("validation_best", metric="val/acc")``; an unknown name or argument raises one line."""
+    return RESET_SCHEDULES.call(kind, **params)

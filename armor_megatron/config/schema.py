@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import POLICY_LOSSES
+from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.typed import (
     at_least,
     at_least_or_null,
@@ -22,6 +23,7 @@ from armor_megatron.config.typed import (
     positive,
     registered,
 )
+from armor_megatron.registry import Registry
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -82,6 +84,13 @@ class SGLangRouterConfig:
     startup_timeout_s: float = checked(300.0, check=positive, help="until the router routes to every engine")
 
 
+WEIGHT_SYNC_MODES = Registry("weight sync mode")
+"""``rollout.sglang.weight_sync``: each mode a ``WeightSync`` class registered in
+``rollout/sglang/weight_sync.py``. The config sits below the engines, so it declares the built-in
+names it accepts before their module is imported."""
+WEIGHT_SYNC_MODES.declare("tensor", "distributed", "disk")
+
+
 @dataclasses.dataclass
 class SGLangConfig:
     """The SGLang servers of ``rollout.engine: sglang``: launched by the SLURM job or given as URLs, and how trained weights reach them."""
@@ -113,8 +122,9 @@ class SGLangConfig:
         "colocated",
         help="colocated: engines share the trainer's GPUs and release memory in turn; disaggregated: engines on launch.engine_gpus",
     )
-    weight_sync: Literal["tensor", "distributed", "disk"] = checked(
+    weight_sync: str = checked(
         "tensor",
+        check=registered(WEIGHT_SYNC_MODES),
         help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
     )
     deterministic: bool = checked(
@@ -173,6 +183,16 @@ class RolloutConfig:
     seed: int = checked(0, help="seed of rollout sampling; each step's engine seed derives from it and the step")
     local_device: str = checked(
         "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
+    )
+    overlap: Literal["off", "one_step"] = checked(
+        "off",
+        help="one_step: the engines generate the next step's batch with the current weights while the trainer "
+        "updates on this one (one step of staleness, corrected by algorithm.tis; disaggregated engines only)",
+    )
+    overlap_forced_wait: bool = checked(
+        False,
+        help="one_step only, a check: generate the next batch after the update and weight push, through the "
+        "overlap's code path; the run then equals overlap off bit for bit",
     )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
 
@@ -237,7 +257,11 @@ class TISConfig:
 class AlgorithmConfig:
     """The policy update: advantage estimator, policy loss, the mixed-ratio weight α and the clip range."""
 
-    estimator: str = checked("dapo", check=registered(ADVANTAGE_ESTIMATORS), help="a registered advantage estimator")
+    estimator: str = checked(
+        "dapo",
+        check=registered(ADVANTAGE_ESTIMATORS),
+        help="a registered advantage estimator (in brackets: the algorithm keys it reads)",
+    )
     policy_loss: str = checked("armor", check=registered(POLICY_LOSSES), help="a registered policy loss")
     alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
     eps_low: float = checked(
@@ -270,8 +294,11 @@ class AlgorithmConfig:
 class ReferenceConfig:
     """The reference policy π_ref: when it is reset to the current policy and where it lives."""
 
-    reset: Literal["every", "two_stage", "never", "validation_best", "validation_hook"] = checked(
-        "every", help="when θ_ref ← θ: every tau steps, two_stage, never, validation_best or validation_hook"
+    reset: str = checked(
+        "every",
+        check=registered(RESET_SCHEDULES),
+        help="when θ_ref ← θ: every tau steps, two_stage, never, validation_best or validation_hook "
+        "(in brackets: the reference keys it reads)",
     )
     tau: int = checked(160, check=at_least(1), help="steps between resets (every) or of stage one (two_stage: 1)")
     stage_one_steps: int = checked(180, check=at_least(0), help="two_stage: reset every step for this many steps")

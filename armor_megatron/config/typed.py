@@ -85,12 +85,17 @@ def at_least_or_null(n: int) -> Check:
 
 
 def registered(registry) -> Check:
-    """The value must name an entry of `registry` (an ``algo.registry.Registry``)."""
+    """The value must name an entry of `registry` (an ``algo.registry.Registry``); the description
+    lists each entry with the config keys that supply its parameters, e.g. ``qae (qae_quantile, std_eps)``."""
 
     def check(name) -> str | None:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
-    return described(f"a registered {registry.kind}: {', '.join(registry)}", check)
+    def listed(name: str) -> str:
+        keys = registry.entry(name).config_keys
+        return f"{name} ({', '.join(keys.values())})" if keys else name
+
+    return described(f"a registered {registry.kind}: {', '.join(map(listed, registry))}", check)
 
 
 def non_empty(x) -> str | None:
@@ -171,6 +176,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise errors[0]
         raise ConfigError(key, f"{value!r} does not match any of {', '.join(_type_name_of(o) for o in options)}")
     if origin is typing.Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads off / on as booleans
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(
                 key,

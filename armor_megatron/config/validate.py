@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from typing import Any
 
+from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
 from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
+from armor_megatron.registry import Registry, RegistryEntry
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -19,6 +24,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_lengths_fit_context(cfg)
     _check_token_budget(cfg)
     _check_rollout(cfg)
+    _check_overlap(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
@@ -268,12 +274,54 @@ def _check_rollout(cfg: RunConfig) -> None:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
 
 
+def _check_overlap(cfg: RunConfig) -> None:
+    ro = cfg.rollout
+    if ro.overlap_forced_wait and ro.overlap != "one_step":
+        raise ConfigError("rollout.overlap_forced_wait", "needs rollout.overlap: one_step")
+    if ro.overlap != "one_step":
+        return
+    if not cfg.algorithm.tis.enabled:
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs algorithm.tis.enabled: true: its samples come from the weights one update behind "
+            "π_old, and only TIS's min(π_old/π_engine, C) corrects the loss for that staleness",
+        )
+    if ro.engine == "sglang" and ro.sglang.placement == "colocated":
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs rollout.sglang.placement disaggregated: colocated engines share the trainer's GPUs "
+            "and cannot generate while it updates",
+        )
+    if cfg.anchor.enabled and cfg.anchor.pregenerate:
+        raise ConfigError(
+            "anchor.pregenerate",
+            "not with rollout.overlap one_step, which already samples the next batch's anchors during the update",
+        )
+
+
+def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:
+    """The registry entry that ``<section_key>.<key>`` names (the field's own check has refused an
+    unknown name), after checking its config keys: each is a key of the section, and one that
+    supplies a parameter without a default is set."""
+    name = getattr(section, key)
+    entry = registry.entry(name)
+    keys = {f.name for f in dataclasses.fields(section)}
+    for param, config_key in entry.config_keys.items():
+        if config_key not in keys:
+            raise ConfigError(
+                f"{section_key}.{key}",
+                f"{registry.kind} {name!r} takes {param} from {section_key}.{config_key}, which is not a config key",
+            )
+        if getattr(section, config_key) is None and entry.required(param):
+            raise ConfigError(f"{section_key}.{config_key}", f"required when {section_key}.{key} is {name!r}")
+    return entry
+
+
 def _check_reference(cfg: RunConfig) -> None:
     ref = cfg.reference
-    if ref.reset == "validation_hook" and not ref.validation_hook:
-        raise ConfigError("reference.validation_hook", "required when reference.reset is 'validation_hook'")
-    if ref.reset == "validation_best" and cfg.eval.every_steps == 0:
-        raise ConfigError("reference.reset", "'validation_best' needs periodic evaluation (eval.every_steps > 0)")
+    schedule = registered_variant("reference", ref, "reset", RESET_SCHEDULES)
+    if schedule.meta["needs_eval"] and cfg.eval.every_steps == 0:
+        raise ConfigError("reference.reset", f"{ref.reset!r} needs periodic evaluation (eval.every_steps > 0)")
 
 
 def _check_eval(cfg: RunConfig) -> None:
@@ -285,7 +333,8 @@ def _check_eval(cfg: RunConfig) -> None:
 
 def _check_critic(cfg: RunConfig) -> None:
     critic = cfg.critic
-    if cfg.algorithm.estimator != "gae":
+    registered_variant("algorithm", cfg.algorithm, "estimator", ADVANTAGE_ESTIMATORS)
+    if not needs_critic(cfg.algorithm.estimator):
         return
     if critic.warmup_steps >= cfg.train.steps:
         raise ConfigError(
@@ -456,7 +505,7 @@ def launched_reference_engines(cfg: RunConfig) -> int:
 
 def _check_user_code(cfg: RunConfig) -> None:
     """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must
-    ``reference.validation_hook`` when the reset uses it (the trainer would fail on its first step)."""
+    ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail on its first step)."""
     from armor_megatron.algo.reset import load_callable
     from armor_megatron.rewards.registry import load_verifier
 
@@ -465,7 +514,7 @@ def _check_user_code(cfg: RunConfig) -> None:
     except ValueError as err:  # VerifierSpecError
         raise ConfigError("reward.verifier", str(err).splitlines()[0]) from None
     hook = cfg.reference.validation_hook
-    if hook and cfg.reference.reset == "validation_hook":
+    if hook and "validation_hook" in RESET_SCHEDULES.entry(cfg.reference.reset).config_keys.values():
         try:
             load_callable(hook)
         except ValueError as err:

@@ -108,6 +108,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from armor_megatron.algo.advantages import needs_critic
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.launch.device_ledger import (
@@ -396,7 +397,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         opt = optimizer_bytes * (dense / shard[0] + expert / shard[1])
         c_dense, c_expert = params_per_gpu(arch, tp, pp, ep, stage, lm_head=False)
         critic = 0.0
-        if cfg.algorithm.estimator == "gae":
+        if needs_critic(cfg.algorithm.estimator):
             critic = (e + 4) * (c_dense + c_expert) + optimizer_bytes * (c_dense / shard[0] + c_expert / shard[1])
         held = in_flight_microbatches(pp, par.vpp, stage, microbatches)
         activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)

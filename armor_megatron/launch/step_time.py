@@ -85,6 +85,7 @@ import copy
 import dataclasses
 import sys
 
+from armor_megatron.algo.advantages import needs_critic
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.config.validate import launched_reference_engines, validate_run_config
@@ -267,7 +268,7 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
     external = anchor.enabled and not anchors  # anchors from servers outside the job: not timed here
     s = ro.max_prompt_len + L
     passes = 1 + (1 if cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl else 0) + 3 * cfg.train.epochs_per_step
-    if cfg.algorithm.estimator == "gae":
+    if needs_critic(cfg.algorithm.estimator):
         passes += 1 + 3 * cfg.train.epochs_per_step
     return Workload(
         policy_tokens=(G - 1 if anchors or external else G) * P * L,
@@ -283,7 +284,12 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
 def rates_of(cfg: RunConfig, arch: ModelArch, weight_sync: str) -> Rates:
     st = cfg.launch.step_time
     peak = cfg.launch.gpu_peak_tflops or DEFAULT_PEAK_TFLOPS
-    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S[weight_sync]
+    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S.get(weight_sync)
+    if gbps is None:
+        raise ConfigError(
+            "launch.step_time.sync_gb_per_s",
+            f"no default bandwidth for weight-sync mode {weight_sync!r} (defaults exist for {', '.join(sorted(DEFAULT_SYNC_GB_PER_S))}); set it to plan this run",
+        )
     return Rates(
         decode_tokens_per_s_per_gpu=st.decode_tokens_per_s_per_gpu or default_decode_rate(arch),
         trainer_flops_per_s_per_gpu=peak * 1e12 * st.mfu,

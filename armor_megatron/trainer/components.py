@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import os
 
-from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
-from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
 from armor_megatron.algo.loss import make_policy_loss_config
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.engine import SamplingParams
@@ -32,17 +31,9 @@ def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
     return ValueLossConfig(clip_eps=cfg.critic.clip_eps, loss_agg=cfg.algorithm.loss_agg)
 
 
-def reset_schedule(cfg: RunConfig):
-    ref = cfg.reference
-    if ref.reset == "every":
-        return build_reset_schedule("every", tau=ref.tau)
-    if ref.reset == "two_stage":
-        return build_reset_schedule("two_stage", first_stage_steps=ref.stage_one_steps, tau=ref.tau)
-    if ref.reset == "validation_best":
-        return build_reset_schedule("validation_best", metric=ref.validation_metric)
-    if ref.reset == "validation_hook":
-        return build_reset_schedule("validation_hook", hook=ref.validation_hook)
-    return build_reset_schedule("never")
+def reset_schedule(cfg: RunConfig) -> ResetSchedule:
+    """The registered reset schedule ``reference.reset``, built from the ``reference`` keys it takes."""
+    return RESET_SCHEDULES.call_configured(cfg.reference.reset, cfg.reference)
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -71,13 +62,11 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
 
 def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
     algo = cfg.algorithm
-    offered = {"k": algo.qae_quantile, "eps": algo.std_eps}  # the estimator takes those it names
-    kwargs = {k: v for k, v in offered.items() if k in ADVANTAGE_ESTIMATORS.entry(algo.estimator).parameters}
     return RolloutSettings(
         group_size=cfg.rollout.group_size,
         sampling=sampling,
         estimator=algo.estimator,
-        estimator_kwargs=kwargs,
+        estimator_kwargs=ADVANTAGE_ESTIMATORS.entry(algo.estimator).config_kwargs(algo),
         verifier=cfg.reward.verifier,
         anchor_success_reward=cfg.anchor.success_reward,
         overlong_buffer=algo.overlong.buffer_len if algo.overlong.enabled else None,

@@ -13,6 +13,11 @@
         reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
         checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
 
+With ``rollout.overlap: one_step`` (`trainer.overlap`) the driver takes the batch generated during
+the last step, starts generating the next one in a background thread (driver work only, no
+collective) while every rank computes log-probs and updates, and joins it before the sync: the
+engines sample one update behind π_old, which TIS corrects. The phases below stay the same.
+
 Device memory with colocated SGLang engines (never the trainer and the engines' memory at once;
 `armor_megatron.launch.device_ledger` replays this order for ``--plan``): rollout and evaluation
 with the trainer in host memory → engines release theirs (policy: weights, KV cache, CUDA graphs;
@@ -77,9 +82,18 @@ from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_obje
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
+from armor_megatron.trainer.overlap import (
+    BackgroundRollout,
+    PendingBatch,
+    check_lag,
+    generate_pending,
+    load_pending,
+    pending_state,
+    timing_metrics,
+)
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups
+from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
@@ -156,6 +170,12 @@ class ArmorTrainer:
         self._anchor_state: dict | None = None  # a checkpoint's anchor cache, loaded by start_engines
         self._anchor_tokens_logged = 0  # π_ref tokens already reported (anchor/reference_tokens)
         self.monitor = OverOptimizationMonitor()
+        # rollout.overlap one_step (`trainer.overlap`): the next step's batch, generated in the background
+        self.overlap = cfg.rollout.overlap == "one_step"
+        self._background = BackgroundRollout()
+        self._pending: PendingBatch | None = None
+        self._timeline_rollout: PendingBatch | None = None  # the generation of the batch this step trains
+        self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         self.loader: PromptLoader | None = None
         self.eval_sets: list[EvalSet] = []
         if self.is_driver:
@@ -176,6 +196,7 @@ class ArmorTrainer:
                 )
                 for d in cfg.eval.datasets
             ]
+            self._rows_by_index = {row.index: row for row in self.loader.dataset.rows}  # stale anchors' prompts
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
@@ -261,6 +282,7 @@ class ArmorTrainer:
             "monitor": self.monitor.state_dict(),
             "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
+            "pending_batch": pending_state(self._settled_pending()),
         }
 
     def load_trainer_state(self, state: dict) -> None:
@@ -273,6 +295,7 @@ class ArmorTrainer:
             self.loader.load_state_dict(state["loader"])
             self.monitor.load_state_dict(state["monitor"])
             self._anchor_state = state.get("anchor_cache")
+            self._pending = load_pending(state.get("pending_batch"))
 
     def reference_replaced(self) -> None:
         """π_ref was loaded from elsewhere (recovery mode) after the state was restored: a new
@@ -281,10 +304,12 @@ class ArmorTrainer:
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict]:
+    def rollout(self, timer: StepTimer, for_step: int | None = None) -> tuple[RolloutBatch | None, dict]:
         """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
-        accuracies are all equal are dropped and refilled from further prompts."""
+        accuracies are all equal are dropped and refilled from further prompts. ``for_step``: the
+        update the batch feeds (default: the next one), which seeds the engines."""
         cfg, G = self.cfg, self.cfg.rollout.group_size
+        step = self.step if for_step is None else for_step
         pad = self.tokenizer.pad_token_id or 0
 
         def one_round():
@@ -299,9 +324,7 @@ class ArmorTrainer:
 
         if self.anchors is not None:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
-        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
-            if engine is not None:
-                engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * self.step + offset))
+        self._reseed_engines(step)
         ds = cfg.algorithm.dynamic_sampling
         with timer.phase("rollout"):
             if not ds.enabled:
@@ -323,6 +346,13 @@ class ArmorTrainer:
         metrics = _merge_rounds(rounds)
         metrics.update(sampler.stats())
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
+
+    def _reseed_engines(self, step: int, salt: int = 0) -> None:
+        """Seed both engines from the step (and ``salt``, for a second draw in one step), so a
+        resumed run samples what the uninterrupted one did."""
+        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
+            if engine is not None:
+                engine.reseed(self.cfg.rollout.seed + 1_000_003 * (2 * step + offset) + 7_919 * salt)
 
     def _with_advantages(self, batch: RolloutBatch | None, metrics: dict) -> tuple[RolloutBatch | None, dict]:
         """The step's advantages, once, over the batch that trains (None: no group had signal)."""
@@ -350,6 +380,68 @@ class ArmorTrainer:
         self.loader.load_state_dict(state)
         truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
+
+    # ------------------------------------------------------------------ overlap (driver)
+    def _generate(self, for_step: int) -> PendingBatch:
+        return generate_pending(lambda: self.rollout(StepTimer(), for_step), for_step)
+
+    def _step_batch(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict, list[PendingBatch]]:
+        """Driver: this step's batch and rollout metrics, and the generations that ran during the
+        step so far. With ``overlap: one_step`` the batch is the one generated during the last step
+        (or now, when none is pending), checked (`trainer.overlap.check_lag`) after its anchors of an
+        older reference were resampled; then the next step's generation starts in the background
+        (not with ``overlap_forced_wait``: the next step generates its own batch, after this update)."""
+        if not self.overlap:
+            begin = time.perf_counter()
+            batch, metrics = self.rollout(timer)
+            return batch, metrics, [PendingBatch(batch, metrics, self.step, begin, time.perf_counter())]
+        ran = []
+        with timer.phase("rollout"):
+            pending, self._pending = self._pending, None
+            if pending is None:  # the first step, or after the update with the forced wait
+                self._background.start(lambda step=self.step: self._generate(step))
+                pending = self._background.join()
+                ran.append(pending)
+            batch, metrics = pending.batch, dict(pending.metrics)
+            if pending.for_step != self.step:
+                raise RuntimeError(
+                    f"the pending batch was generated for step {pending.for_step + 1}, not {self.step + 1}"
+                )
+            if batch is not None and self.anchors is not None:
+                batch, metrics = self._resample_stale_anchors(batch, metrics)
+            metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
+        self._timeline_rollout = pending
+        if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
+            self._background.start(lambda step=self.step + 1: self._generate(step))
+        return batch, metrics, ran
+
+    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict]:
+        """Driver: anchors of an older reference (the batch was generated before a reset) replaced
+        by the current reference's (`rollout_phase.replace_stale_anchors`), advantages recomputed;
+        ``anchor/stale_resampled`` counts them."""
+        stale = 0
+        if stale_anchor_rows(batch, self._ref_version()):
+            self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
+            batch, stale = replace_stale_anchors(
+                batch,
+                self._ref_version(),
+                self._rows_by_index,
+                self.encode,
+                self.policy_engine,
+                self.settings,
+                self.anchors,
+                pad_id=self.tokenizer.pad_token_id or 0,
+            )
+            if not self.cfg.anchor.cache:
+                self.anchors.reset(self._ref_version())  # they serve once
+            batch, metrics = self._with_advantages(batch, metrics)
+        return batch, {**metrics, "anchor/stale_resampled": float(stale)}
+
+    def _settled_pending(self) -> PendingBatch | None:
+        """Driver: the pending batch, once no generation runs (a checkpoint holds it)."""
+        if self._background.running:
+            self._pending = self._background.join()
+        return self._pending
 
     @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
@@ -557,15 +649,22 @@ class ArmorTrainer:
         started = time.perf_counter()
         reset_peak_memory()
         self._park_trainer()  # a no-op once `run` parked it
-        batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+        self._timeline_rollout = None
+        batch, metrics, generated = self._step_batch(timer) if self.is_driver else (None, {}, [])
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        update_begin = time.perf_counter()
         with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
             if tensors is None:
                 metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
             else:
                 metrics.update(self.update(tensors, timer))
                 metrics["train/tokens"] = float(tensors["response_mask"].sum())
+        update_end = time.perf_counter()
         self.step += 1
+        if self.is_driver and self.overlap:
+            with timer.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
+                self._pending = self._background.join()
+            generated += [self._pending] if self._pending is not None else []
         self.sync_weights(timer)
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
         if self.is_driver:
@@ -595,6 +694,8 @@ class ArmorTrainer:
         metrics.update(timer.times)
         elapsed = time.perf_counter() - started
         metrics["time/step"] = elapsed
+        if self.is_driver:
+            metrics.update(self._timing(timer, elapsed, generated, (update_begin, update_end)))
         metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
         metrics.update(
             throughput_metrics(
@@ -608,6 +709,21 @@ class ArmorTrainer:
             )
         )
         return metrics, saved
+
+    def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:
+        """Driver: the step's idle fractions and overlap savings (`trainer.overlap.timing_metrics`)
+        and its timeline: when this step's batch was generated and when it trained, in seconds
+        since the run started (``timeline/*``, drawn by ``armor-plot``)."""
+        times = timer.times
+        busy = sum(times.get(f"time/{p}", 0.0) for p in ("logprobs", "values", "update"))
+        generation = sum(p.generation_s for p in generated)
+        out = timing_metrics(elapsed, busy, generation, times.get("time/rollout", 0.0))
+        source = self._timeline_rollout if self.overlap else (generated[0] if generated else None)
+        if source is not None and source.begin > 0:
+            out["timeline/rollout_begin"] = source.begin - self._clock
+            out["timeline/rollout_end"] = source.end - self._clock
+        out["timeline/update_begin"], out["timeline/update_end"] = (t - self._clock for t in update)
+        return out
 
     @collective
     def _evaluate_start(self, logger: MetricsLogger | None) -> dict:

@@ -16,6 +16,7 @@ import os
 
 import torch.distributed as dist
 
+from armor_megatron.algo import needs_critic
 from armor_megatron.config.identity import check_run_identity, write_run_record
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
@@ -91,7 +92,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         init_weights=False,  # every model's weights are loaded below (checkpoint or initial weights)
     )
     critic = None
-    if cfg.algorithm.estimator == "gae":
+    if needs_critic(cfg.algorithm.estimator):
         from armor_megatron.megatron.critic import MegatronCritic
 
         critic = MegatronCritic(

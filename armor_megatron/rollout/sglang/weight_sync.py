@@ -19,6 +19,13 @@ Modes (``WeightSyncConfig.mode``):
     Write an HF checkpoint (safetensors + config.json, atomically) to ``disk_dir`` on a file
     system the engines see, then ``/update_weights_from_disk``.
 
+Every mode is a :class:`WeightSync` subclass registered in ``WEIGHT_SYNC_MODES``
+(``@register_weight_sync_mode("name")``); ``WeightSyncConfig`` refuses an unregistered name in one
+line listing the registered ones, asks the mode's :meth:`WeightSync.check_config` for what it
+needs, and :func:`make_weight_sync` builds the registered class. The registry lives with the run
+config (``config.schema``), which declares the built-in names it must accept before this module
+is imported; a mode registered by code imported before the config loads needs no declaration.
+
 Only the last request of an update carries ``weight_version``, so an engine reports the new
 version only once all weights are in; afterwards every engine's reported version is read
 back and must equal the one pushed (:class:`WeightUpdateError` otherwise).
@@ -60,6 +67,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from armor_megatron.config.schema import WEIGHT_SYNC_MODES
 from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
 from armor_megatron.rollout.hf_checkpoint import SAFETENSORS_INDEX, _replace_dir, write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
@@ -67,7 +75,7 @@ from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 
 logger = logging.getLogger(__name__)
 
-SYNC_MODES = ("tensor", "distributed", "disk")
+register_weight_sync_mode = WEIGHT_SYNC_MODES.register
 
 
 @dataclasses.dataclass
@@ -89,12 +97,7 @@ class WeightSyncConfig:
     timeout: float = 600.0
 
     def __post_init__(self):
-        if self.mode not in SYNC_MODES:
-            raise ValueError(f"weight sync mode must be one of {SYNC_MODES}, got {self.mode!r}")
-        if self.mode == "disk" and not self.disk_dir:
-            raise ValueError("weight sync mode 'disk' needs disk_dir")
-        if self.mode == "disk" and self.hf_config is None:
-            raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
+        WEIGHT_SYNC_MODES.definition(self.mode).check_config(self)
 
 
 def _on_all(clients: Sequence[SGLangClient], fn) -> list:
@@ -121,7 +124,11 @@ def _post(client: SGLangClient, path: str, body: dict, timeout: float) -> Any:
 
 
 class WeightSync(abc.ABC):
-    """Base: sessions and version checks shared by the three modes."""
+    """Base: sessions and version checks shared by the modes."""
+
+    @classmethod
+    def check_config(cls, config: WeightSyncConfig) -> None:
+        """Raise ValueError (one line) when ``config`` lacks what this mode needs."""
 
     def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig):
         if not clients:
@@ -277,6 +284,7 @@ def _post_tensor_bucket(
     _on_all(clients, send)  # the tensors stay alive until every engine has answered
 
 
+@register_weight_sync_mode("tensor")
 class TensorWeightSync(WeightSync):
     def push(self, named_tensors, version):
         cfg = self.config
@@ -365,7 +373,15 @@ class _TensorSink(ShardSink):
         return {"tensors": self.sent + len(self.pending or ())}
 
 
+@register_weight_sync_mode("disk")
 class DiskWeightSync(WeightSync):
+    @classmethod
+    def check_config(cls, config):
+        if not config.disk_dir:
+            raise ValueError("weight sync mode 'disk' needs disk_dir")
+        if config.hf_config is None:
+            raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
+
     def push(self, named_tensors, version):
         path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
         self.load_from_disk(path, version)
@@ -435,6 +451,7 @@ class _DiskSink(ShardSink):
         return {"files": self.files, "bytes": self.bytes}
 
 
+@register_weight_sync_mode("distributed")
 class DistributedWeightSync(WeightSync):
     """Broadcast over groups of 1 + Σ tp_size ranks, the broadcaster being rank 0.
 
@@ -574,6 +591,5 @@ class DistributedWeightSync(WeightSync):
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
-    return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](
-        clients, config
-    )
+    """The registered mode ``config.mode`` over ``clients``."""
+    return WEIGHT_SYNC_MODES.call(config.mode, clients, config)
