@@ -10,7 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "armor_megatron"
 
-# Lowest first: a subpackage may import the root module and the subpackages listed before it.
+# Lowest first: a subpackage may import the root's modules and the subpackages listed before it.
 LAYERS = (
     "models",  # ModelArch from HF configs
     "data",  # RolloutBatch, prompt datasets
@@ -64,8 +64,10 @@ def import_graph() -> dict[str, set[str]]:
 
 
 def subpackage(module: str) -> str | None:
+    """The subpackage holding `module`; None for the root (the package's __init__ and its
+    top-level modules, such as ``armor_megatron.registry``)."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else None
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else None
 
 
 def test_every_subpackage_has_a_layer():
@@ -85,6 +87,17 @@ def test_subpackages_import_only_downward():
         and rank[subpackage(dst)] > rank[subpackage(src)]
     ]
     assert not upward, "imports against the layering (see LAYERS):\n" + "\n".join(sorted(upward))
+
+
+def test_root_modules_import_no_subpackage():
+    """Every layer may import the root's modules, so they import nothing above them."""
+    upward = [
+        f"{src} -> {dst}"
+        for src, targets in import_graph().items()
+        for dst in targets
+        if subpackage(src) is None and subpackage(dst) is not None and src != "armor_megatron"
+    ]
+    assert not upward, "root modules importing subpackages:\n" + "\n".join(sorted(upward))
 
 
 def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:

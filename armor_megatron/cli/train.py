@@ -4,7 +4,10 @@
 its type, default, accepted values and meaning; a config error names its key the same way.
 
 ``--plan`` prints the memory of one GPU per pipeline stage and per phase of a step
-(``launch.memory``) and exits 2 with one line when the layout does not fit ``launch.gpu_memory_gib``.
+(``launch.memory``) and exits 2 with one line when the layout does not fit ``launch.gpu_memory_gib``;
+with launched SGLang engines it then prints the step-time model of ``launch.step_time``: generation,
+training and weight-sync seconds, the step with ``rollout.overlap`` off and one_step, and the
+engine/trainer GPU split that balances them.
 ``--check`` refuses such a layout too (GPU runs whose architecture is known), unless ``--no-plan``.
 
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
@@ -56,7 +59,8 @@ def build_parser() -> OneLineArgumentParser:
     parser.add_argument(
         "--plan",
         action="store_true",
-        help="print the device memory per GPU of the layout and exit; exit 2 when it does not fit launch.gpu_memory_gib",
+        help="print the device memory per GPU of the layout and the step-time model (off vs one_step, the suggested "
+        "engine/trainer split), and exit; exit 2 when it does not fit launch.gpu_memory_gib",
     )
     parser.add_argument(
         "--no-plan",
@@ -152,12 +156,16 @@ def plan(cfg) -> int:
     """``--plan``: the memory table of `launch.memory`; one line and exit 2 when a GPU overflows."""
     from armor_megatron.config.validate import model_arch_of
     from armor_megatron.launch.memory import plan_memory
+    from armor_megatron.launch.step_time import plan_step_time
 
     arch = model_arch_of(cfg)
     if arch is None:
         return fail(PROG, "plan: no model architecture (set model.arch or a model.path with config.json)")
     memory = plan_memory(cfg, arch)
     print(memory.table())
+    steps = plan_step_time(cfg, arch)
+    if steps is not None:
+        print("\n" + steps.table())
     problem = memory.problem()
     return EXIT_OK if problem is None else fail(PROG, f"plan: {problem}")
 

@@ -538,6 +538,42 @@ class LoggingConfig:
 
 
 @dataclasses.dataclass
+class StepTimeConfig:
+    """The figures of ``--plan``'s step-time model (``armor_megatron.launch.step_time``): how fast the
+    engines decode, how well the trainer uses its GPUs, how fast weights reach the engines. Planning
+    figures only: nothing at run time reads them."""
+
+    decode_tokens_per_s_per_gpu: float | None = checked(
+        None,
+        check=positive,
+        help="tokens one engine GPU generates per second at a full batch; null: 4000 x 7.50e9 / (weights a token "
+        "goes through), SGLang's published offline output throughput of Llama-3-8B in bf16 on one A100-80GB "
+        "(about 4000 tokens/s: https://lmsys.org/blog/2024-07-25-sglang-llama3/) scaled by active weights; H100s "
+        "decode faster: set it from a run, (rollout/generated_tokens + anchor/generated_tokens) / time/rollout / "
+        "engine GPUs",
+    )
+    mfu: float = checked(
+        0.35,
+        check=in_range(0, 1, lo_open=True),
+        help="model FLOPs utilisation of the trainer's log-prob and update passes (what a run logs as perf/mfu); "
+        "0.35 = Megatron-Core's published 47% on H100 x 3/4 for full recompute's extra forward",
+    )
+    sync_gb_per_s: float | None = checked(
+        None,
+        check=positive,
+        help="GB/s at which the trained weights reach the engines; null: by rollout.sglang.weight_sync, tensor 100 "
+        "(NVLink within a node), distributed 25 (NCCL broadcast over a 400 Gb/s NIC), disk 2 (shared file "
+        "system write + read): assumptions, not measurements",
+    )
+    response_len_fraction: float = checked(
+        1.0,
+        check=in_range(0, 1, lo_open=True),
+        help="mean response length / rollout.max_response_len; 1: the worst case, every response at the limit "
+        "(a run's rollout/response_len over max_response_len plans from measured lengths)",
+    )
+
+
+@dataclasses.dataclass
 class LaunchConfig:
     """The job's resources: SLURM nodes, GPUs and the device facts ``--plan`` uses."""
 
@@ -565,6 +601,10 @@ class LaunchConfig:
         help="the fabric's network interface (e.g. ib0; NCCL's forms such as ^docker,lo too) for a multi-node job: "
         "the SLURM plan exports it as NCCL_SOCKET_IFNAME and GLOO_SOCKET_IFNAME to the trainer and the engines, so "
         "training collectives and the weight sync's broadcasts use it",
+    )
+    step_time: StepTimeConfig = checked(
+        factory=StepTimeConfig,
+        help="figures of the step-time model that `armor-train --plan` prints (generation, training, weight sync)",
     )
 
 

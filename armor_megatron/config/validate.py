@@ -9,6 +9,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
+from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
 
 
@@ -25,6 +26,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_engines(cfg)
     _check_throughput(cfg)
     _check_moe(cfg)
+    _check_step_time(cfg)
     _check_user_code(cfg)
 
 
@@ -399,8 +401,9 @@ def _check_throughput(cfg: RunConfig) -> None:
             "the engines, reference reset, checkpoints) before the deferred all-gather has run; use false",
         )
     arch = model_arch_of(cfg)
-    if th.apply_rope_fusion and arch is not None and arch.is_mla:
-        raise ConfigError("throughput.apply_rope_fusion", "megatron's fused MLA RoPE is training-only; use null")
+    refused = family_of(arch).megatron(arch).fused_rope_refused if arch is not None else None
+    if th.apply_rope_fusion and refused:
+        raise ConfigError("throughput.apply_rope_fusion", f"{refused}; use null")
 
 
 def _check_moe(cfg: RunConfig) -> None:
@@ -429,6 +432,16 @@ def _check_moe(cfg: RunConfig) -> None:
             raise ConfigError("moe.token_dispatcher_type", "flex needs DeepEP on GPUs, but launch.gpus_per_node=0")
         if moe.pad_expert_input_to_capacity:
             raise ConfigError("moe.pad_expert_input_to_capacity", "is not supported by the flex (DeepEP) dispatcher")
+
+
+def _check_step_time(cfg: RunConfig) -> None:
+    """``--plan``'s step-time model needs a mean response of at least one token."""
+    fraction, longest = cfg.launch.step_time.response_len_fraction, cfg.rollout.max_response_len
+    if fraction * longest < 1:
+        raise ConfigError(
+            "launch.step_time.response_len_fraction",
+            f"{fraction:g} x rollout.max_response_len {longest} is under one token per response",
+        )
 
 
 ALL_INTERFACES = ("0.0.0.0", "::", "")

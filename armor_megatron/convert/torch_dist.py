@@ -40,18 +40,6 @@ from armor_megatron.convert.rules import TensorRule, tensor_rules
 from armor_megatron.convert.segments import FileSegment, HoleFillingWriter
 from armor_megatron.models import ModelArch
 
-_LINEAR_MODULES = (
-    "linear_qkv.weight",
-    "linear_proj.weight",
-    "linear_fc1.weight",
-    "linear_fc2.weight",
-    # multi-latent attention (DeepSeek)
-    "linear_q_proj.weight",
-    "linear_q_down_proj.weight",
-    "linear_q_up_proj.weight",
-    "linear_kv_down_proj.weight",
-    "linear_kv_up_proj.weight",
-)
 # megatron.core.dist_checkpointing.core.CheckpointingConfig, as metadata.json
 MEGATRON_CONFIG = {
     "sharded_backend": "torch_dist",
@@ -94,7 +82,7 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
     count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none."""
     keys = []
     for rule in tensor_rules(arch):
-        if rule.ckpt_key.startswith("decoder.layers.") and rule.ckpt_key.endswith(_LINEAR_MODULES):
+        if rule.ckpt_key.startswith("decoder.layers.") and _is_linear_weight(rule.ckpt_key):
             key = rule.ckpt_key.removesuffix("weight") + "_extra_state"
             if rule.per_layer:
                 shape = (arch.num_layers, arch.num_experts) if rule.per_expert else (arch.num_layers,)
@@ -104,6 +92,14 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
                 offset = tuple(i for i in (layer, expert) if i is not None) or (0,)
                 keys.append(f"{key}/shard_{'.'.join(map(str, offset))}_{'.'.join(map(str, shape))}")
     return keys
+
+
+def _is_linear_weight(ckpt_key: str) -> bool:
+    """Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
+    ``linear_*`` (linear_qkv, linear_proj, linear_fc1/fc2, MLA's linear_q/kv_*_proj); routers,
+    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``."""
+    *_, module, leaf = ckpt_key.split(".")
+    return leaf == "weight" and module.startswith("linear_")
 
 
 # ---------------------------------------------------------------------- writing

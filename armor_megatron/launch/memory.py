@@ -19,8 +19,8 @@ taken at its worst, full-length rows: floor(B / s) rows per micro-batch.
 **Parameters** of a stage (``params_per_gpu``): its L/p layers (the first stage also the
 embedding [V_p/t, h], the last the output layer [V_p/t, h], also when tied and p > 1) with
 attention h·(q + 2kv) + q·h (+ q + 2kv qkv bias), dense MLP 3·h·f, MoE router E·h + experts
-E·3·h·fe + shared 3·h·fs, MLA per `ModelArch`'s shapes; matrices split over t (experts over
-ep·etp), norms replicated.
+E·3·h·fe + shared 3·h·fs, MLA per `ModelArch`'s shapes (counted from the family's declared
+tensors, `models.family`); matrices split over t (experts over ep·etp), norms replicated.
 
 **Bytes per parameter** (megatron DDP keeps fp32 gradient buffers, ``grad_reduce_in_fp32``):
 weights e, gradients 4, optimizer: Adam's two fp32 moments 8, plus an fp32 master copy 4 when
@@ -119,6 +119,7 @@ from armor_megatron.launch.device_ledger import (
     replay_disaggregated_step,
 )
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.family import layer_rules
 
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # one process's CUDA context + cuBLAS workspace + NCCL buffers (allowance)
@@ -142,25 +143,18 @@ TRAINER_TERMS = ("weights", "gradients", "optimizer", "reference", "critic")
 
 # ----------------------------------------------------------------------------- parameters
 def layer_params(arch: ModelArch, layer: int) -> tuple[int, int, int]:
-    """(tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`."""
-    h, d, nq, nkv = arch.hidden_size, arch.head_dim, arch.num_attention_heads, arch.num_key_value_heads
-    if arch.is_mla:
-        dv, rope = arch.v_head_dim, arch.qk_rope_head_dim
-        q = h * nq * d if not arch.q_lora_rank else arch.q_lora_rank * h + nq * d * arch.q_lora_rank
-        kv = (arch.kv_lora_rank + rope) * h + nq * (arch.qk_nope_head_dim + dv) * arch.kv_lora_rank
-        split, replicated = q + kv + h * nq * dv, 2 * h + arch.kv_lora_rank + arch.q_lora_rank
-    else:
-        split = h * (nq + 2 * nkv) * d + nq * d * h + (nq + 2 * nkv) * d * arch.qkv_bias
-        replicated = 2 * h + 2 * d * arch.qk_norm
-    expert = 0
-    if arch.is_moe_layer(layer):
-        replicated += arch.num_experts * h
-        expert = arch.num_experts * 3 * h * arch.moe_ffn_hidden_size
-        fs = arch.moe_shared_expert_ffn_hidden_size
-        split += 3 * h * fs
-        replicated += h * arch.moe_shared_expert_gate
-    else:
-        split += 3 * h * arch.ffn_hidden_size
+    """(tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`, from its
+    family's declared tensors (buffers, such as a router's selection bias, are not parameters)."""
+    split = replicated = expert = 0
+    for rule in layer_rules(arch, layer):
+        if rule.buffer:
+            continue
+        if rule.per_expert:
+            expert += rule.numel * arch.num_experts
+        elif rule.tp == "replicated":
+            replicated += rule.numel
+        else:
+            split += rule.numel
     return split, replicated, expert
 
 
@@ -205,12 +199,10 @@ def layer_bytes_per_token(arch: ModelArch, layer: int, *, spec: str, dtype_bytes
     """Bytes one decoder layer keeps for backward per token (module docstring), undivided by tp."""
     e, h = dtype_bytes, arch.hidden_size
     nq, nkv, d = arch.num_attention_heads, arch.num_key_value_heads, arch.head_dim
-    q, kv = nq * d, nkv * d
-    if arch.is_mla:  # per-head widths; the latents (kv_lora_rank + rope, q_lora_rank) are kept too
-        kv, v_out = q, nq * arch.v_head_dim
-        latent = arch.kv_lora_rank + arch.qk_rope_head_dim + arch.q_lora_rank
-    else:
-        v_out, latent = q, 0
+    # per-head widths (MLA: as many kv heads as q heads, values of their own width); the latents
+    # (kv_lora_rank + its rope key, q_lora_rank) are kept too, where the family has them
+    q, kv, v_out = nq * d, nkv * d, nq * arch.value_head_dim
+    latent = arch.kv_lora_rank + arch.qk_rope_head_dim + arch.q_lora_rank
     local = spec == "local"
     if local:  # torch RMSNorm keeps fp32 copies of its input and normalised input, whatever e
         norms = 8 * (h + (q + kv if arch.qk_norm else 0)) / e

@@ -54,7 +54,10 @@ decoder.final_layernorm.weight                              [h]                 
 output_layer.weight                                         [V_pad, h]           lm_head.weight (untied only)
 ==========================================================  ===================  ==========================
 
-DeepSeek (MLA, see `convert.rules`): ``decoder.layers.input_layernorm.weight``, ``self_attention.
+What differs per family is what its module declares (`models.family.MegatronSpec`: config class
+and fields, layer-spec switches, the local spec's core attention and norm keys, where RoPE
+scaling is applied); nothing here asks a family's name.
+DeepSeek (MLA, see `models.families.deepseek`): ``decoder.layers.input_layernorm.weight``, ``self_attention.
 linear_q_proj`` (or ``linear_q_down_proj`` + ``linear_q_up_proj.layer_norm_weight`` + ``linear_q_up_proj``),
 ``linear_kv_down_proj``, ``linear_kv_up_proj.layer_norm_weight``, ``linear_kv_up_proj``, ``linear_proj``;
 the local spec's core attention is `local_mla_attention.LocalMLACoreAttention` (q/k and v head
@@ -85,6 +88,7 @@ import torch.nn.functional as F
 
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings, Throughput
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -187,6 +191,8 @@ def transformer_config_from_arch(
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+    config_classes = {"TransformerConfig": TransformerConfig, "MLATransformerConfig": MLATransformerConfig}
+    declared = family_of(arch).megatron(arch)
     dtype = resolve_dtype(dtype)
     throughput = throughput or Throughput()
     set_compile_stance(throughput.torch_compile)
@@ -274,41 +280,9 @@ def transformer_config_from_arch(
             kwargs["moe_layer_freq"] = [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)]
     if use_te and arch.sliding_window:  # the local spec's attention has no window (exact up to it)
         kwargs["window_size"] = (arch.sliding_window - 1, 0)
-    if arch.is_mla:
-        kwargs.update(_mla_kwargs(arch))
-        kwargs.update(overrides)
-        return MLATransformerConfig(**kwargs)
+    kwargs.update(declared.config_fields)
     kwargs.update(overrides)
-    return TransformerConfig(**kwargs)
-
-
-def _mla_kwargs(arch: ModelArch) -> dict:
-    """MLA fields of megatron's ``MLATransformerConfig``: LoRA ranks, head dims, RoPE or YaRN
-    (YaRN with the HF config's factor, context, β and mscale values; megatron applies them as
-    HF does: scaled inverse frequencies, cos/sin times mscale(factor, mscale)/mscale(factor,
-    mscale_all_dim), and softmax scale mscale(factor, mscale_all_dim)² / √(d_nope + d_rope))."""
-    s = arch.rope_scaling or {}
-    out = dict(
-        multi_latent_attention=True,
-        q_lora_rank=arch.q_lora_rank or None,
-        kv_lora_rank=arch.kv_lora_rank,
-        qk_head_dim=arch.qk_nope_head_dim,
-        qk_pos_emb_head_dim=arch.qk_rope_head_dim,
-        v_head_dim=arch.v_head_dim,
-        qk_layernorm=True,  # the q / kv LoRA norms
-        rotary_base=arch.rope_theta,
-        rope_type="yarn" if s else "rope",
-    )
-    if s:
-        out.update(
-            rotary_scaling_factor=float(s["factor"]),
-            original_max_position_embeddings=int(s.get("original_max_position_embeddings", 4096)),
-            beta_fast=float(s.get("beta_fast", 32)),
-            beta_slow=float(s.get("beta_slow", 1)),
-            mscale=float(s.get("mscale", 1.0)),
-            mscale_all_dim=float(s.get("mscale_all_dim", 0.0)),
-        )
-    return out
+    return config_classes[declared.config_class](**kwargs)
 
 
 def layer_spec(arch: ModelArch, use_te: bool, config=None, vp_stage: int | None = None):
@@ -334,39 +308,38 @@ def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool):
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = arch.num_experts if moe else None
-    qk_norm = arch.qk_norm or arch.is_mla  # MLA: the q / kv LoRA norms
+    declared = family_of(arch).megatron(arch)
+    switches = dict(qk_layernorm=declared.qk_layernorm, multi_latent_attention=declared.multi_latent_attention)
     if use_te:
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
-            num_experts=experts, moe_grouped_gemm=moe, qk_layernorm=qk_norm, multi_latent_attention=arch.is_mla
+            num_experts=experts, moe_grouped_gemm=moe, **switches
         )
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
-        num_experts=experts,
-        moe_grouped_gemm=False,
-        qk_layernorm=qk_norm,
-        multi_latent_attention=arch.is_mla,
-        normalization="RMSNorm",
+        num_experts=experts, moe_grouped_gemm=False, normalization="RMSNorm", **switches
     )
+    # the local DotProductAttention refuses packed (THD) micro-batches and takes no separate q/k
+    # and v head sizes
+    spec.submodules.self_attention.submodules.core_attention = _local_core_attention(declared.local_core_attention)
     # Keep every norm under the TE spec's key (see module docstring): the MoE pre-MLP norm is not
-    # fused in TE; the MLA q / kv norms are fused into the up projections.
-    keys_map = dict(spec.submodules.sharded_state_dict_keys_map)
-    if not arch.is_mla:  # the local DotProductAttention refuses packed (THD) micro-batches
-        from armor_megatron.megatron.packed_attention import PackedDotProductAttention
-
-        spec.submodules.self_attention.submodules.core_attention = PackedDotProductAttention
-    if arch.is_mla:
-        from armor_megatron.megatron.local_mla_attention import LocalMLACoreAttention
-
-        # the local DotProductAttention takes no separate q/k and v head sizes
-        spec.submodules.self_attention.submodules.core_attention = LocalMLACoreAttention
-        keys_map = {
-            "self_attention.q_layernorm.": "self_attention.linear_q_up_proj.layer_norm_",
-            "self_attention.kv_layernorm.": "self_attention.linear_kv_up_proj.layer_norm_",
-            "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
-        }
+    # fused in TE; a family may map others (MLA: its q / kv norms, fused into the up projections).
+    keys_map = dict(
+        spec.submodules.sharded_state_dict_keys_map if declared.local_keys_map is None else declared.local_keys_map
+    )
     if moe:
         keys_map.pop("pre_mlp_layernorm.", None)
     spec.submodules.sharded_state_dict_keys_map = keys_map
     return spec
+
+
+def _local_core_attention(name: str):
+    """The local spec's core attention class a family names (`MegatronSpec.local_core_attention`)."""
+    if name == "mla":
+        from armor_megatron.megatron.local_mla_attention import LocalMLACoreAttention
+
+        return LocalMLACoreAttention
+    from armor_megatron.megatron.packed_attention import PackedDotProductAttention
+
+    return PackedDotProductAttention
 
 
 def build_gpt_model(
@@ -393,7 +366,8 @@ def build_gpt_model(
     use_te = te_available() if use_te is None else use_te
     if config is None:
         config = transformer_config_from_arch(arch, parallel, dtype=dtype, use_te=use_te, **config_kwargs)
-    scaling = {} if arch.is_mla else arch.rope_scaling or {}  # MLA: YaRN lives in the config
+    # the model applies Llama-3 scaling; a family may carry its scaling in the config (MLA's YaRN)
+    scaling = (arch.rope_scaling or {}) if family_of(arch).megatron(arch).rope_scaling_in_model else {}
     model = GPTModel(
         config=config,
         transformer_layer_spec=layer_spec(arch, use_te, config, vp_stage),

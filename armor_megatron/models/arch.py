@@ -5,7 +5,9 @@ holds exactly the facts that decide tensor names and shapes. It imports nothing 
 the converter, the Megatron builder (``armor_megatron.megatron``) and the rollout engines
 can all depend on it.
 
-Supported families (``ModelArch.family``):
+Each family is one module of `models/families/` registered in `FAMILIES` (see
+`models.family.Family`); `ModelArch.from_hf_config` reads the fields every family shares and
+asks the family for the rest. The families (``ModelArch.family``):
 
 ==========  ===============================  ==========================================
 family      HF ``model_type``                what differs
@@ -23,15 +25,7 @@ deepseek    deepseek_v2, deepseek_v3         multi-head latent attention (MLA), 
                                              routed + shared experts
 ==========  ===============================  ==========================================
 
-DeepSeek MLA (per token, n heads): q = q_b(norm(q_a(x))) (or q_proj(x) without a q LoRA rank)
-gives n·(d_nope + d_rope); kv_a(x) gives [c_kv (kv_lora_rank) | k_rope (d_rope, shared by all
-heads)]; kv_b(norm(c_kv)) gives n·(d_nope + d_v). Routing: V2 softmax over all experts then
-top-k (group-limited only where the group score is the group's best expert), V3 sigmoid + a
-selection bias, groups scored by their top-2 experts, top-k renormalised; both scaled by
-``routed_scaling_factor``. V3's multi-token-prediction layers (``model.layers.{n}``, n ≥
-``num_hidden_layers``; ``mtp_layers`` of them) are not part of the model here: the converter skips
-them with a notice. The rope dims of q and k are interleaved (megatron's MLA reads them so; a V3
-config with ``rope_interleave: false`` is refused).
+DeepSeek's MLA and routing are described in `models.families.deepseek`.
 """
 
 from __future__ import annotations
@@ -42,24 +36,10 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-SUPPORTED_FAMILIES = ("llama", "qwen2", "qwen3", "qwen3_moe", "mixtral", "mistral", "qwen2_moe", "deepseek")
-_MODEL_TYPE_TO_FAMILY = {
-    **{f: f for f in SUPPORTED_FAMILIES},
-    "deepseek_v2": "deepseek",
-    "deepseek_v3": "deepseek",
-}
+from armor_megatron.registry import Registry
 
-_ARCHITECTURE_TO_FAMILY = {
-    "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "MistralForCausalLM": "mistral",
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "DeepseekV2ForCausalLM": "deepseek",
-    "DeepseekV3ForCausalLM": "deepseek",
-}
+# name -> family class (`models.family.Family`); each module of `models.families` registers one
+FAMILIES = Registry("model family")
 
 
 class UnsupportedModelError(ValueError):
@@ -139,9 +119,14 @@ class ModelArch:
         return self.head_dim - self.qk_rope_head_dim
 
     @property
+    def value_head_dim(self) -> int:
+        """Width of one head's values: ``v_head_dim`` where the family sets one (MLA), else head_dim."""
+        return self.v_head_dim or self.head_dim
+
+    @property
     def attention_out_dim(self) -> int:
-        """Input size of o_proj: nq · (d_v under MLA, else head_dim)."""
-        return self.num_attention_heads * (self.v_head_dim if self.is_mla else self.head_dim)
+        """Input size of o_proj: nq · d_v."""
+        return self.num_attention_heads * self.value_head_dim
 
     @property
     def homogeneous_layers(self) -> bool:
@@ -173,61 +158,34 @@ class ModelArch:
     # ------------------------------------------------------------------ HF config I/O
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelArch:
-        """Build from a parsed HF ``config.json``; raises UnsupportedModelError."""
-        family = _family_of(cfg)
+        """Build from a parsed HF ``config.json``: the fields every family shares, then those its
+        family reads (`models.family.Family.hf_fields`); raises UnsupportedModelError."""
+        name = _family_of(cfg)
+        family = FAMILIES.entry(name).fn()
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
-        head_dim = cfg.get("head_dim") or hidden // heads
-        rope_theta, rope_scaling = _rope_of(cfg, family)
+        rope_theta, rope_scaling = _rope_of(cfg, name, family.rope_scaling_types)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
-        moe: dict[str, Any] = {}
-        if family in ("qwen3_moe", "mixtral", "qwen2_moe"):
-            if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
-                raise UnsupportedModelError(
-                    f"{family} with dense layers (mlp_only_layers / decoder_sparse_step) is not supported"
-                )
-            experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-            moe = dict(
-                num_experts=int(experts),
-                moe_router_topk=int(cfg["num_experts_per_tok"]),
-                moe_ffn_hidden_size=int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
-                # Mixtral always renormalises its top-k weights.
-                moe_norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if family != "mixtral" else True,
-            )
-            if family == "qwen2_moe" and int(cfg.get("shared_expert_intermediate_size") or 0):
-                moe.update(
-                    moe_shared_expert_ffn_hidden_size=int(cfg["shared_expert_intermediate_size"]),
-                    moe_shared_expert_gate=True,
-                )
-        extra: dict[str, Any] = {}
-        if family == "deepseek":
-            extra, moe = _deepseek_of(cfg)
-            head_dim = extra["qk_rope_head_dim"] + int(cfg["qk_nope_head_dim"])
-        if family in ("mistral", "qwen2", "qwen2_moe") and _sliding_window_of(cfg):
-            extra["sliding_window"] = _sliding_window_of(cfg)
-        return cls(
-            family=family,
+        fields: dict[str, Any] = dict(
             vocab_size=int(cfg["vocab_size"]),
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=heads if family == "deepseek" else int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
             ffn_hidden_size=int(cfg["intermediate_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=(family == "qwen2" or bool(cfg.get("attention_bias", False)))
-            or (family == "qwen2_moe" and bool(cfg.get("qkv_bias", True))),
-            qk_norm=family in ("qwen3", "qwen3_moe"),
+            qkv_bias=bool(cfg.get("attention_bias", False)),
             hidden_act="silu",
             dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
-            **moe,
-            **extra,
         )
+        fields.update(family.hf_fields(cfg))
+        return cls(family=name, **fields)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> ModelArch:
@@ -262,96 +220,30 @@ def load_hf_config(path: str) -> dict:
 
 
 def _family_of(cfg: Mapping[str, Any]) -> str:
+    """The registered family reading ``cfg``: by ``model_type``, else by ``architectures``."""
     model_type = cfg.get("model_type")
-    if model_type in _MODEL_TYPE_TO_FAMILY:
-        return _MODEL_TYPE_TO_FAMILY[model_type]
+    for name in FAMILIES:
+        if model_type in FAMILIES[name].model_types:
+            return name
     for arch in cfg.get("architectures") or ():
-        if arch in _ARCHITECTURE_TO_FAMILY:
-            return _ARCHITECTURE_TO_FAMILY[arch]
-    name = model_type or (cfg.get("architectures") or ["<none>"])[0]
-    raise UnsupportedModelError(
-        f"unsupported architecture {name!r}; supported families: {', '.join(SUPPORTED_FAMILIES)}"
-    )
+        for name in FAMILIES:
+            if arch in FAMILIES[name].architectures:
+                return name
+    shown = model_type or (cfg.get("architectures") or ["<none>"])[0]
+    raise UnsupportedModelError(f"unsupported architecture {shown!r}; supported families: {', '.join(FAMILIES)}")
 
 
-def _sliding_window_of(cfg: Mapping[str, Any]) -> int | None:
-    """The attention window of Mistral (``sliding_window``) or Qwen2 (only with ``use_sliding_window``)."""
-    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
-        return None
-    return int(cfg["sliding_window"]) if cfg.get("sliding_window") else None
-
-
-def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict, dict]:
-    """(MLA fields, MoE fields) of a DeepSeek-V2/V3 config; refuses routings megatron-core cannot match."""
-    v3 = cfg.get("model_type") == "deepseek_v3" or "DeepseekV3ForCausalLM" in (cfg.get("architectures") or ())
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise UnsupportedModelError("deepseek with attention_bias / mlp_bias is not supported")
-    mla = dict(
-        q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-        kv_lora_rank=int(cfg["kv_lora_rank"]),
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
-        v_head_dim=int(cfg["v_head_dim"]),
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
-    )
-    experts = int(cfg.get("n_routed_experts") or 0)
-    if not experts:
-        return mla, {}
-    topk, groups = int(cfg["num_experts_per_tok"]), int(cfg.get("n_group") or 1)
-    group_topk = int(cfg.get("topk_group") or groups)
-    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
-    norm = bool(cfg.get("norm_topk_prob", v3))
-    if v3 and cfg.get("rope_interleave", True) is False:
-        raise UnsupportedModelError(
-            "deepseek_v3 with rope_interleave false is not supported (megatron's MLA takes the rope dims interleaved)"
-        )
-    if v3:  # sigmoid scores + selection bias; groups ranked by the sum of their top-2 scores
-        if method != "noaux_tc" or not norm:
-            raise UnsupportedModelError("deepseek_v3 needs topk_method 'noaux_tc' with norm_topk_prob")
-        if groups > 1 and topk // group_topk != 2:
-            raise UnsupportedModelError(
-                f"deepseek_v3 groups are ranked by their top-2 experts; megatron-core ranks them by their top "
-                f"num_experts_per_tok // topk_group = {topk // group_topk}"
-            )
-    else:  # softmax over all experts, top-k not renormalised; groups ranked by their best expert
-        if norm:
-            raise UnsupportedModelError("deepseek_v2 with norm_topk_prob is not supported")
-        if method == "greedy":
-            groups = group_topk = 1
-        elif method != "group_limited_greedy" or (groups > 1 and topk // group_topk != 1):
-            raise UnsupportedModelError(
-                f"deepseek_v2 topk_method {method!r} with num_experts_per_tok // topk_group != 1 is not supported "
-                "(megatron-core ranks groups by the sum of their top num_experts_per_tok // topk_group experts)"
-            )
-    shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
-    moe = dict(
-        num_experts=experts,
-        moe_router_topk=topk,
-        moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
-        moe_norm_topk_prob=norm,
-        moe_shared_expert_ffn_hidden_size=shared,
-        moe_first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
-        moe_router_score_function="sigmoid" if v3 else "softmax",
-        moe_router_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        moe_router_num_groups=groups if groups > 1 else 0,
-        moe_router_group_topk=group_topk if groups > 1 else 0,
-        moe_router_expert_bias=v3,
-    )
-    if moe["moe_first_dense_layers"] >= int(cfg["num_hidden_layers"]):
-        moe = {}  # every layer dense: no expert tensors at all
-    return mla, moe
-
-
-def _rope_of(cfg: Mapping[str, Any], family: str = "llama") -> tuple[float, dict | None]:
-    """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys.
-    Llama-3 scaling for any family, YaRN for DeepSeek."""
+def _rope_of(cfg: Mapping[str, Any], family: str, scalings: tuple[str, ...]) -> tuple[float, dict | None]:
+    """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys;
+    a scaling the family does not take (`scalings`) is refused."""
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = dict(cfg.get("rope_scaling") or params or {})
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         return theta, None
-    if rope_type == "yarn" and family == "deepseek":
-        return theta, scaling
-    if rope_type != "llama3":
-        raise UnsupportedModelError(f"rope scaling {rope_type!r} is not supported (only llama3, yarn for deepseek)")
+    if rope_type not in scalings:
+        raise UnsupportedModelError(
+            f"rope scaling {rope_type!r} is not supported for {family} (only {', '.join(scalings) or 'none'})"
+        )
     return theta, scaling

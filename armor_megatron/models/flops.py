@@ -7,6 +7,8 @@ k router top-k, fe / fs routed / shared expert width.
 
     F(s) = 6 · (Σ_layers (attention weights + mlp weights) + h·V) + 6 · L · keys(s) · nq · (d_qk + d_v)
 
+The weights are those of the family's declared tensors (`models.family`); for the families here:
+
 Attention weights per layer:
     GQA   q, k, v projections h·(nq + 2·nkv)·d, output projection nq·d·h
     MLA   (DeepSeek; d_qk = d_nope + d_rope = head_dim, c_kv = kv_lora_rank, c_q = q_lora_rank)
@@ -28,30 +30,32 @@ costs s · F(s); MFU = achieved FLOP/s / peak FLOP/s of the GPUs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from collections.abc import Iterable
 
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.family import family_of
+from armor_megatron.models.tensors import TensorRule
+
+
+def matmul_weights(rules: Iterable[TensorRule], routed: int = 1) -> int:
+    """Weights of the matrices among `rules` a token goes through (vectors -- norms, biases, a
+    router's bias -- do no matmul): each expert's matrices count `routed` times (its top-k)."""
+    return sum(r.numel * (routed if r.per_expert else 1) for r in rules if len(r.shape) == 2)
 
 
 def attention_weights(arch: ModelArch) -> int:
-    """Weights of one layer's attention matmuls a token goes through (module docstring)."""
-    h, nq, d = arch.hidden_size, arch.num_attention_heads, arch.head_dim
-    if not arch.is_mla:
-        return h * (nq + 2 * arch.num_key_value_heads) * d + nq * d * h
-    c_q, c_kv, rope, dv = arch.q_lora_rank, arch.kv_lora_rank, arch.qk_rope_head_dim, arch.v_head_dim
-    q = h * c_q + c_q * nq * d if c_q else h * nq * d
-    kv = h * (c_kv + rope) + c_kv * nq * (arch.qk_nope_head_dim + dv)
-    return q + kv + nq * dv * h
+    """Weights of one layer's attention matmuls a token goes through (module docstring), read
+    from its family's attention tensors."""
+    return matmul_weights(family_of(arch).attention_rules(arch))
 
 
 def mlp_weights(arch: ModelArch, layer: int) -> int:
-    """Weights of layer `layer`'s MLP matmuls a token goes through: dense, or router + routed + shared."""
-    h = arch.hidden_size
-    if not arch.is_moe_layer(layer):
-        return 3 * h * arch.ffn_hidden_size
-    routed = arch.moe_router_topk * 3 * h * arch.moe_ffn_hidden_size
-    shared = 3 * h * arch.moe_shared_expert_ffn_hidden_size + h * arch.moe_shared_expert_gate
-    return h * arch.num_experts + routed + shared
+    """Weights of layer `layer`'s MLP matmuls a token goes through: dense, or router + routed + shared,
+    read from its family's MLP tensors."""
+    moe = arch.is_moe_layer(layer)
+    return matmul_weights(family_of(arch).mlp_rules(arch, moe), arch.moe_router_topk if moe else 1)
 
 
 def attended_keys(arch: ModelArch, seq_len: int) -> float:
@@ -64,11 +68,23 @@ def attended_keys(arch: ModelArch, seq_len: int) -> float:
 
 def train_flops_per_token(arch: ModelArch, seq_len: int) -> float:
     """F(s) of the module docstring for one token of a sequence of `seq_len` tokens."""
-    layers = range(arch.num_layers)
-    weights = sum(attention_weights(arch) + mlp_weights(arch, i) for i in layers) + arch.hidden_size * arch.vocab_size
-    d_v = arch.v_head_dim if arch.is_mla else arch.head_dim
-    scores = arch.num_layers * attended_keys(arch, seq_len) * arch.num_attention_heads * (arch.head_dim + d_v)
+    key = dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch
+    weights = _model_weights(key, type(family_of(arch)))
+    scores = (
+        arch.num_layers
+        * attended_keys(arch, seq_len)
+        * arch.num_attention_heads
+        * (arch.head_dim + arch.value_head_dim)
+    )
     return 6.0 * weights + 6.0 * scores
+
+
+@functools.cache
+def _model_weights(arch: ModelArch, family: type) -> int:
+    """Σ_layers (attention weights + mlp weights) + h·V of `arch` under `family` (the cache key:
+    a step asks for every sequence)."""
+    layers = range(arch.num_layers)
+    return sum(attention_weights(arch) + mlp_weights(arch, i) for i in layers) + arch.hidden_size * arch.vocab_size
 
 
 def train_flops(arch: ModelArch, lengths: Iterable[int]) -> float:

@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.family import family_of
 
 TOKEN_DISPATCHERS = ("alltoall", "allgather", "flex")
 LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
@@ -47,8 +48,8 @@ class Throughput:
       main_grad buffers inside the GEMM. Needs APEX's ``fused_weight_gradient_mlp_cuda`` (megatron's
       output layer refuses the fusion without it), which is built from source, not on the index.
     * ``apply_rope_fusion`` (None = on with the TE spec): Transformer Engine's RoPE kernel, shipped
-      compiled in TE. Off for MLA models (megatron's fused MLA RoPE is training-only; log-prob
-      passes run in eval).
+      compiled in TE. Off for families that declare they cannot use it (`MegatronSpec.fused_rope_refused`:
+      DeepSeek's MLA, whose fused RoPE is training-only; log-prob passes run in eval).
     * ``bias_activation_fusion`` (None = on with the TE spec): megatron's SwiGLU as one autograd
       function that keeps only its input [tokens, 2f] for backward (what `launch.memory` plans for
       the TE spec; the unfused path also keeps silu's output [tokens, f]).
@@ -98,9 +99,10 @@ class Throughput:
             if wanted and not use_te:
                 raise ValueError(f"throughput.{key} needs the Transformer Engine spec (GPU); the local spec is in use")
             fused[key] = use_te if wanted is None else wanted
-        if arch.is_mla and fused["apply_rope_fusion"]:
+        refused = family_of(arch).megatron(arch).fused_rope_refused
+        if fused["apply_rope_fusion"] and refused:
             if self.apply_rope_fusion:
-                raise ValueError("throughput.apply_rope_fusion: megatron's fused MLA RoPE is training-only")
+                raise ValueError(f"throughput.apply_rope_fusion: {refused}")
             fused["apply_rope_fusion"] = False
         return dict(
             gradient_accumulation_fusion=self.gradient_accumulation_fusion, masked_softmax_fusion=False, **fused
@@ -113,8 +115,8 @@ class MoESettings:
 
     ``aux_loss_coeff`` (megatron ``moe_aux_loss_coeff``) weights the load-balancing loss of
     ``load_balancing_type`` (``moe_router_load_balancing_type``); None = the family default:
-    ``aux_loss`` when the coefficient is > 0 (``seq_aux_loss`` for DeepSeek, whose V2/V3 balance
-    per sequence), else ``none``. DeepSeek-V3's aux-loss-free expert bias stays frozen either
+    the family's (`MegatronSpec.default_load_balancing`: ``aux_loss``, or ``seq_aux_loss`` for
+    DeepSeek, whose V2/V3 balance per sequence) when the coefficient is > 0, else ``none``. DeepSeek-V3's aux-loss-free expert bias stays frozen either
     way (see `transformer_config_from_arch`). ``token_dispatcher_type`` moves tokens to the
     experts' ranks: ``alltoall`` (exchanges only routed tokens), ``allgather`` (every rank gets
     every token of the TP×EP group; needs the same token count on each of those ranks and fixed
@@ -143,7 +145,7 @@ class MoESettings:
         if self.load_balancing_type is not None:
             return self.load_balancing_type
         if self.aux_loss_coeff > 0:
-            return "seq_aux_loss" if arch.family == "deepseek" else "aux_loss"
+            return family_of(arch).megatron(arch).default_load_balancing
         return "none"
 
     def config_kwargs(self, arch: ModelArch) -> dict:

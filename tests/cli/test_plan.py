@@ -1,4 +1,4 @@
-"""``armor-train --config F --plan``: every recipe fits, its README shows the table, a 70B at TP=1/PP=1 is refused."""
+"""``armor-train --config F --plan``: every recipe fits, its README shows the tables, a 70B at TP=1/PP=1 is refused."""
 
 import glob
 import os
@@ -20,10 +20,35 @@ RECIPES = sorted(
 @pytest.mark.parametrize("name", RECIPES)
 def test_every_recipe_fits_and_its_readme_shows_the_plan(name, capsys):
     assert main(["--config", f"configs/{name}.yaml", "--plan"]) == 0  # model files not needed
-    table = capsys.readouterr().out.strip()
+    table, steps = capsys.readouterr().out.strip().split("\n\nstep-time model: ")
     assert table.startswith("memory plan:") and table.endswith("fits launch.gpu_memory_gib 80")
+    steps = "step-time model: " + steps
+    assert "\n| layout | engine GPUs (policy + reference) | trainer GPUs | generation s | train s |" in steps
+    assert "\n| as configured" in steps and "\nbalance point (any engine count): " in steps
+    assert steps.splitlines()[-1].startswith("suggested split: ")
     with open(f"examples/{name}/README.md") as f:
-        assert table in f.read(), f"examples/{name}/README.md: memory table differs from --plan"
+        readme = f.read()
+    assert table in readme, f"examples/{name}/README.md: memory table differs from --plan"
+    assert steps in readme, f"examples/{name}/README.md: step-time model differs from --plan"
+
+
+def test_plan_prints_off_and_one_step_and_the_split_for_a_disaggregated_recipe(capsys):
+    assert main(["--config", "configs/llama3_70b_armor.yaml", "--plan"]) == 0
+    out = capsys.readouterr().out
+    # tp·pp = 32 of the 64 GPUs train, so 32 engine GPUs is the only split: it is the configured one
+    row = "| as configured, split for one_step, split for off (disaggregated, sync distributed) | 32 (24 + 8) | 32 |"
+    assert row in out
+    assert "32 trainer GPUs (as configured): one_step" in out
+    # a faster engine shifts the balance towards the trainer: fewer engine GPUs at the balance point
+    fast = ["launch.step_time.decode_tokens_per_s_per_gpu=4000"]
+    assert main(["--config", "configs/llama3_70b_armor.yaml", "--plan", *fast]) == 0
+    balance = lambda text: float(text.split("balance point (any engine count): ")[1].split(" of ")[0])  # noqa: E731
+    assert balance(capsys.readouterr().out) < balance(out)
+
+
+def test_plan_of_a_cpu_run_has_no_step_time_model(capsys):
+    assert main(["--config", "configs/tiny_cpu.yaml", "--plan"]) == 0
+    assert "step-time model" not in capsys.readouterr().out
 
 
 def test_a_70b_layout_without_model_parallelism_is_refused_with_one_line(capsys):

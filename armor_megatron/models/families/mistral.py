@@ -1,0 +1,17 @@
+"""Mistral: the Llama layout with a sliding attention window (``sliding_window``), which the TE
+spec applies (the local spec's attention has none: exact for sequences up to the window)."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.family import Family, sliding_window
+
+
+@FAMILIES.register("mistral")
+class Mistral(Family):
+    model_types = ("mistral",)
+    architectures = ("MistralForCausalLM",)
+
+    def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return sliding_window(cfg)

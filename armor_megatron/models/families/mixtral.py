@@ -1,0 +1,19 @@
+"""Mixtral: the Llama attention and routed experts in every layer under ``block_sparse_moe.``,
+named w1 / w3 / w2 (gate / up / down); the top-k weights are always renormalised."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.family import Family, routed_experts
+from armor_megatron.models.tensors import MoENames
+
+
+@FAMILIES.register("mixtral")
+class Mixtral(Family):
+    model_types = ("mixtral",)
+    architectures = ("MixtralForCausalLM",)
+    moe_names = MoENames(block="block_sparse_moe.", expert_gate="w1", expert_up="w3", expert_down="w2")
+
+    def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return routed_experts(cfg, "mixtral", always_renormalise=True)

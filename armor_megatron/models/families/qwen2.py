@@ -1,0 +1,17 @@
+"""Qwen2 / Qwen2.5: the Llama layout with a bias on the q/k/v projections; a sliding window only
+with ``use_sliding_window``."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.family import Family, sliding_window
+
+
+@FAMILIES.register("qwen2")
+class Qwen2(Family):
+    model_types = ("qwen2",)
+    architectures = ("Qwen2ForCausalLM",)
+
+    def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(qkv_bias=True, **sliding_window(cfg))

@@ -1,0 +1,17 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k norms) and routed experts in every layer
+(``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``), top-k renormalised when ``norm_topk_prob``."""
+
+from collections.abc import Mapping
+from typing import Any
+
+from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.family import Family, routed_experts
+
+
+@FAMILIES.register("qwen3_moe")
+class Qwen3MoE(Family):
+    model_types = ("qwen3_moe",)
+    architectures = ("Qwen3MoeForCausalLM",)
+
+    def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        return dict(qk_norm=True, **routed_experts(cfg, "qwen3_moe"))
