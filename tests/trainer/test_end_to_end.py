@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from armor_megatron.cli.train import processes_needed
@@ -154,9 +155,14 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
         while _latest(run) != "iter_0000002":
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
             time.sleep(0.05)
+        ranks = psutil.Process(proc.pid).children(recursive=True)  # in sessions of their own (torchrun)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+    # the ranks die with their launcher: none trains on beside the resumed run
+    assert ranks
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, [p.pid for p in alive]
     # checkpoint.resume defaults to auto; the trainer's memory goes to the host around every
     # rollout and evaluation (what colocated engines get) and must come back bit for bit
     resumed = _train_cli(tiny, run, *common, "train.offload_during_rollout=true")
