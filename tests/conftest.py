@@ -12,8 +12,9 @@ that set it up fails, naming it. On a loaded machine raise the limit (``ARMOR_SL
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
 still alive after a grace period fails the run, named, and is killed.
 
-Three helpers are started by the code under test for the whole life of a process, by design, and
-are stopped here the way their owners stop them before the check:
+The ranks `tests.megatron.spawn.run_ranks` keeps for the session are stopped first (a clean exit
+writes their coverage data). Three helpers are started by the code under test for the whole life of
+a process, by design, and are stopped here the way their owners stop them before the check:
 
 * megatron's checkpoint-writer results server (`armor_megatron.megatron.checkpoint.
   _start_writer_results_server`): a ``multiprocessing`` Manager kept while the trainer process
@@ -127,6 +128,9 @@ def world_of_one():
 
 
 def _stop_lifetime_helpers() -> None:
+    spawn = sys.modules.get("tests.megatron.spawn")
+    if spawn is not None:  # the ranks `run_ranks` keeps for the session
+        spawn.stop_pool()
     checkpoint = sys.modules.get("armor_megatron.megatron.checkpoint")
     if checkpoint is not None and checkpoint._writer_results_server is not None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async

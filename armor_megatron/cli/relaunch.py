@@ -8,6 +8,9 @@ which would cut a checkpoint short. Here the agent handles only SIGINT/SIGHUP/SI
 preemption signals (SIGTERM, SIGUSR1) this process receives are forwarded to the ranks, also to
 ranks that start after the signal came. The ranks run in their own sessions (torchrun starts
 them so), so a signal to this process group reaches them only through this forwarding: once.
+For the same reason a launcher killed outright (``kill -9``, the OOM killer) would leave them
+training on, writing checkpoints beside whatever resumes the run: each rank asks the kernel to
+kill it when the launcher dies (`die_with_launcher`).
 
 Rank reports: each rank finds a status folder in ``ARMOR_RANK_STATUS_DIR`` and leaves there
 ``preempted`` (it saved the preemption checkpoint) or ``rank<R>.error`` (its one-line bad-input
@@ -24,6 +27,8 @@ import tempfile
 import threading
 
 STATUS_DIR_VAR = "ARMOR_RANK_STATUS_DIR"
+LAUNCHER_PID_VAR = "ARMOR_LAUNCHER_PID"
+EXIT_LAUNCHER_GONE = 137  # a rank that found its launcher dead, as if it had been SIGKILLed with it
 PREEMPTED_FILE = "preempted"
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # what torchrun's agent still handles itself
 
@@ -120,6 +125,23 @@ class SignalForwarder:
                 self.forward()
 
 
+def die_with_launcher() -> None:
+    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies (Linux's
+    ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which lives as
+    long as the launcher). A launcher already gone by now ends the rank at once. Elsewhere a no-op."""
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if not launcher or not os.environ.get(STATUS_DIR_VAR):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the ranks outlive a killed launcher, as torchrun's do
+        return
+    if os.getppid() != int(launcher):
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
 def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
     """``torchrun <torchrun_args>`` in this process with the forwarding and reports above."""
     from torch.distributed import run as torchrun
@@ -129,6 +151,7 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
     saved_env = os.environ.get(STATUS_DIR_VAR)
     with tempfile.TemporaryDirectory(prefix="armor-ranks-") as folder:
         os.environ[STATUS_DIR_VAR] = folder
+        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
         logging.disable(logging.CRITICAL)  # the agent's own failure report: the ranks speak for themselves
         forwarder = SignalForwarder(signals).install()
         first_rank, code, interrupted = None, 0, None
@@ -143,6 +166,7 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
         finally:
             forwarder.uninstall()
             logging.disable(logging.NOTSET)
+            os.environ.pop(LAUNCHER_PID_VAR, None)
             if saved_env is None:
                 os.environ.pop(STATUS_DIR_VAR, None)
             else:

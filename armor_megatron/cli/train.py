@@ -181,6 +181,7 @@ def _inside_one_slurm_task() -> bool:
 
 
 def _train(cfg, resume) -> int:
+    relaunch.die_with_launcher()
     quiet_third_party_warnings()
     preemption.record_early_signals()
     from armor_megatron.trainer.loop import Preempted
