@@ -126,9 +126,12 @@ class SignalForwarder:
 
 
 def die_with_launcher() -> None:
-    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies (Linux's
-    ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which lives as
-    long as the launcher). A launcher already gone by now ends the rank at once. Elsewhere a no-op."""
+    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies.
+
+    Linux's ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which
+    lives as long as the launcher. A launcher already gone by now ends the rank at once. Elsewhere a
+    no-op.
+    """
     launcher = os.environ.get(LAUNCHER_PID_VAR)
     if not launcher or not os.environ.get(STATUS_DIR_VAR):
         return
