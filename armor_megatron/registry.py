@@ -1,4 +1,6 @@
-"""Name -> definition registries, one per kind of pluggable part, in the shape of verl's
+"""Name -> definition registries for the pluggable parts.
+
+Name -> definition registries, one per kind of pluggable part, in the shape of verl's
 ``register_adv_est`` / ``register_policy_loss``: advantage estimators, policy losses and
 reference reset schedules (`algo.advantages`, `algo.loss`, `algo.reset`), weight-sync modes
 (`rollout.sglang.weight_sync`), model families (`models.families`).
@@ -20,7 +22,8 @@ does; an undeclared trait raises one line listing the declared ones.
 A layer that must know the names before the code defining them is imported (the config, below
 the engines that define weight-sync modes) declares them (:meth:`~Registry.declare`); the
 definition registered later under a declared name fills the entry in. The module imports nothing
-of the package, so every subpackage can keep a registry."""
+of the package, so every subpackage can keep a registry.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ from typing import Any
 
 @dataclass(frozen=True)
 class RegistryEntry:
+    """One registered definition: its name, function, parameter names and metadata."""
+
     name: str
     fn: Callable[..., Any] | None  # None: declared, its definition not registered yet
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
@@ -41,6 +46,7 @@ class RegistryEntry:
 
     def required(self, parameter: str) -> bool:
         """``parameter`` has no default: the caller (or its config key) must give it."""
+        assert self.fn is not None  # config keys are registered with a definition
         return inspect.signature(self.fn).parameters[parameter].default is inspect.Parameter.empty
 
     def config_kwargs(self, section: Any) -> dict[str, Any]:
@@ -48,13 +54,15 @@ class RegistryEntry:
         return {param: getattr(section, key) for param, key in self.config_keys.items()}
 
 
-class Registry(Mapping[str, Callable[..., Any]]):
-    """Registered functions (or classes) of one kind (e.g. ``"advantage estimator"``); a read-only
-    mapping name -> function, plus :meth:`register`, :meth:`entry`, :meth:`call` and
+class Registry(Mapping[str, Callable[..., Any] | None]):
+    """Registered functions (or classes) of one kind (e.g. ``"advantage estimator"``).
+
+    A read-only mapping name -> function, plus :meth:`register`, :meth:`entry`, :meth:`call` and
     :meth:`call_configured`.
 
     ``traits``: the metadata every entry carries, with its default (e.g. ``{"critic": False}``);
-    registering another keyword fails in one line. Without ``traits`` any metadata is kept."""
+    registering another keyword fails in one line. Without ``traits`` any metadata is kept.
+    """
 
     def __init__(self, kind: str, traits: Mapping[str, Any] | None = None) -> None:
         self.kind = kind
@@ -70,8 +78,10 @@ class Registry(Mapping[str, Callable[..., Any]]):
         **meta: Any,
     ) -> Callable:
         """Decorator registering ``fn`` under ``name`` (and ``aliases``); returns ``fn`` unchanged.
-        ``config_keys`` maps parameters of ``fn`` to the config keys that supply them; ``meta``
-        sets traits. A taken name raises unless ``replace=True``."""
+
+        ``config_keys`` maps parameters of ``fn`` to the config keys that supply them; ``meta`` sets
+        traits. A taken name raises unless ``replace=True``.
+        """
         names = (name, *aliases)
         for n in names:
             self._check_name(n)
@@ -95,8 +105,11 @@ class Registry(Mapping[str, Callable[..., Any]]):
         return decorator
 
     def declare(self, *names: str) -> None:
-        """Make ``names`` known before their definitions are registered (their module sits above
-        the layer that reads the names); :meth:`call` refuses a name still without one."""
+        """Make ``names`` known before their definitions are registered.
+
+        Make ``names`` known before their definitions are registered (their module sits above
+        the layer that reads the names); :meth:`call` refuses a name still without one.
+        """
         for n in names:
             self._check_name(n)
             if n in self._entries:
@@ -123,6 +136,7 @@ class Registry(Mapping[str, Callable[..., Any]]):
         del self._entries[name]
 
     def entry(self, name: str) -> RegistryEntry:
+        """The entry registered as ``name``; an unknown name raises one line listing the known ones."""
         try:
             return self._entries[name]
         except (KeyError, TypeError):
@@ -132,33 +146,41 @@ class Registry(Mapping[str, Callable[..., Any]]):
         raise ValueError(f"unknown {self.kind} {name!r}{hint}; known: {', '.join(self._entries)}") from None
 
     def definition(self, name: str) -> Callable[..., Any]:
-        """The function (or class) registered as ``name``; one line for an unknown name or one
-        only declared so far."""
+        """The function (or class) registered as ``name``.
+
+        One line for an unknown name or one only declared so far.
+        """
         fn = self.entry(name).fn
         if fn is None:
             raise ValueError(f"{self.kind} {name!r} is declared but its definition is not registered")
         return fn
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
-        """``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
-        it takes those arguments (one-line ValueError naming the ones it takes otherwise)."""
+        """Call the function registered as ``name``, checking it takes the given arguments.
+
+        ``fn(*args, **kwargs)`` for the function registered as ``name``, after checking that
+        it takes those arguments (one-line ValueError naming the ones it takes otherwise).
+        """
         entry = self.entry(name)
-        self.definition(name)
+        fn = self.definition(name)
         try:
-            inspect.signature(entry.fn).bind(*args, **kwargs)
+            inspect.signature(fn).bind(*args, **kwargs)
         except TypeError as exc:
             raise ValueError(
                 f"{self.kind} {name!r} takes ({', '.join(entry.parameters)}): {exc}; "
                 f"got {len(args)} positional and keywords ({', '.join(kwargs) or 'none'})"
             ) from None
-        return entry.fn(*args, **kwargs)
+        return fn(*args, **kwargs)
 
     def call_configured(self, name: str, section: Any, *args: Any, **kwargs: Any) -> Any:
-        """:meth:`call` with the hyper-parameters ``name`` takes from the config ``section`` (its
-        ``config_keys``) added to ``kwargs``."""
+        """Call ``name`` with the hyper-parameters it takes from the config ``section``.
+
+        :meth:`call` with the hyper-parameters ``name`` takes from the config ``section`` (its
+        ``config_keys``) added to ``kwargs``.
+        """
         return self.call(name, *args, **self.entry(name).config_kwargs(section), **kwargs)
 
-    def __getitem__(self, name: str) -> Callable[..., Any]:
+    def __getitem__(self, name: str) -> Callable[..., Any] | None:  # None: declared, not yet defined
         if name not in self._entries:
             raise KeyError(name)
         return self._entries[name].fn

@@ -1,5 +1,7 @@
-"""The ARMOR algorithm in pure torch: mixed ratio, clipped loss, advantages, anchors, PPO value loss,
-DAPO's dynamic sampling and overlong shaping, reference reset schedules.
+"""The ARMOR algorithm in pure torch.
+
+Mixed ratio, clipped loss, advantages, anchors, PPO value loss, DAPO's dynamic sampling and overlong
+shaping, reference reset schedules.
 
 Nothing here imports megatron or a rollout engine; tensors in, tensors out. Advantage
 estimators, policy losses and reset schedules are looked up by name in registries (registry.py):

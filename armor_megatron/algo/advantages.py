@@ -31,6 +31,7 @@ one trait, ``critic``:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -70,16 +71,20 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Te
 
 @register_advantage_estimator("drgrpo")
 def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO (GRPO done right): the mean baseline without the std division,
-    A_gi = r_gi − mean_g, which removes the question-difficulty bias of 1/std_g."""
+    """Dr.
+
+    GRPO (GRPO done right): the mean baseline without the std division, A_gi = r_gi − mean_g, which
+    removes the question-difficulty bias of 1/std_g.
+    """
     r = _check_groups(rewards)
     return _zero_where(_constant_rows(r), r - r.mean(dim=1, keepdim=True))
 
 
 @register_advantage_estimator("qae", config_keys={"k": "qae_quantile", "eps": "std_eps"})
 def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """QAE (Quantile Advantage Estimation, arXiv 2509.22611): GRPO/DAPO with the group mean
-    replaced by the group's K-quantile,
+    """QAE (Quantile Advantage Estimation, arXiv 2509.22611).
+
+    GRPO/DAPO with the group mean replaced by the group's K-quantile,
 
         A_gi = (r_gi − Q_K(r_g)) / (std_g + ε),
 
@@ -99,8 +104,9 @@ def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_E
 
 @register_advantage_estimator("rloo")
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """RLOO (REINFORCE leave-one-out): the baseline of each response is the mean of the
-    other G−1 responses of its group,
+    """RLOO (REINFORCE leave-one-out).
+
+    The baseline of each response is the mean of the other G−1 responses of its group,
 
         A_gi = r_gi − (1/(G−1)) Σ_{j≠i} r_gj = G/(G−1) · (r_gi − mean_g).
     """
@@ -111,8 +117,10 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 @register_advantage_estimator("reinforce++", config_keys={"eps": "std_eps"})
 def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """REINFORCE++ with outcome rewards and no per-token KL: the return of every response is
-    its reward, normalised over the whole batch (all groups together, each response once):
+    """REINFORCE++ with outcome rewards and no per-token KL.
+
+    The return of every response is its reward, normalised over the whole batch (all groups
+    together, each response once):
 
         A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
     """
@@ -122,8 +130,11 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> 
 
 @register_advantage_estimator("reinforce++-baseline", config_keys={"eps": "std_eps"})
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean, then divide by the std of those centred
-    values over the whole batch:  c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε)."""
+    """REINFORCE++-baseline.
+
+    Subtract the group mean, then divide by the std of those centred values over the whole batch:
+    c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε).
+    """
     r = _check_groups(rewards)
     constant = _constant_rows(r)
     centred = torch.where(constant, 0.0, r - r.mean(dim=1, keepdim=True))
@@ -137,9 +148,11 @@ def gae_advantages(
     """Generalised Advantage Estimation over response tokens.
 
     Args:
-        values: [B, T] critic values V_t; rewards: [B, T] per-token rewards r_t (an outcome
-            reward sits on the last valid token); mask: [B, T], 1 on valid tokens.
-        gamma: discount γ; lam: GAE λ.
+        values: [B, T] critic values V_t.
+        rewards: [B, T] per-token rewards r_t (an outcome reward sits on the last valid token).
+        mask: [B, T], 1 on valid tokens.
+        gamma: discount γ.
+        lam: GAE λ.
 
     With t+1 the next *valid* token of the same sequence (V = 0 after the last one):
 
@@ -168,8 +181,11 @@ def gae_advantages(
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards [B, T] for GAE: the outcome reward ``rewards`` [B] of each sequence on
-    its last valid token (highest t with mask 1), 0 elsewhere; a row without tokens gets none."""
+    """Per-token rewards [B, T] for GAE.
+
+    The outcome reward ``rewards`` [B] of each sequence on its last valid token (highest t with mask
+    1), 0 elsewhere; a row without tokens gets none.
+    """
     if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
         raise ValueError(f"rewards must be [B] and mask [B, T]; got {tuple(rewards.shape)} and {tuple(mask.shape)}")
     valid = mask.bool()
@@ -182,8 +198,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """PPO's advantage whitening over the valid tokens of the batch:
-    A' = (A − mean) / (std + ε), mean and std (Bessel) over tokens with mask 1; 0 elsewhere."""
+    """PPO's advantage whitening over the valid tokens of the batch.
+
+    A' = (A − mean) / (std + ε), mean and std (Bessel) over tokens with mask 1; 0 elsewhere.
+    """
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must share a shape")
     valid = mask.bool()
@@ -200,19 +218,25 @@ ESTIMATORS = ADVANTAGE_ESTIMATORS  # name -> function (read-only mapping; regist
 
 
 def needs_critic(name: str) -> bool:
-    """The estimator registered as ``name`` works from a critic's per-token values (GAE): the
-    trainer builds and trains one, and its advantages are per token, not per group."""
+    """The estimator registered as ``name`` works from a critic's per-token values (GAE).
+
+    The trainer builds and trains one, and its advantages are per token, not per group.
+    """
     return bool(ADVANTAGE_ESTIMATORS.entry(name).meta["critic"])
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """The estimator registered under ``name``; an unknown name raises one line listing the known ones."""
-    return ADVANTAGE_ESTIMATORS.entry(name).fn
+    return ADVANTAGE_ESTIMATORS.definition(name)
 
 
-def compute_advantages(name: str, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch by config name: ``compute_advantages("qae", rewards=r, k=0.4)``,
-    ``compute_advantages("gae", values=v, rewards=r, mask=m, gamma=1.0, lam=0.95)``.
+def compute_advantages(name: str, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch by config name.
 
-    Arguments the estimator does not take raise one line naming those it takes."""
-    return ADVANTAGE_ESTIMATORS.call(name, *args, **kwargs)
+    ``compute_advantages("qae", rewards=r, k=0.4)``, ``compute_advantages("gae", values=v,
+    rewards=r, mask=m, gamma=1.0, lam=0.95)``.
+
+    Arguments the estimator does not take raise one line naming those it takes.
+    """
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = ADVANTAGE_ESTIMATORS.call(name, *args, **kwargs)
+    return result

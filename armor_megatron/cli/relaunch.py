@@ -1,4 +1,6 @@
-"""Run one command as N local ranks under torchrun's agent, inside this process (``armor-train``
+"""Run one command as N local ranks under torchrun's agent, inside this process.
+
+Run one command as N local ranks under torchrun's agent, inside this process (``armor-train``
 started by hand for a multi-rank job).
 
 Signals: torchrun's agent turns a SIGTERM into "terminate the workers, SIGKILL after 30 s",
@@ -40,10 +42,12 @@ class RankReport:
 
     @classmethod
     def from_env(cls) -> RankReport | None:
+        """The report of this rank, or None when the launcher set no status folder."""
         folder = os.environ.get(STATUS_DIR_VAR)
         return None if not folder else cls(folder, int(os.environ.get("RANK", "0")))
 
     def failed(self, line: str) -> None:
+        """Record this rank's one-line failure message."""
         _write(os.path.join(self.folder, f"rank{self.rank}.error"), line)
 
     def others_failed(self) -> bool:
@@ -52,11 +56,14 @@ class RankReport:
         return any(n.endswith(".error") and n != mine for n in os.listdir(self.folder))
 
     def preempted(self) -> None:
+        """Record that this rank saved the preemption checkpoint."""
         _write(os.path.join(self.folder, PREEMPTED_FILE), str(self.rank))
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
+    """How a local multi-rank launch ended."""
+
     code: int  # the first failing rank's exit code (negative: killed by that signal); 0 when all succeeded
     preempted: bool  # a rank saved the preemption checkpoint
     line: str | None  # the first failing rank's one-line message, when it left one
@@ -65,8 +72,10 @@ class LaunchResult:
 
 
 class SignalForwarder:
-    """Forward ``signals`` received by this process to its child processes (the ranks): at once,
-    and to children that appear later (every ``poll_s`` seconds) while installed."""
+    """Forward ``signals`` received by this process to its child processes (the ranks).
+
+    At once, and to children that appear later (every ``poll_s`` seconds) while installed.
+    """
 
     def __init__(self, signals, poll_s: float = 0.5):
         self.signals = tuple(signals)
@@ -79,12 +88,14 @@ class SignalForwarder:
         self._thread = threading.Thread(target=self._poll, name="armor-signal-forwarder", daemon=True)
 
     def install(self) -> SignalForwarder:
+        """Install the signal handlers and start forwarding; returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         self._thread.start()
         return self
 
     def uninstall(self) -> None:
+        """Stop forwarding and restore the previous signal handlers."""
         self._stop.set()
         self._thread.join()
         for sig, handler in self._previous.items():
@@ -95,6 +106,7 @@ class SignalForwarder:
         self.forward()
 
     def forward(self) -> None:
+        """Send every received signal to each child process that has not had it yet."""
         import psutil
 
         with self._lock:
@@ -114,9 +126,12 @@ class SignalForwarder:
 
 
 def die_with_launcher() -> None:
-    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies (Linux's
-    ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which lives as
-    long as the launcher). A launcher already gone by now ends the rank at once. Elsewhere a no-op."""
+    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies.
+
+    Linux's ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which
+    lives as long as the launcher. A launcher already gone by now ends the rank at once. Elsewhere a
+    no-op.
+    """
     launcher = os.environ.get(LAUNCHER_PID_VAR)
     if not launcher or not os.environ.get(STATUS_DIR_VAR):
         return

@@ -339,9 +339,11 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class StabilityConfig:
-    """The StabilityGuard of each trained model's optimizer step (``megatron/stability.py``). Its
-    grad-norm spike threshold stays ``optimizer.skip_grad_norm_ratio`` (the critic's:
-    ``critic.optimizer.skip_grad_norm_ratio``); the drift thresholds below are off when null."""
+    """The StabilityGuard of each trained model's optimizer step (``megatron/stability.py``).
+
+    Its grad-norm spike threshold stays ``optimizer.skip_grad_norm_ratio`` (the critic's:
+    ``critic.optimizer.skip_grad_norm_ratio``); the drift thresholds below are off when null.
+    """
 
     enabled: bool = checked(True, help="false: only non-finite steps are skipped; no spike rule, signals or reductions")
     window: int = checked(50, check=at_least(1), help="accepted grad norms whose median the spike rule compares with")
@@ -369,8 +371,11 @@ class StabilityConfig:
 
 @dataclasses.dataclass
 class CriticConfig:
-    """The value model of ``algorithm.estimator: gae`` (PPO): the actor's architecture with a
-    hidden→1 value head, started from the actor's checkpoint; GAE uses algorithm.gamma / lam."""
+    """The value model of ``algorithm.estimator: gae`` (PPO).
+
+    The actor's architecture with a hidden→1 value head, started from the actor's checkpoint; GAE
+    uses algorithm.gamma / lam.
+    """
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     clip_eps: float | None = checked(0.5, check=positive, help="ε_v of the clipped value loss; null: unclipped")
@@ -509,9 +514,12 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class SaveHFConfig:
-    """The policy written as an HF model directory during training: safetensors, config.json and
-    the tokenizer files of ``model.path`` under ``<checkpoint.dir>/hf/step_<N>``, by the ranks
-    that own the weights, atomically (loadable by transformers and SGLang as it is)."""
+    """The policy written as an HF model directory during training.
+
+    Safetensors, config.json and the tokenizer files of ``model.path`` under
+    ``<checkpoint.dir>/hf/step_<N>``, by the ranks that own the weights, atomically (loadable by
+    transformers and SGLang as it is).
+    """
 
     every_steps: int = checked(0, check=at_least(0), help="write the HF directory every N steps; 0: only at the end")
     at_end: bool = checked(True, help="also write it after the last step")
@@ -566,9 +574,11 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class StepTimeConfig:
-    """The figures of ``--plan``'s step-time model (``armor_megatron.launch.step_time``): how fast the
-    engines decode, how well the trainer uses its GPUs, how fast weights reach the engines. Planning
-    figures only: nothing at run time reads them."""
+    """The figures of ``--plan``'s step-time model (``armor_megatron.launch.step_time``).
+
+    How fast the engines decode, how well the trainer uses its GPUs, how fast weights reach the
+    engines. Planning figures only: nothing at run time reads them.
+    """
 
     decode_tokens_per_s_per_gpu: float | None = checked(
         None,
@@ -637,13 +647,16 @@ class LaunchConfig:
 
 @dataclasses.dataclass
 class ThroughputConfig:
-    """Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
+    """Speed options of the trained models, none changing what is computed.
+
+    Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
     default is what it is): overlapped communication and fused kernels, none changing what is
     computed. The defaults run on an image installed from the lock files alone (no APEX, no C
     compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
     (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
     machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a
-    machine without the kernels."""
+    machine without the kernels.
+    """
 
     overlap_grad_reduce: bool = checked(
         False, help="reduce each gradient bucket during backward (megatron DDP overlap_grad_reduce)"
@@ -674,8 +687,10 @@ class ThroughputConfig:
 
 @dataclasses.dataclass
 class MoEConfig:
-    """Routing and token dispatch of MoE models (``models.megatron_options.MoESettings``; ignored for dense
-    models). Defaults: dropless, no load-balancing loss, fp32 router, all-to-all dispatch."""
+    """Routing and token dispatch of MoE models (``models.megatron_options.MoESettings``; ignored for dense models).
+
+    Defaults: dropless, no load-balancing loss, fp32 router, all-to-all dispatch.
+    """
 
     aux_loss_coeff: float = checked(
         0.0,

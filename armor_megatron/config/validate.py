@@ -19,6 +19,7 @@ from armor_megatron.registry import Registry, RegistryEntry
 
 
 def validate_run_config(cfg: RunConfig) -> None:
+    """Check the settings of ``cfg`` against each other; one-line ConfigError naming the key otherwise."""
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
     _check_lengths_fit_context(cfg)
@@ -38,8 +39,10 @@ def validate_run_config(cfg: RunConfig) -> None:
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
     """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None.
-    A ``model.arch`` given beside a config.json is checked too (it describes the model to build
-    in tiny runs and may not be contradictory nonsense), whether or not the file exists yet."""
+
+    A ``model.arch`` given beside a config.json is checked too (it describes the model to build in
+    tiny runs and may not be contradictory nonsense), whether or not the file exists yet.
+    """
     source = hf_config_of(cfg)
     if source is None:
         return None
@@ -49,7 +52,7 @@ def model_arch_of(cfg: RunConfig) -> ModelArch | None:
     return _arch_from(*source)
 
 
-def _arch_from(hf_config: dict, key: str, where: str) -> ModelArch:
+def _arch_from(hf_config: dict[str, Any], key: str, where: str) -> ModelArch:
     try:
         return ModelArch.from_hf_config(hf_config)
     except UnsupportedModelError as err:
@@ -58,9 +61,11 @@ def _arch_from(hf_config: dict, key: str, where: str) -> ModelArch:
         raise ConfigError(key, f"{where}incomplete or invalid HF config ({err})") from None
 
 
-def hf_config_of(cfg: RunConfig) -> tuple[dict, str, str] | None:
-    """``(hf_config, key, where)`` from ``model.path``/config.json when present, else from ``model.arch``,
-    else None; its values are checked (:func:`check_hf_config`) so no ModelArch divides by zero."""
+def hf_config_of(cfg: RunConfig) -> tuple[dict[str, Any], str, str] | None:
+    """``(hf_config, key, where)`` from ``model.path``/config.json when present, else from ``model.arch``, else None.
+
+    Its values are checked (:func:`check_hf_config`) so no ModelArch divides by zero.
+    """
     config_file = os.path.join(cfg.model.path, "config.json")
     if os.path.isfile(config_file):
         try:
@@ -91,7 +96,7 @@ _OPTIONAL_POSITIVE_INTS = (
 _OPTIONAL_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
-def check_hf_config(hf: dict, key: str, where: str = "") -> None:
+def check_hf_config(hf: dict[str, Any], key: str, where: str = "") -> None:
     """The sizes a model is built from: required ones positive integers, kv heads dividing the heads.
 
     ``key`` names the config key in errors (``model.arch`` -> ``model.arch.<field>``;
@@ -103,7 +108,7 @@ def check_hf_config(hf: dict, key: str, where: str = "") -> None:
             return ConfigError(f"model.arch.{name}", problem)
         return ConfigError(key, f"{where}{name}: {problem}")
 
-    def is_int(v) -> bool:
+    def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     for name in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
@@ -207,9 +212,12 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
 
 
 def _check_token_budget(cfg: RunConfig) -> None:
-    """A packed micro-batch holds whole rows: each token budget must fit the longest train row,
-    rollout.max_prompt_len + rollout.max_response_len tokens (under sequence parallelism within
-    the budget rounded down to a multiple of tp, as packs are padded to one)."""
+    """A packed micro-batch holds whole rows.
+
+    Each token budget must fit the longest train row, rollout.max_prompt_len +
+    rollout.max_response_len tokens (under sequence parallelism within the budget rounded down to a
+    multiple of tp, as packs are padded to one).
+    """
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     multiple = cfg.parallelism.tp if cfg.parallelism.sp else 1
     train = cfg.train
@@ -300,9 +308,12 @@ def _check_overlap(cfg: RunConfig) -> None:
 
 
 def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:
-    """The registry entry that ``<section_key>.<key>`` names (the field's own check has refused an
+    """The registry entry ``<section_key>.<key>`` names, its config keys checked.
+
+    The registry entry that ``<section_key>.<key>`` names (the field's own check has refused an
     unknown name), after checking its config keys: each is a key of the section, and one that
-    supplies a parameter without a default is set."""
+    supplies a parameter without a default is set.
+    """
     name = getattr(section, key)
     entry = registry.entry(name)
     keys = {f.name for f in dataclasses.fields(section)}
@@ -426,7 +437,9 @@ def _check_engines(cfg: RunConfig) -> None:
 
 def _check_throughput(cfg: RunConfig) -> None:
     """CUDA-only kernels on a CPU run (``launch.gpus_per_node: 0``) or TE-only ones with the local spec.
-    Whether the job's machines have APEX / Transformer Engine is checked when the models are built."""
+
+    Whether the job's machines have APEX / Transformer Engine is checked when the models are built.
+    """
     th, cpu_run, local = cfg.throughput, cfg.launch.gpus_per_node == 0, cfg.model.spec == "local"
     if th.gradient_accumulation_fusion and cpu_run:
         raise ConfigError(
@@ -504,8 +517,11 @@ def launched_reference_engines(cfg: RunConfig) -> int:
 
 
 def _check_user_code(cfg: RunConfig) -> None:
-    """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must
-    ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail on its first step)."""
+    """``reward.verifier`` must name a registered verifier or import as ``module:function``.
+
+    So must ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail
+    on its first step).
+    """
     from armor_megatron.algo.reset import load_callable
     from armor_megatron.rewards.registry import load_verifier
 

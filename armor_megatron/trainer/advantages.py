@@ -1,6 +1,8 @@
-"""Advantages of the batch that trains, in one place: group estimators on the driver, critic
-estimators (GAE) with the critic. Which one applies is the estimator's registered ``critic`` trait
-(``algo.needs_critic``); its hyper-parameters come from its registered ``algorithm`` config keys.
+"""Advantages of the batch that trains, in one place.
+
+Group estimators on the driver, critic estimators (GAE) with the critic. Which one applies is the
+estimator's registered ``critic`` trait (``algo.needs_critic``); its hyper-parameters come from its
+registered ``algorithm`` config keys.
 
 * ``group_advantages(batch, settings)``: once per step, after dynamic sampling has chosen the
   groups (estimators normalised over the whole batch, REINFORCE++, must see exactly those):
@@ -29,13 +31,17 @@ from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
 def group_advantages(batch: RolloutBatch, settings: RolloutSettings) -> tuple[RolloutBatch, dict[str, float]]:
-    """Set ``batch["advantages"]`` [N] (see module docstring); returns the batch and
-    ``anchor/zero_advantage_rate`` (QAE's zero mask can drop anchors) when it holds anchors."""
+    """Set ``batch["advantages"]`` [N] (see module docstring).
+
+    Returns the batch and ``anchor/zero_advantage_rate`` (QAE's zero mask can drop anchors) when it
+    holds anchors.
+    """
     rewards = batch["rewards"].view(-1, settings.group_size)
     if needs_critic(settings.estimator):
         batch["advantages"] = torch.zeros(rewards.numel(), dtype=torch.float32)
         return batch, {}
     advantages = compute_advantages(settings.estimator, rewards=rewards, **settings.estimator_kwargs)
+    assert isinstance(advantages, torch.Tensor)  # a group estimator: one tensor (GAE took the branch above)
     batch["advantages"] = advantages.reshape(-1).float()
     metrics = {}
     is_anchor = batch["is_anchor"].view_as(rewards)
@@ -45,10 +51,12 @@ def group_advantages(batch: RolloutBatch, settings: RolloutSettings) -> tuple[Ro
 
 
 def gae_targets(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's per-token (advantages, returns) [N, L] from the critic's ``old_values`` [N, L]: the
-    outcome reward ``rewards`` [N] on each response's last token, the critic estimator
+    """PPO's per-token (advantages, returns) [N, L] from the critic's ``old_values`` [N, L].
+
+    The outcome reward ``rewards`` [N] on each response's last token, the critic estimator
     ``algorithm.estimator`` (GAE with algorithm.gamma / lam) over the response tokens, advantages
-    whitened over the batch when critic.whiten_advantages. All inputs on the host."""
+    whitened over the batch when critic.whiten_advantages. All inputs on the host.
+    """
     mask = batch["response_mask"]
     rewards = outcome_token_rewards(batch["rewards"], mask)
     advantages, returns = ADVANTAGE_ESTIMATORS.call_configured(

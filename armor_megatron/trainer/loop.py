@@ -115,10 +115,13 @@ class Preempted(Exception):
 
 @dataclasses.dataclass
 class StepTimer:
+    """Wall-clock seconds of a step's phases."""
+
     times: dict = dataclasses.field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str):
+        """Time the block as phase ``name`` (added up when a phase repeats)."""
         start = time.perf_counter()
         try:
             yield
@@ -200,8 +203,11 @@ class ArmorTrainer:
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
-        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
-        encoded for the engine), which are left out once, up front, with a count."""
+        """The training set without the prompts longer than ``rollout.max_prompt_len``.
+
+        The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
+        encoded for the engine), which are left out once, up front, with a count.
+        """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
             PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key), self.cfg.reward.verifier
@@ -221,6 +227,7 @@ class ArmorTrainer:
         return dataset
 
     def encode(self, prompt) -> list[int]:
+        """Token ids of a dataset prompt (chat template and prompt template as configured)."""
         data = self.cfg.data
         return encode_prompt(
             self.tokenizer, prompt, apply_chat_template=data.apply_chat_template, template=data.prompt_template
@@ -257,8 +264,11 @@ class ArmorTrainer:
             self.anchors.load_state_dict(self._anchor_state)
 
     def _anchor_cost(self, metrics: dict) -> dict:
-        """Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
-        counts only this step's cache misses), and the step's generation cost relative to on-policy only."""
+        """Tokens π_ref generated since the last step, and the step's relative generation cost.
+
+        Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
+        counts only this step's cache misses), and the step's generation cost relative to on-policy only.
+        """
         total = self.anchors.sampler.stats.generated_tokens
         spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
         policy = metrics.get("rollout/generated_tokens", 0.0)
@@ -286,6 +296,7 @@ class ArmorTrainer:
         }
 
     def load_trainer_state(self, state: dict) -> None:
+        """Restore the loop's state from a checkpoint's trainer state."""
         self.step = state["step"]
         self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
@@ -298,16 +309,21 @@ class ArmorTrainer:
             self._pending = load_pending(state.get("pending_batch"))
 
     def reference_replaced(self) -> None:
-        """π_ref was loaded from elsewhere (recovery mode) after the state was restored: a new
-        reference version, and no anchors pooled under the old one."""
+        """π_ref was loaded from elsewhere (recovery mode) after the state was restored.
+
+        A new reference version, and no anchors pooled under the old one.
+        """
         self.ref_resets += 1
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
     def rollout(self, timer: StepTimer, for_step: int | None = None) -> tuple[RolloutBatch | None, dict]:
-        """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
-        accuracies are all equal are dropped and refilled from further prompts. ``for_step``: the
-        update the batch feeds (default: the next one), which seeds the engines."""
+        """Driver: groups for ``prompts_per_step`` prompts.
+
+        With DAPO dynamic sampling, groups whose accuracies are all equal are dropped and refilled
+        from further prompts. ``for_step``: the update the batch feeds (default: the next one),
+        which seeds the engines.
+        """
         cfg, G = self.cfg, self.cfg.rollout.group_size
         step = self.step if for_step is None else for_step
         pad = self.tokenizer.pad_token_id or 0
@@ -348,8 +364,11 @@ class ArmorTrainer:
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
 
     def _reseed_engines(self, step: int, salt: int = 0) -> None:
-        """Seed both engines from the step (and ``salt``, for a second draw in one step), so a
-        resumed run samples what the uninterrupted one did."""
+        """Seed both engines from the step, so a resumed run samples what the uninterrupted one did.
+
+        Seed both engines from the step (and ``salt``, for a second draw in one step), so a
+        resumed run samples what the uninterrupted one did.
+        """
         for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
             if engine is not None:
                 engine.reseed(self.cfg.rollout.seed + 1_000_003 * (2 * step + offset) + 7_919 * salt)
@@ -366,9 +385,12 @@ class ArmorTrainer:
         return batch, {**metrics, **adv_metrics}
 
     def _pregenerate_anchors(self) -> None:
-        """After the step's anchors are drawn. With ``anchor.cache: false`` they are dropped (never
-        reused). With ``anchor.pregenerate``: sample the next batch's anchors in the background
-        while the trainer updates (the loader is peeked, not advanced); they serve once."""
+        """After the step's anchors are drawn.
+
+        With ``anchor.cache: false`` they are dropped (never reused). With ``anchor.pregenerate``:
+        sample the next batch's anchors in the background while the trainer updates (the loader is
+        peeked, not advanced); they serve once.
+        """
         if self.anchors is None:
             return
         if not self.cfg.anchor.cache:
@@ -386,11 +408,13 @@ class ArmorTrainer:
         return generate_pending(lambda: self.rollout(StepTimer(), for_step), for_step)
 
     def _step_batch(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict, list[PendingBatch]]:
-        """Driver: this step's batch and rollout metrics, and the generations that ran during the
-        step so far. With ``overlap: one_step`` the batch is the one generated during the last step
-        (or now, when none is pending), checked (`trainer.overlap.check_lag`) after its anchors of an
-        older reference were resampled; then the next step's generation starts in the background
-        (not with ``overlap_forced_wait``: the next step generates its own batch, after this update)."""
+        """Driver: this step's batch and rollout metrics, and the generations that ran during the step so far.
+
+        With ``overlap: one_step`` the batch is the one generated during the last step (or now, when
+        none is pending), checked (`trainer.overlap.check_lag`) after its anchors of an older
+        reference were resampled; then the next step's generation starts in the background (not with
+        ``overlap_forced_wait``: the next step generates its own batch, after this update).
+        """
         if not self.overlap:
             begin = time.perf_counter()
             batch, metrics = self.rollout(timer)
@@ -416,9 +440,12 @@ class ArmorTrainer:
         return batch, metrics, ran
 
     def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict]:
-        """Driver: anchors of an older reference (the batch was generated before a reset) replaced
+        """Driver: replace the anchors an older reference produced, and recompute advantages.
+
+        Driver: anchors of an older reference (the batch was generated before a reset) replaced
         by the current reference's (`rollout_phase.replace_stale_anchors`), advantages recomputed;
-        ``anchor/stale_resampled`` counts them."""
+        ``anchor/stale_resampled`` counts them.
+        """
         stale = 0
         if stale_anchor_rows(batch, self._ref_version()):
             self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
@@ -445,13 +472,16 @@ class ArmorTrainer:
 
     @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
-        """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
+        """The step's update on all ranks: log-probs, then the actor's (and critic's) updates.
+
+        All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
         then the mini-batch / epoch updates of the actor and the critic. During the critic's
         warm-up (the first ``critic.warmup_steps`` steps) only the critic trains.
 
         Devices: the trainer holds host tensors only. The Megatron models take host batches,
         move each micro-batch to their device, and return results on it; ``to_host`` brings
-        each result back here, the one crossing on the trainer's side."""
+        each result back here, the one crossing on the trainer's side.
+        """
         cfg = self.cfg
         with timer.phase("logprobs"):
             batch["old_logprobs"] = to_host(self.actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs)
@@ -494,9 +524,11 @@ class ArmorTrainer:
 
     @collective
     def sync_weights(self, timer: StepTimer) -> None:
-        """All ranks: push the new policy to the engine (the driver talks to it). Colocated, the
-        policy engines take their weights' memory back first, the weights stream from the
-        trainer's host copy, and the KV cache and graphs come back after."""
+        """All ranks: push the new policy to the engine (the driver talks to it).
+
+        Colocated, the policy engines take their weights' memory back first, the weights stream from
+        the trainer's host copy, and the KV cache and graphs come back after.
+        """
         with timer.phase("weight_sync"):
             self._resume_engines(("weights",), ())
             with self._host_weights(self.actor):
@@ -552,18 +584,24 @@ class ArmorTrainer:
             engine.resume_memory(tags=tags)
 
     def _park_trainer(self) -> None:
-        """Every rank: the trainer's device memory to the host (when it offloads) and the
-        allocator's cache emptied, before engines use the GPU."""
+        """Move the trainer to the host and empty the allocator's cache, on every rank.
+
+        Every rank: the trainer's device memory to the host (when it offloads) and the
+        allocator's cache emptied, before engines use the GPU.
+        """
         if self.trainer_memory is not None:
             self.trainer_memory.offload()
 
     @collective
     @contextmanager
     def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
-        """Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
+        """Bring the trainer to the device for the block, with colocated engines released.
+
+        Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
         trainer comes to the device; after the block it goes back to the host (``empty_cache``)
         before the engines take their memory back (``resume``; else `sync_weights` does, after
-        pushing the new weights into released ones)."""
+        pushing the new weights into released ones).
+        """
         self._release_engines(policy, reference)
         if self.trainer_memory is not None:
             self.trainer_memory.reload()
@@ -611,7 +649,9 @@ class ArmorTrainer:
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
     ) -> dict:
-        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
+        """Train until ``train.steps``, with evaluations and checkpoints as configured.
+
+        Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
         ``save_hf()`` the policy as an HF directory when ``checkpoint.save_hf`` says it is due.
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
@@ -642,8 +682,10 @@ class ArmorTrainer:
 
     @collective
     def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
-        """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
-        every rank, and whether it saved a checkpoint)."""
+        """One ARMOR step on every rank (module docstring).
+
+        Returns (its metrics, identical on every rank, and whether it saved a checkpoint).
+        """
         cfg = self.cfg
         timer = StepTimer()
         started = time.perf_counter()
@@ -711,9 +753,12 @@ class ArmorTrainer:
         return metrics, saved
 
     def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:
-        """Driver: the step's idle fractions and overlap savings (`trainer.overlap.timing_metrics`)
+        """Driver: the step's idle fractions, overlap savings and timeline metrics.
+
+        Driver: the step's idle fractions and overlap savings (`trainer.overlap.timing_metrics`)
         and its timeline: when this step's batch was generated and when it trained, in seconds
-        since the run started (``timeline/*``, drawn by ``armor-plot``)."""
+        since the run started (``timeline/*``, drawn by ``armor-plot``).
+        """
         times = timer.times
         busy = sum(times.get(f"time/{p}", 0.0) for p in ("logprobs", "values", "update"))
         generation = sum(p.generation_s for p in generated)
@@ -757,9 +802,12 @@ class ArmorTrainer:
 
 
 def _merge_rounds(rounds: list[dict]) -> dict:
-    """The metrics of a step's rollout rounds: the first round describes the policy's samples
-    (``rollout/*``, before dynamic sampling filtered anything); anchor rates are averaged over
-    every round, since anchors of later rounds train too, and what generation cost is summed."""
+    """The metrics of a step's rollout rounds.
+
+    The first round describes the policy's samples (``rollout/*``, before dynamic sampling filtered
+    anything); anchor rates are averaged over every round, since anchors of later rounds train too,
+    and what generation cost is summed.
+    """
     merged = dict(rounds[0])
     for key in {k for r in rounds for k in r if k.startswith("anchor/") or k in _SUMMED_OVER_ROUNDS}:
         values = [r[key] for r in rounds if key in r]
@@ -783,9 +831,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine_trainer_gap(batch: dict) -> float:
-    """Mean |lp_engine − lp_old| over on-policy response tokens: ~0 when engine and trainer hold
-    the same weights (a weight-sync bug or a precision mismatch shows up here first). Anchor
-    rows are left out: the reference engine sampled them. Host tensors."""
+    """Mean |lp_engine − lp_old| over on-policy response tokens.
+
+    ~0 when engine and trainer hold the same weights (a weight-sync bug or a precision mismatch
+    shows up here first). Anchor rows are left out: the reference engine sampled them. Host tensors.
+    """
     mask = batch["response_mask"] * (~batch["is_anchor"].bool()).unsqueeze(1)
     gap = ((batch["engine_logprobs"] - batch["old_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
     return float(gap)

@@ -42,8 +42,11 @@ class LaggingBatchError(StaleWeightsError, ValueError):
 
 @dataclasses.dataclass
 class PendingBatch:
-    """A generated batch waiting for its step: ``batch`` (None: no group had signal), its rollout
-    ``metrics``, the step whose update it feeds, and when its generation ran (``perf_counter``)."""
+    """A generated batch waiting for its step.
+
+    ``batch`` (None: no group had signal), its rollout ``metrics``, the step whose update it feeds,
+    and when its generation ran (``perf_counter``).
+    """
 
     batch: RolloutBatch | None
     metrics: dict
@@ -53,12 +56,16 @@ class PendingBatch:
 
     @property
     def generation_s(self) -> float:
+        """Seconds the generation took."""
         return self.end - self.begin
 
 
 class BackgroundRollout:
-    """At most one generation at a time in a daemon thread; ``join`` returns its `PendingBatch`
-    and re-raises its error in the caller's thread."""
+    """At most one generation at a time, in a daemon thread.
+
+    At most one generation at a time in a daemon thread; ``join`` returns its `PendingBatch`
+    and re-raises its error in the caller's thread.
+    """
 
     def __init__(self):
         self._thread: threading.Thread | None = None
@@ -67,9 +74,11 @@ class BackgroundRollout:
 
     @property
     def running(self) -> bool:
+        """Whether a generation was started and not joined yet."""
         return self._thread is not None
 
     def start(self, generate: Callable[[], PendingBatch]) -> None:
+        """Start ``generate`` in the background; one already running raises."""
         if self._thread is not None:
             raise RuntimeError("a background rollout is already running")
 
@@ -110,8 +119,9 @@ def step_of_version(version: str) -> int | None:
 
 
 def check_lag(batch: RolloutBatch | None, trainer_step: int, reference_version: str | None) -> dict[str, float]:
-    """Refuse a batch the update of ``trainer_step`` (π_old = ``step-<trainer_step>``) must not
-    train on; return ``rollout/lag`` (most updates behind, on-policy rows) and ``rollout/lag_min``.
+    """Refuse a batch the update of ``trainer_step`` (π_old = ``step-<trainer_step>``) must not train on.
+
+    Return ``rollout/lag`` (most updates behind, on-policy rows) and ``rollout/lag_min``.
 
     On-policy rows must come from ``step-k`` with 0 ≤ trainer_step − k ≤ MAX_LAG; anchor rows
     from ``reference_version`` (π_ref of this step). Raises `LaggingBatchError` in one line.
@@ -168,10 +178,13 @@ def load_pending(state: dict | None) -> PendingBatch | None:
 
 
 def timing_metrics(step_s: float, busy_trainer_s: float, generation_s: float, waited_s: float) -> dict[str, float]:
-    """Per step: ``time/generation`` (engine seconds spent on rollouts during the step's wall time),
+    """A step's generation time, the part of it overlap hid, and idle fractions.
+
+    Per step: ``time/generation`` (engine seconds spent on rollouts during the step's wall time),
     ``time/overlap_saved`` (of them, the seconds hidden behind the trainer's work: generation − the
     time the trainer waited for it), and the idle fractions of the trainer (1 − log-probs, values and
-    update over the step) and of the engines (1 − generation over the step)."""
+    update over the step) and of the engines (1 − generation over the step).
+    """
     step_s = max(step_s, 1e-9)
     return {
         "time/generation": generation_s,

@@ -46,6 +46,7 @@ class Run:
     records: list[dict]
 
     def keys(self) -> set[str]:
+        """The metric names the run logged."""
         return {k for r in self.records for k in r} - {"step", "time"}
 
 
@@ -104,9 +105,12 @@ def phase_timings(records: Sequence[dict]) -> tuple[list[int], dict[str, list[fl
 
 
 def step_timeline(records: Sequence[dict]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
-    """Per step that logged one, ``(step, {bar: (begin, end)})`` in seconds since the run started
-    (a resumed run's clock restarts: only records after the last restart are kept)."""
-    out = []
+    """Each step's timeline bars, ``(step, {bar: (begin, end)})``, since the run started.
+
+    Per step that logged one, ``(step, {bar: (begin, end)})`` in seconds since the run started
+    (a resumed run's clock restarts: only records after the last restart are kept).
+    """
+    out: list[tuple[int, dict[str, tuple[float, float]]]] = []
     for r in sorted(records, key=lambda r: r["step"]):
         bars = {}
         for bar in TIMELINE_BARS:
@@ -248,9 +252,12 @@ def _save_atomically(fig, out: str) -> None:
 
 
 def plot_study(curves: Mapping[str, VariantCurves], labels: Mapping[str, str], out: str, title: str = "") -> None:
-    """A study's figure: validation accuracy (top) and on-policy training reward (bottom) per
-    variant, seed mean as a line and ± one sd over seeds as a band; reference resets as thin
-    vertical lines in the variant's colour. Written to ``out`` (PNG), atomically."""
+    """A study's figure.
+
+    Validation accuracy (top) and on-policy training reward (bottom) per variant, seed mean as a
+    line and ± one sd over seeds as a band; reference resets as thin vertical lines in the variant's
+    colour. Written to ``out`` (PNG), atomically.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)

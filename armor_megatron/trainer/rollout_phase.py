@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,6 +47,8 @@ from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
+    """What the rollout phase needs: group size, sampling, advantage estimator and its parameters."""
+
     group_size: int
     sampling: SamplingParams
     estimator: str = "dapo"  # read by trainer.advantages
@@ -126,7 +128,7 @@ def collect_groups(
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
-    if anchors:
+    if anchor_results is not None:  # set exactly when there are anchors
         metrics.update(
             {
                 "anchor/found_rate": sum(found) / len(found),  # anchors in the groups
@@ -149,7 +151,9 @@ def replace_stale_anchors(
     anchors,
     pad_id: int = 0,
 ) -> tuple[RolloutBatch, int]:
-    """Resample the anchors of ``batch`` that another reference than ``reference_version`` produced
+    """Resample the anchors of ``batch`` an older reference produced.
+
+    Resample the anchors of ``batch`` that another reference than ``reference_version`` produced
     (a batch generated before a reference reset, trained after it); returns (the batch, how many).
 
     Each stale anchor row gets a fresh anchor of the new reference from ``anchors`` (its rejection
@@ -213,8 +217,11 @@ def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
 
 
 def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]:
-    """Per row of a rollout batch: its prompt's token ids and its response as a `Sample` (the
-    inverse of `_to_batch`, engine log-probs included)."""
+    """Per row of a rollout batch.
+
+    Its prompt's token ids and its response as a `Sample` (the inverse of `_to_batch`, engine
+    log-probs included).
+    """
     prompts, samples = [], []
     n_response = batch["response_mask"].sum(1).long().tolist()
     for i, (length, n) in enumerate(zip(batch["lengths"].tolist(), n_response)):
@@ -235,8 +242,11 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
 
 
 def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
-    """``rollout/accuracy/<verifier>``: on-policy accuracy of the groups each verifier scores
-    (mixed-domain datasets route rows by their ``type``); accuracy and is_anchor are [P, G]."""
+    """``rollout/accuracy/<verifier>``.
+
+    On-policy accuracy of the groups each verifier scores (mixed-domain datasets route rows by their
+    ``type``); accuracy and is_anchor are [P, G].
+    """
     out = {}
     for name in dict.fromkeys(verifiers):
         rows = torch.tensor([v == name for v in verifiers])
@@ -258,7 +268,7 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
         )
         for i, group in zip(idx, groups):
             out[i] = list(group)
-    return out
+    return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
 def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:

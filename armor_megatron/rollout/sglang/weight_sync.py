@@ -65,7 +65,7 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from armor_megatron.config.schema import WEIGHT_SYNC_MODES
 from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
@@ -80,6 +80,8 @@ register_weight_sync_mode = WEIGHT_SYNC_MODES.register
 
 @dataclasses.dataclass
 class WeightSyncConfig:
+    """How weights reach the engines: mode, bucket size, TP size, and each mode's settings."""
+
     mode: str = "tensor"
     bucket_bytes: int = 512 << 20
     tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
@@ -97,7 +99,8 @@ class WeightSyncConfig:
     timeout: float = 600.0
 
     def __post_init__(self):
-        WEIGHT_SYNC_MODES.definition(self.mode).check_config(self)
+        mode = cast("type[WeightSync]", WEIGHT_SYNC_MODES.definition(self.mode))  # a registered WeightSync class
+        mode.check_config(self)
 
 
 def _on_all(clients: Sequence[SGLangClient], fn) -> list:
@@ -144,8 +147,10 @@ class WeightSync(abc.ABC):
         """Send HF-named tensors to every engine and tag them ``version``."""
 
     def push_sharded(self, weights: ShardedWeights, version: str) -> None:
-        """Push weights spread over the trainer's ranks (called on the driver; every rank takes
-        part). By default they are gathered on the driver, one bucket at a time, and pushed."""
+        """Push weights spread over the trainer's ranks (called on the driver; every rank takes part).
+
+        By default they are gathered on the driver, one bucket at a time, and pushed.
+        """
         self.push(iter(weights), version)
 
     def load_from_disk(self, path: str, version: str) -> None:
@@ -160,6 +165,7 @@ class WeightSync(abc.ABC):
         self.verify(version)
 
     def verify(self, version: str) -> None:
+        """Raise WeightUpdateError unless every engine reports ``version``."""
         for c in self.clients:
             reported = c.weight_version(timeout=self.config.timeout)
             if reported != version:
@@ -186,6 +192,7 @@ class WeightSync(abc.ABC):
             self._maybe_open.discard(i)
 
     def close(self) -> None:
+        """Release what the sync holds (nothing by default)."""
         pass
 
 
@@ -264,8 +271,11 @@ def _mark_last(iterable):
 def _post_tensor_bucket(
     clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
 ) -> None:
-    """One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
-    update's last request (it also flushes the cache)."""
+    """Send one bucket to every engine with ``/update_weights_from_tensor``.
+
+    One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
+    update's last request (it also flushes the cache).
+    """
     load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
     device = cfg.device or _default_handle_device()
     packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
@@ -286,7 +296,10 @@ def _post_tensor_bucket(
 
 @register_weight_sync_mode("tensor")
 class TensorWeightSync(WeightSync):
+    """Pushes buckets as CUDA IPC handles (``update_weights_from_tensor``); engines on the trainer's node."""
+
     def push(self, named_tensors, version):
+        """Push ``named_tensors`` bucket by bucket, then set ``version``."""
         cfg = self.config
         sent = 0
         with self._session():
@@ -298,6 +311,7 @@ class TensorWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
+        """Push every owner's tensors (each owner sends its own), then set ``version``."""
         if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
             self.push(iter(weights), version)
             return
@@ -309,8 +323,11 @@ class TensorWeightSync(WeightSync):
 
 
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether every trainer rank shares the driver's node, from the launcher's environment
-    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process)."""
+    """Whether every trainer rank shares the driver's node.
+
+    Whether every trainer rank shares the driver's node, from the launcher's environment
+    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process).
+    """
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
         return env.get("LOCAL_WORLD_SIZE") == env["WORLD_SIZE"] or env["WORLD_SIZE"] == "1"
@@ -332,6 +349,7 @@ class TensorDelivery(ShardDelivery):
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``; an owner on another node raises."""
         if socket.gethostname() != self.driver_host:
             raise WeightUpdateError(
                 f"tensor weight sync: rank {rank} runs on {socket.gethostname()}, but CUDA IPC handles open only on "
@@ -375,25 +393,34 @@ class _TensorSink(ShardSink):
 
 @register_weight_sync_mode("disk")
 class DiskWeightSync(WeightSync):
+    """Writes an HF checkpoint on a shared file system and has the engines load it."""
+
     @classmethod
     def check_config(cls, config):
+        """Raise ValueError unless ``config`` names a disk directory and an HF config."""
         if not config.disk_dir:
             raise ValueError("weight sync mode 'disk' needs disk_dir")
         if config.hf_config is None:
             raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
 
     def push(self, named_tensors, version):
-        path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
+        """Write ``named_tensors`` as an HF checkpoint and load it into the engines at ``version``."""
+        cfg = self.config
+        assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
+        path = write_hf_checkpoint(cfg.disk_dir, named_tensors, cfg.hf_config)
         self.load_from_disk(path, version)
 
     def push_sharded(self, weights, version):
+        """Every owner writes its own shards; the assembled checkpoint is loaded at ``version``."""
         cfg = self.config
+        assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
         directory = os.path.abspath(cfg.disk_dir)
         os.makedirs(os.path.dirname(directory), exist_ok=True)
         staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
         try:
             reports = weights.deliver(DiskDelivery(staging, cfg.bucket_bytes))
-            weight_map, total = {}, 0
+            weight_map: dict[str, str] = {}
+            total = 0
             for report in filter(None, reports):
                 total += report["bytes"]
                 for fname, names in report["files"].items():
@@ -421,6 +448,7 @@ class DiskDelivery(ShardDelivery):
         self.directory, self.bucket_bytes = directory, bucket_bytes
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``: its shard files in the staging directory."""
         return _DiskSink(self.directory, rank)
 
 
@@ -456,7 +484,8 @@ class DistributedWeightSync(WeightSync):
     """Broadcast over groups of 1 + Σ tp_size ranks, the broadcaster being rank 0.
 
     :meth:`push` (tensors on this process): one group, this process its rank 0.
-    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`)."""
+    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`).
+    """
 
     def __init__(self, clients, config):
         super().__init__(clients, config)
@@ -525,6 +554,7 @@ class DistributedWeightSync(WeightSync):
         self.group = joined["group"]
 
     def push(self, named_tensors, version):
+        """Broadcast ``named_tensors`` to the engines over the weights update group, then set ``version``."""
         cfg = self.config
         if self.group is None:
             self._init_group()
@@ -545,6 +575,7 @@ class DistributedWeightSync(WeightSync):
                         pool.submit(_post, c, "/update_weights_from_distributed", body, cfg.timeout)
                         for c in self.clients
                     ]
+                    assert self.group is not None  # joined above
                     for _, t in bucket:
                         self.group.broadcast(t.detach().to(device).contiguous(), src=0)
                     for f in futures:
@@ -552,8 +583,10 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
-        """Every owner rank broadcasts its own buckets over its own group; this (driver) rank
-        posts the engines' requests in one order (see :mod:`.owner_broadcast`)."""
+        """Every owner rank broadcasts its own buckets over its own group.
+
+        This (driver) rank posts the engines' requests in one order (see :mod:`.owner_broadcast`).
+        """
         from armor_megatron.rollout.sglang.owner_broadcast import OwnerBroadcastDelivery
 
         cfg = self.config
@@ -577,6 +610,7 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def close(self):
+        """Ask the engines to leave every group made, and destroy this side's."""
         names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
         for name in names:
             for c in self.clients:
