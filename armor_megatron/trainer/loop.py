@@ -57,10 +57,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -103,10 +105,22 @@ CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
 def _signal_name(signum: int | None) -> str:
     """``SIGUSR1``; a number that names no signal (on this rank: another rank got it) as is."""
+    if signum is None:
+        return "a preemption signal"
     try:
         return signal.Signals(signum).name
-    except (TypeError, ValueError):
-        return "a preemption signal" if signum is None else f"signal {signum}"
+    except ValueError:
+        return f"signal {signum}"
+
+
+_T = TypeVar("_T")
+
+
+def driver_only(value: _T | None, what: str) -> _T:
+    """``value``, which only the driver rank holds; None means driver code ran on another rank (a bug)."""
+    if value is None:
+        raise RuntimeError(f"{what} exists on the driver rank only")
+    return value
 
 
 class Preempted(Exception):
@@ -269,7 +283,7 @@ class ArmorTrainer:
         Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
         counts only this step's cache misses), and the step's generation cost relative to on-policy only.
         """
-        total = self.anchors.sampler.stats.generated_tokens
+        total = self._anchor_cache.sampler.stats.generated_tokens
         spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
         policy = metrics.get("rollout/generated_tokens", 0.0)
         return {
@@ -280,11 +294,23 @@ class ArmorTrainer:
     def _ref_version(self) -> str:
         return f"ref-{self.ref_resets}"
 
+    @property
+    def _prompts(self) -> PromptLoader:
+        return driver_only(self.loader, "the prompt loader")
+
+    @property
+    def _engine(self) -> RolloutEngine:
+        return driver_only(self.policy_engine, "the policy engine")
+
+    @property
+    def _anchor_cache(self) -> AnchorCache:
+        return driver_only(self.anchors, "the anchor cache")
+
     def trainer_state(self) -> dict:
         """Driver-side state that goes into checkpoints next to the model and optimizer."""
         return {
             "step": self.step,
-            "loader": self.loader.state_dict(),
+            "loader": self._prompts.state_dict(),
             "anchor_cache": self.anchors.state_dict()
             if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache
             else None,
@@ -303,7 +329,7 @@ class ArmorTrainer:
         if state.get("reset_schedule"):
             self.reset_schedule.load_state_dict(state["reset_schedule"])
         if self.is_driver:
-            self.loader.load_state_dict(state["loader"])
+            self._prompts.load_state_dict(state["loader"])
             self.monitor.load_state_dict(state["monitor"])
             self._anchor_state = state.get("anchor_cache")
             self._pending = load_pending(state.get("pending_batch"))
@@ -330,9 +356,9 @@ class ArmorTrainer:
 
         def one_round():
             return collect_groups(
-                self.loader.next_batch(),
+                self._prompts.next_batch(),
                 self.encode,
-                self.policy_engine,
+                self._engine,
                 self.settings,
                 anchors=self.anchors,
                 pad_id=pad,
@@ -397,9 +423,10 @@ class ArmorTrainer:
             self.anchors.reset(self._ref_version())
         if not self.cfg.anchor.pregenerate:
             return
-        state = self.loader.state_dict()
-        rows = self.loader.next_batch()
-        self.loader.load_state_dict(state)
+        loader = self._prompts
+        state = loader.state_dict()
+        rows = loader.next_batch()
+        loader.load_state_dict(state)
         truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
@@ -423,8 +450,10 @@ class ArmorTrainer:
         with timer.phase("rollout"):
             pending, self._pending = self._pending, None
             if pending is None:  # the first step, or after the update with the forced wait
-                self._background.start(lambda step=self.step: self._generate(step))
+                self._background.start(functools.partial(self._generate, self.step))
                 pending = self._background.join()
+                if pending is None:
+                    raise RuntimeError(f"the rollout for step {self.step + 1} returned no batch")
                 ran.append(pending)
             batch, metrics = pending.batch, dict(pending.metrics)
             if pending.for_step != self.step:
@@ -436,33 +465,33 @@ class ArmorTrainer:
             metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
         self._timeline_rollout = pending
         if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
-            self._background.start(lambda step=self.step + 1: self._generate(step))
+            self._background.start(functools.partial(self._generate, self.step + 1))
         return batch, metrics, ran
 
-    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch, dict]:
+    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
         """Driver: replace the anchors an older reference produced, and recompute advantages.
 
         Driver: anchors of an older reference (the batch was generated before a reset) replaced
         by the current reference's (`rollout_phase.replace_stale_anchors`), advantages recomputed;
         ``anchor/stale_resampled`` counts them.
         """
-        stale = 0
-        if stale_anchor_rows(batch, self._ref_version()):
-            self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
-            batch, stale = replace_stale_anchors(
-                batch,
-                self._ref_version(),
-                self._rows_by_index,
-                self.encode,
-                self.policy_engine,
-                self.settings,
-                self.anchors,
-                pad_id=self.tokenizer.pad_token_id or 0,
-            )
-            if not self.cfg.anchor.cache:
-                self.anchors.reset(self._ref_version())  # they serve once
-            batch, metrics = self._with_advantages(batch, metrics)
-        return batch, {**metrics, "anchor/stale_resampled": float(stale)}
+        if not stale_anchor_rows(batch, self._ref_version()):
+            return batch, {**metrics, "anchor/stale_resampled": 0.0}
+        self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
+        replaced, stale = replace_stale_anchors(
+            batch,
+            self._ref_version(),
+            self._rows_by_index,
+            self.encode,
+            self._engine,
+            self.settings,
+            self._anchor_cache,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )
+        if not self.cfg.anchor.cache:
+            self._anchor_cache.reset(self._ref_version())  # they serve once
+        trained, metrics = self._with_advantages(replaced, metrics)
+        return trained, {**metrics, "anchor/stale_resampled": float(stale)}
 
     def _settled_pending(self) -> PendingBatch | None:
         """Driver: the pending batch, once no generation runs (a checkpoint holds it)."""
@@ -536,7 +565,7 @@ class ArmorTrainer:
                 if self.is_driver:
                     if self.anchors is not None:  # the anchor source keeps what it swaps back in
                         weights = self.anchors.sampler.source.policy_weights_pushed(weights)
-                    self.policy_engine.update_weights(weights, f"step-{self.step}")
+                    self._engine.update_weights(weights, f"step-{self.step}")
                 else:
                     _materialise(weights)
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
@@ -626,7 +655,7 @@ class ArmorTrainer:
         from armor_megatron.rewards import flatten_metrics
 
         result = evaluate(
-            self.policy_engine,
+            self._engine,
             self.encode,
             self.eval_sets,
             self.eval_sampling,
@@ -667,7 +696,7 @@ class ArmorTrainer:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
                 last, saved = self._step(save, save_hf)
-                if self.is_driver:
+                if reporter is not None:  # the driver's
                     last = self._report(last, reporter)
                 if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
                     if not saved:
