@@ -52,6 +52,8 @@ setup(
             "pytest-timeout>=2.3",
             "matplotlib>=3.7",
             "ruff==0.17.6",
+            "mypy==2.4.1",  # .ci/run type-checks the package (settings in pyproject.toml)
+            "types-PyYAML==6.0.12.20261122",
             "coverage>=7.6",
             "sglang-router==0.3.2",  # the real router binary (CPU): tests/rollout/sglang/test_router.py
         ],

@@ -1,9 +1,20 @@
-"""Suite-wide rule: every process a test starts is stopped by that test (a ``finally`` or a
+"""Two suite-wide rules.
+
+**Slow tests are marked by measurement.** A test not marked ``slow`` whose call and own set-up
+(its function-scoped fixtures) take more than ``ARMOR_SLOW_TEST_SECONDS`` seconds of wall time
+(default 10, on 2 idle cores; the fast subset is ``-m "not slow"``) fails, with a line asking to
+mark it ``@pytest.mark.slow`` or make it faster. A shared (module-, class- or session-scoped)
+fixture is judged on its own, whichever test sets it up first: over the limit, the unmarked test
+that set it up fails, naming it. On a loaded machine raise the limit (``ARMOR_SLOW_TEST_SECONDS=30``);
+``0`` turns the check off. A test that failed or was skipped is left as it is.
+
+**Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
 still alive after a grace period fails the run, named, and is killed.
 
-Three helpers are started by the code under test for the whole life of a process, by design, and
-are stopped here the way their owners stop them before the check:
+The ranks `tests.megatron.spawn.run_ranks` keeps for the session are stopped first (a clean exit
+writes their coverage data). Three helpers are started by the code under test for the whole life of
+a process, by design, and are stopped here the way their owners stop them before the check:
 
 * megatron's checkpoint-writer results server (`armor_megatron.megatron.checkpoint.
   _start_writer_results_server`): a ``multiprocessing`` Manager kept while the trainer process
@@ -17,15 +28,109 @@ are stopped here the way their owners stop them before the check:
 
 from __future__ import annotations
 
+import os
 import sys
+import time
 
 import psutil
 import pytest
 
 GRACE_S = 10.0
+SLOW_ENV = "ARMOR_SLOW_TEST_SECONDS"
+SLOW_DEFAULT_S = 10.0
+
+
+def slow_limit_s() -> float:
+    """The wall-time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit)."""
+    raw = os.environ.get(SLOW_ENV, "")
+    try:
+        return float(raw) if raw.strip() else SLOW_DEFAULT_S
+    except ValueError:
+        raise pytest.UsageError(f"{SLOW_ENV}={raw!r} is not a number of seconds") from None
+
+
+_LIMIT = pytest.StashKey[float]()
+_OWN_SETUP_S = pytest.StashKey[float]()
+_SHARED_SETUPS = pytest.StashKey[list]()
+_shared_setups: list[tuple[str, float]] = []  # (fixture, seconds) of the shared fixtures set up for this test
+_shared_depth = 0  # shared fixtures being set up (one may request another)
+
+
+def pytest_configure(config):
+    config.stash[_LIMIT] = slow_limit_s()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    _shared_setups.clear()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_fixture_setup(fixturedef, request):
+    """Times the set-up of module-, class-, package- and session-scoped fixtures: the first test
+    using one must not pay for it (the order varies), the fixture is judged on its own."""
+    global _shared_depth
+    shared = fixturedef.scope != "function"
+    start = time.perf_counter()
+    _shared_depth += shared
+    yield
+    _shared_depth -= shared
+    if shared and not _shared_depth:
+        _shared_setups.append((fixturedef.argname, time.perf_counter() - start))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "setup":
+        item.stash[_OWN_SETUP_S] = report.duration - sum(s for _, s in _shared_setups)
+        item.stash[_SHARED_SETUPS] = list(_shared_setups)
+        return
+    limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
+    if report.when != "call" or not report.passed or limit <= 0 or item.get_closest_marker("slow"):
+        return
+    own_setup = max(0.0, item.stash.get(_OWN_SETUP_S, 0.0))
+    took = own_setup + report.duration
+    over = f"over the {limit:g} s limit of a test not marked slow ({SLOW_ENV})"
+    if took > limit:
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{item.nodeid} took {took:.1f} s (setup {own_setup:.1f} s), {over}: "
+            "mark it @pytest.mark.slow or make it faster"
+        )
+        return
+    for fixture, seconds in item.stash.get(_SHARED_SETUPS, []):
+        if seconds > limit:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid}: its shared fixture {fixture!r} took {seconds:.1f} s to set up, {over}: "
+                "mark the tests that use it @pytest.mark.slow or make it faster"
+            )
+            return
+
+
+@pytest.fixture(scope="session")
+def world_of_one():
+    """torch.distributed and megatron-core's model-parallel state of this process alone (gloo,
+    world size 1, TP=PP=1), for in-process Megatron tests; started once, stopped at the session's
+    end (a group that an earlier test left running serves as well and is left to it)."""
+    import torch.distributed as dist
+
+    from armor_megatron.megatron import dist as mdist
+
+    owned = not dist.is_initialized()
+    mdist.initialize(mdist.ParallelConfig(), environ={})
+    yield
+    if owned:
+        mdist.shutdown()
 
 
 def _stop_lifetime_helpers() -> None:
+    spawn = sys.modules.get("tests.megatron.spawn")
+    if spawn is not None:  # the ranks `run_ranks` keeps for the session
+        spawn.stop_pool()
     checkpoint = sys.modules.get("armor_megatron.megatron.checkpoint")
     if checkpoint is not None and checkpoint._writer_results_server is not None:
         from megatron.core.dist_checkpointing.strategies import filesystem_async

@@ -32,6 +32,25 @@ def test_spawns_a_process_and_joins_it():
     assert p.exitcode == 0
 """
 
+POOLED = """
+import sys
+
+import psutil
+
+sys.path.insert(0, {repo!r})
+from tests.megatron.spawn import run_ranks
+
+
+def _square(rank, x):
+    return x * x
+
+
+def test_pooled_ranks_outlive_the_call():
+    assert run_ranks(_square, 2, 3) == [9, 9]
+    assert run_ranks(_square, 1, 4) == [16]  # the same processes serve the next call
+    assert len([p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]) == 2
+"""
+
 
 def _suite(pytester, body):
     with open(os.path.join(HERE, "conftest.py")) as f:
@@ -55,5 +74,12 @@ def test_a_process_left_running_fails_the_run_and_is_killed(pytester, tmp_path):
 @pytest.mark.timeout(120)
 def test_lifetime_helpers_are_stopped_not_reported(pytester):
     result = _suite(pytester, TIDY)
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    assert "outlived" not in result.stdout.str()
+
+
+@pytest.mark.timeout(180)
+def test_pooled_ranks_are_stopped_at_the_end_not_reported(pytester):
+    result = _suite(pytester, POOLED.format(repo=os.path.dirname(HERE)))
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert "outlived" not in result.stdout.str()

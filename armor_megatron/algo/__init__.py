@@ -1,10 +1,12 @@
-"""The ARMOR algorithm in pure torch: mixed ratio, clipped loss, advantages, anchors, PPO value loss,
-DAPO's dynamic sampling and overlong shaping, reference reset schedules.
+"""The ARMOR algorithm in pure torch.
+
+Mixed ratio, clipped loss, advantages, anchors, PPO value loss, DAPO's dynamic sampling and overlong
+shaping, reference reset schedules.
 
 Nothing here imports megatron or a rollout engine; tensors in, tensors out. Advantage
-estimators and policy losses are looked up by name in registries (registry.py):
+estimators, policy losses and reset schedules are looked up by name in registries (registry.py):
 ``compute_advantages(name, rewards=..., **kwargs)``, ``get_policy_loss(name)`` with
-``make_policy_loss_config(name, **hyper_parameters)``.
+``make_policy_loss_config(name, **hyper_parameters)``, ``build_reset_schedule(name, **params)``.
 """
 
 from armor_megatron.algo.advantages import (
@@ -13,6 +15,7 @@ from armor_megatron.algo.advantages import (
     compute_advantages,
     gae_advantages,
     get_estimator,
+    needs_critic,
     outcome_token_rewards,
     register_advantage_estimator,
     whiten_advantages,
@@ -32,7 +35,7 @@ from armor_megatron.algo.loss import (
 from armor_megatron.algo.metrics import reduce_loss_metrics
 from armor_megatron.algo.overlong import apply_overlong_shaping, overlong_penalty
 from armor_megatron.algo.ratio import mixed_log_ratio, mixture_weight, trust_region_bounds
-from armor_megatron.algo.reset import ResetSchedule, build_reset_schedule
+from armor_megatron.algo.reset import RESET_SCHEDULES, ResetSchedule, build_reset_schedule, register_reset_schedule
 from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.algo.value_loss import (
     ValueLossConfig,
@@ -45,6 +48,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ESTIMATORS",
     "POLICY_LOSSES",
+    "RESET_SCHEDULES",
     "AnchorGroups",
     "DynamicSampler",
     "PolicyLossConfig",
@@ -66,12 +70,14 @@ __all__ = [
     "make_policy_loss_config",
     "mixed_log_ratio",
     "mixture_weight",
+    "needs_critic",
     "outcome_token_rewards",
     "overlong_penalty",
     "policy_loss",
     "reduce_loss_metrics",
     "register_advantage_estimator",
     "register_policy_loss",
+    "register_reset_schedule",
     "truncated_is_weights",
     "trust_region_bounds",
     "value_loss",

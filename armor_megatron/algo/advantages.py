@@ -14,14 +14,24 @@ rewards are all equal (a group for the group estimators, the batch for REINFORCE
 advantages of exactly 0 whatever the reward value: in fp32, mean(0.7, …, 0.7) ≠ 0.7 and the
 rounding error divided by std + ε ≈ 1e-6 gave 0.056.
 
-Every estimator is registered in ``ADVANTAGE_ESTIMATORS`` (``kind`` "group": takes
-``rewards`` [num_groups, G]; "token": per-token inputs, GAE) with the arguments its signature
-takes; ``compute_advantages(name, rewards=..., **kwargs)`` checks them and dispatches.
+Every estimator is registered in ``ADVANTAGE_ESTIMATORS`` with the arguments its signature
+takes, the ``algorithm`` config keys that supply its hyper-parameters (``config_keys``) and
+one trait, ``critic``:
+
+* False (group-based): ``fn(rewards [num_groups, G], **hyper) -> advantages [num_groups, G]``,
+  computed once per step on the driver;
+* True: the trainer trains a critic beside the actor and calls, on every rank,
+  ``fn(values [B, T], rewards [B, T], mask [B, T], **hyper) -> (advantages, returns) [B, T]``
+  with the critic's values and the outcome reward on each response's last token.
+
+``compute_advantages(name, rewards=..., **kwargs)`` checks the arguments and dispatches;
+``needs_critic(name)`` is what the trainer, the config checks and the memory plan ask.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,7 +39,7 @@ from armor_megatron.algo.registry import Registry
 
 DEFAULT_EPS = 1e-6
 
-ADVANTAGE_ESTIMATORS = Registry("advantage estimator")
+ADVANTAGE_ESTIMATORS = Registry("advantage estimator", traits={"critic": False})
 register_advantage_estimator = ADVANTAGE_ESTIMATORS.register
 
 
@@ -48,7 +58,7 @@ def _zero_where(constant: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
     return torch.where(constant, torch.zeros_like(adv), adv).float()
 
 
-@register_advantage_estimator("grpo", "dapo", kind="group")
+@register_advantage_estimator("grpo", "dapo", config_keys={"eps": "std_eps"})
 def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
     """GRPO / DAPO group normalisation:  A_gi = (r_gi − mean_g) / (std_g + ε).
 
@@ -59,18 +69,22 @@ def grpo_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Te
     return _zero_where(_constant_rows(r), adv)
 
 
-@register_advantage_estimator("drgrpo", kind="group")
+@register_advantage_estimator("drgrpo")
 def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """Dr. GRPO (GRPO done right): the mean baseline without the std division,
-    A_gi = r_gi − mean_g, which removes the question-difficulty bias of 1/std_g."""
+    """Dr.
+
+    GRPO (GRPO done right): the mean baseline without the std division, A_gi = r_gi − mean_g, which
+    removes the question-difficulty bias of 1/std_g.
+    """
     r = _check_groups(rewards)
     return _zero_where(_constant_rows(r), r - r.mean(dim=1, keepdim=True))
 
 
-@register_advantage_estimator("qae", kind="group")
+@register_advantage_estimator("qae", config_keys={"k": "qae_quantile", "eps": "std_eps"})
 def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """QAE (Quantile Advantage Estimation, arXiv 2509.22611): GRPO/DAPO with the group mean
-    replaced by the group's K-quantile,
+    """QAE (Quantile Advantage Estimation, arXiv 2509.22611).
+
+    GRPO/DAPO with the group mean replaced by the group's K-quantile,
 
         A_gi = (r_gi − Q_K(r_g)) / (std_g + ε),
 
@@ -88,10 +102,11 @@ def qae_advantages(rewards: torch.Tensor, k: float = 0.4, eps: float = DEFAULT_E
     return _zero_where(_constant_rows(r), adv)
 
 
-@register_advantage_estimator("rloo", kind="group")
+@register_advantage_estimator("rloo")
 def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
-    """RLOO (REINFORCE leave-one-out): the baseline of each response is the mean of the
-    other G−1 responses of its group,
+    """RLOO (REINFORCE leave-one-out).
+
+    The baseline of each response is the mean of the other G−1 responses of its group,
 
         A_gi = r_gi − (1/(G−1)) Σ_{j≠i} r_gj = G/(G−1) · (r_gi − mean_g).
     """
@@ -100,10 +115,12 @@ def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
     return _zero_where(_constant_rows(r), (r - r.mean(dim=1, keepdim=True)) * (g / (g - 1)))
 
 
-@register_advantage_estimator("reinforce++", kind="group")
+@register_advantage_estimator("reinforce++", config_keys={"eps": "std_eps"})
 def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """REINFORCE++ with outcome rewards and no per-token KL: the return of every response is
-    its reward, normalised over the whole batch (all groups together, each response once):
+    """REINFORCE++ with outcome rewards and no per-token KL.
+
+    The return of every response is its reward, normalised over the whole batch (all groups
+    together, each response once):
 
         A_gi = (r_gi − mean_batch) / (std_batch + ε),   std over all num_groups·G rewards (Bessel).
     """
@@ -111,26 +128,31 @@ def reinforce_pp_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> 
     return _zero_where(r.amax() == r.amin(), (r - r.mean()) / (r.std() + eps))
 
 
-@register_advantage_estimator("reinforce++-baseline", kind="group")
+@register_advantage_estimator("reinforce++-baseline", config_keys={"eps": "std_eps"})
 def reinforce_pp_baseline_advantages(rewards: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
-    """REINFORCE++-baseline: subtract the group mean, then divide by the std of those centred
-    values over the whole batch:  c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε)."""
+    """REINFORCE++-baseline.
+
+    Subtract the group mean, then divide by the std of those centred values over the whole batch:
+    c_gi = r_gi − mean_g,  A_gi = c_gi / (std_batch(c) + ε).
+    """
     r = _check_groups(rewards)
     constant = _constant_rows(r)
     centred = torch.where(constant, 0.0, r - r.mean(dim=1, keepdim=True))
     return _zero_where(constant, centred / (centred.std() + eps))
 
 
-@register_advantage_estimator("gae", kind="token")
+@register_advantage_estimator("gae", critic=True, config_keys={"gamma": "gamma", "lam": "lam"})
 def gae_advantages(
     values: torch.Tensor, rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lam: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalised Advantage Estimation over response tokens.
 
     Args:
-        values: [B, T] critic values V_t; rewards: [B, T] per-token rewards r_t (an outcome
-            reward sits on the last valid token); mask: [B, T], 1 on valid tokens.
-        gamma: discount γ; lam: GAE λ.
+        values: [B, T] critic values V_t.
+        rewards: [B, T] per-token rewards r_t (an outcome reward sits on the last valid token).
+        mask: [B, T], 1 on valid tokens.
+        gamma: discount γ.
+        lam: GAE λ.
 
     With t+1 the next *valid* token of the same sequence (V = 0 after the last one):
 
@@ -159,8 +181,11 @@ def gae_advantages(
 
 
 def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Per-token rewards [B, T] for GAE: the outcome reward ``rewards`` [B] of each sequence on
-    its last valid token (highest t with mask 1), 0 elsewhere; a row without tokens gets none."""
+    """Per-token rewards [B, T] for GAE.
+
+    The outcome reward ``rewards`` [B] of each sequence on its last valid token (highest t with mask
+    1), 0 elsewhere; a row without tokens gets none.
+    """
     if rewards.dim() != 1 or mask.dim() != 2 or rewards.shape[0] != mask.shape[0]:
         raise ValueError(f"rewards must be [B] and mask [B, T]; got {tuple(rewards.shape)} and {tuple(mask.shape)}")
     valid = mask.bool()
@@ -173,8 +198,10 @@ def outcome_token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Te
 
 
 def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """PPO's advantage whitening over the valid tokens of the batch:
-    A' = (A − mean) / (std + ε), mean and std (Bessel) over tokens with mask 1; 0 elsewhere."""
+    """PPO's advantage whitening over the valid tokens of the batch.
+
+    A' = (A − mean) / (std + ε), mean and std (Bessel) over tokens with mask 1; 0 elsewhere.
+    """
     if advantages.shape != mask.shape:
         raise ValueError(f"advantages {tuple(advantages.shape)} and mask {tuple(mask.shape)} must share a shape")
     valid = mask.bool()
@@ -188,19 +215,28 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, eps: float =
 
 
 ESTIMATORS = ADVANTAGE_ESTIMATORS  # name -> function (read-only mapping; register with the decorator)
-GROUP_ESTIMATORS = tuple(
-    name for name, e in ADVANTAGE_ESTIMATORS.items() if ADVANTAGE_ESTIMATORS.entry(name).meta["kind"] == "group"
-)
+
+
+def needs_critic(name: str) -> bool:
+    """The estimator registered as ``name`` works from a critic's per-token values (GAE).
+
+    The trainer builds and trains one, and its advantages are per token, not per group.
+    """
+    return bool(ADVANTAGE_ESTIMATORS.entry(name).meta["critic"])
 
 
 def get_estimator(name: str) -> Callable[..., torch.Tensor | tuple[torch.Tensor, torch.Tensor]]:
     """The estimator registered under ``name``; an unknown name raises one line listing the known ones."""
-    return ADVANTAGE_ESTIMATORS.entry(name).fn
+    return ADVANTAGE_ESTIMATORS.definition(name)
 
 
-def compute_advantages(name: str, *args, **kwargs) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch by config name: ``compute_advantages("qae", rewards=r, k=0.4)``,
-    ``compute_advantages("gae", values=v, rewards=r, mask=m, gamma=1.0, lam=0.95)``.
+def compute_advantages(name: str, *args: Any, **kwargs: Any) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Dispatch by config name.
 
-    Arguments the estimator does not take raise one line naming those it takes."""
-    return ADVANTAGE_ESTIMATORS.call(name, *args, **kwargs)
+    ``compute_advantages("qae", rewards=r, k=0.4)``, ``compute_advantages("gae", values=v,
+    rewards=r, mask=m, gamma=1.0, lam=0.95)``.
+
+    Arguments the estimator does not take raise one line naming those it takes.
+    """
+    result: torch.Tensor | tuple[torch.Tensor, torch.Tensor] = ADVANTAGE_ESTIMATORS.call(name, *args, **kwargs)
+    return result

@@ -1,4 +1,6 @@
-"""Anchor groups: assembling training groups of G responses from on-policy samples and
+"""Anchor groups: training groups of G responses from on-policy samples and reference tries.
+
+Anchor groups: assembling training groups of G responses from on-policy samples and
 reference tries (the sampling side of anchors lives in `armor_megatron.rollout.anchor`).
 
 For every prompt the rollout draws G−1 responses from π_old and up to ``max_tries`` responses
@@ -48,20 +50,33 @@ class AnchorGroups:
 
     @property
     def group_size(self) -> int:
+        """G, the number of rows per group."""
         return self.rewards.shape[1]
 
     def gather(
         self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
     ) -> list[T]:
-        """The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
-        the rewards passed to ``assemble_anchor_groups``."""
-        return [
-            (policy_items if row.source == "policy" else reference_items)[row.prompt][row.index] for row in self.rows
-        ]
+        """Items in row order (num_groups·G), gathered from per-prompt policy and reference lists.
+
+        The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
+        the rewards passed to ``assemble_anchor_groups``.
+        """
+
+        def source(row: RowSource) -> Sequence[Sequence[T]]:
+            if row.source == "policy":
+                return policy_items
+            if reference_items is None:
+                raise ValueError("gather: the groups hold anchor rows but no reference_items were given")
+            return reference_items
+
+        return [source(row)[row.prompt][row.index] for row in self.rows]
 
     def stats(self) -> dict[str, float]:
-        """anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
-        tries per prompt), anchor_tries_total, num_groups."""
+        """Anchor statistics of this batch of groups.
+
+        anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
+        tries per prompt), anchor_tries_total, num_groups.
+        """
         n = len(self.found)
         return {
             "anchor_found_rate": sum(self.found) / max(n, 1),
@@ -74,8 +89,11 @@ class AnchorGroups:
 def select_anchor(
     reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
 ) -> tuple[int | None, int]:
-    """Rejection sampling over the tries in order: (index of the first try with reward ≥
-    ``success_reward`` among the first ``max_tries``, or None; tries used)."""
+    """Rejection sampling over the tries in order.
+
+    (index of the first try with reward ≥ ``success_reward`` among the first ``max_tries``, or None;
+    tries used).
+    """
     if max_tries < 1:
         raise ValueError(f"anchor max_tries must be >= 1, got {max_tries!r}")
     tries = list(reference_rewards)[:max_tries]
@@ -125,7 +143,7 @@ def assemble_anchor_groups(
             )
         rows += [RowSource(p, "policy", i) for i in range(need)]
         group = [float(r) for r in list(pol)[:need]]
-        if anchor is not None:
+        if anchor is not None and reference_rewards is not None:
             rows.append(RowSource(p, "reference", anchor))
             group.append(float(reference_rewards[p][anchor]))
         rewards.append(group)
@@ -138,8 +156,10 @@ def assemble_anchor_groups(
 
 
 def anchor_zero_advantage_rate(advantages: torch.Tensor, is_anchor: torch.Tensor, atol: float = 0.0) -> torch.Tensor:
-    """Share of anchor rows whose advantage is zero (|A| ≤ atol): anchors that contribute no
-    gradient, e.g. under QAE's quantile baseline on easy prompts. 0 when there are no anchors.
+    """Share of anchor rows whose advantage is zero (|A| ≤ atol).
+
+    Anchors that contribute no gradient, e.g. under QAE's quantile baseline on easy prompts. 0 when
+    there are no anchors.
 
     advantages: [num_groups, G] (or any shape) sequence-level advantages; is_anchor: same shape.
     """

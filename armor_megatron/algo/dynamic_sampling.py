@@ -33,7 +33,9 @@ class DynamicSampler:
     raises (DAPO's max_num_gen_batches) unless the caller stops adding and takes a partial batch.
     """
 
-    def __init__(self, target_groups: int, max_rounds: int | None = None, pad_values: dict | None = None):
+    def __init__(
+        self, target_groups: int, max_rounds: int | None = None, pad_values: dict[str, float | int] | None = None
+    ):
         if target_groups < 1:
             raise ValueError(f"dynamic sampling target_groups must be >= 1, got {target_groups!r}")
         if max_rounds is not None and max_rounds < 1:
@@ -45,6 +47,7 @@ class DynamicSampler:
 
     @property
     def done(self) -> bool:
+        """Whether ``target_groups`` groups have been kept."""
         return self.groups_kept >= self.target_groups
 
     def add(self, batch: RolloutBatch, rewards: torch.Tensor) -> int:
@@ -72,8 +75,11 @@ class DynamicSampler:
         return kept
 
     def take(self, allow_partial: bool = False) -> RolloutBatch | None:
-        """The first ``target_groups`` kept groups (target_groups·G rows). Before ``done`` it
-        raises, unless ``allow_partial``: then it returns what was kept (None if nothing)."""
+        """The first ``target_groups`` kept groups (target_groups·G rows).
+
+        Before ``done`` it raises, unless ``allow_partial``: then it returns what was kept (None if
+        nothing).
+        """
         if not self.done and not allow_partial:
             raise RuntimeError(
                 f"dynamic sampling: only {self.groups_kept} of {self.target_groups} groups kept "
@@ -81,6 +87,7 @@ class DynamicSampler:
             )
         if not self._kept:
             return None
+        assert self.group_size is not None  # set by the first add(), which _kept implies
         return RolloutBatch.concat(self._kept, self.pad_values).slice(0, self.target_groups * self.group_size)
 
     def stats(self) -> dict[str, float]:

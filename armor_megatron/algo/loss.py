@@ -1,4 +1,6 @@
-"""DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
+"""DAPO clipped surrogate on the ARMOR mixed ratio.
+
+DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
 aggregation modes of the RL frameworks.
 
 Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantage A:
@@ -41,6 +43,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +73,7 @@ class PolicyLossConfig:
     dual_clip_c: float | None = None  # e.g. 3.0; bounds the loss of negative advantages
     loss_agg: str = "token-mean"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         check_alpha(self.alpha)
         if not 0.0 < self.eps_low < 1.0:
             raise ValueError(f"eps_low must be in (0, 1), got {self.eps_low!r}")
@@ -80,19 +83,23 @@ class PolicyLossConfig:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> PolicyLossConfig:
+    def replace(self, **changes: Any) -> PolicyLossConfig:
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
 def check_loss_agg(loss_agg: str) -> None:
+    """Raise one line unless ``loss_agg`` is one of ``LOSS_AGG_MODES``."""
     if loss_agg not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg must be one of {', '.join(LOSS_AGG_MODES)}; got {loss_agg!r}")
 
 
 def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
-    """The local count of aggregation units in ``mask`` [B, T]: valid tokens for token-mean,
-    sequences with at least one valid token for the seq-* modes. Sum it over micro-batches and
-    data-parallel ranks to get the global ``normalizer`` of ``policy_loss``."""
+    """The local count of aggregation units in ``mask`` [B, T].
+
+    Valid tokens for token-mean, sequences with at least one valid token for the seq-* modes. Sum it
+    over micro-batches and data-parallel ranks to get the global ``normalizer`` of ``policy_loss``.
+    """
     check_loss_agg(loss_agg)
     valid = mask.bool()
     if loss_agg == "token-mean":
@@ -103,9 +110,11 @@ def loss_normalizer(mask: torch.Tensor, loss_agg: str) -> torch.Tensor:
 def aggregate_token_loss(
     token_loss: torch.Tensor, mask: torch.Tensor, loss_agg: str, normalizer: torch.Tensor | float | None = None
 ) -> torch.Tensor:
-    """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc):
-    Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where
-    ``mask`` is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count)."""
+    """The loss L of per-token losses ``token_loss`` [B, T] under ``loss_agg`` (module doc).
+
+    Σ_i Σ_t ℓ_it / N, or Σ_i (Σ_t ℓ_it / T_i) / N for seq-mean-token-mean. Positions where ``mask``
+    is 0 are dropped; ``normalizer`` is the GLOBAL N (None: this call's own count).
+    """
     if isinstance(normalizer, (int, float)) and normalizer <= 0:
         raise ValueError(f"normalizer must be > 0, got {normalizer!r}")
     valid = mask.bool()
@@ -120,7 +129,15 @@ def aggregate_token_loss(
     return total / normalizer
 
 
-def _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, token_weights=None) -> None:
+def _check_inputs(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    entropy: torch.Tensor | None,
+    token_weights: torch.Tensor | None = None,
+) -> None:
     if logp.dim() != 2:
         raise ValueError(f"logp must be [B, T], got shape {tuple(logp.shape)}")
     named = (("old_logp", old_logp), ("ref_logp", ref_logp), ("mask", mask), ("entropy", entropy))
@@ -155,8 +172,9 @@ def policy_loss(
     """ARMOR/DAPO policy loss of one micro-batch (registered as ``"armor"``; α = 1 is PPO/DAPO).
 
     Args:
-        logp, old_logp, ref_logp: [B, T] log-probs of the response tokens under π_θ (with grad),
-            π_old and π_ref (ref_logp may be None when ``cfg.alpha`` == 1).
+        logp: [B, T] log-probs of the response tokens under π_θ (with grad).
+        old_logp: [B, T] log-probs under π_old.
+        ref_logp: [B, T] log-probs under π_ref; may be None when ``cfg.alpha`` == 1.
         advantages: [B] (one per sequence) or [B, T] (per token).
         mask: [B, T], 1/True on real response tokens.
         cfg: the loss hyper-parameters.
@@ -203,23 +221,38 @@ def policy_loss(
 
 
 def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
-    """The policy loss registered as ``name`` (``"armor"``); an unknown name raises one line
-    listing the known ones."""
-    return POLICY_LOSSES.entry(name).fn
+    """The policy loss registered as ``name`` (``"armor"``).
+
+    An unknown name raises one line listing the known ones.
+    """
+    return POLICY_LOSSES.definition(name)
 
 
-def make_policy_loss_config(name: str, **hyper_parameters):
-    """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields);
-    an unknown field raises one line listing the fields the loss takes."""
+def make_policy_loss_config(name: str, **hyper_parameters: Any) -> PolicyLossConfig:
+    """The config of loss ``name`` built from ``hyper_parameters`` (its dataclass fields).
+
+    An unknown field raises one line listing the fields the loss takes.
+    """
     config_cls = POLICY_LOSSES.entry(name).meta["config"]
     fields = [f.name for f in dataclasses.fields(config_cls)]
     unknown = [k for k in hyper_parameters if k not in fields]
     if unknown:
         raise ValueError(f"policy loss {name!r} takes no {', '.join(unknown)}; its config fields: {', '.join(fields)}")
-    return config_cls(**hyper_parameters)
+    config: PolicyLossConfig = config_cls(**hyper_parameters)
+    return config
 
 
-def _metrics(ratio, log_ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg) -> dict[str, torch.Tensor]:
+def _metrics(
+    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor | None,
+    entropy: torch.Tensor | None,
+    cfg: PolicyLossConfig,
+) -> dict[str, torch.Tensor]:
     n = valid.sum()
     denom = n.clamp(min=1).float()
     has_tokens = n > 0

@@ -29,7 +29,7 @@ def overlong_penalty(
 def apply_overlong_shaping(
     rewards: torch.Tensor, lengths: torch.Tensor, max_length: int, buffer_length: int, penalty_factor: float = 1.0
 ) -> torch.Tensor:
-    """rewards + R_length(lengths), same shape."""
+    """Shaped rewards: rewards + R_length(lengths), same shape."""
     if rewards.shape != lengths.shape:
         raise ValueError(f"rewards {tuple(rewards.shape)} and lengths {tuple(lengths.shape)} differ in shape")
     return rewards.float() + overlong_penalty(lengths, max_length, buffer_length, penalty_factor)

@@ -32,7 +32,7 @@ def check_alpha(alpha: float) -> None:
 def mixed_log_ratio(
     logp: torch.Tensor, old_logp: torch.Tensor, ref_logp: torch.Tensor | None, alpha: float
 ) -> torch.Tensor:
-    """log r_mix per token, in fp32, differentiable w.r.t. ``logp``.
+    """The mixed log-ratio log r_mix per token, in fp32, differentiable w.r.t. ``logp``.
 
     Args:
         logp: lp_θ, log π_θ of the sampled tokens (with grad), any shape, e.g. [B, T].
@@ -58,7 +58,7 @@ def mixed_log_ratio(
 
 
 def mixture_weight(logp: torch.Tensor, ref_logp: torch.Tensor, alpha: float) -> torch.Tensor:
-    """w = α·π_θ / (α·π_θ + (1−α)·π_ref) = ∂ log r_mix / ∂ lp_θ, in fp32 (1 where α == 1).
+    """The weight w = α·π_θ / (α·π_θ + (1−α)·π_ref) = ∂ log r_mix / ∂ lp_θ, in fp32 (1 where α == 1).
 
     Computed as sigmoid(log α + lp_θ − log(1−α) − lp_ref), stable for any log-probs.
     """

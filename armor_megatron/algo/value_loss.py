@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -36,12 +37,13 @@ class ValueLossConfig:
     clip_eps: float | None = 0.2
     loss_agg: str = "token-mean"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.clip_eps is not None and not self.clip_eps > 0.0:
             raise ValueError(f"clip_eps must be > 0 (or None), got {self.clip_eps!r}")
         check_loss_agg(self.loss_agg)
 
-    def replace(self, **changes) -> ValueLossConfig:
+    def replace(self, **changes: Any) -> ValueLossConfig:
+        """A copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
 
 
@@ -57,7 +59,9 @@ def value_loss(
     """Clipped value loss of one micro-batch.
 
     Args:
-        values: [B, T] V (with grad); old_values: [B, T] V_old; returns: [B, T] R.
+        values: [B, T] V (with grad).
+        old_values: [B, T] V_old, the values at rollout time.
+        returns: [B, T] R, the value targets.
         mask: [B, T], 1/True on response tokens.
         cfg: clip ε_v and aggregation mode.
         normalizer: the GLOBAL count of aggregation units (``loss.loss_normalizer``); None: this call's.
@@ -100,8 +104,10 @@ def value_loss(
 
 
 def explained_variance_from_moments(metrics: dict[str, float]) -> float:
-    """1 − Var(R − V) / Var(R) from token-weighted means (``value_loss`` metrics, possibly combined
-    over calls): Var(x) = E[x²] − E[x]². NaN when the returns do not vary (undefined)."""
+    """1 − Var(R − V) / Var(R) from token-weighted means (``value_loss`` metrics, possibly combined over calls).
+
+    Var(x) = E[x²] − E[x]². NaN when the returns do not vary (undefined).
+    """
     var_return = metrics["return_sq_mean"] - metrics["return_mean"] ** 2
     var_error = metrics["value_error_sq_mean"] - metrics["value_error_mean"] ** 2
     if var_return <= 0.0:

@@ -17,13 +17,17 @@ class OneLineArgumentParser(argparse.ArgumentParser):
 
 
 def fail(prog: str, message: str, code: int = EXIT_BAD_INPUT) -> int:
+    """Print ``prog: error: message`` to stderr and return the exit code ``code``."""
     print(f"{prog}: error: {message}", file=sys.stderr)
     return code
 
 
 def quiet_third_party_warnings() -> None:
-    """megatron-core and torch.distributed.checkpoint warn about missing GPU extras, deprecations
-    and single-process saving on every run; none of it is actionable for the user of a command."""
+    """Silence third-party warnings no command user can act on.
+
+    megatron-core and torch.distributed.checkpoint warn about missing GPU extras, deprecations
+    and single-process saving on every run; none of it is actionable for the user of a command.
+    """
     for module in ("megatron", "torch.distributed"):
         warnings.filterwarnings("ignore", category=UserWarning, module=module)
         warnings.filterwarnings("ignore", category=FutureWarning, module=module)

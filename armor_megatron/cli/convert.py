@@ -40,6 +40,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``armor-convert`` argument parser (subcommands hf-to-mcore, mcore-to-hf, verify)."""
     parser = OneLineArgumentParser(prog="armor-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -120,6 +121,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``armor-convert``; returns the exit code."""
     args = build_parser().parse_args(argv)
     quiet_third_party_warnings()
     previous = signal.signal(signal.SIGTERM, _interrupt)  # clean up like Ctrl-C does

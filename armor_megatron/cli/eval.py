@@ -23,6 +23,7 @@ PROG = "armor-eval"
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-eval`` argument parser."""
     p = OneLineArgumentParser(prog=PROG, description="Evaluate a model: avg@k and unbiased pass@k per dataset.")
     p.add_argument("--config", help="run config; its eval section and model are the defaults")
     p.add_argument("--model", help="HF model directory (weights and tokenizer)")
@@ -40,8 +41,11 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
-    """The prompt, answer and type keys of evaluation set ``name``: the config's ``data`` keys,
-    an ``eval.datasets`` entry's own keys first; the row defaults without a config."""
+    """The prompt, answer and type keys of evaluation set ``name``.
+
+    The config's ``data`` keys, an ``eval.datasets`` entry's own keys first; the row defaults
+    without a config.
+    """
     if cfg is None:
         return "prompt", "answer", "type"
     data = cfg.data
@@ -52,6 +56,7 @@ def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``armor-eval``; returns the exit code."""
     args = build_parser().parse_args(argv)
     from armor_megatron.config import ConfigError, load_config
 
@@ -114,8 +119,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def domain_accuracy(records: list[dict], eval_sets, default_verifier: str) -> dict[str, dict[str, float]]:
-    """Accuracy per domain over every scored sample: a sample's domain is the verifier its row
-    was scored with (the row's ``type``, else ``default_verifier``)."""
+    """Accuracy per domain over every scored sample.
+
+    A sample's domain is the verifier its row was scored with (the row's ``type``, else
+    ``default_verifier``).
+    """
     from armor_megatron.rewards.metrics import accuracy_by_domain
 
     domain_of = {(es.name, row.index): row.verifier or default_verifier for es in eval_sets for row in es.dataset.rows}

@@ -21,6 +21,7 @@ NEEDS_MATPLOTLIB = "armor-plot needs matplotlib (pip install 'armor_megatron[plo
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-plot`` argument parser."""
     p = OneLineArgumentParser(prog=PROG, description="Plot accuracy curves and phase timings of runs to a PNG.")
     p.add_argument("runs", nargs="+", metavar="RUN_DIR_OR_METRICS_JSONL")
     p.add_argument("--out", required=True, metavar="FILE.png")
@@ -31,6 +32,7 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``armor-plot``; returns the exit code."""
     args = build_parser().parse_args(argv)
     from armor_megatron.trainer.plotting import load_run, plot_runs, unique_labels
 

@@ -1,4 +1,6 @@
-"""Run one command as N local ranks under torchrun's agent, inside this process (``armor-train``
+"""Run one command as N local ranks under torchrun's agent, inside this process.
+
+Run one command as N local ranks under torchrun's agent, inside this process (``armor-train``
 started by hand for a multi-rank job).
 
 Signals: torchrun's agent turns a SIGTERM into "terminate the workers, SIGKILL after 30 s",
@@ -6,6 +8,9 @@ which would cut a checkpoint short. Here the agent handles only SIGINT/SIGHUP/SI
 preemption signals (SIGTERM, SIGUSR1) this process receives are forwarded to the ranks, also to
 ranks that start after the signal came. The ranks run in their own sessions (torchrun starts
 them so), so a signal to this process group reaches them only through this forwarding: once.
+For the same reason a launcher killed outright (``kill -9``, the OOM killer) would leave them
+training on, writing checkpoints beside whatever resumes the run: each rank asks the kernel to
+kill it when the launcher dies (`die_with_launcher`).
 
 Rank reports: each rank finds a status folder in ``ARMOR_RANK_STATUS_DIR`` and leaves there
 ``preempted`` (it saved the preemption checkpoint) or ``rank<R>.error`` (its one-line bad-input
@@ -22,6 +27,8 @@ import tempfile
 import threading
 
 STATUS_DIR_VAR = "ARMOR_RANK_STATUS_DIR"
+LAUNCHER_PID_VAR = "ARMOR_LAUNCHER_PID"
+EXIT_LAUNCHER_GONE = 137  # a rank that found its launcher dead, as if it had been SIGKILLed with it
 PREEMPTED_FILE = "preempted"
 AGENT_SIGNALS = "SIGINT,SIGHUP,SIGQUIT"  # what torchrun's agent still handles itself
 
@@ -35,10 +42,12 @@ class RankReport:
 
     @classmethod
     def from_env(cls) -> RankReport | None:
+        """The report of this rank, or None when the launcher set no status folder."""
         folder = os.environ.get(STATUS_DIR_VAR)
         return None if not folder else cls(folder, int(os.environ.get("RANK", "0")))
 
     def failed(self, line: str) -> None:
+        """Record this rank's one-line failure message."""
         _write(os.path.join(self.folder, f"rank{self.rank}.error"), line)
 
     def others_failed(self) -> bool:
@@ -47,11 +56,14 @@ class RankReport:
         return any(n.endswith(".error") and n != mine for n in os.listdir(self.folder))
 
     def preempted(self) -> None:
+        """Record that this rank saved the preemption checkpoint."""
         _write(os.path.join(self.folder, PREEMPTED_FILE), str(self.rank))
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchResult:
+    """How a local multi-rank launch ended."""
+
     code: int  # the first failing rank's exit code (negative: killed by that signal); 0 when all succeeded
     preempted: bool  # a rank saved the preemption checkpoint
     line: str | None  # the first failing rank's one-line message, when it left one
@@ -60,8 +72,10 @@ class LaunchResult:
 
 
 class SignalForwarder:
-    """Forward ``signals`` received by this process to its child processes (the ranks): at once,
-    and to children that appear later (every ``poll_s`` seconds) while installed."""
+    """Forward ``signals`` received by this process to its child processes (the ranks).
+
+    At once, and to children that appear later (every ``poll_s`` seconds) while installed.
+    """
 
     def __init__(self, signals, poll_s: float = 0.5):
         self.signals = tuple(signals)
@@ -74,12 +88,14 @@ class SignalForwarder:
         self._thread = threading.Thread(target=self._poll, name="armor-signal-forwarder", daemon=True)
 
     def install(self) -> SignalForwarder:
+        """Install the signal handlers and start forwarding; returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         self._thread.start()
         return self
 
     def uninstall(self) -> None:
+        """Stop forwarding and restore the previous signal handlers."""
         self._stop.set()
         self._thread.join()
         for sig, handler in self._previous.items():
@@ -90,6 +106,7 @@ class SignalForwarder:
         self.forward()
 
     def forward(self) -> None:
+        """Send every received signal to each child process that has not had it yet."""
         import psutil
 
         with self._lock:
@@ -108,6 +125,26 @@ class SignalForwarder:
                 self.forward()
 
 
+def die_with_launcher() -> None:
+    """In a rank started by `run_ranks`: SIGKILL this rank when the launcher dies.
+
+    Linux's ``PR_SET_PDEATHSIG``; the agent starts the ranks from the launcher's main thread, which
+    lives as long as the launcher. A launcher already gone by now ends the rank at once. Elsewhere a
+    no-op.
+    """
+    launcher = os.environ.get(LAUNCHER_PID_VAR)
+    if not launcher or not os.environ.get(STATUS_DIR_VAR):
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the ranks outlive a killed launcher, as torchrun's do
+        return
+    if os.getppid() != int(launcher):
+        os._exit(EXIT_LAUNCHER_GONE)
+
+
 def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
     """``torchrun <torchrun_args>`` in this process with the forwarding and reports above."""
     from torch.distributed import run as torchrun
@@ -117,6 +154,7 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
     saved_env = os.environ.get(STATUS_DIR_VAR)
     with tempfile.TemporaryDirectory(prefix="armor-ranks-") as folder:
         os.environ[STATUS_DIR_VAR] = folder
+        os.environ[LAUNCHER_PID_VAR] = str(os.getpid())
         logging.disable(logging.CRITICAL)  # the agent's own failure report: the ranks speak for themselves
         forwarder = SignalForwarder(signals).install()
         first_rank, code, interrupted = None, 0, None
@@ -131,6 +169,7 @@ def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:
         finally:
             forwarder.uninstall()
             logging.disable(logging.NOTSET)
+            os.environ.pop(LAUNCHER_PID_VAR, None)
             if saved_env is None:
                 os.environ.pop(STATUS_DIR_VAR, None)
             else:

@@ -48,6 +48,7 @@ _BAD_INPUT = (ConfigError, LaunchPlanError, SlurmEnvError, NodeListError)
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-slurm`` argument parser (plan, submit, start)."""
     parser = OneLineArgumentParser(prog=PROG, description="Plan, submit and start ARMOR SLURM jobs.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -94,6 +95,7 @@ def _config_args(parser) -> None:
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """Run ``armor-slurm`` (``plan`` when no subcommand is given); returns the exit code."""
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] not in COMMANDS and args_in[0] not in ("-h", "--help"):
         args_in.insert(0, "plan")  # `slurm --config X --dry-run` is `slurm plan --config X --dry-run`

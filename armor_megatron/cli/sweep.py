@@ -1,6 +1,6 @@
-"""``python tools/sweep.py`` / ``python -m armor_megatron.cli.sweep``: expand a config grid into a SLURM job array.
+r"""``python tools/sweep.py`` / ``python -m armor_megatron.cli.sweep``: expand a config grid into a SLURM job array.
 
-    python -m armor_megatron.cli.sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \\
+    python -m armor_megatron.cli.sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
         --grid alpha=0.875,0.9375 --grid tau=80,160 --grid seed=1,2 --max-parallel 4 [--dry-run | --submit]
 
 Naming and file layout: `armor_megatron.launch.sweep`.
@@ -31,6 +31,7 @@ PROG = "armor-sweep"
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-sweep`` argument parser."""
     parser = OneLineArgumentParser(prog=PROG, description="Expand a config grid into a SLURM job array.")
     parser.add_argument("--config", required=True, help="base YAML run config")
     parser.add_argument("--out", required=True, help="sweep directory (configs/, manifest.json)")
@@ -56,6 +57,7 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``armor-sweep``; returns the exit code."""
     args = build_parser().parse_args(argv)
     try:
         grid = read_grid_file(args.grid_file) if args.grid_file else {}

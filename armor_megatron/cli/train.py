@@ -49,6 +49,7 @@ LAUNCHER_VARS = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
 
 
 def build_parser() -> OneLineArgumentParser:
+    """The ``armor-train`` argument parser."""
     parser = OneLineArgumentParser(prog=PROG, description="Run ARMOR RL post-training from a YAML config.")
     parser.add_argument("--config", help="YAML run config (see configs/); required unless --explain")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
@@ -80,9 +81,11 @@ def build_parser() -> OneLineArgumentParser:
 
 
 def processes_needed(cfg) -> int:
-    """Ranks of the job: on CPU the fewest the layout admits (tp·pp·cp, also divisible by the
-    expert layout ep·pp: expert parallelism takes its ranks from data parallelism), on a GPU
-    node its trainer GPUs."""
+    """Ranks of the job.
+
+    On CPU the fewest the layout admits (tp·pp·cp, also divisible by the expert layout ep·pp: expert
+    parallelism takes its ranks from data parallelism), on a GPU node its trainer GPUs.
+    """
     par = cfg.parallelism
     if cfg.launch.gpus_per_node == 0:
         return math.lcm(par.tp * par.pp * par.cp, par.ep * par.pp)
@@ -90,6 +93,7 @@ def processes_needed(cfg) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run ``armor-train``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -177,6 +181,7 @@ def _inside_one_slurm_task() -> bool:
 
 
 def _train(cfg, resume) -> int:
+    relaunch.die_with_launcher()
     quiet_third_party_warnings()
     preemption.record_early_signals()
     from armor_megatron.trainer.loop import Preempted
@@ -213,9 +218,11 @@ def _train(cfg, resume) -> int:
 
 
 def relaunch_under_torchrun(argv: list[str], nprocs: int, requeue_code: int) -> int:
-    """Run ``nprocs`` ranks of this command under torchrun's agent, in this process: SIGTERM and
-    SIGUSR1 go to the ranks (which checkpoint), the exit code is the requeue code when they did,
-    and a rank's bad-input line is printed once."""
+    """Run ``nprocs`` ranks of this command under torchrun's agent, in this process.
+
+    SIGTERM and SIGUSR1 go to the ranks (which checkpoint), the exit code is the requeue code when
+    they did, and a rank's bad-input line is printed once.
+    """
     result = relaunch.run_ranks(
         ["--standalone", f"--nproc-per-node={nprocs}", "-m", "armor_megatron.cli.train", *argv],
         signals=preemption.SIGNALS,

@@ -1,6 +1,7 @@
-"""Checks of what a run config names on this machine: paths, the first rows of each dataset,
-optional packages it turns on, what its settings need (`config.needs`), and the run that owns its
-checkpoint directory.
+"""Checks of what a run config names on this machine.
+
+Paths, the first rows of each dataset, optional packages it turns on, what its settings need
+(`config.needs`), and the run that owns its checkpoint directory.
 
 ``armor-train --check`` runs them after the config's own checks (``validate``); a run started
 on a machine without the files (a laptop preparing a cluster recipe) skips them with
@@ -13,7 +14,7 @@ import importlib.util
 import os
 
 from armor_megatron.config import needs
-from armor_megatron.config.identity import check_run_identity
+from armor_megatron.config.identity import check_run_identity, checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows
@@ -24,6 +25,7 @@ SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # w
 
 
 def check_files(cfg: RunConfig) -> None:
+    """Check the files and datasets ``cfg`` names, the packages it needs and its run identity."""
     _check_model(cfg)
     data = cfg.data
     _check_dataset(
@@ -51,7 +53,7 @@ def check_files(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
     if cfg.reference.init_from and not os.path.isdir(cfg.reference.init_from):
         raise ConfigError("reference.init_from", f"{cfg.reference.init_from}: no such checkpoint directory")
-    for key, path in (("checkpoint.dir", cfg.checkpoint.dir), ("logging.dir", cfg.logging.dir)):
+    for key, path in (("checkpoint.dir", checkpoint_dir(cfg)), ("logging.dir", cfg.logging.dir)):
         _check_writable_dir(key, path)
     _check_packages(cfg)
     needs.check(cfg)
@@ -59,8 +61,10 @@ def check_files(cfg: RunConfig) -> None:
 
 
 def _check_writable_dir(key: str, path: str) -> None:
-    """``path`` is a directory this process can write, or can be created: its nearest existing
-    ancestor is a writable directory (not a file)."""
+    """``path`` is a directory this process can write, or can be created.
+
+    Its nearest existing ancestor is a writable directory (not a file).
+    """
     probe = os.path.abspath(path)
     while not os.path.exists(probe):
         probe = os.path.dirname(probe)
@@ -94,10 +98,13 @@ def _check_model(cfg: RunConfig) -> None:
 
 
 def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]) -> None:
-    """The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
+    """Check one dataset file's first rows against the config.
+
+    The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
     ``answer``: the field and the setting that names it), a row's
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
-    and a user verifier called on it returns a reward (``probe_verifier``)."""
+    and a user verifier called on it returns a reward (``probe_verifier``).
+    """
     from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
 
     data = cfg.data
@@ -119,6 +126,7 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
                     key,
                     f"{path}: row {i} has no {column!r} {field_kind(column)} ({setting}; columns: {', '.join(sorted(row))})",
                 )
+        assert truth is not None  # a row without one raised above
         verifier = field_of(row, data.type_key) if has_field(row, data.type_key) else None
         if verifier is not None:
             try:

@@ -1,5 +1,7 @@
-"""One run, one checkpoint directory: the run's config recorded beside its checkpoints, and the
-refusal to resume a checkpoint that another run wrote.
+"""One run, one checkpoint directory.
+
+The run's config recorded beside its checkpoints, and the refusal to resume a checkpoint that
+another run wrote.
 
 ``<checkpoint.dir>/run_config.yaml`` holds the whole resolved config (secrets redacted), so
 tools that look for a run's config beside its checkpoints (as for Megatron-LM's) find it.
@@ -65,11 +67,19 @@ NOT_DEFINING = (
 )
 
 
+def checkpoint_dir(cfg: RunConfig) -> str:
+    """``checkpoint.dir``; :func:`~armor_megatron.config.load.load_config` names one when the file does not."""
+    if cfg.checkpoint.dir is None:
+        raise ConfigError("checkpoint.dir", "is not set (load_config sets checkpoints/<name> when the file does not)")
+    return cfg.checkpoint.dir
+
+
 def record_path(cfg: RunConfig) -> str:
-    return os.path.join(cfg.checkpoint.dir, RECORD_NAME)
+    """Where the run record of ``cfg``'s run lives: ``<checkpoint.dir>/run_config.yaml``."""
+    return os.path.join(checkpoint_dir(cfg), RECORD_NAME)
 
 
-def defining_config(data: dict) -> dict[str, Any]:
+def defining_config(data: dict[str, Any]) -> dict[str, Any]:
     """``{dotted key: value}`` of a config's plain-data form, without the NOT_DEFINING keys."""
     flat: dict[str, Any] = {}
 
@@ -86,9 +96,12 @@ def defining_config(data: dict) -> dict[str, Any]:
     return flat
 
 
-def differences(recorded: dict, cfg: RunConfig) -> list[str]:
-    """``key: recorded -> now`` for each defining key that differs, in key order (a key the record
-    lacks is read as its schema default)."""
+def differences(recorded: dict[str, Any], cfg: RunConfig) -> list[str]:
+    """The defining keys whose recorded value differs from ``cfg``'s.
+
+    ``key: recorded -> now`` for each defining key that differs, in key order (a key the record
+    lacks is read as its schema default).
+    """
     before, now = defining_config(recorded), defining_config(to_dict(cfg))
     for key in now.keys() - before.keys():
         default = schema_default(key)
@@ -139,7 +152,7 @@ def check_run_identity(cfg: RunConfig, resume: str) -> None:
     """
     if resume in ("none", "force"):
         return
-    root = cfg.checkpoint.dir if resume == "auto" else os.path.dirname(os.path.normpath(resume))
+    root = checkpoint_dir(cfg) if resume == "auto" else os.path.dirname(os.path.normpath(resume))
     if resume == "auto" and not has_checkpoint(root):
         return
     path = os.path.join(root, RECORD_NAME)
@@ -165,7 +178,7 @@ def check_run_identity(cfg: RunConfig, resume: str) -> None:
 def write_run_record(cfg: RunConfig) -> str:
     """Write ``run_config.yaml`` into ``checkpoint.dir`` (atomically: temporary file, then rename)."""
     path = record_path(cfg)
-    os.makedirs(cfg.checkpoint.dir, exist_ok=True)
+    os.makedirs(checkpoint_dir(cfg), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as f:
         yaml.safe_dump(to_dict(cfg), f, sort_keys=False)

@@ -24,9 +24,12 @@ DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
 
 def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
-    """The checked RunConfig; an unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one
-    directory). ``reward.python_path`` entries, relative to the config file, become absolute and
-    are searched for user modules (``module:function`` verifiers and hooks) from here on."""
+    """The checked RunConfig.
+
+    An unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory).
+    ``reward.python_path`` entries, relative to the config file, become absolute and are searched
+    for user modules (``module:function`` verifiers and hooks) from here on.
+    """
     cfg = from_dict(RunConfig, config_tree(path, overrides))
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = os.path.join(DEFAULT_CHECKPOINT_ROOT, cfg.name)
@@ -36,7 +39,7 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     return cfg
 
 
-def config_tree(path: str, overrides: Iterable[str] = ()) -> dict:
+def config_tree(path: str, overrides: Iterable[str] = ()) -> dict[str, Any]:
     """The plain data of ``path`` (``extends`` resolved) with the dotted ``overrides`` applied, unchecked."""
     data = read_yaml_tree(path)
     for item in overrides:
@@ -45,7 +48,7 @@ def config_tree(path: str, overrides: Iterable[str] = ()) -> dict:
     return data
 
 
-def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
+def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read ``path``; a top-level ``extends: other.yaml`` (relative to it) is read first and deep-merged under it."""
     real = os.path.realpath(path)
     if real in _seen:
@@ -81,6 +84,7 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict:
 
 
 def parse_override(item: str) -> tuple[str, Any]:
+    """Split ``section.key=value`` into the dotted key and its YAML-parsed value."""
     key, sep, raw = item.partition("=")
     key = key.strip()
     if not sep or not key:
@@ -92,7 +96,8 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key, value
 
 
-def set_dotted(data: dict, key: str, value: Any) -> None:
+def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    """Set the dotted ``key`` in nested ``data``, creating sections on the way."""
     node = data
     parts = key.split(".")
     for i, part in enumerate(parts[:-1]):
@@ -103,7 +108,7 @@ def set_dotted(data: dict, key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
-def deep_merge(base: dict, top: dict) -> dict:
+def deep_merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     """``top`` over ``base``; nested mappings merge, everything else is replaced."""
     out = copy.deepcopy(base)
     for key, value in top.items():

@@ -38,6 +38,8 @@ PROBE_TIMEOUT_S = 60.0
 
 @dataclasses.dataclass(frozen=True)
 class Need:
+    """One thing a setting needs on this machine (a package, a device), and how to probe for it."""
+
     key: str  # the setting that asks for it
     what: str  # what it needs, in words
     probe: Callable[[], str | None]  # None when this machine has it, else what is missing

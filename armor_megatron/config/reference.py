@@ -38,6 +38,7 @@ class KeyDoc:
 
     @property
     def is_section(self) -> bool:
+        """Whether this entry is a section (it has keys) rather than a value."""
         return bool(self.keys)
 
 
@@ -60,8 +61,10 @@ def missing_docs(cls: type = RunConfig) -> list[str]:
 
 
 def explain(key: str) -> str:
-    """The reference entry of one key (``eval.datasets[0].path`` reads as ``eval.datasets[].path``);
-    an unknown key raises ConfigError with the closest known one."""
+    """The reference entry of one key (``eval.datasets[0].path`` reads as ``eval.datasets[].path``).
+
+    An unknown key raises ConfigError with the closest known one.
+    """
     docs = key_docs()
     name = _normalise(key)
     if name not in docs:
@@ -81,8 +84,11 @@ def explain(key: str) -> str:
 
 
 def schema_key(key: str) -> str | None:
-    """``key`` as the reference names it, or None when it names no key (``eval.datasets[0].k`` ->
-    ``eval.datasets[].k``)."""
+    """The reference's spelling of ``key``, or None when it names no key.
+
+    ``key`` as the reference names it, or None when it names no key (``eval.datasets[0].k`` ->
+    ``eval.datasets[].k``).
+    """
     name = _normalise(key)
     return name if name in key_docs() else None
 
@@ -132,7 +138,7 @@ def _walk(cls: type, prefix: str, out: dict[str, KeyDoc]) -> None:
         key = f"{prefix}.{f.name}" if prefix else f.name
         own.append(key)
         tp = hints[f.name]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             _walk(tp, key, out)
             continue
         item = _section_item(tp)
@@ -153,7 +159,7 @@ def _docstring(cls: type) -> str:
 
 def _section_item(tp: Any) -> type | None:
     args = typing.get_args(tp)
-    if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+    if typing.get_origin(tp) is list and args and isinstance(args[0], type) and dataclasses.is_dataclass(args[0]):
         return args[0]
     return None
 
@@ -174,7 +180,7 @@ def _type_text(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _default_text(f: dataclasses.Field) -> str:
+def _default_text(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
         value = f.default
     elif f.default_factory is not dataclasses.MISSING:

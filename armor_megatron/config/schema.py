@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
 from armor_megatron.algo.loss import POLICY_LOSSES
+from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.typed import (
     at_least,
     at_least_or_null,
@@ -22,6 +23,7 @@ from armor_megatron.config.typed import (
     positive,
     registered,
 )
+from armor_megatron.registry import Registry
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -82,6 +84,13 @@ class SGLangRouterConfig:
     startup_timeout_s: float = checked(300.0, check=positive, help="until the router routes to every engine")
 
 
+WEIGHT_SYNC_MODES = Registry("weight sync mode")
+"""``rollout.sglang.weight_sync``: each mode a ``WeightSync`` class registered in
+``rollout/sglang/weight_sync.py``. The config sits below the engines, so it declares the built-in
+names it accepts before their module is imported."""
+WEIGHT_SYNC_MODES.declare("tensor", "distributed", "disk")
+
+
 @dataclasses.dataclass
 class SGLangConfig:
     """The SGLang servers of ``rollout.engine: sglang``: launched by the SLURM job or given as URLs, and how trained weights reach them."""
@@ -113,8 +122,9 @@ class SGLangConfig:
         "colocated",
         help="colocated: engines share the trainer's GPUs and release memory in turn; disaggregated: engines on launch.engine_gpus",
     )
-    weight_sync: Literal["tensor", "distributed", "disk"] = checked(
+    weight_sync: str = checked(
         "tensor",
+        check=registered(WEIGHT_SYNC_MODES),
         help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
     )
     deterministic: bool = checked(
@@ -173,6 +183,16 @@ class RolloutConfig:
     seed: int = checked(0, help="seed of rollout sampling; each step's engine seed derives from it and the step")
     local_device: str = checked(
         "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
+    )
+    overlap: Literal["off", "one_step"] = checked(
+        "off",
+        help="one_step: the engines generate the next step's batch with the current weights while the trainer "
+        "updates on this one (one step of staleness, corrected by algorithm.tis; disaggregated engines only)",
+    )
+    overlap_forced_wait: bool = checked(
+        False,
+        help="one_step only, a check: generate the next batch after the update and weight push, through the "
+        "overlap's code path; the run then equals overlap off bit for bit",
     )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
 
@@ -237,7 +257,11 @@ class TISConfig:
 class AlgorithmConfig:
     """The policy update: advantage estimator, policy loss, the mixed-ratio weight α and the clip range."""
 
-    estimator: str = checked("dapo", check=registered(ADVANTAGE_ESTIMATORS), help="a registered advantage estimator")
+    estimator: str = checked(
+        "dapo",
+        check=registered(ADVANTAGE_ESTIMATORS),
+        help="a registered advantage estimator (in brackets: the algorithm keys it reads)",
+    )
     policy_loss: str = checked("armor", check=registered(POLICY_LOSSES), help="a registered policy loss")
     alpha: float = checked(0.9375, check=in_range(0, 1, lo_open=True), help="mixed-ratio weight; 1 = plain PPO ratio")
     eps_low: float = checked(
@@ -270,8 +294,11 @@ class AlgorithmConfig:
 class ReferenceConfig:
     """The reference policy π_ref: when it is reset to the current policy and where it lives."""
 
-    reset: Literal["every", "two_stage", "never", "validation_best", "validation_hook"] = checked(
-        "every", help="when θ_ref ← θ: every tau steps, two_stage, never, validation_best or validation_hook"
+    reset: str = checked(
+        "every",
+        check=registered(RESET_SCHEDULES),
+        help="when θ_ref ← θ: every tau steps, two_stage, never, validation_best or validation_hook "
+        "(in brackets: the reference keys it reads)",
     )
     tau: int = checked(160, check=at_least(1), help="steps between resets (every) or of stage one (two_stage: 1)")
     stage_one_steps: int = checked(180, check=at_least(0), help="two_stage: reset every step for this many steps")
@@ -312,9 +339,11 @@ class OptimizerConfig:
 
 @dataclasses.dataclass
 class StabilityConfig:
-    """The StabilityGuard of each trained model's optimizer step (``megatron/stability.py``). Its
-    grad-norm spike threshold stays ``optimizer.skip_grad_norm_ratio`` (the critic's:
-    ``critic.optimizer.skip_grad_norm_ratio``); the drift thresholds below are off when null."""
+    """The StabilityGuard of each trained model's optimizer step (``megatron/stability.py``).
+
+    Its grad-norm spike threshold stays ``optimizer.skip_grad_norm_ratio`` (the critic's:
+    ``critic.optimizer.skip_grad_norm_ratio``); the drift thresholds below are off when null.
+    """
 
     enabled: bool = checked(True, help="false: only non-finite steps are skipped; no spike rule, signals or reductions")
     window: int = checked(50, check=at_least(1), help="accepted grad norms whose median the spike rule compares with")
@@ -342,8 +371,11 @@ class StabilityConfig:
 
 @dataclasses.dataclass
 class CriticConfig:
-    """The value model of ``algorithm.estimator: gae`` (PPO): the actor's architecture with a
-    hidden→1 value head, started from the actor's checkpoint; GAE uses algorithm.gamma / lam."""
+    """The value model of ``algorithm.estimator: gae`` (PPO).
+
+    The actor's architecture with a hidden→1 value head, started from the actor's checkpoint; GAE
+    uses algorithm.gamma / lam.
+    """
 
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     clip_eps: float | None = checked(0.5, check=positive, help="ε_v of the clipped value loss; null: unclipped")
@@ -482,9 +514,12 @@ class EvalConfig:
 
 @dataclasses.dataclass
 class SaveHFConfig:
-    """The policy written as an HF model directory during training: safetensors, config.json and
-    the tokenizer files of ``model.path`` under ``<checkpoint.dir>/hf/step_<N>``, by the ranks
-    that own the weights, atomically (loadable by transformers and SGLang as it is)."""
+    """The policy written as an HF model directory during training.
+
+    Safetensors, config.json and the tokenizer files of ``model.path`` under
+    ``<checkpoint.dir>/hf/step_<N>``, by the ranks that own the weights, atomically (loadable by
+    transformers and SGLang as it is).
+    """
 
     every_steps: int = checked(0, check=at_least(0), help="write the HF directory every N steps; 0: only at the end")
     at_end: bool = checked(True, help="also write it after the last step")
@@ -544,9 +579,11 @@ class LoggingConfig:
 
 @dataclasses.dataclass
 class StepTimeConfig:
-    """The figures of ``--plan``'s step-time model (``armor_megatron.launch.step_time``): how fast the
-    engines decode, how well the trainer uses its GPUs, how fast weights reach the engines. Planning
-    figures only: nothing at run time reads them."""
+    """The figures of ``--plan``'s step-time model (``armor_megatron.launch.step_time``).
+
+    How fast the engines decode, how well the trainer uses its GPUs, how fast weights reach the
+    engines. Planning figures only: nothing at run time reads them.
+    """
 
     decode_tokens_per_s_per_gpu: float | None = checked(
         None,
@@ -615,13 +652,16 @@ class LaunchConfig:
 
 @dataclasses.dataclass
 class ThroughputConfig:
-    """Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
+    """Speed options of the trained models, none changing what is computed.
+
+    Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
     default is what it is): overlapped communication and fused kernels, none changing what is
     computed. The defaults run on an image installed from the lock files alone (no APEX, no C
     compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
     (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
     machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a
-    machine without the kernels."""
+    machine without the kernels.
+    """
 
     overlap_grad_reduce: bool = checked(
         False, help="reduce each gradient bucket during backward (megatron DDP overlap_grad_reduce)"
@@ -652,8 +692,10 @@ class ThroughputConfig:
 
 @dataclasses.dataclass
 class MoEConfig:
-    """Routing and token dispatch of MoE models (``models.megatron_options.MoESettings``; ignored for dense
-    models). Defaults: dropless, no load-balancing loss, fp32 router, all-to-all dispatch."""
+    """Routing and token dispatch of MoE models (``models.megatron_options.MoESettings``; ignored for dense models).
+
+    Defaults: dropless, no load-balancing loss, fp32 router, all-to-all dispatch.
+    """
 
     aux_loss_coeff: float = checked(
         0.0,

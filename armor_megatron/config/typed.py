@@ -12,8 +12,13 @@ import difflib
 import math
 import types
 import typing
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+T = TypeVar("T", bound="DataclassInstance")
 
 
 class ConfigError(ValueError):
@@ -31,7 +36,7 @@ uses carries ``check.describe``, the accepted values in words (``docs/config.md`
 
 def described(text: str, check: Check) -> Check:
     """``check`` with ``describe = text``: the accepted values, as the config reference shows them."""
-    check.describe = text
+    setattr(check, "describe", text)  # noqa: B010 (a function attribute: no declared field to assign)
     return check
 
 
@@ -42,23 +47,27 @@ def checked(
     default: Any = dataclasses.MISSING,
     *,
     check: Check | None = None,
-    factory=None,
+    factory: Callable[[], Any] | None = None,
     help: str = "",
     secret: bool = False,
-):
-    """A dataclass field with an optional value check (returns an error text or None) and a help text;
-    a ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets."""
+) -> Any:
+    """A dataclass field with an optional value check (returns an error text or None) and a help text.
+
+    A ``secret`` one is shown as ``<redacted>`` by :func:`to_dict` unless asked for secrets.
+    """
     meta = {"check": check, "help": help, "secret": secret}
     if factory is not None:
         return dataclasses.field(default_factory=factory, metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
-def in_range(lo: float | None = None, hi: float | None = None, *, lo_open=False, hi_open=False) -> Check:
+def in_range(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Check:
     """Check ``lo (<|<=) x (<|<=) hi``; the message shows the interval in math notation."""
     text = f"{'(' if lo_open else '['}{'-inf' if lo is None else lo}, {'inf' if hi is None else hi}{')' if hi_open else ']'}"
 
-    def check(x):
+    def check(x: Any) -> str | None:
         if x is None:
             return None
         bad_lo = lo is not None and (x <= lo if lo_open else x < lo)
@@ -68,14 +77,16 @@ def in_range(lo: float | None = None, hi: float | None = None, *, lo_open=False,
     return described(text, check)
 
 
-def positive(x) -> str | None:
+def positive(x: Any) -> str | None:
+    """A number > 0 (or unset)."""
     return None if x is None or x > 0 else f"{x!r} must be > 0"
 
 
-positive.describe = "> 0"
+described("> 0", positive)
 
 
 def at_least(n: int) -> Check:
+    """Check ``x >= n`` (or unset)."""
     return described(f">= {n}", lambda x: None if x is None or x >= n else f"{x!r} must be >= {n}")
 
 
@@ -84,26 +95,35 @@ def at_least_or_null(n: int) -> Check:
     return described(f">= {n} or null", lambda x: None if x is None or x >= n else f"{x!r} must be >= {n} or null")
 
 
-def registered(registry) -> Check:
-    """The value must name an entry of `registry` (an ``algo.registry.Registry``)."""
+def registered(registry: Any) -> Check:
+    """The value must name an entry of `registry` (an ``algo.registry.Registry``).
 
-    def check(name) -> str | None:
+    The description lists each entry with the config keys that supply its parameters, e.g.
+    ``qae (qae_quantile, std_eps)``.
+    """
+
+    def check(name: Any) -> str | None:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
-    return described(f"a registered {registry.kind}: {', '.join(registry)}", check)
+    def listed(name: str) -> str:
+        keys = registry.entry(name).config_keys
+        return f"{name} ({', '.join(keys.values())})" if keys else name
+
+    return described(f"a registered {registry.kind}: {', '.join(map(listed, registry))}", check)
 
 
-def non_empty(x) -> str | None:
+def non_empty(x: Any) -> str | None:
+    """A value that is not empty (or unset)."""
     return None if x is None or x else "must not be empty"
 
 
-non_empty.describe = "not empty"
+described("not empty", non_empty)
 
 
 # ---------------------------------------------------------------------------- building
 
 
-def from_dict(cls: type, data: Any, key: str = "") -> Any:
+def from_dict(cls: type[T], data: Any, key: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``, recursively, type- and range-checked."""
     if not isinstance(data, dict):
         raise ConfigError(key, f"expected a mapping (section), got {_type_name(data)}")
@@ -132,8 +152,11 @@ def from_dict(cls: type, data: Any, key: str = "") -> Any:
 
 
 def to_dict(obj: Any, *, secrets: bool = False) -> Any:
-    """The plain-data form of a config (for printing and saving beside checkpoints); a set secret
-    field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config another job runs)."""
+    """The plain-data form of a config (for printing and saving beside checkpoints).
+
+    A set secret field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config
+    another job runs).
+    """
     if dataclasses.is_dataclass(obj):
         out = {}
         for f in dataclasses.fields(obj):
@@ -149,6 +172,7 @@ def to_dict(obj: Any, *, secrets: bool = False) -> Any:
 
 
 def field_names(cls: type) -> list[str]:
+    """The field names of dataclass ``cls``, in order."""
     return [f.name for f in dataclasses.fields(cls)]
 
 
@@ -171,6 +195,8 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
             raise errors[0]
         raise ConfigError(key, f"{value!r} does not match any of {', '.join(_type_name_of(o) for o in options)}")
     if origin is typing.Literal:
+        if isinstance(value, bool) and ("on" if value else "off") in args:  # YAML 1.1 reads off / on as booleans
+            value = "on" if value else "off"
         if value not in args:
             raise ConfigError(
                 key,
@@ -178,7 +204,7 @@ def _coerce(tp: Any, value: Any, key: str) -> Any:
                 + _suggest(str(value), [str(a) for a in args]),
             )
         return value
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return from_dict(tp, {} if value is None else value, key)
     if origin is list:
         if not isinstance(value, (list, tuple)):
@@ -223,7 +249,7 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
-def _suggest(name: str, choices) -> str:
+def _suggest(name: str, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(choices), n=1, cutoff=0.5)
     return f" (did you mean {close[0]!r}?)" if close else ""
 

@@ -2,23 +2,30 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
+from typing import Any
 
+from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
 from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
+from armor_megatron.registry import Registry, RegistryEntry
 
 
 def validate_run_config(cfg: RunConfig) -> None:
+    """Check the settings of ``cfg`` against each other; one-line ConfigError naming the key otherwise."""
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
     _check_lengths_fit_context(cfg)
     _check_token_budget(cfg)
     _check_rollout(cfg)
+    _check_overlap(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
@@ -32,8 +39,10 @@ def validate_run_config(cfg: RunConfig) -> None:
 
 def model_arch_of(cfg: RunConfig) -> ModelArch | None:
     """The model description: from ``model.path``/config.json when present, else ``model.arch``, else None.
-    A ``model.arch`` given beside a config.json is checked too (it describes the model to build
-    in tiny runs and may not be contradictory nonsense), whether or not the file exists yet."""
+
+    A ``model.arch`` given beside a config.json is checked too (it describes the model to build in
+    tiny runs and may not be contradictory nonsense), whether or not the file exists yet.
+    """
     source = hf_config_of(cfg)
     if source is None:
         return None
@@ -43,7 +52,7 @@ def model_arch_of(cfg: RunConfig) -> ModelArch | None:
     return _arch_from(*source)
 
 
-def _arch_from(hf_config: dict, key: str, where: str) -> ModelArch:
+def _arch_from(hf_config: dict[str, Any], key: str, where: str) -> ModelArch:
     try:
         return ModelArch.from_hf_config(hf_config)
     except UnsupportedModelError as err:
@@ -52,9 +61,11 @@ def _arch_from(hf_config: dict, key: str, where: str) -> ModelArch:
         raise ConfigError(key, f"{where}incomplete or invalid HF config ({err})") from None
 
 
-def hf_config_of(cfg: RunConfig) -> tuple[dict, str, str] | None:
-    """``(hf_config, key, where)`` from ``model.path``/config.json when present, else from ``model.arch``,
-    else None; its values are checked (:func:`check_hf_config`) so no ModelArch divides by zero."""
+def hf_config_of(cfg: RunConfig) -> tuple[dict[str, Any], str, str] | None:
+    """``(hf_config, key, where)`` from ``model.path``/config.json when present, else from ``model.arch``, else None.
+
+    Its values are checked (:func:`check_hf_config`) so no ModelArch divides by zero.
+    """
     config_file = os.path.join(cfg.model.path, "config.json")
     if os.path.isfile(config_file):
         try:
@@ -85,7 +96,7 @@ _OPTIONAL_POSITIVE_INTS = (
 _OPTIONAL_POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 
 
-def check_hf_config(hf: dict, key: str, where: str = "") -> None:
+def check_hf_config(hf: dict[str, Any], key: str, where: str = "") -> None:
     """The sizes a model is built from: required ones positive integers, kv heads dividing the heads.
 
     ``key`` names the config key in errors (``model.arch`` -> ``model.arch.<field>``;
@@ -97,7 +108,7 @@ def check_hf_config(hf: dict, key: str, where: str = "") -> None:
             return ConfigError(f"model.arch.{name}", problem)
         return ConfigError(key, f"{where}{name}: {problem}")
 
-    def is_int(v) -> bool:
+    def is_int(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool)
 
     for name in _POSITIVE_INTS + _OPTIONAL_POSITIVE_INTS:
@@ -201,9 +212,12 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
 
 
 def _check_token_budget(cfg: RunConfig) -> None:
-    """A packed micro-batch holds whole rows: each token budget must fit the longest train row,
-    rollout.max_prompt_len + rollout.max_response_len tokens (under sequence parallelism within
-    the budget rounded down to a multiple of tp, as packs are padded to one)."""
+    """A packed micro-batch holds whole rows.
+
+    Each token budget must fit the longest train row, rollout.max_prompt_len +
+    rollout.max_response_len tokens (under sequence parallelism within the budget rounded down to a
+    multiple of tp, as packs are padded to one).
+    """
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     multiple = cfg.parallelism.tp if cfg.parallelism.sp else 1
     train = cfg.train
@@ -268,12 +282,57 @@ def _check_rollout(cfg: RunConfig) -> None:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
 
 
+def _check_overlap(cfg: RunConfig) -> None:
+    ro = cfg.rollout
+    if ro.overlap_forced_wait and ro.overlap != "one_step":
+        raise ConfigError("rollout.overlap_forced_wait", "needs rollout.overlap: one_step")
+    if ro.overlap != "one_step":
+        return
+    if not cfg.algorithm.tis.enabled:
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs algorithm.tis.enabled: true: its samples come from the weights one update behind "
+            "π_old, and only TIS's min(π_old/π_engine, C) corrects the loss for that staleness",
+        )
+    if ro.engine == "sglang" and ro.sglang.placement == "colocated":
+        raise ConfigError(
+            "rollout.overlap",
+            "one_step needs rollout.sglang.placement disaggregated: colocated engines share the trainer's GPUs "
+            "and cannot generate while it updates",
+        )
+    if cfg.anchor.enabled and cfg.anchor.pregenerate:
+        raise ConfigError(
+            "anchor.pregenerate",
+            "not with rollout.overlap one_step, which already samples the next batch's anchors during the update",
+        )
+
+
+def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:
+    """The registry entry ``<section_key>.<key>`` names, its config keys checked.
+
+    The registry entry that ``<section_key>.<key>`` names (the field's own check has refused an
+    unknown name), after checking its config keys: each is a key of the section, and one that
+    supplies a parameter without a default is set.
+    """
+    name = getattr(section, key)
+    entry = registry.entry(name)
+    keys = {f.name for f in dataclasses.fields(section)}
+    for param, config_key in entry.config_keys.items():
+        if config_key not in keys:
+            raise ConfigError(
+                f"{section_key}.{key}",
+                f"{registry.kind} {name!r} takes {param} from {section_key}.{config_key}, which is not a config key",
+            )
+        if getattr(section, config_key) is None and entry.required(param):
+            raise ConfigError(f"{section_key}.{config_key}", f"required when {section_key}.{key} is {name!r}")
+    return entry
+
+
 def _check_reference(cfg: RunConfig) -> None:
     ref = cfg.reference
-    if ref.reset == "validation_hook" and not ref.validation_hook:
-        raise ConfigError("reference.validation_hook", "required when reference.reset is 'validation_hook'")
-    if ref.reset == "validation_best" and cfg.eval.every_steps == 0:
-        raise ConfigError("reference.reset", "'validation_best' needs periodic evaluation (eval.every_steps > 0)")
+    schedule = registered_variant("reference", ref, "reset", RESET_SCHEDULES)
+    if schedule.meta["needs_eval"] and cfg.eval.every_steps == 0:
+        raise ConfigError("reference.reset", f"{ref.reset!r} needs periodic evaluation (eval.every_steps > 0)")
 
 
 def _check_eval(cfg: RunConfig) -> None:
@@ -285,7 +344,8 @@ def _check_eval(cfg: RunConfig) -> None:
 
 def _check_critic(cfg: RunConfig) -> None:
     critic = cfg.critic
-    if cfg.algorithm.estimator != "gae":
+    registered_variant("algorithm", cfg.algorithm, "estimator", ADVANTAGE_ESTIMATORS)
+    if not needs_critic(cfg.algorithm.estimator):
         return
     if critic.warmup_steps >= cfg.train.steps:
         raise ConfigError(
@@ -377,7 +437,9 @@ def _check_engines(cfg: RunConfig) -> None:
 
 def _check_throughput(cfg: RunConfig) -> None:
     """CUDA-only kernels on a CPU run (``launch.gpus_per_node: 0``) or TE-only ones with the local spec.
-    Whether the job's machines have APEX / Transformer Engine is checked when the models are built."""
+
+    Whether the job's machines have APEX / Transformer Engine is checked when the models are built.
+    """
     th, cpu_run, local = cfg.throughput, cfg.launch.gpus_per_node == 0, cfg.model.spec == "local"
     if th.gradient_accumulation_fusion and cpu_run:
         raise ConfigError(
@@ -455,8 +517,11 @@ def launched_reference_engines(cfg: RunConfig) -> int:
 
 
 def _check_user_code(cfg: RunConfig) -> None:
-    """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must
-    ``reference.validation_hook`` when the reset uses it (the trainer would fail on its first step)."""
+    """``reward.verifier`` must name a registered verifier or import as ``module:function``.
+
+    So must ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail
+    on its first step).
+    """
     from armor_megatron.algo.reset import load_callable
     from armor_megatron.rewards.registry import load_verifier
 
@@ -465,7 +530,7 @@ def _check_user_code(cfg: RunConfig) -> None:
     except ValueError as err:  # VerifierSpecError
         raise ConfigError("reward.verifier", str(err).splitlines()[0]) from None
     hook = cfg.reference.validation_hook
-    if hook and cfg.reference.reset == "validation_hook":
+    if hook and "validation_hook" in RESET_SCHEDULES.entry(cfg.reference.reset).config_keys.values():
         try:
             load_callable(hook)
         except ValueError as err:

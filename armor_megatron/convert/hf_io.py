@@ -18,6 +18,7 @@ format is safetensors': 8-byte little-endian header length, JSON header
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -54,6 +55,8 @@ _CODE_DTYPES = {code: dtype for dtype, code in _DTYPE_CODES.items()}
 
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
+    """Where one tensor lies in a safetensors file, and its dtype and shape."""
+
     file: str
     dtype: torch.dtype
     shape: tuple[int, ...]
@@ -61,6 +64,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -83,6 +87,7 @@ class HFCheckpoint:
             raise
 
     def close(self) -> None:
+        """Close the open shard files."""
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -133,6 +138,7 @@ class HFCheckpoint:
         self._fds[shard] = os.open(path, os.O_RDONLY)
 
     def info(self, name: str) -> TensorInfo:
+        """The :class:`TensorInfo` of tensor ``name``; a missing one raises CheckpointError."""
         try:
             return self.tensors[name]
         except KeyError:
@@ -172,12 +178,15 @@ class HFCheckpoint:
 # ---------------------------------------------------------------------- writing
 @dataclasses.dataclass(frozen=True)
 class PlannedTensor:
+    """A tensor the writer is told of before it is written: name, shape and dtype."""
+
     name: str
     shape: tuple[int, ...]
     dtype: torch.dtype
 
     @property
     def nbytes(self) -> int:
+        """Size of the tensor's data in bytes."""
         return math.prod(self.shape) * self.dtype.itemsize
 
 
@@ -220,35 +229,41 @@ class SafetensorsWriter:
         self._queue = [(i, t) for i, shard in enumerate(self.shards) for t in shard]
         self._pos = 0
         self._open_shard: int | None = None
-        self._stream = None
+        self._stream: io.BufferedWriter | None = None
 
     def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next declared tensor ``name`` from ``tensor``."""
         self.write_blocks(name, tuple(tensor.shape), [tensor])
 
     def write_blocks(self, name: str, shape: tuple[int, ...], blocks: Sequence[torch.Tensor]) -> None:
         """Write tensor ``name`` of ``shape`` whose data is the concatenation of ``blocks``' bytes."""
-        self._start_tensor(name, shape, {b.dtype for b in blocks}, sum(b.nbytes for b in blocks))
+        stream = self._start_tensor(name, shape, {b.dtype for b in blocks}, sum(b.nbytes for b in blocks))
         for block in blocks:
             if block.numel():
                 block = block.contiguous()
-                self._stream.write(byte_view(block))
+                stream.write(byte_view(block))
         self._pos += 1
 
     def write_segments(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, segments: Sequence[FileSegment]
     ) -> None:
-        """Write tensor ``name`` whose data is the concatenation of the file segments (copied by
-        the kernel: the bytes never enter this process)."""
+        """Write tensor ``name`` from file segments, copied by the kernel.
+
+        Write tensor ``name`` whose data is the concatenation of the file segments (copied by
+        the kernel: the bytes never enter this process).
+        """
         nbytes = total_bytes(segments)
-        self._start_tensor(name, shape, {dtype}, nbytes)
-        self._stream.flush()
-        at = self._stream.tell()
-        copy_segments(segments, self._stream.fileno(), at)
-        self._stream.seek(at + nbytes)
+        stream = self._start_tensor(name, shape, {dtype}, nbytes)
+        stream.flush()
+        at = stream.tell()
+        copy_segments(segments, stream.fileno(), at)
+        stream.seek(at + nbytes)
         self._pos += 1
 
-    def _start_tensor(self, name: str, shape: tuple[int, ...], dtypes: set, nbytes: int) -> None:
-        """Check the tensor is the next one declared; open its shard (header first) if needed."""
+    def _start_tensor(
+        self, name: str, shape: tuple[int, ...], dtypes: set[torch.dtype], nbytes: int
+    ) -> io.BufferedWriter:
+        """Check the tensor is the next one declared; open its shard (header first) if needed; its stream."""
         if self._pos >= len(self._queue):
             raise RuntimeError(f"{name}: more tensors written than declared")
         shard, planned = self._queue[self._pos]
@@ -262,6 +277,8 @@ class SafetensorsWriter:
             self._stream = open_sliced(os.path.join(self.out_dir, self.files[shard]))
             self._stream.write(_header(self.shards[shard]))
             self._open_shard = shard
+        assert self._stream is not None  # the shard is open
+        return self._stream
 
     def _close_stream(self) -> None:
         if self._stream is not None:
@@ -283,9 +300,10 @@ class SafetensorsWriter:
 
 
 class TensorDigest:
-    """Content checksum of a set of named tensors, independent of order and file layout:
-    xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory
-    speed -- ~5x sha256 on the development machines -- and only has to catch corruption).
+    """Content checksum of a set of named tensors, independent of order and file layout.
+
+    It is xxh3-128 over the sorted lines ``name dtype shape xxh3_128(bytes)`` (xxh3 hashes at memory speed
+    -- ~5x sha256 on the development machines -- and only has to catch corruption).
 
     Hashing runs on one worker thread (xxhash releases the GIL) while the caller goes on:
 
@@ -338,13 +356,16 @@ class TensorDigest:
         self._pending = []
 
     def update(self, named) -> None:
+        """Add named tensors (an iterable, or a callable giving one) to the checksum, hashed on a worker thread."""
         self.wait()
         self._pending.append(self._pool.submit(self._lines_of, named if callable(named) else list(named)))
 
     def update_file(self, name: str, dtype: torch.dtype, shape: Sequence[int], segment: FileSegment) -> None:
+        """Add one tensor read from a file segment to the checksum."""
         self._pending.append(self._pool.submit(self._file_lines, name, dtype, tuple(shape), segment))
 
     def hexdigest(self) -> str:
+        """The checksum of everything added, once the pending work is done."""
         import xxhash
 
         self.wait()

@@ -94,6 +94,7 @@ def copy_side_files(src_dir: str, dst_dir: str) -> list[str]:
 
 
 def write_metadata(out_dir: str, **fields) -> None:
+    """Write the conversion's metadata file (``METADATA_FILE``) into ``out_dir``: converter, version, time, ``fields``."""
     meta = {
         "converter": "armor_megatron.convert",
         "converter_version": armor_megatron.__version__,

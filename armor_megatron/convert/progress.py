@@ -49,6 +49,8 @@ def peak_rss_bytes() -> int:
 
 @dataclasses.dataclass
 class Summary:
+    """What a conversion moved and how long it took."""
+
     direction: str
     tensors: int
     bytes: int
@@ -57,6 +59,7 @@ class Summary:
     output: str
 
     def line(self) -> str:
+        """The summary as one line: tensors, GiB, seconds, GiB/s, peak RSS and the output."""
         gib = 2**30
         return (
             f"{self.direction}: {self.tensors} tensors, {self.bytes / gib:.3f} GiB in {self.seconds:.1f} s "
@@ -82,6 +85,7 @@ class Progress:
         self.start = self._last = time.monotonic()
 
     def advance(self, nbytes: int, tensors: int = 1) -> None:
+        """Count ``tensors`` tensors of ``nbytes`` bytes done; print a progress line every ``every_s`` seconds."""
         self.tensors += tensors
         self.bytes += nbytes
         now = time.monotonic()
@@ -95,6 +99,7 @@ class Progress:
             )
 
     def summary(self, output: str) -> Summary:
+        """The :class:`Summary` of the conversion, written to ``output``."""
         return Summary(
             self.direction, self.tensors, self.bytes, time.monotonic() - self.start, peak_rss_bytes(), output
         )

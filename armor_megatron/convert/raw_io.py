@@ -46,6 +46,7 @@ class SlicedFileIO(io.FileIO):
     """A raw file whose big writes go to the kernel in slices (see module docstring)."""
 
     def write(self, data) -> int:
+        """Write ``data`` in slices (the kernel caps one write); returns the bytes written."""
         return write_sliced(super().write, data)
 
 
@@ -62,20 +63,25 @@ class FileRange(io.RawIOBase):
         self._file, self._start, self._length, self._pos = file, offset, length, 0
 
     def readable(self) -> bool:
+        """True: the window can be read."""
         return True
 
     def seekable(self) -> bool:
+        """True: the window can be sought."""
         return True
 
     def tell(self) -> int:
+        """The position inside the window."""
         return self._pos
 
     def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        """Move inside the window (clamped to it); returns the new position."""
         base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._length}[whence]
         self._pos = min(max(base + pos, 0), self._length)
         return self._pos
 
     def readinto(self, buffer) -> int:
+        """Read from the window into ``buffer``; returns the bytes read (0 at its end)."""
         view = memoryview(buffer).cast("B")
         n = min(len(view), self._length - self._pos)
         if n <= 0:
@@ -148,9 +154,11 @@ class ChunkBuffer:
 
     @property
     def nbytes(self) -> int:
+        """Size of the buffer in bytes."""
         return self._memory.numel()
 
     def get(self, shape: tuple[int, ...], dtype: torch.dtype, offset: int = 0) -> torch.Tensor:
+        """A tensor of ``shape`` and ``dtype`` viewing the buffer at byte ``offset`` (no copy)."""
         nbytes = dtype.itemsize * math.prod(shape)
         if offset + nbytes > self._memory.numel():
             raise ValueError(f"{nbytes} bytes at {offset} do not fit the {self._memory.numel()}-byte buffer")

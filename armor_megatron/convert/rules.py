@@ -42,13 +42,17 @@ SPECS = ("local", "te")
 
 def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
     """All tensors of ``arch`` in checkpoint order: embedding, layer tensors, final norm, output."""
-    return _tensor_rules(_hashable(arch), type(family_of(arch)))
+    # a class is hashable; mypy matches type() of an instance against Hashable with the unbound __hash__
+    return _tensor_rules(_hashable(arch), type(family_of(arch)))  # type: ignore[arg-type]
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
-    """Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
+    """Every HF tensor name a full checkpoint of ``arch`` holds, in checkpoint order.
+
+    Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
     (embedding, per layer and expert, final norm, lm_head unless tied): what a complete export
-    must yield."""
+    must yield.
+    """
     return [
         name for rule in tensor_rules(arch) for layer, expert in rule.indices(arch) for name in rule.hf(layer, expert)
     ]
@@ -58,11 +62,14 @@ _HF_LAYER_INDEX = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def is_mtp_tensor(arch: ModelArch, name: str) -> bool:
-    """Whether ``name`` belongs to one of DeepSeek-V3's multi-token-prediction layers,
+    """Whether ``name`` belongs to a DeepSeek-V3 multi-token-prediction layer.
+
+    Whether ``name`` belongs to one of DeepSeek-V3's multi-token-prediction layers,
     ``model.layers.{n}.*`` with num_layers <= n < num_layers + mtp_layers (a draft head that
-    transformers and this project's models leave out; the converter skips these tensors)."""
+    transformers and this project's models leave out; the converter skips these tensors).
+    """
     match = _HF_LAYER_INDEX.match(name)
-    return bool(match) and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.mtp_layers
+    return match is not None and arch.num_layers <= int(match.group(1)) < arch.num_layers + arch.mtp_layers
 
 
 def _hashable(arch: ModelArch) -> ModelArch:
@@ -112,9 +119,11 @@ def _tensor_rules(arch: ModelArch, family: type) -> tuple[TensorRule, ...]:  # f
 
 
 def _at_layer(rule: TensorRule, layer: int) -> TensorRule:
-    """``rule`` for one layer of a model whose layers differ: ``{layer}`` filled in everywhere and
-    the layer index in the checkpoint key (``decoder.layers.{i}.<rest>``, Megatron's key for
-    non-homogeneous layers)."""
+    """``rule`` for one layer of a model whose layers differ.
+
+    ``{layer}`` filled in everywhere and the layer index in the checkpoint key
+    (``decoder.layers.{i}.<rest>``, Megatron's key for non-homogeneous layers).
+    """
 
     def fill(template):
         return None if template is None else template.replace("{layer}", str(layer))
@@ -174,8 +183,11 @@ def hf_to_mcore(arch: ModelArch, rule: TensorRule, hf_tensors: Sequence[torch.Te
 
 
 def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[list[torch.Tensor]]:
-    """Per HF tensor (``rule.hf_names`` order), the views of ``tensor`` whose rows, concatenated
-    in order, are that HF tensor: a writer can stream them without assembling a copy."""
+    """Per HF tensor, the views of ``tensor`` whose rows make it.
+
+    Per HF tensor (``rule.hf_names`` order), the views of ``tensor`` whose rows, concatenated
+    in order, are that HF tensor: a writer can stream them without assembling a copy.
+    """
     if tuple(tensor.shape) != rule.shape:
         raise ValueError(f"{rule.ckpt_key}: shape {tuple(tensor.shape)} != expected {rule.shape}")
     blocks: list[list[torch.Tensor]] = [[] for _ in rule.hf_names]
@@ -185,8 +197,11 @@ def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) 
 
 
 def mcore_to_hf(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
-    are), in ``rule.hf_names`` order."""
+    """Split one Megatron tensor into its HF tensors.
+
+    Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
+    are), in ``rule.hf_names`` order.
+    """
     out = []
     for blocks, shape in zip(mcore_to_hf_blocks(arch, rule, tensor), hf_shapes(arch, rule)):
         out.append(blocks[0].reshape(shape) if len(blocks) == 1 else torch.cat(blocks).reshape(shape))
@@ -204,6 +219,7 @@ class ParamRef:
 
     @property
     def hf_names(self) -> list[str]:
+        """The HF tensor names this parameter holds."""
         return self.rule.hf(self.layer, self.expert)
 
 
@@ -220,8 +236,9 @@ def _name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]
 def _cached_name_patterns(arch: ModelArch) -> tuple[tuple[re.Pattern, TensorRule], ...]:
     out = []
     for rule in tensor_rules(arch):
-        for template in {rule.local_name, rule.te_name, rule.grouped_name} - {None}:
-            out.append((_pattern(template), rule))
+        for template in {rule.local_name, rule.te_name, rule.grouped_name}:
+            if template is not None:
+                out.append((_pattern(template), rule))
     return tuple(out)
 
 

@@ -50,12 +50,16 @@ class FileSegment:
 
 
 def total_bytes(segments: Sequence[FileSegment]) -> int:
+    """The bytes of all ``segments`` together."""
     return sum(s.nbytes for s in segments)
 
 
 def read_chunks(segment: FileSegment, buffer: memoryview) -> Iterator[memoryview]:
-    """The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
-    the next one); EOFError if the file is shorter than the segment."""
+    """Read a segment into ``buffer``, one buffer-full at a time.
+
+    The segment's bytes read into `buffer`, a buffer-full at a time (each view is valid until
+    the next one); EOFError if the file is shorter than the segment.
+    """
     done = 0
     while done < segment.nbytes:
         n = os.preadv(segment.fd, [buffer[: segment.nbytes - done]], segment.offset + done)
@@ -77,8 +81,10 @@ def _copy_through_buffer(segment: FileSegment, dst_fd: int, dst_offset: int) -> 
 
 
 def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int) -> int:
-    """Write the segments, concatenated, at ``dst_offset`` of ``dst_fd`` (whose file position is
-    left alone); returns the bytes written. EOFError if a source file is shorter than claimed."""
+    """Write the segments, concatenated, at ``dst_offset`` of ``dst_fd`` (whose file position is left alone).
+
+    Returns the bytes written. EOFError if a source file is shorter than claimed.
+    """
     at, kernel = dst_offset, hasattr(os, "copy_file_range")
     for segment in segments:
         done = 0
@@ -103,8 +109,11 @@ def copy_segments(segments: Sequence[FileSegment], dst_fd: int, dst_offset: int)
 
 @contextlib.contextmanager
 def _torch_save_without_data() -> Iterator[None]:
-    """torch.save writes an archive's records but seeks over the tensor data and leaves the zip
-    CRC-32 empty (torch.load does not check it)."""
+    """Run torch.save with the tensor data left out (a hole in the file).
+
+    torch.save writes an archive's records but seeks over the tensor data and leaves the zip
+    CRC-32 empty (torch.load does not check it).
+    """
     before = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -115,9 +124,11 @@ def _torch_save_without_data() -> Iterator[None]:
 
 
 class HoleFillingWriter(io.BufferedWriter):
-    """A buffered file writer that appends ``torch.save`` archives whose tensor data are file
-    segments: torch writes the archive around a hole (``skip_data``) and the seek over the
-    hole is turned into ``copy_segments``."""
+    """A buffered file writer that appends ``torch.save`` archives whose tensor data are file segments.
+
+    Torch writes the archive around a hole (``skip_data``) and the seek over the hole is turned into
+    ``copy_segments``.
+    """
 
     def __init__(self, path: str):
         super().__init__(io.FileIO(path, "wb"))
@@ -125,8 +136,11 @@ class HoleFillingWriter(io.BufferedWriter):
         self._error: Exception | None = None
 
     def save_tensor(self, shape: Sequence[int], dtype: torch.dtype, segments: Sequence[FileSegment]) -> None:
-        """Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``
-        and ``dtype`` whose bytes are the segments, concatenated."""
+        """Append a ``torch.save`` archive of a tensor whose data are file segments.
+
+        Append what ``torch.save(tensor, self)`` would, for the row-major tensor of ``shape``
+        and ``dtype`` whose bytes are the segments, concatenated.
+        """
         nbytes = math.prod(shape) * dtype.itemsize
         if total_bytes(segments) != nbytes:
             raise ValueError(f"segments of {total_bytes(segments)} bytes for a {list(shape)} {dtype} tensor")
@@ -143,6 +157,7 @@ class HoleFillingWriter(io.BufferedWriter):
             raise RuntimeError("torch.save wrote the tensor data instead of skipping it")
 
     def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Seek as a file does; a forward seek over a tensor's hole copies in the pending segments."""
         if whence == io.SEEK_CUR and offset > 0:
             segments, self._pending = self._pending, None
             if segments is None or total_bytes(segments) != offset:

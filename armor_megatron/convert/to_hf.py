@@ -22,7 +22,7 @@ from armor_megatron.convert.hf_io import PlannedTensor, SafetensorsWriter
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files, staged_dir
 from armor_megatron.convert.progress import Progress, Summary
 from armor_megatron.convert.rules import hf_shapes, mcore_to_hf_blocks, row_blocks
-from armor_megatron.convert.segments import total_bytes
+from armor_megatron.convert.segments import FileSegment, total_bytes
 from armor_megatron.models import ModelArch
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
@@ -30,8 +30,11 @@ DEFAULT_BUCKET_BYTES = 64 * 2**20
 
 
 def hf_config_dir_of(mcore_dir: str, hf_config_dir: str | None = None) -> str:
-    """``hf_config_dir``, else ``MCORE_DIR/hf_config`` (this converter's output), else
-    ``hf_config`` beside MCORE_DIR (a training run records the files it started from there)."""
+    """The directory with the HF config files for a torch_dist checkpoint.
+
+    ``hf_config_dir``, else ``MCORE_DIR/hf_config`` (this converter's output), else
+    ``hf_config`` beside MCORE_DIR (a training run records the files it started from there).
+    """
     if hf_config_dir:
         candidates = [hf_config_dir]
     else:
@@ -62,7 +65,8 @@ def layer_major(chunks: Sequence[torch_dist.Chunk]) -> list[torch_dist.Chunk]:
 
 def buckets(chunks: Sequence[torch_dist.Chunk], nbytes, limit: int) -> Iterator[list[torch_dist.Chunk]]:
     """Consecutive chunks, about ``limit`` bytes per bucket (a bigger chunk goes alone)."""
-    bucket, size = [], 0
+    bucket: list[torch_dist.Chunk] = []
+    size = 0
     for chunk in chunks:
         if bucket and size + nbytes(chunk) > limit:
             yield bucket
@@ -105,7 +109,7 @@ def convert_mcore_to_hf(
                 names, shapes = chunk.rule.hf(chunk.layer, chunk.expert), hf_shapes(arch, chunk.rule)
                 if segment is not None:  # one plain item on disk: the kernel copies its row blocks
                     dtype, rows = reader.dtypes[chunk.rule], chunk.rule.shape[0] if chunk.rule.shape else 1
-                    per_hf = [[] for _ in names]
+                    per_hf: list[list[FileSegment]] = [[] for _ in names]
                     for i, _, row, count in row_blocks(arch, chunk.rule):
                         per_hf[i].append(segment.rows(row, count, rows))
                     for name, shape, segments in zip(names, shapes, per_hf):

@@ -31,10 +31,14 @@ _IGNORED = re.compile(r"(.*\.rotary_emb\.inv_freq)\Z")
 
 
 def plan_hf_tensors(hf: HFCheckpoint, notice: Callable[[str], None] | None = None) -> dict[TensorRule, torch.dtype]:
-    """Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
+    """Plan the HF tensors of a conversion: check them and return each rule's dtype.
+
+    Check every HF tensor the rules need (present, right shape, one dtype per rule) and that
     no weight would be dropped; return the dtype of each rule. DeepSeek-V3's multi-token-prediction
-    layers are left out, said in one line to ``notice``."""
-    arch, dtypes, used = hf.arch, {}, set()
+    layers are left out, said in one line to ``notice``.
+    """
+    arch, used = hf.arch, set()
+    dtypes: dict[TensorRule, torch.dtype] = {}
     mtp = [n for n in hf.tensors if is_mtp_tensor(arch, n)]
     if mtp and notice is not None:
         last = arch.num_layers + arch.mtp_layers - 1
@@ -97,8 +101,10 @@ def convert_hf_to_mcore(
     digest = TensorDigest()
 
     def produce(chunk: torch_dist.Chunk) -> list[FileSegment]:
-        """The chunk's bytes as segments of the HF shards, in Megatron row order; its HF
-        tensors are queued for the source checksum (read again from the page cache)."""
+        """The chunk's bytes as segments of the HF shards, in Megatron row order.
+
+        Its HF tensors are queued for the source checksum (read again from the page cache).
+        """
         hf_segments = [hf.segment(name) for name in names[chunk]]
         for name, segment in zip(names[chunk], hf_segments):
             info = hf.info(name)

@@ -59,6 +59,7 @@ class Chunk:
 
     @property
     def stacked_index(self) -> tuple[int, ...]:
+        """The (layer, expert) indices of a stacked chunk, those that are set."""
         return tuple(i for i in (self.layer, self.expert) if i is not None)
 
     def global_offset(self) -> tuple[int, ...]:
@@ -76,10 +77,13 @@ def chunks(arch: ModelArch) -> list[Chunk]:
 
 
 def extra_state_keys(arch: ModelArch) -> list[str]:
-    """Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
+    """Unique keys of the ``_extra_state`` objects of Megatron's linear layers.
+
+    Unique keys of the ``_extra_state`` objects (None under the local spec) that Megatron's
     linear layers put in the sharded state dict: ``<key>/shard_<offset>_<global shape>``, dims
     joined by '.', as ``ShardedObject.unique_key`` spells them. Layers stacked on a leading axis
-    count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none."""
+    count it; a layer of its own (``decoder.layers.{i}.…``: dense and MoE layers mixed) has none.
+    """
     keys = []
     for rule in tensor_rules(arch):
         if rule.ckpt_key.startswith("decoder.layers.") and _is_linear_weight(rule.ckpt_key):
@@ -95,9 +99,12 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
 
 
 def _is_linear_weight(ckpt_key: str) -> bool:
-    """Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
+    """Whether ``ckpt_key`` is the weight of one of megatron's linear layers.
+
+    Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
     ``linear_*`` (linear_qkv, linear_proj, linear_fc1/fc2, MLA's linear_q/kv_*_proj); routers,
-    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``."""
+    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``.
+    """
     *_, module, leaf = ckpt_key.split(".")
     return leaf == "weight" and module.startswith("linear_")
 
@@ -124,9 +131,12 @@ def _planner(write_items: list):
 
 
 def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callable[[Chunk], list[FileSegment]]):
-    """DCP's file-system writer with its data step replaced: one file, items in plan order, each
-    tensor a ``torch.save`` archive whose data the kernel copies in from ``produce(chunk)``'s
-    segments (see ``segments``). DCP still plans the items and writes ``.metadata``."""
+    """DCP's file-system writer with its data step replaced.
+
+    One file, items in plan order, each tensor a ``torch.save`` archive whose data the kernel copies
+    in from ``produce(chunk)``'s segments (see ``segments``). DCP still plans the items and writes
+    ``.metadata``.
+    """
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _StorageInfo
     from torch.distributed.checkpoint.planner import WriteItemType
@@ -152,7 +162,7 @@ def _segment_writer(out_dir: str, chunk_of: dict, objects: dict, produce: Callab
                             index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
                         )
                     )
-            done = Future()
+            done: Future[list[WriteResult]] = Future()
             done.set_result(results)
             return done
 
@@ -211,8 +221,9 @@ def write_checkpoint(
 # ---------------------------------------------------------------------- reading
 class TorchDistReader:
     """Reads chunks of a torch_dist checkpoint at their global shapes (any saving parallelism).
-    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to
-    the HF vocabulary size.
+
+    A vocabulary tensor stored with more rows (a training run's padded vocabulary) is read up to the
+    HF vocabulary size.
 
     A chunk the checkpoint stores as one item (this converter's output; a layer saved at TP=1)
     is read straight from the file into a reused buffer of ``buffer_bytes`` (at least the
@@ -232,7 +243,8 @@ class TorchDistReader:
             self.metadata = self._storage.read_metadata()
         except Exception as e:  # missing / corrupt .metadata: torch raises several types
             raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({e})") from None
-        self._storage.read_metadata = lambda *args, **kwargs: self.metadata  # parse the pickle once
+        # parse the pickle once: an instance attribute shadows the method
+        setattr(self._storage, "read_metadata", lambda *args, **kwargs: self.metadata)  # noqa: B010
         stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}
@@ -250,11 +262,14 @@ class TorchDistReader:
         self._buffer = ChunkBuffer(max(buffer_bytes, largest))
 
     def chunk_bytes(self, chunk: Chunk) -> int:
+        """Size of a chunk's data in bytes."""
         return self.dtypes[chunk.rule].itemsize * math.prod(chunk.rule.shape)
 
     def read(self, wanted: Sequence[Chunk]) -> list[torch.Tensor]:
-        """The chunks' tensors (shape ``rule.shape``), in order. At most ``buffer_bytes`` (or one
-        chunk) per call; the tensors are valid until the next call."""
+        """The chunks' tensors (shape ``rule.shape``), in order.
+
+        At most ``buffer_bytes`` (or one chunk) per call; the tensors are valid until the next call.
+        """
         from torch.distributed.checkpoint import load as dcp_load
         from torch.distributed.checkpoint.api import CheckpointException
 
@@ -284,8 +299,11 @@ class TorchDistReader:
         ]
 
     def _read_stored_item(self, chunk: Chunk, buffer_offset: int) -> torch.Tensor | None:
-        """The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
-        item that fits there, else None."""
+        """Read a chunk stored as one plain item straight into the buffer.
+
+        The chunk read into the buffer at ``buffer_offset`` if it is stored as one plain
+        item that fits there, else None.
+        """
         segment = self.stored_segment(chunk)
         if segment is None or buffer_offset + segment.nbytes > self._buffer.nbytes:
             return None
@@ -297,12 +315,17 @@ class TorchDistReader:
         return tensor
 
     def stored_segment(self, chunk: Chunk) -> FileSegment | None:
-        """Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
-        (untransformed, uncompressed, little-endian) item, else None."""
-        from torch.distributed.checkpoint.metadata import MetadataIndex
+        """The file segment holding a chunk's raw bytes, if stored as one plain item.
+
+        Where the chunk's raw bytes lie if the checkpoint stores exactly it as one plain
+        (untransformed, uncompressed, little-endian) item, else None.
+        """
+        from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
         key, offset, shape = self.keys[chunk.rule], torch.Size(chunk.global_offset()), chunk.stored_shape()
-        stored = self.metadata.state_dict_metadata[key].chunks
+        meta = self.metadata.state_dict_metadata[key]
+        assert isinstance(meta, TensorStorageMetadata)  # self.keys holds tensor keys only
+        stored = meta.chunks
         if not any(c.offsets == offset and tuple(c.sizes) == shape for c in stored):
             return None
         info = self.metadata.storage_data.get(MetadataIndex(key, offset))
@@ -326,6 +349,7 @@ class TorchDistReader:
         return self._files[relative_path]
 
     def close(self) -> None:
+        """Close the open checkpoint files."""
         for fd in self._files.values():
             os.close(fd)
         self._files.clear()
@@ -345,9 +369,12 @@ def _root_cause(error: BaseException) -> str:
 
 
 def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
-    """The stored global shape is the expected one or, for a vocabulary tensor (embedding,
+    """Whether a stored global shape fits the expected one.
+
+    The stored global shape is the expected one or, for a vocabulary tensor (embedding,
     output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
-    128·TP) and the rows past the HF vocabulary are padding, left unread."""
+    128·TP) and the rows past the HF vocabulary are padding, left unread.
+    """
     if stored == expected:
         return True
     return vocabulary and len(stored) == len(expected) and stored[0] > expected[0] and stored[1:] == expected[1:]
@@ -369,10 +396,11 @@ def _chunk_load_planner_class():
     """A DCP load planner filling ``targets`` {(key, global offsets): tensor} from any stored pieces.
 
     Defined once (DCP is imported lazily): a class created per call sits in a reference cycle
-    and would keep every bucket's tensors alive until the cyclic garbage collector runs."""
+    and would keep every bucket's tensors alive until the cyclic garbage collector runs.
+    """
     from torch.distributed._shard._utils import narrow_tensor_by_index
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
     from torch.distributed.checkpoint.planner import LoadPlan
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -388,7 +416,10 @@ def _chunk_load_planner_class():
             items = []
             for (key, offsets), tensor in self.targets.items():
                 want = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=tensor.shape)
-                reads = create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [want])
+                assert self.metadata is not None  # set_up_planner ran
+                meta = self.metadata.state_dict_metadata[key]
+                assert isinstance(meta, TensorStorageMetadata)
+                reads = create_read_items_for_chunk_list(key, meta, [want])
                 covered = sum(math.prod(r.lengths) for r in reads)
                 if covered != tensor.numel():
                     raise CheckpointError(

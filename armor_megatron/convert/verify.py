@@ -25,6 +25,8 @@ DEFAULT_ATOL = 1e-4
 
 @dataclasses.dataclass
 class VerifyReport:
+    """The outcome of a round-trip check: tensors compared, mismatches, logit difference."""
+
     tensors_compared: int
     mismatched: list[str]
     max_logit_diff: float | None
@@ -32,9 +34,11 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """Whether every tensor matched and the logits (if compared) are within ``atol``."""
         return not self.mismatched and (self.max_logit_diff is None or self.max_logit_diff <= self.atol)
 
     def lines(self) -> list[str]:
+        """The report as printable lines."""
         out = [
             f"round trip: {self.tensors_compared - len(self.mismatched)}/{self.tensors_compared} tensors "
             f"bit-identical" + (f"; first mismatch {self.mismatched[0]}" if self.mismatched else "")
@@ -52,8 +56,11 @@ def prompts(arch: ModelArch, batch: int = 3, length: int = 16, seed: int = 0) ->
 
 
 def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, list[str]]:
-    """Bitwise comparison of every tensor of ``expected`` (tied lm_head copies and the tensors the
-    converter leaves out -- rotary caches, DeepSeek-V3's multi-token-prediction layers -- excepted)."""
+    """Compare every tensor of two checkpoints bitwise.
+
+    Bitwise comparison of every tensor of ``expected`` (tied lm_head copies and the tensors the
+    converter leaves out -- rotary caches, DeepSeek-V3's multi-token-prediction layers -- excepted).
+    """
     arch = expected.arch
     names = [
         n
@@ -78,8 +85,11 @@ def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, 
 
 
 def check_same_model(hf_dir: str, mcore_dir: str) -> None:
-    """Refuse to compare checkpoints of different models (family or shapes), in one line, when
-    the torch_dist checkpoint carries its HF config (this converter's outputs do)."""
+    """Refuse to compare checkpoints of different models.
+
+    Refuse to compare checkpoints of different models (family or shapes), in one line, when
+    the torch_dist checkpoint carries its HF config (this converter's outputs do).
+    """
     from armor_megatron.convert.output import HF_FILES_DIR
 
     config_dir = os.path.join(mcore_dir, HF_FILES_DIR)
@@ -96,6 +106,7 @@ def check_same_model(hf_dir: str, mcore_dir: str) -> None:
 
 
 def round_trip(hf_dir: str, mcore_dir: str) -> tuple[int, list[str]]:
+    """Convert ``mcore_dir`` back to HF and compare it with ``hf_dir``: (tensors compared, mismatched names)."""
     check_same_model(hf_dir, mcore_dir)
     with tempfile.TemporaryDirectory(prefix="armor_verify_", dir=os.path.dirname(os.path.abspath(mcore_dir))) as tmp:
         out = os.path.join(tmp, "hf")
@@ -104,7 +115,7 @@ def round_trip(hf_dir: str, mcore_dir: str) -> tuple[int, list[str]]:
 
 
 def hf_logits(hf_dir: str, tokens: torch.Tensor) -> torch.Tensor:
-    """transformers' logits [b, s, V] in fp32."""
+    """Transformers' logits [b, s, V] in fp32."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()

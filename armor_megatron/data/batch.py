@@ -34,20 +34,21 @@ class RolloutBatch:
         self._size: int | None = None
         for key, value in (tensors or {}).items():
             self[key] = value
-        for key, value in (objects or {}).items():
-            self[key] = value
+        for key, items in (objects or {}).items():
+            self[key] = items
 
     # ----- fields -------------------------------------------------------------------------
     def __len__(self) -> int:
         return self._size or 0
 
     def keys(self) -> list[str]:
+        """The field names: tensor fields, then object fields."""
         return [*self.tensors, *self.objects]
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors or key in self.objects
 
-    def __getitem__(self, key: str) -> torch.Tensor | list[Any]:
+    def __getitem__(self, key: str) -> Any:  # a tensor field, or an object field (a list)
         if key in self.tensors:
             return self.tensors[key]
         if key in self.objects:
@@ -70,7 +71,10 @@ class RolloutBatch:
         others = [k for k in self.keys() if k != key]
         if others and size != self._size:
             raise ValueError(f"field {key!r} has {size} rows, the batch has {self._size}")
-        (self.tensors if isinstance(value, torch.Tensor) else self.objects)[key] = value
+        if isinstance(value, torch.Tensor):
+            self.tensors[key] = value
+        else:
+            self.objects[key] = value
         self._size = size
 
     def __repr__(self) -> str:
@@ -134,6 +138,7 @@ class RolloutBatch:
         return self.index(torch.arange(len(self)).repeat_interleave(repeats))
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> RolloutBatch:
+        """The batch with its tensors moved to ``device`` (objects and meta shared)."""
         return self._derive(
             {k: v.to(device, non_blocking=non_blocking) for k, v in self.tensors.items()}, dict(self.objects)
         )
@@ -142,10 +147,13 @@ class RolloutBatch:
     def concat(
         cls, batches: Iterable[RolloutBatch], pad_values: Mapping[str, float | int] | None = None
     ) -> RolloutBatch:
-        """Rows of all batches in order. All must have the same fields. A tensor whose trailing
-        dims differ between batches (e.g. [N, T] with different T) is right-padded to the
-        largest with ``pad_values[key]``; without an entry for it, the mismatch raises. Meta
-        dicts are merged; one key with two different values raises."""
+        """Rows of all batches in order.
+
+        All must have the same fields. A tensor whose trailing dims differ between batches (e.g. [N,
+        T] with different T) is right-padded to the largest with ``pad_values[key]``; without an
+        entry for it, the mismatch raises. Meta dicts are merged; one key with two different values
+        raises.
+        """
         batches = list(batches)
         if not batches:
             raise ValueError("concat needs at least one batch")
@@ -173,7 +181,8 @@ def _cat_padded(key: str, parts: list[torch.Tensor], pad_value: float | int | No
         padded = []
         for p in parts:
             out = p.new_full((p.shape[0], *target), pad_value)
-            out[(slice(None), *(slice(0, d) for d in p.shape[1:]))] = p
+            region = (slice(None), *(slice(0, d) for d in p.shape[1:]))
+            out[region] = p
             padded.append(out)
         parts = padded
     return torch.cat(parts, dim=0)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -23,10 +23,13 @@ import torch
 LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safety rows)
 
 
-def field_of(row: dict, key: str) -> Any:
-    """``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
+def field_of(row: dict[str, Any], key: str) -> Any:
+    """A row's field ``key``, dotted keys reading nested fields.
+
+    ``row[key]``, or for a dotted ``key`` without a column of that exact name the nested field
     (``"reward_model.ground_truth"`` -> ``row["reward_model"]["ground_truth"]``); KeyError(key)
-    when absent."""
+    when absent.
+    """
     if key in row:
         return row[key]
     node: Any = row
@@ -37,7 +40,7 @@ def field_of(row: dict, key: str) -> Any:
     return node
 
 
-def has_field(row: dict, key: str) -> bool:
+def has_field(row: dict[str, Any], key: str) -> bool:
     """Whether :func:`field_of` finds ``key`` in ``row``."""
     try:
         field_of(row, key)
@@ -51,9 +54,8 @@ def field_kind(key: str) -> str:
     return "field" if "." in key else "column"
 
 
-def ground_truth_column(row: dict, answer_key: str) -> str | None:
-    """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``;
-    None if neither."""
+def ground_truth_column(row: dict[str, Any], answer_key: str) -> str | None:
+    """The field holding a row's ground truth: ``answer_key`` (dotted: nested), else ``label``, else None."""
     if has_field(row, answer_key):
         return answer_key
     return LABEL_KEY if LABEL_KEY in row else None
@@ -61,25 +63,29 @@ def ground_truth_column(row: dict, answer_key: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
+    """One dataset row: its index in the file, prompt, ground truth, verifier and other columns."""
+
     index: int
     prompt: Any
     answer: Any
     verifier: str | None = None
-    extra: dict = dataclasses.field(default_factory=dict)
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def read_rows(path: str) -> list[dict]:
+def read_rows(path: str) -> list[dict[str, Any]]:
     """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts; one-line errors on bad input."""
     return _rows(path, None)
 
 
-def peek_rows(path: str, n: int) -> list[dict]:
-    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole
-    list is parsed); the same one-line errors as :func:`read_rows`."""
+def peek_rows(path: str, n: int) -> list[dict[str, Any]]:
+    """The first ``n`` rows of a dataset file, read without loading the rest (``.json``: the whole list is parsed).
+
+    The same one-line errors as :func:`read_rows`.
+    """
     return _rows(path, n)
 
 
-def _rows(path: str, limit: int | None) -> list[dict]:
+def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset not found: {path}")
     if path.endswith(".parquet"):
@@ -89,11 +95,13 @@ def _rows(path: str, limit: int | None) -> list[dict]:
             raise ImportError(f"reading {path} needs pyarrow (pip install pyarrow)") from None
         try:
             if limit is None:
-                return pq.read_table(path).to_pylist()
+                table_rows: list[dict[str, Any]] = pq.read_table(path).to_pylist()
+                return table_rows
             batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
         except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError on a damaged file
             raise ValueError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
-        return [] if batch is None else batch.to_pylist()
+        batch_rows: list[dict[str, Any]] = [] if batch is None else batch.to_pylist()
+        return batch_rows
     if path.endswith(".json"):
         try:
             with open(path, encoding="utf-8") as f:
@@ -129,7 +137,7 @@ class PromptDataset:
         if not rows:
             raise ValueError(f"{path}: dataset is empty")
         self.path = path
-        self.rows = []
+        self.rows: list[PromptRow] = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
                 raise ValueError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
@@ -139,6 +147,7 @@ class PromptDataset:
                     raise ValueError(
                         f"{path}: row {i} has no {key!r} {field_kind(key)} (columns: {', '.join(sorted(row))})"
                     )
+            assert truth is not None  # a row without one raised above
             prompt = field_of(row, prompt_key)
             if not isinstance(prompt, (str, list)):
                 raise ValueError(
@@ -148,9 +157,11 @@ class PromptDataset:
             extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
             self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra))
 
-    def keep(self, predicate) -> int:
-        """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number);
-        returns how many were left out."""
+    def keep(self, predicate: Callable[[PromptRow], bool]) -> int:
+        """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number).
+
+        Returns how many were left out.
+        """
         before = len(self.rows)
         self.rows = [row for row in self.rows if predicate(row)]
         return before - len(self.rows)
@@ -193,17 +204,19 @@ class PromptLoader:
         while True:
             yield self.next_batch()
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
+        """The loader's position (epoch, position, seed), for checkpoints."""
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at a position :meth:`state_dict` saved; a different seed raises."""
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
 def encode_prompt(
-    tokenizer, prompt: Any, *, apply_chat_template: bool = True, template: str | None = None
+    tokenizer: Any, prompt: Any, *, apply_chat_template: bool = True, template: str | None = None
 ) -> list[int]:
     """Token ids of one prompt.
 

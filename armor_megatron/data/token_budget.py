@@ -53,15 +53,20 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
 
 
 def packed_capacity(budget: int, multiple: int = 1) -> int:
-    """Row tokens a packed micro-batch of at most `budget` tokens holds when its length is
-    padded to a multiple of `multiple`: the budget rounded down to that multiple."""
+    """Row tokens a packed micro-batch of at most ``budget`` tokens holds.
+
+    Row tokens a packed micro-batch of at most `budget` tokens holds when its length is
+    padded to a multiple of `multiple`: the budget rounded down to that multiple.
+    """
     return budget // multiple * multiple
 
 
 def pack_by_tokens(lengths: Sequence[int], budget: int, multiple: int = 1) -> list[list[int]]:
-    """First-fit decreasing: row indices in bins whose packed length round_up(Σ lengths, multiple)
-    is at most `budget`. Longest rows are placed first; bins come in the order they were opened,
-    each with its indices in increasing order. A row that cannot fit an empty bin is an error."""
+    """First-fit decreasing: row indices in bins whose packed length round_up(Σ lengths, multiple) is at most `budget`.
+
+    Longest rows are placed first; bins come in the order they were opened, each with its indices in
+    increasing order. A row that cannot fit an empty bin is an error.
+    """
     if multiple < 1:
         raise ValueError(f"multiple must be >= 1, got {multiple}")
     capacity = packed_capacity(budget, multiple)

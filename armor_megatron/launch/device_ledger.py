@@ -41,6 +41,7 @@ class EngineSizes:
     cuda_graph: float
 
     def tag(self, name: str) -> float:
+        """The bytes an engine holds under memory tag ``name``."""
         return getattr(self, name)
 
 
@@ -58,19 +59,25 @@ class DeviceSizes:
 
     @property
     def trainer_state(self) -> float:
+        """Bytes of the trainer's state on one GPU (weights, grads, optimizer state)."""
         return sum(self.trainer.values())
 
 
 @dataclasses.dataclass(frozen=True)
 class Phase:
+    """One recorded moment of a step: its label, the GPU's total bytes and what they are made of."""
+
     label: str
     total: float
     holdings: dict  # what the total is made of: name -> bytes
 
 
 class DeviceLedger:
-    """Bytes one GPU holds while a step runs (module docstring). ``trainer_on_device`` and
-    ``engines_hold``: the state before the first event (engines hold every tag)."""
+    """Bytes one GPU holds while a step runs (module docstring).
+
+    ``trainer_on_device`` and ``engines_hold``: the state before the first event (engines hold every
+    tag).
+    """
 
     def __init__(self, sizes: DeviceSizes, *, trainer_on_device: bool = True, engines_hold: bool = True):
         self.sizes = sizes
@@ -81,32 +88,41 @@ class DeviceLedger:
 
     # ------------------------------------------------------------------ events
     def start(self, label: str = "start") -> None:
+        """Record the state before the first event."""
         self._record(label)
 
     def trainer_to_device(self) -> None:
+        """The trainer's state comes back to the device."""
         self.trainer_on_device = True
         self._record("trainer to the device")
 
     def trainer_to_host(self, *, emptied_cache: bool) -> None:
-        """The trainer's storages freed on the device; ``emptied_cache``: and the allocator's
-        cached blocks returned (``torch.cuda.empty_cache()``)."""
+        """The trainer's storages freed on the device.
+
+        ``emptied_cache``: and the allocator's cached blocks returned (``torch.cuda.empty_cache()``).
+        """
         self.trainer_on_device = False
         if emptied_cache:
             self.cache = 0.0
         self._record("trainer to the host" + (" + empty_cache" if emptied_cache else ""))
 
     def compute(self, kind: str) -> None:
-        """A log-prob pass (``logprobs``) or an update (``update``) runs: its peak is charged on
-        top, and stays reserved by the allocator afterwards (until `trainer_to_host` empties it)."""
+        """A log-prob pass (``logprobs``) or an update (``update``) runs.
+
+        Its peak is charged on top, and stays reserved by the allocator afterwards (until
+        `trainer_to_host` empties it).
+        """
         peak = {"logprobs": self.sizes.logprobs, "update": self.sizes.update}[kind]
         self._record(kind, computing=max(peak - self.cache, 0.0))
         self.cache = max(self.cache, peak)
 
     def engine_released(self, role: str, tags) -> None:
+        """The ``role`` engine released the memory under ``tags``."""
         self._set(role, tags, False)
         self._record(f"{role} engine released {'+'.join(tags)}")
 
     def engine_resumed(self, role: str, tags) -> None:
+        """The ``role`` engine took the memory under ``tags`` back."""
         self._set(role, tags, True)
         self._record(f"{role} engine resumed {'+'.join(tags)}")
 
@@ -115,11 +131,13 @@ class DeviceLedger:
         self._record(f"weights pushed to the {role} engine", bucket=self.sizes.bucket)
 
     def checkpoint(self) -> None:
+        """Record a checkpoint save (no change in holdings)."""
         self._record("checkpoint")
 
     # ------------------------------------------------------------------ results
     @property
     def peak(self) -> Phase:
+        """The phase with the most bytes on the GPU."""
         return max(self.phases, key=lambda p: p.total)
 
     def problem(self, what: str = "step") -> str | None:
@@ -143,6 +161,7 @@ class DeviceLedger:
             self.held[(role, tag)] = held
 
     def holdings(self, computing: float = 0.0, bucket: float = 0.0) -> dict:
+        """What the GPU holds now, by name (bytes), with ``computing`` and ``bucket`` on top."""
         parts: dict = {}
         if self.trainer_on_device:
             parts.update({k: v for k, v in self.sizes.trainer.items() if v})
@@ -155,7 +174,8 @@ class DeviceLedger:
             for role, engine in self.sizes.engines.items()
         }
         if roles:  # one engine rank per GPU: the heavier role's GPU
-            parts.update(max(roles.values(), key=lambda r: sum(r.values())))
+            heaviest = max(roles.values(), key=lambda r: sum(r.values()))
+            parts.update(heaviest)
         extra = {
             "allocator cache": self.cache,
             "activations": computing,
@@ -179,13 +199,16 @@ KV_AND_GRAPHS = ("kv_cache", "cuda_graph")
 def replay_colocated_step(
     ledger: DeviceLedger, *, offload: bool = True, ref_logprobs: bool = True, reset_and_checkpoint: bool = True
 ) -> DeviceLedger:
-    """``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
+    """Replay one colocated step's memory events on a GPU's ledger.
+
+    ``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
     test checks the loop records these very phases): rollout with the trainer on the host →
     engines released → trainer to the device → log-probs, update → trainer to the host and
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and
     graphs resumed; a reference reset and a checkpoint bring the trainer back while the engines
     keep only their weights. ``offload=False``: the trainer stays on the device throughout;
-    ``ref_logprobs``: the reference computes log-probs too (after the actor)."""
+    ``ref_logprobs``: the reference computes log-probs too (after the actor).
+    """
     ledger.start("rollout")
     ledger.engine_released("policy", POLICY_RELEASE)
     ledger.engine_released("reference", REFERENCE_RELEASE)
@@ -215,8 +238,10 @@ def replay_colocated_step(
 
 
 def replay_disaggregated_step(ledger: DeviceLedger, *, ref_logprobs: bool = True) -> DeviceLedger:
-    """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on
-    the device; log-probs, update, then the weight export's bucket."""
+    """A trainer GPU of a disaggregated layout (engines on their own GPUs): the trainer stays on the device.
+
+    Log-probs, update, then the weight export's bucket.
+    """
     ledger.start("rollout")
     for _ in range(2 if ref_logprobs else 1):
         ledger.compute("logprobs")

@@ -18,6 +18,7 @@ class EngineStartError(RuntimeError):
 
 
 def is_healthy(url: str, api_key: str | None = None, timeout_s: float = 10.0) -> bool:
+    """Whether the SGLang server at ``url`` answers ``/health_generate`` within ``timeout_s``."""
     request = urllib.request.Request(url.rstrip("/") + "/health_generate")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")

@@ -108,6 +108,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from armor_megatron.algo.advantages import needs_critic
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.launch.device_ledger import (
@@ -143,8 +144,11 @@ TRAINER_TERMS = ("weights", "gradients", "optimizer", "reference", "critic")
 
 # ----------------------------------------------------------------------------- parameters
 def layer_params(arch: ModelArch, layer: int) -> tuple[int, int, int]:
-    """(tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`, from its
-    family's declared tensors (buffers, such as a router's selection bias, are not parameters)."""
+    """Parameter counts of decoder layer ``layer``: (tensor-parallel-split, replicated, expert).
+
+    (tensor-parallel-split, replicated, expert) parameters of decoder layer `layer`, from its
+    family's declared tensors (buffers, such as a router's selection bias, are not parameters).
+    """
     split = replicated = expert = 0
     for rule in layer_rules(arch, layer):
         if rule.buffer:
@@ -159,12 +163,13 @@ def layer_params(arch: ModelArch, layer: int) -> tuple[int, int, int]:
 
 
 def padded_vocab(arch: ModelArch, tp: int) -> int:
-    """megatron's padded vocabulary (`megatron.model.padded_vocab_size`): a multiple of lcm(128, tp)."""
+    """Megatron's padded vocabulary (`megatron.model.padded_vocab_size`): a multiple of lcm(128, tp)."""
     multiple = math.lcm(128, tp)
     return -(-arch.vocab_size // multiple) * multiple
 
 
 def stage_layers(arch: ModelArch, pp: int, stage: int) -> range:
+    """The layers of pipeline stage ``stage`` of ``pp`` (equal consecutive shares)."""
     per = arch.num_layers // pp
     return range(stage * per, (stage + 1) * per)
 
@@ -245,8 +250,11 @@ class ActivationSettings:
 
 
 def activation_bytes(arch: ModelArch, layers: range, a: ActivationSettings, in_flight: float) -> float:
-    """Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
-    kept, plus one recomputed unit under full recompute."""
+    """Activation bytes of one pipeline stage's layers.
+
+    Activations of `layers` (one pipeline stage, all its chunks) with `in_flight` micro-batches
+    kept, plus one recomputed unit under full recompute.
+    """
     tokens = a.tokens
     keep_scores = a.recompute != "selective"  # a fully recomputed layer keeps them while it runs again
     per_layer = [
@@ -280,6 +288,7 @@ def in_flight_microbatches(pp: int, vpp: int | None, stage: int, microbatches: i
 
 
 def logits_bytes(arch: ModelArch, tp: int, tokens: int, dtype_bytes: int) -> float:
+    """Bytes of the logits: 2 × [tokens, V/tp] in the model dtype, plus the two fp32 [rows, V/tp] log-prob workspaces."""
     v_local = padded_vocab(arch, tp) // tp
     rows = min(tokens, max(1, LOGPROB_CHUNK_ELEMENTS // v_local))
     return 2 * tokens * v_local * dtype_bytes + 2 * rows * v_local * 4
@@ -302,14 +311,18 @@ class StageMemory:
 
     @property
     def peak(self) -> Phase:
+        """The phase with the most bytes."""
         return max(self.phases, key=lambda p: p.total)
 
     def largest(self) -> tuple[str, float]:
+        """The largest term: (name, bytes)."""
         return max(self.terms.items(), key=lambda kv: kv[1])
 
 
 @dataclasses.dataclass
 class MemoryPlan:
+    """Estimated device memory of every pipeline stage of a layout, and the GPU's size."""
+
     stages: list[StageMemory]
     gpu_bytes: float
     layout: str
@@ -396,7 +409,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         opt = optimizer_bytes * (dense / shard[0] + expert / shard[1])
         c_dense, c_expert = params_per_gpu(arch, tp, pp, ep, stage, lm_head=False)
         critic = 0.0
-        if cfg.algorithm.estimator == "gae":
+        if needs_critic(cfg.algorithm.estimator):
             critic = (e + 4) * (c_dense + c_expert) + optimizer_bytes * (c_dense / shard[0] + c_expert / shard[1])
         held = in_flight_microbatches(pp, par.vpp, stage, microbatches)
         activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)
@@ -460,8 +473,11 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
 
 
 def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str, EngineSizes]:
-    """Per GPU of an engine rank: its weights (e·P/tp_per_engine), KV cache (the rest of
-    ``mem_fraction_static``) and CUDA graphs; the reference role only when its group is launched."""
+    """Per GPU of an engine rank.
+
+    Its weights (e·P/tp_per_engine), KV cache (the rest of ``mem_fraction_static``) and CUDA graphs;
+    the reference role only when its group is launched.
+    """
     sg = cfg.rollout.sglang
     static = sg.mem_fraction_static * cfg.launch.gpu_memory_gib * GIB
     weights = dtype_bytes * total_params(arch) / sg.tp_per_engine
@@ -470,9 +486,12 @@ def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str
 
 
 def plan_problem(cfg: RunConfig) -> str | None:
-    """Why `cfg`'s layout does not fit its GPUs (one line), or None: it fits, it runs on CPUs
-    (``launch.gpus_per_node: 0``), or its architecture is unknown here (no model.arch, no
-    config.json). What ``--check``, ``armor-slurm submit`` and the example scripts refuse."""
+    """Why `cfg`'s layout does not fit its GPUs (one line), or None.
+
+    It fits, it runs on CPUs (``launch.gpus_per_node: 0``), or its architecture is unknown here (no
+    model.arch, no config.json). What ``--check``, ``armor-slurm submit`` and the example scripts
+    refuse.
+    """
     from armor_megatron.config.validate import model_arch_of
 
     if cfg.launch.gpus_per_node == 0:

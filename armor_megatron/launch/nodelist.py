@@ -19,6 +19,7 @@ class NodeListError(ValueError):
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names of a SLURM node list (``node[01-03,07],gpu5``), in order."""
     text = nodelist.strip()
     if not text:
         raise NodeListError("empty SLURM node list")

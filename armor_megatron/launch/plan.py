@@ -32,7 +32,7 @@ import json
 import os
 import shlex
 from collections.abc import Mapping, Sequence
-from typing import Literal
+from typing import Literal, cast
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
@@ -92,13 +92,14 @@ class LaunchOptions:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str], launcher: str | None = None) -> LaunchOptions:
+        """Options from ``ARMOR_*`` environment variables; a malformed one raises LaunchPlanError."""
         grace = env.get("ARMOR_SIGNAL_GRACE", "120")
         if not grace.isdigit():
             raise LaunchPlanError(f"ARMOR_SIGNAL_GRACE={grace!r} is not a number of seconds")
         python = env.get("ARMOR_PYTHON") or "python"
         entry = env.get("ARMOR_TRAIN_ENTRY")
         return cls(
-            launcher=launcher or env.get("ARMOR_LAUNCHER") or "srun",
+            launcher=cast(Launcher, launcher or env.get("ARMOR_LAUNCHER") or "srun"),  # checked in __post_init__
             python=python,
             train_entry=tuple(shlex.split(entry)) if entry is not None else (python, *DEFAULT_TRAIN_ENTRY[1:]),
             srun_args=tuple(shlex.split(env.get("ARMOR_SRUN_ARGS", ""))),
@@ -124,6 +125,8 @@ class EngineStep:
 
 @dataclasses.dataclass(frozen=True)
 class JobPlan:
+    """The commands and addresses of one SLURM job: trainer ranks and engines on its nodes."""
+
     run_name: str
     job_id: str
     launcher: Launcher
@@ -140,13 +143,16 @@ class JobPlan:
 
     @property
     def world_size(self) -> int:
+        """The number of trainer ranks."""
         return len(self.trainer_nodes) * self.trainer_procs_per_node
 
     @property
     def engine_urls(self) -> tuple[str, ...]:
+        """The URLs of every engine."""
         return tuple(e.url for e in self.engines)
 
     def group_urls(self, group: str) -> list[str]:
+        """The URLs of the engines of ``group``."""
         return [e.url for e in self.engines if e.group == group]
 
 
@@ -178,7 +184,9 @@ def plan_job(
             f"rollout.sglang.host={sg.host}: in a multi-node job the engines must listen on all interfaces "
             "so trainer ranks on other nodes reach them; set rollout.sglang.host=0.0.0.0 (and rollout.sglang.api_key)"
         )
-    groups = ["policy"] * sg.num_engines + ["reference"] * (len(layout.engine_slots) - sg.num_engines)
+    groups: list[Literal["policy", "reference"]] = [
+        "policy" if i < sg.num_engines else "reference" for i in range(len(layout.engine_slots))
+    ]
     engines = tuple(
         _engine_step(cfg, opts, i, group, node, first_gpu, port)
         for i, (group, (node, first_gpu), port) in enumerate(zip(groups, layout.engine_slots, ports))
@@ -293,7 +301,13 @@ def _check_weight_sync(cfg: RunConfig, engines: Sequence[EngineStep], driver_nod
 
 
 def _engine_step(
-    cfg: RunConfig, opts: LaunchOptions, index: int, group: str, node: str, first_gpu: int, port: int
+    cfg: RunConfig,
+    opts: LaunchOptions,
+    index: int,
+    group: Literal["policy", "reference"],
+    node: str,
+    first_gpu: int,
+    port: int,
 ) -> EngineStep:
     sg = cfg.rollout.sglang
     gpus = tuple(range(first_gpu, first_gpu + sg.tp_per_engine))
@@ -380,8 +394,11 @@ def _trainer_command(
 
 
 def _cpus_per_gpu(env: Mapping[str, str]) -> int | None:
-    """``ARMOR_CPUS_PER_GPU``, else the allocation's cores per GPU (``SLURM_CPUS_ON_NODE`` over
-    ``SLURM_GPUS_ON_NODE``), else None (srun's default)."""
+    """CPU cores per GPU for srun, or None for srun's default.
+
+    ``ARMOR_CPUS_PER_GPU``, else the allocation's cores per GPU (``SLURM_CPUS_ON_NODE`` over
+    ``SLURM_GPUS_ON_NODE``), else None (srun's default).
+    """
     explicit = env.get("ARMOR_CPUS_PER_GPU")
     if explicit is not None:
         if not explicit.isdigit():

@@ -21,6 +21,8 @@ class SlurmEnvError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SlurmEnv:
+    """The SLURM allocation this process runs in: job id, nodes, GPUs per node, job name."""
+
     job_id: str
     nodes: tuple[str, ...]
     gpus_per_node: int | None = None  # None when SLURM did not say (no GPUs requested)
@@ -30,6 +32,7 @@ class SlurmEnv:
 
     @classmethod
     def from_environ(cls, env: Mapping[str, str]) -> SlurmEnv:
+        """Read the allocation from SLURM's environment variables; outside an allocation raises SlurmEnvError."""
         job_id = env.get("SLURM_JOB_ID", "")
         if not job_id:
             raise SlurmEnvError(

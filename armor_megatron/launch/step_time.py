@@ -85,6 +85,7 @@ import copy
 import dataclasses
 import sys
 
+from armor_megatron.algo.advantages import needs_critic
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.config.validate import launched_reference_engines, validate_run_config
@@ -112,7 +113,7 @@ def weights_per_token(arch: ModelArch) -> float:
 
 
 def default_decode_rate(arch: ModelArch) -> float:
-    """r = 4000 · W_8B / W tokens/s per engine GPU (module docstring)."""
+    """The decode rate r = 4000 · W_8B / W tokens/s per engine GPU (module docstring)."""
     return REFERENCE_DECODE_TOKENS_PER_S * REFERENCE_WEIGHTS_PER_TOKEN / weights_per_token(arch)
 
 
@@ -131,6 +132,8 @@ class Workload:
 
 @dataclasses.dataclass(frozen=True)
 class Rates:
+    """Speeds: decode tokens/s per engine GPU (r), trainer FLOP/s per GPU (R), weight-sync bytes/s (bw)."""
+
     decode_tokens_per_s_per_gpu: float  # r
     trainer_flops_per_s_per_gpu: float  # R = peak · mfu
     sync_bytes_per_s: float  # bw
@@ -148,6 +151,7 @@ class Split:
 
     @property
     def engine_gpus(self) -> int:
+        """The GPUs of both engine groups."""
         return self.policy_gpus + self.reference_gpus
 
 
@@ -161,14 +165,17 @@ class StepTime:
 
     @property
     def off(self) -> float:
+        """Seconds of a step under rollout.overlap off."""
         return off_step_seconds(self.generation, self.train, self.sync)
 
     @property
     def one_step(self) -> float:
+        """Seconds of a step under rollout.overlap one_step."""
         return one_step_seconds(self.generation, self.train, self.sync)
 
     @property
     def ratio(self) -> float:
+        """one_step / off."""
         return self.one_step / self.off
 
 
@@ -236,6 +243,7 @@ class Balance:
 
     @property
     def one_step(self) -> float:
+        """Step seconds of the one_step optimum: (A + B) / N + t_sync."""
         return (self.generation_gpu_s + self.train_gpu_s) / self.gpus + self.sync
 
     @property
@@ -246,10 +254,12 @@ class Balance:
 
     @property
     def off(self) -> float:
+        """Step seconds of the off optimum: (√A + √B)² / N + t_sync."""
         return (self.generation_gpu_s**0.5 + self.train_gpu_s**0.5) ** 2 / self.gpus + self.sync
 
 
 def step_time(work: Workload, rates: Rates, split: Split) -> StepTime:
+    """The phase and step seconds of ``work`` at ``rates`` on ``split``."""
     return StepTime(
         generation=generation_seconds(work, rates, split.policy_gpus, split.reference_gpus),
         train=train_seconds(work, rates, split.trainer_gpus),
@@ -267,7 +277,7 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
     external = anchor.enabled and not anchors  # anchors from servers outside the job: not timed here
     s = ro.max_prompt_len + L
     passes = 1 + (1 if cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl else 0) + 3 * cfg.train.epochs_per_step
-    if cfg.algorithm.estimator == "gae":
+    if needs_critic(cfg.algorithm.estimator):
         passes += 1 + 3 * cfg.train.epochs_per_step
     return Workload(
         policy_tokens=(G - 1 if anchors or external else G) * P * L,
@@ -281,9 +291,15 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
 
 
 def rates_of(cfg: RunConfig, arch: ModelArch, weight_sync: str) -> Rates:
+    """The rates of ``cfg`` (launch.step_time, GPU peak, weight-sync bandwidth) for ``arch``."""
     st = cfg.launch.step_time
     peak = cfg.launch.gpu_peak_tflops or DEFAULT_PEAK_TFLOPS
-    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S[weight_sync]
+    gbps = st.sync_gb_per_s or DEFAULT_SYNC_GB_PER_S.get(weight_sync)
+    if gbps is None:
+        raise ConfigError(
+            "launch.step_time.sync_gb_per_s",
+            f"no default bandwidth for weight-sync mode {weight_sync!r} (defaults exist for {', '.join(sorted(DEFAULT_SYNC_GB_PER_S))}); set it to plan this run",
+        )
     return Rates(
         decode_tokens_per_s_per_gpu=st.decode_tokens_per_s_per_gpu or default_decode_rate(arch),
         trainer_flops_per_s_per_gpu=peak * 1e12 * st.mfu,
@@ -293,6 +309,8 @@ def rates_of(cfg: RunConfig, arch: ModelArch, weight_sync: str) -> Rates:
 
 @dataclasses.dataclass(frozen=True)
 class PlannedLayout:
+    """One row of the plan: a label, its GPU split and its step time."""
+
     label: str
     split: Split
     time: StepTime
@@ -300,6 +318,8 @@ class PlannedLayout:
 
 @dataclasses.dataclass
 class StepTimePlan:
+    """The step-time plan: workload, rates, the configured layout and the balanced splits."""
+
     work: Workload
     rates: dict[str, Rates]  # by weight_sync mode of the rows
     configured: PlannedLayout
@@ -309,6 +329,7 @@ class StepTimePlan:
     note: str
 
     def table(self) -> str:
+        """The plan as a text table, one row per layout."""
         head = [
             "layout",
             "engine GPUs (policy + reference)",
@@ -350,6 +371,7 @@ class StepTimePlan:
         return "\n".join(["step-time model: " + self.note, "", *lines, "", balance, self.verdict()])
 
     def verdict(self) -> str:
+        """One line suggesting the engine/trainer split."""
         best = self.for_one_step
         if best is None:
             return "suggested split: none (no disaggregated layout of this job passes the checks and fits its GPUs)"
@@ -448,8 +470,10 @@ def _accepted(cfg: RunConfig, arch: ModelArch, n_p: int, n_r: int) -> Split | No
 
 # ----------------------------------------------------------------------------- measured phases
 def main(argv: list[str] | None = None) -> int:
-    """``python -m armor_megatron.launch.step_time --generation-s G --train-s U [--sync-s S]``: the
-    ratio the model predicts for measured phase times (e.g. a CPU bench's engine and trainer)."""
+    """``python -m armor_megatron.launch.step_time --generation-s G --train-s U [--sync-s S]``.
+
+    The ratio the model predicts for measured phase times (e.g. a CPU bench's engine and trainer).
+    """
     parser = argparse.ArgumentParser(prog="python -m armor_megatron.launch.step_time", description=main.__doc__)
     parser.add_argument("--generation-s", type=float, required=True, help="seconds the engines generate a step")
     parser.add_argument("--train-s", type=float, required=True, help="seconds the trainer takes on a step")

@@ -1,6 +1,6 @@
-"""Scale-out sweeps: a grid over config keys -> one resolved config per SLURM array task.
+r"""Scale-out sweeps: a grid over config keys -> one resolved config per SLURM array task.
 
-    python tools/sweep.py --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \\
+    python tools/sweep.py --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
         --grid alpha=0.875,0.9375 --grid tau=80,160 --grid seed=1,2 --max-parallel 4
 
 writes ``sweeps/alpha-tau/configs/{0..7}.yaml`` (every config validated by ``load_config``, and
@@ -34,7 +34,7 @@ import yaml
 
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
 from armor_megatron.config.load import config_tree, parse_override
-from armor_megatron.launch.plan import LaunchOptions, LaunchPlanError, plan_job, preview_allocation
+from armor_megatron.launch.plan import Launcher, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
 ALIASES = {"alpha": "algorithm.alpha", "tau": "reference.tau", "G": "rollout.group_size", "seed": "train.seed"}
@@ -47,6 +47,8 @@ class SweepError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class SweepRun:
+    """One run of a sweep: its index, name, grid values and the overrides that make its config."""
+
     index: int
     name: str
     values: dict[str, Any]  # dotted key -> grid value
@@ -56,6 +58,8 @@ class SweepRun:
 
 @dataclasses.dataclass(frozen=True)
 class Sweep:
+    """A resolved sweep: the base config, output directory, grid and runs."""
+
     base_config: str
     out_dir: str
     grid: dict[str, list]
@@ -64,6 +68,7 @@ class Sweep:
     sbatch: tuple[str, ...]
 
     def config_path(self, index: int | str) -> str:
+        """Where run ``index``'s config is written."""
         return os.path.join(self.out_dir, "configs", f"{index}.yaml")
 
 
@@ -81,6 +86,7 @@ def parse_grid(items: Sequence[str]) -> dict[str, list]:
 
 
 def read_grid_file(path: str) -> dict[str, list]:
+    """The grid of a YAML file (``{dotted key: [values]}``); one-line SweepError when it is unreadable."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f)
@@ -107,7 +113,7 @@ def plan_sweep(
     *,
     fixed_overrides: Sequence[str] = (),
     max_parallel: int | None = None,
-    launcher: str = "srun",
+    launcher: Launcher = "srun",
     template: str = TEMPLATE,
     log_dir: str = DEFAULT_LOG_DIR,
     signal_grace_s: int = 120,
@@ -209,6 +215,7 @@ def write_sweep(sweep: Sweep, *, overwrite: bool = False) -> None:
 
 
 def add_grid_key(grid: dict[str, list], key: str, values: list) -> None:
+    """Add grid key ``key`` (aliases resolved) with ``values``; a reserved or repeated key raises SweepError."""
     key = ALIASES.get(key, key)
     if key in _RESERVED:
         raise SweepError(f"grid key {key!r} is set per run by the sweep itself")
@@ -236,4 +243,5 @@ def _format(value: Any) -> str:
 
 
 def describe_values(values: Mapping[str, Any]) -> str:
+    """``key=value`` pairs of a run's grid values, values as JSON."""
     return " ".join(f"{k}={json.dumps(v)}" for k, v in values.items())

@@ -1,5 +1,6 @@
-"""Megatron-core actor, reference and critic: start-up, CPU compatibility, model builder, log-probs,
-train step, checkpoints.
+"""Megatron-core actor, reference and critic.
+
+Start-up, CPU compatibility, model builder, log-probs, train step, checkpoints.
 
 The only subpackage that imports ``megatron.core`` (lazily, inside functions, so importing
 `armor_megatron.megatron.dist` stays cheap). Modules:

@@ -117,7 +117,7 @@ class MegatronActor(TrainedModel):
         )
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
-        """log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
+        """Per-token log-probs log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""
         return compute_logprobs(
             self.model_chunks,
             input_ids,

@@ -54,7 +54,7 @@ import shutil
 import signal
 import sys
 import uuid
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -77,25 +77,32 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class ModelState(Protocol):
     """What a checkpoint needs of a model without an optimizer (the reference)."""
 
-    def sharded_state_dict(self) -> dict: ...
+    def sharded_state_dict(self) -> dict:
+        """The state to save, as a sharded state dict."""
 
-    def load_sharded_state_dict(self, loaded: dict) -> None: ...
+    def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict_to_load`."""
 
 
 class TrainableState(ModelState, Protocol):
-    """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`):
-    ``sharded_state_dict`` holds the optimizer only once it has state."""
+    """What a checkpoint needs of a trained model (actor, critic: `trained_model.TrainedModel`).
+
+    ``sharded_state_dict`` holds the optimizer only once it has state.
+    """
 
     @property
-    def has_optimizer_state(self) -> bool: ...
+    def has_optimizer_state(self) -> bool:
+        """Whether the optimizer holds state yet (it is saved only then)."""
 
-    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict: ...
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
+        """The sharded state dict to load into; with or without the optimizer."""
 
 
 EXTRA_FILE = "trainer_state.pt"
 
 
 def checkpoint_name(step: int) -> str:
+    """The directory name of the checkpoint at ``step``: ``iter_0000042``."""
     return f"iter_{step:07d}"
 
 
@@ -143,12 +150,15 @@ def save_checkpoint(
 
 @contextlib.contextmanager
 def preemption_signals_held():
-    """Block SIGTERM/SIGUSR1 in this thread: processes started meanwhile inherit the mask (across
-    exec too) and never see them; this process gets a held signal when the block ends.
+    """Block SIGTERM/SIGUSR1 in this thread.
+
+    Processes started meanwhile inherit the mask (across exec too) and never see them; this process
+    gets a held signal when the block ends.
 
     multiprocessing's resource tracker unblocks the signals after starting itself, so it is
     started first. megatron's long-lived writer-results server is started inside the block
-    (`_start_writer_results_server`): it holds the signals from its first instruction on."""
+    (`_start_writer_results_server`): it holds the signals from its first instruction on.
+    """
     from multiprocessing import resource_tracker
 
     resource_tracker.ensure_running()
@@ -173,7 +183,8 @@ def _start_writer_results_server() -> None:
     killed, keeping whatever reads the job's output waiting. Started here (also inside the
     block: it is born holding the signals, so a SIGTERM to the process group during a save,
     even while it starts, leaves it serving the save), it is killed when the trainer dies
-    (``PR_SET_PDEATHSIG``) and its stdio is ``/dev/null``."""
+    (``PR_SET_PDEATHSIG``) and its stdio is ``/dev/null``.
+    """
     global _writer_results_server
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -208,7 +219,7 @@ def _write_agreed_manifest(path: str) -> None:
     names = list_files(path) if dist.get_rank() == 0 else None
     names = _broadcast(names)
     share = describe_files(path, names, dist.get_rank(), dist.get_world_size())
-    shares = [None] * dist.get_world_size()
+    shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, share)
     if dist.get_rank() == 0:
         write_manifest(path, {k: v for s in shares for k, v in s.items()})
@@ -222,7 +233,7 @@ def _broadcast(obj):
 
 def _agreed_tmp_name(root: str, name: str) -> str:
     """Rank 0 checks the target and creates ``{name}.tmp-<uuid>``; every rank gets its name or its error."""
-    message = [None]
+    message: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
             if latest_name(root) == name:
@@ -240,8 +251,11 @@ def _agreed_tmp_name(root: str, name: str) -> str:
 
 
 def _publish(tmp: str, final: str) -> None:
-    """Rename the finished temporary directory into place (an unnamed leftover of the same step,
-    from a save interrupted before `latest` was written, is replaced)."""
+    """Rename the finished temporary checkpoint directory into place.
+
+    Rename the finished temporary directory into place (an unnamed leftover of the same step,
+    from a save interrupted before `latest` was written, is replaced).
+    """
     _VERIFIED.discard(os.path.abspath(final))
     if os.path.exists(final):
         shutil.rmtree(final)
@@ -275,13 +289,15 @@ def _fsync_dir(path: str) -> None:
 
 # ----------------------------------------------------------------------------- find / verify / prune
 def find_latest(root: str) -> str | None:
-    """The checkpoint to resume from in ``root``: the one ``latest`` names when it is intact,
-    else the newest intact ``iter_*`` (each damaged one skipped with a one-line warning); None
-    when ``root`` has neither a ``latest`` nor a complete ``iter_*`` (a fresh run). A missing,
-    empty or garbled ``latest`` beside complete checkpoints (a save that died between
-    publishing and naming its checkpoint, a damaged file) is warned about, never taken for a
-    fresh start that would overwrite them. Removes the leftovers of interrupted saves first.
-    Every rank of a job calls it (the checks are split between them)."""
+    """The checkpoint to resume from in ``root``.
+
+    The one ``latest`` names when it is intact, else the newest intact ``iter_*`` (each damaged one
+    skipped with a one-line warning); None when ``root`` has neither a ``latest`` nor a complete
+    ``iter_*`` (a fresh run). A missing, empty or garbled ``latest`` beside complete checkpoints (a
+    save that died between publishing and naming its checkpoint, a damaged file) is warned about,
+    never taken for a fresh start that would overwrite them. Removes the leftovers of interrupted
+    saves first. Every rank of a job calls it (the checks are split between them).
+    """
     has_latest = latest_name(root) is not None
     complete = (
         sorted((n for n in os.listdir(root) if _is_complete_name(n)), reverse=True) if os.path.isdir(root) else []
@@ -292,10 +308,11 @@ def find_latest(root: str) -> str | None:
         remove_save_leftovers(root)
     if dist.is_initialized():
         dist.barrier()
-    candidates = []
+    candidates: list[str] = []
     if has_latest:
         try:
-            candidates = [model_state.find_latest(root)]
+            latest = model_state.find_latest(root)
+            candidates = [] if latest is None else [latest]
         except FileNotFoundError as e:
             _warn(str(e))
     else:
@@ -311,8 +328,11 @@ def find_latest(root: str) -> str | None:
 
 
 def verify_checkpoint(path: str) -> None:
-    """Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
-    manifest (all ranks agree on the answer; each hashes a share of the files)."""
+    """Check a checkpoint against its manifest on every rank.
+
+    Raise `DamagedCheckpointError` naming the first file of ``path`` that does not match its
+    manifest (all ranks agree on the answer; each hashes a share of the files).
+    """
     if os.path.abspath(path) in _VERIFIED:
         return
     problem = agreed_damage(path)
@@ -324,9 +344,10 @@ _VERIFIED: set[str] = set()  # checkpoints this process found intact (find_lates
 
 
 def agreed_damage(path: str) -> str | None:
+    """The first damaged file any rank finds in ``path``, the same line on every rank; None when intact."""
     if not dist.is_initialized():
         return damaged_file(path)
-    problems = [None] * dist.get_world_size()
+    problems: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(problems, damaged_file(path, dist.get_rank(), dist.get_world_size()))
     return next((p for p in problems if p is not None), None)
 
@@ -352,9 +373,12 @@ def _warn(message: str) -> None:
 
 
 def adopt_as_latest(root: str, path: str) -> None:
-    """Resuming from ``path``, an earlier checkpoint in ``root``: ``latest`` names it, so the
-    run's own later saves replace the abandoned timeline's checkpoints of the same steps (and
-    ``--resume auto`` after a crash comes back to this timeline). Every rank calls it."""
+    """Resuming from ``path``, an earlier checkpoint in ``root``.
+
+    ``latest`` names it, so the run's own later saves replace the abandoned timeline's checkpoints
+    of the same steps (and ``--resume auto`` after a crash comes back to this timeline). Every rank
+    calls it.
+    """
     root, path = os.path.abspath(root), os.path.abspath(path)
     if os.path.dirname(path) == root and latest_name(root) != os.path.basename(path):
         if not dist.is_initialized() or dist.get_rank() == 0:
@@ -364,10 +388,13 @@ def adopt_as_latest(root: str, path: str) -> None:
 
 
 def prune_checkpoints(root: str, keep_last: int) -> list[str]:
-    """Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
+    """Delete old ``iter_*`` checkpoints, keeping the newest ``keep_last``.
+
+    Delete all but the newest `keep_last` ``iter_*`` checkpoints (never the one ``latest``
     names) and the leftovers of interrupted saves; returns the removed paths. Any rank may call
     it (in a distributed job only rank 0 deletes, the others return []); not while a save into
-    `root` is running."""
+    `root` is running.
+    """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
     if dist.is_initialized() and dist.get_rank() != 0:
@@ -391,8 +418,10 @@ def load_checkpoint(
     load_optimizer: bool = True,
     critic: TrainableState | None = None,
 ) -> tuple[int, dict]:
-    """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one
-    ``latest`` names in a root. Returns (step, extra)."""
+    """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one ``latest`` names in a root.
+
+    Returns (step, extra).
+    """
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint_dir(path_or_root)
@@ -431,8 +460,11 @@ def load_checkpoint(
 
 
 def load_trainer_state(path: str) -> dict:
-    """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``: only containers,
-    numbers, strings and tensors come back, so a checkpoint from elsewhere cannot run code."""
+    """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``.
+
+    Only containers, numbers, strings and tensors come back, so a checkpoint from elsewhere cannot
+    run code.
+    """
     full = os.path.join(path, EXTRA_FILE)
     try:
         return torch.load(full, weights_only=True)

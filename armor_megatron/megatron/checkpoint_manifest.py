@@ -28,9 +28,12 @@ class DamagedCheckpointError(ValueError):
 
 @contextlib.contextmanager
 def read_as_checkpoint(path: str):
-    """Whatever reading the checkpoint at ``path`` raises (megatron's CheckpointingException, a
+    """Turn what reading a damaged checkpoint raises into one line naming it.
+
+    Whatever reading the checkpoint at ``path`` raises (megatron's CheckpointingException, a
     truncated file's EOFError or zip error, a shape mismatch with the model) becomes one
-    `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are."""
+    `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are.
+    """
     try:
         yield
     except ValueError:
@@ -52,6 +55,7 @@ def list_files(path: str) -> list[str]:
 
 
 def file_digest(path: str) -> str:
+    """The xxh3-64 hex digest of a file's bytes."""
     import xxhash
 
     digest = xxhash.xxh3_64()
@@ -94,8 +98,11 @@ def read_manifest(path: str) -> dict | None:
 
 
 def damaged_file(path: str, rank: int = 0, world: int = 1) -> str | None:
-    """One line naming the first damaged file of this rank's share (sizes: every rank checks
-    all of them, they are cheap), or None when the share is intact or there is no manifest."""
+    """The first damaged file of this rank's share, or None.
+
+    One line naming the first damaged file of this rank's share (sizes: every rank checks
+    all of them, they are cheap), or None when the share is intact or there is no manifest.
+    """
     try:
         files = read_manifest(path)
     except DamagedCheckpointError as e:

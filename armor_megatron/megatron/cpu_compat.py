@@ -50,6 +50,7 @@ import contextlib
 import functools
 import types
 import warnings
+from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -94,9 +95,23 @@ def check_mcore_version(version: str | None = None) -> None:
 
 
 # ----------------------------------------------------------------------------- work-arounds
+_MARK = "__armor_cpu_compat__"  # set on every replacement, so that none is applied twice
+
+
+def _patch(owner: Any, name: str, value: Any) -> None:
+    """Set ``owner.name``: a torch attribute whose stand-in deliberately differs from its declared type."""
+    setattr(owner, name, value)
+
+
+def _mark(fn: Any) -> Any:
+    """``fn``, marked as one of this module's replacements."""
+    setattr(fn, _MARK, True)
+    return fn
+
+
 def cuda_current_device_on_cpu() -> None:
     """``torch.cuda.current_device()`` names the device of new tensors throughout megatron-core."""
-    torch.cuda.current_device = lambda: torch.device("cpu")
+    _patch(torch.cuda, "current_device", lambda: torch.device("cpu"))
 
 
 def cuda_synchronize_on_cpu() -> None:
@@ -124,8 +139,7 @@ def _run_inside(context):
             with context():
                 return fn(*args, **kwargs)
 
-        wrapper.__armor_cpu_compat__ = True
-        return wrapper
+        return _mark(wrapper)
 
     return make
 
@@ -138,7 +152,7 @@ def _replace(module, name: str, make) -> None:
             module.__name__ if isinstance(module, types.ModuleType) else f"{module.__module__}.{module.__qualname__}"
         )
         raise RuntimeError(f"cpu_compat: {owner}.{name} not found; megatron-core internals changed")
-    if not getattr(old, "__armor_cpu_compat__", False):
+    if not getattr(old, _MARK, False):
         setattr(module, name, make(old))
 
 
@@ -162,11 +176,11 @@ def cuda_literal_devices_on_cpu() -> None:
 @contextlib.contextmanager
 def _tensor_cuda_is_identity():
     original = torch.Tensor.cuda
-    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    _patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     try:
         yield
     finally:
-        torch.Tensor.cuda = original
+        _patch(torch.Tensor, "cuda", original)
 
 
 def tied_embedding_sync_on_cpu() -> None:
@@ -190,21 +204,26 @@ class CpuRNGStatesTracker:
         self.reset()
 
     def is_initialized(self) -> bool:
+        """Whether any state was added or set."""
         return self._is_initialized
 
     def reset(self) -> None:
+        """Forget every state and seed."""
         self._is_initialized = False
         self.states_: dict[str, torch.Tensor] = {}
         self.seeds_: set[int] = set()
 
     def get_states(self) -> dict[str, torch.Tensor]:
+        """A copy of the named RNG states."""
         return dict(self.states_)
 
     def set_states(self, states) -> None:
+        """Replace the named RNG states."""
         self._is_initialized = True
         self.states_ = dict(states)
 
     def add(self, name: str, seed: int) -> None:
+        """Add an RNG state ``name`` seeded with ``seed``; a repeated name or seed raises."""
         self._is_initialized = True
         if seed in self.seeds_:
             raise RuntimeError(f"rng seed {seed} already exists")
@@ -215,6 +234,7 @@ class CpuRNGStatesTracker:
 
     @contextlib.contextmanager
     def fork(self, name: str = "model-parallel-rng"):
+        """Run the block under RNG state ``name`` (saved back after), restoring the outer state."""
         if name not in self.states_:
             raise RuntimeError(f"rng state {name} is not added")
         outer = torch.get_rng_state()
@@ -253,9 +273,12 @@ class _NoTELinear:
 
 
 def mla_without_te() -> None:
-    """``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
+    """Let MLA attention build without Transformer Engine.
+
+    ``MLASelfAttention.__init__`` tests ``isinstance(linear_proj, TELinear)`` behind a
     ``HAVE_TE`` flag that is True whenever megatron's TE extension module imports, even when
-    ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent."""
+    ``TELinear`` is its placeholder (a MagicMock) because Transformer Engine is absent.
+    """
     from megatron.core.transformer import multi_latent_attention
 
     if not isinstance(multi_latent_attention.TELinear, type):
@@ -293,7 +316,7 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
-_host_copy.__armor_cpu_compat__ = True
+_mark(_host_copy)
 
 
 def moe_alltoall_dispatcher_on_cpu() -> None:
@@ -303,14 +326,14 @@ def moe_alltoall_dispatcher_on_cpu() -> None:
     _replace(token_dispatcher, "maybe_move_tensor_to_cpu", lambda old: _host_copy)
     host = _HostStream()
     token_dispatcher.MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = host
-    torch.cuda.current_stream = lambda device=None: host
-    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    _patch(torch.cuda, "current_stream", lambda device=None: host)
+    _patch(torch.cuda, "stream", lambda stream=None: contextlib.nullcontext())
 
 
 @contextlib.contextmanager
 def _cpu_tensors_report_cuda_type():
     original = torch.Tensor.type
-    if getattr(original, "__armor_cpu_compat__", False):  # nested (a wrapped __init__ calling super's)
+    if getattr(original, _MARK, False):  # nested (a wrapped __init__ calling super's)
         yield
         return
 
@@ -320,12 +343,11 @@ def _cpu_tensors_report_cuda_type():
             return name
         return name.replace("torch.", "torch.cuda.", 1)
 
-    cuda_type.__armor_cpu_compat__ = True
-    torch.Tensor.type = cuda_type
+    _patch(torch.Tensor, "type", _mark(cuda_type))
     try:
         yield
     finally:
-        torch.Tensor.type = original
+        _patch(torch.Tensor, "type", original)
 
 
 @contextlib.contextmanager

@@ -64,8 +64,11 @@ _MOMENTS = ("value_error_mean", "return_sq_mean")  # only needed to compute expl
 
 
 class ValueHead(torch.nn.Module):
-    """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c. Called by ``GPTModel`` as its
-    output layer (``weight`` and ``runtime_gather_output`` are the LM head's arguments, unused)."""
+    """hidden [s, b, h] -> values [s, b, 1] in fp32: V = h·w + c.
+
+    Called by ``GPTModel`` as its output layer (``weight`` and ``runtime_gather_output`` are the LM
+    head's arguments, unused).
+    """
 
     def __init__(
         self, hidden_size: int, *, dtype: torch.dtype, init_std: float, seed: int, sequence_parallel: bool = False
@@ -79,6 +82,7 @@ class ValueHead(torch.nn.Module):
         self.sequence_parallel = sequence_parallel
 
     def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+        """Values [s, b, 1] in fp32 from hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
         if self.sequence_parallel:
             # [s/tp, b, h] -> [s, b, h]. Every TP rank then computes the whole (identical) loss,
             # so the backward takes this rank's slice of the gradient instead of summing tp copies.
@@ -89,12 +93,17 @@ class ValueHead(torch.nn.Module):
 
 
 def token_values(output: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
-    """The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
-    [b, mb.width] per predicted token."""
+    """Values [b, mb.width] per predicted token from the value head's output.
+
+    The value head's output [b, s, 1] ([1, t, 1] packed) of a micro-batch -> values
+    [b, mb.width] per predicted token.
+    """
     return shift_to_predicted(mb.unpack(output.squeeze(-1).float()), mb)
 
 
 class MegatronCritic(TrainedModel):
+    """The PPO critic: the actor's architecture with a scalar value head, trained with the value loss."""
+
     checkpoint_prefix = "critic."
 
     def __init__(
@@ -153,9 +162,12 @@ class MegatronCritic(TrainedModel):
         return chunks
 
     def load_weights(self, path: str) -> None:
-        """The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
+        """Load the critic's backbone from the actor's checkpoint or HF directory.
+
+        The backbone (embedding, decoder, final norm) from a torch_dist model checkpoint of the
         actor's architecture, any layout, or from its HF directory; the value head keeps its
-        initial weights."""
+        initial weights.
+        """
         load_weights(self.model_chunks, path, exclude=(VALUE_HEAD,))
         self.optimizer.reload_model_params()
 

@@ -32,6 +32,7 @@ import dataclasses
 import datetime
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -53,6 +54,7 @@ class DistEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """Rank, world size and rendezvous from a launcher's environment (torchrun or SLURM), else a single process."""
         env = os.environ if environ is None else environ
         if "RANK" in env and "WORLD_SIZE" in env:
             return cls(
@@ -106,9 +108,12 @@ def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
 # ----------------------------------------------------------------------------- parallel layout
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    """Model-parallel sizes. ``vpp`` is the number of virtual pipeline chunks per stage (None: off);
-    ``etp`` the expert tensor-parallel size (None: same as ``tp``, megatron-core's default);
-    ``sp`` sequence parallelism (not a size: it splits activations along the sequence over TP)."""
+    """Model-parallel sizes.
+
+    ``vpp`` is the number of virtual pipeline chunks per stage (None: off); ``etp`` the expert
+    tensor-parallel size (None: same as ``tp``, megatron-core's default); ``sp`` sequence
+    parallelism (not a size: it splits activations along the sequence over TP).
+    """
 
     tp: int = 1
     pp: int = 1
@@ -125,6 +130,7 @@ class ParallelConfig:
 
     @property
     def expert_tp(self) -> int:
+        """The expert tensor-parallel size (the tensor-parallel size unless set)."""
         return self.tp if self.etp is None else self.etp
 
     def megatron_sizes(self) -> dict:
@@ -139,6 +145,7 @@ class ParallelConfig:
         )
 
     def data_parallel_size(self, world_size: int) -> int:
+        """Data-parallel size of ``world_size`` ranks: world / (tp · pp · cp)."""
         return world_size // (self.tp * self.pp * self.cp)
 
     def validate(self, world_size: int, arch: ModelArch | None = None) -> None:
@@ -168,6 +175,8 @@ class ParallelConfig:
 # ----------------------------------------------------------------------------- start-up
 @dataclasses.dataclass(frozen=True)
 class DistContext:
+    """What :func:`initialize` set up: launcher environment, parallel layout, device and backend."""
+
     env: DistEnv
     parallel: ParallelConfig
     device: torch.device
@@ -175,6 +184,7 @@ class DistContext:
 
     @property
     def is_cpu(self) -> bool:
+        """Whether this process computes on the CPU."""
         return self.device.type == "cpu"
 
 
@@ -210,7 +220,9 @@ def initialize(
     if not torch.distributed.is_initialized():
         timeout = datetime.timedelta(minutes=timeout_minutes)
         if env.master_port == 0:  # a single process: its own store on a port the OS picks, held by the group
-            rendezvous = dict(store=torch.distributed.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout))
+            rendezvous: dict[str, Any] = dict(
+                store=torch.distributed.TCPStore(env.master_addr, 0, 1, is_master=True, timeout=timeout)
+            )
         else:
             rendezvous = dict(init_method=f"tcp://{env.master_addr}:{env.master_port}")
         torch.distributed.init_process_group(
@@ -233,15 +245,21 @@ CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for device tensors, gloo for host on
 
 
 def process_group_backend(on_cuda: bool) -> str:
-    """The default group's backend. On GPUs it gets both: NCCL carries CUDA tensors, gloo the host
-    tensors a trainer reduces between steps (a preemption flag, small metrics); a NCCL-only group
-    fails those with "No backend type associated with device type cpu"."""
+    """The default group's backend.
+
+    On GPUs it gets both: NCCL carries CUDA tensors, gloo the host tensors a trainer reduces between
+    steps (a preemption flag, small metrics); a NCCL-only group fails those with "No backend type
+    associated with device type cpu".
+    """
     return CUDA_BACKEND if on_cuda else "gloo"
 
 
 def _gpu_index(local_rank: int, visible: int) -> int:
-    """GPU of this process: ``cuda:LOCAL_RANK``, or the only visible one when the launcher
-    already bound one GPU per task (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES)."""
+    """GPU of this process.
+
+    ``cuda:LOCAL_RANK``, or the only visible one when the launcher already bound one GPU per task
+    (``srun --gpus-per-task=1`` sets CUDA_VISIBLE_DEVICES).
+    """
     if local_rank < visible:
         return local_rank
     if visible == 1:
@@ -268,9 +286,12 @@ def set_model_parallel(
 
 
 def set_deterministic() -> None:
-    """Bit-reproducible kernels: deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace,
-    Transformer Engine's deterministic attention (megatron's ``deterministic_mode``, which the model
-    builder turns on with these on a GPU, refuses TE attention without it)."""
+    """Bit-reproducible kernels.
+
+    Deterministic algorithms, no cuDNN autotuning, fixed cuBLAS workspace, Transformer Engine's
+    deterministic attention (megatron's ``deterministic_mode``, which the model builder turns on
+    with these on a GPU, refuses TE attention without it).
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ["NVTE_ALLOW_NONDETERMINISTIC_ALGO"] = "0"
     os.environ.setdefault("NCCL_ALGO", "Ring")

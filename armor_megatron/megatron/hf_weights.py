@@ -46,14 +46,19 @@ DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def is_hf_dir(path: str) -> bool:
-    """Whether ``path`` is an HF model directory (a config.json; a torch_dist checkpoint has a
-    metadata.json instead). Its weights must be safetensors (`HFCheckpoint` says so otherwise)."""
+    """Whether ``path`` is an HF model directory (a config.json; a torch_dist checkpoint has a metadata.json instead).
+
+    Its weights must be safetensors (`HFCheckpoint` says so otherwise).
+    """
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
 
 def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None:
-    """Model weights from ``path``: an HF directory (`load_hf_weights`: each rank reads its own
-    slices) or a torch_dist checkpoint / checkpoint root (`model_state.load_model_weights`)."""
+    """Model weights from ``path``.
+
+    An HF directory (`load_hf_weights`: each rank reads its own slices) or a torch_dist checkpoint /
+    checkpoint root (`model_state.load_model_weights`).
+    """
     if is_hf_dir(path):
         load_hf_weights(chunks, path, exclude)
     else:
@@ -63,9 +68,12 @@ def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None
 def load_hf_weights(
     chunks: list, hf_dir: str, exclude: tuple[str, ...] = (), buffer_bytes: int = DEFAULT_BUFFER_BYTES
 ) -> None:
-    """Fill this rank's model chunks from the HF directory ``hf_dir``; tensors whose keys start
-    with one of ``exclude`` are not read (the critic's value head). Raises `CheckpointError`
-    (one line) for a tensor that is missing, mis-shaped or unknown to the family's rules."""
+    """Fill this rank's model chunks from the HF directory ``hf_dir``.
+
+    Tensors whose keys start with one of ``exclude`` are not read (the critic's value head). Raises
+    `CheckpointError` (one line) for a tensor that is missing, mis-shaped or unknown to the family's
+    rules.
+    """
     from megatron.core.dist_checkpointing.dict_utils import dict_list_map_outplace, merge, nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
@@ -151,8 +159,11 @@ class _SliceReader:
             raise CheckpointError(f"{st.key}: the HF tensors cover {covered} of the model's {count} rows")
 
     def _copy_rows(self, name: str, first: int, count: int, columns: tuple[int, int] | None, out: torch.Tensor) -> None:
-        """Rows ``first:first+count`` of HF tensor ``name`` (only ``columns`` = (start, length) of
-        dim 1 if given) into ``out``, casting to its dtype."""
+        """Copy rows of an HF tensor into a destination slice.
+
+        Rows ``first:first+count`` of HF tensor ``name`` (only ``columns`` = (start, length) of
+        dim 1 if given) into ``out``, casting to its dtype.
+        """
         info = self.hf.info(name)
         if columns is None and out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous():
             self.hf.read_rows_into(name, first, count, out)  # straight into the parameter

@@ -59,6 +59,7 @@ class LocalMLACoreAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
+        """Attention [s, b, n·d_v] of q, k, v [s, b, n, d] (THD packed: [t, n, d]), masked per ``attn_mask_type``."""
         if attention_bias is not None:
             raise ValueError("LocalMLACoreAttention does not support attention bias")
         if packed_seq_params is not None:  # THD: q, k, v [t, n, d], see packed_attention

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -90,13 +91,13 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
             sums = [e.sum(dim=-1), torch.where(owned[a:b], target, 0.0)]
             if with_entropy:  # Σ exp(z−m)·(z−m), with 0·(−inf) := 0 for masked (−inf) logits
                 sums.append(torch.linalg.vecdot(e, z.clamp_(min=_FP32_MIN)))
-            sums = torch.stack(sums)
-            _all_reduce(sums, dist.ReduceOp.SUM, group)
-            log_s = sums[0].log()
-            logprobs[a:b] = sums[1] - log_s
+            sums_t = torch.stack(sums)
+            _all_reduce(sums_t, dist.ReduceOp.SUM, group)
+            log_s = sums_t[0].log()
+            logprobs[a:b] = sums_t[1] - log_s
             lse[a:b] = m + log_s
-            if with_entropy:  # H = log s − Σ p·(z−m)
-                entropy[a:b] = log_s - sums[2] / sums[0]
+            if entropy is not None:  # H = log s − Σ p·(z−m)
+                entropy[a:b] = log_s - sums_t[2] / sums_t[0]
         ctx.save_for_backward(logits, local, owned, lse, entropy if with_entropy else lse)
         ctx.args = (valid, temperature, chunk, with_entropy)
         # an entropy that only feeds metrics gets no gradient: backward then skips its term
@@ -158,7 +159,7 @@ def vocab_parallel_logprobs(
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
     group=None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """log p(labels) and optionally the entropy under softmax(logits / temperature).
+    """Per-token log p(labels) and optionally the entropy under softmax(logits / temperature).
 
     logits: [..., V_local], this rank's vocabulary shard (rank r of `group` holds columns
     [r·V_local, (r+1)·V_local) of the padded vocabulary); labels: [...] global token ids.
@@ -194,8 +195,11 @@ def vocab_parallel_logprobs(
 
 
 def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """`lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
-    which never reads them on the host."""
+    """``lp`` with NaN where the label lies outside the vocabulary.
+
+    `lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
+    which never reads them on the host.
+    """
     return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
 
 
@@ -208,20 +212,26 @@ def check_labels(labels: torch.Tensor, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------- pipeline forward
 @dataclasses.dataclass
 class LogProbs:
+    """Per-token log-probs [B, T] in fp32 and, when asked for, entropies [B, T]."""
+
     logprobs: torch.Tensor  # [B, T] fp32
     entropy: torch.Tensor | None  # [B, T] fp32 or None
 
 
 def model_forward(model, mb: MicroBatch) -> torch.Tensor:
-    """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage,
-    hidden states elsewhere. A packed micro-batch runs as THD (``PackedSeqParams``)."""
+    """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage, hidden states elsewhere.
+
+    A packed micro-batch runs as THD (``PackedSeqParams``).
+    """
     device = _device_of(model)
     tokens = to_device(mb.tokens, device)
     return model(tokens, mb.position_ids_on(device), None, packed_seq_params=mb.packed_seq_params(device))
 
 
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
+    """Per-token log-probs [b, w] of a micro-batch from its logits.
+
+    Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
     [1, t, V_local] packed); column 0 and padding are 0.
 
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
@@ -272,13 +282,18 @@ def compute_logprobs(
         vocab_size=vocab_size, temperature=temperature, with_entropy=with_entropy, chunk_elements=chunk_elements
     )
     names = ("logprobs", "entropy") if with_entropy else ("logprobs",)
+
+    def collect(mb: MicroBatch, logits: torch.Tensor) -> list[torch.Tensor]:
+        logprobs, entropy = token_logprobs(logits, mb, **kwargs)
+        return [logprobs] if entropy is None else [logprobs, entropy]
+
     out = forward_only(
         model_chunks,
         input_ids,
         lengths,
         micro_batch_size=micro_batch_size,
         names=names,
-        collect=lambda mb, logits: token_logprobs(logits, mb, **kwargs)[: len(names)],
+        collect=collect,
         max_tokens=max_tokens,
     )
     return LogProbs(out["logprobs"], out.get("entropy"))
@@ -294,7 +309,9 @@ def forward_only(
     collect: Callable[[MicroBatch, torch.Tensor], Sequence[torch.Tensor]],
     max_tokens: int | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
+    """Forward-only pass over a batch, per-token results gathered on every rank.
+
+    Run the model over `input_ids` [B, T] (true `lengths` [B]) through megatron's pipeline
     schedule, forward only, no grad, and gather per-token results on every rank.
 
     Each data-parallel rank runs only its share of the rows: ceil(B / dp) consecutive rows in
@@ -310,7 +327,9 @@ def forward_only(
     from megatron.core import parallel_state
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    chunks = list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+    chunks: list[torch.nn.Module] = (
+        list(model_chunks) if isinstance(model_chunks, (list, tuple)) else [cast(torch.nn.Module, model_chunks)]
+    )
     multiple = sequence_multiple(chunks)
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     B, T = input_ids.shape
@@ -367,8 +386,11 @@ def forward_only(
 
 
 def _gathered_rows(local: torch.Tensor, shares: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
-    batch rows shares[r], in that order) -> the batch's [B, w], on every rank."""
+    """The batch's [B, w] from every data-parallel rank's results, on every rank.
+
+    Every data-parallel rank's results [per_rank, w] (rank r's first len(shares[r]) rows are
+    batch rows shares[r], in that order) -> the batch's [B, w], on every rank.
+    """
     from megatron.core import parallel_state
 
     parts = [local]

@@ -44,6 +44,7 @@ class MicroBatch:
 
     @property
     def packed(self) -> bool:
+        """Whether the micro-batch is packed (THD) rather than padded."""
         return self.cu_seqlens is not None
 
     @property
@@ -53,21 +54,25 @@ class MicroBatch:
 
     @property
     def position_ids(self) -> torch.Tensor:
+        """Position ids on the tokens' device."""
         return self.position_ids_on(self.tokens.device)
 
     def position_ids_on(self, device) -> torch.Tensor:
-        """Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
-        copied there; ``output_size`` spares the device a read-back of the repeat counts)."""
+        """Position ids [b, s] ([1, t] packed) on ``device``.
+
+        Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
+        copied there; ``output_size`` spares the device a read-back of the repeat counts).
+        """
         b, t = self.tokens.shape
         positions = torch.arange(t, device=device)
-        if self.packed:
+        if self.cu_seqlens is not None:  # packed
             cu = to_device(self.cu_seqlens, device).long()
             positions = positions - cu[:-1].repeat_interleave(cu.diff(), output_size=t)
         return positions.expand(b, t)
 
     def packed_seq_params(self, device=None):
-        """megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
-        if not self.packed:
+        """Megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
+        if self.cu_seqlens is None:  # padded
             return None
         from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -83,7 +88,7 @@ class MicroBatch:
         Packed: row i's position j is packed position cu_seqlens[i] + j for j < lengths[i];
         positions past a row's length hold values of the next segment (callers mask them).
         """
-        if not self.packed:
+        if self.cu_seqlens is None:  # padded
             return x
         t = x.shape[1]
         starts = to_device(self.cu_seqlens[: len(self.lengths)], x.device).long()
@@ -92,16 +97,20 @@ class MicroBatch:
 
 
 def pinned_copy(src: torch.Tensor, device) -> bool:
-    """Whether `src` goes to `device` through pinned host memory, without blocking the host: when
-    it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host wait
-    until the GPU has finished its queued work; pinning needs an accelerator."""
+    """Whether `src` goes to `device` through pinned host memory, without blocking the host.
+
+    When it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host
+    wait until the GPU has finished its queued work; pinning needs an accelerator.
+    """
     return src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda"
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """`t` on `device` (None: left where it is). Host tensors bound for a GPU are pinned and copied
-    asynchronously (`pinned_copy`): the caching host allocator keeps the pinned buffer until the
-    copy has run."""
+    """`t` on `device` (None: left where it is).
+
+    Host tensors bound for a GPU are pinned and copied asynchronously (`pinned_copy`): the caching
+    host allocator keeps the pinned buffer until the copy has run.
+    """
     if device is None:
         return t
     if pinned_copy(t, device):
@@ -112,7 +121,9 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 def split_microbatches(
     input_ids: torch.Tensor, lengths: torch.Tensor, micro_batch_size: int, multiple_of: int = 1
 ) -> list[MicroBatch]:
-    """Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
+    """Cut [B, T] into consecutive padded micro-batches.
+
+    Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
     rounded up to a multiple of ``multiple_of`` (see ``sequence_multiple``; zero-padded past T).
 
     Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
@@ -138,10 +149,13 @@ def split_microbatches(
 
 
 def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
-    """The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
+    """Each data-parallel rank's row indices: near-equal consecutive shares.
+
+    The row indices of each data-parallel rank (near-equal consecutive shares of `n` rows)
     and how many rows every rank runs, ceil(n / dp) >= 1. Ranks with fewer pad up to it
     (``padded_rows``), so all run as many micro-batches: the expert all-to-alls of an MoE model
-    (one per micro-batch) span these ranks."""
+    (one per micro-batch) span these ranks.
+    """
     from megatron.core import parallel_state
 
     dp = parallel_state.get_data_parallel_world_size()
@@ -149,8 +163,10 @@ def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
 
 
 def padded_rows(rows: dict, count: int) -> dict:
-    """`rows` ({name: [N, ...]}) with `count` padding rows appended: token 0, length 1, zeros
-    everywhere else (zero mask: no loss, no gradient)."""
+    """`rows` ({name: [N, ...]}) with `count` padding rows appended.
+
+    Token 0, length 1, zeros everywhere else (zero mask: no loss, no gradient).
+    """
     if count == 0:
         return rows
     out = {}
@@ -161,12 +177,16 @@ def padded_rows(rows: dict, count: int) -> dict:
 
 
 def round_up(n: int, multiple: int) -> int:
+    """``n`` rounded up to a multiple of ``multiple``."""
     return -(-n // multiple) * multiple
 
 
 def sequence_multiple(model_chunks) -> int:
-    """What micro-batch lengths must be a multiple of: the TP size under sequence parallelism
-    (each TP rank holds s / tp positions between the layers), else 1."""
+    """What micro-batch lengths must be a multiple of.
+
+    The TP size under sequence parallelism (each TP rank holds s / tp positions between the layers),
+    else 1.
+    """
     from megatron.core import parallel_state
 
     chunk = model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks
@@ -179,8 +199,11 @@ def sequence_multiple(model_chunks) -> int:
 def packed_microbatch(
     input_ids: torch.Tensor, lengths: torch.Tensor, index: torch.Tensor, multiple_of: int = 1, width: int | None = None
 ) -> MicroBatch:
-    """Rows ``index`` of [B, T] packed back to back into tokens [1, t]: t = round_up(Σ lengths,
-    multiple_of), or `width` when given (fixed shapes), the rest one padding segment of token 0."""
+    """Rows ``index`` of [B, T] packed back to back into tokens [1, t].
+
+    Here t = round_up(Σ lengths, multiple_of), or `width` when given (fixed shapes), the rest one padding
+    segment of token 0.
+    """
     lengths = lengths[index]
     total = int(lengths.sum())
     t = round_up(total, multiple_of) if width is None else width
@@ -198,9 +221,12 @@ def packed_microbatch(
 
 @dataclasses.dataclass(frozen=True)
 class TokenBudget:
-    """Token-budget micro-batches (``train.max_tokens_per_micro_batch``): rows packed into
-    micro-batches of at most ``train`` tokens for training and ``forward`` tokens for the no-grad
-    log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per micro-batch."""
+    """Token-budget micro-batches (``train.max_tokens_per_micro_batch``).
+
+    Rows packed into micro-batches of at most ``train`` tokens for training and ``forward`` tokens
+    for the no-grad log-prob / value forwards; None keeps ``micro_batch_size`` padded rows per
+    micro-batch.
+    """
 
     train: int | None = None
     forward: int | None = None
@@ -227,7 +253,9 @@ def local_packed_microbatches(
     count_multiple: int = 1,
     fixed_width: bool = False,
 ) -> tuple[list[MicroBatch], list[torch.Tensor]]:
-    """This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
+    """This data-parallel rank's packed micro-batches under a token budget.
+
+    This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
     batch rows of every rank r in the order its micro-batches hold them: rows balanced over ranks by
     tokens, every rank as many micro-batches (`data.token_budget.token_budget_plan`).
 
@@ -261,8 +289,11 @@ def local_packed_microbatches(
 def filler_microbatch(
     input_ids: torch.Tensor, multiple_of: int = 1, packed: bool = False, width: int | None = None
 ) -> MicroBatch:
-    """A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
-    (``index`` is empty); its output is dropped. ``packed``: in the packed layout."""
+    """A one-token micro-batch standing for no row (filler for the schedule).
+
+    A one-token sequence (padded to ``multiple_of``, or to `width`) standing for no batch row
+    (``index`` is empty); its output is dropped. ``packed``: in the packed layout.
+    """
     one = torch.zeros(1, 1, dtype=input_ids.dtype)
     if packed:
         mb = packed_microbatch(

@@ -106,12 +106,16 @@ def te_available() -> bool:
 
 
 def set_compile_stance(compile: bool) -> None:
-    """Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
-    (False), for this whole process; see `Throughput` (``throughput.torch_compile``)."""
+    """Whether megatron's ``jit_fuser`` functions compile or run eagerly, process-wide.
+
+    Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
+    (False), for this whole process; see `Throughput` (``throughput.torch_compile``).
+    """
     torch.compiler.set_stance("default" if compile else "force_eager")
 
 
 def resolve_dtype(dtype) -> torch.dtype:
+    """The torch dtype named by ``dtype`` (fp32 or bf16); others raise ValueError."""
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16):
             return dtype
@@ -153,6 +157,7 @@ class Recompute:
         return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
 
     def config_kwargs(self, layers_per_chunk: int) -> dict:
+        """The TransformerConfig keywords of this recompute setting."""
         if self.mode == "none":
             return {}
         if self.mode == "selective":
@@ -187,7 +192,8 @@ def transformer_config_from_arch(
     `moe` (`MoESettings`) replaces the shorthands ``moe_aux_loss_coeff`` / ``moe_token_dispatcher``
     when given. With ``calculate_per_token_loss=True`` (the trainer's convention: losses already
     divided by the global normalizer, gradients finalized without token scaling) settings the
-    trainer cannot train (`MoESettings.trainer_problem`) raise ValueError."""
+    trainer cannot train (`MoESettings.trainer_problem`) raise ValueError.
+    """
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -289,7 +295,8 @@ def layer_spec(arch: ModelArch, use_te: bool, config=None, vp_stage: int | None 
     """Transformer layer spec: TE fused modules on GPU, megatron-core local modules otherwise.
 
     Models whose layers differ (DeepSeek's first dense layers) get a block spec holding this
-    pipeline stage's layers (needs ``config``)."""
+    pipeline stage's layers (needs ``config``).
+    """
     if arch.homogeneous_layers:
         return _one_layer_spec(arch, use_te, moe=arch.is_moe)
     from megatron.core.models.gpt import gpt_layer_specs

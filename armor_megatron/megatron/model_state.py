@@ -1,5 +1,7 @@
-"""Model tensors in torch_dist checkpoints: sharded state dicts of model chunks, and loading model
-weights (any TP/PP/EP layout) from a converter output or a training checkpoint.
+"""Model tensors in torch_dist checkpoints.
+
+Sharded state dicts of model chunks, and loading model weights (any TP/PP/EP layout) from a
+converter output or a training checkpoint.
 
 Public interface (every rank calls every function)::
 
@@ -23,8 +25,10 @@ def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
 
 
 def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
-    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`;
-    module keys starting with one of `exclude` may be absent (they keep their values)."""
+    """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`.
+
+    Module keys starting with one of `exclude` may be absent (they keep their values).
+    """
     for i, c in enumerate(chunks):
         state = {k.removeprefix(prefix): v for k, v in loaded[f"chunk{i}"].items()}
         result = c.load_state_dict(state, strict=not exclude)
@@ -36,8 +40,10 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
 
 
 def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
-    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding;
-    tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head)."""
+    """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding.
+
+    Tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head).
+    """
     from megatron.core import dist_checkpointing
 
     from armor_megatron.megatron.checkpoint_manifest import read_as_checkpoint
@@ -76,8 +82,9 @@ def find_latest(root: str) -> str | None:
 
 def resolve_checkpoint_dir(path_or_root: str) -> str:
     """A checkpoint directory as given, or the one a root's ``latest`` names."""
-    if os.path.isfile(os.path.join(path_or_root, LATEST)):
-        return find_latest(path_or_root)
+    latest = find_latest(path_or_root) if os.path.isfile(os.path.join(path_or_root, LATEST)) else None
+    if latest is not None:
+        return latest
     if os.path.isfile(os.path.join(path_or_root, "metadata.json")):
         return path_or_root
     raise FileNotFoundError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")

@@ -43,9 +43,12 @@ import torch
 
 
 def model_tensors(model) -> Iterator[torch.Tensor]:
-    """Every tensor a trained or frozen model keeps between steps: parameters and buffers of its
-    chunks, megatron DDP's parameter and gradient buffers (``main_grad`` lives there), and the
-    optimizer's state and master parameters (chained optimizers included)."""
+    """Every tensor a trained or frozen model keeps between steps.
+
+    Parameters and buffers of its chunks, megatron DDP's parameter and gradient buffers
+    (``main_grad`` lives there), and the optimizer's state and master parameters (chained optimizers
+    included).
+    """
     for chunk in getattr(model, "model_chunks", []):
         yield from (t for t in chunk.state_dict(keep_vars=True).values() if torch.is_tensor(t))
         for p in chunk.parameters():
@@ -61,8 +64,11 @@ def model_tensors(model) -> Iterator[torch.Tensor]:
 
 
 def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
-    """Megatron DDP's gradient buffers (``main_grad`` views into them): zeroed at the start of
-    every update (`TrainedModel._forward_backward`), so their contents need not survive."""
+    """Megatron DDP's gradient buffers (``main_grad`` views into them).
+
+    Zeroed at the start of every update (`TrainedModel._forward_backward`), so their contents need
+    not survive.
+    """
     for ddp in getattr(model, "ddp_chunks", []):
         for buffer in [*getattr(ddp, "buffers", []), *getattr(ddp, "expert_parallel_buffers", [])]:
             if getattr(buffer, "grad_data", None) is not None:
@@ -90,10 +96,12 @@ def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
 
 
 class HostOffload:
-    """The distinct storages behind some tensors, movable to host memory and back (module
-    docstring). ``tensors`` and ``scratch``: iterables, or callables returning one, read at each
-    `offload` (an optimizer creates its state at the first step). ``device``: only storages on
-    it move (None: all)."""
+    """The distinct storages behind some tensors, movable to host memory and back (module docstring).
+
+    ``tensors`` and ``scratch``: iterables, or callables returning one, read at each `offload` (an
+    optimizer creates its state at the first step). ``device``: only storages on it move (None:
+    all).
+    """
 
     def __init__(
         self,
@@ -113,6 +121,7 @@ class HostOffload:
 
     @classmethod
     def of(cls, *models) -> HostOffload:
+        """An offload of the given models' tensors (None entries skipped), on their compute device."""
         return cls(
             lambda: (t for model in models if model is not None for t in model_tensors(model)),
             scratch=lambda: (t for model in models if model is not None for t in model_scratch_tensors(model)),
@@ -144,9 +153,11 @@ class HostOffload:
 
     @property
     def offloaded(self) -> bool:
+        """Whether the tensors are in host memory now."""
         return self._offloaded
 
     def offload(self) -> None:
+        """Copy the tensors' storages to host memory and free them on the device (no-op when offloaded)."""
         if self._offloaded:
             return
         self._storages, scratch = self._collect()
@@ -172,6 +183,7 @@ class HostOffload:
             self.ledger.trainer_to_host(emptied_cache=True)
 
     def reload(self) -> None:
+        """Bring the storages back to the device from their host copies (no-op when not offloaded)."""
         if not self._offloaded:
             return
         for storage, copy in zip(self._storages, self._host):
@@ -200,8 +212,10 @@ class HostOffload:
             self.reload()
 
     def host_view(self, t: torch.Tensor) -> torch.Tensor:
-        """While offloaded: ``t``'s values in its host copy (same dtype, shape, strides); ``t``
-        itself when its storage did not move."""
+        """``t``'s values in its host copy while offloaded (same dtype, shape, strides).
+
+        ``t`` itself when not offloaded or when its storage did not move.
+        """
         if not self._offloaded:
             return t
         if not self._by_pointer:  # a freed storage has no data pointer: key by the storage itself
@@ -214,9 +228,11 @@ class HostOffload:
 
     @contextlib.contextmanager
     def host_views(self, *models):
-        """While offloaded: the parameters and buffers of ``models``' chunks read their host
-        copies inside the block (``.data`` swapped, restored after), so a weight export streams
-        from host memory without bringing the trainer back. A no-op when not offloaded."""
+        """Inside the block, the parameters and buffers of ``models``' chunks read their host copies.
+
+        ``.data`` is swapped and restored after, so a weight export streams from host memory
+        without bringing the trainer back. A no-op when not offloaded.
+        """
         if not self._offloaded:
             yield
             return
@@ -246,25 +262,31 @@ class HostOffload:
 
 
 def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
-    return tensors if callable(tensors) else (lambda kept=list(tensors): kept)
+    if callable(tensors):
+        return tensors
+    kept = list(tensors)
+    return lambda: kept
 
 
 def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
-    """A host byte buffer of exactly ``nbytes``; page-locked in place when ``pinned`` (the caching
-    host allocator behind ``pin_memory=True`` would round it up to a power of two)."""
+    """A host byte buffer of exactly ``nbytes``.
+
+    Page-locked in place when ``pinned`` (the caching host allocator behind ``pin_memory=True``
+    would round it up to a power of two).
+    """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:
         status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
         if int(status) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
-        buffer._armor_registered = True
+        setattr(buffer, "_armor_registered", True)  # noqa: B010 (a mark on a tensor: no declared field)
     return buffer
 
 
 def _unpin(buffer: torch.Tensor) -> None:
     if getattr(buffer, "_armor_registered", False):
         torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        buffer._armor_registered = False
+        setattr(buffer, "_armor_registered", False)  # noqa: B010
 
 
 def _as_bytes(storage: torch.UntypedStorage) -> torch.Tensor:

@@ -32,11 +32,14 @@ from armor_megatron.megatron.model import Throughput, resolve_dtype
 
 
 def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None = None) -> list:
-    """Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
+    """Wrap each model chunk in Megatron's ``DistributedDataParallel``.
+
+    Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
     chunk is bucketed, as Megatron-LM does). Grads are reduced after the last micro-batch's backward,
     or bucket by bucket during it with ``throughput.overlap_grad_reduce``; with
     ``throughput.overlap_param_gather`` the distributed optimizer's parameter all-gather is left
-    to the next forward (GPU only: it needs the distributed optimizer, and overlap_grad_reduce)."""
+    to the next forward (GPU only: it needs the distributed optimizer, and overlap_grad_reduce).
+    """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     throughput = throughput or Throughput()
@@ -83,8 +86,11 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
 
 
 def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
-    """megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring); sets the lr of
-    every param group of `optimizer` (anything with ``param_groups``) to lr(0) at once."""
+    """Megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring).
+
+    Sets the lr of every param group of `optimizer` (anything with ``param_groups``) to lr(0) at
+    once.
+    """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     if cfg.min_lr > cfg.lr:
@@ -105,21 +111,28 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
 
 
 def current_lr(optimizer) -> float:
+    """The learning rate of the optimizer's first param group."""
     return float(optimizer.param_groups[0]["lr"])
 
 
 @torch.no_grad()
 def grad_norm(optimizer) -> float:
-    """Move the reduced grads to the optimizer's params and return their global L2 norm
-    (over every model-parallel shard, counting tensor-parallel duplicates once)."""
+    """Move the reduced grads to the optimizer's params; their global L2 norm.
+
+    Move the reduced grads to the optimizer's params and return their global L2 norm
+    (over every model-parallel shard, counting tensor-parallel duplicates once).
+    """
     optimizer.prepare_grads()
     return float(optimizer.get_grad_norm())
 
 
 @torch.no_grad()
 def apply_update(optimizer, scheduler, norm: float) -> None:
-    """Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),
-    take the optimizer step and advance the LR schedule by one update."""
+    """Clip the grads by ``norm``, step the optimizer and the LR schedule.
+
+    Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),
+    take the optimizer step and advance the LR schedule by one update.
+    """
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     for opt in optimizer.chained_optimizers:

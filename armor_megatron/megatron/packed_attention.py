@@ -27,8 +27,11 @@ def attend_per_segment(
     value: torch.Tensor,
     packed_seq_params,
 ) -> torch.Tensor:
-    """``attend(q, k, v)`` ([s, 1, n, d] each -> [s, 1, n·d_v]) on every segment of a packed
-    micro-batch (q, k, v [t, n, d]); the results back to back, [t, 1, n·d_v]."""
+    """Attention on every segment of a packed micro-batch.
+
+    ``attend(q, k, v)`` ([s, 1, n, d] each -> [s, 1, n·d_v]) on every segment of a packed
+    micro-batch (q, k, v [t, n, d]); the results back to back, [t, 1, n·d_v].
+    """
     if packed_seq_params.qkv_format != "thd":
         raise ValueError(f"packed sequences must use the 'thd' format, got {packed_seq_params.qkv_format!r}")
     if not torch.equal(packed_seq_params.cu_seqlens_q, packed_seq_params.cu_seqlens_kv):
@@ -52,6 +55,7 @@ class PackedDotProductAttention(DotProductAttention):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        """Megatron's dot-product attention, or per segment for a packed micro-batch (``packed_seq_params``)."""
         if packed_seq_params is None:
             return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
         if attention_mask is not None:

@@ -36,6 +36,8 @@ CHECKPOINT_PREFIX = "reference."
 
 
 class ReferenceModel:
+    """The frozen reference policy π_ref: the actor's architecture, no grads, in host memory between uses with ``offload``."""
+
     def __init__(
         self,
         arch: ModelArch,
@@ -79,6 +81,7 @@ class ReferenceModel:
         self._to(torch.device("cpu") if self.offload else self.device)
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
+        """Log-probs log π_ref of every token of ``input_ids`` [B, T] (true ``lengths`` [B]), on every rank."""
         with self._on_device():
             return compute_logprobs(
                 self.model_chunks,
@@ -117,9 +120,11 @@ class ReferenceModel:
 
     # ------------------------------------------------------------------ checkpoint hooks
     def sharded_state_dict(self) -> dict:
+        """The reference's model weights as a sharded state dict (checkpoint prefix ``reference.``)."""
         return chunks_sharded_state_dict(self.model_chunks, CHECKPOINT_PREFIX)
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
+        """Load the reference's weights from what ``dist_checkpointing.load`` returned."""
         load_chunks_state(self.model_chunks, loaded, CHECKPOINT_PREFIX)
 
     # ------------------------------------------------------------------ offload

@@ -58,9 +58,12 @@ GAP_KEY = "rollout/logprob_abs_diff"
 
 @dataclasses.dataclass(frozen=True)
 class GuardDecision:
-    """The verdict on one step: skip it or not, why (``reasons``: every signal that fired), what
-    the guard did (``interventions``, a subset of INTERVENTIONS) and the scales after it: this
-    step's update (if any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``."""
+    """The verdict on one step.
+
+    Skip it or not, why (``reasons``: every signal that fired), what the guard did
+    (``interventions``, a subset of INTERVENTIONS) and the scales after it: this step's update (if
+    any) is taken at ``lr_scale``, the next step's loss clips at ``clip_scale``.
+    """
 
     skip: bool
     reasons: tuple[str, ...]
@@ -71,6 +74,7 @@ class GuardDecision:
     skipped_total: int
 
     def metrics(self) -> dict[str, float]:
+        """The verdict as metrics (skipped, totals, LR and clip scales, level)."""
         out = {
             "skipped": float(self.skip),
             "skipped_total": float(self.skipped_total),
@@ -93,6 +97,8 @@ class GuardDecision:
 
 
 class StabilityGuard:
+    """Skips unstable optimizer steps and lowers LR and clipping after repeated ones (module docstring)."""
+
     def __init__(self, max_ratio: float = 10.0, config: StabilityConfig | None = None, **overrides):
         if not max_ratio > 1.0:
             raise ValueError(f"max_ratio must be > 1, got {max_ratio!r}")
@@ -112,14 +118,17 @@ class StabilityGuard:
     # ------------------------------------------------------------------ scales
     @property
     def lr_scale(self) -> float:
+        """The factor on the learning rate at the current level."""
         return self.config.lr_factor**self.level
 
     @property
     def clip_scale(self) -> float:
+        """The factor on the gradient-clip threshold at the current level."""
         return self.config.clip_factor**self.level
 
     @property
     def healthy(self) -> bool:
+        """Whether the guard is at level 0 with no strikes and no rollback pending."""
         return self.level == 0 and self.strikes == 0 and not self.rollback_pending
 
     def threshold(self) -> float | None:
@@ -130,8 +139,11 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ judging
     def check(self, metrics: Mapping[str, float]) -> GuardDecision:
-        """Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
-        required) and update the guard's state; see the module docstring."""
+        """Judge one optimizer step from its all-reduced metrics.
+
+        Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
+        required) and update the guard's state; see the module docstring.
+        """
         loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
         vetoes = self._vetoes(loss, norm)
         drifts = self._drifts(metrics) if self.config.enabled else []
@@ -201,8 +213,11 @@ class StabilityGuard:
         return found
 
     def _escalate(self) -> list[str]:
-        """K unhealthy steps in a row: lower LR and clip range, or ask for a rollback, and
-        re-baseline the spike reference on the grad norms just skipped."""
+        """K unhealthy steps in a row.
+
+        Lower LR and clip range, or ask for a rollback, and re-baseline the spike reference on the
+        grad norms just skipped.
+        """
         cfg, done = self.config, []
         if self.level < cfg.max_reductions:
             self.level += 1
@@ -221,9 +236,12 @@ class StabilityGuard:
 
     # ------------------------------------------------------------------ the trainer's side
     def observe_step(self, metrics: Mapping[str, float]) -> str | None:
-        """Once per RL step, after it, with the step's metrics (identical on every rank): records
-        the engine-vs-trainer gap ``rollout/logprob_abs_diff`` that the following optimizer steps
-        are judged with, and returns ``"rollback"`` once when the guard asks for one (else None)."""
+        """Once per RL step, after it, with the step's metrics (identical on every rank).
+
+        Records the engine-vs-trainer gap ``rollout/logprob_abs_diff`` that the following optimizer
+        steps are judged with, and returns ``"rollback"`` once when the guard asks for one (else
+        None).
+        """
         if GAP_KEY in metrics:
             self.logprob_gap = float(metrics[GAP_KEY])
         if self.rollback_pending:
@@ -232,14 +250,17 @@ class StabilityGuard:
         return None
 
     def rolled_back(self) -> None:
-        """The trainer restored the last good checkpoint (and then this guard's state from before
-        the load): the reductions stay in force, the spike reference and the gap start afresh."""
+        """The trainer restored the last good checkpoint (and then this guard's state from before the load).
+
+        The reductions stay in force, the spike reference and the gap start afresh.
+        """
         self.history.clear()
         self.skipped_norms, self.strikes, self.healthy_steps = [], 0, 0
         self.rollback_pending, self.logprob_gap = False, None
 
     # ------------------------------------------------------------------ checkpoint
     def state_dict(self) -> dict:
+        """The guard's state, for checkpoints."""
         return {
             "history": list(self.history),
             "skipped_total": self.skipped_total,
@@ -253,8 +274,11 @@ class StabilityGuard:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict`; the keys missing from a checkpoint of the old skip-only guard
-        ({history, skipped_total}) take their fresh values."""
+        """Restore `state_dict`.
+
+        The keys missing from a checkpoint of the old skip-only guard ({history, skipped_total})
+        take their fresh values.
+        """
         self.history = collections.deque((float(x) for x in state["history"]), maxlen=self.config.window)
         self.skipped_total = int(state["skipped_total"])
         self.skipped_norms = [float(x) for x in state.get("skipped_norms", [])]

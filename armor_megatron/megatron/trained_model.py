@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,21 +54,26 @@ logger = logging.getLogger(__name__)
 
 @dataclasses.dataclass
 class TrainMicroBatch:
-    """One micro-batch and the per-row loss inputs of its rows, trimmed to its width s
-    (``mb.width``): ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones."""
+    """One micro-batch and the per-row loss inputs of its rows, trimmed to its width s (``mb.width``).
+
+    ``rows[key]`` is [b, s] for [N, L] batch tensors and [b] for [N] ones.
+    """
 
     mb: MicroBatch
     rows: dict
 
 
 class TrainedModel:
-    """What the actor and the critic share: this rank's model chunks wrapped in Megatron DDP, the
-    optimizer, LR schedule and stability guard; data-parallel rows cut into micro-batches, the
-    forward/backward through megatron's pipeline schedule, the guarded optimizer step, and the
-    checkpoint hooks. Subclasses add their loss (``train_step``) and may adapt the built chunks
-    (``_build_chunks``) before DDP wraps them. ``init_weights=False`` leaves the model's weights
-    uninitialised (megatron's ``perform_initialization``) for a caller that loads them all next:
-    on CPU megatron draws every TP rank's initial weights at full size, which costs more than the load."""
+    """What the actor and the critic share.
+
+    This rank's model chunks wrapped in Megatron DDP, the optimizer, LR schedule and stability
+    guard; data-parallel rows cut into micro-batches, the forward/backward through megatron's
+    pipeline schedule, the guarded optimizer step, and the checkpoint hooks. Subclasses add their
+    loss (``train_step``) and may adapt the built chunks (``_build_chunks``) before DDP wraps them.
+    ``init_weights=False`` leaves the model's weights uninitialised (megatron's
+    ``perform_initialization``) for a caller that loads them all next: on CPU megatron draws every
+    TP rank's initial weights at full size, which costs more than the load.
+    """
 
     def __init__(
         self,
@@ -129,18 +135,23 @@ class TrainedModel:
 
     # ------------------------------------------------------------------ weights
     def load_weights(self, path: str) -> None:
-        """Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
+        """Load model weights from a torch_dist checkpoint.
+
+        Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
         no prefix: the converter's output or one of our checkpoints), resharding as needed, or
-        from an HF directory (each rank reads its own slices: `hf_weights`)."""
+        from an HF directory (each rank reads its own slices: `hf_weights`).
+        """
         load_weights(self.model_chunks, path)
         self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
 
     # ------------------------------------------------------------------ training
     def _train_on(self, batch: dict, loss_of: Callable) -> dict[str, float]:
-        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU
-        tensors). ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with
-        ``num_tokens``) of one micro-batch from the last stage's output; the metrics of all
-        micro-batches and data-parallel ranks are combined by ``reduce_loss_metrics``."""
+        """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU tensors).
+
+        ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with ``num_tokens``) of
+        one micro-batch from the last stage's output; the metrics of all micro-batches and
+        data-parallel ranks are combined by ``reduce_loss_metrics``.
+        """
         calls, losses = [], []
 
         def loss_func(tmb: TrainMicroBatch, output: torch.Tensor):
@@ -167,15 +178,20 @@ class TrainedModel:
         return metrics
 
     def _scale_lr(self, scale: float) -> float:
-        """Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
-        step's update (the schedule resets it when it advances); returns the lr now in force."""
+        """Set every param group's lr for this update.
+
+        Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
+        step's update (the schedule resets it when it advances); returns the lr now in force.
+        """
         for group in self.optimizer.param_groups:
             group["lr"] = self.scheduler.get_lr(group) * scale
         return optim.current_lr(self.optimizer)
 
     def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
-        """Zero the grads, then forward and backward of every micro-batch through megatron's
-        pipeline schedule; the grads end summed over micro-batches and data-parallel ranks."""
+        """Zero the grads, then forward and backward of every micro-batch through megatron's pipeline schedule.
+
+        The grads end summed over micro-batches and data-parallel ranks.
+        """
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         for chunk in self.ddp_chunks:
@@ -201,8 +217,10 @@ class TrainedModel:
             config.variable_seq_lengths, config.moe_aux_loss_coeff = variable, aux_coeff
 
     def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
-        """This data-parallel rank's rows cut into micro-batches: `micro_batch_size` rows each, or
-        with ``token_budget.train`` set, packed into micro-batches of at most that many tokens.
+        """This data-parallel rank's rows cut into micro-batches.
+
+        `micro_batch_size` rows each, or with ``token_budget.train`` set, packed into micro-batches
+        of at most that many tokens.
 
         Padding rows (token 0, length 1, all-zero mask: zero loss, zero gradient) give every
         data-parallel rank as many micro-batches -- which the expert all-to-alls of an MoE model
@@ -235,8 +253,10 @@ class TrainedModel:
         return out
 
     def _packed_local_microbatches(self, batch: dict, budget: int) -> list[TrainMicroBatch]:
-        """Token-budget micro-batches (`microbatch.local_packed_microbatches`); a filler runs one
-        padding row, appended after this rank's rows."""
+        """Token-budget micro-batches (`microbatch.local_packed_microbatches`).
+
+        A filler runs one padding row, appended after this rank's rows.
+        """
         from megatron.core import parallel_state
 
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -262,11 +282,15 @@ class TrainedModel:
     checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
 
     def model_sharded_state_dict(self) -> dict:
+        """The model chunks' weights as a sharded state dict (keys prefixed ``checkpoint_prefix``)."""
         return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
     def sharded_state_dict(self) -> dict:
-        """Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
-        and guard, for dist_checkpointing.save."""
+        """What a checkpoint saves of this model.
+
+        Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
+        and guard, for dist_checkpointing.save.
+        """
         model = self.model_sharded_state_dict()
         state = {"model": model, "scheduler": self.scheduler.state_dict(), "guard": self.guard.state_dict()}
         if self.has_optimizer_state:  # before the first update Adam has no moments to save
@@ -275,6 +299,7 @@ class TrainedModel:
 
     @property
     def has_optimizer_state(self) -> bool:
+        """Whether the optimizer holds state yet (after its first step)."""
         return len(self.optimizer.state) > 0
 
     def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
@@ -285,8 +310,11 @@ class TrainedModel:
         return state
 
     def load_sharded_state_dict(self, loaded: dict) -> None:
-        """Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
-        (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh)."""
+        """Restore what :meth:`sharded_state_dict` saved.
+
+        Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
+        (``optimizer`` may be absent: model, schedule and guard are restored, Adam starts fresh).
+        """
         load_chunks_state(self.model_chunks, loaded["model"], self.checkpoint_prefix)
         if "optimizer" in loaded:
             self.optimizer.load_state_dict(loaded["optimizer"])
@@ -315,8 +343,11 @@ def check_layout(parallel: ParallelConfig) -> None:
 
 
 def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
-    """megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
-    its 1/num_tokens scaling: our losses are already divided by the global normalizer."""
+    """Megatron's finalize_model_grads without its 1/num_tokens scaling.
+
+    Megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
+    its 1/num_tokens scaling: our losses are already divided by the global normalizer.
+    """
     from megatron.core.distributed import finalize_model_grads
 
     finalize_model_grads(model, None, **kwargs)
@@ -328,7 +359,8 @@ def _routers_without_token_scaling(model_chunks) -> None:
     Under ``calculate_per_token_loss`` megatron's routers multiply each micro-batch's aux loss by
     its token count, for ``finalize_model_grads`` to divide every gradient by the step's tokens;
     our finalize skips that division (the policy and value losses are already divided by their
-    global normaliser), which would leave aux gradients ~tokens-per-step times too large."""
+    global normaliser), which would leave aux gradients ~tokens-per-step times too large.
+    """
     from megatron.core.transformer.moe.router import Router
 
     for chunk in model_chunks:
@@ -338,9 +370,11 @@ def _routers_without_token_scaling(model_chunks) -> None:
 
 
 def _mean_aux_loss_coeff(coeff, microbatches: int):
-    """The aux-loss coefficient for one step of `microbatches` per data-parallel rank: c / (m · dp),
-    so that the gradients, summed over micro-batches and ranks like the main loss's, carry c times
-    the MEAN load-balancing loss over them (megatron's own semantics for it)."""
+    """The aux-loss coefficient for one step of `microbatches` per data-parallel rank.
+
+    C / (m · dp), so that the gradients, summed over micro-batches and ranks like the main loss's,
+    carry c times the MEAN load-balancing loss over them (megatron's own semantics for it).
+    """
     from megatron.core import parallel_state
 
     scale = microbatches * parallel_state.get_data_parallel_world_size(with_context_parallel=True)
@@ -366,9 +400,12 @@ def _loss_rows(local: dict, mb: MicroBatch) -> dict:
 
 
 def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:
-    """Check a train batch: input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking
-    only positions 1 <= t < lengths, the `required` keys present, `token_keys` (when given) [N, L].
-    Returns detached CPU tensors; raises one line naming the first problem."""
+    """Check a train batch.
+
+    Expects input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking only positions 1 <= t <
+    lengths, the `required` keys present, `token_keys` (when given) [N, L]. Returns detached CPU
+    tensors; raises one line naming the first problem.
+    """
     missing = [k for k in ("input_ids", "lengths", "response_mask", *required) if k not in batch]
     if missing:
         raise KeyError(f"train batch lacks {', '.join(missing)}")
@@ -390,15 +427,18 @@ def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], tok
 
 
 def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
-    """Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
-    the result to every rank of the pipeline (object collectives: a few floats per step)."""
+    """Combine the step's per-micro-batch metrics over data-parallel ranks.
+
+    Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
+    the result to every rank of the pipeline (object collectives: a few floats per step).
+    """
     from megatron.core import parallel_state
 
-    result = [None]
+    result: list[Any] = [None]
     if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
         local = reduce_loss_metrics(calls)
         local["loss"] = float(sum(losses))
-        gathered = [None] * parallel_state.get_data_parallel_world_size()
+        gathered: list[Any] = [None] * parallel_state.get_data_parallel_world_size()
         dist.all_gather_object(gathered, local, group=parallel_state.get_data_parallel_group())
         combined = reduce_loss_metrics(gathered)
         combined["loss"] = sum(g["loss"] for g in gathered)

@@ -48,6 +48,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -71,8 +72,11 @@ class WeightExportError(RuntimeError):
 
 @dataclasses.dataclass(frozen=True)
 class _Piece:
-    """One Megatron tensor (one layer, one expert) inside a parameter: its global name resolved
-    to a rule, and how to take its TP shard from the parameter's TP shard (None: the whole)."""
+    """One Megatron tensor (one layer, one expert) inside a parameter.
+
+    Its global name resolved to a rule, and how to take its TP shard from the parameter's TP shard
+    (None: the whole).
+    """
 
     ref: ParamRef
     take: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -80,8 +84,10 @@ class _Piece:
 
 @dataclasses.dataclass(frozen=True)
 class _Param:
-    """One parameter (or exported buffer); ``gather``: its TP ranks hold shards to gather
-    (False: each holds the whole tensor)."""
+    """One parameter (or exported buffer) and the Megatron tensors it holds.
+
+    ``gather``: its TP ranks hold shards to gather (False: each holds the whole tensor).
+    """
 
     tensor: torch.Tensor
     expert: bool
@@ -96,7 +102,8 @@ def export_hf_weights(
 
     Raises `WeightExportError` on every rank, before any tensor is gathered or yielded, when
     the ranks' owned tensors do not cover the model's HF tensors exactly once or a rank holds a
-    parameter the family's rules do not know."""
+    parameter the family's rules do not know.
+    """
     return iter(HFWeightExport(model_chunks, arch, bucket_bytes))
 
 
@@ -148,11 +155,14 @@ class HFWeightExport:
         yield from self._gather_on_rank0()
 
     def deliver(self, delivery) -> list | None:
-        """Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
+        """Deliver every owner's tensors to the engines (rank 0 conducts).
+
+        Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
         (:class:`~armor_megatron.rollout.engine.ShardDelivery`); returns each rank's report
         (None for ranks that own nothing), in rank order. The other ranks take part when they
         iterate their own export. A sink that fails on any rank fails every rank with
-        `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done."""
+        `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done.
+        """
         if _rank() != 0:
             raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
         if self._read:
@@ -163,8 +173,10 @@ class HFWeightExport:
 
     # ------------------------------------------------------------------ the two reads
     def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:
-        """This rank's parameters cut into buckets; the completeness check (every rank);
-        the owner ranks and the number of rounds (the most buckets any rank has)."""
+        """This rank's parameters cut into buckets; the completeness check (every rank).
+
+        The owner ranks and the number of rounds (the most buckets any rank has).
+        """
         try:
             params = _plan(self.model_chunks, self.arch)
             owned_names = [n for p in params if _owns(p.expert) for piece in p.pieces for n in piece.ref.hf_names]
@@ -219,7 +231,7 @@ class HFWeightExport:
             except Exception as e:  # noqa: BLE001
                 error = f"{type(e).__name__}: {e}"
         reports = _gather_to_rank0((report, error))
-        verdict = [None]
+        verdict: list[Any] = [None]
         if reports is not None:
             failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
             verdict = ["; ".join(failed) or None]
@@ -230,16 +242,18 @@ class HFWeightExport:
         return [r for r, _ in reports] if reports is not None else None
 
     def _deliver_coordinated(self, delivery, chunks, owners, rounds) -> list | None:
-        """A delivery the driver conducts step by step (``delivery.coordinated``): the owners'
-        announcements, then their joins while the driver conducts them; then per round k every
-        rank makes its k-th bucket (TP/EP gathers in its own groups), the owners' descriptions
-        reach the driver (small objects), and each owner puts its bucket while the driver
-        conducts the round. Tensors never leave their owner but through its sink.
+        """A delivery the driver conducts step by step (``delivery.coordinated``).
+
+        The owners' announcements, then their joins while the driver conducts them; then per round k
+        every rank makes its k-th bucket (TP/EP gathers in its own groups), the owners' descriptions
+        reach the driver (small objects), and each owner puts its bucket while the driver conducts
+        the round. Tensors never leave their owner but through its sink.
 
         Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
-        fails every rank at the same step, with every rank's message."""
+        fails every rank at the same step, with every rank's message.
+        """
         rank = _rank()
-        state = {"error": None}
+        state: dict[str, Any] = {"error": None}
 
         def attempt(fn, *args):
             if state["error"] is None:
@@ -260,7 +274,7 @@ class HFWeightExport:
             description = attempt(sink.describe, bucket) if sink is not None and bucket else None
             last = k == rounds - 1
             self._step(delivery, description, state, lambda notes, last=last: delivery.conduct_bucket(notes, last))
-            if description is not None:
+            if sink is not None and description is not None:
                 attempt(sink.put, bucket)
             del bucket
             self._settle(delivery, state)
@@ -271,13 +285,15 @@ class HFWeightExport:
 
     @staticmethod
     def _step(delivery, note, state: dict, conduct) -> None:
-        """Gather every rank's ``note`` and error on the driver; unless some rank failed, the
-        driver starts ``conduct(notes)`` (owner rank -> note, None left out); the verdict
-        reaches every rank, which raises `WeightUpdateError` if anything failed."""
+        """Gather every rank's ``note`` and error on the driver.
+
+        Unless some rank failed, the driver starts ``conduct(notes)`` (owner rank -> note, None left
+        out); the verdict reaches every rank, which raises `WeightUpdateError` if anything failed.
+        """
         from armor_megatron.rollout.engine import WeightUpdateError
 
         gathered = _gather_to_rank0((note, state["error"]))
-        verdict = [None]
+        verdict: list[Any] = [None]
         if gathered is not None:
             failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(gathered) if err]
             if not failed and conduct is not None:
@@ -315,8 +331,10 @@ def _distributed() -> bool:
 
 
 def _driver_says(message):
-    """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or
-    ("deliver", delivery)); a small object broadcast, no tensors."""
+    """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or ("deliver", delivery)).
+
+    A small object broadcast, no tensors.
+    """
     if not _distributed():
         return message
     box = [message if dist.get_rank() == 0 else None]
@@ -327,19 +345,23 @@ def _driver_says(message):
 def _gather_to_rank0(obj) -> list | None:
     if not _distributed():
         return [obj]
-    gathered = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0)
     return gathered
 
 
 def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
-    """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one
-    alone). Every rank of a pipeline stage has the same parameter shapes, hence the same cuts,
-    so the gathers of a bucket run in lockstep within each TP / expert-TP group."""
+    """Consecutive parameters whose gathered (full-TP) bytes stay within ``limit`` (a larger one alone).
+
+    Every rank of a pipeline stage has the same parameter shapes, hence the same cuts, so the
+    gathers of a bucket run in lockstep within each TP / expert-TP group.
+    """
     from megatron.core import parallel_state as ps
 
     tp, etp = ps.get_tensor_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size()
-    buckets, bucket, size = [], [], 0
+    buckets: list[list[_Param]] = []
+    bucket: list[_Param] = []
+    size = 0
     for p in params:
         nbytes = p.tensor.numel() * p.tensor.element_size() * ((etp if p.expert else tp) if p.gather else 1)
         if bucket and size + nbytes > limit:
@@ -371,7 +393,7 @@ def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int) -> None:
 
 
 def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
-    box = [None]
+    box: list[Any] = [None]
     dist.recv_object_list(box, src=src)
     meta, nbytes = box[0]
     if not meta:
@@ -417,10 +439,13 @@ def _exported(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def _is_tp_shard(arch: ModelArch, ref: ParamRef, name: str, tensor: torch.Tensor) -> bool:
-    """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor: False when
-    the rule replicates it, and when a column/row rule's tensor is whole on every TP rank -- the
-    TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the local
-    spec splits them by rows. Any other shape is an error (a layout the rules do not describe)."""
+    """Whether this (non-expert) parameter is this rank's TP shard of ``ref``'s tensor.
+
+    False when the rule replicates it, and when a column/row rule's tensor is whole on every TP rank
+    -- the TE spec builds the MLA down projections as TELinear(parallel_mode="duplicated"), the
+    local spec splits them by rows. Any other shape is an error (a layout the rules do not
+    describe).
+    """
     from megatron.core import parallel_state as ps
 
     rule, tp = ref.rule, ps.get_tensor_model_parallel_world_size()
@@ -458,6 +483,7 @@ def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_P
         return (piece(sequential, int(sequential.group(1)), sequential.group(2)),)
     if te_grouped:
         return (piece(te_grouped, int(te_grouped.group(2)), te_grouped.group(1)),)
+    assert legacy is not None  # one of the three matched
     h, fc1 = arch.hidden_size, legacy.group(1) == "1"
     stacked_dim = 1 if fc1 else 0  # weight1 [h, E_local·2f/etp], weight2 [E_local·f/etp, h]
     if tensor.dim() != 2 or tensor.shape[1 - stacked_dim] != h or tensor.shape[stacked_dim] % local:
@@ -485,8 +511,10 @@ def _ep_rank() -> int:
 
 
 def _in_owner_replica(expert: bool) -> bool:
-    """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports:
-    every rank of a TP group has the same data-parallel (and context-parallel) rank."""
+    """Whether this rank's TP group (expert-TP group) is the data-parallel replica that exports.
+
+    Every rank of a TP group has the same data-parallel (and context-parallel) rank.
+    """
     from megatron.core import parallel_state as ps
 
     if expert:
@@ -495,8 +523,7 @@ def _in_owner_replica(expert: bool) -> bool:
 
 
 def _owns(expert: bool) -> bool:
-    """Whether this rank is the one that exports a (TP-gathered) tensor: TP rank 0 of the
-    exporting replica."""
+    """Whether this rank exports a (TP-gathered) tensor: TP rank 0 of the exporting replica."""
     from megatron.core import parallel_state as ps
 
     tp_rank = ps.get_expert_tensor_parallel_rank() if expert else ps.get_tensor_model_parallel_rank()
@@ -507,12 +534,15 @@ def _owns(expert: bool) -> bool:
 def _check_complete(
     arch: ModelArch, owned_names: list[str], problem: str | None = None, buckets: int = 0
 ) -> tuple[list[int], int]:
-    """Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
+    """Refuse, on every rank, an export that would miss or repeat HF tensors.
+
+    Raise `WeightExportError` on every rank unless the ranks' owned HF names are exactly
     ``hf_tensor_names(arch)``, each once, and no rank met a ``problem`` reading its parameters
     (a collective when distributed). Returns the ranks that own tensors and the largest number
-    of parameter ``buckets`` any rank has (the rounds of a gather on rank 0)."""
+    of parameter ``buckets`` any rank has (the rounds of a gather on rank 0).
+    """
     gathered = _gather_to_rank0((owned_names, problem, buckets))
-    verdict = [None]
+    verdict: list[Any] = [None]
     if gathered is not None:
         reports = dict(enumerate(gathered))
         problems = [f"rank {r}: {p}" for r, (_, p, _) in reports.items() if p]
@@ -535,7 +565,8 @@ def incompleteness(expected: Sequence[str], names_by_rank: dict[int, list[str]])
     """What keeps the ranks' names from being ``expected`` exactly once (None: nothing).
 
     One line: missing names, duplicated names (with the ranks that export them) and names not
-    in ``expected``, each list cut to its first few with the count of the rest."""
+    in ``expected``, each list cut to its first few with the count of the rest.
+    """
     ranks_of: dict[str, list[int]] = {}
     for rank, names in sorted(names_by_rank.items()):
         for name in names:
@@ -560,11 +591,13 @@ def _listing(kind: str, names: list[str]) -> str:
 
 # ---------------------------------------------------------------------- gather and map
 def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None) -> Iterator[tuple[str, torch.Tensor]]:
-    """This rank's share of ``params``: full-TP tensors, only where it is the owner; each
-    contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
-    memory. At most about twice the largest full tensor is alive at once: the gathered
-    shards are dropped once merged, and a merged tensor is copied only where it is not
-    contiguous (fused QKV / fc1 split into HF tensors) or is the parameter itself (no TP)."""
+    """This rank's share of ``params``: full-TP tensors, only where it is the owner.
+
+    Each contiguous, on ``device`` (None: where the parameters are), never sharing a parameter's
+    memory. At most about twice the largest full tensor is alive at once: the gathered shards are
+    dropped once merged, and a merged tensor is copied only where it is not contiguous (fused QKV /
+    fc1 split into HF tensors) or is the parameter itself (no TP).
+    """
     from megatron.core import parallel_state as ps
 
     for p in params:
@@ -573,7 +606,7 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
         shard = _staged(p.tensor)
         shards = _gather_to_owner(shard, group) if p.gather else [shard]
-        if not _owns(p.expert):
+        if shards is None or not _owns(p.expert):  # None: not this group's owner
             continue
         for i, piece in enumerate(p.pieces):
             rule = piece.ref.rule
@@ -594,9 +627,12 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
 
 
 def _staged(tensor: torch.Tensor) -> torch.Tensor:
-    """A parameter read from host memory (a trainer offloaded during the weight sync, a reference
+    """A parameter's tensor where the export reads it (host copy or device).
+
+    A parameter read from host memory (a trainer offloaded during the weight sync, a reference
     kept on the host) goes to the GPU one at a time: gathers then run over NCCL, and the sync's
-    device memory is one parameter and one bucket. On CPU-only machines it stays."""
+    device memory is one parameter and one bucket. On CPU-only machines it stays.
+    """
     if tensor.device.type == "cpu" and torch.cuda.is_available():
         return tensor.to(torch.cuda.current_device(), non_blocking=tensor.is_pinned())
     return tensor
@@ -613,8 +649,11 @@ def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None
 
 
 def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
-    """Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
-    owner; None on the others (they only send theirs)."""
+    """Gather a parameter's shards on the group's owner (rank 0).
+
+    Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
+    owner; None on the others (they only send theirs).
+    """
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if size == 1:
         return [shard]

@@ -108,14 +108,17 @@ class ModelArch:
 
     @property
     def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
         return self.num_experts > 0
 
     @property
     def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (DeepSeek's MLA)."""
         return self.kv_lora_rank > 0
 
     @property
     def qk_nope_head_dim(self) -> int:
+        """The query/key head dimension without the rotary part (MLA)."""
         return self.head_dim - self.qk_rope_head_dim
 
     @property
@@ -134,10 +137,12 @@ class ModelArch:
         return not (self.is_moe and self.moe_first_dense_layers)
 
     def is_moe_layer(self, layer: int) -> bool:
+        """Whether ``layer`` is an MoE layer (the first ``moe_first_dense_layers`` are dense)."""
         return self.is_moe and layer >= self.moe_first_dense_layers
 
     @property
     def queries_per_group(self) -> int:
+        """Query heads per key/value head (GQA)."""
         return self.num_attention_heads // self.num_key_value_heads
 
     def validate_parallelism(self, tp: int = 1, pp: int = 1, ep: int = 1) -> None:
@@ -158,10 +163,13 @@ class ModelArch:
     # ------------------------------------------------------------------ HF config I/O
     @classmethod
     def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelArch:
-        """Build from a parsed HF ``config.json``: the fields every family shares, then those its
-        family reads (`models.family.Family.hf_fields`); raises UnsupportedModelError."""
+        """Build from a parsed HF ``config.json``.
+
+        The fields every family shares, then those its family reads
+        (`models.family.Family.hf_fields`); raises UnsupportedModelError.
+        """
         name = _family_of(cfg)
-        family = FAMILIES.entry(name).fn()
+        family = FAMILIES.definition(name)()
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
         rope_theta, rope_scaling = _rope_of(cfg, name, family.rope_scaling_types)
@@ -189,8 +197,10 @@ class ModelArch:
 
     @classmethod
     def from_hf_dir(cls, path: str) -> ModelArch:
-        """Build from an HF model directory's ``config.json``; a key it lacks or a value of the
-        wrong type is one ValueError line naming the file."""
+        """Build from an HF model directory's ``config.json``.
+
+        A key it lacks or a value of the wrong type is one ValueError line naming the file.
+        """
         cfg = load_hf_config(path)
         try:
             return cls.from_hf_config(cfg)
@@ -202,7 +212,7 @@ class ModelArch:
             raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
 
 
-def load_hf_config(path: str) -> dict:
+def load_hf_config(path: str) -> dict[str, Any]:
     """Read ``config.json`` from an HF model directory; one clear error if it is absent."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
@@ -219,23 +229,30 @@ def load_hf_config(path: str) -> dict:
     return cfg
 
 
+def _family_class(name: str) -> Any:
+    """The `models.family.Family` subclass registered as ``name`` (that module imports this one)."""
+    return FAMILIES[name]
+
+
 def _family_of(cfg: Mapping[str, Any]) -> str:
     """The registered family reading ``cfg``: by ``model_type``, else by ``architectures``."""
     model_type = cfg.get("model_type")
     for name in FAMILIES:
-        if model_type in FAMILIES[name].model_types:
+        if model_type in _family_class(name).model_types:
             return name
     for arch in cfg.get("architectures") or ():
         for name in FAMILIES:
-            if arch in FAMILIES[name].architectures:
+            if arch in _family_class(name).architectures:
                 return name
     shown = model_type or (cfg.get("architectures") or ["<none>"])[0]
     raise UnsupportedModelError(f"unsupported architecture {shown!r}; supported families: {', '.join(FAMILIES)}")
 
 
-def _rope_of(cfg: Mapping[str, Any], family: str, scalings: tuple[str, ...]) -> tuple[float, dict | None]:
-    """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys;
-    a scaling the family does not take (`scalings`) is refused."""
+def _rope_of(cfg: Mapping[str, Any], family: str, scalings: tuple[str, ...]) -> tuple[float, dict[str, Any] | None]:
+    """RoPE base and scaling, from either transformers ≥5 ``rope_parameters`` or the older keys.
+
+    A scaling the family does not take (`scalings`) is refused.
+    """
     params = dict(cfg.get("rope_parameters") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", 10000.0)))
     scaling = dict(cfg.get("rope_scaling") or params or {})

@@ -82,8 +82,10 @@ class Family:
     moe_names: MoENames = MoENames()  # HF names of its MoE blocks
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
-        """`ModelArch` fields of an HF config beyond the shared ones (which they override);
-        raises UnsupportedModelError for a variant the project does not convert."""
+        """`ModelArch` fields of an HF config beyond the shared ones (which they override).
+
+        Raises UnsupportedModelError for a variant the project does not convert.
+        """
         return {}
 
     def attention_rules(self, arch: ModelArch) -> list[TensorRule]:
@@ -101,7 +103,8 @@ class Family:
 
 def family_of(arch: ModelArch) -> Family:
     """The registered family of `arch` (one-line ValueError listing the known ones)."""
-    return FAMILIES.entry(arch.family).fn()
+    family: Family = FAMILIES.definition(arch.family)()
+    return family
 
 
 def layer_rules(arch: ModelArch, layer: int) -> list[TensorRule]:
@@ -112,8 +115,11 @@ def layer_rules(arch: ModelArch, layer: int) -> list[TensorRule]:
 
 # ---------------------------------------------------------------------- readers families share
 def routed_experts(cfg: Mapping[str, Any], family: str, *, always_renormalise: bool = False) -> dict[str, Any]:
-    """MoE fields of a config whose every layer routes (``num_experts`` or ``num_local_experts``,
-    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``)."""
+    """MoE fields of a config whose every layer routes.
+
+    MoE fields of a config whose every layer routes (``num_experts`` or ``num_local_experts``,
+    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``).
+    """
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError(
             f"{family} with dense layers (mlp_only_layers / decoder_sparse_step) is not supported"

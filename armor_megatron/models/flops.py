@@ -40,20 +40,28 @@ from armor_megatron.models.tensors import TensorRule
 
 
 def matmul_weights(rules: Iterable[TensorRule], routed: int = 1) -> int:
-    """Weights of the matrices among `rules` a token goes through (vectors -- norms, biases, a
-    router's bias -- do no matmul): each expert's matrices count `routed` times (its top-k)."""
+    """Weights of the matrices among ``rules`` a token goes through.
+
+    Weights of the matrices among `rules` a token goes through (vectors -- norms, biases, a
+    router's bias -- do no matmul): each expert's matrices count `routed` times (its top-k).
+    """
     return sum(r.numel * (routed if r.per_expert else 1) for r in rules if len(r.shape) == 2)
 
 
 def attention_weights(arch: ModelArch) -> int:
-    """Weights of one layer's attention matmuls a token goes through (module docstring), read
-    from its family's attention tensors."""
+    """Weights of one layer's attention matmuls a token goes through.
+
+    Weights of one layer's attention matmuls a token goes through (module docstring), read
+    from its family's attention tensors.
+    """
     return matmul_weights(family_of(arch).attention_rules(arch))
 
 
 def mlp_weights(arch: ModelArch, layer: int) -> int:
-    """Weights of layer `layer`'s MLP matmuls a token goes through: dense, or router + routed + shared,
-    read from its family's MLP tensors."""
+    """Weights of layer `layer`'s MLP matmuls a token goes through.
+
+    Dense, or router + routed + shared, read from its family's MLP tensors.
+    """
     moe = arch.is_moe_layer(layer)
     return matmul_weights(family_of(arch).mlp_rules(arch, moe), arch.moe_router_topk if moe else 1)
 
@@ -69,7 +77,8 @@ def attended_keys(arch: ModelArch, seq_len: int) -> float:
 def train_flops_per_token(arch: ModelArch, seq_len: int) -> float:
     """F(s) of the module docstring for one token of a sequence of `seq_len` tokens."""
     key = dataclasses.replace(arch, rope_scaling=None) if arch.rope_scaling else arch
-    weights = _model_weights(key, type(family_of(arch)))
+    # a class is hashable; mypy matches type() of an instance against Hashable with the unbound __hash__
+    weights = _model_weights(key, type(family_of(arch)))  # type: ignore[arg-type]
     scores = (
         arch.num_layers
         * attended_keys(arch, seq_len)
@@ -81,8 +90,11 @@ def train_flops_per_token(arch: ModelArch, seq_len: int) -> float:
 
 @functools.cache
 def _model_weights(arch: ModelArch, family: type) -> int:
-    """Σ_layers (attention weights + mlp weights) + h·V of `arch` under `family` (the cache key:
-    a step asks for every sequence)."""
+    """Σ_layers (attention weights + mlp weights) + h·V of ``arch`` under ``family``.
+
+    Σ_layers (attention weights + mlp weights) + h·V of `arch` under `family` (the cache key:
+    a step asks for every sequence).
+    """
     layers = range(arch.num_layers)
     return sum(attention_weights(arch) + mlp_weights(arch, i) for i in layers) + arch.hidden_size * arch.vocab_size
 

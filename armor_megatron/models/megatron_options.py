@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+from typing import Any
 
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.models.family import family_of
@@ -19,9 +20,12 @@ LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn
 
 
 def grad_accumulation_fusion_available() -> bool:
-    """True when APEX's ``fused_weight_gradient_mlp_cuda`` imports: megatron's own linear layers (the
-    local spec, and the output layer under the TE spec too) refuse ``gradient_accumulation_fusion``
-    without it; TE's layers would fuse on their own, but the output layer is megatron's."""
+    """True when APEX's ``fused_weight_gradient_mlp_cuda`` imports.
+
+    Megatron's own linear layers (the local spec, and the output layer under the TE spec too) refuse
+    ``gradient_accumulation_fusion`` without it; TE's layers would fuse on their own, but the output
+    layer is megatron's.
+    """
     return importlib.util.find_spec("fused_weight_gradient_mlp_cuda") is not None
 
 
@@ -32,8 +36,10 @@ def deep_ep_available() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Throughput:
-    """Speed options of a model's megatron config and DDP wrapper (``throughput.*``); none changes
-    the values computed, only how (fused kernels) or when (communication overlapped with compute).
+    """Speed options of a model's megatron config and DDP wrapper (``throughput.*``).
+
+    None changes the values computed, only how (fused kernels) or when (communication overlapped
+    with compute).
 
     ``overlap_grad_reduce``: DDP starts each bucket's gradient reduction as soon as backward
     fills it (megatron's ``DistributedDataParallelConfig.overlap_grad_reduce``).
@@ -78,13 +84,15 @@ class Throughput:
     torch_compile: bool = False
 
     @classmethod
-    def of(cls, throughput) -> Throughput:
+    def of(cls, throughput: Any) -> Throughput:
         """From a run config's ``throughput`` section."""
         return cls(**{f.name: getattr(throughput, f.name) for f in dataclasses.fields(cls)})
 
-    def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict:
-        """The TransformerConfig fields; raises ValueError (one line naming the key) for a kernel
-        this process cannot run."""
+    def config_kwargs(self, arch: ModelArch, *, use_te: bool, on_gpu: bool) -> dict[str, Any]:
+        """The TransformerConfig fields.
+
+        Raises ValueError (one line naming the key) for a kernel this process cannot run.
+        """
         if self.gradient_accumulation_fusion:
             if not on_gpu:
                 raise ValueError("throughput.gradient_accumulation_fusion needs CUDA; this process has no GPU")
@@ -137,20 +145,23 @@ class MoESettings:
     pad_expert_input_to_capacity: bool = False
 
     @classmethod
-    def of(cls, moe) -> MoESettings:
+    def of(cls, moe: Any) -> MoESettings:
         """From a run config's ``moe`` section."""
         return cls(**{f.name: getattr(moe, f.name) for f in dataclasses.fields(cls)})
 
     def balancing_type(self, arch: ModelArch) -> str:
+        """Megatron's ``moe_router_load_balancing_type`` for ``arch``."""
         if self.load_balancing_type is not None:
             return self.load_balancing_type
         if self.aux_loss_coeff > 0:
             return family_of(arch).megatron(arch).default_load_balancing
         return "none"
 
-    def config_kwargs(self, arch: ModelArch) -> dict:
-        """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather);
-        raises ValueError (one line naming the key) for a setting megatron or this process refuses."""
+    def config_kwargs(self, arch: ModelArch) -> dict[str, Any]:
+        """The TransformerConfig ``moe_*`` fields (and ``variable_seq_lengths`` for allgather).
+
+        Raises ValueError (one line naming the key) for a setting megatron or this process refuses.
+        """
         if self.token_dispatcher_type not in TOKEN_DISPATCHERS:
             raise ValueError(
                 f"moe.token_dispatcher_type {self.token_dispatcher_type!r} is not one of {TOKEN_DISPATCHERS}"
@@ -171,7 +182,7 @@ class MoESettings:
             raise ValueError("moe.pad_expert_input_to_capacity needs moe.expert_capacity_factor")
         if not arch.is_moe:  # no dispatcher; megatron's post-init refuses allgather with variable lengths
             return dict(moe_token_dispatcher_type="alltoall")
-        out = dict(moe_token_dispatcher_type=self.token_dispatcher_type)
+        out: dict[str, Any] = dict(moe_token_dispatcher_type=self.token_dispatcher_type)
         if self.token_dispatcher_type == "flex":
             if not deep_ep_available():
                 raise ValueError("moe.token_dispatcher_type flex needs DeepEP (deep_ep does not import here)")

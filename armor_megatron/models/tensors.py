@@ -67,13 +67,16 @@ class TensorRule:
 
     @property
     def per_layer(self) -> bool:
+        """Whether the rule has one tensor per layer."""
         return "{layer}" in self.local_name
 
     @property
     def per_expert(self) -> bool:
+        """Whether the rule has one tensor per expert."""
         return "{expert}" in self.local_name
 
     def hf(self, layer: int | None = None, expert: int | None = None) -> list[str]:
+        """The HF tensor names of this rule at ``layer`` and ``expert``."""
         return [n.format(layer=layer, expert=expert) for n in self.hf_names]
 
     def name(
@@ -87,7 +90,7 @@ class TensorRule:
 
     def stacked_shape(self, arch: ModelArch) -> tuple[int, ...]:
         """Global checkpoint shape: [layers, (experts,)] + shape."""
-        lead = (arch.num_layers,) if self.per_layer else ()
+        lead: tuple[int, ...] = (arch.num_layers,) if self.per_layer else ()
         lead += (arch.num_experts,) if self.per_expert else ()
         return lead + self.shape
 
@@ -129,8 +132,11 @@ def rule(
 
 # ---------------------------------------------------------------------- the standard layer parts
 def gqa_attention_rules(arch: ModelArch) -> list[TensorRule]:
-    """Llama-style attention: input norm, fused q/k/v (+ its bias with ``qkv_bias``, + per-head
-    q/k RMSNorm with ``qk_norm``), output projection."""
+    """Llama-style attention.
+
+    Input norm, fused q/k/v (+ its bias with ``qkv_bias``, + per-head q/k RMSNorm with ``qk_norm``),
+    output projection.
+    """
     h, d = arch.hidden_size, arch.head_dim
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
     L, A = DECODER, HF_LAYER
@@ -225,11 +231,13 @@ def dense_mlp_rules(arch: ModelArch) -> list[TensorRule]:
 
 @dataclasses.dataclass(frozen=True)
 class MoENames:
-    """HF names of a MoE block, under ``model.layers.{layer}.``: ``block`` + ``gate`` is the router,
-    ``block`` + ``experts.{e}.`` + ``expert_gate`` / ``expert_up`` / ``expert_down`` the experts'
-    SwiGLU, ``block`` + ``shared`` the shared experts (gate_proj / up_proj / down_proj),
-    ``block`` + ``shared_gate`` the sigmoid gate of the shared expert, ``block`` + ``router_bias``
-    the router's selection bias."""
+    """HF names of a MoE block, under ``model.layers.{layer}.``.
+
+    ``block`` + ``gate`` is the router, ``block`` + ``experts.{e}.`` + ``expert_gate`` /
+    ``expert_up`` / ``expert_down`` the experts' SwiGLU, ``block`` + ``shared`` the shared experts
+    (gate_proj / up_proj / down_proj), ``block`` + ``shared_gate`` the sigmoid gate of the shared
+    expert, ``block`` + ``router_bias`` the router's selection bias.
+    """
 
     block: str = "mlp."
     router: str = "gate.weight"
@@ -242,8 +250,11 @@ class MoENames:
 
 
 def moe_mlp_rules(arch: ModelArch, names: MoENames = MoENames()) -> list[TensorRule]:
-    """Pre-MLP norm, router (+ its selection bias with ``moe_router_expert_bias``), experts, and the
-    shared experts (+ their gate with ``moe_shared_expert_gate``) when ``arch`` has them."""
+    """The tensor rules of an MoE layer's MLP.
+
+    Pre-MLP norm, router (+ its selection bias with ``moe_router_expert_bias``), experts, and the
+    shared experts (+ their gate with ``moe_shared_expert_gate``) when ``arch`` has them.
+    """
     h, f = arch.hidden_size, arch.moe_ffn_hidden_size
     moe = HF_LAYER + names.block
     expert = moe + "experts.{expert}."

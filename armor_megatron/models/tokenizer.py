@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 GENERIC_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str) -> Any:
     """The tokenizer of the HF directory ``path``."""
     import transformers
 

@@ -1,12 +1,12 @@
-"""Verifiable rewards and evaluation metrics (pure Python + math-verify; no megatron, no engine).
+r"""Verifiable rewards and evaluation metrics (pure Python + math-verify; no megatron, no engine).
 
     from armor_megatron.rewards import compute_score, load_verifier
-    compute_score("... so the answer is \\\\boxed{\\\\frac12}", "0.5").score      # 1.0
+    compute_score("... so the answer is \\boxed{\\frac12}", "0.5").score      # 1.0
     load_verifier("my_pkg.rewards:judge")     # a user verifier(response, ground_truth)
 
-Registered verifiers: ``math`` (math-verify equivalence of the last ``\\boxed{}``, under a hard
-timeout), ``multiple_choice`` (option letters A–J), ``format`` (exactly one ``\\boxed{}``),
-``think_format`` (``</think>``-closed reasoning, then exactly one ``\\boxed{}``), ``safety``
+Registered verifiers: ``math`` (math-verify equivalence of the last ``\boxed{}``, under a hard
+timeout), ``multiple_choice`` (option letters A–J), ``format`` (exactly one ``\boxed{}``),
+``think_format`` (``</think>``-closed reasoning, then exactly one ``\boxed{}``), ``safety``
 (refuse harmful requests, answer benign ones), ``knowledge`` (normalised exact match with
 aliases). A mixed dataset routes each row to the verifier its ``type`` column names. Build
 variants with ``make_math_verifier``, ``make_choice_verifier``, ``make_format_verifier``,

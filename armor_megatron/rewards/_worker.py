@@ -11,13 +11,14 @@ import pickle
 import signal
 import struct
 import sys
+from typing import Any, BinaryIO
 
 from armor_megatron.rewards.spec import import_callable
 
 _HEADER = struct.Struct("!Q")
 
 
-def _read_exact(stream, size: int) -> bytes | None:
+def _read_exact(stream: BinaryIO, size: int) -> bytes | None:
     data = b""
     while len(data) < size:
         chunk = stream.read(size - len(data))
@@ -27,13 +28,13 @@ def _read_exact(stream, size: int) -> bytes | None:
     return data
 
 
-def _send(stream, message: tuple) -> None:
+def _send(stream: BinaryIO, message: tuple[Any, ...]) -> None:
     data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(_HEADER.pack(len(data)) + data)
     stream.flush()
 
 
-def _handle(kind: str, payload):
+def _handle(kind: str, payload: Any) -> Any:
     if kind == "import":
         importlib.import_module(payload)
         return None

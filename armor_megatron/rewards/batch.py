@@ -12,8 +12,11 @@ from armor_megatron.rewards.result import RewardResult
 
 
 def compute_score(response: str, ground_truth: Any, verifier: str = "math") -> RewardResult:
-    """Score ``response`` against ``ground_truth`` with the verifier named by ``verifier``
-    (a registered name or ``"package.module:function"``)."""
+    """Score one response against its ground truth.
+
+    Score ``response`` against ``ground_truth`` with the verifier named by ``verifier``
+    (a registered name or ``"package.module:function"``).
+    """
     if not isinstance(response, str):
         raise TypeError(f"response must be a str, got {type(response).__name__}")
     return load_verifier(verifier)(response, ground_truth)
@@ -22,7 +25,9 @@ def compute_score(response: str, ground_truth: Any, verifier: str = "math") -> R
 def score_batch(
     responses: Sequence[str], ground_truths: Sequence[Any], verifier: str = "math", max_workers: int | None = None
 ) -> list[RewardResult]:
-    """``[compute_score(r, g, verifier) for r, g in zip(responses, ground_truths)]``, in order,
+    """Score responses against ground truths, in order, on threads.
+
+    ``[compute_score(r, g, verifier) for r, g in zip(responses, ground_truths)]``, in order,
     on ``max_workers`` threads (default: this process's CPUs, at most 32).
 
     Threads suffice: the math verifier's heavy part runs in worker processes (one per

@@ -15,11 +15,11 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 
 
 def make_choice_verifier(num_options: int = 10) -> Verifier:
-    """Verifier for questions with options ``A``.. (``num_options`` of them; 10 = A–J, MMLU-Pro).
+    r"""Verifier for questions with options ``A``.. (``num_options`` of them; 10 = A–J, MMLU-Pro).
 
     ground_truth: the gold letter (``"C"``, ``"(C)"``, ``"c"``, in LaTeX wrappers such as
-    ``\\text{C}``, ``\\textbf{(C)}``, ``\\mathrm{C}``) or its 0-based index (``2``, as in MMLU-Pro's
-    ``answer_index``). The response's letter may be wrapped too (``\\boxed{\\text{(C)}}``, ``(C)``,
+    ``\text{C}``, ``\textbf{(C)}``, ``\mathrm{C}``) or its 0-based index (``2``, as in MMLU-Pro's
+    ``answer_index``). The response's letter may be wrapped too (``\boxed{\text{(C)}}``, ``(C)``,
     ``C``): see :func:`~armor_megatron.rewards.extract.extract_choice`.
     """
     if not 2 <= num_options <= 26:
@@ -36,8 +36,11 @@ def make_choice_verifier(num_options: int = 10) -> Verifier:
 
 
 def gold_letter(ground_truth: Any, letters: str) -> str:
-    """The gold option letter from a letter string (in any wrappers,
-    :func:`~armor_megatron.rewards.extract.strip_option_wrappers`) or a 0-based index."""
+    """The gold option letter from a letter string or a 0-based index.
+
+    The gold option letter from a letter string (in any wrappers,
+    :func:`~armor_megatron.rewards.extract.strip_option_wrappers`) or a 0-based index.
+    """
     if isinstance(ground_truth, int) and not isinstance(ground_truth, bool):
         if not 0 <= ground_truth < len(letters):
             raise ValueError(f"multiple-choice ground truth index {ground_truth} is outside 0..{len(letters) - 1}")

@@ -16,8 +16,11 @@ from armor_megatron.rewards.result import RewardResult, Verifier
 
 
 def weighted_verifier(weights: Mapping[str, float]) -> Verifier:
-    """``weighted_verifier({"math": 0.9, "format": 0.1})``; keys are anything
-    :func:`~armor_megatron.rewards.registry.load_verifier` accepts (names or ``module:function``)."""
+    """``weighted_verifier({"math": 0.9, "format": 0.1})``.
+
+    Keys are anything :func:`~armor_megatron.rewards.registry.load_verifier` accepts (names or
+    ``module:function``).
+    """
     if not weights:
         raise ValueError("weighted verifier needs at least one verifier")
     parts = []

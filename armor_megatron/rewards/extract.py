@@ -1,40 +1,40 @@
-"""Pull the final answer out of a model response (pure string work, no math library).
+r"""Pull the final answer out of a model response (pure string work, no math library).
 
 Answer forms, in priority order:
 
 1. A final-answer statement written after the last box, at the very END of the response: a
    DAPO-style answer line ``Answer: 42`` (``**Final Answer:** 42``, ``Answer: The answer is
    42``) that starts the last non-empty line, or a Minerva-style ``The final answer is $42$.
-   I hope it is correct.`` on it. The last stated answer wins: an earlier ``\\boxed{200}`` on
+   I hope it is correct.`` on it. The last stated answer wins: an earlier ``\boxed{200}`` on
    an intermediate step does not outrank a closing ``Final Answer: The final answer is
    $10,455$.`` A statement in words alone (``Answer: see above``, ``The final answer is boxed
    above.``) states no answer of its own and leaves the boxes standing.
-2. The boxes ``\\boxed{...}`` / ``\\fbox{...}`` (balanced braces; escaped ``\\{`` ``\\}`` do not
-   count; also the brace-less ``\\boxed 5``) of the FINAL ANSWER SEGMENT. The final answer
+2. The boxes ``\boxed{...}`` / ``\fbox{...}`` (balanced braces; escaped ``\{`` ``\}`` do not
+   count; also the brace-less ``\boxed 5``) of the FINAL ANSWER SEGMENT. The final answer
    segment is the last box together with the boxes before it that are joined to it by nothing
    but joiners, box after box back from the last:
 
    * blanks and line breaks, ``,`` ``;`` ``&`` and markdown bold ``**``;
-   * math delimiters ``$`` ``$$`` ``\\(`` ``\\)`` ``\\[`` ``\\]`` and LaTeX line breaks ``\\\\``;
-   * LaTeX spacing ``~`` ``\\,`` ``\\;`` ``\\:`` ``\\!`` ``\\ `` ``\\quad`` ``\\qquad``;
-   * the words ``and`` / ``or``, bare or as ``\\text{ and }`` (also ``\\textrm``, ``\\mbox``,
-     ``\\mathrm``);
-   * a variable being assigned: ``x =``, ``x_2 =``, ``x_{2} =``, ``\\lambda =``.
+   * math delimiters ``$`` ``$$`` ``\(`` ``\)`` ``\[`` ``\]`` and LaTeX line breaks ``\\``;
+   * LaTeX spacing ``~`` ``\,`` ``\;`` ``\:`` ``\!`` ``\ `` ``\quad`` ``\qquad``;
+   * the words ``and`` / ``or``, bare or as ``\text{ and }`` (also ``\textrm``, ``\mbox``,
+     ``\mathrm``);
+   * a variable being assigned: ``x =``, ``x_2 =``, ``x_{2} =``, ``\lambda =``.
 
    Any other text between two boxes (``wait``, ``so``, ``hence``, a sentence's ``.``, an
    operator such as ``=`` or ``-`` without a variable) ends the segment: the boxes before it
    were said on the way, and the response discarded them. So do a blank box, a box left
    unclosed, and a box nested in (or overlapping) the argument of the one after it. Thus
-   ``\\boxed{(2, 2)} \\quad\\text{and}\\quad \\boxed{(6, 2)}``, ``\\boxed{1},\\boxed{2},\\boxed{3}``
-   and ``$x = \\boxed{-2}$ and $\\boxed{1}$`` are segments of several boxes, while
-   ``\\boxed{1}, wait, \\boxed{2}`` is the one box ``2``. If the last box is never closed (a
+   ``\boxed{(2, 2)} \quad\text{and}\quad \boxed{(6, 2)}``, ``\boxed{1},\boxed{2},\boxed{3}``
+   and ``$x = \boxed{-2}$ and $\boxed{1}$`` are segments of several boxes, while
+   ``\boxed{1}, wait, \boxed{2}`` is the one box ``2``. If the last box is never closed (a
    response cut off at the length limit) there is no final answer, and nothing earlier is
    taken in its place.
 3. Without any box, the final-answer statement of rule 1 ending the response. A mention
    earlier in the text (``... the candidate answer: 14/3. Hmm, but wait``) or followed by
    more reasoning is not a final answer: a truncated response must not score by what it said
    on its way.
-4. Multiple-choice letters (``\\boxed{C}``, ``the answer is (C).``, a last line ``C``), see
+4. Multiple-choice letters (``\boxed{C}``, ``the answer is (C).``, a last line ``C``), see
    :func:`extract_choice`, with the same rules (one box, no segment).
 
 Reasoning models write their thoughts between ``<think>`` and ``</think>``: only the text after
@@ -42,10 +42,10 @@ the last ``</think>`` holds the final answer, and a response whose ``<think>`` i
 (cut off at the length limit while thinking) has none, whatever it boxed on its way.
 
 Every answer is cleaned the same way (:func:`clean_answer`): surrounding ``$``, markdown
-bold and trailing ``.``/``,``/``;`` are dropped, so ``\\boxed{204.}`` reads as ``Answer: 204.``.
-Inside a statement an escaped ``\\$`` is currency, not a math delimiter, and ``\\!`` / ``\\;`` /
-``\\:`` / ``\\.`` are LaTeX, not a sentence's end: ``The final answer is $\\$32,\\!348$.`` reads
-``\\$32,\\!348`` and ``Answer: 11,\\! 111,\\! 100`` reads ``11,\\! 111,\\! 100``.
+bold and trailing ``.``/``,``/``;`` are dropped, so ``\boxed{204.}`` reads as ``Answer: 204.``.
+Inside a statement an escaped ``\$`` is currency, not a math delimiter, and ``\!`` / ``\;`` /
+``\:`` / ``\.`` are LaTeX, not a sentence's end: ``The final answer is $\$32,\!348$.`` reads
+``\$32,\!348`` and ``Answer: 11,\! 111,\! 100`` reads ``11,\! 111,\! 100``.
 
 Every function here runs in time linear in the length of the text, whatever the text
 (no regex with nested or adjacent ambiguous quantifiers, one forward pass for the braces,
@@ -77,15 +77,21 @@ _HOPE = "i hope it is correct"  # Minerva's answer format ends with it
 
 
 def box_spans(text: str) -> list[tuple[int, int] | None]:
-    """``(start, end)`` of every ``\\boxed``/``\\fbox`` argument (``text[start:end]``), in order;
-    ``None`` for a command whose argument is missing or never closed. One pass over ``text``."""
+    r"""The argument spans of every box command, in order.
+
+    ``(start, end)`` of every ``\boxed``/``\fbox`` argument (``text[start:end]``), in order;
+    ``None`` for a command whose argument is missing or never closed. One pass over ``text``.
+    """
     return [box[:2] if box is not None else None for _, box in _boxes(text)]
 
 
 def _boxes(text: str) -> list[tuple[int, tuple[int, int, int] | None]]:
-    """Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
+    """Every box command and its argument span, in one pass.
+
+    Every box command as ``(command_start, (arg_start, arg_end, after))``, ``after`` being
     the position past its closing brace; the second item is ``None`` for a command whose
-    argument is missing or never closed. One pass over ``text``."""
+    argument is missing or never closed. One pass over ``text``.
+    """
     pairs = _matching_braces(text)
     boxes: list[tuple[int, tuple[int, int, int] | None]] = []
     for match in _BOX_COMMAND.finditer(text):
@@ -100,9 +106,9 @@ def _boxes(text: str) -> list[tuple[int, tuple[int, int, int] | None]]:
 
 
 def find_boxed(text: str) -> list[str | None]:
-    """Every ``\\boxed``/``\\fbox`` argument in ``text``, in order (see :func:`box_spans`).
+    r"""Every ``\boxed``/``\fbox`` argument in ``text``, in order (see :func:`box_spans`).
 
-    An argument is the balanced ``{...}`` group after the command, or, in the ``\\boxed 5``
+    An argument is the balanced ``{...}`` group after the command, or, in the ``\boxed 5``
     form, the run of characters up to the next whitespace or ``$``. Each argument is copied:
     with nested boxes the output (not the scan) grows with the square of the length; the
     verifiers use :func:`box_spans` / :func:`last_boxed` instead.
@@ -116,7 +122,7 @@ def is_blank(text: str, span: tuple[int, int]) -> bool:
 
 
 def last_box_command(text: str) -> int | None:
-    """End position of the last ``\\boxed``/``\\fbox`` command in ``text``, ``None`` if none."""
+    r"""End position of the last ``\boxed``/``\fbox`` command in ``text``, ``None`` if none."""
     end = None
     for match in _BOX_COMMAND.finditer(text):
         end = match.end()
@@ -124,9 +130,12 @@ def last_box_command(text: str) -> int | None:
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the LAST ``\\boxed{...}`` (or ``\\fbox``), cleaned (:func:`clean_answer`);
+    r"""Content of the last box, cleaned; None if absent or unterminated.
+
+    Content of the LAST ``\boxed{...}`` (or ``\fbox``), cleaned (:func:`clean_answer`);
     ``None`` if there is none or the last one is unterminated (an earlier box is never taken
-    in its place)."""
+    in its place).
+    """
     end = last_box_command(text)
     if end is None:
         return None
@@ -153,18 +162,25 @@ def _box_argument(text: str, pos: int) -> tuple[int, int] | None:
 
 
 def _skip_blanks(text: str, pos: int) -> int:
-    """Past the whitespace TeX allows between a command and its argument (``\\boxed\\n{5}``)."""
+    r"""Past the whitespace TeX allows between a command and its argument (``\boxed\n{5}``)."""
     n = len(text)
     while pos < n and text[pos] in " \t\r\n":
         pos += 1
     return pos
 
 
+def match_end(pattern: re.Pattern[str], text: str, pos: int = 0) -> int:
+    """Where ``pattern``'s match at ``pos`` ends; the pattern matches the empty string, so it always matches."""
+    match = pattern.match(text, pos)
+    assert match is not None
+    return match.end()
+
+
 def _bare_span(text: str, pos: int) -> tuple[int, int] | None:
-    """``\\boxed 5``: one whitespace/``$``-delimited token, only after a blank."""
+    r"""``\boxed 5``: one whitespace/``$``-delimited token, only after a blank."""
     if pos >= len(text) or pos == 0 or text[pos - 1] not in " \t":
         return None
-    end = _BARE_TOKEN.match(text, pos).end()
+    end = match_end(_BARE_TOKEN, text, pos)
     return (pos, end) if end > pos else None
 
 
@@ -190,9 +206,12 @@ _JOINER = re.compile(
 
 
 def final_box_segment(text: str) -> list[tuple[int, int]] | None:
-    """Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
+    """Argument spans of the boxes in the final answer segment.
+
+    Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
     in order, the last box last; ``None`` if ``text`` has no box or its last box is never
-    closed. Each gap between two boxes is scanned once: linear time."""
+    closed. Each gap between two boxes is scanned once: linear time.
+    """
     return _segment(text, _boxes(text))
 
 
@@ -239,11 +258,11 @@ def last_line(text: str) -> str:
 
 
 def final_answer_text(text: str) -> str | None:
-    """The answer written at the end of ``text`` without a box, or ``None``.
+    r"""The answer written at the end of ``text`` without a box, or ``None``.
 
     Read from the last non-empty line only: ``Answer: X`` starting the line (optionally
     ``Final``, markdown ``**``/``#``), or ``... the final answer is X`` where ``X`` is a
-    closed ``$..$``/``$$..$$``/``\\(..\\)``/``\\[..\\]`` followed by nothing but punctuation and
+    closed ``$..$``/``$$..$$``/``\(..\)``/``\[..\]`` followed by nothing but punctuation and
     an optional ``I hope it is correct.``, or else the rest of the line provided it holds no
     sentence break (``5, but wait`` is reasoning cut off, not an answer).
     """
@@ -280,8 +299,11 @@ def final_answer_text(text: str) -> str | None:
 
 
 def _find_closing(text: str, closing: str, pos: int) -> int:
-    """Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
-    (``\\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan."""
+    r"""Index of the first unescaped ``closing`` delimiter from ``pos``, or -1.
+
+    Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
+    (``\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan.
+    """
     for token in re.compile(re.escape(closing) + r"|\\.", re.S).finditer(text, pos):
         if token.group() == closing:
             return token.start()
@@ -298,7 +320,7 @@ def _opening_delimiter(text: str) -> tuple[str, str] | None:
 
 
 def _without_hope(text: str) -> str:
-    """``text`` without a trailing ``I hope it is correct.``"""
+    """``text`` without a trailing "I hope it is correct."."""
     stripped = text.rstrip(_CLOSING_CHARACTERS)
     if stripped.lower().endswith(_HOPE):
         return stripped[: -len(_HOPE)]
@@ -314,8 +336,11 @@ THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def after_reasoning(text: str) -> str | None:
-    """The part of a response after its reasoning: after the last ``</think>``; the whole text
-    if it has no ``<think>``; ``None`` if a ``<think>`` is never closed (no final answer)."""
+    """The part of a response after its reasoning: after the last ``</think>``.
+
+    The whole text if it has no ``<think>``; ``None`` if a ``<think>`` is never closed (no final
+    answer).
+    """
     close = text.rfind(THINK_CLOSE)
     if close >= 0:
         return text[close + len(THINK_CLOSE) :]
@@ -323,7 +348,9 @@ def after_reasoning(text: str) -> str | None:
 
 
 def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str] | None:
-    """The final answer of a math response (after its reasoning, :func:`after_reasoning`), as
+    """The final answer of a math response, as the list of what it states.
+
+    The final answer of a math response (after its reasoning, :func:`after_reasoning`), as
     the list of what it states, or ``None`` if it states nothing (module docstring, rules 1-3):
 
     * a final-answer statement (:func:`final_answer_text`) in the text after the last box
@@ -337,9 +364,10 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
       or blank;
     * without a box, with ``answer_line_fallback``, ``[statement]`` of the whole text.
     """
-    text = after_reasoning(text)
-    if text is None:
+    answer_part = after_reasoning(text)
+    if answer_part is None:
         return None
+    text = answer_part
     boxes = _boxes(text)
     if not boxes:
         statement = final_answer_text(text) if answer_line_fallback else None
@@ -353,7 +381,7 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
             return [statement]
     answers: list[str] = []
     seen: set[str] = set()
-    for start, stop in reversed(_segment(text, boxes)):
+    for start, stop in reversed(_segment(text, boxes) or []):  # not None: the last box is closed
         answer = clean_answer(text[start:stop])
         if answer not in seen and (answer or not answers):
             seen.add(answer)
@@ -362,8 +390,11 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
 
 
 def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
-    """The last answer :func:`final_math_answers` reads (the final-answer statement, or the
-    last box of the final answer segment), ``None`` if there is none."""
+    """The last answer :func:`final_math_answers` reads, or None.
+
+    The last answer :func:`final_math_answers` reads (the final-answer statement, or the
+    last box of the final answer segment), ``None`` if there is none.
+    """
     answers = final_math_answers(text, answer_line_fallback)
     return answers[-1] if answers else None
 
@@ -373,7 +404,7 @@ def last_answer_line(text: str) -> str | None:
     return final_answer_text(text)
 
 
-def _last_match(pattern: re.Pattern, text: str) -> re.Match | None:
+def _last_match(pattern: re.Pattern[str], text: str) -> re.Match[str] | None:
     last = None
     for match in pattern.finditer(text):
         last = match
@@ -388,10 +419,12 @@ _MAX_LETTER_TEXT = 64  # an option letter in its wrappers is short; longer texts
 
 
 def strip_option_wrappers(text: str) -> str:
-    """``text`` without the wrappers an option letter is written in: surrounding ``$``, text
-    commands (``\\text{}``, ``\\textbf{}``, ``\\textrm{}``, ``\\mathrm{}``, ``\\mathbf{}``,
-    ``\\mbox{}``) and parentheses, any number, in any order: ``\\textbf{(C)}`` -> ``C``,
-    ``(\\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only."""
+    r"""``text`` without the wrappers an option letter is written in.
+
+    Surrounding ``$``, text commands (``\text{}``, ``\textbf{}``, ``\textrm{}``, ``\mathrm{}``,
+    ``\mathbf{}``, ``\mbox{}``) and parentheses, any number, in any order: ``\textbf{(C)}`` ->
+    ``C``, ``(\mathrm{C})`` -> ``C``. Texts longer than 64 characters are returned stripped only.
+    """
     text = text.strip()
     if len(text) > _MAX_LETTER_TEXT:
         return text
@@ -407,30 +440,33 @@ def strip_option_wrappers(text: str) -> str:
 
 
 def option_letter(text: str) -> str | None:
-    """The option letter ``text`` names and nothing else, or ``None``: one capital letter in
-    any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``, ``\\text{C}``, ``\\textbf{C}``,
-    ``\\mathrm{C}``, ``\\text{(C)}``, ``$\\textbf{(C)}$`` all name ``C``; ``c``, ``CD``,
-    ``\\text{C} + 1`` name none."""
+    r"""The option letter ``text`` names and nothing else, or ``None``.
+
+    One capital letter in any wrappers (:func:`strip_option_wrappers`): ``C``, ``(C)``,
+    ``\text{C}``, ``\textbf{C}``, ``\mathrm{C}``, ``\text{(C)}``, ``$\textbf{(C)}$`` all name ``C``;
+    ``c``, ``CD``, ``\text{C} + 1`` name none.
+    """
     letter = strip_option_wrappers(text)
     return letter if len(letter) == 1 and "A" <= letter <= "Z" else None
 
 
 def extract_choice(text: str, letters: str) -> str | None:
-    """The option letter a response chose, or ``None``.
+    r"""The option letter a response chose, or ``None``.
 
     ``letters`` are the valid options, e.g. ``"ABCD"`` (GPQA) or ``"ABCDEFGHIJ"`` (MMLU-Pro);
     matching is case-sensitive on the letter so the article "a" is never read as option A.
     Read after the reasoning (:func:`after_reasoning`). Priority: an answer phrase on the
     last non-empty line after the last box (``Answer: C``, ``**Answer:** (C)``,
-    ``the answer is \\text{(C)}.``) followed by nothing but punctuation: the last stated answer
-    wins; else the last ``\\boxed{}`` (``\\boxed{C}``, ``\\boxed{(C)}``, ``\\boxed{\\text{(C)}}``,
-    ``\\boxed{\\text{C. 42}}``; an unterminated last box means no answer); without a box, that
+    ``the answer is \text{(C)}.``) followed by nothing but punctuation: the last stated answer
+    wins; else the last ``\boxed{}`` (``\boxed{C}``, ``\boxed{(C)}``, ``\boxed{\text{(C)}}``,
+    ``\boxed{\text{C. 42}}``; an unterminated last box means no answer); without a box, that
     answer phrase, or a last line holding nothing but the letter (``C``, ``(C)``, ``**C.**``,
-    ``$\\text{(C)}$``).
+    ``$\text{(C)}$``).
     """
-    text = after_reasoning(text)
-    if text is None:
+    answer_part = after_reasoning(text)
+    if answer_part is None:
         return None
+    text = answer_part
     cls = "[" + re.escape(letters) + "]"
     boxes = _boxes(text)
     if boxes:
@@ -452,8 +488,11 @@ def extract_choice(text: str, letters: str) -> str | None:
 
 
 def _stated_choice(text: str, cls: str) -> str | None:
-    """The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
-    punctuation follows (``the answer is (C).``), or ``None``."""
+    """The letter of an answer phrase on the last non-empty line, or None.
+
+    The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
+    punctuation follows (``the answer is (C).``), or ``None``.
+    """
     line = _TEXT_WRAPPER.sub(r"\1", last_line(text))
     phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*:：]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")
     match = _last_match(phrase, line)

@@ -1,8 +1,8 @@
-"""Format verifier: does the response have the shape the prompt asked for?
+r"""Format verifier: does the response have the shape the prompt asked for?
 
 Criteria (each 0/1 in the breakdown; score = 1 only if every enabled one holds):
 
-* ``boxed``: ``"exactly_one"`` complete ``\\boxed{}`` (default), ``"at_least_one"``, or ``None`` (off);
+* ``boxed``: ``"exactly_one"`` complete ``\boxed{}`` (default), ``"at_least_one"``, or ``None`` (off);
 * ``think``: the reasoning is closed by exactly one ``</think>``, preceded by at most one
   ``<think>`` (chat templates such as Qwen3's may put the opening tag in the prompt), with
   non-empty text on both sides; the ``boxed`` rule then applies to the text after it.
@@ -28,6 +28,7 @@ def make_format_verifier(
     think_open: str = THINK_OPEN,
     think_close: str = THINK_CLOSE,
 ) -> Verifier:
+    r"""A verifier scoring format only: the ``\boxed{}`` rule and/or a closed think block."""
     if boxed not in _BOXED_RULES:
         raise ValueError(f"format verifier boxed must be one of {_BOXED_RULES}, got {boxed!r}")
     if boxed is None and not think:

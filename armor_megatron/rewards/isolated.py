@@ -76,6 +76,8 @@ class _Worker:
             )
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+        assert self.proc.stdin is not None and self.proc.stdout is not None  # both are PIPEs
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
         self.imported: set[str] = set()
         try:
             self._receive(time.monotonic() + STARTUP_TIMEOUT_S)  # the worker's "ready"
@@ -83,7 +85,8 @@ class _Worker:
             self.kill()
             raise
 
-    def call(self, target: str, args: tuple, timeout_s: float) -> Any:
+    def call(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        """``target(*args)`` in this worker (``target``'s module imported first)."""
         self.preload(target.split(":", 1)[0])
         return self._request(("call", (target, args)), timeout_s)
 
@@ -93,12 +96,12 @@ class _Worker:
             self._request(("import", module), STARTUP_TIMEOUT_S)
             self.imported.add(module)
 
-    def _request(self, message: tuple, timeout_s: float) -> Any:
+    def _request(self, message: tuple[Any, ...], timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
         data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
+            self.stdin.write(_HEADER.pack(len(data)) + data)
+            self.stdin.flush()
         except (BrokenPipeError, OSError) as exc:
             raise WorkerDied(f"reward worker process died ({exc})") from None
         status, value = self._receive(deadline)
@@ -108,10 +111,11 @@ class _Worker:
 
     def _receive(self, deadline: float) -> tuple[str, Any]:
         header = self._read_exact(_HEADER.size, deadline)
-        return pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+        reply: tuple[str, Any] = pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+        return reply
 
     def _read_exact(self, size: int, deadline: float) -> bytes:
-        fd = self.proc.stdout.fileno()
+        fd = self.stdout.fileno()
         poller = select.poll()  # not select.select: trainers hold fds above FD_SETSIZE (1024)
         poller.register(fd, select.POLLIN)
         chunks, remaining = [], size
@@ -137,7 +141,7 @@ class _Worker:
         self.close_pipes()
 
     def close_pipes(self) -> None:
-        for pipe in (self.proc.stdin, self.proc.stdout):
+        for pipe in (self.stdin, self.stdout):
             try:
                 pipe.close()
             except OSError:
@@ -162,9 +166,12 @@ class WorkerPool:
         self._replacing: set[threading.Thread] = set()  # replacements of killed workers, still starting
         self._cond = threading.Condition()
 
-    def run(self, target: str, args: tuple, timeout_s: float) -> Any:
-        """``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
-        (worker start-up and module import are not counted)."""
+    def run(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
+        """Run ``target(*args)`` in a worker process under a timeout.
+
+        ``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
+        (worker start-up and module import are not counted).
+        """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         worker = self._acquire()
@@ -186,8 +193,11 @@ class WorkerPool:
         return result
 
     def shutdown(self) -> None:
-        """Stop all idle workers (busy ones stop when their call returns and they are released),
-        after the replacements still starting have joined them (else they would outlive this)."""
+        """Stop all idle workers.
+
+        Busy ones stop when their call returns and they are released),
+        after the replacements still starting have joined them (else they would outlive this).
+        """
         with self._cond:
             starting = list(self._replacing)
         for thread in starting:
@@ -228,8 +238,10 @@ class WorkerPool:
             self._cond.notify()
 
     def _replace(self, modules: set[str]) -> None:
-        """Start a worker with ``modules`` imported into the slot of a killed one; if that
-        fails, free the slot (the next call starts a worker on demand)."""
+        """Start a worker with ``modules`` imported into the slot of a killed one.
+
+        If that fails, free the slot (the next call starts a worker on demand).
+        """
         try:
             self._start_replacement(modules)
         finally:
@@ -281,8 +293,10 @@ atexit.register(lambda: _POOL.shutdown())
 
 
 def run_isolated(target: str, *args: Any, timeout_s: float) -> Any:
-    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared
-    worker pool; raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds."""
+    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared worker pool.
+
+    Raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds.
+    """
     return _POOL.run(target, args, timeout_s)
 
 

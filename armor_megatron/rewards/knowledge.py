@@ -1,5 +1,7 @@
-"""Knowledge verifier: short-answer factual questions (rows ``type: knowledge``), scored by
-normalised exact match against the gold answer and its aliases, as TriviaQA's scorer does.
+r"""Knowledge verifier.
+
+Short-answer factual questions (rows ``type: knowledge``), scored by normalised exact match against
+the gold answer and its aliases, as TriviaQA's scorer does.
 
 score = 1 if normalise(answer) equals normalise(alias) for some alias, else 0, where
 normalise lower-cases, strips accents (NFD), turns ``_`` into a space, drops punctuation and
@@ -7,7 +9,7 @@ the articles ``a``/``an``/``the``, and collapses white space: ``"The Beatles!"``
 ``"beatles"``, ``"Pelé"`` == ``"pele"``.
 
 The answer is the response's final answer as the math verifier reads it (the last
-``\\boxed{}``, else a final ``Answer:`` line or ``The final answer is X.`` at the very end);
+``\boxed{}``, else a final ``Answer:`` line or ``The final answer is X.`` at the very end);
 a response without one counts as its own answer only if it is short (at most
 ``MAX_BARE_WORDS`` words: a bare ``Paris``), so that a long explanation that merely contains
 the right words scores 0.
@@ -77,6 +79,7 @@ def knowledge_answer(response: str) -> str | None:
 
 
 def verify_knowledge(response: str, ground_truth: Any) -> RewardResult:
+    """1 when the response's answer matches one of the ground truth's aliases after normalisation, else 0."""
     aliases = {normalize_answer(a) for a in gold_aliases(ground_truth)}
     answer = knowledge_answer(response)
     correct = answer is not None and normalize_answer(answer) in aliases

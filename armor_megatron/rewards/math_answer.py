@@ -1,19 +1,21 @@
-"""Math final-answer verifier: the final answer (its boxes, or a closing statement) vs the ground
-truth, equivalence by math-verify.
+r"""Math final-answer verifier.
+
+The final answer (its boxes, or a closing statement) vs the ground truth, equivalence by
+math-verify.
 
 score = 1 if the response's final answer equals the ground truth mathematically, else 0.
-"Equal" is math-verify's judgement (``verify(parse(gold), parse(answer))``): ``\\frac{1}{2}``,
-``\\dfrac12``, ``0.5`` and ``1/2`` agree; so do ``50\\%`` and ``0.5``, ``x=3`` and ``3``, sets in any
-order, and intervals written with or without ``\\left``/``\\right``. Floats are compared after
+"Equal" is math-verify's judgement (``verify(parse(gold), parse(answer))``): ``\frac{1}{2}``,
+``\dfrac12``, ``0.5`` and ``1/2`` agree; so do ``50\%`` and ``0.5``, ``x=3`` and ``3``, sets in any
+order, and intervals written with or without ``\left``/``\right``. Floats are compared after
 rounding to 6 decimals, so ``0.333`` is not ``1/3``; two plain numbers are compared as decimals
 (integers exactly, others within a relative 1e-6), and competition forms math-verify misreads
-are read first (``\\textbf{(D)}\\ 24``, ``4.5e33``, ``10\\,000``: see
+are read first (``\textbf{(D)}\ 24``, ``4.5e33``, ``10\,000``: see
 :mod:`armor_megatron.rewards.math_equivalence`).
 
 The answer is read by :func:`~armor_megatron.rewards.extract.final_math_answers` (linear time:
 a final ``Answer:`` line / ``final answer is`` sentence ending the response after its last box,
 else the boxes of the final answer segment, the last box and those joined to it by
-``,``/``and``/``\\quad``/``x =`` alone; an unterminated last box is no answer). Several boxes
+``,``/``and``/``\quad``/``x =`` alone; an unterminated last box is no answer). Several boxes
 match a gold when their union equals it as a set, or when each of them equals it
 (:func:`~armor_megatron.rewards.math_equivalence.answers_match`). The comparison runs in a pooled worker
 process under a hard timeout (:mod:`armor_megatron.rewards.isolated`). ``timeout_s`` bounds
@@ -46,20 +48,20 @@ _EQUIVALENT = "armor_megatron.rewards.math_equivalence:answers_match"  # runs in
 
 
 def make_math_verifier(*, timeout_s: float = DEFAULT_TIMEOUT_S, answer_line_fallback: bool = True) -> Verifier:
-    """Build a math verifier.
+    r"""Build a math verifier.
 
     The answer is what the response states last: with ``answer_line_fallback`` set, a final
     ``Answer: X`` line or ``The final answer is $X$.`` sentence ending the response after its
-    last box (the DAPO and Minerva prompt formats); else the boxes ``\\boxed{...}``/``\\fbox{...}``
+    last box (the DAPO and Minerva prompt formats); else the boxes ``\boxed{...}``/``\fbox{...}``
     of its final answer segment (the last box and the boxes joined to it by nothing but
     blanks, ``,``, ``and``/``or``, LaTeX spacing or ``x =``; see
     :mod:`armor_megatron.rewards.extract`). No answer -> score 0. Several boxes score 1 when
-    their union equals the ground truth as a set (``\\boxed{1}, \\boxed{2}`` for ``\\{1, 2\\}``)
+    their union equals the ground truth as a set (``\boxed{1}, \boxed{2}`` for ``\{1, 2\}``)
     or each of them equals it; never when only the last does.
 
-    ground_truth: a string (plain ``1/2``, LaTeX ``\\frac{1}{2}``, optionally ``$``-wrapped, or a
-    whole reference solution, whose final box segment is then used: ``\\boxed{1}`` and
-    ``\\boxed{-2}`` reads ``1, -2``), a number, or a list of acceptable answers (correct if any
+    ground_truth: a string (plain ``1/2``, LaTeX ``\frac{1}{2}``, optionally ``$``-wrapped, or a
+    whole reference solution, whose final box segment is then used: ``\boxed{1}`` and
+    ``\boxed{-2}`` reads ``1, -2``), a number, or a list of acceptable answers (correct if any
     matches; all share the one ``timeout_s``).
 
     breakdown: ``answer_found``, ``correct``, ``timed_out`` (each 0 or 1); ``extracted``: the

@@ -1,4 +1,4 @@
-"""math-verify equivalence, imported only inside reward worker processes.
+r"""math-verify equivalence, imported only inside reward worker processes.
 
 Importing this module loads math-verify and sympy and warms their first-use caches (the
 LaTeX grammar, sympy's simplifier), so that the worker's timed calls measure comparison
@@ -8,26 +8,26 @@ math-verify's signal-based one is switched off.
 Before math-verify sees them, both texts are read the way competition answers are written
 where its LaTeX parser reads them otherwise:
 
-* a thousands separator written as a LaTeX space (``10\\,000``, ``2\\ 500``) is dropped
-  (math-verify reads ``10\\,000`` as ``10·000 = 0``);
+* a thousands separator written as a LaTeX space (``10\,000``, ``2\ 500``) is dropped
+  (math-verify reads ``10\,000`` as ``10·000 = 0``);
 * plain numbers on both sides (``033``, ``2.50``, ``4.5e33``, ``1e-07``) are compared as decimals:
   integers exactly, others within a relative 1e-6 (math-verify rounds to 6 decimals, which
   makes ``1e-7`` equal ``2e-7``); a number in E-notation against LaTeX becomes
-  ``m\\times10^{k}`` (math-verify reads ``4.5e33`` as ``4.5·e·33``, e being Euler's number);
-* an option letter in any wrapper (``C``, ``(C)``, ``\\text{C}``, ``\\textbf{(C)}``,
-  ``\\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify alone
-  tells ``\\text{(C)}`` and ``(C)`` from ``\\text{C}``);
-* an AMC-style answer that names an option and its value, ``\\textbf{(D)}\\ 24`` (math-verify
-  reads ``d·24``), matches the gold letter (``D``, ``(D)``, ``\\text{(D)}``) or, against a gold
-  value, by its value. A text naming two options (``\\text{(C)}, \\text{(D)}``,
-  ``(C) \\text{ or } (D)``) names no single option.
+  ``m\times10^{k}`` (math-verify reads ``4.5e33`` as ``4.5·e·33``, e being Euler's number);
+* an option letter in any wrapper (``C``, ``(C)``, ``\text{C}``, ``\textbf{(C)}``,
+  ``\mathrm{C}``) matches the same letter in any wrapper, and no other letter (math-verify alone
+  tells ``\text{(C)}`` and ``(C)`` from ``\text{C}``);
+* an AMC-style answer that names an option and its value, ``\textbf{(D)}\ 24`` (math-verify
+  reads ``d·24``), matches the gold letter (``D``, ``(D)``, ``\text{(D)}``) or, against a gold
+  value, by its value. A text naming two options (``\text{(C)}, \text{(D)}``,
+  ``(C) \text{ or } (D)``) names no single option.
 
 The answers of a final answer segment of several boxes
 (:func:`~armor_megatron.rewards.extract.final_math_answers`) match a gold when their union,
 ``a, b, c``, equals it (math-verify reads a comma list as a set: order-free), or when each of
-them equals it on its own (the same answer restated, ``\\boxed{x = 6}``, ``\\boxed{6}``). Boxes
-that name different values of which only the last equals the gold (``\\boxed{2}`` or
-``\\boxed{3}`` for gold 3) do not match: a response claiming both is not right, and a hedge
+them equals it on its own (the same answer restated, ``\boxed{x = 6}``, ``\boxed{6}``). Boxes
+that name different values of which only the last equals the gold (``\boxed{2}`` or
+``\boxed{3}`` for gold 3) do not match: a response claiming both is not right, and a hedge
 must not score what a committed answer scores.
 """
 
@@ -39,7 +39,7 @@ from decimal import Decimal, InvalidOperation
 
 from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
-from armor_megatron.rewards.extract import option_letter
+from armor_megatron.rewards.extract import match_end, option_letter
 
 logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled" warnings
 
@@ -54,8 +54,11 @@ _ANY_OPTION = re.compile(r"\(\s*[A-Z]\s*\)")
 
 
 def equivalent(answer: str, gold: str) -> bool:
-    """Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
-    plain; math-verify's verify is not symmetric, the gold goes first)."""
+    """Whether ``answer`` equals ``gold`` mathematically.
+
+    Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
+    plain; math-verify's verify is not symmetric, the gold goes first).
+    """
     answer_letter, gold_letter = option_letter(answer), option_letter(gold)
     if answer_letter and gold_letter:
         return answer_letter == gold_letter
@@ -81,9 +84,12 @@ def equivalent_to_any(answer: str, golds: list[str]) -> bool:
 
 
 def answers_match(answers: list[str], golds: list[str]) -> bool:
-    """Whether the answers of a response's final answer segment (one or several boxes, or one
+    """Whether a response's final answers match one of ``golds``.
+
+    Whether the answers of a response's final answer segment (one or several boxes, or one
     statement) match one of ``golds``: one answer equal to it, or several whose union
-    ``", ".join(answers)`` equals it, or several each equal to it (module docstring)."""
+    ``", ".join(answers)`` equals it, or several each equal to it (module docstring).
+    """
     if len(answers) == 1:
         return equivalent_to_any(answers[0], golds)
     union = ", ".join(answers)
@@ -120,16 +126,19 @@ def _numbers_equal(answer: str, a: Decimal, gold: str, g: Decimal) -> bool:
 
 
 def _split_option(text: str) -> tuple[str | None, str]:
-    """``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
-    in ``\\text{}``/``\\textbf{}`` (``\\textbf{(D)}\\ 24`` -> ``("D", "24")``, ``\\text{(C)}`` ->
-    ``("C", "")``); ``(None, text)`` otherwise."""
+    r"""Split an answer that starts by naming an option into (letter, value).
+
+    ``(letter, value)`` of an answer that starts by naming an option ``(A)``..``(E)``, bare or
+    in ``\text{}``/``\textbf{}`` (``\textbf{(D)}\ 24`` -> ``("D", "24")``, ``\text{(C)}`` ->
+    ``("C", "")``); ``(None, text)`` otherwise.
+    """
     match = _OPTION.match(text)
     if match is None:
         return None, text
     rest = text[match.end() :]
     inside = 0
     if match.group(1):  # the wrapper's closing brace, after an optional gap inside it
-        inside = _OPTION_GAP.match(rest).end()
+        inside = match_end(_OPTION_GAP, rest)
         if not rest[inside:].startswith("}"):
             rest = rest[inside:]
             close = rest.find("}")
@@ -138,7 +147,7 @@ def _split_option(text: str) -> tuple[str | None, str]:
             rest = rest[:close] + rest[close + 1 :]
         else:
             rest = rest[inside + 1 :]
-    gap = _OPTION_GAP.match(rest).end()
+    gap = match_end(_OPTION_GAP, rest)
     if rest and not gap and not inside:
         return None, text  # "(A)\cup(B)", "\text{(C)}, \text{(D)}": not one option and its value
     value = rest[gap:].strip()

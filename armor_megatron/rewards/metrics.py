@@ -6,12 +6,14 @@ import math
 import numbers
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
+from typing import Any
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k estimator (Chen et al., 2021, "Evaluating Large Language Models
-    Trained on Code"): from n samples of which c are correct, the probability that at
-    least one of k samples drawn without replacement is correct,
+    """Unbiased pass@k estimator (Chen et al., 2021, "Evaluating Large Language Models Trained on Code").
+
+    From n samples of which c are correct, the probability that at least one of k samples drawn
+    without replacement is correct,
 
         pass@k = 1 − C(n−c, k) / C(n, k) = 1 − ∏_{i=n−c+1}^{n} (1 − k/i),
 
@@ -31,9 +33,12 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - miss
 
 
-def avg_at_k(scores: Iterable) -> float:
-    """Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
-    sequence per prompt, the mean over prompts of each prompt's mean."""
+def avg_at_k(scores: Iterable[Any]) -> float:
+    """Mean score of one prompt's samples, or mean over prompts.
+
+    Mean score: over one prompt's k samples (a flat sequence of numbers), or, given one
+    sequence per prompt, the mean over prompts of each prompt's mean.
+    """
     items = list(scores)
     if not items:
         raise ValueError("avg_at_k got no scores")
@@ -74,8 +79,11 @@ def group_metrics(
 def metrics_by_dataset(
     records: Iterable[tuple[str, Hashable, float]], ks: Sequence[int] = (1,), threshold: float = 1.0
 ) -> dict[str, dict[str, float]]:
-    """Group ``(dataset, prompt_id, score)`` records by dataset and prompt, then apply
-    :func:`group_metrics` to each dataset: ``{dataset: {"num_prompts", "avg@n", "pass@k"...}}``."""
+    """Per-dataset metrics from ``(dataset, prompt_id, score)`` records.
+
+    Group ``(dataset, prompt_id, score)`` records by dataset and prompt, then apply
+    :func:`group_metrics` to each dataset: ``{dataset: {"num_prompts", "avg@n", "pass@k"...}}``.
+    """
     by_dataset: dict[str, dict[Hashable, list[float]]] = defaultdict(lambda: defaultdict(list))
     for dataset, prompt_id, score in records:
         if not _is_number(score):
@@ -93,10 +101,12 @@ def metrics_by_dataset(
 
 
 def accuracy_by_domain(records: Iterable[tuple[str, float]], threshold: float = 1.0) -> dict[str, dict[str, float]]:
-    """Per-domain accuracy of scored samples: ``(domain, score)`` records (the domain is the
-    row's verifier, e.g. ``math``, ``safety``, ``knowledge``) ->
-    ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``, domains in
-    order of first appearance."""
+    """Per-domain accuracy of scored samples.
+
+    ``(domain, score)`` records (the domain is the row's verifier, e.g. ``math``, ``safety``,
+    ``knowledge``) -> ``{domain: {"num_samples": n, "accuracy": share of scores >= threshold}}``,
+    domains in order of first appearance.
+    """
     counts: dict[str, list[int]] = {}
     for domain, score in records:
         if not _is_number(score):
@@ -114,5 +124,5 @@ def flatten_metrics(metrics: Mapping[str, Mapping[str, float]], prefix: str = "e
     }
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, numbers.Real)

@@ -13,8 +13,8 @@ import difflib
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol, TypeVar, cast
 
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
@@ -25,7 +25,7 @@ _GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
 
 def register_verifier(
     name: str, *, replace: bool = False, check_ground_truth: Callable[[Any], Any] | None = None
-) -> Callable[[Callable], Callable]:
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator registering ``fn(response, ground_truth)`` under ``name``; returns ``fn`` unchanged.
 
     Registering a taken name raises unless ``replace=True`` (e.g. to swap in a ``math``
@@ -37,7 +37,7 @@ def register_verifier(
     if not isinstance(name, str) or not name or ":" in name or name != name.strip():
         raise VerifierSpecError(f"verifier name {name!r} must be a non-empty string without ':' or surrounding spaces")
 
-    def decorator(fn: Callable) -> Callable:
+    def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and not replace:
             raise VerifierSpecError(f"verifier {name!r} is already registered (pass replace=True to replace it)")
         _check_signature(fn, name)
@@ -50,12 +50,34 @@ def register_verifier(
     return decorator
 
 
-def scorable(dataset, default_verifier: str):
-    """``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
+class _ScorableRow(Protocol):
+    @property
+    def index(self) -> int: ...
+    @property
+    def verifier(self) -> str | None: ...
+    @property
+    def answer(self) -> Any: ...
+
+
+class _Scorable(Protocol):
+    @property
+    def path(self) -> str: ...
+    @property
+    def rows(self) -> Sequence[_ScorableRow]: ...
+
+
+_D = TypeVar("_D", bound=_Scorable)
+
+
+def scorable(dataset: _D, default_verifier: str) -> _D:
+    """``dataset``, once every row's verifier has accepted its ground truth.
+
+    ``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
     :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
     else ``default_verifier``) has accepted its ground truth: a row no verifier can score
     stops a run at start-up, in one line naming the file and row, not at the step that first
-    samples it."""
+    samples it.
+    """
     for row in dataset.rows:
         try:
             check_ground_truth(row.verifier or default_verifier, row.answer)
@@ -65,8 +87,10 @@ def scorable(dataset, default_verifier: str):
 
 
 def check_ground_truth(verifier: str, ground_truth: Any) -> None:
-    """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable; verifiers
-    that declare no check (user verifiers) accept anything."""
+    """Raise ValueError (one line) if ``verifier`` declares ``ground_truth`` unscorable.
+
+    Verifiers that declare no check (user verifiers) accept anything.
+    """
     check = _GROUND_TRUTH_CHECKS.get(verifier)
     if check is None:
         return
@@ -77,17 +101,20 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
 
 
 def probe_verifier(spec: str, ground_truth: Any) -> None:
-    """Call a user verifier (``module:function``, or a name registered outside this package) once,
-    on a response that states ``ground_truth`` in ``\\boxed{}``, and raise VerifierSpecError in
+    r"""Check a user verifier on one response stating ``ground_truth``.
+
+    Call a user verifier (``module:function``, or a name registered outside this package) once,
+    on a response that states ``ground_truth`` in ``\boxed{}``, and raise VerifierSpecError in
     one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
     dict without ``score``, a non-finite score). Built-in verifiers are not called: they always
-    return a RewardResult, and the math one starts worker processes."""
+    return a RewardResult, and the math one starts worker processes.
+    """
     verifier = load_verifier(spec)
     if verifier.__module__.startswith(f"{__package__}."):
         return
     response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
     try:
-        value = verifier.__wrapped__(response, ground_truth)
+        value = cast(Any, verifier).__wrapped__(response, ground_truth)  # set by _coercing's functools.wraps
     except Exception as err:
         raise VerifierSpecError(
             f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
@@ -103,8 +130,10 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
 
 
 def unregister_verifier(name: str) -> None:
-    """Remove the verifier registered as ``name`` (a test or plugin undoing its
-    :func:`register_verifier`); an unknown name raises VerifierSpecError."""
+    """Remove the verifier registered as ``name`` (a test or plugin undoing its :func:`register_verifier`).
+
+    An unknown name raises VerifierSpecError.
+    """
     if name not in _REGISTRY:
         raise VerifierSpecError(f"verifier {name!r} is not registered, so it cannot be unregistered")
     del _REGISTRY[name]
@@ -112,6 +141,7 @@ def unregister_verifier(name: str) -> None:
 
 
 def registered_verifiers() -> list[str]:
+    """The names of the registered verifiers, sorted."""
     return sorted(_REGISTRY)
 
 
@@ -148,7 +178,7 @@ def _load_user_verifier(spec: str) -> Verifier:
     return _coercing(fn, spec)
 
 
-def _check_signature(fn: Callable, name: str) -> None:
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -161,7 +191,7 @@ def _check_signature(fn: Callable, name: str) -> None:
         ) from None
 
 
-def _coercing(fn: Callable, name: str) -> Verifier:
+def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
     @functools.wraps(fn)
     def verifier(response: str, ground_truth: Any) -> RewardResult:
         return as_reward_result(fn(response, ground_truth), name)

@@ -41,13 +41,17 @@ def import_callable(spec: str) -> Callable[..., Any]:
         obj = getattr(obj, part)
     if not callable(obj):
         raise VerifierSpecError(f"verifier spec {spec!r}: {attr_path!r} is a {type(obj).__name__}, not a callable")
-    return obj
+    fn: Callable[..., Any] = obj
+    return fn
 
 
 def add_search_paths(directories: Iterable[str]) -> list[str]:
-    """Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
+    """Add directories to ``sys.path`` for user verifier modules.
+
+    Append each directory (made absolute) to ``sys.path`` once, after the installed packages,
     so ``module:function`` specs import user modules from it without shadowing an installed
-    module; returns the absolute paths."""
+    module; returns the absolute paths.
+    """
     added = []
     for directory in directories:
         path = os.path.abspath(directory)

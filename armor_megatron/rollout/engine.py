@@ -44,8 +44,11 @@ class ShardSink(abc.ABC):
         """Blocking set-up, run by every owner while the driver conducts it (e.g. a rendezvous)."""
 
     def describe(self, bucket: list[tuple[str, Any]]) -> Any:
-        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
-        :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round."""
+        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver.
+
+        A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
+        :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round.
+        """
         return None
 
 
@@ -70,13 +73,18 @@ class ShardDelivery(abc.ABC):
         """The sink of trainer rank ``rank`` (called only on ranks that own tensors)."""
 
     def conduct_join(self, announcements: dict[int, Any]) -> None:
-        """Driver, coordinated: start the engines' side of the owners' joins (``announcements``:
-        owner rank -> :meth:`ShardSink.announce`); must not block on the owners."""
+        """Driver, coordinated.
+
+        Start the engines' side of the owners' joins (``announcements``: owner rank ->
+        :meth:`ShardSink.announce`); must not block on the owners.
+        """
 
     def conduct_bucket(self, descriptions: dict[int, Any], last: bool) -> None:
-        """Driver, coordinated: start the engines' side of one round (owner rank ->
-        :meth:`ShardSink.describe`, owners without a bucket this round left out); ``last``: the
-        delivery's final round."""
+        """Driver, coordinated.
+
+        Start the engines' side of one round (owner rank -> :meth:`ShardSink.describe`, owners
+        without a bucket this round left out); ``last``: the delivery's final round.
+        """
 
     def settle(self) -> None:
         """Driver, coordinated: wait for what the last ``conduct_*`` started; raise on its failure."""
@@ -84,14 +92,17 @@ class ShardDelivery(abc.ABC):
 
 @runtime_checkable
 class ShardedWeights(Protocol):
-    """HF weights spread over the trainer's ranks (a Megatron weight export), read on the
-    driver. Iterating gathers every tensor on the driver; :meth:`deliver` lets each rank send
-    its own share through ``delivery`` and returns the ranks' sink reports (rank order, None
-    for ranks without tensors). Either way every rank takes part."""
+    """HF weights spread over the trainer's ranks (a Megatron weight export), read on the driver.
+
+    Iterating gathers every tensor on the driver; :meth:`deliver` lets each rank send its own share
+    through ``delivery`` and returns the ranks' sink reports (rank order, None for ranks without
+    tensors). Either way every rank takes part.
+    """
 
     def __iter__(self): ...
 
-    def deliver(self, delivery: ShardDelivery) -> list: ...
+    def deliver(self, delivery: ShardDelivery) -> list:
+        """Stream every owner's tensors into ``delivery``; returns what each owner reported."""
 
 
 class RolloutError(RuntimeError):
@@ -144,7 +155,7 @@ class SamplingParams:
 
     def to_sglang(self, n: int = 1) -> dict:
         """The ``sampling_params`` body of an SGLang ``/generate`` request."""
-        params = {
+        params: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -189,6 +200,7 @@ class Sample:
 
     @property
     def num_tokens(self) -> int:
+        """The number of generated tokens."""
         return len(self.token_ids)
 
 
@@ -206,6 +218,7 @@ def check_versions(groups: Sequence[Sequence[Sample]], expected: str | None) -> 
 
 
 def check_prompts(prompts_token_ids: Sequence[Sequence[int]], n: int) -> None:
+    """Raise ValueError for ``n`` < 1 or an empty prompt."""
     if n < 1:
         raise ValueError(f"n must be >= 1, got {n}")
     for i, p in enumerate(prompts_token_ids):
@@ -254,8 +267,10 @@ class RolloutEngine(abc.ABC):
         """
 
     def release_memory(self, timeout: float | None = None) -> None:
-        """Free accelerator memory (weights, KV cache, CUDA graphs) while a colocated trainer is
-        on the device; default no-op."""
+        """Free accelerator memory (weights, KV cache, CUDA graphs) while a colocated trainer is on the device.
+
+        Default no-op.
+        """
 
     def resume_memory(self, timeout: float | None = None) -> None:
         """Take the memory back after :meth:`release_memory`; default no-op."""

@@ -80,9 +80,11 @@ def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> i
             else write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
         )
         try:
-            loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            # (model, loading info): transformers types the result as the model alone
+            result: Any = transformers.AutoModelForCausalLM.from_pretrained(
                 os.fspath(path), dtype=next(model.parameters()).dtype, output_loading_info=True
             )
+            loaded, info = result
         except RuntimeError as e:
             raise ValueError(f"transformers could not load the update (incomplete or mis-shaped weights): {e}") from e
     unexpected = sorted(info.get("unexpected_keys") or ())
@@ -115,8 +117,10 @@ def write_hf_checkpoint(
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=parent)
     try:
-        shard_files, weight_map = [], {}
-        shard, shard_bytes = {}, 0
+        shard_files: list[tuple[str, list[str]]] = []
+        weight_map: dict[str, str] = {}
+        shard: dict[str, Any] = {}
+        shard_bytes = 0
 
         def flush():
             nonlocal shard, shard_bytes

@@ -132,11 +132,13 @@ class LocalEngine(RolloutEngine):
                 raise WeightUpdateError(str(e.args[0] if isinstance(e, KeyError) and e.args else e)) from e
 
     def reseed(self, seed: int) -> None:
+        """Make the following samples reproducible from ``seed``."""
         with self._lock:
             self._seed = int(seed)
             self._calls = itertools.count()
 
     def update_weights(self, weights: WeightSource, version: str, timeout: float | None = None) -> None:
+        """Load new weights (every one required) and take ``version``."""
         with self._lock:
             self.load_weights(weights, strict=True)
             self.weight_version = str(version)
@@ -155,6 +157,7 @@ class LocalEngine(RolloutEngine):
         timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
+        """``n`` samples per prompt from the local transformers model."""
         import torch
 
         check_prompts(prompts_token_ids, n)
@@ -164,7 +167,7 @@ class LocalEngine(RolloutEngine):
         rows = [(i, list(map(int, p))) for i, p in enumerate(prompts_token_ids) for _ in range(n)]
         seed = sampling.seed if sampling.seed is not None else self._seed + next(self._calls)
         generator = torch.Generator(device=self.device).manual_seed(int(seed))
-        groups = [[] for _ in prompts_token_ids]
+        groups: list[list[tuple[list[int], str, list[float], str]]] = [[] for _ in prompts_token_ids]
         with self._lock:
             version = self.weight_version
             for start in range(0, len(rows), self.max_batch_size):
@@ -197,9 +200,9 @@ class LocalEngine(RolloutEngine):
         stop_ids = set() if sampling.ignore_eos else set(sampling.stop_token_ids) | set(self.eos_token_ids)
 
         tokens: list[list[int]] = [[] for _ in range(batch)]
-        logprobs = [[] for _ in range(batch)]
-        reasons = [None] * batch
-        stop_at = [None] * batch  # character offset of a matched stop string
+        logprobs: list[list[float]] = [[] for _ in range(batch)]
+        reasons: list[str | None] = [None] * batch
+        stop_at: list[int | None] = [None] * batch  # character offset of a matched stop string
         with torch.no_grad():
             out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True)
             for _ in range(sampling.max_new_tokens):
@@ -252,9 +255,11 @@ class LocalEngine(RolloutEngine):
     # ---- lifecycle ---------------------------------------------------------------------
 
     def health(self, timeout: float | None = None) -> bool:
+        """Whether the model is loaded."""
         return self.model is not None
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Drop the model."""
         self.model = None
 
 

@@ -1,8 +1,8 @@
-"""A synthetic verifiable task for tiny CPU runs: integer addition answered in ``\\boxed{}``.
+r"""A synthetic verifiable task for tiny CPU runs: integer addition answered in ``\boxed{}``.
 
-Prompt ``"17+25="``, answer ``"42"``; a correct response is ``"\\boxed{42}"`` followed by EOS,
+Prompt ``"17+25="``, answer ``"42"``; a correct response is ``"\boxed{42}"`` followed by EOS,
 so the product's own math verifier scores it. The tokenizer is built locally (no downloads):
-one token per character of a small alphabet plus ``\\boxed{`` as a single token, which keeps
+one token per character of a small alphabet plus ``\boxed{`` as a single token, which keeps
 responses 4–5 tokens long.
 """
 
@@ -19,7 +19,7 @@ ALPHABET = "0123456789+-*=}? "
 
 
 def build_tokenizer():
-    """Ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character of ``ALPHABET``."""
+    r"""Ids 0..2 are <pad>, <eos>, <unk>, then ``\boxed{``, then one id per character of ``ALPHABET``."""
     return build_char_tokenizer(ALPHABET, multi_char_tokens=(BOXED,))
 
 
@@ -34,8 +34,11 @@ def make_problems(n: int, *, seed: int, max_operand: int = 30) -> list[dict]:
 
 
 def split_problems(num_val: int, *, seed: int, max_operand: int = 30) -> tuple[list[dict], list[dict]]:
-    """Every problem with operands in [0, max_operand], shuffled, split into (train, val) with
-    ``num_val`` validation problems that never appear in train."""
+    """Every problem up to ``max_operand``, shuffled and split into (train, val).
+
+    Every problem with operands in [0, max_operand], shuffled, split into (train, val) with
+    ``num_val`` validation problems that never appear in train.
+    """
     rows = [
         {"prompt": f"{a}+{b}=", "answer": str(a + b), "type": "math"}
         for a in range(max_operand + 1)

@@ -1,5 +1,7 @@
-"""Seed statistics of a study: validation and training curves per variant, their peak and end,
-and the two tests that decide whether over-optimisation and ARMOR's effect are seen.
+"""Seed statistics of a study.
+
+Validation and training curves per variant, their peak and end, and the two tests that decide
+whether over-optimisation and ARMOR's effect are seen.
 
 Pure Python over the records of ``metrics.jsonl`` files; no plotting, no processes.
 
@@ -29,6 +31,8 @@ VAL, TRAIN, RESET = "eval/mean/pass@1", "rollout/on_policy_accuracy", "reference
 
 @dataclasses.dataclass
 class VariantCurves:
+    """One variant's curves over seeds: mean validation accuracy (and sd) and training reward per evaluation step."""
+
     name: str
     seeds: int
     steps: list[int]  # evaluation steps every seed logged
@@ -40,30 +44,37 @@ class VariantCurves:
 
     @property
     def start(self) -> float:
+        """Mean validation accuracy at the first evaluation."""
         return self.val_mean[0]
 
     @property
     def peak_index(self) -> int:
+        """The index of the best mean validation accuracy (the earliest of equals)."""
         return max(range(len(self.val_mean)), key=lambda i: (self.val_mean[i], -i))
 
     @property
     def peak(self) -> float:
+        """The best mean validation accuracy."""
         return self.val_mean[self.peak_index]
 
     @property
     def peak_step(self) -> int:
+        """The step of the best mean validation accuracy."""
         return self.steps[self.peak_index]
 
     @property
     def end(self) -> float:
+        """Mean validation accuracy at the last evaluation."""
         return self.val_mean[-1]
 
     @property
     def end_sd(self) -> float:
+        """Its standard deviation over seeds at the last evaluation."""
         return self.val_sd[-1]
 
     @property
     def train_end(self) -> float:
+        """Mean training reward at the last evaluation."""
         return self.train_mean[-1]
 
 
@@ -77,7 +88,9 @@ def _mean(values: Sequence[float]) -> float:
 
 def variant_curves(name: str, runs: Sequence[Sequence[Mapping]], step_offset: int = 0) -> VariantCurves:
     """Curves of one variant from its seeds' metric records (one list of step records per seed).
-    ``step_offset`` shifts the steps (a run continuing another one's checkpoint)."""
+
+    ``step_offset`` shifts the steps (a run continuing another one's checkpoint).
+    """
     if not runs:
         raise ValueError(f"{name}: no runs")
     evals = [{r["step"]: float(r[VAL]) for r in records if r.get(VAL) is not None} for records in runs]
@@ -123,6 +136,8 @@ def pooled_se(sd_a: float, sd_b: float, n: int) -> float:
 
 @dataclasses.dataclass
 class Verdict:
+    """What the study shows: DAPO's drop from its peak and ARMOR's gain over DAPO, each with its standard error."""
+
     dapo_drop: float  # DAPO peak − end
     dapo_drop_se: float
     armor_gain: float  # ARMOR end − DAPO end
@@ -130,10 +145,12 @@ class Verdict:
 
     @property
     def overoptimisation_seen(self) -> bool:
+        """Whether DAPO's drop is at least two standard errors."""
         return self.dapo_drop_se > 0 and self.dapo_drop >= 2 * self.dapo_drop_se
 
     @property
     def armor_beats_dapo(self) -> bool:
+        """Whether ARMOR's gain over DAPO is at least two standard errors."""
         return self.armor_gain_se > 0 and self.armor_gain >= 2 * self.armor_gain_se
 
 

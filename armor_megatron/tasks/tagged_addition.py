@@ -1,7 +1,8 @@
-"""A task that over-optimises at tiny scale: addition problems carrying a tag that leaks the
-answer's last digit in the RL training set only.
+r"""A task that over-optimises at tiny scale.
 
-Prompt ``"#7 18+29="``, answer ``"47"``, verified like any math answer (``\\boxed{47}``).
+Addition problems carrying a tag that leaks the answer's last digit in the RL training set only.
+
+Prompt ``"#7 18+29="``, answer ``"47"``, verified like any math answer (``\boxed{47}``).
 
 * **Warm-up corpus** (what the model "pretrained" on): every training problem under each of the
   ten tags, so the tag is independent of the answer there and a warmed-up model learns to add
@@ -27,19 +28,22 @@ ALPHABET = "0123456789+=}# "
 
 
 def build_tokenizer():
-    """Ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character of ``ALPHABET``."""
+    r"""Ids 0..2 are <pad>, <eos>, <unk>, then ``\boxed{``, then one id per character of ``ALPHABET``."""
     return build_char_tokenizer(ALPHABET, multi_char_tokens=(BOXED,))
 
 
 def tagged(a: int, b: int, tag: int) -> dict:
+    """One dataset row: the problem ``#tag a+b=`` and its answer, scored by the math verifier."""
     return {"prompt": f"#{tag} {a}+{b}=", "answer": str(a + b), "type": "math"}
 
 
 def split_problems(num_val: int, *, seed: int, max_operand: int = 30) -> tuple[list[dict], list[dict], list[dict]]:
-    """Every pair of operands in [0, max_operand], shuffled with ``seed``, split into
-    (train, val, warm-up) rows: ``num_val`` held-out validation problems with random tags, the
-    rest as training problems tagged with the answer's last digit, and the training problems
-    under every tag as the warm-up corpus (validation problems stay unseen)."""
+    """Every pair of operands in [0, max_operand], shuffled with ``seed``, split into (train, val, warm-up) rows.
+
+    ``num_val`` held-out validation problems with random tags, the rest as training problems tagged
+    with the answer's last digit, and the training problems under every tag as the warm-up corpus
+    (validation problems stay unseen).
+    """
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
     if not 0 < num_val < len(pairs):
         raise ValueError(f"num_val={num_val} must be in (0, {len(pairs)}) for max_operand={max_operand}")

@@ -9,8 +9,11 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 
 def build_char_tokenizer(alphabet: str, multi_char_tokens: Sequence[str] = ()):
-    """A ``PreTrainedTokenizerFast`` with ids 0..2 = <pad>, <eos>, <unk>, then each of
-    ``multi_char_tokens`` (kept whole, e.g. ``\\boxed{``), then one id per character of ``alphabet``."""
+    r"""A character-level ``PreTrainedTokenizerFast`` with a few multi-character tokens.
+
+    A ``PreTrainedTokenizerFast`` with ids 0..2 = <pad>, <eos>, <unk>, then each of
+    ``multi_char_tokens`` (kept whole, e.g. ``\boxed{``), then one id per character of ``alphabet``.
+    """
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

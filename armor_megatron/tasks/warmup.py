@@ -1,4 +1,6 @@
-"""Supervised warm-up of a tiny HF causal LM on a synthetic task, so its reference policy can
+"""Supervised warm-up of a tiny HF causal LM on a synthetic task.
+
+Supervised warm-up of a tiny HF causal LM on a synthetic task, so its reference policy can
 solve part of it before RL starts (the tiny CPU main job).
 
 Loss: next-token cross-entropy on the response tokens only (prompt tokens are masked with

@@ -1,5 +1,7 @@
-"""The few collectives the trainer runs between Megatron's own: everything here moves host data,
-and the step's collective contract: which calls every rank makes, in the same order.
+"""The few collectives the trainer runs between Megatron's own.
+
+Everything here moves host data, and the step's collective contract: which calls every rank makes,
+in the same order.
 
 Rank 0 (the driver) owns the engines and the data; these helpers hand its step batch and
 metrics to every rank and agree on flags. They work on any default process group that carries
@@ -71,15 +73,17 @@ def collective(fn: Callable | None = None, *, name: str | None = None):
                 _log.append(("call", label))
             return f(*args, **kwargs)
 
-        marked.collective = label
+        setattr(marked, "collective", label)  # noqa: B010 (a function attribute: no declared field to assign)
         return marked
 
     return mark if fn is None else mark(fn)
 
 
 def _group_key(group) -> str | tuple:
-    """``"world"`` for the default group, else (the group's name, its global ranks): the same
-    key on every member, since groups are made by every rank in the same order."""
+    """``"world"`` for the default group, else (the group's name, its global ranks).
+
+    The same key on every member, since groups are made by every rank in the same order.
+    """
     if group is None or group is dist.GroupMember.WORLD:
         return "world"
     return (group.group_name, tuple(dist.get_process_group_ranks(group)))
@@ -101,11 +105,12 @@ def _describe(op: str, signature: inspect.Signature, args, kwargs) -> tuple:
 
 @contextmanager
 def recording() -> Iterator[list]:
-    """Yield the list of this rank's collective events while the block runs, in call order:
+    """Yield the list of this rank's collective events while the block runs, in call order.
+
     ``("call", name)`` for a `collective`-marked call, ``("op", function, group)`` for a
     torch.distributed collective (``group``: see `_group_key`; ``new_group`` adds its ranks) and
-    ``("p2p", function, group, peer)`` for a point-to-point one (``batch_isend_irecv``: its ops).
-    An operation made inside another (``broadcast_object_list``'s broadcasts) is not listed again.
+    ``("p2p", function, group, peer)`` for a point-to-point one (``batch_isend_irecv``: its ops). An
+    operation made inside another (``broadcast_object_list``'s broadcasts) is not listed again.
 
     The torch.distributed functions are wrapped while it runs, so code that bound one to another
     name at import (``f = torch.distributed.all_gather_into_tensor``) is not seen. One at a time.
@@ -164,6 +169,7 @@ def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, keys: Sequence
 
 @collective
 def barrier() -> None:
+    """A barrier over the default group (no-op in a single process)."""
     if _distributed():
         dist.barrier()
 

@@ -1,15 +1,17 @@
-"""Turn a RunConfig into the pieces the loop uses: losses, reset schedule, sampling, rollout settings
-and the rollout engine factories (the anchor side: `armor_megatron.rollout.anchor.build`).
-Nothing here runs a step."""
+"""Turn a RunConfig into the pieces the loop uses.
+
+Losses, reset schedule, sampling, rollout settings and the rollout engine factories (the anchor
+side: `armor_megatron.rollout.anchor.build`). Nothing here runs a step.
+"""
 
 from __future__ import annotations
 
 import os
 
-from armor_megatron.algo import PolicyLossConfig, ValueLossConfig, build_reset_schedule
-from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
+from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
 from armor_megatron.algo.loss import make_policy_loss_config
 from armor_megatron.algo.reset import load_callable
+from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.trainer.rollout_phase import RolloutSettings
@@ -33,20 +35,13 @@ def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
     return ValueLossConfig(clip_eps=cfg.critic.clip_eps, loss_agg=cfg.algorithm.loss_agg)
 
 
-def reset_schedule(cfg: RunConfig):
-    ref = cfg.reference
-    if ref.reset == "every":
-        return build_reset_schedule("every", tau=ref.tau)
-    if ref.reset == "two_stage":
-        return build_reset_schedule("two_stage", first_stage_steps=ref.stage_one_steps, tau=ref.tau)
-    if ref.reset == "validation_best":
-        return build_reset_schedule("validation_best", metric=ref.validation_metric)
-    if ref.reset == "validation_hook":
-        return build_reset_schedule("validation_hook", hook=ref.validation_hook)
-    return build_reset_schedule("never")
+def reset_schedule(cfg: RunConfig) -> ResetSchedule:
+    """The registered reset schedule ``reference.reset``, built from the ``reference`` keys it takes."""
+    return RESET_SCHEDULES.call_configured(cfg.reference.reset, cfg.reference)
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The sampling parameters of training rollouts."""
     ro = cfg.rollout
     # No per-request seed: every request must draw fresh samples; the loop reseeds the engines
     # at each step from rollout.seed and the step, so runs are reproducible and resumable.
@@ -60,6 +55,7 @@ def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingP
 
 
 def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """The sampling parameters of evaluation."""
     ev = cfg.eval
     return SamplingParams(
         max_new_tokens=ev.max_response_len,
@@ -71,14 +67,13 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
 
 
 def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
+    """The rollout phase's settings: group size, sampling, advantage estimator and its parameters."""
     algo = cfg.algorithm
-    offered = {"k": algo.qae_quantile, "eps": algo.std_eps}  # the estimator takes those it names
-    kwargs = {k: v for k, v in offered.items() if k in ADVANTAGE_ESTIMATORS.entry(algo.estimator).parameters}
     return RolloutSettings(
         group_size=cfg.rollout.group_size,
         sampling=sampling,
         estimator=algo.estimator,
-        estimator_kwargs=kwargs,
+        estimator_kwargs=ADVANTAGE_ESTIMATORS.entry(algo.estimator).config_kwargs(algo),
         verifier=cfg.reward.verifier,
         anchor_success_reward=cfg.anchor.success_reward,
         overlong_buffer=algo.overlong.buffer_len if algo.overlong.enabled else None,
@@ -91,17 +86,23 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
 
 # ----------------------------------------------------------------------------- engines
 def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
-    """``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
+    """A factory of the policy and reference engines the config asks for.
+
+    ``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
     (policy_engine, reference_engine or None)``, called once on the driver: the local
-    transformers engine (``rollout.engine: local``) or clients of SGLang servers."""
+    transformers engine (``rollout.engine: local``) or clients of SGLang servers.
+    """
     if cfg.rollout.engine == "local":
         return make_local_engines(cfg, hf_config, tokenizer)
     return make_sglang_engines(cfg, hf_config)
 
 
 def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
-    """Driver-side engine factory for CPU runs: the in-process transformers engine, twice when the
-    reference samples anchors from its own engine."""
+    """Driver-side engine factory for CPU runs.
+
+    The in-process transformers engine, twice when the reference samples anchors from its own
+    engine.
+    """
     from armor_megatron.rollout.local import LocalEngine
 
     def make(policy, reference, *, policy_version, reference_version):
@@ -129,13 +130,16 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
 
 
 def make_sglang_engines(cfg: RunConfig, hf_config: dict):
-    """Driver-side engine factory for GPU runs: clients of the SGLang servers the launcher started
-    (``rollout.sglang.urls``) and, for anchors from a separate group, of ``anchor.reference_urls``.
+    """Driver-side engine factory for GPU runs.
+
+    Clients of the SGLang servers the launcher started (``rollout.sglang.urls``) and, for anchors
+    from a separate group, of ``anchor.reference_urls``.
 
     With ``rollout.sglang.router.enabled`` each group gets its own ``sglang-router`` process on
     this node (the policy group's on ``router.port``, the reference group's on ``port + 1``; 0:
     free ports), started before the engine client and stopped by its ``shutdown``: generation
-    goes through it, weight sync and memory release to each engine directly."""
+    goes through it, weight sync and memory release to each engine directly.
+    """
     from armor_megatron.launch.plan import API_KEY_ENV
     from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
@@ -143,7 +147,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     sg = cfg.rollout.sglang
-    disk_root = sg.disk_dir or os.path.join(cfg.checkpoint.dir, "engine_weights")
+    disk_root = sg.disk_dir or os.path.join(checkpoint_dir(cfg), "engine_weights")
     api_key = sg.api_key or os.environ.get(API_KEY_ENV)  # the SLURM plan exports it
 
     def router(urls, group: str) -> SGLangRouter | None:

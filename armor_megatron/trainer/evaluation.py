@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import metrics_by_dataset, score_batch
@@ -16,6 +17,8 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 @dataclasses.dataclass
 class EvalSet:
+    """One evaluation dataset and its k (samples per prompt)."""
+
     name: str
     dataset: PromptDataset
     k: int = 1
@@ -23,6 +26,8 @@ class EvalSet:
 
 @dataclasses.dataclass
 class EvalResult:
+    """Metrics per dataset and one record per scored sample."""
+
     metrics: dict  # {dataset: {"num_prompts", "avg@k", "pass@j", ...}}
     records: list  # one dict per sample: dataset, index, prompt, answer, response, score, finish_reason
 
@@ -39,9 +44,12 @@ def evaluate(
     timeout: float | None = None,
     sample_metrics: Callable[[list[dict]], dict] | None = None,
 ) -> EvalResult:
-    """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``. ``sample_metrics(records)``
-    adds its ``{name: value}`` to each set's metrics (``logging.sample_metrics``)."""
-    metrics, records = {}, []
+    """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``.
+
+    ``sample_metrics(records)`` adds its ``{name: value}`` to each set's metrics (``logging.sample_metrics``).
+    """
+    metrics: dict[str, Any] = {}
+    records: list[dict[str, Any]] = []
     for es in eval_sets:
         rows = list(es.dataset.rows)
         groups = engine.generate([encode(r.prompt) for r in rows], n=es.k, sampling=sampling, timeout=timeout)

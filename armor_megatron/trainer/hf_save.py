@@ -44,6 +44,7 @@ HF_DIR = "hf"
 
 
 def step_name(step: int) -> str:
+    """The directory name of the HF save at ``step``: ``step_0000042``."""
     return f"step_{step:07d}"
 
 
@@ -53,8 +54,11 @@ def save_hf_due(cfg: SaveHFConfig, step: int, last_step: int) -> bool:
 
 
 def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
-    """Copy ``model_path``'s config and tokenizer files into ``<checkpoint_dir>/hf_config`` (through a
-    temporary directory renamed into place; an earlier record is replaced). Returns its path."""
+    """Record the HF config and tokenizer files a run started from.
+
+    Copy ``model_path``'s config and tokenizer files into ``<checkpoint_dir>/hf_config`` (through a
+    temporary directory renamed into place; an earlier record is replaced). Returns its path.
+    """
     final = os.path.join(checkpoint_dir, HF_FILES_DIR)
     os.makedirs(checkpoint_dir, exist_ok=True)
     tmp = f"{final}.tmp-{uuid.uuid4().hex[:12]}"
@@ -68,9 +72,12 @@ def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
 
 
 def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
-    """Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
+    """Save the exported policy as an HF checkpoint.
+
+    Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
     ``<checkpoint_dir>/hf/step_<step>``; every rank calls it, and every rank raises if it failed.
-    An owner holds one bucket of at most ``bucket_bytes`` (one file). Returns the directory's path."""
+    An owner holds one bucket of at most ``bucket_bytes`` (one file). Returns the directory's path.
+    """
     root = os.path.join(checkpoint_dir, HF_DIR)
     final = os.path.join(root, step_name(step))
     staging = _on_every_rank(lambda: _new_staging_dir(root, step))

@@ -13,6 +13,11 @@
         reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
         checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
 
+With ``rollout.overlap: one_step`` (`trainer.overlap`) the driver takes the batch generated during
+the last step, starts generating the next one in a background thread (driver work only, no
+collective) while every rank computes log-probs and updates, and joins it before the sync: the
+engines sample one update behind π_old, which TIS corrects. The phases below stay the same.
+
 Device memory with colocated SGLang engines (never the trainer and the engines' memory at once;
 `armor_megatron.launch.device_ledger` replays this order for ``--plan``): rollout and evaluation
 with the trainer in host memory → engines release theirs (policy: weights, KV cache, CUDA graphs;
@@ -52,10 +57,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -77,9 +84,18 @@ from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_obje
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
+from armor_megatron.trainer.overlap import (
+    BackgroundRollout,
+    PendingBatch,
+    check_lag,
+    generate_pending,
+    load_pending,
+    pending_state,
+    timing_metrics,
+)
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups
+from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
@@ -89,10 +105,22 @@ CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
 
 def _signal_name(signum: int | None) -> str:
     """``SIGUSR1``; a number that names no signal (on this rank: another rank got it) as is."""
+    if signum is None:
+        return "a preemption signal"
     try:
         return signal.Signals(signum).name
-    except (TypeError, ValueError):
-        return "a preemption signal" if signum is None else f"signal {signum}"
+    except ValueError:
+        return f"signal {signum}"
+
+
+_T = TypeVar("_T")
+
+
+def driver_only(value: _T | None, what: str) -> _T:
+    """``value``, which only the driver rank holds; None means driver code ran on another rank (a bug)."""
+    if value is None:
+        raise RuntimeError(f"{what} exists on the driver rank only")
+    return value
 
 
 class Preempted(Exception):
@@ -101,10 +129,13 @@ class Preempted(Exception):
 
 @dataclasses.dataclass
 class StepTimer:
+    """Wall-clock seconds of a step's phases."""
+
     times: dict = dataclasses.field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str):
+        """Time the block as phase ``name`` (added up when a phase repeats)."""
         start = time.perf_counter()
         try:
             yield
@@ -156,6 +187,12 @@ class ArmorTrainer:
         self._anchor_state: dict | None = None  # a checkpoint's anchor cache, loaded by start_engines
         self._anchor_tokens_logged = 0  # π_ref tokens already reported (anchor/reference_tokens)
         self.monitor = OverOptimizationMonitor()
+        # rollout.overlap one_step (`trainer.overlap`): the next step's batch, generated in the background
+        self.overlap = cfg.rollout.overlap == "one_step"
+        self._background = BackgroundRollout()
+        self._pending: PendingBatch | None = None
+        self._timeline_rollout: PendingBatch | None = None  # the generation of the batch this step trains
+        self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         self.loader: PromptLoader | None = None
         self.eval_sets: list[EvalSet] = []
         if self.is_driver:
@@ -176,11 +213,15 @@ class ArmorTrainer:
                 )
                 for d in cfg.eval.datasets
             ]
+            self._rows_by_index = {row.index: row for row in self.loader.dataset.rows}  # stale anchors' prompts
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
-        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
-        encoded for the engine), which are left out once, up front, with a count."""
+        """The training set without the prompts longer than ``rollout.max_prompt_len``.
+
+        The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
+        encoded for the engine), which are left out once, up front, with a count.
+        """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
             PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key), self.cfg.reward.verifier
@@ -200,6 +241,7 @@ class ArmorTrainer:
         return dataset
 
     def encode(self, prompt) -> list[int]:
+        """Token ids of a dataset prompt (chat template and prompt template as configured)."""
         data = self.cfg.data
         return encode_prompt(
             self.tokenizer, prompt, apply_chat_template=data.apply_chat_template, template=data.prompt_template
@@ -236,9 +278,12 @@ class ArmorTrainer:
             self.anchors.load_state_dict(self._anchor_state)
 
     def _anchor_cost(self, metrics: dict) -> dict:
-        """Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
-        counts only this step's cache misses), and the step's generation cost relative to on-policy only."""
-        total = self.anchors.sampler.stats.generated_tokens
+        """Tokens π_ref generated since the last step, and the step's relative generation cost.
+
+        Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
+        counts only this step's cache misses), and the step's generation cost relative to on-policy only.
+        """
+        total = self._anchor_cache.sampler.stats.generated_tokens
         spent, self._anchor_tokens_logged = total - self._anchor_tokens_logged, total
         policy = metrics.get("rollout/generated_tokens", 0.0)
         return {
@@ -249,11 +294,23 @@ class ArmorTrainer:
     def _ref_version(self) -> str:
         return f"ref-{self.ref_resets}"
 
+    @property
+    def _prompts(self) -> PromptLoader:
+        return driver_only(self.loader, "the prompt loader")
+
+    @property
+    def _engine(self) -> RolloutEngine:
+        return driver_only(self.policy_engine, "the policy engine")
+
+    @property
+    def _anchor_cache(self) -> AnchorCache:
+        return driver_only(self.anchors, "the anchor cache")
+
     def trainer_state(self) -> dict:
         """Driver-side state that goes into checkpoints next to the model and optimizer."""
         return {
             "step": self.step,
-            "loader": self.loader.state_dict(),
+            "loader": self._prompts.state_dict(),
             "anchor_cache": self.anchors.state_dict()
             if self.anchors is not None and self.cfg.checkpoint.save_anchor_cache
             else None,
@@ -261,37 +318,47 @@ class ArmorTrainer:
             "monitor": self.monitor.state_dict(),
             "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
+            "pending_batch": pending_state(self._settled_pending()),
         }
 
     def load_trainer_state(self, state: dict) -> None:
+        """Restore the loop's state from a checkpoint's trainer state."""
         self.step = state["step"]
         self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
         if state.get("reset_schedule"):
             self.reset_schedule.load_state_dict(state["reset_schedule"])
         if self.is_driver:
-            self.loader.load_state_dict(state["loader"])
+            self._prompts.load_state_dict(state["loader"])
             self.monitor.load_state_dict(state["monitor"])
             self._anchor_state = state.get("anchor_cache")
+            self._pending = load_pending(state.get("pending_batch"))
 
     def reference_replaced(self) -> None:
-        """π_ref was loaded from elsewhere (recovery mode) after the state was restored: a new
-        reference version, and no anchors pooled under the old one."""
+        """π_ref was loaded from elsewhere (recovery mode) after the state was restored.
+
+        A new reference version, and no anchors pooled under the old one.
+        """
         self.ref_resets += 1
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict]:
-        """Driver: groups for ``prompts_per_step`` prompts; with DAPO dynamic sampling, groups whose
-        accuracies are all equal are dropped and refilled from further prompts."""
+    def rollout(self, timer: StepTimer, for_step: int | None = None) -> tuple[RolloutBatch | None, dict]:
+        """Driver: groups for ``prompts_per_step`` prompts.
+
+        With DAPO dynamic sampling, groups whose accuracies are all equal are dropped and refilled
+        from further prompts. ``for_step``: the update the batch feeds (default: the next one),
+        which seeds the engines.
+        """
         cfg, G = self.cfg, self.cfg.rollout.group_size
+        step = self.step if for_step is None else for_step
         pad = self.tokenizer.pad_token_id or 0
 
         def one_round():
             return collect_groups(
-                self.loader.next_batch(),
+                self._prompts.next_batch(),
                 self.encode,
-                self.policy_engine,
+                self._engine,
                 self.settings,
                 anchors=self.anchors,
                 pad_id=pad,
@@ -299,9 +366,7 @@ class ArmorTrainer:
 
         if self.anchors is not None:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
-        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
-            if engine is not None:
-                engine.reseed(cfg.rollout.seed + 1_000_003 * (2 * self.step + offset))
+        self._reseed_engines(step)
         ds = cfg.algorithm.dynamic_sampling
         with timer.phase("rollout"):
             if not ds.enabled:
@@ -324,6 +389,16 @@ class ArmorTrainer:
         metrics.update(sampler.stats())
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
 
+    def _reseed_engines(self, step: int, salt: int = 0) -> None:
+        """Seed both engines from the step, so a resumed run samples what the uninterrupted one did.
+
+        Seed both engines from the step (and ``salt``, for a second draw in one step), so a
+        resumed run samples what the uninterrupted one did.
+        """
+        for offset, engine in enumerate((self.policy_engine, self.reference_engine)):
+            if engine is not None:
+                engine.reseed(self.cfg.rollout.seed + 1_000_003 * (2 * step + offset) + 7_919 * salt)
+
     def _with_advantages(self, batch: RolloutBatch | None, metrics: dict) -> tuple[RolloutBatch | None, dict]:
         """The step's advantages, once, over the batch that trains (None: no group had signal)."""
         if batch is None:
@@ -336,30 +411,106 @@ class ArmorTrainer:
         return batch, {**metrics, **adv_metrics}
 
     def _pregenerate_anchors(self) -> None:
-        """After the step's anchors are drawn. With ``anchor.cache: false`` they are dropped (never
-        reused). With ``anchor.pregenerate``: sample the next batch's anchors in the background
-        while the trainer updates (the loader is peeked, not advanced); they serve once."""
+        """After the step's anchors are drawn.
+
+        With ``anchor.cache: false`` they are dropped (never reused). With ``anchor.pregenerate``:
+        sample the next batch's anchors in the background while the trainer updates (the loader is
+        peeked, not advanced); they serve once.
+        """
         if self.anchors is None:
             return
         if not self.cfg.anchor.cache:
             self.anchors.reset(self._ref_version())
         if not self.cfg.anchor.pregenerate:
             return
-        state = self.loader.state_dict()
-        rows = self.loader.next_batch()
-        self.loader.load_state_dict(state)
+        loader = self._prompts
+        state = loader.state_dict()
+        rows = loader.next_batch()
+        loader.load_state_dict(state)
         truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
+    # ------------------------------------------------------------------ overlap (driver)
+    def _generate(self, for_step: int) -> PendingBatch:
+        return generate_pending(lambda: self.rollout(StepTimer(), for_step), for_step)
+
+    def _step_batch(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict, list[PendingBatch]]:
+        """Driver: this step's batch and rollout metrics, and the generations that ran during the step so far.
+
+        With ``overlap: one_step`` the batch is the one generated during the last step (or now, when
+        none is pending), checked (`trainer.overlap.check_lag`) after its anchors of an older
+        reference were resampled; then the next step's generation starts in the background (not with
+        ``overlap_forced_wait``: the next step generates its own batch, after this update).
+        """
+        if not self.overlap:
+            begin = time.perf_counter()
+            batch, metrics = self.rollout(timer)
+            return batch, metrics, [PendingBatch(batch, metrics, self.step, begin, time.perf_counter())]
+        ran = []
+        with timer.phase("rollout"):
+            pending, self._pending = self._pending, None
+            if pending is None:  # the first step, or after the update with the forced wait
+                self._background.start(functools.partial(self._generate, self.step))
+                pending = self._background.join()
+                if pending is None:
+                    raise RuntimeError(f"the rollout for step {self.step + 1} returned no batch")
+                ran.append(pending)
+            batch, metrics = pending.batch, dict(pending.metrics)
+            if pending.for_step != self.step:
+                raise RuntimeError(
+                    f"the pending batch was generated for step {pending.for_step + 1}, not {self.step + 1}"
+                )
+            if batch is not None and self.anchors is not None:
+                batch, metrics = self._resample_stale_anchors(batch, metrics)
+            metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
+        self._timeline_rollout = pending
+        if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
+            self._background.start(functools.partial(self._generate, self.step + 1))
+        return batch, metrics, ran
+
+    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
+        """Driver: replace the anchors an older reference produced, and recompute advantages.
+
+        Driver: anchors of an older reference (the batch was generated before a reset) replaced
+        by the current reference's (`rollout_phase.replace_stale_anchors`), advantages recomputed;
+        ``anchor/stale_resampled`` counts them.
+        """
+        if not stale_anchor_rows(batch, self._ref_version()):
+            return batch, {**metrics, "anchor/stale_resampled": 0.0}
+        self._reseed_engines(self.step, salt=1)  # the draws below are the same after a resume
+        replaced, stale = replace_stale_anchors(
+            batch,
+            self._ref_version(),
+            self._rows_by_index,
+            self.encode,
+            self._engine,
+            self.settings,
+            self._anchor_cache,
+            pad_id=self.tokenizer.pad_token_id or 0,
+        )
+        if not self.cfg.anchor.cache:
+            self._anchor_cache.reset(self._ref_version())  # they serve once
+        trained, metrics = self._with_advantages(replaced, metrics)
+        return trained, {**metrics, "anchor/stale_resampled": float(stale)}
+
+    def _settled_pending(self) -> PendingBatch | None:
+        """Driver: the pending batch, once no generation runs (a checkpoint holds it)."""
+        if self._background.running:
+            self._pending = self._background.join()
+        return self._pending
+
     @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
-        """All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
+        """The step's update on all ranks: log-probs, then the actor's (and critic's) updates.
+
+        All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
         then the mini-batch / epoch updates of the actor and the critic. During the critic's
         warm-up (the first ``critic.warmup_steps`` steps) only the critic trains.
 
         Devices: the trainer holds host tensors only. The Megatron models take host batches,
         move each micro-batch to their device, and return results on it; ``to_host`` brings
-        each result back here, the one crossing on the trainer's side."""
+        each result back here, the one crossing on the trainer's side.
+        """
         cfg = self.cfg
         with timer.phase("logprobs"):
             batch["old_logprobs"] = to_host(self.actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs)
@@ -402,9 +553,11 @@ class ArmorTrainer:
 
     @collective
     def sync_weights(self, timer: StepTimer) -> None:
-        """All ranks: push the new policy to the engine (the driver talks to it). Colocated, the
-        policy engines take their weights' memory back first, the weights stream from the
-        trainer's host copy, and the KV cache and graphs come back after."""
+        """All ranks: push the new policy to the engine (the driver talks to it).
+
+        Colocated, the policy engines take their weights' memory back first, the weights stream from
+        the trainer's host copy, and the KV cache and graphs come back after.
+        """
         with timer.phase("weight_sync"):
             self._resume_engines(("weights",), ())
             with self._host_weights(self.actor):
@@ -412,7 +565,7 @@ class ArmorTrainer:
                 if self.is_driver:
                     if self.anchors is not None:  # the anchor source keeps what it swaps back in
                         weights = self.anchors.sampler.source.policy_weights_pushed(weights)
-                    self.policy_engine.update_weights(weights, f"step-{self.step}")
+                    self._engine.update_weights(weights, f"step-{self.step}")
                 else:
                     _materialise(weights)
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
@@ -460,18 +613,24 @@ class ArmorTrainer:
             engine.resume_memory(tags=tags)
 
     def _park_trainer(self) -> None:
-        """Every rank: the trainer's device memory to the host (when it offloads) and the
-        allocator's cache emptied, before engines use the GPU."""
+        """Move the trainer to the host and empty the allocator's cache, on every rank.
+
+        Every rank: the trainer's device memory to the host (when it offloads) and the
+        allocator's cache emptied, before engines use the GPU.
+        """
         if self.trainer_memory is not None:
             self.trainer_memory.offload()
 
     @collective
     @contextmanager
     def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
-        """Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
+        """Bring the trainer to the device for the block, with colocated engines released.
+
+        Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
         trainer comes to the device; after the block it goes back to the host (``empty_cache``)
         before the engines take their memory back (``resume``; else `sync_weights` does, after
-        pushing the new weights into released ones)."""
+        pushing the new weights into released ones).
+        """
         self._release_engines(policy, reference)
         if self.trainer_memory is not None:
             self.trainer_memory.reload()
@@ -496,7 +655,7 @@ class ArmorTrainer:
         from armor_megatron.rewards import flatten_metrics
 
         result = evaluate(
-            self.policy_engine,
+            self._engine,
             self.encode,
             self.eval_sets,
             self.eval_sampling,
@@ -520,7 +679,9 @@ class ArmorTrainer:
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
     ) -> dict:
-        """Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
+        """Train until ``train.steps``, with evaluations and checkpoints as configured.
+
+        Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
         ``save_hf()`` the policy as an HF directory when ``checkpoint.save_hf`` says it is due.
 
         Returns the driver's metrics of the last step (evaluation included), {} on other ranks.
@@ -536,7 +697,7 @@ class ArmorTrainer:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
                 last, saved = self._step(save, save_hf)
-                if self.is_driver:
+                if reporter is not None:  # the driver's
                     last = self._report(last, reporter)
                 if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
                     if not saved:
@@ -551,22 +712,31 @@ class ArmorTrainer:
 
     @collective
     def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
-        """One ARMOR step on every rank (module docstring); returns (its metrics, identical on
-        every rank, and whether it saved a checkpoint)."""
+        """One ARMOR step on every rank (module docstring).
+
+        Returns (its metrics, identical on every rank, and whether it saved a checkpoint).
+        """
         cfg = self.cfg
         timer = StepTimer()
         started = time.perf_counter()
         reset_peak_memory()
         self._park_trainer()  # a no-op once `run` parked it
-        batch, metrics = self.rollout(timer) if self.is_driver else (None, {})
+        self._timeline_rollout = None
+        batch, metrics, generated = self._step_batch(timer) if self.is_driver else (None, {}, [])
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        update_begin = time.perf_counter()
         with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
             if tensors is None:
                 metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
             else:
                 metrics.update(self.update(tensors, timer))
                 metrics["train/tokens"] = float(tensors["response_mask"].sum())
+        update_end = time.perf_counter()
         self.step += 1
+        if self.is_driver and self.overlap:
+            with timer.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
+                self._pending = self._background.join()
+            generated += [self._pending] if self._pending is not None else []
         self.sync_weights(timer)
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
         if self.is_driver:
@@ -596,6 +766,8 @@ class ArmorTrainer:
         metrics.update(timer.times)
         elapsed = time.perf_counter() - started
         metrics["time/step"] = elapsed
+        if self.is_driver:
+            metrics.update(self._timing(timer, elapsed, generated, (update_begin, update_end)))
         metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
         metrics.update(
             throughput_metrics(
@@ -609,6 +781,24 @@ class ArmorTrainer:
             )
         )
         return metrics, saved
+
+    def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:
+        """Driver: the step's idle fractions, overlap savings and timeline metrics.
+
+        Driver: the step's idle fractions and overlap savings (`trainer.overlap.timing_metrics`)
+        and its timeline: when this step's batch was generated and when it trained, in seconds
+        since the run started (``timeline/*``, drawn by ``armor-plot``).
+        """
+        times = timer.times
+        busy = sum(times.get(f"time/{p}", 0.0) for p in ("logprobs", "values", "update"))
+        generation = sum(p.generation_s for p in generated)
+        out = timing_metrics(elapsed, busy, generation, times.get("time/rollout", 0.0))
+        source = self._timeline_rollout if self.overlap else (generated[0] if generated else None)
+        if source is not None and source.begin > 0:
+            out["timeline/rollout_begin"] = source.begin - self._clock
+            out["timeline/rollout_end"] = source.end - self._clock
+        out["timeline/update_begin"], out["timeline/update_end"] = (t - self._clock for t in update)
+        return out
 
     @collective
     def _evaluate_start(self, logger: MetricsLogger | None) -> dict:
@@ -642,9 +832,12 @@ class ArmorTrainer:
 
 
 def _merge_rounds(rounds: list[dict]) -> dict:
-    """The metrics of a step's rollout rounds: the first round describes the policy's samples
-    (``rollout/*``, before dynamic sampling filtered anything); anchor rates are averaged over
-    every round, since anchors of later rounds train too, and what generation cost is summed."""
+    """The metrics of a step's rollout rounds.
+
+    The first round describes the policy's samples (``rollout/*``, before dynamic sampling filtered
+    anything); anchor rates are averaged over every round, since anchors of later rounds train too,
+    and what generation cost is summed.
+    """
     merged = dict(rounds[0])
     for key in {k for r in rounds for k in r if k.startswith("anchor/") or k in _SUMMED_OVER_ROUNDS}:
         values = [r[key] for r in rounds if key in r]
@@ -668,9 +861,11 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def engine_trainer_gap(batch: dict) -> float:
-    """Mean |lp_engine − lp_old| over on-policy response tokens: ~0 when engine and trainer hold
-    the same weights (a weight-sync bug or a precision mismatch shows up here first). Anchor
-    rows are left out: the reference engine sampled them. Host tensors."""
+    """Mean |lp_engine − lp_old| over on-policy response tokens.
+
+    ~0 when engine and trainer hold the same weights (a weight-sync bug or a precision mismatch
+    shows up here first). Anchor rows are left out: the reference engine sampled them. Host tensors.
+    """
     mask = batch["response_mask"] * (~batch["is_anchor"].bool()).unsqueeze(1)
     gap = ((batch["engine_logprobs"] - batch["old_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
     return float(gap)

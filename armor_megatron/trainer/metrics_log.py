@@ -24,6 +24,8 @@ from typing import Any
 
 
 class MetricsLogger:
+    """Writes each step's scalar metrics to ``metrics.jsonl``, and to TensorBoard and W&B when enabled."""
+
     def __init__(
         self,
         log_dir: str,
@@ -37,9 +39,12 @@ class MetricsLogger:
         resume_step: int | None = None,
         fresh_start: bool = False,
     ):
-        """``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
+        """Open the run's metrics log in ``log_dir``.
+
+        ``resume_step``: a resumed run drops the records after it; ``fresh_start``: a run that
         starts from step 0 moves an earlier run's ``metrics.jsonl`` aside (``self.set_aside``:
-        where to) instead of appending to it."""
+        where to) instead of appending to it.
+        """
         os.makedirs(log_dir, exist_ok=True)
         self.log_dir = log_dir
         self.path = os.path.join(log_dir, "metrics.jsonl")
@@ -80,6 +85,7 @@ class MetricsLogger:
             )
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Write the scalar metrics of ``step`` to every enabled sink."""
         scalars = {k: float(v) for k, v in metrics.items() if _is_scalar(v)}
         if self._jsonl is not None:
             record = {"step": step, "time": time.time(), **{k: _json_float(v) for k, v in scalars.items()}}
@@ -93,6 +99,7 @@ class MetricsLogger:
             self._wandb.log(scalars, step=step)
 
     def close(self) -> None:
+        """Close every sink."""
         if self._jsonl is not None:
             self._jsonl.close()
         if self._tb is not None:
@@ -102,8 +109,11 @@ class MetricsLogger:
 
 
 def wandb_run_id(log_dir: str) -> str:
-    """The W&B run id of this run directory: made once, then read back (a requeued job continues
-    the same W&B run instead of starting a new one)."""
+    """The W&B run id of this run directory.
+
+    Made once, then read back (a requeued job continues the same W&B run instead of starting a new
+    one).
+    """
     path = os.path.join(log_dir, "wandb_run_id")
     if os.path.exists(path):
         with open(path) as f:
@@ -115,8 +125,11 @@ def wandb_run_id(log_dir: str) -> str:
 
 
 def read_metrics(path: str) -> list[dict]:
-    """All records of a ``metrics.jsonl``; a torn last line (killed writer) is ignored, and so is
-    everything after a line that is not JSON (bytes that are not UTF-8 read as U+FFFD)."""
+    """All records of a ``metrics.jsonl``.
+
+    A torn last line (killed writer) is ignored, and so is everything after a line that is not JSON
+    (bytes that are not UTF-8 read as U+FFFD).
+    """
     records = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
@@ -168,8 +181,11 @@ BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate
 
 
 def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
-    """One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
-    rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out)."""
+    """One plain text line summarising a step.
+
+    One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
+    rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out).
+    """
     parts = [f"step {step}/{total}"]
     for short, key in LINE_FIELDS:
         if key in metrics:
@@ -190,11 +206,14 @@ def _fmt(value) -> str:
 
 
 class StepReporter:
-    """Reports each completed step on the driver: to ``logger`` by the policy below, and as one
-    text line on ``stream``, or, when ``progress_bar`` and ``stream`` is a terminal, as a tqdm bar.
+    """Reports each completed step on the driver.
+
+    To ``logger`` by the policy below, and as one text line on ``stream``, or, when ``progress_bar``
+    and ``stream`` is a terminal, as a tqdm bar.
 
     Logging policy: a step is logged when ``step % every_steps == 0`` or when it carries an
-    evaluation (``eval/`` keys): evaluations are never dropped."""
+    evaluation (``eval/`` keys): evaluations are never dropped.
+    """
 
     def __init__(
         self,
@@ -219,6 +238,7 @@ class StepReporter:
             )
 
     def should_log(self, step: int, metrics: Mapping[str, Any]) -> bool:
+        """Whether ``step`` is shown: every ``every_steps`` steps and at evaluations."""
         return step % self.every_steps == 0 or any(k.startswith("eval/") for k in metrics)
 
     def report(self, step: int, metrics: Mapping[str, Any]) -> dict:
@@ -234,6 +254,7 @@ class StepReporter:
         return metrics
 
     def close(self) -> None:
+        """Close the progress bar, if any."""
         if self.bar is not None:
             self.bar.close()
 

@@ -20,12 +20,14 @@ def _slope(values: list[float]) -> float:
 
 
 class OverOptimizationMonitor:
+    """Warns when training reward rises while validation accuracy falls over the last ``window`` evaluations."""
+
     def __init__(self, window: int = 3, tol: float = 1e-3):
         if window < 2:
             raise ValueError(f"window must be >= 2, got {window}")
         self.window, self.tol = window, tol
-        self.train = deque(maxlen=window)
-        self.val = deque(maxlen=window)
+        self.train: deque[float] = deque(maxlen=window)
+        self.val: deque[float] = deque(maxlen=window)
 
     def update(self, train_reward: float, val_accuracy: float) -> tuple[dict, str | None]:
         """Record one evaluation; returns (metrics, warning or None)."""
@@ -44,8 +46,10 @@ class OverOptimizationMonitor:
         return metrics, None
 
     def state_dict(self) -> dict:
+        """The recent rewards and accuracies, for checkpoints."""
         return {"train": list(self.train), "val": list(self.val)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
         self.train.extend(state["train"])
         self.val.extend(state["val"])

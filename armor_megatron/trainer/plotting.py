@@ -12,7 +12,10 @@ Figure layout, top to bottom, all sharing the step axis:
    (``reference/reset`` = 1) as thin vertical lines in the run's colour;
 2. one panel per extra ``--metric`` key, every run overlaid;
 3. one panel per run: seconds per step stacked by phase (``time/<phase>``), the remainder of
-   ``time/step`` not covered by a named phase stacked on top as ``other``.
+   ``time/step`` not covered by a named phase stacked on top as ``other``;
+4. one panel per run that logged a timeline (``timeline/*``), on its own axis of seconds since the
+   run started: per step, the generation of the batch it trained and its update as bars, so that
+   with ``rollout.overlap: one_step`` step t+1's rollout bar sits under step t's update bar.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ RESET = "reference/reset"
 STEP_TIME = "time/step"
 PHASES = ("rollout", "logprobs", "update", "weight_sync", "eval", "checkpoint", "reference_reset")
 OTHER = "other"
+TIMELINE_BARS = ("rollout", "update")  # timeline/<bar>_begin, timeline/<bar>_end
 
 
 @dataclass
@@ -42,6 +46,7 @@ class Run:
     records: list[dict]
 
     def keys(self) -> set[str]:
+        """The metric names the run logged."""
         return {k for r in self.records for k in r} - {"step", "time"}
 
 
@@ -99,6 +104,26 @@ def phase_timings(records: Sequence[dict]) -> tuple[list[int], dict[str, list[fl
     return [r["step"] for r in timed], out
 
 
+def step_timeline(records: Sequence[dict]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+    """Each step's timeline bars, ``(step, {bar: (begin, end)})``, since the run started.
+
+    Per step that logged one, ``(step, {bar: (begin, end)})`` in seconds since the run started
+    (a resumed run's clock restarts: only records after the last restart are kept).
+    """
+    out: list[tuple[int, dict[str, tuple[float, float]]]] = []
+    for r in sorted(records, key=lambda r: r["step"]):
+        bars = {}
+        for bar in TIMELINE_BARS:
+            begin, end = r.get(f"timeline/{bar}_begin"), r.get(f"timeline/{bar}_end")
+            if begin is not None and end is not None and math.isfinite(_float(begin)) and math.isfinite(_float(end)):
+                bars[bar] = (_float(begin), _float(end))
+        if bars:
+            if out and "update" in bars and "update" in out[-1][1] and bars["update"][0] < out[-1][1]["update"][0]:
+                out = []  # the clock went back: a resumed run
+            out.append((r["step"], bars))
+    return out
+
+
 def _float(value) -> float:
     """A logged value as a float: null (NaN in the JSONL) and "nan"/"inf" strings included."""
     return math.nan if value is None else float(value)
@@ -116,9 +141,14 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    rows = 1 + len(extra_metrics) + len(runs)
-    fig, axes = plt.subplots(rows, 1, figsize=(12, 3.2 * rows), sharex=True, squeeze=False)
-    axes = axes[:, 0]
+    timelines = [(run, step_timeline(run.records)) for run in runs]
+    timelines = [(run, t) for run, t in timelines if t]
+    per_step = 1 + len(extra_metrics) + len(runs)
+    rows = per_step + len(timelines)
+    fig, axes = plt.subplots(rows, 1, figsize=(12, 3.2 * rows), squeeze=False)
+    axes, timeline_axes = axes[:per_step, 0], axes[per_step:, 0]
+    for ax in axes[1:]:
+        ax.sharex(axes[0])
     colours = [f"C{i % 10}" for i in range(len(runs))]
     _accuracy_panel(axes[0], runs, colours)
     for ax, key in zip(axes[1:], extra_metrics):
@@ -130,7 +160,9 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
     for ax, run in zip(axes[1 + len(extra_metrics) :], runs):
         _timing_panel(ax, run)
     axes[-1].set_xlabel("step")
-    for ax in axes:
+    for ax, (run, timeline) in zip(timeline_axes, timelines):
+        _timeline_panel(ax, run, timeline)
+    for ax in (*axes, *timeline_axes):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
@@ -187,6 +219,21 @@ def _timing_panel(ax, run: Run) -> None:
     _legend(ax)
 
 
+def _timeline_panel(ax, run: Run, timeline: list) -> None:
+    """Per step (y), the rollout bar above the update bar (x: seconds since the run started)."""
+    for bar, (offset, colour) in zip(TIMELINE_BARS, ((0.05, "C0"), (-0.45, "C2"))):
+        spans = [(step, bars[bar]) for step, bars in timeline if bar in bars]
+        for i, (step, (begin, end)) in enumerate(spans):
+            ax.broken_barh(
+                [(begin, max(end - begin, 0.0))], (step + offset, 0.4), color=colour, label=bar if i == 0 else None
+            )
+    ax.set_title(f"{run.label}: step timeline (the batch's rollout, then its update)")
+    ax.set_xlabel("seconds since the run started")
+    ax.set_ylabel("step")
+    ax.invert_yaxis()
+    _legend(ax)
+
+
 def _save_atomically(fig, out: str) -> None:
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
@@ -205,9 +252,12 @@ def _save_atomically(fig, out: str) -> None:
 
 
 def plot_study(curves: Mapping[str, VariantCurves], labels: Mapping[str, str], out: str, title: str = "") -> None:
-    """A study's figure: validation accuracy (top) and on-policy training reward (bottom) per
-    variant, seed mean as a line and ± one sd over seeds as a band; reference resets as thin
-    vertical lines in the variant's colour. Written to ``out`` (PNG), atomically."""
+    """A study's figure.
+
+    Validation accuracy (top) and on-policy training reward (bottom) per variant, seed mean as a
+    line and ± one sd over seeds as a band; reference resets as thin vertical lines in the variant's
+    colour. Written to ``out`` (PNG), atomically.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)

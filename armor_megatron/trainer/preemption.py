@@ -35,12 +35,15 @@ def _record_early(signum, frame) -> None:
 
 
 class PreemptionHandler:
+    """Records a preemption signal (SIGTERM, SIGUSR1) so the loop can checkpoint and stop."""
+
     def __init__(self, signals=SIGNALS):
         self.signals = tuple(signals)
         self.received: int | None = None
         self._previous = {}
 
     def install(self) -> PreemptionHandler:
+        """Install the handlers (a signal received before them counts); returns self."""
         for sig in self.signals:
             self._previous[sig] = signal.signal(sig, self._handle)
         if _early:
@@ -50,6 +53,7 @@ class PreemptionHandler:
         return self
 
     def uninstall(self) -> None:
+        """Restore the previous signal handlers."""
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
@@ -58,6 +62,7 @@ class PreemptionHandler:
         self.received = signum
 
     def requested(self) -> bool:
+        """Whether a preemption signal arrived."""
         return self.received is not None
 
     def __enter__(self):

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -47,6 +47,8 @@ from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
+    """What the rollout phase needs: group size, sampling, advantage estimator and its parameters."""
+
     group_size: int
     sampling: SamplingParams
     estimator: str = "dapo"  # read by trainer.advantages
@@ -133,7 +135,7 @@ def collect_groups(
             for row, s, a, anchor in zip(prompt_of_row, samples, accuracy.reshape(-1), groups.is_anchor.reshape(-1))
         ]
         metrics.update({f"rollout/{k}": float(v) for k, v in settings.sample_metrics(scored).items()})
-    if anchors:
+    if anchor_results is not None:  # set exactly when there are anchors
         metrics.update(
             {
                 "anchor/found_rate": sum(found) / len(found),  # anchors in the groups
@@ -146,9 +148,112 @@ def collect_groups(
     return batch, metrics
 
 
+def replace_stale_anchors(
+    batch: RolloutBatch,
+    reference_version: str,
+    rows_by_index: dict[int, PromptRow],
+    encode: Callable[[Any], list[int]],
+    engine: RolloutEngine,
+    settings: RolloutSettings,
+    anchors,
+    pad_id: int = 0,
+) -> tuple[RolloutBatch, int]:
+    """Resample the anchors of ``batch`` an older reference produced.
+
+    Resample the anchors of ``batch`` that another reference than ``reference_version`` produced
+    (a batch generated before a reference reset, trained after it); returns (the batch, how many).
+
+    Each stale anchor row gets a fresh anchor of the new reference from ``anchors`` (its rejection
+    sampling, as `collect_groups` asks it); a prompt the new reference finds none for gets one more
+    on-policy sample from ``engine`` in that row instead, as a group without anchor does. Rewards
+    (overlong shaping) are recomputed from the rows' accuracies and lengths; the caller recomputes
+    the advantages. Every other row is kept as it was, with its engine log-probs and version.
+    """
+    is_anchor = batch["is_anchor"].clone()
+    stale = stale_anchor_rows(batch, reference_version)
+    if not stale:
+        return batch, 0
+    prompts, samples = rows_as_samples(batch)
+    accuracy = batch["accuracy"].clone()
+    rows = [rows_by_index[batch["prompt_index"][i]] for i in stale]
+    verifiers = [r.verifier or settings.verifier for r in rows]
+    fresh = anchors.get(
+        [prompts[i] for i in stale],
+        list(zip(verifiers, [r.answer for r in rows])),
+        keys=[r.index for r in rows],
+        timeout=settings.timeout,
+    )
+    missing = []
+    for j, (i, result) in enumerate(zip(stale, fresh)):
+        if result.found and result.reward is not None and result.reward >= settings.anchor_success_reward:
+            samples[i], accuracy[i] = dataclasses.replace(result.anchor, prompt_index=i), float(result.reward)
+        else:
+            missing.append(j)
+    if missing:
+        extra = engine.generate(
+            [prompts[stale[j]] for j in missing], n=1, sampling=settings.sampling, timeout=settings.timeout
+        )
+        scores = _score(
+            [[g[0].text] for g in extra],
+            [rows[j].answer for j in missing],
+            [verifiers[j] for j in missing],
+            settings.reward_workers,
+        )
+        for j, group, score in zip(missing, extra, scores):
+            i = stale[j]
+            samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
+    out = _to_batch(samples, prompts, pad_id)
+    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
+    rewards = accuracy
+    if settings.overlong_buffer:
+        rewards = apply_overlong_shaping(
+            accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
+        )
+    out["rewards"] = rewards.float()
+    out["accuracy"] = accuracy.float()
+    out["is_anchor"] = is_anchor
+    out["prompt_index"] = list(batch["prompt_index"])
+    out.meta.update(batch.meta)
+    return out, len(stale)
+
+
+def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
+    """Rows of ``batch`` holding an anchor of another reference than ``reference_version``."""
+    anchors = batch["is_anchor"].tolist()
+    return [i for i, v in enumerate(batch["weight_version"]) if anchors[i] and v != reference_version]
+
+
+def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]:
+    """Per row of a rollout batch.
+
+    Its prompt's token ids and its response as a `Sample` (the inverse of `_to_batch`, engine
+    log-probs included).
+    """
+    prompts, samples = [], []
+    n_response = batch["response_mask"].sum(1).long().tolist()
+    for i, (length, n) in enumerate(zip(batch["lengths"].tolist(), n_response)):
+        start = length - n
+        ids = batch["input_ids"][i]
+        prompts.append(ids[:start].tolist())
+        samples.append(
+            Sample(
+                prompt_index=i,
+                token_ids=tuple(ids[start:length].tolist()),
+                text=batch["response_text"][i],
+                logprobs=tuple(batch["engine_logprobs"][i, start:length].tolist()),
+                finish_reason=batch["finish_reason"][i],
+                weight_version=batch["weight_version"][i],
+            )
+        )
+    return prompts, samples
+
+
 def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
-    """``rollout/accuracy/<verifier>``: on-policy accuracy of the groups each verifier scores
-    (mixed-domain datasets route rows by their ``type``); accuracy and is_anchor are [P, G]."""
+    """``rollout/accuracy/<verifier>``.
+
+    On-policy accuracy of the groups each verifier scores (mixed-domain datasets route rows by their
+    ``type``); accuracy and is_anchor are [P, G].
+    """
     out = {}
     for name in dict.fromkeys(verifiers):
         rows = torch.tensor([v == name for v in verifiers])
@@ -170,7 +275,7 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
         )
         for i, group in zip(idx, groups):
             out[i] = list(group)
-    return out
+    return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
 def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:

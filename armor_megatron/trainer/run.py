@@ -16,7 +16,8 @@ import os
 
 import torch.distributed as dist
 
-from armor_megatron.config.identity import check_run_identity, write_run_record
+from armor_megatron.algo import needs_critic
+from armor_megatron.config.identity import check_run_identity, checkpoint_dir, write_run_record
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
@@ -32,9 +33,12 @@ def needs_reference(cfg: RunConfig) -> bool:
 
 
 def initial_weights(cfg: RunConfig) -> str:
-    """Where a fresh run's weights come from: ``model.mcore_path`` (a torch_dist checkpoint) or
-    else the HF directory ``model.path`` itself, from which every rank reads only its own
-    TP/PP/EP slices (``megatron.hf_weights``): no converted copy is written."""
+    """Where a fresh run's weights come from.
+
+    ``model.mcore_path`` (a torch_dist checkpoint) or else the HF directory ``model.path`` itself,
+    from which every rank reads only its own TP/PP/EP slices (``megatron.hf_weights``): no converted
+    copy is written.
+    """
     return cfg.model.mcore_path or cfg.model.path
 
 
@@ -57,6 +61,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     if not os.path.isdir(cfg.model.path):  # its tokenizer (and, without model.mcore_path, its weights) load below
         raise FileNotFoundError(f"{cfg.model.path}: not a directory")
     arch = model_arch_of(cfg)
+    if arch is None:
+        raise FileNotFoundError(f"{cfg.model.path}: no config.json, and no model.arch, describes the model")
     parallel = ParallelConfig.from_run_config(cfg.parallelism)
     initialize(
         parallel,
@@ -91,7 +97,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         init_weights=False,  # every model's weights are loaded below (checkpoint or initial weights)
     )
     critic = None
-    if cfg.algorithm.estimator == "gae":
+    if needs_critic(cfg.algorithm.estimator):
         from armor_megatron.megatron.critic import MegatronCritic
 
         critic = MegatronCritic(
@@ -143,12 +149,12 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         critic=critic,
     )
 
-    if os.path.isdir(cfg.checkpoint.dir) and (not dist.is_initialized() or dist.get_rank() == 0):
-        ckpt.remove_save_leftovers(cfg.checkpoint.dir)  # interrupted saves, whatever the resume mode
-    path = ckpt.find_latest(cfg.checkpoint.dir) if resume == "auto" else (None if resume == "none" else resume)
+    if os.path.isdir(checkpoint_dir(cfg)) and (not dist.is_initialized() or dist.get_rank() == 0):
+        ckpt.remove_save_leftovers(checkpoint_dir(cfg))  # interrupted saves, whatever the resume mode
+    path = ckpt.find_latest(checkpoint_dir(cfg)) if resume == "auto" else (None if resume == "none" else resume)
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
-        ckpt.adopt_as_latest(cfg.checkpoint.dir, path)
+        ckpt.adopt_as_latest(checkpoint_dir(cfg), path)
         trainer.load_trainer_state(broadcast_object(extra))
         _log(f"resumed from {path} at step {step}", cfg.name)
     else:
@@ -166,7 +172,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         _log(f"reference initialised from {cfg.reference.init_from}", cfg.name)
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
-        record_hf_files(cfg.model.path, cfg.checkpoint.dir)  # config + tokenizer for HF copies and armor-convert
+        record_hf_files(cfg.model.path, checkpoint_dir(cfg))  # config + tokenizer for HF copies and armor-convert
     trainer.start_engines()
 
     logger = None
@@ -189,7 +195,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             )
 
     def save():
-        root = cfg.checkpoint.dir
+        root = checkpoint_dir(cfg)
         ckpt.save_checkpoint(
             root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {}, critic=critic
         )
@@ -197,9 +203,9 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 
     def save_hf_copy():
-        path = save_hf(HFWeightExport(actor.model_chunks, arch), cfg.checkpoint.dir, trainer.step)
+        path = save_hf(HFWeightExport(actor.model_chunks, arch), checkpoint_dir(cfg), trainer.step)
         if trainer.is_driver:
-            prune_hf(cfg.checkpoint.dir, cfg.checkpoint.save_hf.keep_last)
+            prune_hf(checkpoint_dir(cfg), cfg.checkpoint.save_hf.keep_last)
             _log(f"policy of step {trainer.step} written as an HF model to {path}", cfg.name)
 
     try:

@@ -24,6 +24,7 @@ GIB = 1 << 30
 
 
 def reset_peak_memory() -> None:
+    """Reset the CUDA peak-memory counters (no-op without CUDA)."""
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
 

@@ -239,7 +239,7 @@ def test_compute_advantages_checks_the_arguments_the_estimator_takes():
 def test_a_new_estimator_is_one_registered_function():
     from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, register_advantage_estimator
 
-    @register_advantage_estimator("test-max-baseline", kind="group")
+    @register_advantage_estimator("test-max-baseline")
     def max_baseline(rewards, scale: float = 1.0):
         return (rewards - rewards.amax(dim=1, keepdim=True)) * scale
 

@@ -1,4 +1,5 @@
-"""Worker for the Megatron parity tests (run by torchrun; not collected by pytest).
+"""Worker for the Megatron parity tests (not collected by pytest): the tests run `check_cases` on
+the ranks of `tests.megatron.spawn.run_ranks`; by hand it runs under torchrun:
 
     torchrun --nproc-per-node N megatron_worker.py --tp T --pp P --ep E [--check-keys] CASE...
 
@@ -125,19 +126,30 @@ def check_case(args, hf_dir: str, mcore_dir: str, expected_path: str) -> str:
     return result
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     for axis in ("tp", "pp", "ep"):
         parser.add_argument(f"--{axis}", type=int, default=1)
     parser.add_argument("--check-keys", action="store_true")
     parser.add_argument("--save-dir")
     parser.add_argument("cases", nargs="+")
-    args = parser.parse_args()
-    for case in args.cases:
-        print(f"WORKER OK {check_case(args, *case.split(','))}", flush=True)
+    return parser.parse_args(argv)
+
+
+def check_cases(argv: list[str] | None = None) -> list[str]:
+    """One ``WORKER OK ...`` line per case, checked in order on this rank (then the group is shut down)."""
     from armor_megatron.megatron import dist
 
-    dist.shutdown()
+    args = parse_args(argv)
+    try:
+        return [f"WORKER OK {check_case(args, *case.split(','))}" for case in args.cases]
+    finally:
+        dist.shutdown()
+
+
+def main() -> int:
+    for line in check_cases():
+        print(line, flush=True)
     return 0
 
 

@@ -211,8 +211,10 @@ def test_deepseek_v3_router_bias_is_megatrons_expert_bias(models):
 @pytest.mark.slow
 @pytest.mark.timeout(450)
 def test_deepseek_convert_and_verify_as_a_user_runs_them(models, tmp_path):
-    """``armor-convert hf-to-mcore`` then ``verify`` (round trip + logits at TP=1) for V2-Lite and
-    for V3 with a multi-token-prediction layer in its checkpoint (the notice on stderr)."""
+    """``armor-convert hf-to-mcore`` for V2-Lite (no notice) and for V3 with a multi-token-prediction
+    layer in its checkpoint (the notice on stderr), then ``verify`` (round trip + logits at TP=1) of
+    the V3 one. V2-Lite's round trip and logits are the same functions' (test_round_trip_* and
+    test_deepseek_tp1_exact_keys_and_logits above)."""
     import subprocess
     import sys
 
@@ -230,6 +232,8 @@ def test_deepseek_convert_and_verify_as_a_user_runs_them(models, tmp_path):
         )
         assert converted.returncode == 0, converted.stderr[-3000:]
         assert ("multi-token-prediction" in converted.stderr) == (name == "deepseek_v3"), converted.stderr
+        if name != "deepseek_v3":
+            continue
         proc = subprocess.run(cmd + ["verify", hf_dir, mcore], capture_output=True, text=True, env=env, timeout=200)
         assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
         assert "logits: max |megatron - transformers|" in proc.stdout and "verify: OK" in proc.stdout, proc.stdout

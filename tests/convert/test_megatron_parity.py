@@ -1,7 +1,7 @@
 """Converted checkpoints load into the project's Megatron GPTModel and match transformers,
 and checkpoints Megatron saves at TP=2 / PP=2 / EP=2 convert back to the source tensors.
 
-Each test runs ``megatron_worker.py`` under torchrun (gloo, CPU) over several families; see the
+Each test runs ``megatron_worker.py`` on gloo ranks (CPU) over several families; see the
 worker's docstring for what every rank checks (exact checkpoint keys at world size 1,
 rank-local parameters == ``tp_split`` of the rules, logits within 1e-4 of transformers).
 """
@@ -9,8 +9,6 @@ rank-local parameters == ``tp_split`` of the rules, logits within 1e-4 of transf
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,9 +17,8 @@ from armor_megatron.convert import convert_hf_to_mcore, convert_mcore_to_hf
 from armor_megatron.convert.hf_io import HFCheckpoint
 from armor_megatron.convert.verify import compare_tensors, hf_logits, prompts
 from tests.convert.conftest import FAMILIES, MOE_FAMILIES
+from tests.megatron.spawn import run_ranks
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "megatron_worker.py")
 DENSE = [f for f in FAMILIES if f not in MOE_FAMILIES]
 
 
@@ -38,23 +35,18 @@ def converted(tiny_models, tmp_path_factory) -> dict[str, str]:
     return cases
 
 
+def _worker_rank(rank: int, argv: list[str]) -> list[str]:
+    from tests.convert.megatron_worker import check_cases
+
+    return check_cases(argv)
+
+
 def run_worker(nproc: int, families, converted, *flags: str) -> str:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
-        WORKER,
-        *flags,
-        *(converted[f] for f in families),
-    ]
-    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    # Ranks share one stdout pipe, so their lines may interleave: count markers, not lines.
-    assert proc.stdout.count("WORKER OK") == nproc * len(families), proc.stdout
-    return proc.stdout
+    """``megatron_worker.py FLAGS CASE...`` on `nproc` gloo ranks: every rank's ``WORKER OK`` lines."""
+    ranks = run_ranks(_worker_rank, nproc, [*flags, *(converted[f] for f in families)], timeout=400)
+    out = "\n".join(line for lines in ranks for line in lines)
+    assert out.count("WORKER OK") == nproc * len(families), out
+    return out
 
 
 @pytest.mark.slow

@@ -52,6 +52,7 @@ def _env(tmp_path, **extra):
     return env
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_example_dry_run_prints_conversion_sbatch_and_plan(tmp_path, name):
     nodes, trainer_prefix = EXAMPLES[name]
@@ -75,6 +76,7 @@ def test_example_dry_run_prints_conversion_sbatch_and_plan(tmp_path, name):
     assert not (tmp_path / "stub.log").exists()  # nothing ran
 
 
+@pytest.mark.slow
 def test_example_run_converts_once_then_submits(tmp_path):
     script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")
     env = _env(tmp_path)
@@ -89,6 +91,7 @@ def test_example_run_converts_once_then_submits(tmp_path):
     assert calls[1].endswith(f"model.mcore_path={tmp_path / 'mcore'} algorithm.alpha=0.875")
 
 
+@pytest.mark.slow
 def test_example_refuses_a_bad_override_before_converting(tmp_path):
     script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")
     out = subprocess.run(
@@ -98,6 +101,7 @@ def test_example_refuses_a_bad_override_before_converting(tmp_path):
     assert not (tmp_path / "stub.log").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dry_run", ["0", "1"])
 def test_example_refuses_a_layout_over_the_gpu_memory_in_one_line(tmp_path, dry_run):
     script = os.path.join(ROOT, "examples", "qwen25_math_7b_dapo_armor", "run.sh")

@@ -143,6 +143,7 @@ def _planned(arch, dtype, mode):
     return activation_bytes(arch, range(arch.num_layers), settings, in_flight=1) + final_norm
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_parameter_counts_match_built_models(measured):
     params, _ = measured
@@ -151,6 +152,7 @@ def test_parameter_counts_match_built_models(measured):
         assert dense + expert == params[arch.family], arch.family
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("arch", [WIDE_QWEN3, WIDE_QWEN2, WIDE_MOE], ids=lambda a: a.family)
 def test_local_activation_terms_match_the_measured_peak(measured, arch):

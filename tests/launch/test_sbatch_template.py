@@ -211,6 +211,7 @@ def test_bad_config_fails_with_one_line_before_running_anything(job):
     assert not job.trainer_log.exists()
 
 
+@pytest.mark.slow
 def test_the_job_refuses_a_layout_over_the_gpu_memory_unless_no_plan(job):
     args = ["--dry-run", "--config", "configs/qwen25_math_7b_dapo_armor.yaml", "train.recompute=none"]
     env = dict(with_stubs=False, ARMOR_PYTHON="python", SLURM_GPUS_ON_NODE="8")

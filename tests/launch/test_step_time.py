@@ -186,6 +186,14 @@ def test_rates_defaults_and_overrides(load):
     assert rates_of(cfg, arch, "disk").decode_tokens_per_s_per_gpu == 900.0
 
 
+def test_a_registered_sync_mode_without_a_default_bandwidth_asks_for_one(load):
+    cfg = load("qwen3_8b_base_two_stage")
+    with pytest.raises(ConfigError, match=r"^launch.step_time.sync_gb_per_s: no default bandwidth for .*'shm'"):
+        rates_of(cfg, arch_of(cfg), "shm")
+    cfg = load("qwen3_8b_base_two_stage", "launch.step_time.sync_gb_per_s=40")
+    assert rates_of(cfg, arch_of(cfg), "shm").sync_bytes_per_s == 40e9
+
+
 def test_no_model_without_launched_gpu_engines(load):
     cfg = load("tiny_cpu")
     assert plan_step_time(cfg, arch_of(cfg)) is None

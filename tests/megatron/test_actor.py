@@ -269,21 +269,25 @@ def padded_sequence_worker(rank):
     """Sequence parallelism makes micro-batch lengths multiples of tp (it needs Transformer
     Engine, absent on CPU): the same rounding, forced to 3, leaves log-probs and a train step's
     loss as they were (extra positions lie after every sequence, the causal mask ignores them)."""
-    from armor_megatron.megatron import actor as actor_module
     from armor_megatron.megatron import logprobs as logprobs_module
+    from armor_megatron.megatron import trained_model as trained_model_module
 
     mdist.initialize(TP1, ARCH, seed=5)
+    original = {module: module.sequence_multiple for module in (trained_model_module, logprobs_module)}
     try:
-        out = {}
+        out, asked = {}, []
         for multiple in (1, 3):
-            for module in (actor_module, logprobs_module):
-                module.sequence_multiple = lambda chunks, m=multiple: m
+            for module in original:
+                module.sequence_multiple = lambda chunks, m=multiple, name=module.__name__: asked.append(name) or m
             actor, batch = _actor(TP1), make_batch()
             lp = _logprobs(actor, batch)
             batch.update(old_logprobs=lp, ref_logprobs=lp)
             out[multiple] = (lp, actor.train_step(batch)["loss"])
+        out["asked"] = sorted(set(asked))
         return out
     finally:
+        for module, function in original.items():
+            module.sequence_multiple = function
         mdist.shutdown()
 
 
@@ -291,6 +295,8 @@ def padded_sequence_worker(rank):
 @pytest.mark.timeout(200)
 def test_sequence_parallel_rounding_of_micro_batch_lengths_changes_nothing():
     out = run_ranks(padded_sequence_worker, 1, timeout=180)[0]
+    # both the log-prob pass and the train step rounded their micro-batches
+    assert out["asked"] == ["armor_megatron.megatron.logprobs", "armor_megatron.megatron.trained_model"]
     assert out[3][0].shape == out[1][0].shape == (7, 14)
     assert (out[3][0] - out[1][0]).abs().max() < 1e-6 and abs(out[3][1] - out[1][1]) < 1e-6
 

@@ -312,6 +312,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_the_checkpoint_writers_results_server_holds_signals_and_dies_with_the_trainer():
     """megatron keeps a Manager process for its writers' results for the whole run; it must

@@ -180,6 +180,7 @@ dist.shutdown()
 """
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_single_processes_side_by_side_do_not_share_a_rendezvous_port():
     """Two launcher-less runs at once (and a third program on the old default port 29500): each

@@ -160,7 +160,8 @@ def test_a_rank_reads_only_its_share(tmp_path):
         head_dim=64,
         vocab_size=8192,
     )
-    for share, risen, first_sum in run_ranks(_peak_rank, 2, hf_dir, timeout=280):
+    # peak RSS: processes of their own
+    for share, risen, first_sum in run_ranks(_peak_rank, 2, hf_dir, timeout=280, fresh=True):
         assert share > 40e6 and first_sum > 0
         assert (share + risen) / share <= 1.25, (
             f"peak rose by {risen / 2**20:.1f} MiB over a {share / 2**20:.1f} MiB share"

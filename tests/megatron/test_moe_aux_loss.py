@@ -61,6 +61,7 @@ def aux_worker(rank, world):
         mdist.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_aux_loss_gradient_is_the_mean_over_micro_batches_and_ranks_whatever_the_tokens():
     (single,) = run_ranks(aux_worker, 1, 1, timeout=280)

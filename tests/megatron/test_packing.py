@@ -193,6 +193,7 @@ def budget_too_small_worker(rank):
         mdist.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_row_longer_than_the_budget_fails_with_one_line():
     with pytest.raises(AssertionError, match="a 14-token sequence exceeds max_tokens_per_micro_batch=13"):

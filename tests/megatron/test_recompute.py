@@ -140,6 +140,7 @@ def memory_worker(rank):
         mdist.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_recompute_keeps_fewer_activations_and_the_same_gradients():
     out = run_ranks(memory_worker, 1, timeout=180)[0]

@@ -73,6 +73,7 @@ def test_cuda_asked_without_a_device_fails_with_a_verdict(tmp_path):
     assert VERDICT.match(lines_of(proc)["verdict"]).groups() == ("0", "nan", "nan")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_memory_check_runs_the_colocated_trainer_phases_through_the_ledger(tmp_path):
     result = tmp_path / "memory.json"

@@ -1,5 +1,7 @@
-"""The whole loop through ``armor-train``: real processes (torchrun over gloo), the tiny model, the
-local engine, Megatron actor and reference, checkpoints, resume and preemption."""
+"""The whole loop through ``armor-train``: real processes (gloo ranks), the tiny model, the local
+engine, Megatron actor and reference, checkpoints, resume and preemption. Runs that check the
+command itself (exit codes, signals, the relaunch under torchrun) start it as a user does
+(`_train_cli`); the others run its ranks on the suite's pooled processes (`_train`)."""
 
 import os
 import signal
@@ -7,9 +9,13 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
+from armor_megatron.cli.train import processes_needed
+from armor_megatron.config import load_config
 from armor_megatron.trainer.metrics_log import read_metrics
+from tests.megatron.spawn import run_ranks
 from tests.processes import stopped_after
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,12 +46,36 @@ def _env():
     return dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
 
 
-def _train(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
+def _metrics(run_dir):
+    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
+
+
+def _train_cli(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
+    """``armor-train`` as a user starts it: a process of its own, which relaunches itself under
+    torchrun when the layout needs more than one rank."""
     proc = subprocess.run(
         _args(tiny, run_dir, *overrides, config=config), env=_env(), capture_output=True, text=True, timeout=timeout
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return {r["step"]: r for r in read_metrics(os.path.join(run_dir, "runs", "run", "metrics.jsonl"))}
+    return _metrics(run_dir)
+
+
+def _cli_rank(rank, argv, pythonpath):
+    """One rank of ``armor-train ARGV`` (`cli.train.main`): a launcher set RANK, so it trains, no relaunch."""
+    from armor_megatron.cli.train import main
+
+    os.environ["PYTHONPATH"] = pythonpath  # user hooks (``module:function``) import from the repository
+    return main(argv)
+
+
+def _train(tiny, run_dir, *overrides, timeout=420, config=CONFIG):
+    """``armor-train``'s ranks as torchrun starts them, on `tests.megatron.spawn.run_ranks`' pooled
+    processes (a process start costs more than a tiny run's step); the run's metrics by step."""
+    argv = _args(tiny, run_dir, *overrides, config=config)[3:]  # what follows ``python -m armor_megatron.cli.train``
+    nprocs = processes_needed(load_config(config, argv[2:]))
+    codes = run_ranks(_cli_rank, nprocs, argv, _env()["PYTHONPATH"], timeout=timeout)
+    assert codes == [0] * nprocs, f"armor-train exit codes by rank: {codes} (their stderr: above)"
+    return _metrics(run_dir)
 
 
 def assert_anchors_found_and_trained_on(metrics, steps=(1, 2, 3)):
@@ -80,7 +110,8 @@ def _latest(run_dir):
     ids=["tp2", "pp2_packed"],
 )
 def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
-    metrics = _train(
+    train = _train_cli if "parallelism.tp=2" in layout else _train  # tp2: relaunched under torchrun, as users run it
+    metrics = train(
         tiny, tmp_path, *layout, "train.steps=3", "eval.every_steps=3", "checkpoint.every_steps=0", "reference.tau=2"
     )
     assert sorted(metrics) == [0, 1, 2, 3]
@@ -109,7 +140,7 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
 
 def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_path):
     common = ["train.steps=4", "checkpoint.every_steps=2", "eval.every_steps=2"]
-    reference = _train(tiny, tmp_path / "straight", *common)
+    reference = _train_cli(tiny, tmp_path / "straight", *common)
 
     run = tmp_path / "killed"
     proc = subprocess.Popen(
@@ -124,12 +155,17 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
         while _latest(run) != "iter_0000002":
             assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
             time.sleep(0.05)
+        ranks = psutil.Process(proc.pid).children(recursive=True)  # in sessions of their own (torchrun)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
+    # the ranks die with their launcher: none trains on beside the resumed run
+    assert ranks
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, [p.pid for p in alive]
     # checkpoint.resume defaults to auto; the trainer's memory goes to the host around every
     # rollout and evaluation (what colocated engines get) and must come back bit for bit
-    resumed = _train(tiny, run, *common, "train.offload_during_rollout=true")
+    resumed = _train_cli(tiny, run, *common, "train.offload_during_rollout=true")
     assert sorted(resumed) == [0, 1, 2, 3, 4]  # records of the killed step 3 were dropped and rewritten
     for step in (3, 4):
         for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "anchor/found_rate"):
@@ -137,7 +173,7 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     assert resumed[4]["eval/val/pass@1"] == reference[4]["eval/val/pass@1"]
 
     # recovery mode: a fresh run whose reference starts from that (trained) checkpoint, not the policy
-    recovered = _train(
+    recovered = _train_cli(
         tiny,
         tmp_path / "recovery",
         "train.steps=1",
@@ -147,10 +183,12 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     assert recovered[1]["train/approx_kl_ref"] > 1e-6 and reference[1]["train/approx_kl_ref"] < 1e-9
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+@pytest.mark.parametrize("signum", [signal.SIGUSR1], ids=["SIGUSR1"])
 def test_preemption_signal_checkpoints_and_exits_with_the_requeue_code(tiny, tmp_path, signum):
-    # one process (tp=1), as srun starts every task: the signal reaches the trainer itself.
-    # SLURM sends SIGUSR1 ahead of the time limit (--signal=B:USR1@...) and SIGTERM on preemption.
+    # one process (tp=1), as srun starts every task: the signal reaches the trainer itself, which
+    # saves a checkpoint for it (checkpoint.every_steps=0 saves none otherwise). SLURM sends SIGUSR1
+    # ahead of the time limit (--signal=B:USR1@...); SIGTERM, on preemption, is the same handler's
+    # (test_preemption.py sends it to a one-process task's group and checks this line too).
     proc = subprocess.Popen(
         _args(tiny, tmp_path, "parallelism.tp=1", "train.steps=200", "checkpoint.every_steps=0", "eval.every_steps=0"),
         env=_env(),

@@ -74,3 +74,26 @@ def test_null_values_read_as_nan():
     steps, values = series(records, "rollout/accuracy")
     assert steps == [1] and math.isnan(values[0])
     assert phase_timings(records)[1]["rollout"] == [0.0]
+
+
+def test_step_timeline_reads_the_bars_and_keeps_the_last_run_of_a_resumed_log():
+    from armor_megatron.trainer.plotting import step_timeline
+
+    def record(step, rollout, update):
+        return {
+            "step": step,
+            "timeline/rollout_begin": rollout[0],
+            "timeline/rollout_end": rollout[1],
+            "timeline/update_begin": update[0],
+            "timeline/update_end": update[1],
+        }
+
+    # one_step: step 2's batch was generated while step 1 updated
+    records = [record(1, (0.0, 1.0), (1.0, 3.0)), record(2, (1.0, 2.5), (3.0, 5.0)), {"step": 0, "time": 0.0}]
+    assert step_timeline(records) == [
+        (1, {"rollout": (0.0, 1.0), "update": (1.0, 3.0)}),
+        (2, {"rollout": (1.0, 2.5), "update": (3.0, 5.0)}),
+    ]
+    resumed = [*records, record(3, (0.5, 0.9), (1.0, 2.0))]  # the clock restarted at the resume
+    assert [step for step, _ in step_timeline(resumed)] == [3]
+    assert step_timeline([{"step": 1, "timeline/update_begin": 1.0}]) == []

@@ -1,6 +1,8 @@
-"""The supported model families, one module each (see `models.family.Family`). Importing this
-package imports every module in it, and each registers its family in `models.arch.FAMILIES`: a
-new family is one new module here and nothing else."""
+"""The supported model families, one module each (see `models.family.Family`).
+
+Importing this package imports every module in it, and each registers its family in
+`models.arch.FAMILIES`: a new family is one new module here and nothing else.
+"""
 
 import importlib
 import pkgutil

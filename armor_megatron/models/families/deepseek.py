@@ -1,5 +1,7 @@
-"""DeepSeek-V2 / V3: multi-head latent attention (MLA), the first ``first_k_dense_replace`` layers
-dense, then routed + shared experts.
+"""DeepSeek-V2 / V3.
+
+Multi-head latent attention (MLA), the first ``first_k_dense_replace`` layers dense, then routed +
+shared experts.
 
 MLA (per token, n heads): q = q_b(norm(q_a(x))) (or q_proj(x) without a q LoRA rank) gives
 n·(d_nope + d_rope); kv_a(x) gives [c_kv (kv_lora_rank) | k_rope (d_rope, shared by all heads)];
@@ -30,20 +32,25 @@ from armor_megatron.models.tensors import DECODER, HF_LAYER, TensorRule, rule
 
 @FAMILIES.register("deepseek")
 class DeepSeek(Family):
+    """DeepSeek-V2/V3: multi-head latent attention and routed plus shared experts."""
+
     model_types = ("deepseek_v2", "deepseek_v3", "deepseek")
     architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     rope_scaling_types = ("llama3", "yarn")
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """MLA and MoE fields of a DeepSeek config (heads of the full MLA head dim)."""
         mla, moe = _deepseek_of(cfg)
         heads = int(cfg["num_attention_heads"])
         head_dim = mla["qk_rope_head_dim"] + int(cfg["qk_nope_head_dim"])
         return dict(num_key_value_heads=heads, head_dim=head_dim, **moe, **mla)
 
     def attention_rules(self, arch: ModelArch) -> list[TensorRule]:
+        """The tensor rules of MLA."""
         return mla_rules(arch)
 
     def megatron(self, arch: ModelArch) -> MegatronSpec:
+        """Megatron's MLA config class and fields for ``arch``."""
         return MegatronSpec(
             config_class="MLATransformerConfig",
             config_fields=mla_config_fields(arch),
@@ -62,10 +69,13 @@ class DeepSeek(Family):
 
 
 def mla_rules(arch: ModelArch) -> list[TensorRule]:
-    """Multi-head latent attention's tensors. Megatron's projections hold the HF rows in HF order
-    (per head [nope | rope] for q, [nope | v] for kv_up; [c_kv | k_rope] for kv_down), so every
-    tensor is a copy. The local spec splits the down projections over TP by rows (column
-    parallel); the q/kv norms are kept under the TE spec's fused-norm keys for both specs."""
+    """Multi-head latent attention's tensors.
+
+    Megatron's projections hold the HF rows in HF order (per head [nope | rope] for q, [nope | v]
+    for kv_up; [c_kv | k_rope] for kv_down), so every tensor is a copy. The local spec splits the
+    down projections over TP by rows (column parallel); the q/kv norms are kept under the TE spec's
+    fused-norm keys for both specs.
+    """
     h, n, d = arch.hidden_size, arch.num_attention_heads, arch.head_dim
     S, A = DECODER + "self_attention.", HF_LAYER + "self_attn."
     key = "decoder.layers.self_attention."
@@ -122,10 +132,13 @@ def mla_rules(arch: ModelArch) -> list[TensorRule]:
 
 
 def mla_config_fields(arch: ModelArch) -> dict[str, Any]:
-    """MLA fields of megatron's ``MLATransformerConfig``: LoRA ranks, head dims, RoPE or YaRN
-    (YaRN with the HF config's factor, context, β and mscale values; megatron applies them as
-    HF does: scaled inverse frequencies, cos/sin times mscale(factor, mscale)/mscale(factor,
-    mscale_all_dim), and softmax scale mscale(factor, mscale_all_dim)² / √(d_nope + d_rope))."""
+    """MLA fields of megatron's ``MLATransformerConfig``.
+
+    LoRA ranks, head dims, RoPE or YaRN (YaRN with the HF config's factor, context, β and mscale
+    values; megatron applies them as HF does: scaled inverse frequencies, cos/sin times
+    mscale(factor, mscale)/mscale(factor, mscale_all_dim), and softmax scale mscale(factor,
+    mscale_all_dim)² / √(d_nope + d_rope)).
+    """
     s = arch.rope_scaling or {}
     out: dict[str, Any] = dict(
         multi_latent_attention=True,
@@ -192,7 +205,7 @@ def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
                 "(megatron-core ranks groups by the sum of their top num_experts_per_tok // topk_group experts)"
             )
     shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
-    moe = dict(
+    moe: dict[str, Any] = dict(
         num_experts=experts,
         moe_router_topk=topk,
         moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),

@@ -6,5 +6,7 @@ from armor_megatron.models.family import Family
 
 @FAMILIES.register("llama")
 class Llama(Family):
+    """The Llama family (HF ``llama``)."""
+
     model_types = ("llama",)
     architectures = ("LlamaForCausalLM",)

@@ -1,5 +1,8 @@
-"""Mistral: the Llama layout with a sliding attention window (``sliding_window``), which the TE
-spec applies (the local spec's attention has none: exact for sequences up to the window)."""
+"""Mistral: the Llama layout with a sliding attention window.
+
+Mistral: the Llama layout with a sliding attention window (``sliding_window``), which the TE
+spec applies (the local spec's attention has none: exact for sequences up to the window).
+"""
 
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +13,11 @@ from armor_megatron.models.family import Family, sliding_window
 
 @FAMILIES.register("mistral")
 class Mistral(Family):
+    """The Mistral family (HF ``mistral``)."""
+
     model_types = ("mistral",)
     architectures = ("MistralForCausalLM",)
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The sliding window, if the config sets one."""
         return sliding_window(cfg)

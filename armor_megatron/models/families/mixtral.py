@@ -1,5 +1,8 @@
-"""Mixtral: the Llama attention and routed experts in every layer under ``block_sparse_moe.``,
-named w1 / w3 / w2 (gate / up / down); the top-k weights are always renormalised."""
+"""Mixtral: the Llama attention and routed experts in every layer.
+
+Mixtral: the Llama attention and routed experts in every layer under ``block_sparse_moe.``,
+named w1 / w3 / w2 (gate / up / down); the top-k weights are always renormalised.
+"""
 
 from collections.abc import Mapping
 from typing import Any
@@ -11,9 +14,12 @@ from armor_megatron.models.tensors import MoENames
 
 @FAMILIES.register("mixtral")
 class Mixtral(Family):
+    """The Mixtral family (HF ``mixtral``)."""
+
     model_types = ("mixtral",)
     architectures = ("MixtralForCausalLM",)
     moe_names = MoENames(block="block_sparse_moe.", expert_gate="w1", expert_up="w3", expert_down="w2")
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """The routed experts (top-k weights always renormalised)."""
         return routed_experts(cfg, "mixtral", always_renormalise=True)

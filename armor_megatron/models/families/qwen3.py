@@ -9,8 +9,11 @@ from armor_megatron.models.family import Family
 
 @FAMILIES.register("qwen3")
 class Qwen3(Family):
+    """The Qwen3 family (HF ``qwen3``)."""
+
     model_types = ("qwen3",)
     architectures = ("Qwen3ForCausalLM",)
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Per-head q/k norms."""
         return dict(qk_norm=True)

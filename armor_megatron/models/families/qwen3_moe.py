@@ -1,5 +1,8 @@
-"""Qwen3-MoE: Qwen3's attention (per-head q/k norms) and routed experts in every layer
-(``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``), top-k renormalised when ``norm_topk_prob``."""
+"""Qwen3-MoE: Qwen3's attention and routed experts in every layer.
+
+Qwen3-MoE: Qwen3's attention (per-head q/k norms) and routed experts in every layer
+(``mlp.gate``, ``mlp.experts.{e}.{gate,up,down}_proj``), top-k renormalised when ``norm_topk_prob``.
+"""
 
 from collections.abc import Mapping
 from typing import Any
@@ -10,8 +13,11 @@ from armor_megatron.models.family import Family, routed_experts
 
 @FAMILIES.register("qwen3_moe")
 class Qwen3MoE(Family):
+    """The Qwen3-MoE family (HF ``qwen3_moe``)."""
+
     model_types = ("qwen3_moe",)
     architectures = ("Qwen3MoeForCausalLM",)
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
+        """Per-head q/k norms and the routed experts."""
         return dict(qk_norm=True, **routed_experts(cfg, "qwen3_moe"))

@@ -10,8 +10,11 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 
 def anchor_reward(text: str, truth) -> float:
-    """An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group is scored with."""
+    """An anchor candidate's reward, by its row's own verifier.
+
+    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
+    passes exactly the check its group is scored with.
+    """
     from armor_megatron.rewards import load_verifier
 
     spec, answer = truth
@@ -33,8 +36,11 @@ def build_anchor_cache(
     policy_weights=None,
     reference_version: str = "ref-0",
 ) -> AnchorCache | None:
-    """None without anchors. With ``anchor.cache: false`` the trainer empties the cache every
-    step, so anchors are never reused and one code path serves both."""
+    """None without anchors.
+
+    With ``anchor.cache: false`` the trainer empties the cache every step, so anchors are never
+    reused and one code path serves both.
+    """
     an = cfg.anchor
     if not an.enabled:
         return None

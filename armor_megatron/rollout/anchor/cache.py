@@ -23,7 +23,7 @@ import dataclasses
 import random
 import threading
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample
 from armor_megatron.rollout.engine import Sample
@@ -31,6 +31,8 @@ from armor_megatron.rollout.engine import Sample
 
 @dataclasses.dataclass
 class CacheStats:
+    """Counters of the anchor cache."""
+
     lookups: int = 0
     hits: int = 0
     skipped: int = 0  # prompts given up on (give_up_after)
@@ -38,9 +40,11 @@ class CacheStats:
 
     @property
     def hit_rate(self) -> float:
+        """Share of lookups served from the pool."""
         return self.hits / self.lookups if self.lookups else 0.0
 
     def as_dict(self, prefix: str = "anchor_cache/") -> dict:
+        """The counters as metrics, keys prefixed ``prefix``."""
         return {f"{prefix}hit_rate": self.hit_rate, f"{prefix}lookups": self.lookups, f"{prefix}skipped": self.skipped}
 
 
@@ -52,6 +56,8 @@ class _Entry:
 
 
 class AnchorCache:
+    """Verified anchors kept across steps and reused (module docstring), sampled on a miss."""
+
     def __init__(
         self,
         sampler: AnchorSampler,
@@ -120,7 +126,7 @@ class AnchorCache:
                     results[i] = dataclasses.replace(
                         r, prompt_index=i, anchor=r.anchor and dataclasses.replace(r.anchor, prompt_index=i)
                     )
-        return results
+        return cast(list[AnchorResult], results)  # every slot is filled above
 
     def prefetch(
         self,
@@ -184,6 +190,7 @@ class AnchorCache:
     # ---- checkpointing ---------------------------------------------------------------------
 
     def state_dict(self) -> dict:
+        """The cache's pools and counters, for checkpoints."""
         self.wait()
         with self._lock:
             return {
@@ -202,6 +209,8 @@ class AnchorCache:
             }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` saved."""
+
         def key(k):
             return tuple(k) if isinstance(k, list) else k
 
@@ -268,6 +277,7 @@ class AnchorCache:
         if not result.found:
             self._failures[key] = self._failures.get(key, 0) + 1
             return
+        assert result.anchor is not None and result.reward is not None  # found: an anchor and its reward
         pool = self._pools.setdefault(key, [])
         for v in [VerifiedSample(result.anchor, result.reward), *result.extra]:
             if len(pool) < self.max_pool:

@@ -45,8 +45,11 @@ class AnchorSamplingConfig:
 
     @classmethod
     def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
-        """From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
-        ``anchor.temperature`` when that is set."""
+        """A sampler from a run config's ``anchor`` section.
+
+        From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
+        ``anchor.temperature`` when that is set.
+        """
         if anchor_section.temperature is not None:
             sampling = dataclasses.replace(sampling, temperature=anchor_section.temperature)
         return cls(
@@ -67,8 +70,7 @@ class VerifiedSample:
 
 @dataclasses.dataclass
 class AnchorResult:
-    """The outcome for one prompt: ``anchor`` (or None) with its verified ``reward``, the tries
-    and tokens it cost.
+    """The outcome for one prompt: ``anchor`` (or None) with its verified ``reward``, the tries and tokens it cost.
 
     ``extra``: further verified samples from the same rounds (candidates for a cache).
     ``cached``: the anchor came from an anchor cache at no generation cost.
@@ -84,17 +86,21 @@ class AnchorResult:
 
     @property
     def found(self) -> bool:
+        """Whether an anchor was found."""
         return self.anchor is not None
 
 
 @dataclasses.dataclass
 class AnchorStats:
+    """Running totals of anchor sampling."""
+
     prompts: int = 0
     found: int = 0
     tries: int = 0
     generated_tokens: int = 0
 
     def add(self, results: Sequence[AnchorResult]) -> None:
+        """Add one step's results."""
         self.prompts += len(results)
         self.found += sum(r.found for r in results)
         self.tries += sum(r.tries for r in results)
@@ -102,13 +108,16 @@ class AnchorStats:
 
     @property
     def found_rate(self) -> float:
+        """Share of prompts that got an anchor."""
         return self.found / self.prompts if self.prompts else 0.0
 
     @property
     def tries_per_prompt(self) -> float:
+        """Reference tries per prompt."""
         return self.tries / self.prompts if self.prompts else 0.0
 
     def as_dict(self, prefix: str = "anchor/") -> dict:
+        """The totals as metrics, keys prefixed ``prefix``."""
         return {
             f"{prefix}found_rate": self.found_rate,
             f"{prefix}tries_per_prompt": self.tries_per_prompt,
@@ -129,9 +138,11 @@ class AnchorSampler:
 
     @property
     def version(self) -> str:
+        """The version of the reference weights anchors are sampled from."""
         return self.source.version
 
     def verify(self, sample: Sample, ground_truth: Any) -> VerifiedSample:
+        """``sample`` with its reward against ``ground_truth``."""
         return VerifiedSample(sample, float(self.reward_fn(sample.text, ground_truth)))
 
     def sample(

@@ -27,8 +27,10 @@ WeightProvider = WeightSource | Callable[[], WeightSource]
 
 
 def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
-    """A zero-argument callable giving fresh weights each call: an iterator (a weight export
-    stream, readable once) is read into a host list first."""
+    """A zero-argument callable giving fresh weights each call.
+
+    An iterator (a weight export stream, readable once) is read into a host list first.
+    """
     if callable(weights):
         return weights
     if isinstance(weights, (str, os.PathLike, list, tuple)):
@@ -52,6 +54,7 @@ class SeparateReference:
 
     @property
     def version(self) -> str:
+        """The reference engine's weight version."""
         return self.engine.weight_version
 
     def generate(
@@ -61,12 +64,15 @@ class SeparateReference:
         sampling: SamplingParams,
         timeout: float | None = None,
     ):
+        """Sample ``n`` responses per prompt from the reference engine."""
         return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
 
     def reset(self, weights: WeightSource, version: str) -> None:
+        """Load new reference weights into the reference engine."""
         self.engine.update_weights(weights, version)
 
     def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        """The policy weights, unchanged: the policy engine is not this source's."""
         return weights  # the policy engine is not ours
 
 
@@ -107,6 +113,7 @@ class SwapReference:
         sampling: SamplingParams,
         timeout: float | None = None,
     ):
+        """Sample from the reference weights, swapped into the policy engine for the call (and back, unless not ``swap_back``)."""
         with self._lock:
             policy_version = self.engine.weight_version
             if policy_version != self.version:
@@ -118,18 +125,24 @@ class SwapReference:
                     self.engine.update_weights(self._policy(), policy_version)
 
     def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
-        """The policy the trainer pushes next, kept to be swapped back after anchor requests;
-        returns what to push (a host list when given a stream)."""
+        """The policy the trainer pushes next, kept to be swapped back after anchor requests.
+
+        Returns what to push (a host list when given a stream).
+        """
         self._policy = _provider(weights)
         return self._policy()
 
     def reset(self, weights: WeightProvider, version: str) -> None:
+        """Take new reference weights (used at the next anchor request)."""
         with self._lock:
             self._reference = _provider(weights)
             self.version = str(version)
 
 
-ANCHOR_SOURCES = {"separate": SeparateReference, "swap": SwapReference}
+ANCHOR_SOURCES: dict[str, type[SeparateReference] | type[SwapReference]] = {
+    "separate": SeparateReference,
+    "swap": SwapReference,
+}
 
 
 def make_anchor_source(
@@ -158,5 +171,7 @@ def make_anchor_source(
         ]
         if missing:
             raise ValueError(f"anchor_source 'swap' needs {', '.join(missing)}")
+        assert policy_engine is not None and reference_weights is not None  # none is missing
+        assert reference_version is not None and policy_weights is not None
         return SwapReference(policy_engine, reference_weights, reference_version, policy_weights)
     raise ValueError(f"anchor_source must be one of {tuple(ANCHOR_SOURCES)}, got {kind!r}")

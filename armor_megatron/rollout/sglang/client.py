@@ -167,9 +167,11 @@ class SGLangClient:
         )
 
     def get(self, path: str, timeout: float | None = None, retry: bool = True) -> Any:
+        """``GET path``; the decoded JSON reply."""
         return self.request("GET", path, None, timeout=timeout, retry=retry)
 
     def post(self, path: str, body: Any = None, timeout: float | None = None, retry: bool = True) -> Any:
+        """``POST path`` with a JSON ``body``; the decoded JSON reply."""
         return self.request("POST", path, {} if body is None else body, timeout=timeout, retry=retry)
 
     # ---- endpoints ---------------------------------------------------------------------
@@ -187,7 +189,7 @@ class SGLangClient:
         then the prompt is sent as a batch of ``len(list)`` copies, each with its own params.
         """
         ids = [int(t) for t in input_ids]
-        body = {
+        body: dict[str, Any] = {
             "input_ids": [ids] * len(sampling_params) if isinstance(sampling_params, list) else ids,
             "sampling_params": sampling_params,
             "return_logprob": return_logprob,

@@ -78,8 +78,10 @@ logger = logging.getLogger(__name__)
 
 
 def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None = None) -> dict | list[dict]:
-    """``sampling_params`` of one prompt's request: a dict with ``n`` and no seed, or, with a
-    ``seed`` (deterministic mode), one dict per sample with ``sampling_seed = seed + j``.
+    """``sampling_params`` of one prompt's request.
+
+    A dict with ``n`` and no seed, or, with a ``seed`` (deterministic mode), one dict per sample
+    with ``sampling_seed = seed + j``.
 
     SGLang 0.5.23 wants ``top_k`` = -1 to disable the filter (0 is a 400; ours disables it with
     any value <= 0) and an integer ``max_new_tokens`` (a float is a 400). A deterministic server
@@ -180,6 +182,7 @@ class SGLangEngine(RolloutEngine):
         timeout: float | None = None,
         return_logprob: bool = True,
     ) -> list:
+        """``n`` samples per prompt from the SGLang servers, spread over them."""
         check_prompts(prompts_token_ids, n)
         deadline = None if timeout is None else time.monotonic() + timeout
         per_prompt = [
@@ -220,8 +223,10 @@ class SGLangEngine(RolloutEngine):
         return groups
 
     def reseed(self, seed: int) -> None:
-        """Deterministic mode: requests without a seed of their own get seeds ``seed + k·n ...``
-        from now on (k counts requests); otherwise no seed is sent and this only records it.
+        """Deterministic mode.
+
+        Requests without a seed of their own get seeds ``seed + k·n ...`` from now on (k counts
+        requests); otherwise no seed is sent and this only records it.
 
         As :meth:`LocalEngine.reseed <armor_megatron.rollout.local.LocalEngine.reseed>`: the
         trainer reseeds every step, so a resumed run sends the seeds the uninterrupted run sent,
@@ -233,8 +238,11 @@ class SGLangEngine(RolloutEngine):
             self._calls = itertools.count()
 
     def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
-        """The first of the request's n seeds in deterministic mode (never None there: a
-        deterministic server seeds unseeded requests alike), else None."""
+        """The first of the request's seeds in deterministic mode, else None.
+
+        The first of the request's n seeds in deterministic mode (never None there: a
+        deterministic server seeds unseeded requests alike), else None.
+        """
         if not self.deterministic:
             return None
         if sampling.seed is not None:
@@ -246,7 +254,8 @@ class SGLangEngine(RolloutEngine):
         """Push HF-named tensors with the configured sync mode, or load an HF checkpoint directory.
 
         Weights spread over the trainer's ranks (:class:`ShardedWeights`, a Megatron export) are
-        delivered by each owner rank itself where the mode allows (``tensor``, ``disk``)."""
+        delivered by each owner rank itself where the mode allows (``tensor``, ``disk``).
+        """
         with self._lock:
             if isinstance(weights, (str, os.PathLike)):
                 self.sync.load_from_disk(os.fspath(weights), str(version))
@@ -273,7 +282,7 @@ class SGLangEngine(RolloutEngine):
                 f"; the router {self.router.url} routes around them" if self.router is not None else "",
             )
         router_ok = self.router is None or self.router.health(timeout=timeout or 30.0)
-        if not router_ok:
+        if not router_ok and self.router is not None:
             logger.warning("SGLang router %s not healthy", self.router.url)
         return not dead and router_ok
 
@@ -282,20 +291,27 @@ class SGLangEngine(RolloutEngine):
             c.post(path, body, timeout=timeout)
 
     def release_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
-        trainer comes to the device; the servers must be idle (module docstring: the order)."""
+        """Colocated mode: free ``tags`` on the servers before the trainer comes to the device.
+
+        Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
+        trainer comes to the device; the servers must be idle (module docstring: the order).
+        """
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
     def resume_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
-        """Colocated mode: take ``tags`` back after the trainer left the device (with its
-        ``empty_cache``); resumed weights are memory only until the next weight push."""
+        """Colocated mode: take ``tags`` back after the trainer left the device (with its ``empty_cache``).
+
+        Resumed weights are memory only until the next weight push.
+        """
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
 
     @contextlib.contextmanager
     def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None):
-        """``with engine.released(tags): ...`` frees ``tags``, then takes them back. For a phase
-        that leaves the engine's weights alone (``tags=("kv_cache", "cuda_graph")``); with the
-        default tags, push weights before generating again (module docstring: the order)."""
+        """``with engine.released(tags): ...`` frees ``tags``, then takes them back.
+
+        For a phase that leaves the engine's weights alone (``tags=("kv_cache", "cuda_graph")``);
+        with the default tags, push weights before generating again (module docstring: the order).
+        """
         self.release_memory(timeout=timeout, tags=tags)
         try:
             yield self
@@ -312,9 +328,11 @@ class SGLangEngine(RolloutEngine):
         self._post_all("/pause_generation", {"mode": mode}, timeout)
 
     def resume(self, timeout: float | None = None) -> None:
+        """Continue generation on every server."""
         self._post_all("/continue_generation", {}, timeout)
 
     def shutdown(self, timeout: float | None = None) -> None:
+        """Stop the request threads, the weight sync and the processes this engine started."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.sync.close()
         if self.router_process is not None:

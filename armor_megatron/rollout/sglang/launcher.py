@@ -39,6 +39,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any, cast
 
 from armor_megatron.launch.plan import API_KEY_ENV
 from armor_megatron.rollout.engine import EngineUnavailableError
@@ -64,11 +65,13 @@ ADDRESS_IN_USE = re.compile(r"address already in use", re.IGNORECASE)
 
 @dataclasses.dataclass
 class LauncherConfig:
-    """How :class:`SGLangLauncher` starts servers on this node. No code builds one from a run
-    config (the trainer attaches to ``rollout.sglang.urls``; the SLURM plan starts its own
-    servers); building one by hand, a run config's ``rollout.sglang.python`` is ``python`` (null
-    there means the trainer's interpreter, ``sys.executable`` here), ``rollout.sglang.tp_per_engine``
-    is ``tp_size``, ``placement: colocated`` is ``colocated``."""
+    """How :class:`SGLangLauncher` starts servers on this node.
+
+    No code builds one from a run config (the trainer attaches to ``rollout.sglang.urls``; the SLURM
+    plan starts its own servers); building one by hand, a run config's ``rollout.sglang.python`` is
+    ``python`` (null there means the trainer's interpreter, ``sys.executable`` here),
+    ``rollout.sglang.tp_per_engine`` is ``tp_size``, ``placement: colocated`` is ``colocated``.
+    """
 
     model_path: str
     num_engines: int = 1
@@ -109,6 +112,8 @@ __all__ = ["LauncherConfig", "SGLangLauncher", "free_port", "run_server_with_env
 
 
 class SGLangLauncher:
+    """Starts and stops the SGLang server processes (and their router) of one role."""
+
     def __init__(self, config: LauncherConfig):
         self.config = config
         self.ports: list[int] = []
@@ -117,11 +122,12 @@ class SGLangLauncher:
         self._logs: list[str] = []
         self._log_starts: list[int] = []  # where each process's part of its log begins
         self._lock = threading.Lock()
-        self._prev_sigterm = None
+        self._prev_sigterm: Any = None
 
     # ---- commands ------------------------------------------------------------------------
 
     def server_command(self, engine_index: int, port: int) -> list[str]:
+        """The command line of engine ``engine_index`` listening on ``port``."""
         c = self.config
         cmd = [
             *self._entry(c.server_module),
@@ -163,6 +169,7 @@ class SGLangLauncher:
         )
 
     def router_command(self, port: int) -> list[str]:
+        """The router's command line for ``port``."""
         return self.make_router().command(port, free_port(self.config.host))
 
     def _entry(self, module: str) -> list[str]:
@@ -172,15 +179,18 @@ class SGLangLauncher:
 
     @property
     def worker_urls(self) -> list[str]:
+        """The URLs of the started servers."""
         return [local_url(self.config.host, p) for p in self.ports]
 
     @property
     def router_url(self) -> str | None:
+        """The router's URL, None without a router."""
         return None if self.router is None else self.router.url
 
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> SGLangLauncher:
+        """Start the servers (and the router), wait until they are healthy; returns self."""
         c = self.config
         if self._procs:
             raise RuntimeError("SGLang servers already started")
@@ -268,7 +278,7 @@ class SGLangLauncher:
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise EngineUnavailableError(
-                    f"SGLang process {' '.join(proc.args[:3])} for {url} exited with code {proc.returncode}; "
+                    f"SGLang process {' '.join(cast(list[str], proc.args)[:3])} for {url} exited with code {proc.returncode}; "
                     f"log tail ({self._logs[index]}):\n{log_tail(self._logs[index])}"
                 )
             if client.health(generate=path_generate, timeout=5.0):
@@ -299,6 +309,7 @@ class SGLangLauncher:
 
     @property
     def running(self) -> bool:
+        """Whether any server or the router is still running."""
         return any(p.poll() is None for p in self._procs) or (self.router is not None and self.router.running)
 
     def _install_exit_handlers(self) -> None:
@@ -325,9 +336,11 @@ class SGLangLauncher:
 
 
 def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
-    """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``: run ``MODULE`` as
-    ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added to this
-    process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``)."""
+    """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``.
+
+    Run ``MODULE`` as ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added
+    to this process's ``sys.argv`` only, not to its command line (``/proc/<pid>/cmdline``).
+    """
     import runpy
 
     if not argv:

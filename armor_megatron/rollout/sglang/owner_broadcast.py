@@ -48,7 +48,7 @@ from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, addre
 
 ABORT_KEY = "armor/aborted"  # outside every group's key prefix
 # this process's groups: (prefix, owner rank) -> (group, its address, a store client watching for ABORT_KEY)
-_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str, Any]] = {}
+_GROUPS: dict[tuple[str, int], tuple[WeightUpdateGroup, str | None, Any]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +83,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         return {"groups": self.groups, "bucket_bytes": self.bucket_bytes}
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``."""
         return _OwnerSink(self.groups, rank)
 
     # ---------------------------------------------------------------- driver
@@ -95,6 +96,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self._running = [self._pool.submit(per_engine, c, i) for i, c in enumerate(self._clients)]
 
     def conduct_join(self, announcements: dict[int, Any]) -> None:
+        """Ask the engines to join every new owner's group, given the owners' announcements."""
         self._owners = [a for _, a in sorted(announcements.items())]
         new = [a for a in self._owners if a["new"]]
         g = self.groups
@@ -122,6 +124,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self.joined += [a["group"] for a in new]
 
     def conduct_bucket(self, descriptions: dict[int, Any], last: bool) -> None:
+        """Ask the engines to receive one round of buckets, as the owners described them."""
         requests = [
             (d["group"], names, dtypes, shapes)
             for _, d in sorted(descriptions.items())
@@ -160,8 +163,11 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self.version_sent = self.version_sent or version is not None
 
     def settle(self) -> None:
-        """Wait for every engine's poster; the first failure is raised at once (the other
-        posters may be waiting in a broadcast that will not come: they are left behind)."""
+        """Wait for every engine's poster.
+
+        The first failure is raised at once (the other posters may be waiting in a broadcast that
+        will not come: they are left behind).
+        """
         running, self._running = self._running, []
         done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_EXCEPTION)
         for f in done:
@@ -172,15 +178,17 @@ class OwnerBroadcastDelivery(ShardDelivery):
                 raise e if isinstance(e, WeightUpdateError) else WeightUpdateError(f"{type(e).__name__}: {e}")
 
     def shutdown(self) -> None:
+        """Stop the request threads without waiting."""
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
 
 
 def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
-    """Tell every owner waiting in a join or a broadcast that the engines will not come (best
-    effort): a key in the owner's rendezvous store, which it checks while it waits."""
+    """Tell every owner waiting in a join or a broadcast that the engines will not come (best effort).
 
+    A key in the owner's rendezvous store, which it checks while it waits.
+    """
     for a in announcements:
         try:
             _store_client(a["address"], a["port"], min(timeout, 30)).set(ABORT_KEY, reason)
@@ -199,7 +207,11 @@ class _OwnerSink(ShardSink):
 
     def __init__(self, groups: OwnerGroups, rank: int):
         self.groups, self.rank = groups, rank
-        self.group, self.address, self._watch = _GROUPS.get((groups.prefix, rank), (None, None, None))
+        self.group: WeightUpdateGroup | None = None
+        self.address: str | None = None
+        self._watch: Any = None
+        if (groups.prefix, rank) in _GROUPS:
+            self.group, self.address, self._watch = _GROUPS[(groups.prefix, rank)]
         if self.group is not None and self._aborted():  # a failed sync left it: the engines may be stuck in it
             _GROUPS.pop((groups.prefix, rank), None)
             self.group = self._watch = None
@@ -208,7 +220,7 @@ class _OwnerSink(ShardSink):
     def announce(self) -> dict:
         g = self.groups
         new = self.group is None
-        if new:
+        if self.group is None:
             self._name = f"{g.prefix}-rank{self.rank}-{secrets.token_hex(3)}"
             self._store = listen(g.world_size, g.base_port + 1 + self.rank if g.base_port else 0, g.timeout)
             self.address = address_towards(g.engine_address)
@@ -218,6 +230,11 @@ class _OwnerSink(ShardSink):
             self._name = self.group.group_name
         return {"group": self._name, "address": self.address, "port": self._watch.port, "new": new}
 
+    def _joined(self) -> WeightUpdateGroup:
+        if self.group is None:
+            raise WeightUpdateError("weights update group: used before join()")
+        return self.group
+
     def _aborted(self) -> str | None:
         if self._watch.check([ABORT_KEY]):
             return self._watch.get(ABORT_KEY).decode()
@@ -226,7 +243,8 @@ class _OwnerSink(ShardSink):
     def join(self) -> None:
         if self.group is not None:
             return
-        g, made = self.groups, {}
+        g = self.groups
+        made: dict[str, Any] = {}
 
         def make():
             try:
@@ -246,12 +264,12 @@ class _OwnerSink(ShardSink):
         if "error" in made:
             raise WeightUpdateError(f"weights update group {self._name!r}: {made['error']}")
         self.group = made["group"]
-        _GROUPS[(g.prefix, self.rank)] = (self.group, self.address, self._watch)
+        _GROUPS[(g.prefix, self.rank)] = (made["group"], self.address, self._watch)
 
     def describe(self, bucket) -> dict:
         parts = tensor_payload.buckets(bucket, bucket_bytes=1 << 62)  # one request per dtype
         return {
-            "group": self.group.group_name,
+            "group": self._joined().group_name,
             "buckets": [
                 (
                     [n for n, _ in part],
@@ -270,7 +288,7 @@ class _OwnerSink(ShardSink):
             # FlattenedTensorBucket's layout: each tensor's bytes, back to back, in order
             flat = torch.cat([t.detach().to(device).contiguous().reshape(-1).view(torch.uint8) for _, t in part])
             try:
-                self.group.broadcast(flat, src=0, cancelled=self._aborted)
+                self._joined().broadcast(flat, src=0, cancelled=self._aborted)
             except BaseException:
                 _GROUPS.pop(
                     (self.groups.prefix, self.rank), None

@@ -23,6 +23,7 @@ from __future__ import annotations
 import datetime
 import socket
 import threading
+from collections.abc import Callable
 from typing import Any
 
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
@@ -30,8 +31,11 @@ _ABANDONED: list = []  # aborted groups' backends, never destroyed while their c
 
 
 def listen(world_size: int, port: int = 0, timeout: float = 600.0):
-    """Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
-    one the OS picks, read it from ``.port``); the engines connect to it as clients."""
+    """Bind rank 0's rendezvous store now.
+
+    Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
+    one the OS picks, read it from ``.port``); the engines connect to it as clients.
+    """
     import torch.distributed as dist
 
     return dist.TCPStore(
@@ -45,10 +49,12 @@ def listen(world_size: int, port: int = 0, timeout: float = 600.0):
 
 
 def address_towards(peer: str) -> str:
-    """This host's address on the route to ``peer`` (what a process there can reach us at):
-    the source address the kernel picks for it (no packet is sent); this host's name when that
-    is a loopback address (``peer`` names this host through a hosts-file alias) and ``peer``
-    itself is not one."""
+    """This host's address on the route to ``peer`` (what a process there can reach us at).
+
+    The source address the kernel picks for it (no packet is sent); this host's name when that is a
+    loopback address (``peer`` names this host through a hosts-file alias) and ``peer`` itself is
+    not one.
+    """
     if peer in ("localhost", "") or peer.startswith("127."):
         return "127.0.0.1"
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
@@ -62,7 +68,8 @@ class WeightUpdateGroup:
 
     Rank 0 hosts the rendezvous: pass the ``store`` :func:`listen` bound (else it binds
     ``master_port`` here). Building the group waits until every rank has joined (gloo; NCCL
-    meets at the first collective)."""
+    meets at the first collective).
+    """
 
     def __init__(
         self,
@@ -91,9 +98,10 @@ class WeightUpdateGroup:
                 if rank == 0
                 else dist.TCPStore(master_address, int(master_port), world_size, is_master=False, timeout=delta)
             )
-        self.store = store  # the rendezvous store (rank 0 hosts it); also a side channel to rank 0
+        self.store: Any = store  # the rendezvous store (rank 0 hosts it); also a side channel to rank 0
         prefixed = dist.PrefixStore(group_name, store)  # init_custom_process_group's own layer
         prefixed = dist.PrefixStore(f"{BACKEND_DEVICE[backend]}/", dist.PrefixStore(f"{group_name}/", prefixed))
+        self._pg: Any  # a c10d backend: ProcessGroupGloo or ProcessGroupNCCL, None once dropped
         if backend == "gloo":
             self._pg = dist.ProcessGroupGloo(prefixed, rank, world_size, delta)
         else:
@@ -101,14 +109,19 @@ class WeightUpdateGroup:
             options._timeout = delta
             self._pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, options)
 
-    def broadcast(self, tensor: Any, src: int = 0, cancelled=None) -> Any:
-        """Broadcast ``tensor`` from ``src``. ``cancelled()`` (checked about twice a second while
-        the broadcast is under way) may return a reason to give up: then `RuntimeError`, and the
-        group is unusable (a peer may be left in the collective)."""
+    def broadcast(self, tensor: Any, src: int = 0, cancelled: Callable[[], str | None] | None = None) -> Any:
+        """Broadcast ``tensor`` from ``src``.
+
+        ``cancelled()`` (checked about twice a second while the broadcast is under way) may return a
+        reason to give up: then `RuntimeError`, and the group is unusable (a peer may be left in the
+        collective).
+        """
         import torch.distributed as dist
 
         opts = dist.BroadcastOptions()
         opts.rootRank = src
+        if self._pg is None:
+            raise RuntimeError(f"weight update group {self.group_name!r} was destroyed or abandoned")
         work = self._pg.broadcast([tensor], opts)
         if cancelled is not None:
             done = threading.Event()
@@ -122,9 +135,14 @@ class WeightUpdateGroup:
         return tensor
 
     def _abandon(self) -> None:
-        """Abort the group (its peers may be stuck in a collective). Its backend object is kept
-        alive: dropping it would wait for the pending collective until the group's timeout."""
+        """Abort the group (its peers may be stuck in a collective).
+
+        Its backend object is kept alive: dropping it would wait for the pending collective until
+        the group's timeout.
+        """
         pg, self._pg = self._pg, None
+        if pg is None:
+            return
         try:
             pg.abort()
         except Exception:  # noqa: BLE001 - best effort
@@ -132,5 +150,6 @@ class WeightUpdateGroup:
         _ABANDONED.append(pg)
 
     def destroy(self) -> None:
+        """Drop this rank's group and store references."""
         self._pg = None
         self.store = None

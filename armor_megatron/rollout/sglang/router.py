@@ -78,6 +78,7 @@ def signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def log_tail(path: str, lines: int = 20) -> str:
+    """The last ``lines`` lines of the log at ``path`` ('' when unreadable)."""
     try:
         with open(path, "rb") as f:
             return b"\n".join(f.read().splitlines()[-lines:]).decode("utf-8", "replace")
@@ -131,6 +132,7 @@ class SGLangRouter:
 
     @property
     def url(self) -> str:
+        """The router's URL; raises before it started."""
         if self.port is None:
             raise RuntimeError("the SGLang router is not started")
         return local_url(self.host, self.port)
@@ -206,19 +208,22 @@ class SGLangRouter:
         env = dict(os.environ)
         if self.api_key:
             env[API_KEY_ENV] = self.api_key
+        assert self.log_path is not None  # start() names one
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def _wait_ready(self, deadline: float) -> None:
         client = self._client()
+        proc, log_path = self.proc, self.log_path
+        assert proc is not None and log_path is not None  # _spawn started it, logging there
         ready = None
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                tail = log_tail(self.log_path)
+            if proc.poll() is not None:
+                tail = log_tail(log_path)
                 if "Address already in use" in tail:
                     raise _PortTaken()
                 raise EngineUnavailableError(
-                    f"SGLang router exited with code {self.proc.returncode}; log tail ({self.log_path}):\n{tail}"
+                    f"SGLang router exited with code {proc.returncode}; log tail ({log_path}):\n{tail}"
                 )
             try:
                 ready = client.get("/readiness", timeout=5.0, retry=False)
@@ -229,7 +234,7 @@ class SGLangRouter:
             time.sleep(0.2)
         raise EngineUnavailableError(
             f"SGLang router {self.url} not routing to all {len(self.worker_urls)} workers after "
-            f"{self.startup_timeout:.0f}s (last /readiness: {ready}); log tail ({self.log_path}):\n{log_tail(self.log_path)}"
+            f"{self.startup_timeout:.0f}s (last /readiness: {ready}); log tail ({log_path}):\n{log_tail(log_path)}"
         )
 
     def stop(self, timeout: float | None = None) -> None:
@@ -248,6 +253,7 @@ class SGLangRouter:
 
     @property
     def running(self) -> bool:
+        """Whether the router process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self):

@@ -105,10 +105,14 @@ def sglang_admits(module: str, name: str) -> bool:
 
 
 class SGLangUnpickler(pickle.Unpickler):
-    """SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
-    and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID."""
+    """An unpickler with SGLang's allowlist, usable where SGLang is not installed.
+
+    SGLang's allowlist; SGLang's metadata class becomes ours where SGLang is not installed,
+    and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID.
+    """
 
     def find_class(self, module, name):
+        """The class ``module.name`` if SGLang's allowlist admits it, else UnpicklingError."""
         if not sglang_admits(module, name):
             raise pickle.UnpicklingError(f"SGLang's unpickler refuses {module}.{name} (not in its allowlist)")
         if (module, name) == (SGLANG_METADATA_MODULE, "FlattenedTensorMetadata"):
@@ -183,17 +187,20 @@ class _PayloadPickler(pickle._Pickler):
         super().__init__(file, protocol)
         self.dispatch_table = copyreg.dispatch_table.copy()
         self.dispatch_table.update(
-            (cls, _naming_gpus_by_uuid(reduce)) for cls, reduce in ForkingPickler._extra_reducers.items()
+            (cls, _naming_gpus_by_uuid(reduce))
+            for cls, reduce in ForkingPickler._extra_reducers.items()  # type: ignore[attr-defined]  # untyped private table
         )
 
-    def save_global(self, obj, name=None):
+    # typeshed's pickle._Pickler declares only the public Pickler API, not the pure-Python
+    # pickler's save_global, write and memoize that this override uses.
+    def save_global(self, obj: Any, name: str | None = None) -> None:
         if obj is FlattenedTensorMetadata:
-            self.write(pickle.GLOBAL + f"{SGLANG_METADATA_MODULE}\nFlattenedTensorMetadata\n".encode())
-            self.memoize(obj)
+            self.write(pickle.GLOBAL + f"{SGLANG_METADATA_MODULE}\nFlattenedTensorMetadata\n".encode())  # type: ignore[attr-defined]
+            self.memoize(obj)  # type: ignore[attr-defined]
             return
-        super().save_global(obj, name)
+        super().save_global(obj, name)  # type: ignore[misc]
 
-    dispatch[type] = save_global
+    dispatch[type] = save_global  # type: ignore[assignment]  # typeshed types dispatch as the Unpickler's table
 
 
 def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iterator[list[tuple[str, Any]]]:
@@ -203,7 +210,8 @@ def buckets(named_tensors: Iterable[tuple[str, Any]], bucket_bytes: int) -> Iter
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
-    bucket, size = [], 0
+    bucket: list[tuple[str, Any]] = []
+    size = 0
     for name, tensor in named_tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if bucket and (size + nbytes > bucket_bytes or tensor.dtype != bucket[0][1].dtype):

@@ -19,6 +19,13 @@ Modes (``WeightSyncConfig.mode``):
     Write an HF checkpoint (safetensors + config.json, atomically) to ``disk_dir`` on a file
     system the engines see, then ``/update_weights_from_disk``.
 
+Every mode is a :class:`WeightSync` subclass registered in ``WEIGHT_SYNC_MODES``
+(``@register_weight_sync_mode("name")``); ``WeightSyncConfig`` refuses an unregistered name in one
+line listing the registered ones, asks the mode's :meth:`WeightSync.check_config` for what it
+needs, and :func:`make_weight_sync` builds the registered class. The registry lives with the run
+config (``config.schema``), which declares the built-in names it must accept before this module
+is imported; a mode registered by code imported before the config loads needs no declaration.
+
 Only the last request of an update carries ``weight_version``, so an engine reports the new
 version only once all weights are in; afterwards every engine's reported version is read
 back and must equal the one pushed (:class:`WeightUpdateError` otherwise).
@@ -58,8 +65,9 @@ import socket
 import tempfile
 import threading
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
+from armor_megatron.config.schema import WEIGHT_SYNC_MODES
 from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
 from armor_megatron.rollout.hf_checkpoint import SAFETENSORS_INDEX, _replace_dir, write_hf_checkpoint
 from armor_megatron.rollout.sglang import tensor_payload
@@ -67,11 +75,13 @@ from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 
 logger = logging.getLogger(__name__)
 
-SYNC_MODES = ("tensor", "distributed", "disk")
+register_weight_sync_mode = WEIGHT_SYNC_MODES.register
 
 
 @dataclasses.dataclass
 class WeightSyncConfig:
+    """How weights reach the engines: mode, bucket size, TP size, and each mode's settings."""
+
     mode: str = "tensor"
     bucket_bytes: int = 512 << 20
     tp_size: int = 1  # TP ranks per engine: one payload entry / group rank each
@@ -89,12 +99,8 @@ class WeightSyncConfig:
     timeout: float = 600.0
 
     def __post_init__(self):
-        if self.mode not in SYNC_MODES:
-            raise ValueError(f"weight sync mode must be one of {SYNC_MODES}, got {self.mode!r}")
-        if self.mode == "disk" and not self.disk_dir:
-            raise ValueError("weight sync mode 'disk' needs disk_dir")
-        if self.mode == "disk" and self.hf_config is None:
-            raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
+        mode = cast("type[WeightSync]", WEIGHT_SYNC_MODES.definition(self.mode))  # a registered WeightSync class
+        mode.check_config(self)
 
 
 def _on_all(clients: Sequence[SGLangClient], fn) -> list:
@@ -121,7 +127,11 @@ def _post(client: SGLangClient, path: str, body: dict, timeout: float) -> Any:
 
 
 class WeightSync(abc.ABC):
-    """Base: sessions and version checks shared by the three modes."""
+    """Base: sessions and version checks shared by the modes."""
+
+    @classmethod
+    def check_config(cls, config: WeightSyncConfig) -> None:
+        """Raise ValueError (one line) when ``config`` lacks what this mode needs."""
 
     def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig):
         if not clients:
@@ -137,8 +147,10 @@ class WeightSync(abc.ABC):
         """Send HF-named tensors to every engine and tag them ``version``."""
 
     def push_sharded(self, weights: ShardedWeights, version: str) -> None:
-        """Push weights spread over the trainer's ranks (called on the driver; every rank takes
-        part). By default they are gathered on the driver, one bucket at a time, and pushed."""
+        """Push weights spread over the trainer's ranks (called on the driver; every rank takes part).
+
+        By default they are gathered on the driver, one bucket at a time, and pushed.
+        """
         self.push(iter(weights), version)
 
     def load_from_disk(self, path: str, version: str) -> None:
@@ -153,6 +165,7 @@ class WeightSync(abc.ABC):
         self.verify(version)
 
     def verify(self, version: str) -> None:
+        """Raise WeightUpdateError unless every engine reports ``version``."""
         for c in self.clients:
             reported = c.weight_version(timeout=self.config.timeout)
             if reported != version:
@@ -179,6 +192,7 @@ class WeightSync(abc.ABC):
             self._maybe_open.discard(i)
 
     def close(self) -> None:
+        """Release what the sync holds (nothing by default)."""
         pass
 
 
@@ -257,8 +271,11 @@ def _mark_last(iterable):
 def _post_tensor_bucket(
     clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
 ) -> None:
-    """One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
-    update's last request (it also flushes the cache)."""
+    """Send one bucket to every engine with ``/update_weights_from_tensor``.
+
+    One ``/update_weights_from_tensor`` of ``bucket`` to every engine; ``version`` marks the
+    update's last request (it also flushes the cache).
+    """
     load_format = tensor_payload.FLATTENED_BUCKET if cfg.flatten else None
     device = cfg.device or _default_handle_device()
     packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
@@ -277,8 +294,12 @@ def _post_tensor_bucket(
     _on_all(clients, send)  # the tensors stay alive until every engine has answered
 
 
+@register_weight_sync_mode("tensor")
 class TensorWeightSync(WeightSync):
+    """Pushes buckets as CUDA IPC handles (``update_weights_from_tensor``); engines on the trainer's node."""
+
     def push(self, named_tensors, version):
+        """Push ``named_tensors`` bucket by bucket, then set ``version``."""
         cfg = self.config
         sent = 0
         with self._session():
@@ -290,6 +311,7 @@ class TensorWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
+        """Push every owner's tensors (each owner sends its own), then set ``version``."""
         if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
             self.push(iter(weights), version)
             return
@@ -301,8 +323,11 @@ class TensorWeightSync(WeightSync):
 
 
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether every trainer rank shares the driver's node, from the launcher's environment
-    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process)."""
+    """Whether every trainer rank shares the driver's node.
+
+    Whether every trainer rank shares the driver's node, from the launcher's environment
+    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process).
+    """
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
         return env.get("LOCAL_WORLD_SIZE") == env["WORLD_SIZE"] or env["WORLD_SIZE"] == "1"
@@ -324,6 +349,7 @@ class TensorDelivery(ShardDelivery):
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``; an owner on another node raises."""
         if socket.gethostname() != self.driver_host:
             raise WeightUpdateError(
                 f"tensor weight sync: rank {rank} runs on {socket.gethostname()}, but CUDA IPC handles open only on "
@@ -365,19 +391,36 @@ class _TensorSink(ShardSink):
         return {"tensors": self.sent + len(self.pending or ())}
 
 
+@register_weight_sync_mode("disk")
 class DiskWeightSync(WeightSync):
+    """Writes an HF checkpoint on a shared file system and has the engines load it."""
+
+    @classmethod
+    def check_config(cls, config):
+        """Raise ValueError unless ``config`` names a disk directory and an HF config."""
+        if not config.disk_dir:
+            raise ValueError("weight sync mode 'disk' needs disk_dir")
+        if config.hf_config is None:
+            raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
+
     def push(self, named_tensors, version):
-        path = write_hf_checkpoint(self.config.disk_dir, named_tensors, self.config.hf_config)
+        """Write ``named_tensors`` as an HF checkpoint and load it into the engines at ``version``."""
+        cfg = self.config
+        assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
+        path = write_hf_checkpoint(cfg.disk_dir, named_tensors, cfg.hf_config)
         self.load_from_disk(path, version)
 
     def push_sharded(self, weights, version):
+        """Every owner writes its own shards; the assembled checkpoint is loaded at ``version``."""
         cfg = self.config
+        assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
         directory = os.path.abspath(cfg.disk_dir)
         os.makedirs(os.path.dirname(directory), exist_ok=True)
         staging = tempfile.mkdtemp(prefix=os.path.basename(directory) + ".tmp-", dir=os.path.dirname(directory))
         try:
             reports = weights.deliver(DiskDelivery(staging, cfg.bucket_bytes))
-            weight_map, total = {}, 0
+            weight_map: dict[str, str] = {}
+            total = 0
             for report in filter(None, reports):
                 total += report["bytes"]
                 for fname, names in report["files"].items():
@@ -405,6 +448,7 @@ class DiskDelivery(ShardDelivery):
         self.directory, self.bucket_bytes = directory, bucket_bytes
 
     def open(self, rank: int) -> ShardSink:
+        """The sink of owner ``rank``: its shard files in the staging directory."""
         return _DiskSink(self.directory, rank)
 
 
@@ -435,11 +479,13 @@ class _DiskSink(ShardSink):
         return {"files": self.files, "bytes": self.bytes}
 
 
+@register_weight_sync_mode("distributed")
 class DistributedWeightSync(WeightSync):
     """Broadcast over groups of 1 + Σ tp_size ranks, the broadcaster being rank 0.
 
     :meth:`push` (tensors on this process): one group, this process its rank 0.
-    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`)."""
+    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`).
+    """
 
     def __init__(self, clients, config):
         super().__init__(clients, config)
@@ -508,6 +554,7 @@ class DistributedWeightSync(WeightSync):
         self.group = joined["group"]
 
     def push(self, named_tensors, version):
+        """Broadcast ``named_tensors`` to the engines over the weights update group, then set ``version``."""
         cfg = self.config
         if self.group is None:
             self._init_group()
@@ -528,6 +575,7 @@ class DistributedWeightSync(WeightSync):
                         pool.submit(_post, c, "/update_weights_from_distributed", body, cfg.timeout)
                         for c in self.clients
                     ]
+                    assert self.group is not None  # joined above
                     for _, t in bucket:
                         self.group.broadcast(t.detach().to(device).contiguous(), src=0)
                     for f in futures:
@@ -535,8 +583,10 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
-        """Every owner rank broadcasts its own buckets over its own group; this (driver) rank
-        posts the engines' requests in one order (see :mod:`.owner_broadcast`)."""
+        """Every owner rank broadcasts its own buckets over its own group.
+
+        This (driver) rank posts the engines' requests in one order (see :mod:`.owner_broadcast`).
+        """
         from armor_megatron.rollout.sglang.owner_broadcast import OwnerBroadcastDelivery
 
         cfg = self.config
@@ -560,6 +610,7 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def close(self):
+        """Ask the engines to leave every group made, and destroy this side's."""
         names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
         for name in names:
             for c in self.clients:
@@ -574,6 +625,5 @@ class DistributedWeightSync(WeightSync):
 
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
-    return {"tensor": TensorWeightSync, "distributed": DistributedWeightSync, "disk": DiskWeightSync}[config.mode](
-        clients, config
-    )
+    """The registered mode ``config.mode`` over ``clients``."""
+    return WEIGHT_SYNC_MODES.call(config.mode, clients, config)

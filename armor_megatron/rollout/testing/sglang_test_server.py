@@ -166,13 +166,16 @@ def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
 
 
 def _join_weight_update_group(address, port, rank, world_size, group_name, backend, timeout):
-    """The engine's end of a weights update group, built as SGLang 0.5.23's
+    """The engine's end of a weights update group, built as SGLang builds it.
+
+    The engine's end of a weights update group, built as SGLang 0.5.23's
     ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
     trainer's :class:`~armor_megatron.rollout.sglang.process_group.WeightUpdateGroup`: a
     ``tcp://`` rendezvous, ``PrefixStore(group_name)`` around its store, torch's
     ``_new_process_group_helper`` (which adds ``"<group_name>/"`` and ``"<device>/"``), the
     group's ranks registered so ``dist.broadcast(..., group=)`` finds them. A trainer whose
-    rendezvous keys differ from SGLang's times out here as it would against SGLang."""
+    rendezvous keys differ from SGLang's times out here as it would against SGLang.
+    """
     import datetime
 
     from torch.distributed import distributed_c10d as c10d
@@ -211,8 +214,11 @@ class SGLangTestServer:
         deterministic: bool = False,
         original_logprobs: bool | None = None,
     ):
-        """``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
-        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``."""
+        """A server double in front of ``engine`` (not started: see :meth:`start`).
+
+        ``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
+        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
+        """
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
         self.deterministic, self.original_logprobs = deterministic, original_logprobs
@@ -230,26 +236,30 @@ class SGLangTestServer:
         self.pause_mode = None  # the mode of the last /pause_generation (test hook)
         self._abort_epoch = 0  # bumped by an "abort" pause: requests that started before are aborted
         self._running = 0  # generations in flight
-        self._released = set()  # memory tags released
-        self._groups = {}
+        self._released: set[str] = set()  # memory tags released
+        self._groups: dict[str, Any] = {}
         self._weights_lock = threading.Lock()  # weight requests one at a time (SGLang's communicators queue them)
-        self.distributed_updates = []  # (group_name, names) of every update_weights_from_distributed received
-        self._deferred = {}  # fused-in-memory checkpoint tensors of the update in progress
-        self._ckpt_names = None
-        self._failures = {}  # path -> [remaining, status]
+        self.distributed_updates: list[
+            tuple[str, list[str]]
+        ] = []  # (group_name, names) of every update_weights_from_distributed received
+        self._deferred: dict[str, Any] = {}  # fused-in-memory checkpoint tensors of the update in progress
+        self._ckpt_names: set[str] | None = None
+        self._failures: dict[str, list[int]] = {}  # path -> [remaining, status]
         self._aborts = 0
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
-        self._connections = set()
-        self.requests = {}  # path -> count, for tests
+        self._connections: set[socket.socket] = set()
+        self.requests: dict[str, int] = {}  # path -> count, for tests
 
     # ---- lifecycle ---------------------------------------------------------------------
 
     @property
     def url(self) -> str:
+        """The server's base URL."""
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> SGLangTestServer:
+        """Listen on ``host:port`` in a background thread; returns self."""
         server = self
 
         class Handler(_Handler):
@@ -263,10 +273,12 @@ class SGLangTestServer:
         return self
 
     def stop(self) -> None:
+        """Stop listening and join the server thread."""
         if self._httpd is not None:
             self._httpd.shutdown()
             self._httpd.server_close()
-            self._thread.join(timeout=10)
+            if self._thread is not None:
+                self._thread.join(timeout=10)
             self._httpd = None
 
     def crash(self) -> None:
@@ -312,6 +324,7 @@ class SGLangTestServer:
     # ---- request handling --------------------------------------------------------------
 
     def handle(self, method: str, path: str, headers, body: Any):
+        """Serve one request: count it, check the API key, apply injected failures, dispatch to the route's method."""
         with self._cond:
             self.requests[path] = self.requests.get(path, 0) + 1
         if self.api_key and not self._authorized(method, path, headers):
@@ -347,6 +360,7 @@ class SGLangTestServer:
     # -- generation
 
     def generate(self, body):
+        """``POST /generate``: sample from the local engine, SGLang's request and reply formats."""
         if not isinstance(body, dict):
             raise _invalid_request("request body must be a JSON object")
         prompts, single = self._prompts(body)
@@ -428,12 +442,16 @@ class SGLangTestServer:
 
     @property
     def context_length(self) -> int | None:
+        """The model's context length (``max_position_embeddings``), None when unknown."""
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
     def _sample(self, prompt, n, sampling, return_logprob):
-        """The n samples of one prompt. Without deterministic inference the seed is ignored and the
-        copies draw independently (one batch, the engine's own stream); with it each copy is drawn
-        alone from its seed (42 without one), so the copies of one request come out identical."""
+        """The n samples of one prompt.
+
+        Without deterministic inference the seed is ignored and the copies draw independently (one
+        batch, the engine's own stream); with it each copy is drawn alone from its seed (42 without
+        one), so the copies of one request come out identical.
+        """
         if sampling is None:  # max_new_tokens 0: nothing generated
             empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
             return [empty] * n
@@ -468,6 +486,7 @@ class SGLangTestServer:
         with self._cond:
             aborted = self._aborts > 0
             self._aborts -= aborted
+        reason: dict[str, Any]
         if aborted:
             reason = {"type": "abort", "message": "injected abort"}
         elif sample.finish_reason == "length":
@@ -495,6 +514,7 @@ class SGLangTestServer:
     # -- weights
 
     def begin_weight_update(self, body):
+        """``POST /begin_weight_update``: open a weight update session (one at a time)."""
         with self._cond:
             if self._session_open:
                 raise _failed_update("a weight update session is already open")
@@ -502,6 +522,7 @@ class SGLangTestServer:
         return {"success": True, "message": "weight update session opened"}
 
     def end_weight_update(self, body):
+        """``POST /end_weight_update``: close the weight update session."""
         with self._cond:
             if not self._session_open:
                 raise _failed_update("no weight update session is open")
@@ -533,13 +554,18 @@ class SGLangTestServer:
         from armor_megatron.rollout.hf_checkpoint import read_hf_checkpoint
 
         if self._ckpt_names is None:
+            if self.model_path is None:
+                raise ValueError("this server was started without a model_path: no checkpoint to read")
             self._ckpt_names = {n for n, _ in read_hf_checkpoint(self.model_path, keys_only=True)}
         return self._ckpt_names
 
     def _defer_fused(self, named):
-        """Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
+        """Hold back checkpoint tensors the in-memory model fuses.
+
+        Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
         places into its own fused parameters as they come, wait here until the update's last
-        request; every other tensor goes in now."""
+        request; every other tensor goes in now.
+        """
         if self.model_path is None:
             return named
         state = self.engine.model.state_dict()
@@ -560,6 +586,7 @@ class SGLangTestServer:
         self.engine.load_weights(list(full.items()), strict=True)
 
     def update_weights_from_disk(self, body):
+        """``POST /update_weights_from_disk``: load an HF checkpoint directory (every weight required)."""
         path = body.get("model_path")
         if not path or not os.path.isdir(path):
             raise _failed_update(f"Failed to update weights: model_path {path!r} is not a directory")
@@ -567,6 +594,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
     def update_weights_from_tensor(self, body):
+        """``POST /update_weights_from_tensor``: apply serialized named tensors, within a session."""
         from armor_megatron.rollout.sglang import tensor_payload
 
         self._require_session("update_weights_from_tensor")
@@ -581,6 +609,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update model weights."}
 
     def init_weights_update_group(self, body):
+        """``POST /init_weights_update_group``: join a trainer's weights update group."""
         with self._weights_lock:
             return self._init_weights_update_group(body)
 
@@ -601,6 +630,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
     def update_weights_from_distributed(self, body):
+        """``POST /update_weights_from_distributed``: receive a broadcast bucket over a joined group."""
         import torch
         import torch.distributed as dist
 
@@ -638,6 +668,7 @@ class SGLangTestServer:
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
     def destroy_weights_update_group(self, body):
+        """``POST /destroy_weights_update_group``: leave a group."""
         import torch.distributed as dist
 
         with self._weights_lock:
@@ -660,6 +691,7 @@ class SGLangTestServer:
         return set(tags)
 
     def release_memory_occupation(self, body):
+        """``POST /release_memory_occupation``: release memory tags (weights lost unless backed up on the CPU)."""
         tags = self._memory_tags(body, "release_memory_occupation")
         self._released |= tags
         if "weights" in tags and not self.weights_cpu_backup:
@@ -667,10 +699,12 @@ class SGLangTestServer:
         return JSON_NULL
 
     def resume_memory_occupation(self, body):
+        """``POST /resume_memory_occupation``: take the memory of the tags back."""
         self._released -= self._memory_tags(body, "resume_memory_occupation")
         return JSON_NULL
 
     def pause_generation(self, body):
+        """``POST /pause_generation``: pause in ``abort``, ``retract`` or ``in_place`` mode."""
         if not isinstance(body, dict):
             raise _invalid_request("pause_generation needs a JSON body")
         mode = body.get("mode", "abort")
@@ -683,17 +717,20 @@ class SGLangTestServer:
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     def continue_generation(self, body):
+        """``POST /continue_generation``: resume paused generation."""
         with self._cond:
             self._paused = False
             self._cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def health_generate(self, body):
+        """``GET /health_generate``: 503 while paused."""
         if self._paused:
             raise _HTTPError(503, {"error": "server is paused"})
         return None
 
     def update_weight_version(self, body):
+        """``POST /update_weight_version``: set the weight version without new weights."""
         version = (body or {}).get("new_version")
         if not isinstance(version, str):
             raise _invalid_request("new_version must be a string", "new_version")
@@ -701,6 +738,7 @@ class SGLangTestServer:
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
     def server_info(self, body):
+        """``GET /get_server_info``: model path, context length, weight version."""
         return {
             "model_path": self.model_path,
             "context_length": self.context_length,
@@ -709,6 +747,7 @@ class SGLangTestServer:
         }
 
     def models(self, body):
+        """``GET /v1/models``: the served model, as SGLang lists it."""
         name = self.model_path or "default"
         return {
             "object": "list",
@@ -716,6 +755,7 @@ class SGLangTestServer:
         }
 
     def model_info(self, body):
+        """``GET /model_info`` (and ``/get_model_info``): model and tokenizer paths."""
         return {
             "model_path": self.model_path,
             "tokenizer_path": self.model_path,
@@ -826,6 +866,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def main(argv=None) -> None:
+    """Run the test double as a server process (its command line mirrors SGLang's)."""
     parser = argparse.ArgumentParser(
         description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine"
     )

@@ -71,6 +71,7 @@ def make_tiny_checkpoint(
 
 
 def encode(tokenizer, text: str) -> list:
+    """Token ids of ``text`` without special tokens."""
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
