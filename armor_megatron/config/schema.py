@@ -570,6 +570,11 @@ class LoggingConfig:
     reference_kl: bool = checked(
         False, help="with algorithm.alpha = 1 (no mixed ratio), still compute π_ref log-probs for train/approx_kl_ref"
     )
+    sample_metrics: str | None = checked(
+        None,
+        help="module:function(samples) -> {name: value}, called on each step's scored rollouts (dicts with prompt, "
+        "response, score, is_anchor; logged as rollout/<name>) and each evaluation's (eval/<dataset>/<name>)",
+    )
 
 
 @dataclasses.dataclass

@@ -535,3 +535,8 @@ def _check_user_code(cfg: RunConfig) -> None:
             load_callable(hook)
         except ValueError as err:
             raise ConfigError("reference.validation_hook", str(err).splitlines()[0]) from None
+    if cfg.logging.sample_metrics:
+        try:
+            load_callable(cfg.logging.sample_metrics)
+        except ValueError as err:
+            raise ConfigError("logging.sample_metrics", str(err).splitlines()[0]) from None

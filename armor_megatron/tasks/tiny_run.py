@@ -8,6 +8,7 @@ the task — anchors need a reference that sometimes succeeds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from armor_megatron.config.schema import RunConfig
-from armor_megatron.tasks import arithmetic, tagged_addition
+from armor_megatron.tasks import arithmetic, tagged_addition, worked_addition
 from armor_megatron.tasks.arithmetic import solution, write_jsonl
 from armor_megatron.tasks.warmup import supervised_warmup
 
@@ -28,10 +29,12 @@ def _arithmetic_split(num_val: int, *, seed: int, max_operand: int):
 
 RECIPE = "armor_tiny_run.json"  # beside the model: what it was made from
 
-# task name -> (tokenizer builder, split(num_val, seed=, max_operand=) -> (train, val, warm-up rows))
+# task name -> (tokenizer builder, split(num_val, seed=, max_operand=, **options) -> (train, val, warm-up rows));
+# a warm-up row may carry its own "response" (otherwise the task's reference solution is taught)
 TASKS = {
     "arithmetic": (arithmetic.build_tokenizer, _arithmetic_split),
     "tagged_addition": (tagged_addition.build_tokenizer, tagged_addition.split_problems),
+    "worked_addition": (worked_addition.build_tokenizer, worked_addition.split_problems),
 }
 
 
@@ -61,25 +64,30 @@ def prepare_tiny_run(
     max_operand: int = 30,
     warmup_steps: int = 400,
     seed: int = 0,
+    options: dict | None = None,
+    warmup_lr: float = 3e-3,
     log: Callable[[str], None] | None = print,
 ) -> dict:
     """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
     config. The model is kept when ``armor_tiny_run.json`` there records the same recipe (task,
-    sizes, warm-up, seed, architecture), and rebuilt otherwise. ``task`` names an entry of
-    ``TASKS``. Returns {"train": rows, "val": rows}."""
+    sizes, warm-up corpus and settings, seed, architecture), and rebuilt otherwise. ``task`` names
+    an entry of ``TASKS``; ``options`` go to its split. Returns {"train": rows, "val": rows}."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if task not in TASKS:
         raise ValueError(f"unknown tiny task {task!r}; known: {', '.join(TASKS)}")
     build_tokenizer, split = TASKS[task]
     val_path = cfg.eval.datasets[0].path if cfg.eval.datasets else None
-    train_rows, val_rows, warmup_rows = split(num_val, seed=seed, max_operand=max_operand)
+    train_rows, val_rows, warmup_rows = split(num_val, seed=seed, max_operand=max_operand, **(options or {}))
     write_jsonl(cfg.data.train_path, train_rows)
     if val_path:
         write_jsonl(val_path, val_rows)
     tokenizer = build_tokenizer()
     hf = tiny_hf_config(cfg, tokenizer)
-    recipe = {"task": task, "warmup_steps": warmup_steps, "seed": seed, "max_operand": max_operand, "arch": hf}
+    responses = [r.get("response") or solution(r) for r in warmup_rows]
+    corpus = hashlib.sha256(json.dumps([[r["prompt"] for r in warmup_rows], responses]).encode()).hexdigest()
+    recipe = {"task": task, "warmup_steps": warmup_steps, "warmup_lr": warmup_lr, "seed": seed}
+    recipe.update(max_operand=max_operand, warmup_corpus_sha256=corpus, arch=hf)
     recorded = _recorded_recipe(cfg.model.path)
     if recorded == recipe:
         return {"train": train_rows, "val": val_rows}
@@ -94,8 +102,9 @@ def prepare_tiny_run(
         model,
         tokenizer,
         [r["prompt"] for r in warmup_rows],
-        [solution(r) for r in warmup_rows],
+        responses,
         steps=warmup_steps,
+        lr=warmup_lr,
         seed=seed,
         log=log,
     )

@@ -10,6 +10,7 @@ import os
 
 from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
 from armor_megatron.algo.loss import make_policy_loss_config
+from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.engine import SamplingParams
@@ -79,6 +80,7 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
         overlong_penalty=algo.overlong.penalty,
         reward_workers=cfg.reward.workers,
         timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
+        sample_metrics=load_callable(cfg.logging.sample_metrics) if cfg.logging.sample_metrics else None,
     )
 
 

@@ -42,8 +42,12 @@ def evaluate(
     pass_k: Sequence[int] = (1,),
     reward_workers: int | None = None,
     timeout: float | None = None,
+    sample_metrics: Callable[[list[dict]], dict] | None = None,
 ) -> EvalResult:
-    """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``."""
+    """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``.
+
+    ``sample_metrics(records)`` adds its ``{name: value}`` to each set's metrics (``logging.sample_metrics``).
+    """
     metrics: dict[str, Any] = {}
     records: list[dict[str, Any]] = []
     for es in eval_sets:
@@ -59,7 +63,7 @@ def evaluate(
         scores = _score_by_verifier(texts, answers, verifiers, reward_workers)
         ks = [k for k in pass_k if k <= es.k]
         metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
-        records.extend(
+        mine = [
             {
                 "dataset": es.name,
                 "index": row.index,
@@ -70,7 +74,10 @@ def evaluate(
                 "finish_reason": sample.finish_reason,
             }
             for (row, sample), score in zip(meta, scores)
-        )
+        ]
+        if sample_metrics is not None:
+            metrics[es.name].update({k: float(v) for k, v in sample_metrics(mine).items()})
+        records.extend(mine)
     return EvalResult(metrics, records)
 
 

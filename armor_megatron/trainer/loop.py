@@ -661,6 +661,7 @@ class ArmorTrainer:
             self.eval_sampling,
             verifier=self.cfg.reward.verifier,
             pass_k=self.cfg.eval.pass_k,
+            sample_metrics=self.settings.sample_metrics,
         )
         metrics = flatten_metrics(result.metrics)
         pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]

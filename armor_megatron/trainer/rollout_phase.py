@@ -59,6 +59,7 @@ class RolloutSettings:
     overlong_penalty: float = 1.0
     reward_workers: int | None = None
     timeout: float | None = None
+    sample_metrics: Callable[[list[dict]], dict] | None = None  # logging.sample_metrics, loaded
 
 
 def collect_groups(
@@ -128,6 +129,12 @@ def collect_groups(
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
+    if settings.sample_metrics is not None:
+        scored = [
+            {"prompt": row.prompt, "response": s.text, "score": float(a), "is_anchor": bool(anchor)}
+            for row, s, a, anchor in zip(prompt_of_row, samples, accuracy.reshape(-1), groups.is_anchor.reshape(-1))
+        ]
+        metrics.update({f"rollout/{k}": float(v) for k, v in settings.sample_metrics(scored).items()})
     if anchor_results is not None:  # set exactly when there are anchors
         metrics.update(
             {

@@ -154,7 +154,10 @@ def run_study(
 
     png = os.path.join(out, "curves.png")
     labels = {v: VARIANTS[v][0] for v in variants}
-    plot_study(curves, labels, png, title=f"tagged addition, {len(seeds)} seed(s) each: mean ± sd over seeds")
+    spread = "mean ± sd over seeds" if len(seeds) > 1 else "one seed, no spread"
+    plot_study(
+        curves, labels, png, title=f"tagged addition: validation accuracy (greedy), {len(seeds)} seed(s), {spread}"
+    )
     table = study_table(curves, labels)
     _write(os.path.join(out, "table.md"), table + "\n")
     _write(os.path.join(out, "summary.json"), json.dumps({v: dataclasses.asdict(c) for v, c in curves.items()}) + "\n")
@@ -258,3 +261,214 @@ def _write(path: str, text: str) -> None:
     with open(tmp, "w") as f:
         f.write(text)
     os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- the visible-shortcut study
+WORKED_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_worked.yaml")
+# chosen by the pilots (examples/overopt_pilots.md), fixed by examples/overopt_preregistration.md
+WORKED_TASK = {"task": "worked_addition", "num_val": 256, "warmup_steps": 600, "warmup_lr": 3e-3}
+WORKED_SPLIT = {"w_prob": 0.6, "d_cue": 1.0}  # worked_addition.split_problems options
+WORKED_RHO = 1.0  # the cue's share of RL training rows
+
+WORKED_VARIANTS = {
+    "dapo": ("DAPO", ["anchor.enabled=false", "algorithm.alpha=1.0"]),
+    "armor": ("ARMOR", []),
+    "mixed_only": ("mixed ratio, no anchors", ["anchor.enabled=false"]),
+    "anchors_only": ("anchors, α = 1", ["algorithm.alpha=1.0"]),
+    "armor_resets": ("ARMOR with resets (τ = 100)", ["reference.reset=every", "reference.tau=100"]),
+    "dapo_no_cue": (
+        "DAPO, control: ρ = 0",
+        ["anchor.enabled=false", "algorithm.alpha=1.0", "data.train_path={seed_dir}/train_rho0.jsonl"],
+    ),
+}
+
+
+@dataclasses.dataclass
+class PairedResult:
+    runs: dict  # variant -> [RunSummary], in the order of ``seeds``
+    seeds: list[int]
+    png: str
+    minutes: float  # wall time
+    cpu_minutes: float  # CPU time of this process and every process it waited for
+    variant_seeds: dict  # variant -> its seeds, in the order of ``runs[variant]``
+
+
+def _seed_paths(warm: str, seed: int, rho: float) -> list[str]:
+    d = os.path.join(warm, f"s{seed}")
+    return [
+        f"model.path={d}/hf",
+        f"data.train_path={d}/train_rho{rho:g}.jsonl",
+        f"eval.datasets=[{{name: worked-val, path: {d}/val.jsonl, k: 4}}]",
+    ]
+
+
+def _prepare_seed(config: str, warm: str, seed: int, rho: float, overrides: Sequence[str], task: dict, threads: int):
+    """One seed's data and warm-up (in a worker process): ``warm/s<seed>/`` holds the warmed-up
+    model ``hf``, ``val.jsonl`` and the training sets ``train_rho<ρ>.jsonl`` (ρ and 0)."""
+    import torch
+
+    from armor_megatron.tasks.worked_addition import split_problems
+
+    torch.set_num_threads(threads)
+    cfg = load_config(config, [*_seed_paths(warm, seed, rho), *overrides])
+    options = {k: v for k, v in task.items() if k not in ("task", *WORKED_SPLIT)}
+    split = {"rho": rho, **{k: task.get(k, v) for k, v in WORKED_SPLIT.items()}}
+    prepare_tiny_run(cfg, task=task["task"], seed=seed, options=split, log=None, **options)
+    no_cue, _, _ = split_problems(task["num_val"], seed=seed, **{**split, "rho": 0.0})
+    write_jsonl(os.path.join(warm, f"s{seed}", "train_rho0.jsonl"), no_cue)
+    with open(os.path.join(warm, f"s{seed}", "hf", RECIPE)) as f:
+        return json.load(f)
+
+
+def run_paired(
+    out: str,
+    variants: Sequence[str],
+    seeds: Sequence[int],
+    *,
+    rho: float = WORKED_RHO,
+    config: str = WORKED_CONFIG,
+    overrides: Sequence[str] = (),
+    jobs: int | None = None,
+    task: dict = WORKED_TASK,
+    title: str = "",
+    warmup_dir: str | None = None,
+    variant_seeds: dict[str, Sequence[int]] | None = None,
+    log: Callable[[str], None] = print,
+) -> PairedResult:
+    """The visible-shortcut study: per seed one warm-up (``<warmup_dir>/s<seed>``, default ``out``) that
+    every variant of that seed starts from, with the same data and data order; then ``variants`` × ``seeds`` of
+    ``armor-train`` ``jobs`` at a time (``variant_seeds`` gives a variant a subset of ``seeds``);
+    then ``out/curves.png`` and ``out/summary.json``. ``runs[v]`` holds variant v's summaries in
+    the order of its seeds (``PairedResult.variant_seeds``)."""
+    import resource
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    from armor_megatron.tasks.overopt_checks import summarize_run
+
+    unknown = [v for v in variants if v not in WORKED_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(WORKED_VARIANTS)}")
+    started, cpu0 = time.time(), _cpu_seconds(resource)
+    out = os.path.abspath(out)
+    warm = os.path.abspath(warmup_dir or out)
+    jobs = jobs or os.cpu_count() or 1
+    log(f"warm-up of seed(s) {', '.join(map(str, seeds))} in {warm} ({jobs} at a time)")
+    with ProcessPoolExecutor(max_workers=min(jobs, len(seeds)), mp_context=get_context("spawn")) as pool:
+        # one torch thread each: the tiny model's ops are too small for threads to pay (12x the CPU time with 2)
+        futures = {s: pool.submit(_prepare_seed, config, warm, s, rho, tuple(overrides), task, 1) for s in seeds}
+        recipes = {s: f.result() for s, f in futures.items()}
+    log(f"warm-up done in {(time.time() - started) / 60:.1f} min")
+    with open(config, "rb") as f:
+        stamp = {"config_sha256": hashlib.sha256(f.read()).hexdigest(), "models": recipes, "rho": rho}
+    runs = []
+    per_variant = {v: list((variant_seeds or {}).get(v, seeds)) for v in variants}
+    stray = {v: sorted(set(ss) - set(seeds)) for v, ss in per_variant.items() if set(ss) - set(seeds)}
+    if stray:
+        raise ValueError(f"variant_seeds outside the study's seeds: {stray}")
+    for v in variants:  # variant by variant, so the first variants' seeds are complete first
+        for seed in per_variant[v]:
+            seed_dir = os.path.join(warm, f"s{seed}")
+            name = f"{v}-s{seed}"
+            runs.append(
+                (
+                    v,
+                    seed,
+                    [
+                        sys.executable,
+                        "-m",
+                        "armor_megatron.cli.train",
+                        "--config",
+                        config,
+                        *_seed_paths(warm, seed, rho),
+                        f"logging.dir={out}/runs",
+                        *overrides,
+                        *(o.format(seed_dir=seed_dir) for o in WORKED_VARIANTS[v][1]),
+                        f"name={name}",
+                        f"checkpoint.dir={out}/ckpt/{name}",
+                        f"train.seed={seed}",
+                        f"rollout.seed={seed}",
+                        "checkpoint.resume=none",
+                    ],
+                )
+            )
+    _run_all(runs, out, jobs, stamp, log)
+    summaries = {v: [summarize_run(_records(out, v, s)) for s in per_variant[v]] for v in variants}
+    png = os.path.join(out, "curves.png")
+    plot_paired(summaries, {v: WORKED_VARIANTS[v][0] for v in variants}, png, title=title, seeds=len(seeds))
+    result = PairedResult(
+        summaries,
+        list(seeds),
+        png,
+        (time.time() - started) / 60,
+        (_cpu_seconds(resource) - cpu0) / 60,
+        per_variant,
+    )
+    _write(
+        os.path.join(out, "summary.json"),
+        json.dumps(
+            {
+                "seeds": per_variant,
+                "rho": rho,
+                "minutes": result.minutes,
+                "cpu_minutes": result.cpu_minutes,
+                "runs": {v: [dataclasses.asdict(r) for r in rs] for v, rs in summaries.items()},
+            }
+        )
+        + "\n",
+    )
+    return result
+
+
+def _cpu_seconds(resource) -> float:
+    """User + system CPU seconds of this process and of its children that have been waited for."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def plot_paired(runs: dict, labels: dict, out: str, *, title: str = "", seeds: int = 1) -> None:
+    """Validation accuracy (top) and the share of direct (D) validation responses (bottom) per
+    variant over the steps: the mean over seeds as a line (every seed faint when there are
+    several); DAPO's peak of the mean curve marked. Written to ``out`` (PNG), atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    from armor_megatron.tasks.overopt_checks import WINDOW, mean_curve
+    from armor_megatron.trainer.plotting import _save_atomically
+
+    fig, (val_ax, d_ax) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
+    for i, (name, rs) in enumerate(runs.items()):
+        colour = f"C{i % 10}"
+        curve = mean_curve(rs)
+        if len(rs) > 1:
+            for r in rs:
+                val_ax.plot(r.steps, r.val, color=colour, alpha=0.2, linewidth=0.8)
+                d_ax.plot(r.steps, r.val_d_share, color=colour, alpha=0.2, linewidth=0.8)
+        val_ax.plot(curve.steps, curve.val, color=colour, marker=".", label=labels.get(name, name))
+        d_ax.plot(curve.steps, curve.d_share, color=colour, marker=".", label=labels.get(name, name))
+        if name == "dapo":
+            val_ax.plot([curve.peak_step], [curve.peak], marker="*", markersize=16, color=colour, linestyle="none")
+            val_ax.annotate(
+                f"DAPO peak {curve.peak:.3f} (step {curve.peak_step})",
+                (curve.peak_step, curve.peak),
+                textcoords="offset points",
+                xytext=(8, 8),
+            )
+    last = max(r.last_step for rs in runs.values() for r in rs)
+    for ax in (val_ax, d_ax):
+        ax.axvspan(last - WINDOW, last, color="0.85", alpha=0.5, linewidth=0)
+        ax.grid(alpha=0.3)
+        ax.legend(loc="best", fontsize=8)
+    what = f"mean of {seeds} seeds (faint: each seed)" if seeds > 1 else "one seed, no spread"
+    val_ax.set_title(title or f"worked addition: validation accuracy (avg@4, T = 1), {what}")
+    val_ax.set_ylabel("validation accuracy")
+    d_ax.set_title("share of direct (D) answers among validation responses")
+    d_ax.set_ylabel("D-share")
+    d_ax.set_xlabel(f"step (shaded: the last {WINDOW} steps, the endpoint window)")
+    fig.tight_layout()
+    try:
+        _save_atomically(fig, out)
+    finally:
+        plt.close(fig)

@@ -139,3 +139,11 @@ def test_to_dict_redacts_the_api_key_unless_asked_for_secrets():
     assert to_dict(cfg)["rollout"]["sglang"]["api_key"] == "<redacted>"
     assert to_dict(cfg, secrets=True)["rollout"]["sglang"]["api_key"] == "k1"
     assert to_dict(load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml")))["rollout"]["sglang"]["api_key"] is None
+
+
+def test_a_sample_metrics_hook_that_does_not_import_is_refused_in_one_line():
+    worked = os.path.join(ROOT, "configs", "tiny_overopt_worked.yaml")
+    assert load_config(worked).logging.sample_metrics == "armor_megatron.tasks.worked_addition:mode_metrics"
+    with pytest.raises(ConfigError, match=r"^logging\.sample_metrics: cannot load 'nope\.mod:fn'") as err:
+        load_config(worked, ["logging.sample_metrics=nope.mod:fn"])
+    assert "\n" not in str(err.value)

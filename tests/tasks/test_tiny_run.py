@@ -61,8 +61,7 @@ def test_tagged_addition_warms_up_on_its_own_corpus_and_writes_its_splits(tmp_pa
 
 
 def test_a_model_made_for_another_recipe_is_rebuilt(tmp_path):
-    overrides = [f"model.path={tmp_path}/hf", f"data.train_path={tmp_path}/train.jsonl"]
-    cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides)
+    cfg = _config("tiny_cpu.yaml", tmp_path)  # every path under tmp_path, the validation set's too
     prepare_tiny_run(cfg, num_val=8, warmup_steps=1, log=None)
     lines = []
     prepare_tiny_run(cfg, task="tagged_addition", num_val=8, warmup_steps=1, log=lines.append)
@@ -70,3 +69,19 @@ def test_a_model_made_for_another_recipe_is_rebuilt(tmp_path):
     recipe = json.loads((tmp_path / "hf" / "armor_tiny_run.json").read_text())
     assert recipe["task"] == "tagged_addition" and recipe["arch"]["hidden_size"] == cfg.model.arch["hidden_size"]
     assert not os.path.exists(tmp_path / "hf.tmp")
+
+
+def test_worked_addition_warms_up_on_its_rows_own_responses_and_its_options_enter_the_recipe(tmp_path):
+    cfg = _config("tiny_overopt_worked.yaml", tmp_path)
+    prepare_tiny_run(cfg, task="worked_addition", num_val=8, warmup_steps=1, options={"rho": 1.0}, log=None)
+    train = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert all(int(r["prompt"][1]) == int(r["answer"]) // 10 for r in train)  # ρ = 1: every tag is the cue
+    first = json.loads((tmp_path / "hf" / "armor_tiny_run.json").read_text())
+    assert first["task"] == "worked_addition" and len(first["warmup_corpus_sha256"]) == 64
+    # ρ changes only the training tags: the warm-up model is kept; another W share rebuilds it
+    lines = []
+    prepare_tiny_run(cfg, task="worked_addition", num_val=8, warmup_steps=1, options={"rho": 0.0}, log=lines.append)
+    assert lines == []
+    options = {"rho": 0.0, "w_prob": 0.5}
+    prepare_tiny_run(cfg, task="worked_addition", num_val=8, warmup_steps=1, options=options, log=lines.append)
+    assert lines[0] == f"rebuilding {tmp_path}/hf: it was made for another recipe"

@@ -90,3 +90,15 @@ def test_seeded_eval_through_sglang_draws_k_different_samples(tmp_path, determin
         result = evaluate(engine, encode, sets, sampling, verifier="test_exact_text", pass_k=(1,))
         engine.shutdown()
     assert len({r["response"] for r in result.records}) == 4
+
+
+def test_sample_metrics_hook_adds_its_values_to_each_sets_metrics(tmp_path, engine_and_tokenizer):
+    engine, tok = engine_and_tokenizer
+    encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "x"}) + "\n" for p in ("1+", "2+")))
+    sets = [EvalSet("toy", PromptDataset(str(tmp_path / "d.jsonl")), k=2)]
+    hook = lambda samples: {"n": len(samples), "score_sum": sum(s["score"] for s in samples)}  # noqa: E731
+    result = evaluate(
+        engine, encode, sets, SamplingParams(max_new_tokens=2), verifier="test_always", sample_metrics=hook
+    )
+    assert result.metrics["toy"]["n"] == 4.0 and result.metrics["toy"]["score_sum"] == 4.0

@@ -219,3 +219,22 @@ def test_accuracy_per_domain_covers_the_on_policy_rows_of_each_verifier(setup, v
     default = [i for i in range(len(rows)) if i % 2 == 0]
     expected = acc[default][on_policy[default]].mean().item()
     assert metrics["rollout/accuracy/test_starts_with"] == pytest.approx(expected)
+
+
+def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup):
+    """``logging.sample_metrics`` gets each sample's prompt, response, score and anchor flag; its
+    values come back as ``rollout/<name>``."""
+    tok, policy, sampler, rows = setup
+    seen = []
+
+    def hook(samples):
+        seen.extend(samples)
+        return {"anchors": sum(s["is_anchor"] for s in samples), "correct": sum(s["score"] for s in samples)}
+
+    batch, metrics = _collect(setup, AnchorCache(sampler), sample_metrics=hook)
+    assert len(seen) == len(rows) * G
+    assert [s["is_anchor"] for s in seen] == batch["is_anchor"].tolist()
+    assert [s["score"] for s in seen] == batch["accuracy"].tolist()
+    assert [s["prompt"] for s in seen[::G]] == [r.prompt for r in rows]
+    assert metrics["rollout/anchors"] == float(batch["is_anchor"].sum()) > 0
+    assert metrics["rollout/correct"] == float(batch["accuracy"].sum())

@@ -71,3 +71,27 @@ def test_a_tiny_study_trains_recovers_and_resumes(tmp_path):
     lines.clear()
     run_study(str(tmp_path), ["dapo", "recovery"], [1], overrides=overrides, jobs=2, task=task, log=lines.append)
     assert "dapo-s1: already done" in lines and "recovery-s1: already done" in lines
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_tiny_paired_study_logs_modes_and_reuses_one_warm_up_per_seed(tmp_path):
+    from armor_megatron.tasks.overopt_checks import decide
+    from armor_megatron.trainer.study import run_paired
+
+    lines = []
+    task = {"task": "worked_addition", "num_val": 16, "warmup_steps": 5, "warmup_lr": 3e-3}
+    overrides = ["train.steps=4", "eval.every_steps=2", "rollout.prompts_per_step=4", "rollout.group_size=4"]
+    result = run_paired(
+        str(tmp_path), ["dapo", "armor"], [1, 2], overrides=overrides, jobs=2, task=task, log=lines.append
+    )
+    assert sorted(os.listdir(tmp_path / "s1")) == ["hf", "train_rho0.jsonl", "train_rho1.jsonl", "val.jsonl"]
+    for runs in result.runs.values():
+        assert [r.steps for r in runs] == [[0, 2, 4]] * 2
+        assert all(0.0 <= d <= 1.0 for r in runs for d in r.val_d_share)
+    assert result.runs["armor"][0].anchor_found >= 0.0 and result.cpu_minutes > 0 and os.path.isfile(result.png)
+    decision = decide(result.runs["dapo"], result.runs["armor"], None)
+    assert decision.verdict == "no claim" and decision.test is not None and decision.test.n == 2
+    lines.clear()
+    run_paired(str(tmp_path), ["dapo", "armor"], [1, 2], overrides=overrides, jobs=2, task=task, log=lines.append)
+    assert "dapo-s1: already done" in lines and "armor-s2: already done" in lines
