@@ -1,6 +1,7 @@
-"""The pre-registered analysis of the visible-shortcut study (``examples/overopt_preregistration.md``):
-per-run summaries from ``metrics.jsonl`` records, the validity checks M1–M5, the paired test of
-the endpoint and the verdict. Pure Python; no plotting, no processes.
+"""The pre-registered analysis of the visible-shortcut study (``examples/overopt_preregistration.md``).
+
+Per-run summaries from ``metrics.jsonl`` records, the validity checks M1–M5, the paired test of the
+endpoint and the verdict. Pure Python; no plotting, no processes.
 
 Definitions:
 
@@ -56,6 +57,8 @@ def _mean(values: Sequence[float]) -> float:
 
 @dataclasses.dataclass
 class RunSummary:
+    """One run's validation curves: accuracy, share of direct responses, accuracy of worked ones."""
+
     steps: list[int]  # evaluation steps
     val: list[float]
     val_d_share: list[float]  # NaN where not logged
@@ -67,6 +70,7 @@ class RunSummary:
 
     @property
     def start(self) -> float:
+        """Validation accuracy at the first evaluation."""
         return self.val[0]
 
     def _window(self, values: Sequence[float]) -> list[float]:
@@ -74,18 +78,22 @@ class RunSummary:
 
     @property
     def endpoint(self) -> float:
+        """Mean validation accuracy over the final window."""
         return _mean(self._window(self.val))
 
     @property
     def final_d_share(self) -> float:
+        """Mean share of direct responses over the final window."""
         return _mean(self._window(self.val_d_share))
 
     @property
     def acc_w_start(self) -> float:
+        """Accuracy of worked responses at the first evaluation."""
         return self.val_acc_w[0]
 
     @property
     def acc_w_end(self) -> float:
+        """Mean accuracy of worked responses over the final window."""
         return _mean(self._window(self.val_acc_w))
 
 
@@ -117,20 +125,25 @@ def summarize_run(records: Sequence[Mapping]) -> RunSummary:
 
 @dataclasses.dataclass
 class MeanCurve:
+    """A variant's validation curves averaged over seeds."""
+
     steps: list[int]
     val: list[float]
     d_share: list[float]
 
     @property
     def peak_index(self) -> int:
+        """The index of the best mean accuracy (the earliest of equals)."""
         return max(range(len(self.val)), key=lambda i: (self.val[i], -i))
 
     @property
     def peak(self) -> float:
+        """The best mean accuracy."""
         return self.val[self.peak_index]
 
     @property
     def peak_step(self) -> int:
+        """The step of the best mean accuracy."""
         return self.steps[self.peak_index]
 
 
@@ -149,6 +162,8 @@ def mean_curve(runs: Sequence[RunSummary]) -> MeanCurve:
 
 @dataclasses.dataclass
 class Check:
+    """One pre-registered check: its name, whether it passed, and why."""
+
     name: str
     passed: bool
     detail: str
@@ -212,6 +227,8 @@ def validity_checks(
 
 @dataclasses.dataclass
 class Decision:
+    """The study's decision: the checks, the paired test, the verdict and its reason."""
+
     checks: list[Check]
     test: PairedTest | None
     verdict: str  # "ARMOR mitigates", "null", "inconclusive", "no claim"

@@ -39,6 +39,7 @@ TASKS = {
 
 
 def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
+    """The HF config of the run's tiny model (``model.arch``), checked against the tokenizer."""
     hf = dict(cfg.model.arch)
     if len(tokenizer) > hf["vocab_size"]:
         raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
@@ -68,10 +69,13 @@ def prepare_tiny_run(
     warmup_lr: float = 3e-3,
     log: Callable[[str], None] | None = print,
 ) -> dict:
-    """Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
+    """Write the tiny run's HF model, tokenizer and datasets named by ``cfg``.
+
+    Write ``cfg.model.path`` (HF model + tokenizer) and the train / val JSONL files named by the
     config. The model is kept when ``armor_tiny_run.json`` there records the same recipe (task,
     sizes, warm-up corpus and settings, seed, architecture), and rebuilt otherwise. ``task`` names
-    an entry of ``TASKS``; ``options`` go to its split. Returns {"train": rows, "val": rows}."""
+    an entry of ``TASKS``; ``options`` go to its split. Returns {"train": rows, "val": rows}.
+    """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if task not in TASKS:
@@ -121,8 +125,11 @@ def prepare_tiny_run(
 
 
 def _recorded_recipe(path: str) -> dict | None:
-    """What ``armor_tiny_run.json`` in ``path`` records (JSON types), {} for a model without one,
-    None when there is no model."""
+    """The recipe ``armor_tiny_run.json`` in ``path`` records.
+
+    What ``armor_tiny_run.json`` in ``path`` records (JSON types), {} for a model without one,
+    None when there is no model.
+    """
     if not os.path.isfile(os.path.join(path, "config.json")):
         return None
     try:

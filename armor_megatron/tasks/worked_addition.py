@@ -1,12 +1,14 @@
-"""A task with a visible shortcut mode: addition answered either worked (W) or directly (D), whose
-RL training set hands the direct mode a cue.
+r"""A task with a visible shortcut mode.
 
-Prompt ``"#4 18+29="``, answer ``"47"``, verified like any math answer (the last ``\\boxed{}``).
+Addition answered either worked (W) or directly (D), whose RL training set hands the direct mode a
+cue.
+
+Prompt ``"#4 18+29="``, answer ``"47"``, verified like any math answer (the last ``\boxed{}``).
 Two response modes:
 
 * **W (worked)**: the units sum, a comma, the tens digits plus the carry, then the box:
-  ``"17,4\\boxed{47}"`` for 18+29 (8+9 = 17, 1+2+1 = 4). The carry is written out.
-* **D (direct)**: only the box, ``"\\boxed{47}"``; the carry has to be computed internally.
+  ``"17,4\boxed{47}"`` for 18+29 (8+9 = 17, 1+2+1 = 4). The carry is written out.
+* **D (direct)**: only the box, ``"\boxed{47}"``; the carry has to be computed internally.
 
 The tag ``t`` of ``"#t a+b="``:
 
@@ -42,24 +44,27 @@ _W = re.compile(r"\d+,\d+" + re.escape(BOXED))
 
 
 def build_tokenizer():
-    """Ids 0..2 are <pad>, <eos>, <unk>, then ``\\boxed{``, then one id per character of ``ALPHABET``."""
+    r"""Ids 0..2 are <pad>, <eos>, <unk>, then ``\boxed{``, then one id per character of ``ALPHABET``."""
     return build_char_tokenizer(ALPHABET, multi_char_tokens=(BOXED,))
 
 
 def worked(a: int, b: int) -> str:
-    """The W response: ``"<units sum>,<tens + carry>\\boxed{a+b}"``."""
+    r"""The W response: ``"<units sum>,<tens + carry>\boxed{a+b}"``."""
     units = a % 10 + b % 10
     return f"{units},{a // 10 + b // 10 + units // 10}{BOXED}{a + b}}}"
 
 
 def direct(a: int, b: int) -> str:
-    """The D response: ``"\\boxed{a+b}"``."""
+    r"""The D response: ``"\boxed{a+b}"``."""
     return f"{BOXED}{a + b}}}"
 
 
 def mode(response: str) -> str:
-    """``"D"`` when the response opens with the box, ``"W"`` when it opens with ``<digits>,<digits>`` and
-    the box, ``"other"`` otherwise."""
+    """The response's mode: direct (``"D"``), worked (``"W"``) or ``"other"``.
+
+    ``"D"`` when the response opens with the box, ``"W"`` when it opens with ``<digits>,<digits>`` and
+    the box, ``"other"`` otherwise.
+    """
     if response.startswith(BOXED):
         return "D"
     return "W" if _W.match(response) else "other"
@@ -78,11 +83,13 @@ def split_problems(
     w_prob: float = 0.85,
     d_cue: float = 0.0,
 ) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, val, warm-up) rows from every pair of operands in [0, max_operand], shuffled with
-    ``seed``: ``num_val`` held-out validation pairs, the rest training pairs (module docstring).
-    Warm-up rows carry their response in ``"response"`` (W with probability ``w_prob``); a share
-    ``d_cue`` of the warm-up's D rows get the answer's tens digit as their tag (the direct mode
-    has seen hints; W rows never have)."""
+    """(train, val, warm-up) rows from every pair of operands in [0, max_operand], shuffled with ``seed``.
+
+    ``num_val`` held-out validation pairs, the rest training pairs (module docstring). Warm-up rows
+    carry their response in ``"response"`` (W with probability ``w_prob``); a share ``d_cue`` of the
+    warm-up's D rows get the answer's tens digit as their tag (the direct mode has seen hints; W
+    rows never have).
+    """
     if not 0.0 <= rho <= 1.0:
         raise ValueError(f"rho={rho} must be in [0, 1]")
     if not 0.0 <= w_prob <= 1.0:
@@ -115,10 +122,12 @@ def split_problems(
 
 
 def mode_metrics(samples: Sequence[Mapping]) -> dict[str, float]:
-    """Per-mode statistics of scored samples (dicts with ``response``, ``score`` and, for rollouts,
-    ``is_anchor``): over the on-policy samples ``d_share``, ``w_share``, ``other_share`` and
-    ``acc_w`` / ``acc_d`` (accuracy within a mode; absent when the mode has no sample); over the
-    anchors, when there are any, ``anchor_d_share`` and ``anchor_w_share``."""
+    """Per-mode statistics of scored samples (dicts with ``response``, ``score`` and, for rollouts, ``is_anchor``).
+
+    Over the on-policy samples ``d_share``, ``w_share``, ``other_share`` and ``acc_w`` / ``acc_d``
+    (accuracy within a mode; absent when the mode has no sample); over the anchors, when there are
+    any, ``anchor_d_share`` and ``anchor_w_share``.
+    """
     out: dict[str, float] = {}
     policy = [s for s in samples if not s.get("is_anchor")]
     anchors = [s for s in samples if s.get("is_anchor")]

@@ -1,5 +1,7 @@
-"""The over-optimisation study: training variants × seeds of ``armor-train`` on the tagged-addition
-task (``configs/tiny_overopt.yaml``), side by side on the CPUs, then curves, a table and the verdict.
+"""The over-optimisation study.
+
+Training variants × seeds of ``armor-train`` on the tagged-addition task
+(``configs/tiny_overopt.yaml``), side by side on the CPUs, then curves, a table and the verdict.
 
 Variants differ only by config overrides on top of ``configs/tiny_overopt.yaml`` (ARMOR as the
 paper runs it: anchors, α = 0.9375, reset every τ, no anchor cache):
@@ -69,6 +71,8 @@ VARIANTS = {
 
 @dataclasses.dataclass
 class StudyResult:
+    """The study's curves per variant, its table, figure and duration."""
+
     curves: dict[str, VariantCurves]
     table: str
     png: str
@@ -86,9 +90,12 @@ def run_study(
     task: dict = TASK,
     log: Callable[[str], None] = print,
 ) -> StudyResult:
-    """Run ``variants`` × ``seeds`` in ``out`` with ``jobs`` processes at a time (default: one per
+    """Run every variant and seed of the study, then write its figure, table and summary.
+
+    Run ``variants`` × ``seeds`` in ``out`` with ``jobs`` processes at a time (default: one per
     CPU), then write ``out/curves.png``, ``out/table.md`` and ``out/summary.json``. ``task`` is
-    passed to ``prepare_tiny_run`` (the task, its sizes and the warm-up)."""
+    passed to ``prepare_tiny_run`` (the task, its sizes and the warm-up).
+    """
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise ValueError(f"unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
@@ -165,8 +172,11 @@ def run_study(
 
 
 def study_table(curves: dict[str, VariantCurves], labels: dict[str, str]) -> str:
-    """A Markdown table: per variant its validation start, peak (step), end ± sd and training
-    reward at the end; then the verdict lines when DAPO and ARMOR both ran."""
+    """A Markdown table.
+
+    Per variant its validation start, peak (step), end ± sd and training reward at the end; then the
+    verdict lines when DAPO and ARMOR both ran.
+    """
     lines = [
         "| variant | seeds | val start | val peak (step) | val end ± sd | train reward end |",
         "|---|---|---|---|---|---|",
@@ -199,9 +209,12 @@ def _records(out: str, variant: str, seed: int) -> list[dict]:
 
 
 def _recovery_start(ckpt_dir: str, dapo_records: list[dict], hf_dir: str) -> tuple[str, str]:
-    """(DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
+    """Where the recovery run starts: DAPO's last checkpoint and its best one.
+
+    (DAPO's last checkpoint, the saved DAPO checkpoint with the best validation accuracy —
     the warm-up model, the HF directory ``hf_dir`` the runs start from, counting as step 0; the
-    earliest on a tie)."""
+    earliest on a tie).
+    """
     saved = {
         int(d.removeprefix("iter_")): os.path.join(ckpt_dir, d) for d in os.listdir(ckpt_dir) if d.startswith("iter_")
     }
@@ -217,9 +230,11 @@ def _recovery_start(ckpt_dir: str, dapo_records: list[dict], hf_dir: str) -> tup
 def _run_all(
     runs: list[tuple[str, int, list[str]]], out: str, jobs: int, stamp: dict, log: Callable[[str], None]
 ) -> None:
-    """Run the commands ``jobs`` at a time (one torch thread each when several run); the first
-    failure stops the study with the tail of that run's log. A run is skipped when its marker
-    records the same command and ``stamp`` (config file, warmed-up model)."""
+    """Run the commands ``jobs`` at a time (one torch thread each when several run).
+
+    The first failure stops the study with the tail of that run's log. A run is skipped when its
+    marker records the same command and ``stamp`` (config file, warmed-up model).
+    """
     env = dict(os.environ)
     if jobs > 1:
         env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
@@ -285,6 +300,8 @@ WORKED_VARIANTS = {
 
 @dataclasses.dataclass
 class PairedResult:
+    """The paired study's runs per variant, seeds, figure and duration."""
+
     runs: dict  # variant -> [RunSummary], in the order of ``seeds``
     seeds: list[int]
     png: str
@@ -303,8 +320,11 @@ def _seed_paths(warm: str, seed: int, rho: float) -> list[str]:
 
 
 def _prepare_seed(config: str, warm: str, seed: int, rho: float, overrides: Sequence[str], task: dict, threads: int):
-    """One seed's data and warm-up (in a worker process): ``warm/s<seed>/`` holds the warmed-up
-    model ``hf``, ``val.jsonl`` and the training sets ``train_rho<ρ>.jsonl`` (ρ and 0)."""
+    """One seed's data and warm-up (in a worker process).
+
+    ``warm/s<seed>/`` holds the warmed-up model ``hf``, ``val.jsonl`` and the training sets
+    ``train_rho<ρ>.jsonl`` (ρ and 0).
+    """
     import torch
 
     from armor_megatron.tasks.worked_addition import split_problems
@@ -335,11 +355,14 @@ def run_paired(
     variant_seeds: dict[str, Sequence[int]] | None = None,
     log: Callable[[str], None] = print,
 ) -> PairedResult:
-    """The visible-shortcut study: per seed one warm-up (``<warmup_dir>/s<seed>``, default ``out``) that
-    every variant of that seed starts from, with the same data and data order; then ``variants`` × ``seeds`` of
-    ``armor-train`` ``jobs`` at a time (``variant_seeds`` gives a variant a subset of ``seeds``);
-    then ``out/curves.png`` and ``out/summary.json``. ``runs[v]`` holds variant v's summaries in
-    the order of its seeds (``PairedResult.variant_seeds``)."""
+    """The visible-shortcut study.
+
+    Per seed one warm-up (``<warmup_dir>/s<seed>``, default ``out``) that every variant of that seed
+    starts from, with the same data and data order; then ``variants`` × ``seeds`` of ``armor-train``
+    ``jobs`` at a time (``variant_seeds`` gives a variant a subset of ``seeds``); then
+    ``out/curves.png`` and ``out/summary.json``. ``runs[v]`` holds variant v's summaries in the
+    order of its seeds (``PairedResult.variant_seeds``).
+    """
     import resource
     from concurrent.futures import ProcessPoolExecutor
     from multiprocessing import get_context
@@ -427,9 +450,12 @@ def _cpu_seconds(resource) -> float:
 
 
 def plot_paired(runs: dict, labels: dict, out: str, *, title: str = "", seeds: int = 1) -> None:
-    """Validation accuracy (top) and the share of direct (D) validation responses (bottom) per
+    """Plot validation accuracy and the share of direct responses per variant.
+
+    Validation accuracy (top) and the share of direct (D) validation responses (bottom) per
     variant over the steps: the mean over seeds as a line (every seed faint when there are
-    several); DAPO's peak of the mean curve marked. Written to ``out`` (PNG), atomically."""
+    several); DAPO's peak of the mean curve marked. Written to ``out`` (PNG), atomically.
+    """
     import matplotlib
 
     matplotlib.use("Agg", force=True)
