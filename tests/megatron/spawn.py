@@ -32,6 +32,7 @@ import threading
 import time
 import traceback
 
+import psutil
 import torch.distributed
 import torch.multiprocessing as mp
 
@@ -87,8 +88,10 @@ def _serve(conn):
         try:
             message = conn.recv_bytes()
         except (EOFError, OSError):
+            _stop_children()
             return
         if message == b"stop":
+            _stop_children()
             return
         out_dir, rank = None, None
         try:
@@ -117,6 +120,17 @@ def _serve(conn):
         conn.send_bytes(b"done")
 
 
+def _stop_children() -> None:
+    """Kill what a pooled rank's calls left running (e.g. the ``multiprocessing`` manager megatron's
+    checkpoint writer starts and keeps): orphaned, it would hold the session's resource-tracker pipe
+    open and keep pytest waiting at exit."""
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
 class _Pool:
     """Idle spawned ranks; rank r of every call runs in ``ranks[r]`` (grown on demand)."""
 
@@ -141,12 +155,26 @@ class _Pool:
                 pass
         deadline = time.monotonic() + STOP_S
         for proc, conn in self.ranks:
+            left = _descendants(proc.pid)
             proc.join(max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
+                left = _descendants(proc.pid) or left
                 proc.kill()
                 proc.join()
+            for child in left:  # what the rank started and did not stop: orphaned now, so end it here
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
             conn.close()
         self.ranks = []
+
+
+def _descendants(pid: int) -> list:
+    try:
+        return psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
 
 
 _pool = _Pool()
