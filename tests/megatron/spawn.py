@@ -136,6 +136,15 @@ class _Pool:
 
     def __init__(self):
         self.ranks = []  # (process, parent end of its pipe)
+        # what the ranks' calls started and left running (megatron's checkpoint writer keeps a
+        # multiprocessing manager), seen after every call: a rank that dies (a test may kill it)
+        # orphans them, and stopping the pool ends them wherever they are by then
+        self.started = {}
+
+    def note_children(self, count):
+        for proc, _ in self.ranks[:count]:
+            for child in _descendants(proc.pid):
+                self.started[child.pid] = child
 
     def grow(self, size):
         ctx = mp.get_context("spawn")
@@ -161,13 +170,15 @@ class _Pool:
                 left = _descendants(proc.pid) or left
                 proc.kill()
                 proc.join()
-            for child in left:  # what the rank started and did not stop: orphaned now, so end it here
-                try:
-                    child.kill()
-                except psutil.NoSuchProcess:
-                    pass
+            for child in left:
+                self.started[child.pid] = child
             conn.close()
-        self.ranks = []
+        for child in self.started.values():  # psutil checks it is still the same process
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+        self.ranks, self.started = [], {}
 
 
 def _descendants(pid: int) -> list:
@@ -257,6 +268,7 @@ def _run_pooled(fn, world_size, args, timeout):
                 except (EOFError, OSError):
                     proc.join(5)  # it died: let its exit code be read
         finally:  # also when the caller is interrupted (Ctrl-C, pytest-timeout) while it waits
+            _pool.note_children(world_size)
             for r, (proc, _) in enumerate(ranks):
                 if r not in answered and proc.is_alive():
                     timed_out.add(r)
