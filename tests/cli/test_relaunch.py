@@ -63,7 +63,14 @@ def test_a_rank_dies_when_its_launcher_is_killed_with_sigkill(launched):
     rank.wait(timeout=30)  # psutil.TimeoutExpired here: the rank would train on without its launcher
 
 
-def test_outside_a_relaunched_rank_it_does_nothing(monkeypatch):
-    monkeypatch.delenv(relaunch.LAUNCHER_PID_VAR, raising=False)
-    relaunch.die_with_launcher()  # no launcher named: it returns and this process lives on
-    assert psutil.Process().is_running()
+def _exit_code(env):
+    code = "from armor_megatron.cli import relaunch; relaunch.die_with_launcher(); raise SystemExit(7)"
+    return subprocess.run([sys.executable, "-c", code], env=env, timeout=120).returncode
+
+
+def test_only_a_rank_of_a_relaunch_ends_when_its_launcher_is_gone(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in (relaunch.LAUNCHER_PID_VAR, relaunch.STATUS_DIR_VAR)}
+    gone = {relaunch.LAUNCHER_PID_VAR: "1"}  # not this process's parent
+    assert _exit_code(env) == 7  # no launcher named: it returns
+    assert _exit_code({**env, **gone}) == 7  # a launcher pid without the relaunch's status folder: not a rank
+    assert _exit_code({**env, **gone, relaunch.STATUS_DIR_VAR: str(tmp_path)}) == relaunch.EXIT_LAUNCHER_GONE

@@ -101,8 +101,6 @@ def test_one_step_staleness_resets_and_exact_resume_after_kill_9_and_sigterm(tin
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=120)
-    if proc.returncode == 0:
-        pytest.skip("the run finished before the signal arrived")
     assert proc.returncode == 85, err[-2000:]
     stopped = int(_latest(run).split("_")[1])
     assert 1 <= stopped < 4
