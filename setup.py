@@ -50,6 +50,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-random-order==1.2.0",  # off unless asked: `pytest --random-order` (README, Tests)
             "matplotlib>=3.7",
             "ruff==0.17.6",
             "mypy==2.4.1",  # .ci/run type-checks the package (settings in pyproject.toml)

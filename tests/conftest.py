@@ -2,7 +2,8 @@
 
 **Slow tests are marked by measurement.** A test not marked ``slow`` whose call and own set-up
 (its function-scoped fixtures) take more than ``ARMOR_SLOW_TEST_SECONDS`` seconds of wall time
-(default 10, on 2 idle cores; the fast subset is ``-m "not slow"``) fails, with a line asking to
+(default 10, on 2 idle cores, doubled when the process may use only one core: a test's two ranks
+then share it; the fast subset is ``-m "not slow"``) fails, with a line asking to
 mark it ``@pytest.mark.slow`` or make it faster. A shared (module-, class- or session-scoped)
 fixture is judged on its own, whichever test sets it up first: over the limit, the unmarked test
 that set it up fails, naming it. On a loaded machine raise the limit (``ARMOR_SLOW_TEST_SECONDS=30``);
@@ -10,7 +11,8 @@ that set it up fails, naming it. On a loaded machine raise the limit (``ARMOR_SL
 
 **Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
-still alive after a grace period fails the run, named, and is killed.
+still alive after a grace period (``ARMOR_LEFTOVER_GRACE_SECONDS``, default 10) fails the run,
+named, and is killed.
 
 The ranks `tests.megatron.spawn.run_ranks` keeps for the session are stopped first (a clean exit
 writes their coverage data). Three helpers are started by the code under test for the whole life of
@@ -35,18 +37,27 @@ import time
 import psutil
 import pytest
 
-GRACE_S = 10.0
+GRACE_ENV = "ARMOR_LEFTOVER_GRACE_SECONDS"
+GRACE_DEFAULT_S = 10.0
 SLOW_ENV = "ARMOR_SLOW_TEST_SECONDS"
 SLOW_DEFAULT_S = 10.0
 
 
-def slow_limit_s() -> float:
-    """The wall-time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit)."""
-    raw = os.environ.get(SLOW_ENV, "")
+def _seconds(env: str, default: float) -> float:
+    raw = os.environ.get(env, "")
     try:
-        return float(raw) if raw.strip() else SLOW_DEFAULT_S
+        return float(raw) if raw.strip() else default
     except ValueError:
-        raise pytest.UsageError(f"{SLOW_ENV}={raw!r} is not a number of seconds") from None
+        raise pytest.UsageError(f"{env}={raw!r} is not a number of seconds") from None
+
+
+def slow_limit_s() -> float:
+    """The wall-time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit).
+
+    The default is set for 2 cores; with one core usable (``taskset -c 0``) it doubles.
+    """
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
+    return _seconds(SLOW_ENV, SLOW_DEFAULT_S * (2.0 if cores < 2 else 1.0))
 
 
 _LIMIT = pytest.StashKey[float]()
@@ -157,7 +168,8 @@ def _describe(p: psutil.Process) -> str:
 def pytest_sessionfinish(session, exitstatus):
     _stop_lifetime_helpers()
     children = psutil.Process().children(recursive=True)
-    _, alive = psutil.wait_procs(children, timeout=GRACE_S)
+    grace_s = _seconds(GRACE_ENV, GRACE_DEFAULT_S)
+    _, alive = psutil.wait_procs(children, timeout=grace_s)
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     if not alive:
         return
@@ -167,7 +179,7 @@ def pytest_sessionfinish(session, exitstatus):
             p.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(alive, timeout=GRACE_S)
+    psutil.wait_procs(alive, timeout=grace_s)
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     message = f"{len(alive)} process(es) started by the tests outlived them (killed now):\n  " + "\n  ".join(names)
     if reporter is not None:

@@ -60,7 +60,8 @@ def _suite(pytester, body):
 
 
 @pytest.mark.timeout(120)
-def test_a_process_left_running_fails_the_run_and_is_killed(pytester, tmp_path):
+def test_a_process_left_running_fails_the_run_and_is_killed(pytester, tmp_path, monkeypatch):
+    monkeypatch.setenv("ARMOR_LEFTOVER_GRACE_SECONDS", "1")  # the sleeper never ends: no need to wait 10 s
     pid_file = str(tmp_path / "pid")
     result = _suite(pytester, LEAKY.format(pid_file=pid_file))
     assert result.ret == pytest.ExitCode.TESTS_FAILED

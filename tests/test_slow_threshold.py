@@ -91,3 +91,16 @@ def test_the_limit_is_set_by_the_environment(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, "soon")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*ARMOR_SLOW_TEST_SECONDS='soon' is not a number of seconds*"])
+
+
+def test_one_usable_core_doubles_the_default_limit(monkeypatch):
+    from tests.conftest import SLOW_DEFAULT_S, SLOW_ENV, slow_limit_s
+
+    monkeypatch.delenv(SLOW_ENV, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert slow_limit_s() == 2 * SLOW_DEFAULT_S  # taskset -c 0: a test's two ranks share the core
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    assert slow_limit_s() == SLOW_DEFAULT_S
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setenv(SLOW_ENV, "7")
+    assert slow_limit_s() == 7.0  # a limit that is set is taken as it is
