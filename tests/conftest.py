@@ -122,20 +122,33 @@ def pytest_runtest_makereport(item, call):
             return
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def world_of_one():
     """torch.distributed and megatron-core's model-parallel state of this process alone (gloo,
-    world size 1, TP=PP=1), for in-process Megatron tests; started once, stopped at the session's
-    end (a group that an earlier test left running serves as well and is left to it)."""
-    import torch.distributed as dist
-
+    world size 1, TP=PP=1), for in-process Megatron tests; started once per module and stopped
+    after it, so that a later module may start its own (`megatron.verify.single_process_megatron`)."""
     from armor_megatron.megatron import dist as mdist
 
-    owned = not dist.is_initialized()
     mdist.initialize(mdist.ParallelConfig(), environ={})
     yield
-    if owned:
-        mdist.shutdown()
+    mdist.shutdown()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_process_group_outlives_its_module(request):
+    """A module whose tests leave torch.distributed's default process group initialised fails (the
+    group is destroyed): a later test starting its own would fail by order alone."""
+    yield
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return
+    from armor_megatron.megatron import dist as mdist
+
+    mdist.shutdown()
+    pytest.fail(
+        f"{request.module.__name__} left torch.distributed's default process group initialised; "
+        "stop it in the test or use the world_of_one fixture"
+    )
 
 
 def _stop_lifetime_helpers() -> None:

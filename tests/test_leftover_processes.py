@@ -84,3 +84,29 @@ def test_pooled_ranks_are_stopped_at_the_end_not_reported(pytester):
     result = _suite(pytester, POOLED.format(repo=os.path.dirname(HERE)))
     assert result.ret == pytest.ExitCode.OK, result.stdout.str()
     assert "outlived" not in result.stdout.str()
+
+
+LEFT_GROUP = """
+import torch.distributed as dist
+
+
+def test_starts_a_group_and_leaves_it(tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+
+
+def test_after_it_in_the_same_module():
+    assert dist.is_initialized()  # the check runs once the module is done
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_process_group_left_by_a_module_fails_the_run_and_is_destroyed(pytester):
+    with open(os.path.join(HERE, "conftest.py")) as f:
+        pytester.makeconftest(f.read())
+    pytester.makepyfile(test_inner=LEFT_GROUP)
+    pytester.makepyfile(
+        test_later="import torch.distributed as dist\n\ndef test_no_group():\n    assert not dist.is_initialized()\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", "test_inner.py", "test_later.py")
+    result.assert_outcomes(passed=3, errors=1)
+    result.stdout.fnmatch_lines(["*test_inner left torch.distributed's default process group initialised*"])

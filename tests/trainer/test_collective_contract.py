@@ -155,10 +155,7 @@ def _marked(x):
 def test_recording_lists_marked_calls_and_distributed_ops_once_each(tmp_path):
     original = dist.all_reduce
     assert _marked.collective == "_marked" and _marked(1) == 2  # unrecorded: no list anywhere
-    owned = not dist.is_initialized()  # an earlier in-process test's world of one serves as well
-    if owned:
-        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    assert dist.get_world_size() == 1
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         import torch
 
@@ -177,8 +174,7 @@ def test_recording_lists_marked_calls_and_distributed_ops_once_each(tmp_path):
         ]
         assert dist.all_reduce is original and collectives._log is None
     finally:
-        if owned:
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def test_the_loops_phase_table_names_exactly_the_marked_methods():

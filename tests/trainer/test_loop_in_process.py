@@ -31,7 +31,7 @@ def starts_low(response, ground_truth):
     return float(bool(response) and response[0] in LOW)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def random_tiny(tmp_path_factory, world_of_one):
     """A tiny random HF model (character tokenizer) and 24 training / 8 validation prompts."""
     root = tmp_path_factory.mktemp("loop_in_process")
@@ -92,7 +92,7 @@ ARMOR_RUN = (
 )
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def armor_run(random_tiny, tmp_path_factory):
     run = tmp_path_factory.mktemp("armor_run")
     return run, _train(_config(random_tiny, run, *ARMOR_RUN))
