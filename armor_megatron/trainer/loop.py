@@ -83,7 +83,7 @@ from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors, collective
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
-from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter
+from armor_megatron.trainer.metrics_log import MetricsLogger, StepReporter, scalar_metrics
 from armor_megatron.trainer.overlap import (
     BackgroundRollout,
     PendingBatch,
@@ -193,6 +193,9 @@ class ArmorTrainer:
         self._pending: PendingBatch | None = None
         self._timeline_rollout: PendingBatch | None = None  # the generation of the batch this step trains
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
+        # the last step's metrics as its checkpoint was written; a resumed run logs them if the
+        # metrics log lost them (killed between the save and the log line): `_log_checkpointed_step`
+        self._step_record: dict | None = None
         self.loader: PromptLoader | None = None
         self.eval_sets: list[EvalSet] = []
         if self.is_driver:
@@ -319,6 +322,7 @@ class ArmorTrainer:
             "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
             "pending_batch": pending_state(self._settled_pending()),
+            "step_record": self._step_record,
         }
 
     def load_trainer_state(self, state: dict) -> None:
@@ -333,6 +337,7 @@ class ArmorTrainer:
             self.monitor.load_state_dict(state["monitor"])
             self._anchor_state = state.get("anchor_cache")
             self._pending = load_pending(state.get("pending_batch"))
+            self._step_record = state.get("step_record")
 
     def reference_replaced(self) -> None:
         """π_ref was loaded from elsewhere (recovery mode) after the state was restored.
@@ -691,6 +696,8 @@ class ArmorTrainer:
         save_hf = None if save_hf is None else collective(save_hf, name="save_hf")
         last: dict = {}
         reporter = self._progress_bar(logger)
+        if reporter is not None:
+            self._log_checkpointed_step(reporter)
         self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
         with PreemptionHandler() as preemption:
             if self.step == 0 and cfg.eval.every_steps:
@@ -758,6 +765,8 @@ class ArmorTrainer:
                 if reset:
                     metrics.update(self.reset_reference(timer))
                 if saved:
+                    if self.is_driver:
+                        self._step_record = {"step": self.step, "metrics": scalar_metrics(metrics)}
                     with timer.phase("checkpoint"):
                         save()
         if save_hf is not None and save_hf_due(cfg.checkpoint.save_hf, self.step, cfg.train.steps):
@@ -822,6 +831,21 @@ class ArmorTrainer:
             name=cfg.name,
             progress_bar=cfg.logging.progress_bar,
         )
+
+    def _log_checkpointed_step(self, reporter: StepReporter) -> None:
+        """Driver, on resume: log the checkpointed step's record if the metrics log lacks it.
+
+        A step's checkpoint is written before its log line (the record holds the save's time), so a
+        run killed in between resumes after a step its log never saw. The checkpoint carries the
+        step's metrics as they stood at the save (no ``time/*`` of the save and after, no anchor-pool
+        statistics); they are logged once, marked ``log/restored_from_checkpoint``.
+        """
+        record, self._step_record = self._step_record, None
+        logger = reporter.logger
+        if record is None or record["step"] != self.step or logger is None or not logger.lacks(self.step):
+            return
+        if reporter.should_log(self.step, record["metrics"]):
+            logger.log(self.step, {**record["metrics"], "log/restored_from_checkpoint": 1.0})
 
     def _report(self, metrics: dict, reporter: StepReporter) -> dict:
         """Driver: anchor statistics into the step's metrics, then the log and the step line."""

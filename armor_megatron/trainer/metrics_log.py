@@ -50,9 +50,10 @@ class MetricsLogger:
         self.path = os.path.join(log_dir, "metrics.jsonl")
         self.set_aside = None
         self._jsonl = None
+        self._last_step: int | None = None  # of the JSONL's records, once a resumed run truncated them
         if jsonl:
             if resume_step is not None:
-                truncate_after_step(self.path, resume_step)
+                self._last_step = truncate_after_step(self.path, resume_step)
             elif fresh_start and os.path.isfile(self.path) and os.path.getsize(self.path) > 0:
                 self.set_aside = f"{self.path}.{time.strftime('%Y%m%d-%H%M%S')}.{uuid.uuid4().hex[:6]}.old"
                 os.replace(self.path, self.set_aside)
@@ -84,10 +85,15 @@ class MetricsLogger:
                 resume="allow",
             )
 
+    def lacks(self, step: int) -> bool:
+        """Whether the JSONL a resumed run kept ends before ``step`` (False without a JSONL to tell)."""
+        return self._jsonl is not None and (self._last_step is None or self._last_step < step)
+
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         """Write the scalar metrics of ``step`` to every enabled sink."""
-        scalars = {k: float(v) for k, v in metrics.items() if _is_scalar(v)}
+        scalars = scalar_metrics(metrics)
         if self._jsonl is not None:
+            self._last_step = step
             record = {"step": step, "time": time.time(), **{k: _json_float(v) for k, v in scalars.items()}}
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
@@ -140,16 +146,25 @@ def read_metrics(path: str) -> list[dict]:
     return records
 
 
-def truncate_after_step(path: str, step: int) -> None:
-    """Drop records of steps > ``step`` (a resumed run rewrites them), atomically."""
+def truncate_after_step(path: str, step: int) -> int | None:
+    """Drop records of steps > ``step`` (a resumed run rewrites them), atomically.
+
+    Returns the step of the last record kept (None: none).
+    """
     if not os.path.exists(path):
-        return
+        return None
     kept = [r for r in read_metrics(path) if r.get("step", -1) <= step]
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         for record in kept:
             f.write(json.dumps(record) + "\n")
     os.replace(tmp, path)
+    return max((int(r["step"]) for r in kept if "step" in r), default=None)
+
+
+def scalar_metrics(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """The scalar entries of ``metrics`` as floats (tensors of one element included)."""
+    return {k: float(v) for k, v in metrics.items() if _is_scalar(v)}
 
 
 def _is_scalar(v: Any) -> bool:

@@ -154,9 +154,14 @@ def test_resuming_a_checkpoint_repeats_the_next_step_bit_for_bit(armor_run, rand
     # the trainer's memory goes to the host around rollouts and evaluation (bit-exact round trip)
     cfg = _config(random_tiny, run, *ARMOR_RUN, f"logging.dir={run}/resumed", "train.offload_during_rollout=true")
     resumed = _train(cfg, resume=str(run / "ckpt" / "iter_0000002"))
-    assert sorted(resumed) == [3]
+    assert sorted(resumed) == [2, 3]
     for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "anchor/found_rate", "eval/val/pass@1"):
         assert resumed[3][key] == metrics[3][key], key
+    # this log had no record of the checkpointed step (as when a run is killed between the save and
+    # its log line): the checkpoint's copy of the step's metrics is logged, marked, once
+    assert resumed[2]["log/restored_from_checkpoint"] == 1.0 and "log/restored_from_checkpoint" not in resumed[3]
+    for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "reference/reset"):
+        assert resumed[2][key] == metrics[2][key], key
 
 
 def test_ppo_trains_a_critic_beside_the_actor_and_resumes_it(random_tiny, tmp_path):

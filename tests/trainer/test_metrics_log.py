@@ -24,6 +24,7 @@ def test_jsonl_records_scalars_and_survives_resume(tmp_path):
     assert "name" not in records[0] and records[0]["bad"] == "inf"
     # resuming from the checkpoint of step 2 drops the records the resumed run will write again
     log = MetricsLogger(str(tmp_path), resume_step=2)
+    assert not log.lacks(2) and log.lacks(3)  # the log kept step 2's record
     log.log(3, {"reward": 0.33})
     log.close()
     assert [(r["step"], r["reward"]) for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [
@@ -31,6 +32,21 @@ def test_jsonl_records_scalars_and_survives_resume(tmp_path):
         (2, 0.2),
         (3, 0.33),
     ]
+
+
+def test_a_resumed_log_tells_which_steps_it_lacks(tmp_path):
+    log = MetricsLogger(str(tmp_path))
+    log.log(0, {"eval/x": 1.0})
+    log.log(1, {"reward": 0.1})
+    log.close()
+    # killed after the checkpoint of step 2 and before its record: the log ends at step 1
+    log = MetricsLogger(str(tmp_path), resume_step=2)
+    assert log.lacks(2) and not log.lacks(1)
+    log.log(2, {"reward": 0.2})
+    assert not log.lacks(2)
+    log.close()
+    assert MetricsLogger(str(tmp_path / "fresh"), resume_step=2).lacks(2)  # no log at all
+    assert not MetricsLogger(str(tmp_path / "off"), jsonl=False, resume_step=2).lacks(2)  # nothing to tell
 
 
 def test_torn_last_line_is_ignored(tmp_path):
