@@ -138,31 +138,33 @@ def test_a_few_steps_of_the_whole_loop(tiny, tmp_path, layout):
         assert metrics[3]["anchor_cache/hit_rate"] > 0  # pre-generated anchors served from the pools
 
 
+def _kill_9_at_checkpoint(args, run_dir, iteration: str) -> list[psutil.Process]:
+    """Start ``armor-train`` (``args``) in a session of its own, ``kill -9`` its process group as soon as
+    ``iteration`` is the latest checkpoint, and check that every rank it started died with it (torchrun
+    puts ranks in sessions of their own: none may train on beside a resumed run). Returns the ranks."""
+    proc = subprocess.Popen(
+        args, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.time() + 300
+        while _latest(run_dir) != iteration:
+            assert proc.poll() is None and time.time() < deadline, f"run ended before its checkpoint {iteration}"
+            time.sleep(0.05)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    _, alive = psutil.wait_procs(ranks, timeout=30)
+    assert not alive, [p.pid for p in alive]
+    return ranks
+
+
 def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_path):
     common = ["train.steps=4", "checkpoint.every_steps=2", "eval.every_steps=2"]
     reference = _train_cli(tiny, tmp_path / "straight", *common)
 
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _args(tiny, run, *common),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while _latest(run) != "iter_0000002":
-            assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
-            time.sleep(0.05)
-        ranks = psutil.Process(proc.pid).children(recursive=True)  # in sessions of their own (torchrun)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-    # the ranks die with their launcher: none trains on beside the resumed run
-    assert ranks
-    _, alive = psutil.wait_procs(ranks, timeout=30)
-    assert not alive, [p.pid for p in alive]
+    assert _kill_9_at_checkpoint(_args(tiny, run, *common), run, "iter_0000002")  # ranks under torchrun
     # checkpoint.resume defaults to auto; the trainer's memory goes to the host around every
     # rollout and evaluation (what colocated engines get) and must come back bit for bit
     resumed = _train_cli(tiny, run, *common, "train.offload_during_rollout=true")

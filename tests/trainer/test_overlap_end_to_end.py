@@ -2,7 +2,6 @@
 the forced wait equals ``off`` bit for bit; one-step staleness with versions checked, TIS on, anchors
 of an old reference resampled across resets; kill -9 and SIGTERM mid-overlap resume exactly."""
 
-import os
 import signal
 import subprocess
 import time
@@ -11,7 +10,7 @@ import pytest
 
 from armor_megatron.trainer.metrics_log import read_metrics
 from tests.processes import stopped_after
-from tests.trainer.test_end_to_end import _args, _env, _latest, _train
+from tests.trainer.test_end_to_end import _args, _env, _kill_9_at_checkpoint, _latest, _train
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -66,21 +65,7 @@ def test_one_step_staleness_resets_and_exact_resume_after_kill_9_and_sigterm(tin
 
     # kill -9 during step 3, while the generation of step 4's batch runs
     run = tmp_path / "killed"
-    proc = subprocess.Popen(
-        _args(tiny, run, *common),
-        env=_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while _latest(run) != "iter_0000002":
-            assert proc.poll() is None and time.time() < deadline, "run ended before its step-2 checkpoint"
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
+    _kill_9_at_checkpoint(_args(tiny, run, *common), run, "iter_0000002")
     resumed = _train(tiny, run, *common)
     assert sorted(resumed) == [0, 1, 2, 3, 4]
     for step in (3, 4):
