@@ -160,7 +160,12 @@ def main(argv=None) -> None:
     p.add_argument("--prompts", type=int, default=16)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--response-len", type=int, default=8, help="max new tokens: the generation side's weight")
-    p.add_argument("--hidden", type=int, default=64, help="hidden size of the tiny model: the update side's weight")
+    p.add_argument(
+        "--hidden",
+        type=int,
+        default=384,
+        help="hidden size of the tiny model: the update side's weight (384: balanced)",
+    )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--epochs", type=int, default=8, help="train.epochs_per_step")
     p.add_argument("--lr", type=float, default=2e-4)
