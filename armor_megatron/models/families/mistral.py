@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.families import llama
 from armor_megatron.models.family import Family, sliding_window
 
 
@@ -17,6 +18,8 @@ class Mistral(Family):
 
     model_types = ("mistral",)
     architectures = ("MistralForCausalLM",)
+    attention_names = llama.ATTENTION  # Llama's names
+    mlp_names = llama.MLP
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """The sliding window, if the config sets one."""
