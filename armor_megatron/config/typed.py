@@ -106,7 +106,7 @@ def registered(registry: Any) -> Check:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
     def listed(name: str) -> str:
-        keys = registry.entry(name).config_keys
+        keys = registry.entry(name, load=False).config_keys  # a lazily named entry stays unimported
         return f"{name} ({', '.join(keys.values())})" if keys else name
 
     return described(f"a registered {registry.kind}: {', '.join(map(listed, registry))}", check)

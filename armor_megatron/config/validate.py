@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from armor_megatron.algo.loss import POLICY_LOSSES
 from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
@@ -345,6 +346,7 @@ def _check_eval(cfg: RunConfig) -> None:
 def _check_critic(cfg: RunConfig) -> None:
     critic = cfg.critic
     registered_variant("algorithm", cfg.algorithm, "estimator", ADVANTAGE_ESTIMATORS)
+    registered_variant("algorithm", cfg.algorithm, "policy_loss", POLICY_LOSSES)
     if not needs_critic(cfg.algorithm.estimator):
         return
     if critic.warmup_steps >= cfg.train.steps:

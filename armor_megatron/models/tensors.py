@@ -58,7 +58,6 @@ class TPSplit(_Named):
     GLU = "glu"  # dim 0 of gate and of up separately
 
 
-
 DECODER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
 
