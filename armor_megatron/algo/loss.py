@@ -1,7 +1,6 @@
 """DAPO clipped surrogate on the ARMOR mixed ratio.
 
-DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
-aggregation modes of the RL frameworks.
+With clip-higher, dual-clip and the loss aggregation modes of the RL frameworks.
 
 Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantage A:
 
@@ -49,7 +48,7 @@ from typing import Any
 import torch
 
 from armor_megatron.algo.ratio import check_alpha, mixed_log_ratio, mixture_weight
-from armor_megatron.algo.registry import Registry
+from armor_megatron.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 

@@ -668,9 +668,8 @@ class LaunchConfig:
 class ThroughputConfig:
     """Speed options of the trained models, none changing what is computed.
 
-    Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
-    default is what it is): overlapped communication and fused kernels, none changing what is
-    computed. The defaults run on an image installed from the lock files alone (no APEX, no C
+    Overlapped communication and fused kernels (``models.megatron_options.Throughput`` says why
+    each default is what it is). The defaults run on an image installed from the lock files alone (no APEX, no C
     compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
     (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
     machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a

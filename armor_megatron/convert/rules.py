@@ -49,9 +49,8 @@ def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
 def hf_tensor_names(arch: ModelArch) -> list[str]:
     """Every HF tensor name a full checkpoint of ``arch`` holds, in checkpoint order.
 
-    Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
-    (embedding, per layer and expert, final norm, lm_head unless tied): what a complete export
-    must yield.
+    Each once (embedding, per layer and expert, final norm, lm_head unless tied): what a complete
+    export must yield.
     """
     return [
         name for rule in tensor_rules(arch) for layer, expert in rule.indices(arch) for name in rule.hf(layer, expert)
@@ -196,8 +195,7 @@ def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) 
 def mcore_to_hf(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Split one Megatron tensor into its HF tensors.
 
-    Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
-    are), in ``rule.hf_names`` order.
+    Contiguous (views where the rows already are), in ``rule.hf_names`` order.
     """
     out = []
     for blocks, shape in zip(mcore_to_hf_blocks(arch, rule, tensor), hf_shapes(arch, rule)):

@@ -141,8 +141,8 @@ def layer_rules(arch: ModelArch, layer: int) -> list[TensorRule]:
 def routed_experts(cfg: Mapping[str, Any], family: str, *, always_renormalise: bool = False) -> dict[str, Any]:
     """MoE fields of a config whose every layer routes.
 
-    MoE fields of a config whose every layer routes (``num_experts`` or ``num_local_experts``,
-    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``).
+    Read from ``num_experts`` or ``num_local_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size`` and ``norm_topk_prob``.
     """
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError(

@@ -73,6 +73,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
+from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
@@ -166,7 +167,7 @@ class ArmorTrainer:
         self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
         self.tokenizer = tokenizer
         self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = global_rank()
         self.is_driver = self.rank == 0
         # progress, replicated on every rank and checkpointed (``trainer_state``)
         self.step = 0

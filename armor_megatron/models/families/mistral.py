@@ -1,7 +1,7 @@
 """Mistral: the Llama layout with a sliding attention window.
 
-Mistral: the Llama layout with a sliding attention window (``sliding_window``), which the TE
-spec applies (the local spec's attention has none: exact for sequences up to the window).
+The TE spec applies ``sliding_window``; the local spec's attention has none (exact for sequences
+up to the window).
 """
 
 from collections.abc import Mapping

@@ -1,7 +1,7 @@
 """Mixtral: the Llama attention and routed experts in every layer.
 
-Mixtral: the Llama attention and routed experts in every layer under ``block_sparse_moe.``,
-named w1 / w3 / w2 (gate / up / down); the top-k weights are always renormalised.
+The experts sit under ``block_sparse_moe.``, named w1 / w3 / w2 (gate / up / down); the top-k
+weights are always renormalised.
 """
 
 from collections.abc import Mapping
