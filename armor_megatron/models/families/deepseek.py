@@ -27,9 +27,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES, FamilyPart, LatentAttentionSizes, ModelArch, UnsupportedModelError
-from armor_megatron.models.families import llama
+from armor_megatron.models.families import llama, qwen3_moe
 from armor_megatron.models.family import Family, MegatronSpec
-from armor_megatron.models.tensors import DECODER, HF_LAYER, MoENames, TensorRule, TPSplit, moe_mlp_rules, rule
+from armor_megatron.models.tensors import DECODER, HF_LAYER, TensorRule, TPSplit, moe_mlp_rules, rule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -77,14 +77,10 @@ class GroupRouting(FamilyPart):
 
 
 # HF names of one decoder layer, under ``model.layers.{layer}.``. MLA's are in `mla_rules` beside
-# their Megatron tensors; the first dense layers use Llama's MLP names.
-MOE = MoENames(
-    pre_mlp_norm="post_attention_layernorm.weight",
-    router="mlp.gate.weight",
-    experts="mlp.experts.",
-    expert_gate="gate_proj.weight",
-    expert_up="up_proj.weight",
-    expert_down="down_proj.weight",
+# their Megatron tensors; the first dense layers use Llama's MLP names; the MoE block is
+# Qwen3-MoE's routed experts, shared experts and V3's router selection bias.
+MOE = dataclasses.replace(
+    qwen3_moe.MOE,
     shared_gate_proj="mlp.shared_experts.gate_proj.weight",
     shared_up_proj="mlp.shared_experts.up_proj.weight",
     shared_down_proj="mlp.shared_experts.down_proj.weight",
