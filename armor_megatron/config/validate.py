@@ -30,6 +30,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
+    _check_policy_loss(cfg)
     _check_stability(cfg)
     _check_engines(cfg)
     _check_throughput(cfg)
@@ -346,7 +347,6 @@ def _check_eval(cfg: RunConfig) -> None:
 def _check_critic(cfg: RunConfig) -> None:
     critic = cfg.critic
     registered_variant("algorithm", cfg.algorithm, "estimator", ADVANTAGE_ESTIMATORS)
-    registered_variant("algorithm", cfg.algorithm, "policy_loss", POLICY_LOSSES)
     if not needs_critic(cfg.algorithm.estimator):
         return
     if critic.warmup_steps >= cfg.train.steps:
@@ -357,6 +357,10 @@ def _check_critic(cfg: RunConfig) -> None:
         raise ConfigError(
             "critic.optimizer.min_lr", f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}"
         )
+
+
+def _check_policy_loss(cfg: RunConfig) -> None:
+    registered_variant("algorithm", cfg.algorithm, "policy_loss", POLICY_LOSSES)
 
 
 def _check_stability(cfg: RunConfig) -> None:
