@@ -12,7 +12,7 @@ Layout of ``{root}``::
 
     iter_0000100/            a complete checkpoint (torch_dist files + common.pt + metadata.json)
         trainer_state.pt     `extra` (trainer state: containers of str/int/float/bool/None and
-                             tensors; loaded with ``weights_only=True``, so it cannot run code)
+                             tensors; loaded with ``weights_only=True``)
         armor_manifest.json  size and xxh3 checksum of every other file (`checkpoint_manifest`)
     latest                   text: "iter_0000100", the newest complete checkpoint
     latest_checkpointed_iteration.txt   text: "100", megatron's own tracker, for megatron's tools
@@ -30,6 +30,12 @@ file, fsync, ``os.replace``). A crash at any point leaves the previous ``latest`
 complete checkpoint: before the rename the new one is only a ``.tmp-`` directory; between
 rename and ``latest`` it is complete but unnamed (a later save of the same step replaces it).
 Saving over the checkpoint ``latest`` names is refused.
+
+Checkpoints from elsewhere run no code: ``.metadata`` is unpickled admitting only DCP's metadata
+classes, stored objects (RNG states) and ``trainer_state.pt`` with ``torch.load(weights_only=True)``,
+``common.pt`` by megatron with torch's default ``weights_only=True``; every file a checkpoint names
+stays inside it (`model_state.use_safe_checkpoint_reader`, `convert.dcp_safety`). The manifest
+detects damage, not tampering: whoever wrote the files can rewrite it.
 
 Damage: `load_checkpoint` checks every file against the manifest first and names the first bad
 one in a `DamagedCheckpointError` (one line). `find_latest` (what ``--resume auto`` uses) skips a
@@ -68,7 +74,12 @@ from armor_megatron.megatron.checkpoint_manifest import (
     read_as_checkpoint,
     write_manifest,
 )
-from armor_megatron.megatron.model_state import LATEST, latest_name, resolve_checkpoint_dir
+from armor_megatron.megatron.model_state import (
+    LATEST,
+    latest_name,
+    resolve_checkpoint_dir,
+    use_safe_checkpoint_reader,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"  # megatron's name for `latest` (it holds the step)
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -443,6 +454,7 @@ def load_checkpoint(
     same_layout = common["layout"] == _layout()
     if same_layout:
         state["rng"] = _rng_sharded_object()
+    use_safe_checkpoint_reader(path)
     with read_as_checkpoint(path):
         loaded = dist_checkpointing.load(state, path)
     if not load_optimizer:
@@ -462,8 +474,8 @@ def load_checkpoint(
 def load_trainer_state(path: str) -> dict:
     """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``.
 
-    Only containers, numbers, strings and tensors come back, so a checkpoint from elsewhere cannot
-    run code.
+    Only containers, numbers, strings and tensors come back: this file cannot run code (the rest
+    of the checkpoint is read as safely: see the module docstring).
     """
     full = os.path.join(path, EXTRA_FILE)
     try:

@@ -291,6 +291,51 @@ def test_trainer_state_is_unpickled_safely(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def crafted_metadata_worker(rank, root):
+    """Save a checkpoint, hide a payload that would create ``root/../pwned`` in its ``.metadata``
+    and rewrite its manifest (whoever crafts a checkpoint can), then resume from it and load its
+    weights as ``model.mcore_path`` / ``reference.init_from`` do; the genuine one still loads."""
+    import pickle
+
+    from tests.convert.test_dcp_safety import SystemPayload
+
+    mdist.initialize(TP1, ARCH, seed=5)
+    actor = _actor(TP1)
+    path = ckpt.save_checkpoint(root, 1, actor, None, {"cursor": 1})
+    genuine = open(os.path.join(path, ".metadata"), "rb").read()
+    metadata = pickle.loads(genuine)
+    metadata.storage_meta = SystemPayload(os.path.join(root, "..", "pwned"))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    write_manifest(path, describe_files(path, list_files(path)))
+    refusals = []
+    for load in (lambda: ckpt.load_checkpoint(path, actor, None), lambda: actor.load_weights(path)):
+        try:
+            load()
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append((type(e).__name__, str(e)))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(genuine)
+    write_manifest(path, describe_files(path, list_files(path)))
+    ckpt._VERIFIED.clear()
+    step, extra = ckpt.load_checkpoint(path, actor, None)
+    return refusals, step, extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crafted_metadata_runs_no_code_on_resume_or_weight_load(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    refusals, step, extra = run_ranks(crafted_metadata_worker, 1, str(root), timeout=240)[0]
+    line = f"{root}/iter_0000001/.metadata: refers to posix.system, which is not checkpoint metadata"
+    assert [r[0] for r in refusals] == ["UnsafeCheckpointError"] * 2, refusals
+    assert all(r[1].startswith(line) and "\n" not in r[1] for r in refusals), refusals
+    assert not (tmp_path / "pwned").exists()
+    assert (step, extra) == (1, {"cursor": 1})
+
+
 WRITER_SERVER_SCRIPT = """
 import os, sys, time
 from armor_megatron.megatron import checkpoint
