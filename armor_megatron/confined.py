@@ -20,7 +20,7 @@ class PathEscapeError(UserInputError):
     """A file names a path outside its own directory."""
 
 
-def inside(directory: str | os.PathLike, name: str, named_by: str) -> str:
+def inside(directory: str | os.PathLike, name: object, named_by: str) -> str:
     """``directory/name`` when it stays inside ``directory`` after resolving links; else `PathEscapeError`.
 
     Args:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -117,7 +117,8 @@ def load_object(data: io.BytesIO, where: str) -> io.BytesIO:
     """
     import numpy as np
 
-    numpy_globals = [np.core.multiarray._reconstruct, np.ndarray, np.dtype]
+    reconstruct = np.ndarray(0).__reduce__()[0]  # numpy's array unpickler, wherever this numpy keeps it
+    numpy_globals = [reconstruct, np.ndarray, np.dtype]
     numpy_globals += [type(np.dtype(t)) for t in (np.uint32, np.int64, np.float64, np.uint8)]
     try:
         with torch.serialization.safe_globals(numpy_globals):
@@ -144,7 +145,7 @@ def safe_reader_class():
 
             def __init__(self, path: str | os.PathLike, *args, **kwargs):
                 super().__init__(path, *args, **kwargs)
-                self._metadata = None
+                self._metadata: Any = None
 
             def read_metadata(self, *args, **kwargs):
                 if self._metadata is None:
@@ -157,7 +158,7 @@ def safe_reader_class():
                 return self._metadata
 
             def read_data(self, plan, planner):
-                return super().read_data(plan, _SafeBytesPlanner(planner, os.fspath(self.path)))
+                return super().read_data(plan, cast(Any, _SafeBytesPlanner(planner, os.fspath(self.path))))
 
         _SAFE_READER = SafeReader
     return _SAFE_READER

@@ -179,7 +179,8 @@ def _space_problem(error: BaseException) -> str | None:
     inside DCP's ``CheckpointException``; torch's archive writer turns a short write into ``unexpected
     pos``.
     """
-    pending, seen = [error], set()
+    pending: list[BaseException | None] = [error]
+    seen = set()
     while pending:
         e = pending.pop()
         if e is None or id(e) in seen:

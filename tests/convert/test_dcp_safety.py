@@ -2,7 +2,6 @@
 refused in one line by the converter and by DCP's load through the safe reader, and nothing it asks
 for runs; the files ``.metadata`` names stay inside the checkpoint; genuine checkpoints load."""
 
-import builtins
 import os
 import pickle
 import shutil
@@ -11,26 +10,10 @@ import pytest
 import torch
 
 from armor_megatron.cli.convert import main
-from armor_megatron.confined import PathEscapeError
-from armor_megatron.convert.dcp_safety import METADATA_FILE, UnsafeCheckpointError, read_metadata, safe_reader_class
 from armor_megatron.errors import UserInputError
+from tests.payloads import ExecPayload, SystemPayload
 
-
-class SystemPayload:
-    """Unpickling it runs ``touch <marker>`` (a ``__reduce__`` to os.system)."""
-
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return (os.system, (f"touch {self.marker}",))
-
-
-class ExecPayload(SystemPayload):
-    """Unpickling it creates ``<marker>`` through ``builtins.exec``."""
-
-    def __reduce__(self):
-        return (builtins.exec, (f"open({self.marker!r}, 'w').close()",))
+METADATA_FILE = ".metadata"
 
 
 def craft_metadata(ckpt_dir, payload_cls, marker):
@@ -61,6 +44,8 @@ def test_a_crafted_metadata_is_refused_by_mcore_to_hf_and_runs_nothing(capsys, t
     assert code == 2 and err.count("\n") == 1, err
     assert f"{mcore}/.metadata: refers to {refused}, which is not checkpoint metadata" in err
     assert not marker.exists() and not (tmp_path / "hf").exists()
+    from armor_megatron.convert.dcp_safety import UnsafeCheckpointError, read_metadata
+
     with pytest.raises(UnsafeCheckpointError) as e:
         read_metadata(str(mcore))
     assert isinstance(e.value, UserInputError) and not marker.exists()
@@ -79,6 +64,9 @@ def test_a_genuine_checkpoint_still_converts(capsys, tmp_path, mcore, tiny_model
 
 @pytest.mark.parametrize("where", ["../outside.distcp", "/etc/passwd", "link.distcp"])
 def test_a_data_file_outside_the_checkpoint_is_refused(capsys, tmp_path, mcore, where):
+    from armor_megatron.confined import PathEscapeError
+    from armor_megatron.convert.dcp_safety import read_metadata
+
     with open(mcore / METADATA_FILE, "rb") as f:
         metadata = pickle.load(f)
     shutil.copy(mcore / "__0_0.distcp", tmp_path / "outside.distcp")
@@ -103,6 +91,8 @@ def test_a_stored_object_is_loaded_without_running_code(tmp_path):
     from torch.distributed.checkpoint import load as dcp_load
     from torch.distributed.checkpoint import save as dcp_save
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from armor_megatron.convert.dcp_safety import safe_reader_class
 
     def save(state, path):  # each top-level value one item, as megatron stores its objects
         dcp_save(state, checkpoint_id=path, planner=DefaultSavePlanner(flatten_state_dict=False), no_dist=True)
@@ -129,6 +119,8 @@ def test_a_stored_object_is_loaded_without_running_code(tmp_path):
 
 
 def test_a_garbled_or_missing_metadata_is_one_line(tmp_path):
+    from armor_megatron.convert.dcp_safety import read_metadata
+
     (tmp_path / METADATA_FILE).write_bytes(b"\x80\x04garbage")
     with pytest.raises(UserInputError, match="unreadable checkpoint metadata"):
         read_metadata(str(tmp_path))

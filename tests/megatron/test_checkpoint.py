@@ -297,7 +297,7 @@ def crafted_metadata_worker(rank, root):
     weights as ``model.mcore_path`` / ``reference.init_from`` do; the genuine one still loads."""
     import pickle
 
-    from tests.convert.test_dcp_safety import SystemPayload
+    from tests.payloads import SystemPayload
 
     mdist.initialize(TP1, ARCH, seed=5)
     actor = _actor(TP1)
