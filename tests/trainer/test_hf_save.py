@@ -13,14 +13,7 @@ import pytest
 from armor_megatron.config.schema import SaveHFConfig
 from armor_megatron.convert.hf_io import HFCheckpoint
 from armor_megatron.convert.verify import compare_tensors
-from armor_megatron.trainer.hf_save import (
-    export_unfinished,
-    prune_hf,
-    record_hf_files,
-    remove_export_leftovers,
-    save_hf_due,
-    step_name,
-)
+from armor_megatron.trainer.hf_save import prune_hf, record_hf_files, save_hf_due, step_name
 from tests.trainer.test_end_to_end import _args, _env, _latest, _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,6 +36,8 @@ def test_prune_keeps_the_newest(tmp_path):
 
 def test_a_killed_export_is_found_and_its_leftovers_removed(tmp_path, capsys):
     """What a resume finishes: the copy its checkpoint's step was due (mid-run or final) and lacks."""
+    from armor_megatron.trainer.hf_save import export_unfinished, remove_export_leftovers
+
     every_2 = SaveHFConfig(every_steps=2)
     assert export_unfinished(every_2, str(tmp_path), 4, 10)  # killed during the export of step 4
     assert export_unfinished(every_2, str(tmp_path), 10, 10)  # killed during the final export
