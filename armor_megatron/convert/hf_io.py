@@ -110,10 +110,11 @@ def read_header(path: str, declared: torch.dtype | None) -> dict[str, tuple[torc
 
     Every reader of safetensors files in the project reads headers here. Each tensor's dtype must
     be a floating one (every weight of the supported families is; a header saying ``I32`` for
-    ``F32`` bytes would train on garbage): the config's declared ``torch_dtype`` when given, or a
-    wider float (fp32 norms, routers and biases in bf16 checkpoints are common). Its
-    ``data_offsets`` must span exactly shape × dtype size bytes, inside the file. Anything else is
-    a one-line `CheckpointError` naming the file, the tensor, what was found and what was expected.
+    ``F32`` bytes would train on garbage) and, at the size of the config's declared ``torch_dtype``,
+    that dtype itself (``F16`` is not ``BF16``); floats of other sizes are accepted (fp32 norms,
+    routers and biases in bf16 checkpoints are common). Its ``data_offsets`` must span exactly
+    shape × dtype size bytes, inside the file. Anything else is a one-line `CheckpointError` naming
+    the file, the tensor, what was found and what was expected.
     """
     try:
         with open(path, "rb") as f:
@@ -155,12 +156,19 @@ def read_header(path: str, declared: torch.dtype | None) -> dict[str, tuple[torc
 
 
 def _expected_dtype_codes(found: torch.dtype, declared: torch.dtype | None) -> str | None:
-    """None when a weight stored as ``found`` is acceptable under ``declared``; else what was expected."""
-    if declared is None:
-        return None if found.is_floating_point else "a floating dtype"
-    if found == declared or (found.is_floating_point and found.itemsize > declared.itemsize):
-        return None
-    return f"{_DTYPE_CODES[declared]} (the config's torch_dtype) or a wider float"
+    """None when a weight stored as ``found`` is acceptable under ``declared``; else what was expected.
+
+    A float of another size than the declared one is a legitimate mix (fp32 norms in a bf16
+    checkpoint, bf16 weights under a config saying float32); a wrong size also shows as a wrong byte
+    span. What the span cannot catch is a dtype of the declared one's size with another meaning:
+    an integer, or the other 16-bit float.
+    """
+    declared_code = None if declared is None else f"{_DTYPE_CODES[declared]} (the config's torch_dtype)"
+    if not found.is_floating_point:
+        return declared_code or "a floating dtype"
+    if declared is not None and found != declared and found.itemsize == declared.itemsize:
+        return declared_code
+    return None
 
 
 class HFCheckpoint:
