@@ -340,3 +340,21 @@ def test_check_masks_passwords_in_urls(capsys):
     assert main(["--config", SEVEN_B, "--check", "--no-files", f"rollout.sglang.urls={urls}"]) == 0
     out = capsys.readouterr().out
     assert "pa55" not in out and "https://alice:***@engines.example:30000/v1" in out and "http://127.0.0.1:30001" in out
+
+
+def test_the_relaunch_under_torchrun_hands_ranks_the_key_by_environment(monkeypatch):
+    """Ranks started by ``armor-train``'s own relaunch show their command lines in ``ps`` too."""
+    import armor_megatron.cli.train as train_cli
+
+    for var in train_cli.LAUNCHER_VARS + ("ARMOR_ENGINE_API_KEY",):
+        monkeypatch.delenv(var, raising=False)  # and ARMOR_ENGINE_API_KEY is removed again afterwards
+    started = {}
+
+    def relaunch(argv, nprocs, requeue_code):
+        started.update(argv=argv, nprocs=nprocs, key=os.environ.get("ARMOR_ENGINE_API_KEY"))
+        return 0
+
+    monkeypatch.setattr(train_cli, "relaunch_under_torchrun", relaunch)
+    assert main(["--config", TINY, "--no-files", "rollout.sglang.api_key=s3cret", "train.steps=1"]) == 0
+    assert started["nprocs"] == 2 and started["key"] == "s3cret"
+    assert started["argv"] == ["--config", TINY, "--no-files", "train.steps=1"]
