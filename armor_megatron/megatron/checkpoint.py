@@ -159,8 +159,10 @@ def save_checkpoint(
         reason = _space_problem(e)
         if reason is None:
             raise
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # frees what the save took; nothing names it
+        if dist.get_rank() == 0:  # frees what the save took; nothing names it (`latest` is never `name`)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if latest_name(root) != name:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)  # renamed, `latest` not yet moved
         raise CheckpointSpaceError(_space_message(root, step, reason)) from None
     return os.path.join(root, name)
 
