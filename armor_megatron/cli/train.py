@@ -41,6 +41,7 @@ from armor_megatron.cli.common import (
 from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
 from armor_megatron.launch.memory import plan_problem
+from armor_megatron.launch.plan import API_KEY_ENV, LaunchPlanError, without_secrets
 from armor_megatron.trainer import preemption
 
 PROG = "armor-train"
@@ -134,6 +135,12 @@ def main(argv: list[str] | None = None) -> int:
             "(one task per GPU) or submit tools/slurm/armor.sbatch",
         )
     if nprocs > 1 and not any(v in os.environ for v in LAUNCHER_VARS):
+        try:
+            argv = without_secrets(argv)  # the ranks' command lines show in `ps`; the key goes by environment
+        except LaunchPlanError as err:
+            return fail(PROG, str(err))
+        if cfg.rollout.sglang.api_key:
+            os.environ[API_KEY_ENV] = cfg.rollout.sglang.api_key
         return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
     return _train(cfg, args.resume)
 

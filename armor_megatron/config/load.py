@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import API_KEY_ENV, RunConfig
 from armor_megatron.config.typed import ConfigError, from_dict
 from armor_megatron.config.validate import validate_run_config
 from armor_megatron.rewards.spec import add_search_paths
@@ -27,10 +27,13 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     """The checked RunConfig.
 
     An unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory).
+    ``$ARMOR_ENGINE_API_KEY``, when set, is ``rollout.sglang.api_key``.
     ``reward.python_path`` entries, relative to the config file, become absolute and are searched
     for user modules (``module:function`` verifiers and hooks) from here on.
     """
     cfg = from_dict(RunConfig, config_tree(path, overrides))
+    if os.environ.get(API_KEY_ENV):  # how the SLURM plan and the torchrun relaunch hand ranks the key
+        cfg.rollout.sglang.api_key = os.environ[API_KEY_ENV]
     if cfg.checkpoint.dir is None:
         cfg.checkpoint.dir = os.path.join(DEFAULT_CHECKPOINT_ROOT, cfg.name)
     here = os.path.dirname(os.path.abspath(path))

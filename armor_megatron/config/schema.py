@@ -20,10 +20,13 @@ from armor_megatron.config.typed import (
     described,
     in_range,
     non_empty,
+    path_component,
     positive,
     registered,
 )
 from armor_megatron.registry import Registry
+
+API_KEY_ENV = "ARMOR_ENGINE_API_KEY"  # rollout.sglang.api_key by environment: never on a command line
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -121,7 +124,10 @@ class SGLangConfig:
         30000, check=in_range(1024, 65535), help="port of the first launched server; the others count up from it"
     )
     api_key: str | None = checked(
-        None, secret=True, help="required by the engines; redacted in printed configs, passed to servers by environment"
+        None,
+        secret=True,
+        help=f"required by the engines; redacted in printed configs, passed to servers and trainer ranks by "
+        f"environment (${API_KEY_ENV}, which when set is the key)",
     )
     allow_unauthenticated: bool = checked(
         False, help="let engines listen on all interfaces (host 0.0.0.0) without an api_key: a trusted network only"
@@ -751,7 +757,7 @@ class RunConfig:
     data: DataConfig
     name: str = checked(
         "armor",
-        check=non_empty,
+        check=path_component,
         help="the run's name: metrics in <logging.dir>/<name>, checkpoints in checkpoints/<name> unless checkpoint.dir is set",
     )
     parallelism: ParallelismConfig = dataclasses.field(default_factory=ParallelismConfig)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import types
 import typing
 from collections.abc import Callable, Iterable
@@ -120,6 +121,18 @@ def non_empty(x: Any) -> str | None:
 described("not empty", non_empty)
 
 
+def path_component(x: Any) -> str | None:
+    """A value that names one directory entry: not empty, no path separator, not ``.`` or ``..``."""
+    if not x:
+        return "must not be empty"
+    if "/" in x or "\\" in x or "\0" in x or x in (".", ".."):
+        return f"must be a plain name (no '/', not '.' or '..'): {x!r} would place files outside their directory"
+    return None
+
+
+described("a plain name (no '/', not '.' or '..')", path_component)
+
+
 # ---------------------------------------------------------------------------- building
 
 
@@ -154,8 +167,8 @@ def from_dict(cls: type[T], data: Any, key: str = "") -> T:
 def to_dict(obj: Any, *, secrets: bool = False) -> Any:
     """The plain-data form of a config (for printing and saving beside checkpoints).
 
-    A set secret field (an API key) reads ``<redacted>`` unless ``secrets`` (writing a config
-    another job runs).
+    A set secret field (an API key) reads ``<redacted>`` and a password in a URL ``***`` unless
+    ``secrets`` (writing a config another job runs).
     """
     if dataclasses.is_dataclass(obj):
         out = {}
@@ -168,7 +181,17 @@ def to_dict(obj: Any, *, secrets: bool = False) -> Any:
         return [to_dict(v, secrets=secrets) for v in obj]
     if isinstance(obj, dict):
         return {k: to_dict(v, secrets=secrets) for k, v in obj.items()}
+    if isinstance(obj, str) and not secrets:
+        return mask_url_passwords(obj)
     return obj
+
+
+_URL_PASSWORD = re.compile(r"(\b[a-zA-Z][a-zA-Z0-9+.-]*://[^/\s:@]*:)[^/\s@]*(@)")
+
+
+def mask_url_passwords(text: str) -> str:
+    """``https://user:secret@host/...`` -> ``https://user:***@host/...`` (every URL in ``text``)."""
+    return _URL_PASSWORD.sub(r"\1***\2", text)
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

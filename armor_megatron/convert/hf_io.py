@@ -23,11 +23,13 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 
+from armor_megatron.confined import inside
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.raw_io import byte_view, open_sliced, pread_into
 from armor_megatron.convert.segments import FileSegment, copy_segments, read_chunks, total_bytes
@@ -68,6 +70,107 @@ class TensorInfo:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+def safetensors_files(directory: str) -> list[str]:
+    """The safetensors files of an HF model directory, relative to it.
+
+    The shards ``model.safetensors.index.json`` names (each confined to ``directory``, links
+    resolved: `confined.inside`), else ``model.safetensors``. Existence is the caller's to check.
+    """
+    index_path = os.path.join(directory, INDEX_FILE)
+    if os.path.isfile(index_path):
+        try:
+            with open(index_path) as f:
+                weight_map = json.load(f).get("weight_map") or {}
+        except (OSError, ValueError, AttributeError) as e:
+            raise CheckpointError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index_path}: weight_map must map tensor names to files")
+        shards = sorted(set(weight_map.values()), key=str)
+    elif os.path.isfile(os.path.join(directory, SINGLE_FILE)):
+        index_path, shards = directory, [SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{directory}: no {SINGLE_FILE} or {INDEX_FILE}")
+    for shard in shards:
+        inside(directory, shard, index_path)
+    return shards
+
+
+def declared_dtype(config: Mapping[str, Any]) -> torch.dtype | None:
+    """The floating dtype an HF config declares for its weights (``torch_dtype``, or ``dtype`` in transformers 5).
+
+    None when it declares none (or one this project does not know).
+    """
+    name = config.get("torch_dtype") or config.get("dtype")
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else None
+
+
+def read_header(path: str, declared: torch.dtype | None) -> dict[str, tuple[torch.dtype, tuple[int, ...], int]]:
+    """{name: (dtype, shape, offset of the first data byte)} of a safetensors file, every entry checked.
+
+    Every reader of safetensors files in the project reads headers here. Each tensor's dtype must
+    be a floating one (every weight of the supported families is; a header saying ``I32`` for
+    ``F32`` bytes would train on garbage) and, at the size of the config's declared ``torch_dtype``,
+    that dtype itself (``F16`` is not ``BF16``); floats of other sizes are accepted (fp32 norms,
+    routers and biases in bf16 checkpoints are common). Its ``data_offsets`` must span exactly
+    shape × dtype size bytes, inside the file. Anything else is a one-line `CheckpointError` naming
+    the file, the tensor, what was found and what was expected.
+    """
+    try:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        size = os.path.getsize(path)
+    except (OSError, ValueError, struct.error) as e:
+        raise CheckpointError(f"{path}: unreadable safetensors header ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object")
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path}: tensor {name} has a malformed header entry {entry!r}") from None
+        dtype = _CODE_DTYPES.get(code)
+        if dtype is None:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {code}")
+        expected = _expected_dtype_codes(dtype, declared)
+        if expected is not None:
+            raise CheckpointError(f"{path}: tensor {name} is stored as {code}, expected {expected}")
+        if not all(isinstance(d, int) and d >= 0 for d in shape) or not all(isinstance(o, int) for o in (start, end)):
+            raise CheckpointError(f"{path}: tensor {name} has a malformed shape or offsets {entry!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - start != nbytes:
+            raise CheckpointError(
+                f"{path}: tensor {name} spans {end - start} bytes, but {code} {list(shape)} is {nbytes} bytes"
+            )
+        if start < 0 or 8 + header_len + end > size:
+            raise CheckpointError(
+                f"{path}: unreadable or truncated safetensors file (tensor {name} ends at byte "
+                f"{8 + header_len + end}, the file has {size})"
+            )
+        entries[name] = (dtype, shape, 8 + header_len + start)
+    return entries
+
+
+def _expected_dtype_codes(found: torch.dtype, declared: torch.dtype | None) -> str | None:
+    """None when a weight stored as ``found`` is acceptable under ``declared``; else what was expected.
+
+    A float of another size than the declared one is a legitimate mix (fp32 norms in a bf16
+    checkpoint, bf16 weights under a config saying float32); a wrong size also shows as a wrong byte
+    span. What the span cannot catch is a dtype of the declared one's size with another meaning:
+    an integer, or the other 16-bit float.
+    """
+    declared_code = None if declared is None else f"{_DTYPE_CODES[declared]} (the config's torch_dtype)"
+    if not found.is_floating_point:
+        return declared_code or "a floating dtype"
+    if declared is not None and found != declared and found.itemsize == declared.itemsize:
+        return declared_code
+    return None
+
+
 class HFCheckpoint:
     """An HF model directory: its config, its ModelArch and a lazy tensor index."""
 
@@ -102,15 +205,7 @@ class HFCheckpoint:
         self.close()
 
     def _shard_files(self) -> list[str]:
-        index_path = os.path.join(self.path, INDEX_FILE)
-        if os.path.isfile(index_path):
-            with open(index_path) as f:
-                weight_map = json.load(f).get("weight_map") or {}
-            shards = sorted(set(weight_map.values()))
-        elif os.path.isfile(os.path.join(self.path, SINGLE_FILE)):
-            shards = [SINGLE_FILE]
-        else:
-            raise CheckpointError(f"{self.path}: no {SINGLE_FILE} or {INDEX_FILE}")
+        shards = safetensors_files(self.path)
         for shard in shards:
             if not os.path.isfile(os.path.join(self.path, shard)):
                 raise CheckpointError(f"{self.path}: shard {shard} is missing")
@@ -118,23 +213,14 @@ class HFCheckpoint:
 
     def _index_shard(self, shard: str) -> None:
         path = os.path.join(self.path, shard)
+        entries = read_header(path, declared_dtype(self.config))
         try:
             with safe_open(path, framework="pt"):
-                pass  # validates header, offsets and file size
+                pass  # validates the rest: overlapping or unordered offsets, a garbled header
         except SafetensorError as e:
             raise CheckpointError(f"{path}: unreadable or truncated safetensors file ({e})") from None
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            dtype = _CODE_DTYPES.get(entry["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {entry['dtype']}")
-            self.tensors[name] = TensorInfo(
-                shard, dtype, tuple(entry["shape"]), 8 + header_len + entry["data_offsets"][0]
-            )
+        for name, (dtype, shape, offset) in entries.items():
+            self.tensors[name] = TensorInfo(shard, dtype, shape, offset)
         self._fds[shard] = os.open(path, os.O_RDONLY)
 
     def info(self, name: str) -> TensorInfo:

@@ -17,7 +17,9 @@ would need the whole state dict in memory, and its writer assumes CUDA.)
 Reading: a chunk stored as one item (this converter's output, a layer saved without TP) is
 located in its file (``stored_segment``) and copied or read straight from there; any other chunk is assembled by DCP's
 resharding read (a load planner asking for it at its global offsets) from whatever pieces a
-training run stored at its TP/PP/EP. Bucket by bucket, without a process group.
+training run stored at its TP/PP/EP. Bucket by bucket, without a process group. A checkpoint
+from elsewhere runs no code: ``.metadata`` and stored objects are read through
+`dcp_safety.safe_reader_class` (an allowlist unpickler) and its data files stay inside it.
 
 Neither direction imports megatron-core.
 """
@@ -34,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from armor_megatron.convert.dcp_safety import safe_reader_class
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.raw_io import ChunkBuffer, pread_into, torch_save_storage_offset
 from armor_megatron.convert.rules import TensorRule, tensor_rules
@@ -232,19 +235,13 @@ class TorchDistReader:
     """
 
     def __init__(self, ckpt_dir: str, arch: ModelArch, buffer_bytes: int = 0):
-        from torch.distributed.checkpoint import FileSystemReader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self._files: dict[str, int] = {}  # before anything can raise: close() runs from __del__
         _check_megatron_config(ckpt_dir)
         self.ckpt_dir, self.arch = ckpt_dir, arch
-        self._storage = FileSystemReader(ckpt_dir)
-        try:
-            self.metadata = self._storage.read_metadata()
-        except Exception as e:  # missing / corrupt .metadata: torch raises several types
-            raise CheckpointError(f"{ckpt_dir}: unreadable checkpoint metadata ({e})") from None
-        # parse the pickle once: an instance attribute shadows the method
-        setattr(self._storage, "read_metadata", lambda *args, **kwargs: self.metadata)  # noqa: B010
+        self._storage = safe_reader_class()(ckpt_dir)  # runs no code a crafted checkpoint carries
+        self.metadata = self._storage.read_metadata()
         stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}

@@ -34,7 +34,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Literal, cast
 
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import API_KEY_ENV, RunConfig
 from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.launch.slurm_env import SlurmEnv
 
@@ -43,7 +43,6 @@ LAUNCHERS = ("srun", "torchrun")
 DEFAULT_TRAIN_ENTRY = ("python", "-m", "armor_megatron.cli.train")
 ALL_INTERFACES = ("0.0.0.0", "::")
 ENGINE_KEY_WRAPPER = "armor_megatron.rollout.sglang.launcher"  # a module name, not an import (layering)
-API_KEY_ENV = "ARMOR_ENGINE_API_KEY"
 # Removed from the engine steps' environment (srun hands them the job's): SGLang would report
 # temperature-1 log-probs while the trainer computes them at the sampling temperature.
 ENGINE_UNSET_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
@@ -194,7 +193,7 @@ def plan_job(
     master_addr = layout.trainer_nodes[0]
     _check_weight_sync(cfg, engines, driver_node=master_addr)
     master_port = _master_port(int(slurm.job_id), set(ports))
-    args = list(train_args)
+    args = without_secrets(train_args)
     for key, group in (("rollout.sglang.urls", "policy"), ("anchor.reference_urls", "reference")):
         urls = [e.url for e in engines if e.group == group]
         if urls:
@@ -214,8 +213,33 @@ def plan_job(
         env=_job_env(cfg),
         engines=engines,
         trainer_command=trainer,
-        engine_api_key=sg.api_key if engines else None,
+        engine_api_key=sg.api_key,
     )
+
+
+SECRET_OVERRIDES = ("rollout.sglang.api_key",)  # reach the trainer as API_KEY_ENV, never on its command line
+
+
+def without_secrets(train_args: Sequence[str]) -> list[str]:
+    """The trainer's arguments without secret overrides (``ps`` on every node shows a command line).
+
+    An override of a secret key is dropped: the plan exports the key as ``API_KEY_ENV``, which the
+    trainer reads. A secret inside an override of an enclosing section (``rollout.sglang={api_key:
+    ...}``) cannot be taken apart safely and is refused.
+    """
+    args = []
+    for arg in train_args:
+        key, eq, value = arg.partition("=")
+        if eq and key in SECRET_OVERRIDES:
+            continue
+        for secret in SECRET_OVERRIDES:
+            if eq and secret.startswith(key + ".") and secret.rsplit(".", 1)[-1] in value:
+                raise LaunchPlanError(
+                    f"{key}=...: a command-line value holding {secret} would show in the trainer's command line; "
+                    f"give {secret} as its own override, in the config file or as ${API_KEY_ENV}"
+                )
+        args.append(arg)
+    return args
 
 
 def _job_env(cfg: RunConfig) -> dict[str, str]:

@@ -24,7 +24,7 @@ def render_shell(plan: JobPlan) -> str:
     lines += [f'[ -n "${{{k}:-}}" ] || {k}={q(v)}; export {k}' for k, v in plan.env.items()]
     lines.append("ARMOR_ENGINE_URLS=(" + " ".join(q(u) for u in plan.engine_urls) + ")")
     lines.append("ARMOR_ENGINE_CMDS=(" + " ".join(q(shlex.join(e.command)) for e in plan.engines) + ")")
-    if plan.engine_api_key:  # exported: srun hands it to the engine steps' environment, never their argv
+    if plan.engine_api_key:  # exported: srun hands it to the engine and trainer steps' environment, never their argv
         lines.append(f"export {API_KEY_ENV}={q(plan.engine_api_key)}")
     lines.append(f"ARMOR_TRAINER_CMD={q(shlex.join(plan.trainer_command))}")
     return "\n".join(lines) + "\n"
@@ -44,11 +44,5 @@ def render_text(plan: JobPlan) -> str:
     if plan.engine_api_key:
         out.append(f"export {API_KEY_ENV}=<redacted>  # from rollout.sglang.api_key")
     out += [shlex.join(e.command) + " &" for e in plan.engines]
-    out.append(shlex.join(_redacted(plan.trainer_command)))
+    out.append(shlex.join(plan.trainer_command))  # holds no secret: the plan passes those by environment
     return "\n".join(out) + "\n"
-
-
-def _redacted(command: tuple[str, ...]) -> list[str]:
-    """A key given as a command-line override is not printed (put it in the config file instead)."""
-    key = "rollout.sglang.api_key="
-    return [f"{key}<redacted>" if arg.startswith(key) else arg for arg in command]

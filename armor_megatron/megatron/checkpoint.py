@@ -12,7 +12,7 @@ Layout of ``{root}``::
 
     iter_0000100/            a complete checkpoint (torch_dist files + common.pt + metadata.json)
         trainer_state.pt     `extra` (trainer state: containers of str/int/float/bool/None and
-                             tensors; loaded with ``weights_only=True``, so it cannot run code)
+                             tensors; loaded with ``weights_only=True``)
         armor_manifest.json  size and xxh3 checksum of every other file (`checkpoint_manifest`)
     latest                   text: "iter_0000100", the newest complete checkpoint
     latest_checkpointed_iteration.txt   text: "100", megatron's own tracker, for megatron's tools
@@ -31,6 +31,12 @@ complete checkpoint: before the rename the new one is only a ``.tmp-`` directory
 rename and ``latest`` it is complete but unnamed (a later save of the same step replaces it).
 Saving over the checkpoint ``latest`` names is refused.
 
+Checkpoints from elsewhere run no code: ``.metadata`` is unpickled admitting only DCP's metadata
+classes, stored objects (RNG states) and ``trainer_state.pt`` with ``torch.load(weights_only=True)``,
+``common.pt`` by megatron with torch's default ``weights_only=True``; every file a checkpoint names
+stays inside it (`model_state.use_safe_checkpoint_reader`, `convert.dcp_safety`). The manifest
+detects damage, not tampering: whoever wrote the files can rewrite it.
+
 Damage: `load_checkpoint` checks every file against the manifest first and names the first bad
 one in a `DamagedCheckpointError` (one line). `find_latest` (what ``--resume auto`` uses) skips a
 damaged ``latest`` for the newest intact ``iter_*`` and removes the ``.tmp-`` leftovers of
@@ -48,6 +54,7 @@ the layout and world size are the ones saved (otherwise each rank keeps its seed
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import random
 import shutil
@@ -58,7 +65,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.megatron import model_state
 from armor_megatron.megatron.checkpoint_manifest import (
     DamagedCheckpointError,
@@ -68,7 +77,12 @@ from armor_megatron.megatron.checkpoint_manifest import (
     read_as_checkpoint,
     write_manifest,
 )
-from armor_megatron.megatron.model_state import LATEST, latest_name, resolve_checkpoint_dir
+from armor_megatron.megatron.model_state import (
+    LATEST,
+    latest_name,
+    resolve_checkpoint_dir,
+    use_safe_checkpoint_reader,
+)
 
 TRACKER = "latest_checkpointed_iteration.txt"  # megatron's name for `latest` (it holds the step)
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -135,17 +149,90 @@ def save_checkpoint(
         critic_has_optimizer=critic is not None and critic.has_optimizer_state,
         rng=_rng_sharded_object(),
     )
-    with preemption_signals_held():
-        dist_checkpointing.save(state, tmp)
-    if dist.get_rank() == 0:
-        torch.save(extra, os.path.join(tmp, EXTRA_FILE))
-    dist.barrier()
-    _write_agreed_manifest(tmp)
-    if dist.get_rank() == 0:
-        _publish(tmp, os.path.join(root, name))
-        _write_latest(root, name)
-    dist.barrier()
+    try:
+        with preemption_signals_held():
+            dist_checkpointing.save(state, tmp)
+        _on_rank_0(lambda: torch.save(extra, os.path.join(tmp, EXTRA_FILE)))
+        manifest = _agreed_manifest(tmp)
+        _on_rank_0(lambda: _finish(tmp, root, name, manifest))
+    except (Exception, CheckpointException) as e:
+        reason = _space_problem(e)
+        if reason is None:
+            raise
+        if dist.get_rank() == 0:  # frees what the save took; nothing names it (`latest` is never `name`)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if latest_name(root) != name:
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)  # renamed, `latest` not yet moved
+        raise CheckpointSpaceError(_space_message(root, step, reason)) from None
     return os.path.join(root, name)
+
+
+class CheckpointSpaceError(UserInputError):
+    """A checkpoint could not be written for lack of space (a full disk, a quota, a file-size limit)."""
+
+
+_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def _space_problem(error: BaseException) -> str | None:
+    """What says the disk is full in ``error``, its causes or the errors it wraps; None if nothing does.
+
+    megatron's writer processes report an ``OSError`` as text (``Worker failure: [Errno 28] ...``),
+    inside DCP's ``CheckpointException``; torch's archive writer turns a short write into ``unexpected
+    pos``.
+    """
+    pending: list[BaseException | None] = [error]
+    seen = set()
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _SPACE_ERRNOS:
+            return os.strerror(e.errno)
+        text = str(e)
+        for code in _SPACE_ERRNOS:
+            if f"[Errno {code}]" in text:
+                return os.strerror(code)
+        if "unexpected pos" in text:
+            return "a write came up short"
+        failures = getattr(e, "failures", None)
+        inner = [f[0] if isinstance(f, tuple) else f for f in failures.values()] if isinstance(failures, dict) else []
+        pending += [e.__cause__, e.__context__, *inner]
+    return None
+
+
+def _space_message(root: str, step: int, reason: str) -> str:
+    """The one line for a save that ran out of space, saying what is left (checked, not assumed)."""
+    latest = latest_name(root)
+    if latest and os.path.isfile(os.path.join(root, latest, "metadata.json")):
+        kept = f"the previous checkpoint {os.path.join(root, latest)} is intact and `{LATEST}` still names it"
+    else:
+        kept = "there is no earlier checkpoint"
+    return f"checkpoint of step {step} not written: no space left on {root} ({reason}); the partial save was removed; {kept}"
+
+
+def _on_rank_0(fn) -> None:
+    """Run ``fn`` on rank 0; every rank returns when it did, or raises when it failed (no rank waits forever)."""
+    error: BaseException | None = None
+    if dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as e:  # noqa: BLE001 - handed to every rank, re-raised here as it was
+            error = e
+    box: list[Any] = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(box, src=0)
+    if error is not None:
+        raise error
+    if box[0] is not None:
+        raise RuntimeError(f"rank 0 failed to write the checkpoint: {box[0]}")
+
+
+def _finish(tmp: str, root: str, name: str, manifest: dict) -> None:
+    """Rank 0: write the manifest, rename the checkpoint into place, point `latest` at it."""
+    write_manifest(tmp, manifest)
+    _publish(tmp, os.path.join(root, name))
+    _write_latest(root, name)
 
 
 @contextlib.contextmanager
@@ -214,15 +301,14 @@ def _serve_only_for(parent: int) -> None:
         os.dup2(null, fd)
 
 
-def _write_agreed_manifest(path: str) -> None:
-    """Every rank hashes its share of the files; rank 0 writes the manifest."""
+def _agreed_manifest(path: str) -> dict:
+    """Every rank hashes its share of the files; the whole manifest table, on every rank."""
     names = list_files(path) if dist.get_rank() == 0 else None
     names = _broadcast(names)
     share = describe_files(path, names, dist.get_rank(), dist.get_world_size())
     shares: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(shares, share)
-    if dist.get_rank() == 0:
-        write_manifest(path, {k: v for s in shares for k, v in s.items()})
+    return {k: v for s in shares for k, v in s.items()}
 
 
 def _broadcast(obj):
@@ -443,6 +529,7 @@ def load_checkpoint(
     same_layout = common["layout"] == _layout()
     if same_layout:
         state["rng"] = _rng_sharded_object()
+    use_safe_checkpoint_reader(path)
     with read_as_checkpoint(path):
         loaded = dist_checkpointing.load(state, path)
     if not load_optimizer:
@@ -462,8 +549,8 @@ def load_checkpoint(
 def load_trainer_state(path: str) -> dict:
     """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``.
 
-    Only containers, numbers, strings and tensors come back, so a checkpoint from elsewhere cannot
-    run code.
+    Only containers, numbers, strings and tensors come back: this file cannot run code (the rest
+    of the checkpoint is read as safely: see the module docstring).
     """
     full = os.path.join(path, EXTRA_FILE)
     try:

@@ -18,11 +18,14 @@ import contextlib
 import json
 import os
 
+from armor_megatron.confined import inside
+from armor_megatron.errors import UserInputError
+
 MANIFEST_FILE = "armor_manifest.json"
 _CHUNK = 8 << 20
 
 
-class DamagedCheckpointError(ValueError):
+class DamagedCheckpointError(UserInputError):
     """A checkpoint file does not match the manifest written with it, or cannot be read."""
 
 
@@ -34,13 +37,27 @@ def read_as_checkpoint(path: str):
     truncated file's EOFError or zip error, a shape mismatch with the model) becomes one
     `DamagedCheckpointError` line naming ``path``; our own ValueErrors pass as they are.
     """
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+
     try:
         yield
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - torch and megatron raise many kinds; the line names them
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - torch and megatron raise many kinds
+        ours = _input_error_within(e)
+        if ours is not None:  # our own refusal, raised inside DCP, which wraps each rank's error
+            raise ours from None
         reason = type(e).__name__ + (f": {str(e).strip().splitlines()[0]}" if str(e).strip() else "")
         raise DamagedCheckpointError(f"{path}: cannot be loaded ({reason})") from None
+
+
+def _input_error_within(error: BaseException) -> ValueError | None:
+    """The ValueError a DCP ``CheckpointException`` wraps ({rank: (exception, traceback)}), if any."""
+    for failure in (getattr(error, "failures", None) or {}).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, ValueError):
+            return inner
+    return None
 
 
 def list_files(path: str) -> list[str]:
@@ -110,7 +127,10 @@ def damaged_file(path: str, rank: int = 0, world: int = 1) -> str | None:
     if files is None:
         return None
     for i, (name, want) in enumerate(sorted(files.items())):
-        full = os.path.join(path, name)
+        try:
+            full = inside(path, name, os.path.join(path, MANIFEST_FILE))
+        except UserInputError as e:
+            return str(e)
         if not os.path.isfile(full):
             return f"{full}: missing (the checkpoint manifest lists it)"
         size = os.path.getsize(full)

@@ -10,6 +10,7 @@ Public interface (every rank calls every function)::
     load_model_weights(model_chunks, mcore_dir, exclude=())     # model tensors only, resharding
     path = resolve_checkpoint_dir(path_or_root)                  # a torch_dist dir, or the one `latest` names
     path = find_latest(root)                                     # the dir ``{root}/latest`` names, or None
+    use_safe_checkpoint_reader(path)                             # megatron's loads run no code a checkpoint carries
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = 
     from armor_megatron.megatron.checkpoint_manifest import read_as_checkpoint
 
     path = resolve_checkpoint_dir(mcore_dir)
+    use_safe_checkpoint_reader(path)
     state = {
         name: {k: v for k, v in sd.items() if not k.startswith(exclude)}
         for name, sd in chunks_sharded_state_dict(chunks).items()
@@ -56,6 +58,25 @@ def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = 
     with read_as_checkpoint(path):
         loaded = dist_checkpointing.load(state, path)
     load_chunks_state(chunks, loaded, exclude=exclude)
+
+
+def use_safe_checkpoint_reader(path: str) -> None:
+    """Make megatron's torch_dist loads read through `convert.dcp_safety`'s reader; check ``path``'s ``.metadata``.
+
+    megatron-core 0.16.1 builds the reader of every torch_dist load (``dist_checkpointing.load``,
+    its tensor and object metadata reads) in ``strategies.torch._get_filesystem_reader``; DCP's own
+    reader unpickles ``.metadata`` and stored objects with plain pickle. Replaced by one that admits
+    only checkpoint data, a checkpoint from elsewhere cannot run code. ``path``'s ``.metadata`` is
+    read here first, so that a refusal is its own one-line error (DCP would fold it into an
+    AssertionError's text).
+    """
+    from megatron.core.dist_checkpointing.strategies import torch as torch_strategy
+
+    from armor_megatron.convert.dcp_safety import read_metadata, safe_reader_class
+
+    reader = safe_reader_class()
+    torch_strategy._get_filesystem_reader = lambda checkpoint_dir, cache_metadata=False: reader(checkpoint_dir)
+    read_metadata(path)
 
 
 def latest_name(root: str) -> str | None:

@@ -73,12 +73,16 @@ def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> i
     """
     import transformers
 
+    from armor_megatron.convert.hf_io import safetensors_files
+
     with tempfile.TemporaryDirectory() as tmp:
-        path = (
-            weights
-            if isinstance(weights, (str, os.PathLike))
-            else write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
-        )
+        if isinstance(weights, (str, os.PathLike)):
+            path = weights
+            safetensors_files(os.fspath(path))  # the index's shard names stay inside: transformers opens them
+            for _ in read_hf_checkpoint(os.fspath(path), keys_only=True):  # dtypes and lengths checked
+                pass
+        else:
+            path = write_hf_checkpoint(os.path.join(tmp, "ckpt"), weights, hf_config)
         try:
             # (model, loading info): transformers types the result as the model alone
             result: Any = transformers.AutoModelForCausalLM.from_pretrained(
@@ -175,12 +179,22 @@ def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[tupl
     """
     from safetensors import safe_open
 
+    from armor_megatron.confined import inside
+    from armor_megatron.convert.hf_io import declared_dtype, read_header
+    from armor_megatron.models import load_hf_config
+
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {directory}")
-    for fname in files:
-        with safe_open(os.path.join(directory, fname), framework="pt") as f:
+    declared = (
+        declared_dtype(load_hf_config(directory)) if os.path.isfile(os.path.join(directory, "config.json")) else None
+    )
+    paths = [inside(directory, fname, directory) for fname in files]  # a link pointing out is refused
+    for path in paths:
+        read_header(path, declared)  # dtypes and byte lengths, before any tensor is used
+    for path in paths:
+        with safe_open(path, framework="pt") as f:
             for name in f.keys():
                 yield name, None if keys_only else f.get_tensor(name)

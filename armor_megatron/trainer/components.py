@@ -132,7 +132,6 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     free ports), started before the engine client and stopped by its ``shutdown``: generation
     goes through it, weight sync and memory release to each engine directly.
     """
-    from armor_megatron.launch.plan import API_KEY_ENV
     from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.router import SGLangRouter
@@ -140,7 +139,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
 
     sg = cfg.rollout.sglang
     disk_root = sg.disk_dir or os.path.join(checkpoint_dir(cfg), "engine_weights")
-    api_key = sg.api_key or os.environ.get(API_KEY_ENV)  # the SLURM plan exports it
+    api_key = sg.api_key  # load_config takes $ARMOR_ENGINE_API_KEY, how the SLURM plan hands it over
 
     def router(urls, group: str) -> SGLangRouter | None:
         rc = sg.router

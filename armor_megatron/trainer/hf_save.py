@@ -6,6 +6,8 @@ Public interface::
     path = save_hf(export, checkpoint_dir, step)     # every rank: <checkpoint_dir>/hf/step_<step>
     due = save_hf_due(cfg.checkpoint.save_hf, step, last_step)
     removed = prune_hf(checkpoint_dir, keep_last)    # driver
+    if export_unfinished(cfg.checkpoint.save_hf, checkpoint_dir, step, last_step): ...  # a resumed run
+    removed = remove_export_leftovers(checkpoint_dir)   # driver: staging directories of killed exports
 
 Layout of ``<checkpoint_dir>``::
 
@@ -22,6 +24,13 @@ index from the owners' reports, copies ``hf_config/`` in and renames the staging
 ``hf/.step_<N>.tmp-<id>`` into place, so a reader sees a complete directory or none. The tensors
 are the model's own (its dtype; the padded vocabulary trimmed): the same bytes ``armor-convert
 mcore-to-hf`` writes from a checkpoint of the same step.
+
+A kill during an export: a step's checkpoint is saved before its HF copy, so a run killed while
+exporting resumes from that step's checkpoint with the copy missing (and, after the last step,
+has no step left to write it in). A resume therefore finishes it (`export_unfinished`: the copy
+was due at the checkpoint's step and is absent) before training on, and removes the staging
+directories killed exports left (`remove_export_leftovers`, also before every export), each with
+a log line.
 """
 
 from __future__ import annotations
@@ -80,7 +89,7 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
     An owner holds one bucket of at most ``bucket_bytes`` (one file). Returns the directory's path.
     """
     root = os.path.join(checkpoint_dir, HF_DIR)
-    final = os.path.join(root, step_name(step))
+    final = _step_dir(checkpoint_dir, step)
     staging = _on_every_rank(lambda: _new_staging_dir(root, step))
     outcome: list = [None]
     try:
@@ -112,10 +121,32 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
     return final
 
 
+def export_unfinished(cfg: SaveHFConfig, checkpoint_dir: str, step: int, last_step: int) -> bool:
+    """Whether the HF copy of ``step`` (a checkpoint's step) was due and is not there: a killed export."""
+    return step > 0 and save_hf_due(cfg, step, last_step) and not os.path.isdir(_step_dir(checkpoint_dir, step))
+
+
+def remove_export_leftovers(checkpoint_dir: str) -> list[str]:
+    """Delete the staging directories of exports that never finished (and old copies being replaced).
+
+    Each removal is logged; returns the removed paths. The driver calls it, never while an export runs.
+    """
+    root = os.path.join(checkpoint_dir, HF_DIR)
+    patterns = (".step_*.tmp-*", "step_*.tmp-old-*")
+    removed = sorted(p for pattern in patterns for p in glob.glob(os.path.join(glob.escape(root), pattern)))
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True)
+        print(f"[armor] removed {path}, left by an HF export that did not finish", flush=True)
+    return removed
+
+
+def _step_dir(checkpoint_dir: str, step: int) -> str:
+    return os.path.join(checkpoint_dir, HF_DIR, step_name(step))
+
+
 def _new_staging_dir(root: str, step: int) -> str:
     os.makedirs(root, exist_ok=True)
-    for stale in glob.glob(os.path.join(glob.escape(root), ".step_*.tmp-*")):  # an interrupted save's
-        shutil.rmtree(stale, ignore_errors=True)
+    remove_export_leftovers(os.path.dirname(root))
     staging = os.path.join(root, f".{step_name(step)}.tmp-{uuid.uuid4().hex[:12]}")
     os.makedirs(staging)
     return staging

@@ -22,7 +22,13 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.trainer import components
 from armor_megatron.trainer.collectives import broadcast_object
-from armor_megatron.trainer.hf_save import prune_hf, record_hf_files, save_hf
+from armor_megatron.trainer.hf_save import (
+    export_unfinished,
+    prune_hf,
+    record_hf_files,
+    remove_export_leftovers,
+    save_hf,
+)
 from armor_megatron.trainer.loop import ArmorTrainer
 from armor_megatron.trainer.metrics_log import MetricsLogger
 
@@ -173,6 +179,15 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     if trainer.is_driver:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
         record_hf_files(cfg.model.path, checkpoint_dir(cfg))  # config + tokenizer for HF copies and armor-convert
+
+    def save_hf_copy():
+        path = save_hf(HFWeightExport(actor.model_chunks, arch), checkpoint_dir(cfg), trainer.step)
+        if trainer.is_driver:
+            prune_hf(checkpoint_dir(cfg), cfg.checkpoint.save_hf.keep_last)
+            _log(f"policy of step {trainer.step} written as an HF model to {path}", cfg.name)
+
+    if path:
+        _finish_killed_export(cfg, trainer, save_hf_copy)
     trainer.start_engines()
 
     logger = None
@@ -202,17 +217,26 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         if trainer.is_driver:
             ckpt.prune_checkpoints(root, cfg.checkpoint.keep_last)
 
-    def save_hf_copy():
-        path = save_hf(HFWeightExport(actor.model_chunks, arch), checkpoint_dir(cfg), trainer.step)
-        if trainer.is_driver:
-            prune_hf(checkpoint_dir(cfg), cfg.checkpoint.save_hf.keep_last)
-            _log(f"policy of step {trainer.step} written as an HF model to {path}", cfg.name)
-
     try:
         return trainer.run(save, logger, save_hf=save_hf_copy)
     finally:
         if logger is not None:
             logger.close()
+
+
+def _finish_killed_export(cfg, trainer, save_hf_copy) -> None:
+    """A resumed run writes the HF copy its checkpoint's step was due and lacks (the previous job died exporting it).
+
+    Stale staging directories go first. Every rank calls it (the export is collective); the driver decides.
+    """
+    root = checkpoint_dir(cfg)
+    unfinished = False
+    if trainer.is_driver:
+        remove_export_leftovers(root)
+        unfinished = export_unfinished(cfg.checkpoint.save_hf, root, trainer.step, cfg.train.steps)
+    if broadcast_object(unfinished):
+        _log(f"the HF copy of step {trainer.step} was due but never finished: writing it now", cfg.name)
+        save_hf_copy()
 
 
 def _log(msg: str, name: str = "armor") -> None:

@@ -207,6 +207,10 @@ MALFORMED = [
         "train.forward_max_tokens_per_micro_batch: needs train.max_tokens_per_micro_batch",
     ),
     (SEVEN_B, ["train.max_tokens_per_micro_batch=0"], "train.max_tokens_per_micro_batch: 0 must be >= 1 or null"),
+    # the run's name becomes a directory under checkpoints/ and logging.dir: it may not leave them
+    (TINY, ["name=../../.."], "name: must be a plain name (no '/', not '.' or '..')"),
+    (TINY, ["name=a/b"], "name: must be a plain name"),
+    (TINY, ["name=.."], "name: must be a plain name"),
 ]
 
 
@@ -329,3 +333,28 @@ def test_explain_prints_one_keys_entry_without_a_config(capsys):
     assert main(["--explain", "algorithm.alpah"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["armor-train: error: explain: algorithm.alpah: not a config key (did you mean 'algorithm.alpha'?)"]
+
+
+def test_check_masks_passwords_in_urls(capsys):
+    urls = '["https://alice:pa55@engines.example:30000/v1","http://127.0.0.1:30001"]'
+    assert main(["--config", SEVEN_B, "--check", "--no-files", f"rollout.sglang.urls={urls}"]) == 0
+    out = capsys.readouterr().out
+    assert "pa55" not in out and "https://alice:***@engines.example:30000/v1" in out and "http://127.0.0.1:30001" in out
+
+
+def test_the_relaunch_under_torchrun_hands_ranks_the_key_by_environment(monkeypatch):
+    """Ranks started by ``armor-train``'s own relaunch show their command lines in ``ps`` too."""
+    import armor_megatron.cli.train as train_cli
+
+    for var in train_cli.LAUNCHER_VARS + ("ARMOR_ENGINE_API_KEY",):
+        monkeypatch.delenv(var, raising=False)  # and ARMOR_ENGINE_API_KEY is removed again afterwards
+    started = {}
+
+    def relaunch(argv, nprocs, requeue_code):
+        started.update(argv=argv, nprocs=nprocs, key=os.environ.get("ARMOR_ENGINE_API_KEY"))
+        return 0
+
+    monkeypatch.setattr(train_cli, "relaunch_under_torchrun", relaunch)
+    assert main(["--config", TINY, "--no-files", "rollout.sglang.api_key=s3cret", "train.steps=1"]) == 0
+    assert started["nprocs"] == 2 and started["key"] == "s3cret"
+    assert started["argv"] == ["--config", TINY, "--no-files", "train.steps=1"]

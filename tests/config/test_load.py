@@ -147,3 +147,28 @@ def test_a_sample_metrics_hook_that_does_not_import_is_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^logging\.sample_metrics: cannot load 'nope\.mod:fn'") as err:
         load_config(worked, ["logging.sample_metrics=nope.mod:fn"])
     assert "\n" not in str(err.value)
+
+
+def test_the_engine_key_from_the_environment_is_the_key(monkeypatch):
+    """How the SLURM plan and the torchrun relaunch hand ranks the key: never on their command lines."""
+    seven_b = os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml")
+    monkeypatch.setenv("ARMOR_ENGINE_API_KEY", "from-env")
+    assert load_config(seven_b, ["rollout.sglang.api_key=stale"]).rollout.sglang.api_key == "from-env"
+    monkeypatch.delenv("ARMOR_ENGINE_API_KEY")
+    assert load_config(seven_b).rollout.sglang.api_key is None
+
+
+@pytest.mark.parametrize(
+    "text, masked",
+    [
+        ("https://user:s3cret@host:8000/x", "https://user:***@host:8000/x"),
+        ("see http://a:b@h and ftp://c:d@e", "see http://a:***@h and ftp://c:***@e"),
+        ("http://host:30000/generate", "http://host:30000/generate"),  # a port is not a password
+        ("https://token@host", "https://token@host"),
+        ("/data/a:b@c.jsonl", "/data/a:b@c.jsonl"),
+    ],
+)
+def test_passwords_in_urls_are_masked(text, masked):
+    from armor_megatron.config.typed import mask_url_passwords
+
+    assert mask_url_passwords(text) == masked

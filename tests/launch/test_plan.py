@@ -435,3 +435,25 @@ def test_deterministic_rollouts_start_the_engines_deterministic(load):
         python = e.command.index("-m") - 1
         assert e.command[python - 3 : python] == ("env", "-u", "SGLANG_RETURN_ORIGINAL_LOGPROB")
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in plan.env
+
+
+@pytest.mark.parametrize("engines", [1, 0], ids=["launched engines", "external engines"])
+def test_an_api_key_override_never_reaches_the_trainers_command_line(load, engines):
+    """``ps`` on every node shows the trainer's command line: the key goes by environment."""
+    extra = ["rollout.sglang.num_engines=1"] if engines else ['rollout.sglang.urls=["http://e:1"]']
+    cfg = load("qwen25_math_7b_dapo_armor", *extra, "rollout.sglang.api_key=s3cret")
+    train_args = ["--config", "c.yaml", "rollout.sglang.api_key=s3cret", "algorithm.alpha=0.9"]
+    plan = plan_job(cfg, env_of(["n1"]), train_args=train_args)
+    assert not any("s3cret" in a for a in plan.trainer_command) and "algorithm.alpha=0.9" in plan.trainer_command
+    assert "s3cret" not in render_text(plan)
+    script = render_shell(plan) + 'sh -c \'printf "%s" "$ARMOR_ENGINE_API_KEY"\''  # the trainer step inherits it
+    out = subprocess.run(["bash", "-c", script], env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True)
+    assert out.stdout == "s3cret"
+
+
+def test_a_key_inside_a_section_override_is_refused(load):
+    cfg = load("qwen25_math_7b_dapo_armor", "rollout.sglang.num_engines=1")
+    with pytest.raises(
+        LaunchPlanError, match=r"^rollout.sglang=...: a command-line value holding rollout.sglang.api_key"
+    ):
+        plan_job(cfg, env_of(["n1"]), train_args=["--config", "c.yaml", "rollout.sglang={api_key: s3cret}"])

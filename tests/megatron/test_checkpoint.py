@@ -291,6 +291,51 @@ def test_trainer_state_is_unpickled_safely(tmp_path):
     assert "\n" not in str(err.value)
 
 
+def crafted_metadata_worker(rank, root):
+    """Save a checkpoint, hide a payload that would create ``root/../pwned`` in its ``.metadata``
+    and rewrite its manifest (whoever crafts a checkpoint can), then resume from it and load its
+    weights as ``model.mcore_path`` / ``reference.init_from`` do; the genuine one still loads."""
+    import pickle
+
+    from tests.payloads import SystemPayload
+
+    mdist.initialize(TP1, ARCH, seed=5)
+    actor = _actor(TP1)
+    path = ckpt.save_checkpoint(root, 1, actor, None, {"cursor": 1})
+    genuine = open(os.path.join(path, ".metadata"), "rb").read()
+    metadata = pickle.loads(genuine)
+    metadata.storage_meta = SystemPayload(os.path.join(root, "..", "pwned"))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        pickle.dump(metadata, f)
+    write_manifest(path, describe_files(path, list_files(path)))
+    refusals = []
+    for load in (lambda: ckpt.load_checkpoint(path, actor, None), lambda: actor.load_weights(path)):
+        try:
+            load()
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append((type(e).__name__, str(e)))
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(genuine)
+    write_manifest(path, describe_files(path, list_files(path)))
+    ckpt._VERIFIED.clear()
+    step, extra = ckpt.load_checkpoint(path, actor, None)
+    return refusals, step, extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_crafted_metadata_runs_no_code_on_resume_or_weight_load(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    refusals, step, extra = run_ranks(crafted_metadata_worker, 1, str(root), timeout=240)[0]
+    line = f"{root}/iter_0000001/.metadata: refers to posix.system, which is not checkpoint metadata"
+    assert [r[0] for r in refusals] == ["UnsafeCheckpointError"] * 2, refusals
+    assert all(r[1].startswith(line) and "\n" not in r[1] for r in refusals), refusals
+    assert not (tmp_path / "pwned").exists()
+    assert (step, extra) == (1, {"cursor": 1})
+
+
 WRITER_SERVER_SCRIPT = """
 import os, sys, time
 from armor_megatron.megatron import checkpoint
@@ -344,3 +389,64 @@ def test_the_checkpoint_writers_results_server_holds_signals_and_dies_with_the_t
         kill_tree(trainer)
         if server is not None and server.is_running():
             server.kill()
+
+
+def full_disk_worker(rank, root):
+    """Save step 1, then save step 2 under a file-size limit smaller than its data files (as a full
+    disk fails a write); afterwards, without the limit, resume as ``--resume auto`` does."""
+    import resource
+
+    mdist.initialize(TP1, ARCH, seed=5)
+    actor = _actor(TP1)
+    ckpt.save_checkpoint(root, 1, actor, None, {"cursor": 1})
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, hard))
+    try:
+        ckpt.save_checkpoint(root, 2, actor, None, {"cursor": 2})
+        refused = None
+    except ValueError as e:
+        refused = (type(e).__name__, str(e))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    left = sorted(os.listdir(root))
+    path = ckpt.find_latest(root)
+    step, extra = ckpt.load_checkpoint(path, actor, None)
+    return refused, left, path, step, extra
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_during_a_save_is_one_line_and_the_previous_checkpoint_stays_latest(tmp_path):
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    refused, left, path, step, extra = run_ranks(full_disk_worker, 1, str(root), timeout=240, fresh=True)[0]
+    assert refused is not None and refused[0] == "CheckpointSpaceError", refused
+    assert refused[1] == (
+        f"checkpoint of step 2 not written: no space left on {root} (File too large); the partial save was "
+        f"removed; the previous checkpoint {root}/iter_0000001 is intact and `latest` still names it"
+    )
+    assert left == ["iter_0000001", "latest", "latest_checkpointed_iteration.txt"]  # no half-written step 2
+    assert (path, step, extra) == (str(root / "iter_0000001"), 1, {"cursor": 1})
+
+
+@pytest.mark.parametrize(
+    "error, reason",
+    [
+        (OSError(28, "No space left on device"), "No space left on device"),
+        (RuntimeError("Worker failure: [Errno 122] Disk quota exceeded"), "Disk quota exceeded"),
+        (
+            RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 704 vs 598"),
+            "a write came up short",
+        ),
+        (RuntimeError("something else"), None),
+    ],
+)
+def test_what_counts_as_a_full_disk(error, reason):
+    try:
+        try:
+            raise error
+        except Exception as inner:
+            raise RuntimeError("wrapped") from inner
+    except RuntimeError as outer:
+        assert ckpt._space_problem(outer) == reason

@@ -14,7 +14,7 @@ from armor_megatron.config.schema import SaveHFConfig
 from armor_megatron.convert.hf_io import HFCheckpoint
 from armor_megatron.convert.verify import compare_tensors
 from armor_megatron.trainer.hf_save import prune_hf, record_hf_files, save_hf_due, step_name
-from tests.trainer.test_end_to_end import _train
+from tests.trainer.test_end_to_end import _args, _env, _latest, _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,6 +32,86 @@ def test_prune_keeps_the_newest(tmp_path):
     assert prune_hf(str(tmp_path), 0) == []
     assert prune_hf(str(tmp_path), 2) == [str(tmp_path / "hf" / step_name(1))]
     assert sorted(os.listdir(tmp_path / "hf")) == [".step_0000004.tmp-x", step_name(2), step_name(3)]
+
+
+def test_a_killed_export_is_found_and_its_leftovers_removed(tmp_path, capsys):
+    """What a resume finishes: the copy its checkpoint's step was due (mid-run or final) and lacks."""
+    from armor_megatron.trainer.hf_save import export_unfinished, remove_export_leftovers
+
+    every_2 = SaveHFConfig(every_steps=2)
+    assert export_unfinished(every_2, str(tmp_path), 4, 10)  # killed during the export of step 4
+    assert export_unfinished(every_2, str(tmp_path), 10, 10)  # killed during the final export
+    assert not export_unfinished(every_2, str(tmp_path), 3, 10)  # none was due at step 3
+    assert not export_unfinished(SaveHFConfig(at_end=False), str(tmp_path), 10, 10)
+    assert not export_unfinished(every_2, str(tmp_path), 0, 10)  # a fresh start
+    (tmp_path / "hf" / step_name(4)).mkdir(parents=True)
+    assert not export_unfinished(every_2, str(tmp_path), 4, 10)  # it finished
+
+    staging, old = tmp_path / "hf" / ".step_0000006.tmp-ab12", tmp_path / "hf" / "step_0000004.tmp-old-cd34"
+    staging.mkdir()
+    old.mkdir()
+    (staging / "model-rank00000-00000.safetensors").write_bytes(b"half")
+    assert remove_export_leftovers(str(tmp_path)) == [str(staging), str(old)]
+    assert os.listdir(tmp_path / "hf") == [step_name(4)]
+    out = capsys.readouterr().out
+    assert f"removed {staging}, left by an HF export that did not finish" in out and str(old) in out
+    assert remove_export_leftovers(str(tmp_path / "nothing")) == []
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill_9_during_the_final_export_then_resume_writes_it(tiny, tmp_path):
+    """``armor-train`` killed (-9, its whole process group) while exporting the policy after the last
+    step: the checkpoint of that step is saved, its HF copy is not. Resuming the finished run writes
+    the copy (equal to the converter's output of the checkpoint), removes the staging directory and
+    exits 0."""
+    import signal
+    import time
+
+    import psutil
+
+    common = ["train.steps=2", "eval.every_steps=0", "checkpoint.every_steps=1", "reference.tau=1"]
+    hook = os.path.join(ROOT, "tests", "trainer", "slow_hf_export")
+    env = dict(_env(), PYTHONPATH=hook + os.pathsep + _env()["PYTHONPATH"], ARMOR_TEST_EXPORT_STALL_S="600")
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(
+        _args(tiny, tmp_path, *common), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.time() + 600
+        staged = []
+        while not staged:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            assert time.time() < deadline, "the run never reached its final export"
+            hf = ckpt / "hf"
+            staged = [n for n in os.listdir(hf) if ".tmp-" in n] if hf.is_dir() else []
+            staged = [n for n in staged if (hf / n / "config.json").exists()]  # complete, not yet renamed
+            time.sleep(0.05)
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    psutil.wait_procs(ranks, timeout=30)
+    assert _latest(tmp_path) == "iter_0000002" and staged == [n for n in os.listdir(ckpt / "hf")]
+
+    proc = subprocess.run(
+        _args(tiny, tmp_path, *common), env=_env(), capture_output=True, text=True, timeout=420
+    )  # the same command again: checkpoint.resume is auto
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"removed {ckpt / 'hf' / staged[0]}, left by an HF export that did not finish" in proc.stdout
+    assert "the HF copy of step 2 was due but never finished: writing it now" in proc.stdout
+    assert os.listdir(ckpt / "hf") == [step_name(2)]
+    out = tmp_path / "converted"
+    cmd = [sys.executable, "-m", "armor_megatron.cli.convert", "mcore-to-hf", str(ckpt / "iter_0000002"), str(out)]
+    converted = subprocess.run([*cmd, "--quiet"], env=_env(), capture_output=True, text=True, timeout=300)
+    assert converted.returncode == 0, converted.stderr[-2000:]
+    ours, theirs = HFCheckpoint(str(ckpt / "hf" / step_name(2))), HFCheckpoint(str(out))
+    compared, mismatched = compare_tensors(theirs, ours)
+    assert compared == len(theirs.tensors) == len(ours.tensors) and mismatched == [], mismatched
+
+    again = subprocess.run(_args(tiny, tmp_path, *common), env=_env(), capture_output=True, text=True, timeout=420)
+    assert again.returncode == 0 and "writing it now" not in again.stdout  # done once
 
 
 def test_record_copies_config_and_tokenizer_not_weights(tmp_path):
