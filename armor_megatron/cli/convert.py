@@ -17,11 +17,10 @@ import sys
 from collections.abc import Sequence
 
 from armor_megatron.cli.common import OneLineArgumentParser, quiet_third_party_warnings
+from armor_megatron.errors import UserInputError
 
 # What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
 # parallel sizes that do not divide, an existing output directory.
-BAD_INPUT = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError)
-
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -127,7 +126,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # clean up like Ctrl-C does
     try:
         return _run(args)
-    except BAD_INPUT as e:
+    except UserInputError as e:  # anything else is a bug and keeps its traceback
         print(f"armor-convert: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

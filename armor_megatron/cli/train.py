@@ -13,8 +13,9 @@ engine/trainer GPU split that balances them.
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
 by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
 ``launch.gpus_per_node``), it re-launches itself under ``torchrun --standalone``.
-Exit codes: 0 done, 1 failed, 2 bad input (also found at run time: a missing file, a damaged
-checkpoint), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
+Exit codes: 0 done, 1 failed (a bug: the traceback is printed), 2 bad input (a
+``armor_megatron.errors.UserInputError``, also found at run time: a missing file, a damaged
+checkpoint; one line), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
 ``sbatch --requeue`` can restart it, 130 interrupted by Ctrl-C (SIGINT: no checkpoint, the last
 complete one stays; one line, no traceback). SIGTERM/SIGUSR1 (SLURM's preemption and time-limit
 warnings) make the ranks checkpoint and exit with the requeue code, whether they reach the
@@ -40,6 +41,7 @@ from armor_megatron.cli.common import (
 )
 from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.memory import plan_problem
 from armor_megatron.trainer import preemption
 
@@ -196,7 +198,7 @@ def _train(cfg, resume) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"{PROG}: preempted: {why}; exiting {cfg.launch.requeue_exit_code} for requeue", file=sys.stderr)
         return cfg.launch.requeue_exit_code
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except UserInputError as err:  # anything else is a bug: it keeps its traceback and exits 1
         line = str(err).splitlines()[0] if str(err) else type(err).__name__
         report = relaunch.RankReport.from_env()
         if report is None:

@@ -36,6 +36,7 @@ from typing import Literal, cast
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import launched_reference_engines
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.slurm_env import SlurmEnv
 
 Launcher = Literal["srun", "torchrun"]
@@ -59,7 +60,7 @@ DEFAULT_ENV = {
 }
 
 
-class LaunchPlanError(ValueError):
+class LaunchPlanError(UserInputError):
     """The run config and the allocation do not make a job; the message names the setting."""
 
 

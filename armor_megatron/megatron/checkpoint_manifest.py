@@ -18,11 +18,13 @@ import contextlib
 import json
 import os
 
+from armor_megatron.errors import UserInputError
+
 MANIFEST_FILE = "armor_manifest.json"
 _CHUNK = 8 << 20
 
 
-class DamagedCheckpointError(ValueError):
+class DamagedCheckpointError(UserInputError):
     """A checkpoint file does not match the manifest written with it, or cannot be read."""
 
 

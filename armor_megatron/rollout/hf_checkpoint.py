@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from armor_megatron.errors import MissingInputError
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -176,10 +178,10 @@ def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[tupl
     from safetensors import safe_open
 
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        raise MissingInputError(f"checkpoint directory {directory} does not exist")
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
+        raise MissingInputError(f"no .safetensors files in {directory}")
     for fname in files:
         with safe_open(os.path.join(directory, fname), framework="pt") as f:
             for name in f.keys():
