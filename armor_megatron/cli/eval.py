@@ -80,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     if malformed is not None:
         return fail(PROG, f"--dataset {malformed!r} is not NAME=PATH")
     if (args.prompt_key or args.answer_key) and not given:
-        return fail(PROG, "--prompt-key and --answer-key name the columns of --dataset files (eval.datasets have their own)")
+        return fail(
+            PROG, "--prompt-key and --answer-key name the columns of --dataset files (eval.datasets have their own)"
+        )
     sets = given or ([(d.name, d.path) for d in ev.datasets] if ev else [])
     if not sets:
         return fail(PROG, "give at least one --dataset NAME=PATH (or a config with eval.datasets)")
@@ -96,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
         eval_sets = [
-            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, args)), verifier), k)
-            for name, path in sets
+            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, args)), verifier), k) for name, path in sets
         ]
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),
