@@ -65,6 +65,8 @@ setup(
             "armor-convert=armor_megatron.cli.convert:main",
             "armor-eval=armor_megatron.cli.eval:main",
             "armor-plot=armor_megatron.cli.plot:main",
+            "armor-slurm=armor_megatron.cli.slurm:main",
+            "armor-sweep=armor_megatron.cli.sweep:main",
         ]
     },
 )
