@@ -54,7 +54,6 @@ class ParallelismConfig:
     pp: int = checked(1, check=at_least(1), help="pipeline parallel size")
     ep: int = checked(1, check=at_least(1), help="expert parallel size (MoE)")
     vpp: int | None = checked(None, check=at_least(1), help="virtual pipeline chunks per stage")
-    cp: int = checked(1, check=at_least(1), help="context parallel size")
     sp: bool = checked(False, help="sequence parallelism (needs tp > 1)")
 
 

@@ -139,12 +139,6 @@ def _check_parallelism(cfg: RunConfig) -> None:
     par = cfg.parallelism
     if par.sp and par.tp == 1:
         raise ConfigError("parallelism.sp", "sequence parallelism needs tp > 1")
-    if par.cp > 1:
-        raise ConfigError(
-            "parallelism.cp",
-            f"{par.cp}: context parallelism is not supported yet (the trainer does "
-            "not split sequences over cp ranks); use cp: 1",
-        )
     if par.vpp is not None and par.pp == 1:
         raise ConfigError("parallelism.vpp", "virtual pipeline chunks need pp > 1")
     launch = cfg.launch
@@ -153,11 +147,11 @@ def _check_parallelism(cfg: RunConfig) -> None:
         if launch.engine_gpus >= total:
             raise ConfigError("launch.engine_gpus", f"{launch.engine_gpus} leaves no GPU for training out of {total}")
         trainer_gpus = total - launch.engine_gpus
-        model_parallel = par.tp * par.pp * par.cp
+        model_parallel = par.tp * par.pp
         if trainer_gpus % model_parallel:
             raise ConfigError(
                 "parallelism.tp",
-                f"tp·pp·cp={model_parallel} does not divide the {trainer_gpus} trainer GPUs",
+                f"tp·pp={model_parallel} does not divide the {trainer_gpus} trainer GPUs",
             )
         dp = trainer_gpus // model_parallel
         if (dp * par.tp) % par.ep:
@@ -265,7 +259,9 @@ def _check_rollout(cfg: RunConfig) -> None:
     if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:
         raise ConfigError(
             "algorithm.overlong.buffer_len",
-            f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}",
+            f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}: "
+            f"set algorithm.overlong.buffer_len={max(1, ro.max_response_len // 4)} (DAPO shapes the last fifth to "
+            "quarter of the limit) or algorithm.overlong.enabled=false",
         )
     if algo.eps_high < algo.eps_low:
         raise ConfigError(
