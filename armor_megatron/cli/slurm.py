@@ -1,13 +1,13 @@
-"""``python -m armor_megatron.cli.slurm``: plan, submit and start SLURM jobs from a run config.
+"""``armor-slurm`` (or ``python -m armor_megatron.cli.slurm``): plan, submit and start SLURM jobs from a run config.
 
     # inside the allocation (tools/slurm/armor.sbatch evaluates --shell):
-    python -m armor_megatron.cli.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell) [--no-plan]
+    armor-slurm [plan] --config FILE [key=value ...] (--dry-run | --shell) [--no-plan]
     # on the login node: the sbatch command for the config's resources (run it, or print it):
-    python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run] [--no-plan]
+    armor-slurm submit --config FILE [key=value ...] [--dry-run] [--no-plan]
     # the batch script waits for its engine steps:
-    python -m armor_megatron.cli.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
+    armor-slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
     # the allocation's hosts where scontrol is not installed, one a line:
-    python -m armor_megatron.cli.slurm hostnames 'node[01-02]'
+    armor-slurm hostnames 'node[01-02]'
 
 Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
 A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).

@@ -1,6 +1,6 @@
-r"""``python tools/sweep.py`` / ``python -m armor_megatron.cli.sweep``: expand a config grid into a SLURM job array.
+r"""``armor-sweep`` (or ``python tools/sweep.py``): expand a config grid into a SLURM job array.
 
-    python -m armor_megatron.cli.sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
+    armor-sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
         --grid alpha=0.875,0.9375 --grid tau=80,160 --grid seed=1,2 --max-parallel 4 [--dry-run | --submit]
 
 Naming and file layout: `armor_megatron.launch.sweep`.

@@ -149,7 +149,7 @@ class SGLangConfig:
             "a path, or null",
             lambda x: None if x is None or x.strip() else "must not be empty (null: the trainer's interpreter)",
         ),
-        help="interpreter the launched servers run with: the SGLang environment's python (README, GPU "
+        help="interpreter the launched servers run with: the SGLang environment's python (docs/gpu.md, GPU "
         "environments; sglang pins its own torch); null: the trainer's (ARMOR_PYTHON in SLURM jobs)",
     )
 
