@@ -108,6 +108,8 @@ def test_armor_steps_train_on_verified_anchors_with_tis_and_dynamic_sampling(arm
         assert m["rollout/logprob_abs_diff"] < 1e-5
         # engine and trainer agree: TIS weights are ~1 and none is truncated
         assert abs(m["train/tis_weight_mean"] - 1.0) < 1e-4 and m["train/tis_capped_frac"] == 0.0
+        # TIS weighs on-policy tokens only: the trained anchors' tokens (sampled from π_ref) weigh 1
+        assert m["anchor/trained_groups_rate"] > 0 and 0 < m["train/tis_num_tokens"] < m["train/num_tokens"]
         assert m["dynamic_sampling/rounds"] >= 1 and m["dynamic_sampling/groups_seen"] >= 4
         assert m["dynamic_sampling/keep_rate"] > 0.0
         assert m["anchor/reference_tokens"] >= m["anchor/generated_tokens"] > 0
