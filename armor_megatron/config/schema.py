@@ -572,7 +572,7 @@ class LoggingConfig:
     sample_metrics: str | None = checked(
         None,
         help="module:function(samples) -> {name: value}, called on each step's scored rollouts (dicts with prompt, "
-        "response, score, is_anchor; logged as rollout/<name>) and each evaluation's (eval/<dataset>/<name>)",
+        "response, score, is_anchor, weight_version; logged as rollout/<name>) and each evaluation's (eval/<dataset>/<name>)",
     )
 
 

@@ -132,7 +132,13 @@ def collect_groups(
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
     if settings.sample_metrics is not None:
         scored = [
-            {"prompt": row.prompt, "response": s.text, "score": float(a), "is_anchor": bool(anchor)}
+            {
+                "prompt": row.prompt,
+                "response": s.text,
+                "score": float(a),
+                "is_anchor": bool(anchor),
+                "weight_version": s.weight_version,  # the engine weights that sampled it (an anchor: π_ref's)
+            }
             for row, s, a, anchor in zip(prompt_of_row, samples, accuracy.reshape(-1), groups.is_anchor.reshape(-1))
         ]
         metrics.update({f"rollout/{k}": float(v) for k, v in settings.sample_metrics(scored).items()})
