@@ -2,7 +2,7 @@
 
 On a CPU machine install torch==2.13.0 first (see README): the open range below would
 otherwise let pip pick a multi-GB CUDA build. GPU jobs run two environments, each installed
-from its lock file in tools/envs/ (README, "GPU environments"; tools/check_envs.py writes the
+from its lock file in tools/envs/ (docs/gpu.md, "GPU environments"; tools/check_envs.py writes the
 locks from the requirements below and checks them).
 """
 
@@ -41,7 +41,7 @@ setup(
     extras_require={
         # The trainer's GPU packages. Transformer Engine: the range megatron-core 0.16 is tested with
         # (its dev extra: >=2.9,<2.12). The router the trainer starts in front of the engines.
-        # NVIDIA Apex is not on the package index; README explains the source build.
+        # NVIDIA Apex is not on the package index; docs/gpu.md explains the source build.
         "gpu": ["transformer-engine[pytorch]>=2.9,<2.12", "tensorboard", "sglang-router==0.3.2"],
         # The SGLang servers' own environment (rollout.sglang.python): sglang pins torch and
         # transformers (0.5.23: torch 2.14.1, transformers 5.19.0), so it does not share the trainer's.
@@ -50,7 +50,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
-            "pytest-random-order==1.2.0",  # off unless asked: `pytest --random-order` (README, Tests)
+            "pytest-random-order==1.2.0",  # off unless asked: `pytest --random-order` (docs/contributing.md, Tests)
             "matplotlib>=3.7",
             "ruff==0.17.6",
             "mypy==2.4.1",  # .ci/run type-checks the package (settings in pyproject.toml)
@@ -65,6 +65,8 @@ setup(
             "armor-convert=armor_megatron.cli.convert:main",
             "armor-eval=armor_megatron.cli.eval:main",
             "armor-plot=armor_megatron.cli.plot:main",
+            "armor-slurm=armor_megatron.cli.slurm:main",
+            "armor-sweep=armor_megatron.cli.sweep:main",
         ]
     },
 )

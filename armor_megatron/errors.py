@@ -11,3 +11,15 @@ is a bug in this package (or in a library it calls) and keeps its traceback. Sub
 
 class UserInputError(ValueError):
     """Input a user can fix; ``str(err)`` is one line naming the problem and where it is."""
+
+
+class MissingInputError(UserInputError, FileNotFoundError):
+    """A file or directory the user named (a model, a dataset, a checkpoint) is not there."""
+
+
+class OutputExistsError(UserInputError, FileExistsError):
+    """An output the user named exists already and would be replaced."""
+
+
+class DatasetError(UserInputError):
+    """A dataset file or one of its rows cannot be used; the message names the file and the row."""

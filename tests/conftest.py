@@ -1,13 +1,16 @@
 """Two suite-wide rules.
 
 **Slow tests are marked by measurement.** A test not marked ``slow`` whose call and own set-up
-(its function-scoped fixtures) take more than ``ARMOR_SLOW_TEST_SECONDS`` seconds of wall time
-(default 10, on 2 idle cores, doubled when the process may use only one core: a test's two ranks
-then share it; the fast subset is ``-m "not slow"``) fails, with a line asking to
-mark it ``@pytest.mark.slow`` or make it faster. A shared (module-, class- or session-scoped)
-fixture is judged on its own, whichever test sets it up first: over the limit, the unmarked test
-that set it up fails, naming it. On a loaded machine raise the limit (``ARMOR_SLOW_TEST_SECONDS=30``);
-``0`` turns the check off. A test that failed or was skipped is left as it is.
+(its function-scoped fixtures) take more than ``ARMOR_SLOW_TEST_SECONDS`` seconds (default 10,
+doubled when the process may use only one core: a test's two ranks then share it; the fast
+subset is ``-m "not slow"``) fails, with a line asking to mark it ``@pytest.mark.slow`` or make
+it faster. A test takes the lesser of its wall time and its CPU time: the CPU time of the pytest
+process (all threads) and of every process below it (children, theirs, and the ranks a session
+keeps, for what they did during the test). A test that did its work quickly but waited for a
+core on a busy machine is judged by its CPU time, so load never fails it; a genuinely slow test
+on an idle machine exceeds both. A shared (module-, class- or session-scoped) fixture is judged
+on its own, whichever test sets it up first: over the limit, the unmarked test that set it up
+fails, naming it. ``0`` turns the check off. A test that failed or was skipped is left as it is.
 
 **Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
@@ -52,7 +55,7 @@ def _seconds(env: str, default: float) -> float:
 
 
 def slow_limit_s() -> float:
-    """The wall-time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit).
+    """The time limit of a test not marked slow (``ARMOR_SLOW_TEST_SECONDS``; 0: no limit).
 
     The default is set for 2 cores; with one core usable (``taskset -c 0``) it doubles.
     """
@@ -60,8 +63,83 @@ def slow_limit_s() -> float:
     return _seconds(SLOW_ENV, SLOW_DEFAULT_S * (2.0 if cores < 2 else 1.0))
 
 
+_TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
+
+
+def _children_of(pid: int) -> list[int]:
+    """Direct children of ``pid`` (Linux: /proc/<pid>/task/*/children, no scan of every process)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        try:
+            return [c.pid for c in psutil.Process(pid).children()]
+        except psutil.Error:
+            return []
+    out: list[int] = []
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            continue
+    return out
+
+
+def _cpu_of(pid: int) -> tuple[tuple[int, float], float] | None:
+    """((pid, start time), CPU seconds of ``pid`` and of its children it reaped); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        user, system, child_user, child_system = (int(x) for x in fields[11:15])
+        return (pid, float(fields[19])), (user + system + child_user + child_system) * _TICK_S
+    except (OSError, IndexError, ValueError):
+        try:
+            p = psutil.Process(pid)
+            t = p.cpu_times()
+            return (pid, p.create_time()), t.user + t.system + t.children_user + t.children_system
+        except psutil.Error:
+            return None
+
+
+def cpu_snapshot() -> tuple[float, dict[tuple[int, float], float]]:
+    """CPU seconds so far of this process with its reaped children, and of each live process below it."""
+    t = os.times()
+    live: dict[tuple[int, float], float] = {}
+    stack = [os.getpid()]
+    while stack:
+        for child in _children_of(stack.pop()):
+            measured = _cpu_of(child)
+            if measured is not None:
+                live[measured[0]] = measured[1]
+                stack.append(child)
+    return t.user + t.system + t.children_user + t.children_system, live
+
+
+def cpu_seconds_since(start: tuple[float, dict[tuple[int, float], float]]) -> float:
+    """CPU seconds this process and every process below it spent since ``start`` (a `cpu_snapshot`).
+
+    A process that ended in between was reaped by one of them, whose children's times now hold all
+    of its CPU time: what it had used before ``start`` is taken off.
+    """
+    own, live = cpu_snapshot()
+    spent = own - start[0] + sum(cpu - start[1].get(key, 0.0) for key, cpu in live.items())
+    spent -= sum(cpu for key, cpu in start[1].items() if key not in live)
+    return max(0.0, spent)
+
+
+class _Clock:
+    """Wall and CPU time since it was made; a test takes the lesser (module docstring)."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), cpu_snapshot()
+
+    def seconds(self) -> float:
+        return min(time.perf_counter() - self.wall, cpu_seconds_since(self.cpu))
+
+
 _LIMIT = pytest.StashKey[float]()
 _OWN_SETUP_S = pytest.StashKey[float]()
+_CALL_S = pytest.StashKey[float]()
 _SHARED_SETUPS = pytest.StashKey[list]()
 _shared_setups: list[tuple[str, float]] = []  # (fixture, seconds) of the shared fixtures set up for this test
 _shared_depth = 0  # shared fixtures being set up (one may request another)
@@ -71,10 +149,27 @@ def pytest_configure(config):
     config.stash[_LIMIT] = slow_limit_s()
 
 
+def _judged(item) -> bool:
+    limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
+    return limit > 0 and item.get_closest_marker("slow") is None
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     _shared_setups.clear()
+    clock = _Clock() if _judged(item) else None
     yield
+    if clock is not None:
+        item.stash[_OWN_SETUP_S] = clock.seconds() - sum(s for _, s in _shared_setups)
+        item.stash[_SHARED_SETUPS] = list(_shared_setups)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    clock = _Clock() if _judged(item) else None
+    yield
+    if clock is not None:
+        item.stash[_CALL_S] = clock.seconds()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -83,32 +178,28 @@ def pytest_fixture_setup(fixturedef, request):
     using one must not pay for it (the order varies), the fixture is judged on its own."""
     global _shared_depth
     shared = fixturedef.scope != "function"
-    start = time.perf_counter()
+    clock = _Clock() if shared and not _shared_depth else None
     _shared_depth += shared
     yield
     _shared_depth -= shared
-    if shared and not _shared_depth:
-        _shared_setups.append((fixturedef.argname, time.perf_counter() - start))
+    if clock is not None:
+        _shared_setups.append((fixturedef.argname, clock.seconds()))
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.when == "setup":
-        item.stash[_OWN_SETUP_S] = report.duration - sum(s for _, s in _shared_setups)
-        item.stash[_SHARED_SETUPS] = list(_shared_setups)
-        return
     limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
-    if report.when != "call" or not report.passed or limit <= 0 or item.get_closest_marker("slow"):
+    if report.when != "call" or not report.passed or not _judged(item):
         return
     own_setup = max(0.0, item.stash.get(_OWN_SETUP_S, 0.0))
-    took = own_setup + report.duration
+    took = own_setup + item.stash.get(_CALL_S, report.duration)
     over = f"over the {limit:g} s limit of a test not marked slow ({SLOW_ENV})"
     if took > limit:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} took {took:.1f} s (setup {own_setup:.1f} s), {over}: "
+            f"{item.nodeid} took {took:.1f} s (wall or CPU time, the lesser; setup {own_setup:.1f} s), {over}: "
             "mark it @pytest.mark.slow or make it faster"
         )
         return

@@ -7,7 +7,7 @@
     python tools/check_envs.py --shared           # also: do trainer and SGLang resolve as ONE environment?
     python tools/check_envs.py --verify           # offline: the committed locks satisfy setup.py (CI runs this)
 
-A GPU job runs two environments (README, "GPU environments"):
+A GPU job runs two environments (docs/gpu.md, "GPU environments"):
 
 * ``trainer`` - the Megatron trainer: setup.py's ``install_requires`` and its ``gpu`` extra, with
   torch pinned to `TRAINER_TORCH`. Transformer Engine's torch extension (``transformer-engine-torch``)

@@ -3,7 +3,7 @@
 #
 #   tools/gpu_smoke.sh                      # builds a tiny Qwen2 checkpoint, starts SGLang on it
 #   SGLANG_PYTHON=/opt/envs/sglang/bin/python tools/gpu_smoke.sh
-#                                           # the server from its own environment (README "GPU environments")
+#                                           # the server from its own environment (docs/gpu.md, "GPU environments")
 #   ARMOR_SGLANG_URL=http://127.0.0.1:30000 ARMOR_SGLANG_MODEL=/path/to/that/model tools/gpu_smoke.sh
 #                                           # attaches to a server you started (same model!)
 #
@@ -35,7 +35,7 @@ trap cleanup EXIT INT TERM
 
 if [[ -z "${ARMOR_SGLANG_URL:-}" ]]; then
   "$SERVER_PY" -c "import sglang" 2>/dev/null || {
-    echo "gpu_smoke: sglang is not importable by $SERVER_PY: set SGLANG_PYTHON to the SGLang environment's interpreter (README \"GPU environments\")" >&2
+    echo "gpu_smoke: sglang is not importable by $SERVER_PY: set SGLANG_PYTHON to the SGLang environment's interpreter (docs/gpu.md, \"GPU environments\")" >&2
     exit 2
   }
   export ARMOR_SGLANG_MODEL="$WORK/tiny-qwen2"

@@ -17,11 +17,11 @@ import sys
 from collections.abc import Sequence
 
 from armor_megatron.cli.common import OneLineArgumentParser, quiet_third_party_warnings
+from armor_megatron.errors import UserInputError
 
 # What a user can get wrong: missing/truncated files, wrong tensors, unsupported models,
 # parallel sizes that do not divide, an existing output directory.
-BAD_INPUT = (ValueError, FileExistsError, FileNotFoundError, NotADirectoryError, PermissionError)
-
+PROG = "armor-convert"
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -41,7 +41,7 @@ def parse_size(text: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``armor-convert`` argument parser (subcommands hf-to-mcore, mcore-to-hf, verify)."""
-    parser = OneLineArgumentParser(prog="armor-convert", description=__doc__.split("\n\n")[0])
+    parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("hf-to-mcore", help="HF safetensors directory -> Megatron torch_dist checkpoint")
@@ -127,11 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)  # clean up like Ctrl-C does
     try:
         return _run(args)
-    except BAD_INPUT as e:
-        print(f"armor-convert: error: {e}", file=sys.stderr)
+    except UserInputError as e:  # anything else is a bug and keeps its traceback
+        print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("armor-convert: interrupted; the partial output was removed", file=sys.stderr)
+        print(f"{PROG}: interrupted; the partial output was removed", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)

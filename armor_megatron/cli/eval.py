@@ -6,7 +6,8 @@
 
 Local engine (transformers, in process) by default; ``--url`` evaluates through a running
 SGLang server instead. Each row is scored by the verifier its ``type`` column names (``math``,
-``safety``, ``knowledge``...; ``--verifier`` for rows without one). Prints a table per
+``safety``, ``knowledge``...; ``--verifier`` for rows without one); ``--prompt-key`` and
+``--answer-key`` name the columns of ``--dataset`` files (a verl Parquet's, for instance). Prints a table per
 dataset and one of accuracy per domain (the verifier); ``--output`` writes metrics, domain
 accuracy and every sample as JSON.
 """
@@ -18,8 +19,10 @@ import os
 import sys
 
 from armor_megatron.cli.common import EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.errors import MissingInputError, UserInputError
 
 PROG = "armor-eval"
+DEFAULT_COLUMNS = ("prompt", "answer", "type")
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -34,25 +37,29 @@ def build_parser() -> OneLineArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--verifier", default=None, help="registered name or module:function")
+    p.add_argument(
+        "--prompt-key", default=None, help="prompt column of the --dataset files (default: the config's, else prompt)"
+    )
+    p.add_argument(
+        "--answer-key", default=None, help="answer column of the --dataset files (default: the config's, else answer)"
+    )
     p.add_argument("--url", help="evaluate through a running SGLang server at this URL")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", help="write metrics and samples as JSON here")
     return p
 
 
-def _columns(cfg, name: str, from_command_line: bool) -> tuple[str, str, str]:
+def _columns(cfg, name: str, args) -> tuple[str, str, str]:
     """The prompt, answer and type keys of evaluation set ``name``.
 
-    The config's ``data`` keys, an ``eval.datasets`` entry's own keys first; the row defaults
-    without a config.
+    Sets given by ``--dataset``: ``--prompt-key`` / ``--answer-key``, else the config's ``data``
+    keys, else the row defaults. A config's ``eval.datasets`` entry: its own keys, else ``data``'s.
     """
-    if cfg is None:
-        return "prompt", "answer", "type"
-    data = cfg.data
-    own = None if from_command_line else next(d for d in cfg.eval.datasets if d.name == name)
-    prompt = (own and own.prompt_key) or data.prompt_key
-    answer = (own and own.answer_key) or data.answer_key
-    return prompt, answer, data.type_key
+    if not args.dataset:
+        own = next(d for d in cfg.eval.datasets if d.name == name)
+        return own.prompt_key or cfg.data.prompt_key, own.answer_key or cfg.data.answer_key, cfg.data.type_key
+    prompt, answer, kind = (cfg.data.prompt_key, cfg.data.answer_key, cfg.data.type_key) if cfg else DEFAULT_COLUMNS
+    return args.prompt_key or prompt, args.answer_key or answer, kind
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -72,6 +79,10 @@ def main(argv: list[str] | None = None) -> int:
     malformed = next((d for d, pair in zip(args.dataset, given) if len(pair) != 2 or not all(pair)), None)
     if malformed is not None:
         return fail(PROG, f"--dataset {malformed!r} is not NAME=PATH")
+    if (args.prompt_key or args.answer_key) and not given:
+        return fail(
+            PROG, "--prompt-key and --answer-key name the columns of --dataset files (eval.datasets have their own)"
+        )
     sets = given or ([(d.name, d.path) for d in ev.datasets] if ev else [])
     if not sets:
         return fail(PROG, "give at least one --dataset NAME=PATH (or a config with eval.datasets)")
@@ -87,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
 
         verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
         eval_sets = [
-            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, bool(given))), verifier), k)
-            for name, path in sets
+            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, args)), verifier), k) for name, path in sets
         ]
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),
@@ -97,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         engine, tokenizer = _engine(model, args.url)
-    except (OSError, ValueError) as err:
+    except UserInputError as err:  # anything else is a bug and keeps its traceback
         return fail(PROG, str(err))
     data = cfg.data if cfg else None
     encode = lambda prompt: encode_prompt(  # noqa: E731
@@ -142,7 +152,7 @@ def _engine(model: str, url: str | None):
     from armor_megatron.models.tokenizer import load_tokenizer
 
     if not os.path.isdir(model):
-        raise OSError(f"model directory not found: {model}")
+        raise MissingInputError(f"model directory not found: {model}")
     tokenizer = load_tokenizer(model)
     if url:
         from armor_megatron.rollout.sglang.engine import SGLangEngine

@@ -1,13 +1,13 @@
-"""``python -m armor_megatron.cli.slurm``: plan, submit and start SLURM jobs from a run config.
+"""``armor-slurm`` (or ``python -m armor_megatron.cli.slurm``): plan, submit and start SLURM jobs from a run config.
 
     # inside the allocation (tools/slurm/armor.sbatch evaluates --shell):
-    python -m armor_megatron.cli.slurm [plan] --config FILE [key=value ...] (--dry-run | --shell) [--no-plan]
+    armor-slurm [plan] --config FILE [key=value ...] (--dry-run | --shell) [--no-plan]
     # on the login node: the sbatch command for the config's resources (run it, or print it):
-    python -m armor_megatron.cli.slurm submit --config FILE [key=value ...] [--dry-run] [--no-plan]
+    armor-slurm submit --config FILE [key=value ...] [--dry-run] [--no-plan]
     # the batch script waits for its engine steps:
-    python -m armor_megatron.cli.slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
+    armor-slurm wait-engines --timeout 1800 [--pid PID ...] URL ...
     # the allocation's hosts where scontrol is not installed, one a line:
-    python -m armor_megatron.cli.slurm hostnames 'node[01-02]'
+    armor-slurm hostnames 'node[01-02]'
 
 Outside a SLURM job, ``plan --dry-run`` previews the job on placeholder hosts node01..nodeN.
 A config path may contain ``%a``, replaced by ``SLURM_ARRAY_TASK_ID`` (job arrays from tools/sweep.py).
@@ -26,10 +26,11 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
-from armor_megatron.config import ConfigError, load_config
+from armor_megatron.config import load_config
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.health import EngineStartError, wait_for_engines
 from armor_megatron.launch.memory import plan_problem
-from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
+from armor_megatron.launch.nodelist import expand_nodelist
 from armor_megatron.launch.plan import (
     API_KEY_ENV,
     LAUNCHERS,
@@ -44,7 +45,6 @@ from armor_megatron.launch.slurm_env import SlurmEnv, SlurmEnvError
 
 PROG = "armor-slurm"
 COMMANDS = ("plan", "submit", "wait-engines", "hostnames")
-_BAD_INPUT = (ConfigError, LaunchPlanError, SlurmEnvError, NodeListError)
 
 
 def build_parser() -> OneLineArgumentParser:
@@ -113,7 +113,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         waited = wait_for_engines(args.urls, timeout_s=args.timeout, pids=args.pid, api_key=api_key)
         print(f"{PROG}: {len(args.urls)} engine(s) healthy after {waited:.0f}s", file=sys.stderr)
         return EXIT_OK
-    except _BAD_INPUT as err:
+    except UserInputError as err:
         return fail(PROG, str(err))
     except EngineStartError as err:
         return fail(PROG, str(err), EXIT_FAILED)

@@ -1,6 +1,6 @@
-r"""``python tools/sweep.py`` / ``python -m armor_megatron.cli.sweep``: expand a config grid into a SLURM job array.
+r"""``armor-sweep`` (or ``python tools/sweep.py``): expand a config grid into a SLURM job array.
 
-    python -m armor_megatron.cli.sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
+    armor-sweep --config configs/qwen25_math_7b_dapo_armor.yaml --out sweeps/alpha-tau \
         --grid alpha=0.875,0.9375 --grid tau=80,160 --grid seed=1,2 --max-parallel 4 [--dry-run | --submit]
 
 Naming and file layout: `armor_megatron.launch.sweep`.
@@ -14,11 +14,10 @@ from collections.abc import Sequence
 
 from armor_megatron.cli.common import OneLineArgumentParser, fail
 from armor_megatron.cli.slurm import run_or_print
-from armor_megatron.config import ConfigError
-from armor_megatron.launch.plan import LAUNCHERS, LaunchPlanError
+from armor_megatron.errors import UserInputError
+from armor_megatron.launch.plan import LAUNCHERS
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE
 from armor_megatron.launch.sweep import (
-    SweepError,
     add_grid_key,
     describe_values,
     parse_grid,
@@ -79,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not args.dry_run:
             write_sweep(sweep, overwrite=args.overwrite)
             print(f"# wrote {len(sweep.runs)} configs and {os.path.join(sweep.out_dir, 'manifest.json')}")
-    except (SweepError, ConfigError, LaunchPlanError) as err:
+    except UserInputError as err:
         return fail(PROG, str(err))
     return run_or_print(PROG, list(sweep.sbatch), dry_run=not args.submit, make_dirs=[args.log_dir])
 

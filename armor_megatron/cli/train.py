@@ -1,4 +1,7 @@
-"""``armor-train --config FILE [section.key=value ...] [--check] [--plan] [--no-plan] [--no-files] [--resume auto|none|force|PATH]``.
+"""``armor-train --config FILE [section.key=value ...] [--check] [--print-config] [--plan] [--no-plan] [--no-files] [--resume auto|none|force|PATH]``.
+
+``--check`` validates what needs no GPU and prints one line (what the job's machines need, then
+``config OK``); ``--print-config`` also prints the resolved config as YAML on stdout.
 
 ``armor-train --explain KEY`` prints one config key's entry of the reference (``docs/config.md``):
 its type, default, accepted values and meaning; a config error names its key the same way.
@@ -11,10 +14,11 @@ engine/trainer GPU split that balances them.
 ``--check`` refuses such a layout too (GPU runs whose architecture is known), unless ``--no-plan``.
 
 Inside a distributed launcher (torchrun, srun) every process runs one rank of the job. Started
-by hand with more than one rank needed (CPU runs: tp·pp·cp processes; one GPU node:
+by hand with more than one rank needed (CPU runs: tp·pp processes; one GPU node:
 ``launch.gpus_per_node``), it re-launches itself under ``torchrun --standalone``.
-Exit codes: 0 done, 1 failed, 2 bad input (also found at run time: a missing file, a damaged
-checkpoint), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
+Exit codes: 0 done, 1 failed (a bug: the traceback is printed), 2 bad input (a
+``armor_megatron.errors.UserInputError``, also found at run time: a missing file, a damaged
+checkpoint; one line), ``launch.requeue_exit_code`` (85) preempted after a checkpoint, so
 ``sbatch --requeue`` can restart it, 130 interrupted by Ctrl-C (SIGINT: no checkpoint, the last
 complete one stays; one line, no traceback). SIGTERM/SIGUSR1 (SLURM's preemption and time-limit
 warnings) make the ranks checkpoint and exit with the requeue code, whether they reach the
@@ -40,6 +44,7 @@ from armor_megatron.cli.common import (
 )
 from armor_megatron.config import ConfigError, load_config, needs, to_dict
 from armor_megatron.config.files import check_files
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.memory import plan_problem
 from armor_megatron.launch.plan import API_KEY_ENV, LaunchPlanError, without_secrets
 from armor_megatron.trainer import preemption
@@ -54,7 +59,14 @@ def build_parser() -> OneLineArgumentParser:
     parser = OneLineArgumentParser(prog=PROG, description="Run ARMOR RL post-training from a YAML config.")
     parser.add_argument("--config", help="YAML run config (see configs/); required unless --explain")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="dotted config overrides")
-    parser.add_argument("--check", action="store_true", help="validate, print the resolved config and exit")
+    parser.add_argument(
+        "--check", action="store_true", help="validate everything that needs no GPU, print one line and exit"
+    )
+    parser.add_argument(
+        "--print-config",
+        action="store_true",
+        help="--check, and print the resolved config (every key, defaults filled in, secrets redacted) as YAML",
+    )
     parser.add_argument(
         "--resume", default=None, help="auto | none | force | checkpoint path (default: checkpoint.resume)"
     )
@@ -84,12 +96,12 @@ def build_parser() -> OneLineArgumentParser:
 def processes_needed(cfg) -> int:
     """Ranks of the job.
 
-    On CPU the fewest the layout admits (tp·pp·cp, also divisible by the expert layout ep·pp: expert
+    On CPU the fewest the layout admits (tp·pp, also divisible by the expert layout ep·pp: expert
     parallelism takes its ranks from data parallelism), on a GPU node its trainer GPUs.
     """
     par = cfg.parallelism
     if cfg.launch.gpus_per_node == 0:
-        return math.lcm(par.tp * par.pp * par.cp, par.ep * par.pp)
+        return math.lcm(par.tp * par.pp, par.ep * par.pp)
     return cfg.launch.gpus_per_node - cfg.launch.engine_gpus
 
 
@@ -102,26 +114,24 @@ def main(argv: list[str] | None = None) -> int:
         return explain(args.explain)
     if args.config is None:
         parser.error("the following arguments are required: --config")
+    args.check = args.check or args.print_config
     try:
         cfg = load_config(args.config, args.overrides)
         if args.resume:
             cfg.checkpoint.resume = args.resume
-        if not (
-            args.no_files or args.plan
-        ):  # before any process starts: a missing file fails in a second, not after the build
-            check_files(cfg)
+        # the config's own problems first (the memory plan is one), then what it names on this machine
+        problem = None if args.no_plan or not args.check else plan_problem(cfg)
+        if problem is None and not (args.no_files or args.plan):
+            check_files(cfg)  # before any process starts: a missing file fails in a second, not after the build
     except ConfigError as err:
         return fail(PROG, f"config: {err}{_explain_hint(err.key)}")
     if args.plan:
         return plan(cfg)
-    if args.check:
-        try:
-            problem = None if args.no_plan else plan_problem(cfg)
-        except ConfigError as err:
-            return fail(PROG, f"config: {err}")
-        if problem is not None:
-            return fail(PROG, f"plan: {problem}; pass --no-plan to accept it")
+    if problem is not None:
+        return fail(PROG, f"plan: {problem}; pass --no-plan to accept it")
+    if args.print_config:
         yaml.safe_dump(to_dict(cfg), sys.stdout, sort_keys=False)
+    if args.check:
         if needed := needs.describe(cfg):
             print(f"{PROG}: {needed}", file=sys.stderr)
         print(f"{PROG}: config OK ({args.config}); every key: docs/config.md, {PROG} --explain KEY", file=sys.stderr)
@@ -203,7 +213,7 @@ def _train(cfg, resume) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(f"{PROG}: preempted: {why}; exiting {cfg.launch.requeue_exit_code} for requeue", file=sys.stderr)
         return cfg.launch.requeue_exit_code
-    except (ConfigError, FileNotFoundError, ValueError) as err:
+    except UserInputError as err:  # anything else is a bug: it keeps its traceback and exits 1
         line = str(err).splitlines()[0] if str(err) else type(err).__name__
         report = relaunch.RankReport.from_env()
         if report is None:

@@ -22,6 +22,10 @@ from armor_megatron.data.prompts import field_kind, field_of, ground_truth_colum
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what a run without mcore_path loads
+# a fast tokenizer's file, or a slow one's vocabulary (SentencePiece, BPE, WordPiece): AutoTokenizer needs one
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+LATEST = "latest"  # the file in a run's checkpoint directory naming its newest checkpoint (megatron.model_state)
+NO_ANSWER = "I cannot solve this."  # a response stating no answer: a verifier scores it too (0, not None)
 
 
 def check_files(cfg: RunConfig) -> None:
@@ -49,8 +53,8 @@ def check_files(cfg: RunConfig) -> None:
         )
         _check_dataset(f"{own}.path", ds.path, cfg, prompt, answer)
     resume = cfg.checkpoint.resume
-    if resume not in RESUME_WORDS and not os.path.isdir(resume):
-        raise ConfigError("checkpoint.resume", f"{resume}: no such checkpoint directory (or use auto | none | force)")
+    if resume not in RESUME_WORDS:
+        _check_resume_path(resume)
     if cfg.reference.init_from and not os.path.isdir(cfg.reference.init_from):
         raise ConfigError("reference.init_from", f"{cfg.reference.init_from}: no such checkpoint directory")
     for key, path in (("checkpoint.dir", checkpoint_dir(cfg)), ("logging.dir", cfg.logging.dir)):
@@ -75,6 +79,19 @@ def _check_writable_dir(key: str, path: str) -> None:
         raise ConfigError(key, f"{path}: {what} not writable by this user")
 
 
+def _check_resume_path(path: str) -> None:
+    """``checkpoint.resume`` names a torch_dist checkpoint or a checkpoint root whose ``latest`` names one."""
+    if not os.path.isdir(path):
+        raise ConfigError("checkpoint.resume", f"{path}: no such checkpoint directory (or use auto | none | force)")
+    if os.path.isfile(os.path.join(path, LATEST)) or os.path.isfile(os.path.join(path, "metadata.json")):
+        return
+    raise ConfigError(
+        "checkpoint.resume",
+        f"{path}: not a checkpoint (no metadata.json) nor a checkpoint directory of a run (no `{LATEST}` file); "
+        "name a step's directory such as <checkpoint.dir>/iter_0000100, or use auto | none | force",
+    )
+
+
 def _check_model(cfg: RunConfig) -> None:
     path = cfg.model.path
     if not os.path.isdir(path):
@@ -83,6 +100,12 @@ def _check_model(cfg: RunConfig) -> None:
     if not os.path.isfile(config_file):
         raise ConfigError("model.path", f"{path}: no config.json (not a Hugging Face model directory)")
     # its contents were read and checked with the config (validate.hf_config_of)
+    if not any(os.path.isfile(os.path.join(path, f)) for f in TOKENIZER_FILES):
+        raise ConfigError(
+            "model.path",
+            f"{path}: no tokenizer files ({', '.join(TOKENIZER_FILES)}); copy them from the model's "
+            "Hugging Face repository (transformers would build an empty tokenizer from this directory)",
+        )
     mcore = cfg.model.mcore_path
     if not mcore and not any(os.path.isfile(os.path.join(path, f)) for f in SAFETENSORS_WEIGHTS):
         raise ConfigError(
@@ -133,11 +156,34 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
+        spec, ground_truth = verifier or cfg.reward.verifier, field_of(row, truth)
         try:
-            check_ground_truth(verifier or cfg.reward.verifier, field_of(row, truth))
-            probe_verifier(verifier or cfg.reward.verifier, field_of(row, truth))
+            check_ground_truth(spec, ground_truth)
+            probe_verifier(spec, ground_truth)
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
+        _probe_no_answer(key, f"{path}: row {i}", spec, ground_truth)
+
+
+def _probe_no_answer(key: str, where: str, spec: str, ground_truth: object) -> None:
+    """A user verifier called on a response stating no answer returns a reward, as it must for every response.
+
+    Early in a run most responses state no answer; a verifier returning None for them would stop
+    the run at its first step.
+    """
+    from armor_megatron.rewards.registry import VerifierResultError, load_verifier
+
+    verifier = load_verifier(spec)
+    if verifier.__module__.startswith("armor_megatron."):  # built-ins return a RewardResult for any response
+        return
+    try:
+        verifier(NO_ANSWER, ground_truth)
+    except VerifierResultError as err:
+        raise ConfigError(key, f"{where}: {err}; a verifier returns a reward (e.g. 0) for every response") from None
+    except Exception as err:  # the user's code: what it raised is reported, not this package's traceback
+        raise ConfigError(
+            key, f"{where}: verifier {spec!r} raised {type(err).__name__} on the response {NO_ANSWER!r}: {err}"
+        ) from None
 
 
 def _check_packages(cfg: RunConfig) -> None:

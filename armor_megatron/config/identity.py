@@ -155,6 +155,7 @@ def check_run_identity(cfg: RunConfig, resume: str) -> None:
     root = checkpoint_dir(cfg) if resume == "auto" else os.path.dirname(os.path.normpath(resume))
     if resume == "auto" and not has_checkpoint(root):
         return
+    key = "checkpoint.dir" if resume == "auto" else "checkpoint.resume"  # the setting that points there
     path = os.path.join(root, RECORD_NAME)
     if not os.path.isfile(path):
         return
@@ -162,17 +163,22 @@ def check_run_identity(cfg: RunConfig, resume: str) -> None:
         with open(path, encoding="utf-8") as f:
             recorded = yaml.safe_load(f)
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as err:
-        raise ConfigError("checkpoint.dir", f"{path}: unreadable run record ({str(err).splitlines()[0]})") from None
+        raise ConfigError(key, f"{path}: unreadable run record ({str(err).splitlines()[0]})") from None
     if not isinstance(recorded, dict):
-        raise ConfigError("checkpoint.dir", f"{path}: a run record must be a mapping")
+        raise ConfigError(key, f"{path}: a run record must be a mapping")
     diff = differences(recorded, cfg)
-    if diff:
-        shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
-        raise ConfigError(
-            "checkpoint.dir",
-            f"{root} holds the checkpoints of another run ({shown}); give this run its own checkpoint.dir "
-            "(or name), start fresh with --resume none, or resume it anyway with --resume force",
-        )
+    if not diff:
+        return
+    shown = "; ".join(diff[:3]) + (f"; and {len(diff) - 3} more" if len(diff) > 3 else "")
+    if key == "checkpoint.dir":
+        fix = "give this run its own checkpoint.dir (or name), start fresh with --resume none"
+    else:
+        fix = "name a checkpoint of this run in checkpoint.resume (or --resume), start fresh with --resume none"
+    raise ConfigError(
+        key,
+        f"{resume if key == 'checkpoint.resume' else root} holds the checkpoints of another run ({shown}); "
+        f"{fix}, or resume it anyway with --resume force",
+    )
 
 
 def write_run_record(cfg: RunConfig) -> str:

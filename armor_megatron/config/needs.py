@@ -32,7 +32,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.models.megatron_options import deep_ep_available, grad_accumulation_fusion_available
 
-ENV_DOC = "README, GPU environments"
+ENV_DOC = "docs/gpu.md, GPU environments"
 PROBE_TIMEOUT_S = 60.0
 
 

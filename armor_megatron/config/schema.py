@@ -57,7 +57,6 @@ class ParallelismConfig:
     pp: int = checked(1, check=at_least(1), help="pipeline parallel size")
     ep: int = checked(1, check=at_least(1), help="expert parallel size (MoE)")
     vpp: int | None = checked(None, check=at_least(1), help="virtual pipeline chunks per stage")
-    cp: int = checked(1, check=at_least(1), help="context parallel size")
     sp: bool = checked(False, help="sequence parallelism (needs tp > 1)")
 
 
@@ -169,7 +168,7 @@ class SGLangConfig:
             "a path, or null",
             lambda x: None if x is None or x.strip() else "must not be empty (null: the trainer's interpreter)",
         ),
-        help="interpreter the launched servers run with: the SGLang environment's python (README, GPU "
+        help="interpreter the launched servers run with: the SGLang environment's python (docs/gpu.md, GPU "
         "environments; sglang pins its own torch); null: the trainer's (ARMOR_PYTHON in SLURM jobs)",
     )
 
@@ -593,7 +592,7 @@ class LoggingConfig:
     sample_metrics: str | None = checked(
         None,
         help="module:function(samples) -> {name: value}, called on each step's scored rollouts (dicts with prompt, "
-        "response, score, is_anchor; logged as rollout/<name>) and each evaluation's (eval/<dataset>/<name>)",
+        "response, score, is_anchor, weight_version; logged as rollout/<name>) and each evaluation's (eval/<dataset>/<name>)",
     )
 
 

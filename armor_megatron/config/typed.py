@@ -16,13 +16,15 @@ import typing
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from armor_megatron.errors import UserInputError
+
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 T = TypeVar("T", bound="DataclassInstance")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserInputError):
     """A configuration problem; ``str(err)`` is one line that starts with the key."""
 
     def __init__(self, key: str, problem: str):

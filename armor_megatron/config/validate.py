@@ -141,12 +141,6 @@ def _check_parallelism(cfg: RunConfig) -> None:
     par = cfg.parallelism
     if par.sp and par.tp == 1:
         raise ConfigError("parallelism.sp", "sequence parallelism needs tp > 1")
-    if par.cp > 1:
-        raise ConfigError(
-            "parallelism.cp",
-            f"{par.cp}: context parallelism is not supported yet (the trainer does "
-            "not split sequences over cp ranks); use cp: 1",
-        )
     if par.vpp is not None and par.pp == 1:
         raise ConfigError("parallelism.vpp", "virtual pipeline chunks need pp > 1")
     launch = cfg.launch
@@ -155,11 +149,11 @@ def _check_parallelism(cfg: RunConfig) -> None:
         if launch.engine_gpus >= total:
             raise ConfigError("launch.engine_gpus", f"{launch.engine_gpus} leaves no GPU for training out of {total}")
         trainer_gpus = total - launch.engine_gpus
-        model_parallel = par.tp * par.pp * par.cp
+        model_parallel = par.tp * par.pp
         if trainer_gpus % model_parallel:
             raise ConfigError(
                 "parallelism.tp",
-                f"tp·pp·cp={model_parallel} does not divide the {trainer_gpus} trainer GPUs",
+                f"tp·pp={model_parallel} does not divide the {trainer_gpus} trainer GPUs",
             )
         dp = trainer_gpus // model_parallel
         if (dp * par.tp) % par.ep:
@@ -267,7 +261,9 @@ def _check_rollout(cfg: RunConfig) -> None:
     if algo.overlong.enabled and algo.overlong.buffer_len >= ro.max_response_len:
         raise ConfigError(
             "algorithm.overlong.buffer_len",
-            f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}",
+            f"{algo.overlong.buffer_len} must be smaller than rollout.max_response_len={ro.max_response_len}: "
+            f"set algorithm.overlong.buffer_len={max(1, ro.max_response_len // 4)} (DAPO shapes the last fifth to "
+            "quarter of the limit) or algorithm.overlong.enabled=false",
         )
     if algo.eps_high < algo.eps_low:
         raise ConfigError(
@@ -285,28 +281,41 @@ def _check_rollout(cfg: RunConfig) -> None:
 
 
 def _check_overlap(cfg: RunConfig) -> None:
+    """``rollout.overlap: one_step``'s requirements, all that are unmet in one message with the overrides to set."""
     ro = cfg.rollout
     if ro.overlap_forced_wait and ro.overlap != "one_step":
         raise ConfigError("rollout.overlap_forced_wait", "needs rollout.overlap: one_step")
     if ro.overlap != "one_step":
         return
+    unmet: list[str] = []
     if not cfg.algorithm.tis.enabled:
-        raise ConfigError(
-            "rollout.overlap",
-            "one_step needs algorithm.tis.enabled: true: its samples come from the weights one update behind "
-            "π_old, and only TIS's min(π_old/π_engine, C) corrects the loss for that staleness",
-        )
-    if ro.engine == "sglang" and ro.sglang.placement == "colocated":
-        raise ConfigError(
-            "rollout.overlap",
-            "one_step needs rollout.sglang.placement disaggregated: colocated engines share the trainer's GPUs "
-            "and cannot generate while it updates",
+        unmet.append(
+            "algorithm.tis.enabled=true (samples come from weights one update behind π_old; only TIS's "
+            "min(π_old/π_engine, C) corrects the loss for that)"
         )
     if cfg.anchor.enabled and cfg.anchor.pregenerate:
-        raise ConfigError(
-            "anchor.pregenerate",
-            "not with rollout.overlap one_step, which already samples the next batch's anchors during the update",
+        unmet.append("anchor.pregenerate=false (one_step already samples the next batch's anchors during the update)")
+    sg, launch = ro.sglang, cfg.launch
+    if ro.engine == "sglang" and sg.placement == "colocated":
+        unmet.append(
+            "rollout.sglang.placement=disaggregated (colocated engines share the trainer's GPUs and cannot "
+            "generate while it updates)"
         )
+    if ro.engine == "sglang" and not sg.urls and launch.gpus_per_node:
+        engines = sg.num_engines + launched_reference_engines(cfg)
+        need, total = engines * sg.tp_per_engine, launch.nodes * launch.gpus_per_node
+        if launch.engine_gpus != need:
+            unmet.append(
+                f"launch.engine_gpus={need} (the GPUs of {engines} engines x tp_per_engine {sg.tp_per_engine})"
+            )
+        if need >= total:
+            unmet.append(
+                f"GPUs left for training: the engines take {need} of the job's {total}; lower "
+                f"rollout.sglang.num_engines (or anchor.reference_engines) or raise launch.nodes "
+                f"(`armor-train --plan` suggests a split)"
+            )
+    if unmet:
+        raise ConfigError("rollout.overlap", "one_step needs " + "; ".join(unmet))
 
 
 def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:

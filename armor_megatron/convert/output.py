@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import armor_megatron
 from armor_megatron.convert.errors import CheckpointError
 from armor_megatron.convert.hf_io import INDEX_FILE
+from armor_megatron.errors import MissingInputError, OutputExistsError
 
 METADATA_FILE = "armor_convert.json"
 HF_FILES_DIR = "hf_config"
@@ -32,10 +33,10 @@ def staged_dir(out_dir: str, overwrite: bool = False, sources: tuple[str, ...] =
     out_dir = os.path.abspath(out_dir)
     _refuse_overlap(out_dir, sources)
     if os.path.lexists(out_dir) and not overwrite:
-        raise FileExistsError(f"{out_dir}: output directory already exists (pass --overwrite to replace it)")
+        raise OutputExistsError(f"{out_dir}: output directory already exists (pass --overwrite to replace it)")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
-        raise FileNotFoundError(f"{parent}: parent of the output directory does not exist")
+        raise MissingInputError(f"{parent}: parent of the output directory does not exist")
     prefix = f".{os.path.basename(out_dir)}."
     for kind in ("tmp-", "old-"):  # what a killed conversion to the same out_dir left behind
         for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(prefix + kind) + "*")):

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from armor_megatron.errors import DatasetError, MissingInputError, UserInputError
+
 LABEL_KEY = "label"  # the ground truth of rows that have no answer column (safety rows)
 
 
@@ -87,7 +89,7 @@ def peek_rows(path: str, n: int) -> list[dict[str, Any]]:
 
 def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"dataset not found: {path}")
+        raise MissingInputError(f"dataset not found: {path}")
     if path.endswith(".parquet"):
         try:
             import pyarrow.parquet as pq
@@ -99,7 +101,7 @@ def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
                 return table_rows
             batch = next(pq.ParquetFile(path).iter_batches(batch_size=limit), None)
         except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError on a damaged file
-            raise ValueError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
+            raise DatasetError(f"{path}: not a readable Parquet file ({str(err).splitlines()[0]})") from None
         batch_rows: list[dict[str, Any]] = [] if batch is None else batch.to_pylist()
         return batch_rows
     if path.endswith(".json"):
@@ -107,11 +109,11 @@ def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
             with open(path, encoding="utf-8") as f:
                 rows = json.load(f)
         except UnicodeDecodeError:
-            raise ValueError(f"{path}: not UTF-8 text") from None
+            raise DatasetError(f"{path}: not UTF-8 text") from None
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
+            raise DatasetError(f"{path}:{err.lineno}: invalid JSON ({err.msg})") from None
         if not isinstance(rows, list):
-            raise ValueError(f"{path}: a .json dataset must hold a list of rows")
+            raise DatasetError(f"{path}: a .json dataset must hold a list of rows")
         return rows if limit is None else rows[:limit]
     rows = []
     with open(path, "rb") as f:
@@ -123,9 +125,9 @@ def _rows(path: str, limit: int | None) -> list[dict[str, Any]]:
             try:
                 rows.append(json.loads(line.decode("utf-8")))
             except UnicodeDecodeError:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 text") from None
+                raise DatasetError(f"{path}:{lineno}: not UTF-8 text") from None
             except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
+                raise DatasetError(f"{path}:{lineno}: invalid JSON ({err.msg})") from None
     return rows
 
 
@@ -135,22 +137,22 @@ class PromptDataset:
     def __init__(self, path: str, prompt_key: str = "prompt", answer_key: str = "answer", type_key: str = "type"):
         rows = read_rows(path)
         if not rows:
-            raise ValueError(f"{path}: dataset is empty")
+            raise DatasetError(f"{path}: dataset is empty")
         self.path = path
         self.rows: list[PromptRow] = []
         for i, row in enumerate(rows):
             if not isinstance(row, dict):
-                raise ValueError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
+                raise DatasetError(f"{path}: row {i} is {type(row).__name__}, not an object with columns")
             truth = ground_truth_column(row, answer_key)
             for key, present in ((prompt_key, has_field(row, prompt_key)), (answer_key, truth is not None)):
                 if not present:
-                    raise ValueError(
+                    raise DatasetError(
                         f"{path}: row {i} has no {key!r} {field_kind(key)} (columns: {', '.join(sorted(row))})"
                     )
             assert truth is not None  # a row without one raised above
             prompt = field_of(row, prompt_key)
             if not isinstance(prompt, (str, list)):
-                raise ValueError(
+                raise DatasetError(
                     f"{path}: row {i} {prompt_key!r} is {type(prompt).__name__}, not a string or a list of chat messages"
                 )
             verifier = field_of(row, type_key) if has_field(row, type_key) else None
@@ -211,7 +213,7 @@ class PromptLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at a position :meth:`state_dict` saved; a different seed raises."""
         if state.get("seed", self.seed) != self.seed:
-            raise ValueError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
+            raise UserInputError(f"loader state was saved with seed {state['seed']}, this run uses {self.seed}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
 
 
@@ -229,10 +231,10 @@ def encode_prompt(
     has_chat = bool(getattr(tokenizer, "chat_template", None))
     if isinstance(prompt, list) or (apply_chat_template and has_chat):
         if not has_chat:
-            raise ValueError("prompt is a list of chat messages but the tokenizer has no chat template")
+            raise DatasetError("prompt is a list of chat messages but the tokenizer has no chat template")
         messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
     if not isinstance(prompt, str):
-        raise ValueError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
+        raise DatasetError(f"prompt must be a string or a list of chat messages, got {type(prompt).__name__}")
     return list(tokenizer(prompt)["input_ids"])

@@ -9,7 +9,7 @@ column. Notation: h hidden, q = nq·d query width, kv = nkv·d key/value width, 
 fe / fs expert / shared-expert FFN, E experts, k router top-k, V_p padded vocabulary, L layers,
 s = max_prompt_len + max_response_len (micro-batches are padded to their longest row: the
 worst case is a full-length row), b = micro_batch_size, e bytes per element of model.dtype
-(bf16: 2), t = tp, p = pp, v = vpp (1 without), dp = trainer GPUs / (t·p·cp).
+(bf16: 2), t = tp, p = pp, v = vpp (1 without), dp = trainer GPUs / (t·p).
 
 Token-budget micro-batches (``train.max_tokens_per_micro_batch`` = B): a packed micro-batch
 holds B tokens at most, so every s·b below reads B, while attention scores stay per sequence
@@ -369,10 +369,10 @@ class MemoryPlan:
 def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
     """The memory of every pipeline stage of `cfg` (see the module docstring)."""
     par, launch, train, sg = cfg.parallelism, cfg.launch, cfg.train, cfg.rollout.sglang
-    tp, pp, ep, cp = par.tp, par.pp, par.ep, par.cp
+    tp, pp, ep = par.tp, par.pp, par.ep
     on_gpu = launch.gpus_per_node > 0
-    trainer_gpus = (launch.nodes * launch.gpus_per_node - launch.engine_gpus) if on_gpu else tp * pp * cp
-    dp = max(1, trainer_gpus // (tp * pp * cp))
+    trainer_gpus = (launch.nodes * launch.gpus_per_node - launch.engine_gpus) if on_gpu else tp * pp
+    dp = max(1, trainer_gpus // (tp * pp))
     expert_dp = max(1, trainer_gpus // (ep * tp * pp))
     e = _BYTES[cfg.model.dtype]
     optimizer_bytes = 8 + (4 if e < 4 else 0)

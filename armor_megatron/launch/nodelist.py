@@ -13,8 +13,10 @@ from __future__ import annotations
 import itertools
 import re
 
+from armor_megatron.errors import UserInputError
 
-class NodeListError(ValueError):
+
+class NodeListError(UserInputError):
     """A host list that is not in SLURM's compressed form."""
 
 

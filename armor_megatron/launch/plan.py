@@ -7,7 +7,7 @@
 Layout of the allocation (``N`` nodes of ``g`` GPUs, ``E = launch.engine_gpus``):
 
 * no launched engines (``rollout.engine: local``, or ``rollout.sglang.urls`` given): the trainer
-  takes every GPU; on a CPU job (``g = 0``) it runs tp·pp·cp processes, one data-parallel replica.
+  takes every GPU; on a CPU job (``g = 0``) it runs tp·pp processes, one data-parallel replica.
 * ``colocated``: the trainer takes every GPU and the engines share them; engine ``i`` uses GPUs
   ``[i·t, (i+1)·t)`` counted across nodes (``t = tp_per_engine``, which must divide ``g``).
 * ``disaggregated``: ``E = num_engines · t`` GPUs are the engines' alone. When ``g`` divides ``E``
@@ -36,6 +36,7 @@ from typing import Literal, cast
 
 from armor_megatron.config.schema import API_KEY_ENV, RunConfig
 from armor_megatron.config.validate import launched_reference_engines
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.slurm_env import SlurmEnv
 
 Launcher = Literal["srun", "torchrun"]
@@ -58,7 +59,7 @@ DEFAULT_ENV = {
 }
 
 
-class LaunchPlanError(ValueError):
+class LaunchPlanError(UserInputError):
     """The run config and the allocation do not make a job; the message names the setting."""
 
 
@@ -281,10 +282,10 @@ def _layout(cfg: RunConfig, nodes: tuple[str, ...]) -> _Layout:
             )
         if gpn:
             return _Layout(nodes, gpn, ())
-        model_parallel = par.tp * par.pp * par.cp
+        model_parallel = par.tp * par.pp
         if model_parallel % len(nodes):
             raise LaunchPlanError(
-                f"CPU job: tp·pp·cp={model_parallel} processes do not spread evenly over {len(nodes)} nodes"
+                f"CPU job: tp·pp={model_parallel} processes do not spread evenly over {len(nodes)} nodes"
             )
         return _Layout(nodes, model_parallel // len(nodes), ())
 

@@ -12,10 +12,11 @@ import dataclasses
 import re
 from collections.abc import Mapping
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.nodelist import NodeListError, expand_nodelist
 
 
-class SlurmEnvError(ValueError):
+class SlurmEnvError(UserInputError):
     """The environment does not describe a usable SLURM allocation."""
 
 

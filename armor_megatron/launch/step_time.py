@@ -327,6 +327,7 @@ class StepTimePlan:
     for_off: PlannedLayout | None
     balance: Balance
     note: str
+    overrides: str = ""  # the suggested split as ``key=value`` overrides of the run config ("": as configured)
 
     def table(self) -> str:
         """The plan as a text table, one row per layout."""
@@ -376,11 +377,12 @@ class StepTimePlan:
         if best is None:
             return "suggested split: none (no disaggregated layout of this job passes the checks and fits its GPUs)"
         sp, same = best.split, best.split == self.configured.split
-        return (
+        line = (
             f"suggested split: {sp.engine_gpus} engine GPUs ({sp.policy_gpus} policy + {sp.reference_gpus} "
             f"reference), {sp.trainer_gpus} trainer GPUs{' (as configured)' if same else ''}: one_step "
             f"{best.time.one_step:.1f} s per step, {best.time.ratio:.2f} of off at that split"
         )
+        return line + (f"\nto run it, add: {self.overrides}" if self.overrides else "")
 
 
 def plan_step_time(cfg: RunConfig, arch: ModelArch) -> StepTimePlan | None:
@@ -422,7 +424,24 @@ def plan_step_time(cfg: RunConfig, arch: ModelArch) -> StepTimePlan | None:
         for_off=None if by_off is None else relabel(by_off, label="split for off"),
         balance=Balance(total, generation_gpu_seconds(work, r), train_gpu_seconds(work, r), sync_seconds(work, r)),
         note=note,
+        overrides="" if by_one_step is None else split_overrides(cfg, by_one_step.split),
     )
+
+
+def split_overrides(cfg: RunConfig, split: Split) -> str:
+    """The overrides turning ``cfg`` into ``split`` under ``rollout.overlap: one_step``, the keys that change."""
+    sg, t = cfg.rollout.sglang, cfg.rollout.sglang.tp_per_engine
+    wanted = {
+        "rollout.overlap": ("one_step", cfg.rollout.overlap),
+        "algorithm.tis.enabled": ("true", str(cfg.algorithm.tis.enabled).lower()),
+        "rollout.sglang.placement": (split.placement, sg.placement),
+        "rollout.sglang.weight_sync": (split.weight_sync, sg.weight_sync),
+        "rollout.sglang.num_engines": (str(split.policy_gpus // t), str(sg.num_engines)),
+        "launch.engine_gpus": (str(split.engine_gpus), str(cfg.launch.engine_gpus)),
+    }
+    if split.reference_gpus:
+        wanted["anchor.reference_engines"] = (str(split.reference_gpus // t), str(cfg.anchor.reference_engines))
+    return " ".join(f"{key}={new}" for key, (new, old) in wanted.items() if new != old)
 
 
 def disaggregated_splits(cfg: RunConfig, arch: ModelArch) -> list[Split]:

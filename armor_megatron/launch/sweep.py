@@ -34,6 +34,7 @@ import yaml
 
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
 from armor_megatron.config.load import config_tree, parse_override
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.plan import Launcher, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
 
@@ -41,7 +42,7 @@ ALIASES = {"alpha": "algorithm.alpha", "tau": "reference.tau", "G": "rollout.gro
 _RESERVED = ("name", "checkpoint.dir", "logging.dir")
 
 
-class SweepError(ValueError):
+class SweepError(UserInputError):
     """A grid that cannot become a job array; the message names the key."""
 
 

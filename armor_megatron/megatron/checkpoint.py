@@ -515,9 +515,9 @@ def load_checkpoint(
     with read_as_checkpoint(path):
         common = dist_checkpointing.load_common_state_dict(path)
     if reference is not None and not common["has_reference"]:
-        raise ValueError(f"{path} holds no reference model; load it with reference=None and reset the reference")
+        raise UserInputError(f"{path} holds no reference model; load it with reference=None and reset the reference")
     if critic is not None and not common.get("has_critic", False):
-        raise ValueError(f"{path} holds no critic; start the critic from the actor's weights instead")
+        raise UserInputError(f"{path} holds no critic; start the critic from the actor's weights instead")
     # each model's Adam moments exist only once it has taken an update
     load_critic_optimizer = critic is not None and load_optimizer and common["critic_has_optimizer"]
     load_optimizer = load_optimizer and common["has_optimizer"]

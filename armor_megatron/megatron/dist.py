@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.launch.nodelist import expand_nodelist
 from armor_megatron.models.arch import ModelArch
 
@@ -72,7 +73,9 @@ class DistEnv:
             elif nodelist:
                 addr = expand_nodelist(nodelist)[0]
             else:
-                raise ValueError("SLURM launch without MASTER_ADDR or SLURM_JOB_NODELIST: cannot find the master host")
+                raise UserInputError(
+                    "SLURM launch without MASTER_ADDR or SLURM_JOB_NODELIST: cannot find the master host"
+                )
             default_port = 20000 + _int(env, "SLURM_JOB_ID", 9500) % 20000
             return cls(
                 rank=_int(env, "SLURM_PROCID"),
@@ -88,21 +91,21 @@ class DistEnv:
 
     def _checked(self) -> DistEnv:
         if not 0 <= self.rank < self.world_size:
-            raise ValueError(f"rank {self.rank} is outside world size {self.world_size} ({self.launcher})")
+            raise UserInputError(f"rank {self.rank} is outside world size {self.world_size} ({self.launcher})")
         if self.local_rank < 0:
-            raise ValueError(f"local rank {self.local_rank} is negative ({self.launcher})")
+            raise UserInputError(f"local rank {self.local_rank} is negative ({self.launcher})")
         return self
 
 
 def _int(env: Mapping[str, str], key: str, default: int | None = None) -> int:
     if key not in env:
         if default is None:
-            raise ValueError(f"environment variable {key} is not set")
+            raise UserInputError(f"environment variable {key} is not set")
         return default
     try:
         return int(env[key])
     except ValueError:
-        raise ValueError(f"environment variable {key}={env[key]!r} is not an integer") from None
+        raise UserInputError(f"environment variable {key}={env[key]!r} is not an integer") from None
 
 
 # ----------------------------------------------------------------------------- parallel layout
@@ -269,7 +272,7 @@ def _gpu_index(local_rank: int, visible: int) -> int:
         return local_rank
     if visible == 1:
         return 0
-    raise ValueError(f"local rank {local_rank} has no GPU ({visible} visible)")
+    raise UserInputError(f"local rank {local_rank} has no GPU ({visible} visible)")
 
 
 def set_model_parallel(

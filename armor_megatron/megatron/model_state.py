@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 
+from armor_megatron.errors import MissingInputError
+
 LATEST = "latest"  # text file in a checkpoint root naming its newest complete checkpoint
 
 
@@ -94,10 +96,10 @@ def find_latest(root: str) -> str | None:
     if name is None:
         return None
     if not name or os.sep in name or name in (".", ".."):
-        raise FileNotFoundError(f"{os.path.join(root, LATEST)} is damaged: it names {name!r}, not a checkpoint")
+        raise MissingInputError(f"{os.path.join(root, LATEST)} is damaged: it names {name!r}, not a checkpoint")
     path = os.path.join(root, name)
     if not os.path.isdir(path):
-        raise FileNotFoundError(f"{os.path.join(root, LATEST)} names {name!r}, which is not a directory")
+        raise MissingInputError(f"{os.path.join(root, LATEST)} names {name!r}, which is not a directory")
     return path
 
 
@@ -108,4 +110,4 @@ def resolve_checkpoint_dir(path_or_root: str) -> str:
         return latest
     if os.path.isfile(os.path.join(path_or_root, "metadata.json")):
         return path_or_root
-    raise FileNotFoundError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")
+    raise MissingInputError(f"{path_or_root} is neither a torch_dist checkpoint nor a root with a `{LATEST}` file")

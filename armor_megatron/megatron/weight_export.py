@@ -601,22 +601,31 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         shards = _gather_to_owner(shard, group) if p.gather else [shard]
         if shards is None or not _owns(p.expert):  # None: not this group's owner
             continue
-        for i, piece in enumerate(p.pieces):
-            rule = piece.ref.rule
-            taken = [piece.take(s) if piece.take else s for s in shards]
-            if i == len(p.pieces) - 1:
-                del shards  # the pieces' own views keep what they still need
-            tensor = tp_gather(arch, rule, taken) if p.gather else taken[0]
-            del taken
-            if rule.tp == "vocab":
-                tensor = tensor[: arch.vocab_size]
-            out = [
-                (name, _detached_copy(hf, p.tensor, device))
-                for name, hf in zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor))
-            ]
-            del tensor
+        for views in _merged_pieces(p, shards, arch):
+            out = [(name, _detached_copy(hf, p.tensor, device)) for name, hf in views]
+            del views  # the merged tensor goes before its copies are handed on
             while out:
                 yield out.pop(0)
+
+
+def _merged_pieces(p: _Param, shards: list[torch.Tensor], arch: ModelArch) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Per piece of ``p``: its HF ``(name, view)`` pairs, merged from the TP ``shards`` (TP rank order).
+
+    ``shards``: the parameter's TP shards as its group gathered them, rank 0 first (one, the whole,
+    when ``p.gather`` is False); emptied once the last piece has taken its views of them.
+    """
+    for i, piece in enumerate(p.pieces):
+        rule = piece.ref.rule
+        taken = [piece.take(s) if piece.take else s for s in shards]
+        if i == len(p.pieces) - 1:
+            shards.clear()  # the pieces' own views keep what they still need
+        tensor = tp_gather(arch, rule, taken) if p.gather else taken[0]
+        del taken
+        if rule.tp == "vocab":
+            tensor = tensor[: arch.vocab_size]
+        views = list(zip(piece.ref.hf_names, mcore_to_hf(arch, rule, tensor)))
+        del tensor
+        yield views
 
 
 def _staged(tensor: torch.Tensor) -> torch.Tensor:

@@ -36,14 +36,14 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from armor_megatron.errors import UserInputError
+from armor_megatron.errors import MissingInputError, UserInputError
 from armor_megatron.registry import Registry
 
 # name -> family class (`models.family.Family`); each module of `models.families` registers one
 FAMILIES = Registry("model family")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserInputError):
     """The HF config names an architecture or a feature this project does not convert."""
 
 
@@ -51,7 +51,7 @@ class InconsistentModelConfigError(UserInputError):
     """The HF config's sizes contradict each other (heads that do not divide the hidden size, ...)."""
 
 
-class ParallelismError(ValueError):
+class ParallelismError(UserInputError):
     """A model size does not divide by a parallel size; ``axis`` names it ("tp", "pp" or "ep")."""
 
     def __init__(self, axis: str, message: str):
@@ -242,25 +242,25 @@ class ModelArch:
         except InconsistentModelConfigError as e:
             raise InconsistentModelConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None
         except KeyError as e:
-            raise ValueError(f"{os.path.join(path, 'config.json')}: no {e.args[0]!r}") from None
+            raise UserInputError(f"{os.path.join(path, 'config.json')}: no {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:
-            raise ValueError(f"{os.path.join(path, 'config.json')}: {e}") from None
+            raise UserInputError(f"{os.path.join(path, 'config.json')}: {e}") from None
 
 
 def load_hf_config(path: str) -> dict[str, Any]:
     """Read ``config.json`` from an HF model directory; one clear error if it is absent."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"{path}: no config.json (not a Hugging Face model directory)")
+        raise MissingInputError(f"{path}: no config.json (not a Hugging Face model directory)")
     try:
         with open(cfg_path, encoding="utf-8") as f:
             cfg = json.load(f)
     except UnicodeDecodeError:
-        raise ValueError(f"{cfg_path}: not UTF-8 text") from None
+        raise UserInputError(f"{cfg_path}: not UTF-8 text") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from None
+        raise UserInputError(f"{cfg_path}:{e.lineno}: invalid JSON ({e.msg})") from None
     if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_path}: must hold a JSON object, not a {type(cfg).__name__}")
+        raise UserInputError(f"{cfg_path}: must hold a JSON object, not a {type(cfg).__name__}")
     return cfg
 
 

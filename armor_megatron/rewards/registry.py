@@ -16,6 +16,7 @@ import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
+from armor_megatron.errors import DatasetError, UserInputError
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 
@@ -82,7 +83,7 @@ def scorable(dataset: _D, default_verifier: str) -> _D:
         try:
             check_ground_truth(row.verifier or default_verifier, row.answer)
         except ValueError as e:
-            raise ValueError(f"{dataset.path}: row {row.index}: {e}") from None
+            raise DatasetError(f"{dataset.path}: row {row.index}: {e}") from None
     return dataset
 
 
@@ -97,7 +98,9 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
     try:
         check(ground_truth)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"ground truth {ground_truth!r:.80} cannot be scored by verifier {verifier!r}: {e}") from None
+        raise UserInputError(
+            f"ground truth {ground_truth!r:.80} cannot be scored by verifier {verifier!r}: {e}"
+        ) from None
 
 
 def probe_verifier(spec: str, ground_truth: Any) -> None:
@@ -191,10 +194,24 @@ def _check_signature(fn: Callable[..., Any], name: str) -> None:
         ) from None
 
 
+class VerifierResultError(VerifierSpecError, TypeError):
+    """A verifier returned no reward (None, a string, ...) for ``response``; the message names both."""
+
+    def __init__(self, message: str, response: str, ground_truth: Any):
+        super().__init__(message)
+        self.response, self.ground_truth = response, ground_truth
+
+
 def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
     @functools.wraps(fn)
     def verifier(response: str, ground_truth: Any) -> RewardResult:
-        return as_reward_result(fn(response, ground_truth), name)
+        value = fn(response, ground_truth)
+        try:
+            return as_reward_result(value, name)
+        except TypeError as err:
+            raise VerifierResultError(
+                f"{err}, for the response {response!r:.80} (ground truth {ground_truth!r:.40})", response, ground_truth
+            ) from None
 
     return verifier
 

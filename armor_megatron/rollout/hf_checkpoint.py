@@ -15,6 +15,8 @@ import tempfile
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
+from armor_megatron.errors import MissingInputError
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -184,10 +186,10 @@ def read_hf_checkpoint(directory: str, keys_only: bool = False) -> Iterator[tupl
     from armor_megatron.models import load_hf_config
 
     if not os.path.isdir(directory):
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
+        raise MissingInputError(f"checkpoint directory {directory} does not exist")
     files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-        raise FileNotFoundError(f"no .safetensors files in {directory}")
+        raise MissingInputError(f"no .safetensors files in {directory}")
     declared = (
         declared_dtype(load_hf_config(directory)) if os.path.isfile(os.path.join(directory, "config.json")) else None
     )

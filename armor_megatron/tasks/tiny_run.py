@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from armor_megatron.config.schema import RunConfig
+from armor_megatron.errors import UserInputError
 from armor_megatron.tasks import arithmetic, tagged_addition, worked_addition
 from armor_megatron.tasks.arithmetic import solution, write_jsonl
 from armor_megatron.tasks.warmup import supervised_warmup
@@ -42,7 +43,9 @@ def tiny_hf_config(cfg: RunConfig, tokenizer) -> dict:
     """The HF config of the run's tiny model (``model.arch``), checked against the tokenizer."""
     hf = dict(cfg.model.arch)
     if len(tokenizer) > hf["vocab_size"]:
-        raise ValueError(f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})")
+        raise UserInputError(
+            f"model.arch.vocab_size={hf['vocab_size']} is smaller than the tokenizer ({len(tokenizer)})"
+        )
     if "architectures" not in hf:
         from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -79,7 +82,7 @@ def prepare_tiny_run(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if task not in TASKS:
-        raise ValueError(f"unknown tiny task {task!r}; known: {', '.join(TASKS)}")
+        raise UserInputError(f"unknown tiny task {task!r}; known: {', '.join(TASKS)}")
     build_tokenizer, split = TASKS[task]
     val_path = cfg.eval.datasets[0].path if cfg.eval.datasets else None
     train_rows, val_rows, warmup_rows = split(num_val, seed=seed, max_operand=max_operand, **(options or {}))

@@ -72,6 +72,7 @@ from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.errors import DatasetError
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
 from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
@@ -234,7 +235,7 @@ class ArmorTrainer:
         total = len(dataset)
         dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
         if not len(dataset):
-            raise ValueError(
+            raise DatasetError(
                 f"{data.train_path}: all {total} prompts are longer than rollout.max_prompt_len={limit} tokens"
             )
         if dropped:

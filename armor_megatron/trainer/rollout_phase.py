@@ -42,6 +42,7 @@ from armor_megatron.algo import (
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import score_batch
+from armor_megatron.rewards.registry import VerifierResultError
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 
 
@@ -93,7 +94,7 @@ def collect_groups(
     found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
+    policy_scores = _score([[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers)
     anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
@@ -129,7 +130,13 @@ def collect_groups(
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
     if settings.sample_metrics is not None:
         scored = [
-            {"prompt": row.prompt, "response": s.text, "score": float(a), "is_anchor": bool(anchor)}
+            {
+                "prompt": row.prompt,
+                "response": s.text,
+                "score": float(a),
+                "is_anchor": bool(anchor),
+                "weight_version": s.weight_version,  # the engine weights that sampled it (an anchor: π_ref's)
+            }
             for row, s, a, anchor in zip(prompt_of_row, samples, accuracy.reshape(-1), groups.is_anchor.reshape(-1))
         ]
         metrics.update({f"rollout/{k}": float(v) for k, v in settings.sample_metrics(scored).items()})
@@ -193,7 +200,7 @@ def replace_stale_anchors(
         )
         scores = _score(
             [[g[0].text] for g in extra],
-            [rows[j].answer for j in missing],
+            [rows[j] for j in missing],
             [verifiers[j] for j in missing],
             settings.reward_workers,
         )
@@ -276,15 +283,25 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
-def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:
-    """Per-prompt score lists, scoring all responses of one verifier in one batch."""
+def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> list[list[float]]:
+    """Per-prompt score lists, scoring all responses of one verifier in one batch.
+
+    A verifier that returns no reward stops the run in one line naming the dataset row and the response.
+    """
+    answers = [r.answer for r in rows]
     flat = [(p, t) for p, group in enumerate(texts) for t in group]
     scores: list[list[float]] = [[] for _ in texts]
     for name in dict.fromkeys(verifiers):
         todo = [(p, t) for p, t in flat if verifiers[p] == name]
         if not todo:
             continue
-        results = score_batch([t for _, t in todo], [answers[p] for p, _ in todo], verifier=name, max_workers=workers)
+        try:
+            results = score_batch(
+                [t for _, t in todo], [answers[p] for p, _ in todo], verifier=name, max_workers=workers
+            )
+        except VerifierResultError as err:
+            row = next(rows[p].index for p, t in todo if t == err.response and answers[p] == err.ground_truth)
+            raise VerifierResultError(f"training row {row}: {err}", err.response, err.ground_truth) from None
         by_prompt = iter(results)
         for p, _ in todo:
             scores[p].append(next(by_prompt).score)

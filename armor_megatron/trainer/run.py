@@ -20,6 +20,7 @@ from armor_megatron.algo import needs_critic
 from armor_megatron.config.identity import check_run_identity, checkpoint_dir, write_run_record
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
+from armor_megatron.errors import MissingInputError
 from armor_megatron.trainer import components
 from armor_megatron.trainer.collectives import broadcast_object
 from armor_megatron.trainer.hf_save import (
@@ -65,10 +66,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     if resume == "force":
         resume = "auto"
     if not os.path.isdir(cfg.model.path):  # its tokenizer (and, without model.mcore_path, its weights) load below
-        raise FileNotFoundError(f"{cfg.model.path}: not a directory")
+        raise MissingInputError(f"{cfg.model.path}: not a directory")
     arch = model_arch_of(cfg)
     if arch is None:
-        raise FileNotFoundError(f"{cfg.model.path}: no config.json, and no model.arch, describes the model")
+        raise MissingInputError(f"{cfg.model.path}: no config.json, and no model.arch, describes the model")
     parallel = ParallelConfig.from_run_config(cfg.parallelism)
     initialize(
         parallel,

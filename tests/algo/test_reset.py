@@ -94,3 +94,13 @@ def test_the_evaluation_before_training_is_the_first_best():
     assert schedule.should_reset(10, {"val/acc": 0.45})
     schedule.observe_start({"val/acc": 0.0})  # only ever the start: a later call changes nothing
     assert schedule.best == 0.45
+
+
+@pytest.mark.parametrize("mode, values", [("max", [0.5, 0.5, 0.75]), ("min", [2.0, 2.0, 1.75])])
+def test_a_tie_with_the_best_is_no_new_best(mode, values):
+    """Equal evaluations (common: accuracy over a few prompts) must not reset π_ref again and again."""
+    schedule = OnValidationBest("val/m", mode=mode)
+    assert [schedule.should_reset(s, {"val/m": v}) for s, v in zip((2, 4, 6), values)] == [True, False, True]
+    by_delta = OnValidationBest("val/m", mode=mode, min_delta=0.25)
+    by_delta.observe_start({"val/m": values[0]})
+    assert not by_delta.should_reset(2, {"val/m": values[2]})  # better by exactly min_delta: not more

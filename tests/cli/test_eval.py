@@ -71,6 +71,29 @@ def test_eval_cli_reports_accuracy_per_domain(tmp_path, capsys):
     assert domains["safety"]["accuracy"] == sum(safety_scores) / 2
 
 
+def test_eval_cli_reads_the_columns_it_is_told(tmp_path, capsys):
+    """A verl Parquet's columns: the prompt as chat messages under ``prompt``, the answer nested in ``reward_model``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    make_tiny_checkpoint(str(tmp_path / "model"), seed=0)
+    rows = [
+        {"question": "1+1=", "reward_model": {"ground_truth": "2"}},
+        {"question": "2+5=", "reward_model": {"ground_truth": "7"}},
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    args = ["--model", str(tmp_path / "model"), "--dataset", f"v={tmp_path / 'verl.parquet'}", "--max-new-tokens", "2"]
+    assert main(args) == 2
+    assert "row 0 has no 'prompt' column" in capsys.readouterr().err
+    out = tmp_path / "res.json"
+    keys = ["--prompt-key", "question", "--answer-key", "reward_model.ground_truth"]
+    assert main([*args, *keys, "--output", str(out)]) == 0
+    samples = json.loads(out.read_text())["samples"]
+    assert [s["answer"] for s in samples] == ["2", "7"], samples
+    assert main(["--model", str(tmp_path / "model"), "--config", "configs/tiny_cpu.yaml", *keys]) == 2
+    assert "--prompt-key and --answer-key name the columns of --dataset files" in capsys.readouterr().err
+
+
 def test_domain_table_format():
     from armor_megatron.cli.eval import format_domain_table
 

@@ -25,7 +25,10 @@ def test_every_recipe_fits_and_its_readme_shows_the_plan(name, capsys):
     steps = "step-time model: " + steps
     assert "\n| layout | engine GPUs (policy + reference) | trainer GPUs | generation s | train s |" in steps
     assert "\n| as configured" in steps and "\nbalance point (any engine count): " in steps
-    assert steps.splitlines()[-1].startswith("suggested split: ")
+    *_, verdict, paste = steps.splitlines()  # the split, and its overrides when there is one
+    assert paste.startswith("suggested split: ") or (
+        verdict.startswith("suggested split: ") and paste.startswith("to run it, add: ")
+    )
     with open(f"examples/{name}/README.md") as f:
         readme = f.read()
     assert table in readme, f"examples/{name}/README.md: memory table differs from --plan"
@@ -44,6 +47,17 @@ def test_plan_prints_off_and_one_step_and_the_split_for_a_disaggregated_recipe(c
     assert main(["--config", "configs/llama3_70b_armor.yaml", "--plan", *fast]) == 0
     balance = lambda text: float(text.split("balance point (any engine count): ")[1].split(" of ")[0])  # noqa: E731
     assert balance(capsys.readouterr().out) < balance(out)
+
+
+@pytest.mark.parametrize("name", ["qwen25_math_7b_dapo_armor", "qwen3_8b_base_two_stage"])
+def test_the_suggested_split_is_printed_as_overrides_that_make_a_valid_run(name, capsys):
+    assert main(["--config", f"configs/{name}.yaml", "--plan"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("to run it, add: rollout.overlap=one_step algorithm.tis.enabled=true ")
+    overrides = last.removeprefix("to run it, add: ").split()
+    cfg = load_config(f"configs/{name}.yaml", overrides)
+    assert cfg.rollout.sglang.placement == "disaggregated" and cfg.rollout.overlap == "one_step"
+    assert main(["--config", f"configs/{name}.yaml", "--check", "--no-files", *overrides]) == 0
 
 
 def test_plan_of_a_cpu_run_has_no_step_time_model(capsys):

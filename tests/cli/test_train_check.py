@@ -36,6 +36,13 @@ MALFORMED = [
         ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=64"],
         "algorithm.overlong.buffer_len: 64 must be smaller",
     ),
+    # the default buffer (4096) against a short limit: the message gives the override
+    (
+        TINY,
+        ["algorithm.overlong.enabled=true", "algorithm.overlong.buffer_len=4096", "rollout.max_response_len=64"],
+        "64: set algorithm.overlong.buffer_len=16 (DAPO shapes the last fifth to quarter of the limit) or "
+        "algorithm.overlong.enabled=false",
+    ),
     (TINY, ["rollout.group_size=1"], "rollout.group_size: 1 must be >= 2"),
     # prompt + response over the model's context (128 tokens for tiny, 4096 for Qwen2.5-Math-7B)
     (TINY, ["rollout.max_response_len=113"], "rollout.max_response_len: 113 + rollout.max_prompt_len=16 = 129"),
@@ -46,7 +53,7 @@ MALFORMED = [
     (TINY, ["rollout.temperature=0"], "rollout.temperature"),
     (TINY, ["rollout.top_p=1.5"], "rollout.top_p"),
     (TINY, ["rollout.top_k=0"], "rollout.top_k"),
-    (TINY, ["rollout.engine=vllm"], "rollout.engine: 'vllm' is not one of"),
+    (TINY, ["rollout.engine=vllm"], "rollout.engine: unknown rollout engine 'vllm'; known: local, sglang"),
     (TINY, ["rollout.sglang.weight_sync=nccl"], "rollout.sglang.weight_sync"),
     (TINY, ["rollout.sglang.urls=[http://h:1]"], "rollout.sglang.urls: set, but rollout.engine is 'local'"),
     (TINY, ["rollout.sglang.urls=http://h:1"], "rollout.sglang.urls: expected a list"),
@@ -84,8 +91,10 @@ MALFORMED = [
     (
         SEVEN_B,
         ["parallelism.tp=8", "parallelism.pp=2", "launch.gpus_per_node=4"],
-        "parallelism.tp: tp·pp·cp=16 does not divide the 4 trainer GPUs",
+        "parallelism.tp: tp·pp=16 does not divide the 4 trainer GPUs",
     ),
+    # context parallelism is not offered: the trainer does not split sequences over ranks
+    (TINY, ["parallelism.cp=2"], "parallelism.cp: unknown key"),
     (MOE, ["parallelism.sp=false"], "parallelism.sp: MoE training with tp > 1 needs sequence parallelism"),
     (MOE, ["parallelism.ep=3"], "parallelism.ep"),
     (TINY, ["optimizer.lr=0"], "optimizer.lr: 0.0 must be > 0"),
@@ -256,10 +265,15 @@ def test_malformed_files(tmp_path, capsys):
         assert len(err) == 1 and expected[name] in err[0], (name, err)
 
 
-def test_check_prints_resolved_config(capsys):
+def test_check_prints_its_ok_line_and_print_config_the_resolved_config(capsys):
     assert main(["--config", TINY, "--check", "--no-files", "algorithm.alpha=0.875"]) == 0
-    out = capsys.readouterr().out
-    assert "alpha: 0.875" in out and "group_size: 8" in out
+    out, err = capsys.readouterr()
+    assert out == "" and err.endswith(
+        f"armor-train: config OK ({TINY}); every key: docs/config.md, armor-train --explain KEY\n"
+    )
+    assert main(["--config", TINY, "--print-config", "--no-files", "algorithm.alpha=0.875"]) == 0
+    out, err = capsys.readouterr()
+    assert "alpha: 0.875" in out and "group_size: 8" in out and "config OK" in err
 
 
 def test_console_process_has_no_traceback(tmp_path):
@@ -288,7 +302,7 @@ def test_check_redacts_the_engine_api_key(capsys):
             [
                 "--config",
                 SEVEN_B,
-                "--check",
+                "--print-config",
                 "--no-files",
                 "rollout.sglang.api_key=s3cret",
                 "rollout.sglang.host=0.0.0.0",

@@ -21,6 +21,7 @@ def run(tmp_path):
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
     (tmp_path / "hf" / "model.safetensors").write_text("")  # existence is what --check looks at
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(20))
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "val.jsonl").write_text(rows)
@@ -75,7 +76,22 @@ def test_missing_paths_name_their_key(run, tmp_path):
         f"eval.datasets[0].path: {tmp_path / 'v.parquet'}: no such file",
     )
     _refused(run(f"checkpoint.resume={tmp_path / 'iter_1'}"), "checkpoint.resume: ")
+    os.remove(tmp_path / "hf" / "tokenizer.json")  # transformers would build an empty tokenizer
+    _refused(run(), f"model.path: {tmp_path / 'hf'}: no tokenizer files (tokenizer.json, tokenizer.model, ")
+    (tmp_path / "hf" / "tokenizer.model").write_text("")  # a SentencePiece model is a tokenizer too
+    check_files(run())
     _refused(run(f"reference.init_from={tmp_path / 'best'}"), f"reference.init_from: {tmp_path / 'best'}: no such")
+
+
+def test_checkpoint_resume_must_name_a_checkpoint(run, tmp_path):
+    (tmp_path / "hf_copy").mkdir()  # a directory, but no checkpoint: the key is named, not a traceback at start
+    line = _refused(run(f"checkpoint.resume={tmp_path / 'hf_copy'}"), f"checkpoint.resume: {tmp_path / 'hf_copy'}: ")
+    assert "not a checkpoint (no metadata.json) nor a checkpoint directory of a run (no `latest` file)" in line
+    (tmp_path / "hf_copy" / "metadata.json").write_text("{}")
+    check_files(run(f"checkpoint.resume={tmp_path / 'hf_copy'}"))
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "latest").write_text("iter_0000001")
+    check_files(run(f"checkpoint.resume={tmp_path / 'runs'}"))
 
 
 @pytest.mark.parametrize(
@@ -166,12 +182,24 @@ def test_a_user_verifier_is_called_on_the_first_ground_truths(run, tmp_path, bod
     assert f"row 0: verifier '{name}:judge' " in line and expected in line, line
 
 
+def test_a_user_verifier_must_score_a_response_without_an_answer(run, tmp_path):
+    """Early responses state no answer; a verifier returning None for them is found by --check, not at step 1."""
+    name = f"rm_{tmp_path.name}"
+    body = 'return 1.0 if "boxed" in response else None'
+    line = _refused(
+        run(_write_verifier_module(tmp_path, name, body), f"reward.python_path=[{tmp_path}]"), "data.train_path: "
+    )
+    assert f"row 0: verifier '{name}:judge' returned NoneType None" in line, line
+    assert "for the response 'I cannot solve this.'" in line and "returns a reward (e.g. 0) for every" in line, line
+
+
 def test_user_modules_are_found_beside_the_config_or_in_reward_python_path(tmp_path):
     rows = "".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n" for i in range(3))
     (tmp_path / "train.jsonl").write_text(rows)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
     (tmp_path / "hf" / "model.safetensors").write_text("")
+    (tmp_path / "hf" / "tokenizer.json").write_text("{}")
     config = tmp_path / "run.yaml"
     config.write_text(
         f"extends: {TINY}\nmodel: {{path: hf}}\ndata: {{train_path: {tmp_path / 'train.jsonl'}}}\n"

@@ -40,8 +40,26 @@ def test_resuming_another_runs_checkpoint_is_refused_with_the_differences(tmp_pa
     assert "another run (algorithm.alpha: 0.9375 -> 0.875)" in line and "--resume force" in line
     check_run_identity(second, "force")  # forced
     check_run_identity(second, "none")  # starts fresh
-    with pytest.raises(ConfigError, match="another run"):  # an explicit path into that run's root
-        check_run_identity(second, os.path.join(first.checkpoint.dir, "iter_0000010"))
+    # an explicit path into that run's root: checkpoint.resume is what points there, so it is named
+    other = os.path.join(first.checkpoint.dir, "iter_0000010")
+    elsewhere = _run(tmp_path, "algorithm.alpha=0.875", f"checkpoint.dir={tmp_path / 'mine'}")
+    with pytest.raises(ConfigError) as err:
+        check_run_identity(elsewhere, other)
+    line = str(err.value)
+    assert line.startswith(f"checkpoint.resume: {other} holds the checkpoints of another run (algorithm.alpha: ")
+    assert "name a checkpoint of this run in checkpoint.resume (or --resume)" in line
+
+
+def test_the_config_own_errors_come_before_what_it_names_on_this_machine(tmp_path, capsys):
+    """A layout that does not fit is reported first, not the files or the checkpoint directory it would resume."""
+    from armor_megatron.cli.train import main
+
+    first = _run(tmp_path)
+    write_run_record(first)
+    _fake_checkpoint(first)
+    args = ["--config", SEVEN_B, "--check", f"checkpoint.dir={tmp_path / 'ckpt'}", "algorithm.alpha=0.875"]
+    assert main([*args, "launch.gpu_memory_gib=8"]) == 2
+    assert capsys.readouterr().err.startswith("armor-train: error: plan: ")
 
 
 def test_the_same_run_resumes_with_other_lengths_resources_and_urls(tmp_path):

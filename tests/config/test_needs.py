@@ -50,7 +50,7 @@ def test_check_says_what_the_settings_need(capsys):
         (
             ["throughput.gradient_accumulation_fusion=true"],
             "throughput.gradient_accumulation_fusion: needs APEX's fused_weight_gradient_mlp_cuda (NVIDIA Apex built "
-            "from source), but here fused_weight_gradient_mlp_cuda not importable (README, GPU environments)",
+            "from source), but here fused_weight_gradient_mlp_cuda not importable (docs/gpu.md, GPU environments)",
         ),
         (["model.spec=te"], "model.spec: needs Transformer Engine with its torch extension"),
         (["moe.token_dispatcher_type=flex"], "moe.token_dispatcher_type: needs DeepEP"),

@@ -150,7 +150,12 @@ def test_the_suggested_split_is_the_least_one_step_time_by_hand(load):
     table = plan.table()
     assert "| split for one_step, split for off (disaggregated, sync tensor) | 4 (2 + 2) | 4 | 30.0 | 30.0 |" in table
     assert "| as configured (colocated, sync tensor) | 2 (1 + 1) | 8 | 60.0 | 15.0 | 1.0 | 76.0 | - | - |" in table
-    assert table.endswith("4 trainer GPUs: one_step 31.0 s per step, 0.51 of off at that split")
+    assert "4 trainer GPUs: one_step 31.0 s per step, 0.51 of off at that split\nto run it, add: " in table
+    # the split as overrides: 2 policy and 2 reference engines of one GPU each, on their own GPUs
+    assert table.endswith(
+        "to run it, add: rollout.overlap=one_step algorithm.tis.enabled=true rollout.sglang.placement=disaggregated "
+        "rollout.sglang.num_engines=2 launch.engine_gpus=4 anchor.reference_engines=2"
+    )
 
 
 def test_splits_are_the_layouts_the_launcher_accepts_and_that_fit(load):

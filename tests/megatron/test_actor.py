@@ -85,6 +85,35 @@ def _positive_mean(lp, batch):
     return lp[sel].mean().item()
 
 
+@pytest.mark.timeout(120)
+def test_the_loss_normaliser_is_the_whole_batch_not_each_micro_batch(world_of_one):
+    """In one process: 7 rows in micro-batches of 2 (rows of 10, 5, 8 and 2 response tokens) train
+    exactly as in one micro-batch of 7; a per-micro-batch token mean would weigh the short rows more."""
+    from armor_megatron.megatron.actor import MegatronActor
+
+    batch = make_batch()
+    out = {}
+    for mbs in (2, 7):
+        mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+        actor = MegatronActor(
+            ARCH,
+            ParallelConfig(),
+            dtype="float32",
+            optimizer=OPTIM,
+            loss=LOSS,
+            micro_batch_size=mbs,
+            total_steps=10,
+            seed=5,
+        )
+        lp = _logprobs(actor, batch)
+        metrics = actor.train_step({**batch, "old_logprobs": lp - 0.05, "ref_logprobs": lp})
+        grads = torch.cat([p.main_grad.flatten() for c in actor.ddp_chunks for p in c.module.parameters()])
+        out[mbs] = metrics["loss"], grads
+    (loss_2, grads_2), (loss_7, grads_7) = out[2], out[7]
+    assert loss_2 == pytest.approx(loss_7, rel=1e-5, abs=1e-7)
+    torch.testing.assert_close(grads_2, grads_7, rtol=1e-4, atol=1e-7)
+
+
 def test_bad_train_batches_fail_with_one_clear_line():
     from armor_megatron.megatron.actor import _checked_batch
 

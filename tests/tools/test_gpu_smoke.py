@@ -1,6 +1,6 @@
 """tools/gpu_smoke.sh on CPU: the SGLang TEST DOUBLE (not SGLang) stands in for
 ``sglang.launch_server``, importable only by the interpreter given as SGLANG_PYTHON, as in the
-two-environment layout (README "GPU environments"): the server starts from that interpreter, the
+two-environment layout (docs/gpu.md, "GPU environments"): the server starts from that interpreter, the
 client tests run from PYTHON."""
 
 import importlib.util
@@ -95,5 +95,5 @@ def test_without_sglang_python_a_trainer_interpreter_lacking_sglang_is_one_clear
     assert rc == 2 and smoke.server_python_calls() == []
     assert err.strip().splitlines()[-1] == (
         f"gpu_smoke: sglang is not importable by {sys.executable}: set SGLANG_PYTHON to the SGLang "
-        'environment\'s interpreter (README "GPU environments")'
+        'environment\'s interpreter (docs/gpu.md, "GPU environments")'
     )

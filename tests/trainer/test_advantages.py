@@ -50,3 +50,24 @@ def test_gae_targets_follow_algorithm_gamma_and_lambda(gamma, lam):
     # λ = 1, γ = 1: A_1 = reward − V_1 = 0.5.  λ = 0: A_1 = δ_1 = γ·V_2 − V_1 = 0.125 − 0.5 = −0.375
     expected = 0.5 if lam == 1.0 else -0.375
     assert adv[0, 1].item() == pytest.approx(expected)
+
+
+def test_group_advantages_come_from_the_shaped_rewards_not_the_accuracy():
+    """Overlong shaping that differs within a group changes the advantages; the accuracy alone would not."""
+    from armor_megatron.algo import compute_advantages
+    from armor_megatron.data.batch import RolloutBatch
+    from armor_megatron.rollout.engine import SamplingParams
+    from armor_megatron.trainer.advantages import group_advantages
+    from armor_megatron.trainer.rollout_phase import RolloutSettings
+
+    accuracy = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0])
+    rewards = accuracy - torch.tensor([0.0, 0.5, 0.0, 0.25, 0.0, 0.0, 0.75, 0.0])  # overlong penalties
+    batch = RolloutBatch()
+    batch["rewards"], batch["accuracy"] = rewards, accuracy
+    batch["is_anchor"] = torch.tensor([True, False, False, False, True, False, False, False])
+    settings = RolloutSettings(group_size=4, sampling=SamplingParams(max_new_tokens=4), estimator="dapo")
+    batch, metrics = group_advantages(batch, settings)
+    shaped = compute_advantages("dapo", rewards=rewards.view(2, 4)).reshape(-1)
+    assert torch.equal(batch["advantages"], shaped.float())
+    assert not torch.allclose(shaped, compute_advantages("dapo", rewards=accuracy.view(2, 4)).reshape(-1))
+    assert metrics == {"anchor/zero_advantage_rate": 0.0}

@@ -90,7 +90,7 @@ def test_every_rank_makes_the_same_collectives_at_tp2_pp2(tiny, tmp_path):
     events = dict(enumerate(e for e, _ in results))
     final = results[0][1]
     # what the run did: anchors, evaluation and a reset at the last step, and the checkpoint
-    assert final["anchor/found_rate"] >= 0.0 and "eval/val/pass@1" in final
+    assert "anchor/found_rate" in final and "eval/val/pass@1" in final
     assert final["reference/reset"] == 1.0
     assert os.path.exists(tmp_path / "ckpt" / "latest")
 

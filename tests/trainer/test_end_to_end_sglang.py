@@ -2,7 +2,8 @@
 attached to two SGLang test-double processes (policy group and the frozen reference's group)
 started by :class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`, weights pushed by
 ``disk`` sync, engines colocated (memory released while the trainer updates), sampling at
-T = 0.7 with truncated importance sampling on."""
+T = 0.7 with truncated importance sampling on, seeded (deterministic inference), so the run
+samples the same under any load."""
 
 import json
 import urllib.request
@@ -32,6 +33,10 @@ def servers(tiny, tmp_path, monkeypatch):
             model_path=model,
             num_engines=2,
             colocated=True,
+            # seeded sampling: the client sends its requests concurrently, and an unseeded server's
+            # samples depend on the order they arrive in, which the machine's load decides; the
+            # checks on anchors below then held for most orders, not all
+            deterministic=True,
             mem_fraction_static=0.4,  # real SGLang flags, ignored by the double
             server_module="armor_megatron.rollout.testing.sglang_test_server",
             log_dir=str(tmp_path / "engines"),
@@ -62,6 +67,7 @@ def test_training_through_sglang_servers(tiny, tmp_path, servers):
         "reference.tau=1",
         "rollout.temperature=0.7",
         "algorithm.tis.enabled=true",
+        "rollout.sglang.deterministic=true",  # every sample its own seed: the same run under any load
     )
     assert sorted(metrics) == [0, 1, 2]
     for step in (1, 2):

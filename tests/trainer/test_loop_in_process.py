@@ -31,6 +31,13 @@ def starts_low(response, ground_truth):
     return float(bool(response) and response[0] in LOW)
 
 
+def anchor_reference(samples):
+    """logging.sample_metrics: N of the weights ``ref-N`` that sampled the step's anchors (none in evaluations)."""
+    versions = {int(s["weight_version"].removeprefix("ref-")) for s in samples if s.get("is_anchor")}
+    assert len(versions) <= 1, versions  # one reference per step
+    return {"anchor_reference": versions.pop()} if versions else {}
+
+
 @pytest.fixture(scope="module")
 def random_tiny(tmp_path_factory, world_of_one):
     """A tiny random HF model (character tokenizer) and 24 training / 8 validation prompts."""
@@ -89,6 +96,7 @@ ARMOR_RUN = (
     "checkpoint.every_steps=1",
     "checkpoint.save_hf.every_steps=2",
     "train.max_tokens_per_micro_batch=40",  # rows packed into token-budget micro-batches (THD)
+    f"logging.sample_metrics={__name__}:anchor_reference",
 )
 
 
@@ -108,8 +116,10 @@ def test_armor_steps_train_on_verified_anchors_with_tis_and_dynamic_sampling(arm
         assert m["rollout/logprob_abs_diff"] < 1e-5
         # engine and trainer agree: TIS weights are ~1 and none is truncated
         assert abs(m["train/tis_weight_mean"] - 1.0) < 1e-4 and m["train/tis_capped_frac"] == 0.0
+        # TIS weighs on-policy tokens only: the trained anchors' tokens (sampled from π_ref) weigh 1
+        assert m["anchor/trained_groups_rate"] > 0 and 0 < m["train/tis_num_tokens"] < m["train/num_tokens"]
         assert m["dynamic_sampling/rounds"] >= 1 and m["dynamic_sampling/groups_seen"] >= 4
-        assert 0.0 < m["dynamic_sampling/keep_rate"] <= 1.0
+        assert m["dynamic_sampling/keep_rate"] > 0.0
         assert m["anchor/reference_tokens"] >= m["anchor/generated_tokens"] > 0
         assert m["anchor/trained_groups_rate"] > 0 and m["anchor/zero_advantage_rate"] < 1.0
     assert max(metrics[s]["anchor/found_rate"] for s in (1, 2, 3)) > 0
@@ -121,12 +131,14 @@ def test_the_reset_sets_the_reference_to_the_policy(armor_run):
     # π_ref = π_θ before the first update and again right after the reset at step 2
     kl = {step: metrics[step]["train/approx_kl_ref"] for step in (1, 2, 3)}
     assert kl[1] < 1e-9 and kl[2] > 1e-7 and kl[3] < 1e-9, kl
+    # and the anchor source: step 3's anchors come from the reference engine holding the reset weights
+    assert [metrics[step]["rollout/anchor_reference"] for step in (1, 2, 3)] == [0.0, 0.0, 1.0]
 
 
 def test_evaluation_at_the_start_and_when_due(armor_run):
     _, metrics = armor_run
     for step in (0, 3):
-        assert 0.0 <= metrics[step]["eval/val/pass@1"] <= metrics[step]["eval/val/pass@2"] <= 1.0
+        assert metrics[step]["eval/val/pass@1"] <= metrics[step]["eval/val/pass@2"]
         assert metrics[step]["eval/mean/pass@1"] == metrics[step]["eval/val/pass@1"]
     assert "eval/val/pass@1" not in metrics[1] and "eval/val/pass@1" not in metrics[2]
     assert "overopt/train_val_gap" in metrics[3]  # the monitor compares training and validation accuracy

@@ -31,7 +31,8 @@ from armor_megatron.trainer.rollout_phase import (
     rows_as_samples,
 )
 
-CONFIG = os.path.join(os.path.dirname(__file__), "..", "..", "configs", "tiny_cpu.yaml")
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
 
 
 def _batch(versions, anchors):
@@ -68,17 +69,34 @@ def test_an_anchor_of_another_reference_is_refused():
 def test_config_refuses_one_step_without_tis_with_colocated_engines_or_pregeneration():
     assert load_config(CONFIG, ["rollout.overlap=off"]).rollout.overlap == "off"  # YAML 1.1 reads off as false
     base = ["rollout.overlap=one_step"]
-    with pytest.raises(ConfigError, match=r"^rollout.overlap: one_step needs algorithm.tis.enabled: true: .*staleness"):
+    with pytest.raises(ConfigError, match=r"^rollout.overlap: one_step needs algorithm.tis.enabled=true .*for that\)$"):
         load_config(CONFIG, base)
     tis = [*base, "algorithm.tis.enabled=true"]
     load_config(CONFIG, tis)  # the local engine runs in the driver: accepted
-    with pytest.raises(ConfigError, match="placement disaggregated") as err:
+    with pytest.raises(ConfigError, match="needs rollout.sglang.placement=disaggregated") as err:
         load_config(CONFIG, [*tis, "rollout.engine=sglang", "rollout.sglang.placement=colocated"])
     assert "\n" not in str(err.value)
-    with pytest.raises(ConfigError, match="^anchor.pregenerate: not with rollout.overlap one_step"):
+    with pytest.raises(ConfigError, match="^rollout.overlap: one_step needs anchor.pregenerate=false"):
         load_config(CONFIG, [*tis, "anchor.pregenerate=true"])
     with pytest.raises(ConfigError, match="^rollout.overlap_forced_wait: needs rollout.overlap: one_step"):
         load_config(CONFIG, ["rollout.overlap_forced_wait=true"])
+
+
+def test_every_unmet_requirement_of_one_step_is_named_in_one_message():
+    """A GPU recipe turned to one_step: TIS, placement, engine GPUs and trainer GPUs, not one per --check round."""
+    recipe = os.path.join(ROOT, "configs", "qwen25_math_7b_dapo_armor.yaml")
+    with pytest.raises(ConfigError) as err:
+        load_config(recipe, ["rollout.overlap=one_step"])
+    line = str(err.value)
+    assert line.startswith("rollout.overlap: one_step needs algorithm.tis.enabled=true ") and "\n" not in line
+    for needed in (
+        "; rollout.sglang.placement=disaggregated (",
+        "; launch.engine_gpus=8 (the GPUs of 4 engines x tp_per_engine 2)",
+        "; GPUs left for training: the engines take 8 of the job's 8; lower rollout.sglang.num_engines",
+    ):
+        assert needed in line, line
+    fixed = ["algorithm.tis.enabled=true", "rollout.sglang.placement=disaggregated", "launch.engine_gpus=8"]
+    assert load_config(recipe, ["rollout.overlap=one_step", *fixed, "launch.nodes=2"]).rollout.overlap == "one_step"
 
 
 def test_background_rollout_returns_its_batch_and_reraises_its_error_in_the_caller():
@@ -88,7 +106,7 @@ def test_background_rollout_returns_its_batch_and_reraises_its_error_in_the_call
     with pytest.raises(RuntimeError, match="already running"):
         runner.start(lambda: None)
     pending = runner.join()
-    assert pending.for_step == 3 and pending.metrics == {"rollout/accuracy": 0.5} and pending.generation_s >= 0
+    assert pending.for_step == 3 and pending.metrics == {"rollout/accuracy": 0.5} and pending.generation_s > 0
     runner.start(lambda: 1 / 0)
     with pytest.raises(ZeroDivisionError):
         runner.join()
