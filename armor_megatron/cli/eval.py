@@ -86,8 +86,9 @@ def main(argv: list[str] | None = None) -> int:
         from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
 
         verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
+        allowed = cfg.reward.verifiers if cfg else []
         eval_sets = [
-            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, bool(given))), verifier), k)
+            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, bool(given))), verifier, allowed), k)
             for name, path in sets
         ]
         sampling = SamplingParams(

@@ -13,9 +13,10 @@ import difflib
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 
@@ -69,21 +70,44 @@ class _Scorable(Protocol):
 _D = TypeVar("_D", bound=_Scorable)
 
 
-def scorable(dataset: _D, default_verifier: str) -> _D:
-    """``dataset``, once every row's verifier has accepted its ground truth.
+def scorable(dataset: _D, default_verifier: str, allowed: Collection[str] = ()) -> _D:
+    """``dataset``, once every row's verifier is allowed and has accepted its ground truth.
 
     ``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
-    :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
-    else ``default_verifier``) has accepted its ground truth: a row no verifier can score
-    stops a run at start-up, in one line naming the file and row, not at the step that first
-    samples it.
+    :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's own verifier passed
+    :func:`check_row_verifier` (a registered name, ``default_verifier`` or one of ``allowed``)
+    and every row's verifier (its own, else ``default_verifier``) has accepted its ground truth:
+    a row that names another function, or that no verifier can score, stops a run at start-up,
+    in one line naming the file and row, not at the step that first samples it.
     """
     for row in dataset.rows:
         try:
+            if row.verifier is not None:
+                check_row_verifier(row.verifier, default_verifier, allowed)
             check_ground_truth(row.verifier or default_verifier, row.answer)
         except ValueError as e:
-            raise ValueError(f"{dataset.path}: row {row.index}: {e}") from None
+            raise UserInputError(f"{dataset.path}: row {row.index}: {e}") from None
     return dataset
+
+
+def check_row_verifier(name: Any, default_verifier: str, allowed: Collection[str] = ()) -> None:
+    """Raise VerifierSpecError (one line) unless a dataset row may name verifier ``name``.
+
+    A row's ``type`` comes with the data, so it may name a registered verifier, the config's
+    own ``default_verifier`` (``reward.verifier``) or a ``module:function`` the config lists in
+    ``allowed`` (``reward.verifiers``), nothing else: data cannot make the trainer call an
+    arbitrary importable function (``builtins:exec`` would run the response as code).
+    """
+    if not isinstance(name, str):
+        raise VerifierSpecError(f"verifier {name!r} is a {type(name).__name__}, not a verifier name")
+    if name == default_verifier or name in allowed or (":" not in name and name in _REGISTRY):
+        return
+    if ":" not in name:
+        get_verifier(name)  # raises: an unknown name, with a suggestion
+    raise VerifierSpecError(
+        f"verifier {name!r} is not allowed in a row's type: it may name a registered verifier "
+        f"({', '.join(registered_verifiers())}), reward.verifier, or a module:function listed in reward.verifiers"
+    )
 
 
 def check_ground_truth(verifier: str, ground_truth: Any) -> None:

@@ -9,10 +9,12 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from armor_megatron.errors import UserInputError
+
 _SPEC = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
 
 
-class VerifierSpecError(ValueError):
+class VerifierSpecError(UserInputError):
     """A verifier name or ``module:function`` spec that cannot be used."""
 
 

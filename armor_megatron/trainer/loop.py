@@ -211,6 +211,7 @@ class ArmorTrainer:
                             d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, data.type_key
                         ),
                         cfg.reward.verifier,
+                        cfg.reward.verifiers,
                     ),
                     d.k,
                 )
@@ -227,7 +228,9 @@ class ArmorTrainer:
         """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
-            PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key), self.cfg.reward.verifier
+            PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key),
+            self.cfg.reward.verifier,
+            self.cfg.reward.verifiers,
         )
         total = len(dataset)
         dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
