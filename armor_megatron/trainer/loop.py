@@ -176,7 +176,7 @@ class ArmorTrainer:
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
         self.sampling = components.rollout_sampling(cfg, eos)
         self.eval_sampling = components.eval_sampling(cfg, eos)
-        self.settings = components.rollout_settings(cfg, self.sampling)
+        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size)
         # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
         # trainer memory handed to colocated engines while they generate (bit-exact round trip)
         self.trainer_memory = HostOffload.of(actor, reference, critic) if offloads_during_rollout(cfg) else None

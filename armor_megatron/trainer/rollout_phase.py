@@ -42,7 +42,7 @@ from armor_megatron.algo import (
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import score_batch
-from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +59,7 @@ class RolloutSettings:
     overlong_penalty: float = 1.0
     reward_workers: int | None = None
     timeout: float | None = None
+    vocab_size: int | None = None  # the model's: every sample's token ids and log-probs are checked against it
     sample_metrics: Callable[[list[dict]], dict] | None = None  # logging.sample_metrics, loaded
 
 
@@ -108,7 +109,7 @@ def collect_groups(
             accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
         )
     prompt_of_row = [rows[src.prompt] for src in groups.rows]
-    batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id)
+    batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id, settings.vocab_size)
     batch["rewards"] = rewards.reshape(-1).float()
     batch["accuracy"] = accuracy.reshape(-1).float()
     batch["is_anchor"] = groups.is_anchor.reshape(-1)
@@ -202,7 +203,7 @@ def replace_stale_anchors(
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
             samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
-    out = _to_batch(samples, prompts, pad_id)
+    out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
     rewards = accuracy
     if settings.overlong_buffer:
@@ -293,7 +294,17 @@ def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[flo
     return scores
 
 
-def _to_batch(samples: Sequence[Sample], prompts: Sequence[Sequence[int]], pad_id: int) -> RolloutBatch:
+def _to_batch(
+    samples: Sequence[Sample], prompts: Sequence[Sequence[int]], pad_id: int, vocab_size: int | None = None
+) -> RolloutBatch:
+    """The rows of a rollout batch, from the samples of any engine.
+
+    This is where every engine's samples enter the trainer, so with ``vocab_size`` each is checked
+    first (`rollout.engine.check_sample`: ids in the vocabulary, log-probs <= 0).
+    """
+    if vocab_size is not None:
+        for k, s in enumerate(samples):
+            check_sample(s, vocab_size, f"rollout row {k} (prompt {s.prompt_index}, weights {s.weight_version})")
     lengths = [len(p) + s.num_tokens for p, s in zip(prompts, samples)]
     width = max(lengths)
     n = len(samples)

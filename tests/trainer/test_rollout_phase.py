@@ -17,7 +17,7 @@ from armor_megatron.rollout.anchor.build import anchor_reward
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
 from armor_megatron.rollout.anchor.source import SeparateReference
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.engine import EngineReplyError, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
@@ -238,3 +238,13 @@ def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup
     assert [s["prompt"] for s in seen[::G]] == [r.prompt for r in rows]
     assert metrics["rollout/anchors"] == float(batch["is_anchor"].sum()) > 0
     assert metrics["rollout/correct"] == float(batch["accuracy"].sum())
+
+
+def test_samples_enter_the_trainer_checked_whichever_engine_made_them(setup):
+    # the local engine samples from a model whose vocabulary is larger than the trainer's (here 4 ids):
+    # the batch refuses its ids in one line, instead of an IndexError deep in the log-prob code
+    tok, policy, _, rows = setup
+    with pytest.raises(EngineReplyError, match=r"rollout row \d+ \(prompt \d+, weights step-0\): token id \d+ at"):
+        _collect(setup, None, vocab_size=4)
+    batch, _ = _collect(setup, None, vocab_size=len(tok))  # the model's own vocabulary: every id fits
+    assert int(batch["input_ids"].max()) < len(tok)
