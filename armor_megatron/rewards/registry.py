@@ -13,12 +13,20 @@ import difflib
 import functools
 import inspect
 import numbers
+import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from armor_megatron.errors import UserInputError
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
+from armor_megatron.rewards.user_calls import (
+    VerifierFailed,
+    VerifierTimeouts,
+    call_user_verifier,
+    probe_user_verifier,
+    user_verifier_timeout,
+)
 
 _REGISTRY: dict[str, Verifier] = {}
 _GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
@@ -138,7 +146,12 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
         return
     response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
     try:
-        value = cast(Any, verifier).__wrapped__(response, ground_truth)  # set by _coercing's functools.wraps
+        if ":" in spec:  # in a worker, under reward.timeout_s
+            value = probe_user_verifier(spec, response, ground_truth)
+        else:  # registered by the user's own code: in this process, on a thread we stop waiting for
+            value = _in_thread(cast(Any, verifier).__wrapped__, spec, response, ground_truth)
+    except (VerifierTimeouts, VerifierFailed) as err:
+        raise VerifierSpecError(str(err)) from None
     except Exception as err:
         raise VerifierSpecError(
             f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
@@ -151,6 +164,30 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
         if not line.startswith(f"verifier {spec!r}"):
             line = f"verifier {spec!r} returned {value!r:.60}: {line}"
         raise VerifierSpecError(line) from None
+
+
+def _in_thread(fn: Callable[..., Any], name: str, *args: Any) -> Any:
+    """``fn(*args)`` on a daemon thread, waiting at most ``reward.timeout_s`` (VerifierTimeouts after)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except Exception as err:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=run, name=f"probe-{name}", daemon=True)
+    thread.start()
+    thread.join(user_verifier_timeout())
+    if not outcome:
+        raise VerifierTimeouts(
+            f"verifier {name!r} did not return within reward.timeout_s={user_verifier_timeout():g}s "
+            f"on a response stating the ground truth {args[-1]!r:.60}"
+        )
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def unregister_verifier(name: str) -> None:
@@ -199,7 +236,12 @@ def load_verifier(spec: str) -> Verifier:
 def _load_user_verifier(spec: str) -> Verifier:
     fn = import_callable(spec)
     _check_signature(fn, spec)
-    return _coercing(fn, spec)
+
+    @functools.wraps(fn)
+    def verifier(response: str, ground_truth: Any) -> RewardResult:  # in a worker process, under reward.timeout_s
+        return as_reward_result(call_user_verifier(spec, response, ground_truth), spec)
+
+    return verifier
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> None:
@@ -223,21 +265,31 @@ def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
     return verifier
 
 
+class VerifierResultError(UserInputError, TypeError):
+    """A verifier returned what is not a reward (a string, None, a dict without ``score``, NaN)."""
+
+
 def as_reward_result(value: Any, name: str) -> RewardResult:
-    """Turn what a verifier returned into a RewardResult (see module docstring)."""
+    """Turn what a verifier returned into a RewardResult (see module docstring).
+
+    Anything else raises VerifierResultError naming the verifier ``name`` and the value.
+    """
     if isinstance(value, RewardResult):
         return value
-    if isinstance(value, numbers.Real):
-        return RewardResult(float(value))
-    if isinstance(value, Mapping) and "score" in value:
-        breakdown = {
-            str(k): float(v)
-            for k, v in value.items()
-            if k not in ("score", "extracted") and isinstance(v, numbers.Real)
-        }
-        extracted = value.get("extracted")
-        return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
-    raise TypeError(
+    try:
+        if isinstance(value, numbers.Real):
+            return RewardResult(float(value))
+        if isinstance(value, Mapping) and "score" in value:
+            breakdown = {
+                str(k): float(v)
+                for k, v in value.items()
+                if k not in ("score", "extracted") and isinstance(v, numbers.Real)
+            }
+            extracted = value.get("extracted")
+            return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
+    except (TypeError, ValueError) as err:
+        raise VerifierResultError(f"verifier {name!r} returned {value!r:.60}: {err}") from None
+    raise VerifierResultError(
         f"verifier {name!r} returned {type(value).__name__} {value!r:.40}; expected RewardResult, a number, "
         "or a dict with a 'score' key"
     )

@@ -94,7 +94,9 @@ def collect_groups(
     found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
+    policy_scores, timeouts = _score(
+        [[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers
+    )
     anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [[a.reward] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
     groups = assemble_anchor_groups(
@@ -127,6 +129,7 @@ def collect_groups(
         "rollout/reward_std": rewards.std(unbiased=False).item(),
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
+        "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
@@ -194,9 +197,9 @@ def replace_stale_anchors(
         extra = engine.generate(
             [prompts[stale[j]] for j in missing], n=1, sampling=settings.sampling, timeout=settings.timeout
         )
-        scores = _score(
+        scores, _ = _score(
             [[g[0].text] for g in extra],
-            [rows[j].answer for j in missing],
+            [rows[j] for j in missing],
             [verifiers[j] for j in missing],
             settings.reward_workers,
         )
@@ -279,19 +282,29 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
-def _score(texts: list[list[str]], answers, verifiers, workers) -> list[list[float]]:
-    """Per-prompt score lists, scoring all responses of one verifier in one batch."""
+def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> tuple[list[list[float]], int]:
+    """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
+
+    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]``; an error names the row.
+    """
     flat = [(p, t) for p, group in enumerate(texts) for t in group]
     scores: list[list[float]] = [[] for _ in texts]
+    timeouts = 0
     for name in dict.fromkeys(verifiers):
         todo = [(p, t) for p, t in flat if verifiers[p] == name]
         if not todo:
             continue
-        results = score_batch([t for _, t in todo], [answers[p] for p, _ in todo], verifier=name, max_workers=workers)
-        by_prompt = iter(results)
-        for p, _ in todo:
-            scores[p].append(next(by_prompt).score)
-    return scores
+        results = score_batch(
+            [t for _, t in todo],
+            [rows[p].answer for p, _ in todo],
+            verifier=name,
+            max_workers=workers,
+            labels=[f"row {rows[p].index}" for p, _ in todo],
+        )
+        for (p, _), result in zip(todo, results):
+            scores[p].append(result.score)
+            timeouts += bool(result.breakdown.get("timed_out"))
+    return scores, timeouts
 
 
 def _to_batch(

@@ -202,9 +202,9 @@ class SGLangEngine(RolloutEngine):
         futures = [f for fs in per_prompt for f in fs]
         try:
             groups = []
-            for i, (fs, requests) in enumerate(zip(per_prompt, prompt_clients)):
+            for i, (fs, clients) in enumerate(zip(per_prompt, prompt_clients)):
                 outputs = []  # (server URL, output)
-                for f, client in zip(fs, requests):
+                for f, client in zip(fs, clients):
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     outputs += [(client.url, out) for out in f.result(timeout=left)]
                 if len(outputs) != n:
