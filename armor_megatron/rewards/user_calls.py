@@ -87,8 +87,8 @@ def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
         return _failed(spec, "timed_out", f"did not return within reward.timeout_s={timeout_s:g}s")
     except WorkerDied as err:
         return _failed(spec, "worker_died", f"killed its worker process ({err})")
-    except IsolatedCallError as err:
-        raise VerifierFailed(f"verifier {spec!r} raised {str(err).splitlines()[0] if str(err) else err!r}") from None
+    except IsolatedCallError as err:  # "Type: message" from the worker
+        raise VerifierFailed(f"verifier {spec!r} raised {(str(err).splitlines() or ['?'])[0]}") from None
     with _lock:
         _in_a_row[spec] = 0
     return value
