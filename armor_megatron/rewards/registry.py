@@ -150,8 +150,13 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
             value = probe_user_verifier(spec, response, ground_truth)
         else:  # registered by the user's own code: in this process, on a thread we stop waiting for
             value = _in_thread(cast(Any, verifier).__wrapped__, spec, response, ground_truth)
-    except (VerifierTimeouts, VerifierFailed) as err:
+    except VerifierTimeouts as err:
         raise VerifierSpecError(str(err)) from None
+    except VerifierFailed as err:
+        raise VerifierSpecError(
+            f"verifier {spec!r} raised {err.kind} on a response stating the ground truth {ground_truth!r:.60}: "
+            f"{err.detail}"
+        ) from None
     except Exception as err:
         raise VerifierSpecError(
             f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "

@@ -42,7 +42,11 @@ class VerifierTimeouts(UserInputError):
 
 
 class VerifierFailed(UserInputError):
-    """A user verifier raised an exception on a response."""
+    """A user verifier raised an exception on a response: ``kind`` (its type's name) and ``detail`` (its message)."""
+
+    def __init__(self, spec: str, kind: str, detail: str):
+        super().__init__(f"verifier {spec!r} raised {kind}: {detail}" if detail else f"verifier {spec!r} raised {kind}")
+        self.kind, self.detail = kind, detail
 
 
 class _Settings:
@@ -88,7 +92,8 @@ def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
     except WorkerDied as err:
         return _failed(spec, "worker_died", f"killed its worker process ({err})")
     except IsolatedCallError as err:  # "Type: message" from the worker
-        raise VerifierFailed(f"verifier {spec!r} raised {(str(err).splitlines() or ['?'])[0]}") from None
+        kind, _, detail = (str(err).splitlines() or ["Exception"])[0].partition(": ")
+        raise VerifierFailed(spec, kind, detail) from None
     with _lock:
         _in_a_row[spec] = 0
     return value

@@ -75,7 +75,7 @@ def setup():
 
 def _collect(setup, anchors, **kw):
     tok, policy, sampler, rows = setup
-    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", **kw)
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, **{"verifier": "test_starts_with", **kw})
     return collect_groups(rows, lambda p: encode(tok, p), policy, settings, anchors=anchors, pad_id=tok.pad_token_id)
 
 
@@ -248,3 +248,9 @@ def test_samples_enter_the_trainer_checked_whichever_engine_made_them(setup):
         _collect(setup, None, vocab_size=4)
     batch, _ = _collect(setup, None, vocab_size=len(tok))  # the model's own vocabulary: every id fits
     assert int(batch["input_ids"].max()) < len(tok)
+
+
+def test_a_nan_score_names_the_verifier_and_the_row(setup):
+    with registered(test_nan=lambda response, ground_truth: float("nan")):
+        with pytest.raises(ValueError, match=r"^row 0: verifier 'test_nan' returned nan: RewardResult.score must be"):
+            _collect(setup, None, verifier="test_nan")
