@@ -356,6 +356,11 @@ def interrupt_calls() -> None:
     _INTERRUPT.trigger()
 
 
+def calls_interrupted() -> bool:
+    """Whether :func:`interrupt_calls` stopped the calls (and :func:`allow_calls` has not undone it)."""
+    return _INTERRUPT.set
+
+
 def allow_calls() -> None:
     """Undo :func:`interrupt_calls`."""
     _INTERRUPT.clear()

@@ -75,7 +75,7 @@ from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prom
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
-from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, interrupt_calls
+from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls_interrupted, interrupt_calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
@@ -684,6 +684,9 @@ class ArmorTrainer:
             return {}
         from armor_megatron.rewards import flatten_metrics
 
+        if calls_interrupted():  # a preemption signal: generating for an evaluation it cannot score is waste
+            print(f"[{self.cfg.name}] evaluation at step {self.step} skipped: a preemption signal arrived", flush=True)
+            return {}
         try:
             result = evaluate(
                 self._engine,
@@ -841,13 +844,15 @@ class ArmorTrainer:
     def _driver_batch(self, timer: StepTimer) -> tuple[RolloutBatch | str | None, dict, list[PendingBatch]]:
         """Driver: `_step_batch`, or ``STOPPED`` when a preemption signal stopped its reward calls.
 
-        Then the loader goes back to where the step began, so the resumed run draws the same prompts.
+        Then the loader (and a batch generated during the last step) go back to where the step
+        began, so the resumed run trains on the same prompts.
         """
-        before = self._prompts.state_dict()
+        before, pending = self._prompts.state_dict(), self._pending
         try:
             return self._step_batch(timer)
         except CallsInterrupted:
             self._prompts.load_state_dict(before)
+            self._pending = pending  # a batch generated during the last step stays for the checkpoint
             return STOPPED, {}, []
 
     def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:

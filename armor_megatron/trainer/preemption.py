@@ -1,16 +1,16 @@
 """Graceful preemption: SIGTERM / SIGUSR1 ask the loop to checkpoint and exit for requeue.
 
 SLURM sends SIGUSR1 ahead of the time limit (``#SBATCH --signal=B:USR1@120``) and SIGTERM on
-preemption. The handler only records the request; the training loop checks
-``requested()`` between steps (agreeing across ranks), saves a checkpoint and exits with
-``REQUEUE_EXIT_CODE`` so the sbatch script can ``scontrol requeue`` the job. A step cannot hang
-the handler: the signal also stops the reward calls in flight (``on_signal``), and a step whose
-rollout they stop is abandoned; the loop then saves the state of the last step it completed.
+preemption. The handler records the request; the training loop checks ``requested()`` between
+steps (agreeing across ranks), saves a checkpoint and exits with ``REQUEUE_EXIT_CODE`` so the
+sbatch script can ``scontrol requeue`` the job. A step cannot keep it waiting: the handler also
+stops the reward calls in flight (``on_signal``), a step whose rollout they stop is abandoned,
+and the loop saves the state of the last step it completed.
 
 A signal that arrives while the run is still being built is not fatal either: the CLI calls
 `record_early_signals` first, and the loop's handler takes such a signal over when installed
-(the run then checkpoints after its first step). Installing also unblocks the signals, which a
-process may have inherited blocked.
+(the reward calls of the first step are refused, so the run checkpoints the state it started
+from). Installing also unblocks the signals, which a process may have inherited blocked.
 
 Helpers (megatron's checkpoint writers, reward workers) are started with the signals blocked,
 so a signal to the whole process group, as SLURM sends it, leaves them working.

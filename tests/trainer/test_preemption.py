@@ -21,6 +21,27 @@ def test_signals_are_recorded_not_fatal_and_handlers_restored():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
+def test_the_signal_stops_the_reward_calls_at_once():
+    from armor_megatron.rewards.isolated import (
+        CallsInterrupted,
+        allow_calls,
+        calls_interrupted,
+        interrupt_calls,
+        run_isolated,
+    )
+
+    try:
+        with PreemptionHandler(on_signal=interrupt_calls):
+            assert run_isolated("operator:add", 2, 3, timeout_s=60) == 5
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert calls_interrupted()
+            with pytest.raises(CallsInterrupted):
+                run_isolated("operator:add", 2, 3, timeout_s=60)
+    finally:
+        allow_calls()
+    assert run_isolated("operator:add", 2, 3, timeout_s=60) == 5
+
+
 # ----------------------------------------------------------------------------- whole runs (armor-train)
 def _descendants(pid):
     import psutil
