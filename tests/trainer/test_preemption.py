@@ -98,8 +98,8 @@ def test_preemption_checkpoints_exits_85_and_leaves_no_process(tiny, tmp_path, l
             proc.wait()
     assert proc.returncode == 85, err[-3000:]
     assert err.count("preempted") == 1, err[-3000:]  # said once, not per rank
-    if layout == "tp1":
-        assert "preempted: SIGTERM at step" in err, err[-3000:]
+    if layout == "tp1":  # between steps, or during a rollout, whose reward calls the signal stops
+        assert "preempted: SIGTERM at step" in err or "preempted: SIGTERM during step" in err, err[-3000:]
     _, alive = psutil.wait_procs(everyone, timeout=30)
     assert not [p for p in alive if p.status() != psutil.STATUS_ZOMBIE], "processes left behind"
     step = max(r["step"] for r in read_metrics(str(metrics)))
