@@ -97,8 +97,10 @@ def main(argv: list[str] | None = None) -> int:
         from armor_megatron.trainer.evaluation import EvalSet, evaluate, format_table
 
         verifier = args.verifier or (cfg.reward.verifier if cfg else "math")
+        allowed = cfg.reward.verifiers if cfg else []
         eval_sets = [
-            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, args)), verifier), k) for name, path in sets
+            EvalSet(name, scorable(PromptDataset(path, *_columns(cfg, name, args)), verifier, allowed), k)
+            for name, path in sets
         ]
         sampling = SamplingParams(
             max_new_tokens=args.max_new_tokens or (ev.max_response_len if ev else 1024),

@@ -17,7 +17,7 @@ from armor_megatron.config import needs
 from armor_megatron.config.identity import check_run_identity, checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows
+from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows, read_rows
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
@@ -152,6 +152,7 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
         assert truth is not None  # a row without one raised above
         verifier = field_of(row, data.type_key) if has_field(row, data.type_key) else None
         if verifier is not None:
+            _check_row_type(key, path, i, verifier, cfg)
             try:
                 load_verifier(verifier)
             except ValueError as err:
@@ -163,6 +164,20 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
         _probe_no_answer(key, f"{path}: row {i}", spec, ground_truth)
+    if len(rows) == PEEK_ROWS:  # the rest of the file: every row's type, before any step
+        for i, row in enumerate(read_rows(path)[PEEK_ROWS:], PEEK_ROWS):
+            if isinstance(row, dict) and has_field(row, data.type_key):
+                _check_row_type(key, path, i, field_of(row, data.type_key), cfg)
+
+
+def _check_row_type(key: str, path: str, index: int, verifier: object, cfg: RunConfig) -> None:
+    """A row's ``type`` names a registered verifier, ``reward.verifier`` or one of ``reward.verifiers``."""
+    from armor_megatron.rewards.registry import check_row_verifier
+
+    try:
+        check_row_verifier(verifier, cfg.reward.verifier, cfg.reward.verifiers)
+    except ValueError as err:
+        raise ConfigError(key, f"{path}: row {index} {cfg.data.type_key}: {err}") from None
 
 
 def _probe_no_answer(key: str, where: str, spec: str, ground_truth: object) -> None:

@@ -19,6 +19,8 @@ between the jobs of one run without changing what is trained:
   every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``, ``reward.python_path``,
   ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
   (the starting weights, already consumed);
+* how user verifiers are held: ``reward.timeout_s``, ``reward.max_consecutive_timeouts``,
+  ``reward.memory_limit_mb`` (a run stopped by a hanging verifier resumes with other limits);
 * resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
 
 A key the record lacks (a run recorded before the key existed) counts as the schema default, so
@@ -59,6 +61,9 @@ NOT_DEFINING = (
     "anchor.reference_engines",
     "reward.workers",
     "reward.python_path",
+    "reward.timeout_s",
+    "reward.max_consecutive_timeouts",
+    "reward.memory_limit_mb",
     "reference.offload",
     "reference.init_from",
     "model.spec",

@@ -18,7 +18,9 @@ import yaml
 from armor_megatron.config.schema import API_KEY_ENV, RunConfig
 from armor_megatron.config.typed import ConfigError, from_dict
 from armor_megatron.config.validate import validate_run_config
+from armor_megatron.rewards.isolated import configure_pool
 from armor_megatron.rewards.spec import add_search_paths
+from armor_megatron.rewards.user_calls import configure_user_verifiers
 
 DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
@@ -29,7 +31,9 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     An unset ``checkpoint.dir`` becomes ``checkpoints/<name>`` (one run, one directory).
     ``$ARMOR_ENGINE_API_KEY``, when set, is ``rollout.sglang.api_key``.
     ``reward.python_path`` entries, relative to the config file, become absolute and are searched
-    for user modules (``module:function`` verifiers and hooks) from here on.
+    for user modules (``module:function`` verifiers and hooks) from here on; ``reward.timeout_s``,
+    ``reward.max_consecutive_timeouts`` and ``reward.memory_limit_mb`` hold for this process's
+    verifier calls from here on.
     """
     cfg = from_dict(RunConfig, config_tree(path, overrides))
     if os.environ.get(API_KEY_ENV):  # how the SLURM plan and the torchrun relaunch hand ranks the key
@@ -39,6 +43,9 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
     here = os.path.dirname(os.path.abspath(path))
     cfg.reward.python_path = add_search_paths(os.path.join(here, d) for d in cfg.reward.python_path)
     validate_run_config(cfg)
+    # reward.* settings that hold for every verifier call of this process (the start-up probe too)
+    configure_user_verifiers(cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts)
+    configure_pool(memory_limit_mb=cfg.reward.memory_limit_mb)
     return cfg
 
 

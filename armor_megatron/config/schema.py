@@ -498,6 +498,31 @@ class RewardConfig:
         help="directories searched (after the installed packages) for the modules of module:function verifiers "
         "and hooks; relative to the config file, whose own directory is the default",
     )
+    verifiers: list[str] = checked(
+        factory=list,
+        check=described(
+            "each module:function",
+            lambda specs: next((f"{s!r} is not of the form module:function" for s in specs if ":" not in s), None),
+        ),
+        help="module:function verifiers a dataset row's type may name, besides the registered ones and "
+        "reward.verifier; a row naming any other function is refused at start-up",
+    )
+    timeout_s: float = checked(
+        60.0,
+        check=in_range(0, None, lo_open=True),
+        help="seconds a user (module:function) verifier may take on one response; it runs in a killable worker "
+        "process, and a call that runs longer is stopped and scores 0 (reward/timeouts)",
+    )
+    max_consecutive_timeouts: int = checked(
+        8,
+        check=at_least(1),
+        help="user-verifier timeouts in a row that fail the step (the verifier hangs, not one hard response)",
+    )
+    memory_limit_mb: int = checked(
+        4096,
+        check=at_least(0),
+        help="address-space cap of each reward worker process (math and user verifiers); 0: none",
+    )
 
 
 @dataclasses.dataclass

@@ -532,7 +532,7 @@ def launched_reference_engines(cfg: RunConfig) -> int:
 
 
 def _check_user_code(cfg: RunConfig) -> None:
-    """``reward.verifier`` must name a registered verifier or import as ``module:function``.
+    """``reward.verifier`` must name a registered verifier or import as ``module:function``; so must ``reward.verifiers``.
 
     So must ``reference.validation_hook`` when the reset schedule reads it (the trainer would fail
     on its first step).
@@ -544,6 +544,11 @@ def _check_user_code(cfg: RunConfig) -> None:
         load_verifier(cfg.reward.verifier)
     except ValueError as err:  # VerifierSpecError
         raise ConfigError("reward.verifier", str(err).splitlines()[0]) from None
+    for i, spec in enumerate(cfg.reward.verifiers):
+        try:
+            load_verifier(spec)
+        except ValueError as err:
+            raise ConfigError(f"reward.verifiers[{i}]", str(err).splitlines()[0]) from None
     hook = cfg.reference.validation_hook
     if hook and "validation_hook" in RESET_SCHEDULES.entry(cfg.reference.reset).config_keys.values():
         try:

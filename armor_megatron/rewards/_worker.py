@@ -36,7 +36,9 @@ def _send(stream: BinaryIO, message: tuple[Any, ...]) -> None:
 
 def _handle(kind: str, payload: Any) -> Any:
     if kind == "import":
-        importlib.import_module(payload)
+        module, paths = payload
+        sys.path.extend(p for p in paths if p not in sys.path)  # reward.python_path: after the installed packages
+        importlib.import_module(module)
         return None
     if kind == "call":
         target, args = payload

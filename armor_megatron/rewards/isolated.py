@@ -9,7 +9,8 @@ multiprocessing workers, and they outlive nothing: each exits when its stdin clo
 
 Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickle of
 ``(kind, payload)``; kinds ``import`` (load a module before the clock starts) and ``call``
-(``("module:function", args)``); replies ``("ok", value)`` or ``("error", "Type: message")``.
+(``("module:function", args)``), the module's import after the directories of ``reward.python_path``
+are added to the worker's ``sys.path``; replies ``("ok", value)`` or ``("error", "Type: message")``.
 
 Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
 each call checks one worker out. A worker whose call times out or that dies is killed and
@@ -17,6 +18,12 @@ replaced at once: a background thread starts a fresh one with the same modules i
 (seconds for math-verify), while the failed call returns within its timeout. A later call
 that needs that slot waits for the replacement before its clock starts, so its timeout
 measures its own work only. After ``os.fork`` the child gets a fresh, empty pool.
+
+Stopping: :func:`interrupt_calls` (safe in a signal handler) stops every call in flight at once,
+killing its worker, and refuses new calls with :class:`CallsInterrupted` until
+:func:`allow_calls`; the trainer's preemption handler calls it, so a step stuck in a verifier ends
+within a moment of SIGTERM. A reply larger than ``MAX_REPLY_BYTES`` kills its worker too
+(:class:`ReplyTooLarge`): a verifier's output is capped as its memory is.
 
 Preemption: workers start with SIGTERM and SIGUSR1 blocked (a signal mask survives exec), so a
 signal to the trainer's whole process group, as SLURM sends it, does not kill them under a
@@ -39,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from armor_megatron.rewards.spec import search_paths
+
 logger = logging.getLogger(__name__)
 
 _HEADER = struct.Struct("!Q")
@@ -48,8 +57,16 @@ STARTUP_TIMEOUT_S = 120.0
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # the trainer's; workers must not die of them
 
 
+MAX_REPLY_BYTES = 64 << 20
+"""The largest reply (pickled result) a worker may send; a larger one kills it."""
+
+
 class IsolatedTimeout(TimeoutError):
     """The call did not finish within its timeout; its worker was killed."""
+
+
+class CallsInterrupted(RuntimeError):
+    """Calls were stopped by :func:`interrupt_calls` (a preemption signal); the worker was killed."""
 
 
 class IsolatedCallError(RuntimeError):
@@ -58,6 +75,43 @@ class IsolatedCallError(RuntimeError):
 
 class WorkerDied(IsolatedCallError):
     """The worker process died during the call (killed by the OS, crashed)."""
+
+
+class ReplyTooLarge(WorkerDied):
+    """The worker's reply exceeded ``MAX_REPLY_BYTES``; the worker was killed."""
+
+
+class _Interrupt:
+    """The process-wide stop of :func:`interrupt_calls`: a flag and a pipe every waiting call polls."""
+
+    def __init__(self) -> None:
+        self.set = False
+        self.read_fd, self.write_fd = os.pipe()
+        os.set_blocking(self.write_fd, False)
+
+    def trigger(self) -> None:
+        self.set = True
+        try:
+            os.write(self.write_fd, b"x")  # wakes every poll; the byte stays until `clear`
+        except BlockingIOError:
+            pass  # already full of wake-ups
+
+    def clear(self) -> None:
+        self.set = False
+        os.set_blocking(self.read_fd, False)
+        try:
+            while os.read(self.read_fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        os.set_blocking(self.read_fd, True)
+
+    def check(self) -> None:
+        if self.set:
+            raise CallsInterrupted("reward calls were stopped (a preemption signal)")
+
+
+_INTERRUPT = _Interrupt()
 
 
 class _Worker:
@@ -93,7 +147,7 @@ class _Worker:
     def preload(self, module: str) -> None:
         """Import ``module`` in the worker (once), under the start-up timeout."""
         if module not in self.imported:
-            self._request(("import", module), STARTUP_TIMEOUT_S)
+            self._request(("import", (module, search_paths())), STARTUP_TIMEOUT_S)
             self.imported.add(module)
 
     def _request(self, message: tuple[Any, ...], timeout_s: float) -> Any:
@@ -110,18 +164,26 @@ class _Worker:
         return value
 
     def _receive(self, deadline: float) -> tuple[str, Any]:
-        header = self._read_exact(_HEADER.size, deadline)
-        reply: tuple[str, Any] = pickle.loads(self._read_exact(_HEADER.unpack(header)[0], deadline))
+        (size,) = _HEADER.unpack(self._read_exact(_HEADER.size, deadline))
+        if size > MAX_REPLY_BYTES:
+            raise ReplyTooLarge(f"reward worker's reply of {size} bytes exceeds {MAX_REPLY_BYTES} (MAX_REPLY_BYTES)")
+        reply: tuple[str, Any] = pickle.loads(self._read_exact(size, deadline))
         return reply
 
     def _read_exact(self, size: int, deadline: float) -> bytes:
         fd = self.stdout.fileno()
         poller = select.poll()  # not select.select: trainers hold fds above FD_SETSIZE (1024)
         poller.register(fd, select.POLLIN)
+        poller.register(_INTERRUPT.read_fd, select.POLLIN)
         chunks, remaining = [], size
         while remaining:
+            _INTERRUPT.check()
             left = deadline - time.monotonic()
-            if left <= 0 or not poller.poll(max(1, int(left * 1000))):
+            ready = poller.poll(max(1, int(left * 1000))) if left > 0 else []
+            _INTERRUPT.check()
+            if not any(ready_fd == fd for ready_fd, _ in ready):
+                if time.monotonic() < deadline:
+                    continue  # a spurious wake-up
                 raise IsolatedTimeout("reward worker did not answer in time")
             chunk = os.read(fd, remaining)
             if not chunk:
@@ -177,6 +239,12 @@ class WorkerPool:
         worker = self._acquire()
         try:
             result = worker.call(target, args, timeout_s)
+        except CallsInterrupted:  # stopping: kill it, start none in its place
+            worker.kill()
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            raise
         except (IsolatedTimeout, WorkerDied):
             worker.kill()
             replacement = threading.Thread(
@@ -210,10 +278,12 @@ class WorkerPool:
             worker.kill()
 
     def _acquire(self) -> _Worker:
+        _INTERRUPT.check()
         with self._cond:
             while True:
                 while not self._idle and self._started >= self.max_workers:
-                    self._cond.wait()
+                    self._cond.wait(0.5)  # and look at the interrupt flag (set in a signal handler)
+                    _INTERRUPT.check()
                 if not self._idle:
                     self._started += 1
                     break
@@ -228,7 +298,7 @@ class WorkerPool:
             with self._cond:
                 self._started -= 1
                 self._cond.notify()
-            if isinstance(exc, (IsolatedTimeout, WorkerDied)):
+            if isinstance(exc, (IsolatedTimeout, WorkerDied)) and not isinstance(exc, ReplyTooLarge):
                 raise IsolatedCallError(f"reward worker failed to start: {exc}") from None
             raise
 
@@ -278,6 +348,24 @@ class WorkerPool:
         self._cond = threading.Condition()
 
 
+def interrupt_calls() -> None:
+    """Stop every call in flight (its worker killed) and refuse new ones, until :func:`allow_calls`.
+
+    Safe to call from a signal handler: it sets a flag and writes one byte to a pipe.
+    """
+    _INTERRUPT.trigger()
+
+
+def calls_interrupted() -> bool:
+    """Whether :func:`interrupt_calls` stopped the calls (and :func:`allow_calls` has not undone it)."""
+    return _INTERRUPT.set
+
+
+def allow_calls() -> None:
+    """Undo :func:`interrupt_calls`."""
+    _INTERRUPT.clear()
+
+
 def default_workers() -> int:
     """CPUs this process may run on (the SLURM/cgroup allotment, not the node's), at most 32."""
     try:
@@ -288,7 +376,17 @@ def default_workers() -> int:
 
 
 _POOL = WorkerPool(max_workers=default_workers())
-os.register_at_fork(after_in_child=lambda: _POOL._forget_after_fork())
+
+
+def _after_fork_in_child() -> None:
+    global _INTERRUPT
+    _POOL._forget_after_fork()
+    for fd in (_INTERRUPT.read_fd, _INTERRUPT.write_fd):
+        os.close(fd)
+    _INTERRUPT = _Interrupt()  # the parent's pipe would wake this process's calls (and its flag is not ours)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(lambda: _POOL.shutdown())
 
 

@@ -13,12 +13,20 @@ import difflib
 import functools
 import inspect
 import numbers
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol, TypeVar, cast
 
 from armor_megatron.errors import DatasetError, UserInputError
 from armor_megatron.rewards.result import RewardResult, Verifier
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
+from armor_megatron.rewards.user_calls import (
+    VerifierFailed,
+    VerifierTimeouts,
+    call_user_verifier,
+    probe_user_verifier,
+    user_verifier_timeout,
+)
 
 _REGISTRY: dict[str, Verifier] = {}
 _GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
@@ -70,21 +78,44 @@ class _Scorable(Protocol):
 _D = TypeVar("_D", bound=_Scorable)
 
 
-def scorable(dataset: _D, default_verifier: str) -> _D:
-    """``dataset``, once every row's verifier has accepted its ground truth.
+def scorable(dataset: _D, default_verifier: str, allowed: Collection[str] = ()) -> _D:
+    """``dataset``, once every row's verifier is allowed and has accepted its ground truth.
 
     ``dataset`` (``.path`` and ``.rows`` with ``index``, ``verifier``, ``answer``: a
-    :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's verifier (its own,
-    else ``default_verifier``) has accepted its ground truth: a row no verifier can score
-    stops a run at start-up, in one line naming the file and row, not at the step that first
-    samples it.
+    :class:`~armor_megatron.data.prompts.PromptDataset`), once every row's own verifier passed
+    :func:`check_row_verifier` (a registered name, ``default_verifier`` or one of ``allowed``)
+    and every row's verifier (its own, else ``default_verifier``) has accepted its ground truth:
+    a row that names another function, or that no verifier can score, stops a run at start-up,
+    in one line naming the file and row, not at the step that first samples it.
     """
     for row in dataset.rows:
         try:
+            if row.verifier is not None:
+                check_row_verifier(row.verifier, default_verifier, allowed)
             check_ground_truth(row.verifier or default_verifier, row.answer)
         except ValueError as e:
             raise DatasetError(f"{dataset.path}: row {row.index}: {e}") from None
     return dataset
+
+
+def check_row_verifier(name: Any, default_verifier: str, allowed: Collection[str] = ()) -> None:
+    """Raise VerifierSpecError (one line) unless a dataset row may name verifier ``name``.
+
+    A row's ``type`` comes with the data, so it may name a registered verifier, the config's
+    own ``default_verifier`` (``reward.verifier``) or a ``module:function`` the config lists in
+    ``allowed`` (``reward.verifiers``), nothing else: data cannot make the trainer call an
+    arbitrary importable function (``builtins:exec`` would run the response as code).
+    """
+    if not isinstance(name, str):
+        raise VerifierSpecError(f"verifier {name!r} is a {type(name).__name__}, not a verifier name")
+    if name == default_verifier or name in allowed or (":" not in name and name in _REGISTRY):
+        return
+    if ":" not in name:
+        get_verifier(name)  # raises: an unknown name, with a suggestion
+    raise VerifierSpecError(
+        f"verifier {name!r} is not allowed in a row's type: it may name a registered verifier "
+        f"({', '.join(registered_verifiers())}), reward.verifier, or a module:function listed in reward.verifiers"
+    )
 
 
 def check_ground_truth(verifier: str, ground_truth: Any) -> None:
@@ -117,7 +148,17 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
         return
     response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
     try:
-        value = cast(Any, verifier).__wrapped__(response, ground_truth)  # set by _coercing's functools.wraps
+        if ":" in spec:  # in a worker, under reward.timeout_s
+            value = probe_user_verifier(spec, response, ground_truth)
+        else:  # registered by the user's own code: in this process, on a thread we stop waiting for
+            value = _in_thread(cast(Any, verifier).__wrapped__, spec, response, ground_truth)
+    except VerifierTimeouts as err:
+        raise VerifierSpecError(str(err)) from None
+    except VerifierFailed as err:
+        raise VerifierSpecError(
+            f"verifier {spec!r} raised {err.kind} on a response stating the ground truth {ground_truth!r:.60}: "
+            f"{err.detail}"
+        ) from None
     except Exception as err:
         raise VerifierSpecError(
             f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
@@ -130,6 +171,30 @@ def probe_verifier(spec: str, ground_truth: Any) -> None:
         if not line.startswith(f"verifier {spec!r}"):
             line = f"verifier {spec!r} returned {value!r:.60}: {line}"
         raise VerifierSpecError(line) from None
+
+
+def _in_thread(fn: Callable[..., Any], name: str, *args: Any) -> Any:
+    """``fn(*args)`` on a daemon thread, waiting at most ``reward.timeout_s`` (VerifierTimeouts after)."""
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append((True, fn(*args)))
+        except Exception as err:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome.append((False, err))
+
+    thread = threading.Thread(target=run, name=f"probe-{name}", daemon=True)
+    thread.start()
+    thread.join(user_verifier_timeout())
+    if not outcome:
+        raise VerifierTimeouts(
+            f"verifier {name!r} did not return within reward.timeout_s={user_verifier_timeout():g}s "
+            f"on a response stating the ground truth {args[-1]!r:.60}"
+        )
+    ok, value = outcome[0]
+    if not ok:
+        raise value
+    return value
 
 
 def unregister_verifier(name: str) -> None:
@@ -178,7 +243,12 @@ def load_verifier(spec: str) -> Verifier:
 def _load_user_verifier(spec: str) -> Verifier:
     fn = import_callable(spec)
     _check_signature(fn, spec)
-    return _coercing(fn, spec)
+
+    @functools.wraps(fn)
+    def verifier(response: str, ground_truth: Any) -> RewardResult:  # in a worker process, under reward.timeout_s
+        return as_reward_result(call_user_verifier(spec, response, ground_truth), spec)
+
+    return verifier
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> None:
@@ -194,43 +264,39 @@ def _check_signature(fn: Callable[..., Any], name: str) -> None:
         ) from None
 
 
-class VerifierResultError(VerifierSpecError, TypeError):
-    """A verifier returned no reward (None, a string, ...) for ``response``; the message names both."""
-
-    def __init__(self, message: str, response: str, ground_truth: Any):
-        super().__init__(message)
-        self.response, self.ground_truth = response, ground_truth
-
-
 def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
     @functools.wraps(fn)
     def verifier(response: str, ground_truth: Any) -> RewardResult:
-        value = fn(response, ground_truth)
-        try:
-            return as_reward_result(value, name)
-        except TypeError as err:
-            raise VerifierResultError(
-                f"{err}, for the response {response!r:.80} (ground truth {ground_truth!r:.40})", response, ground_truth
-            ) from None
+        return as_reward_result(fn(response, ground_truth), name)
 
     return verifier
 
 
+class VerifierResultError(UserInputError, TypeError):
+    """A verifier returned what is not a reward (a string, None, a dict without ``score``, NaN)."""
+
+
 def as_reward_result(value: Any, name: str) -> RewardResult:
-    """Turn what a verifier returned into a RewardResult (see module docstring)."""
+    """Turn what a verifier returned into a RewardResult (see module docstring).
+
+    Anything else raises VerifierResultError naming the verifier ``name`` and the value.
+    """
     if isinstance(value, RewardResult):
         return value
-    if isinstance(value, numbers.Real):
-        return RewardResult(float(value))
-    if isinstance(value, Mapping) and "score" in value:
-        breakdown = {
-            str(k): float(v)
-            for k, v in value.items()
-            if k not in ("score", "extracted") and isinstance(v, numbers.Real)
-        }
-        extracted = value.get("extracted")
-        return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
-    raise TypeError(
+    try:
+        if isinstance(value, numbers.Real):
+            return RewardResult(float(value))
+        if isinstance(value, Mapping) and "score" in value:
+            breakdown = {
+                str(k): float(v)
+                for k, v in value.items()
+                if k not in ("score", "extracted") and isinstance(v, numbers.Real)
+            }
+            extracted = value.get("extracted")
+            return RewardResult(value["score"], breakdown, extracted if isinstance(extracted, str) else None)
+    except (TypeError, ValueError) as err:
+        raise VerifierResultError(f"verifier {name!r} returned {value!r:.60}: {err}") from None
+    raise VerifierResultError(
         f"verifier {name!r} returned {type(value).__name__} {value!r:.40}; expected RewardResult, a number, "
         "or a dict with a 'score' key"
     )

@@ -47,6 +47,14 @@ def import_callable(spec: str) -> Callable[..., Any]:
     return fn
 
 
+_SEARCH_PATHS: list[str] = []  # what add_search_paths added, for worker processes to add too
+
+
+def search_paths() -> tuple[str, ...]:
+    """The directories :func:`add_search_paths` added to ``sys.path``, in order."""
+    return tuple(_SEARCH_PATHS)
+
+
 def add_search_paths(directories: Iterable[str]) -> list[str]:
     """Add directories to ``sys.path`` for user verifier modules.
 
@@ -59,5 +67,7 @@ def add_search_paths(directories: Iterable[str]) -> list[str]:
         path = os.path.abspath(directory)
         if path not in sys.path:
             sys.path.append(path)
+        if path not in _SEARCH_PATHS:
+            _SEARCH_PATHS.append(path)
         added.append(path)
     return added

@@ -18,6 +18,8 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from armor_megatron.errors import UserInputError
+
 FINISH_REASONS = ("stop", "length", "abort")
 
 NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor); may be ShardedWeights
@@ -106,6 +108,14 @@ class ShardedWeights(Protocol):
 
 class RolloutError(RuntimeError):
     """Base class of rollout failures."""
+
+
+class EngineReplyError(RolloutError, UserInputError):
+    """An engine's reply that cannot be used; the message names the engine and the request.
+
+    Token ids outside the vocabulary, log-probabilities above 0, a malformed body. Also a :class:`~armor_megatron.errors.UserInputError`: a server that serves another model (another
+    vocabulary) than the trainer's is a setup a user fixes, so the command-line tools report it in one line.
+    """
 
 
 class EngineUnavailableError(RolloutError):
@@ -214,6 +224,40 @@ def check_versions(groups: Sequence[Sequence[Sample]], expected: str | None) -> 
                     f"sample of prompt {s.prompt_index} came from weight_version {s.weight_version!r}, "
                     f"expected {expected!r}"
                 )
+
+
+LOGPROB_TOLERANCE = 1e-3
+"""How far above 0 an engine's log-probability may round (bf16 log-softmax) before it is refused."""
+
+
+def check_samples(groups: Sequence[Sequence[Sample]], vocab_size: int, source: str) -> None:
+    """:func:`check_sample` on every sample of ``groups`` (per prompt, its samples) from engine ``source``."""
+    for group in groups:
+        for k, s in enumerate(group):
+            check_sample(s, vocab_size, f"{source}: sample {k} of prompt {s.prompt_index}")
+
+
+def check_sample(sample: Sample, vocab_size: int, where: str) -> None:
+    """Raise :class:`EngineReplyError` (one line, starting with ``where``) for an unusable sample.
+
+    Every token id must lie in ``[0, vocab_size)`` (an id outside it would index past the
+    embedding and the log-prob gather) and every log-probability must be at most
+    ``LOGPROB_TOLERANCE`` (a probability cannot exceed 1; NaN is refused, -inf kept: SGLang writes
+    a non-finite log-prob as null, read as -inf).
+    """
+    bad = next((i for i, t in enumerate(sample.token_ids) if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise EngineReplyError(
+            f"{where}: token id {sample.token_ids[bad]} at position {bad} is outside the vocabulary "
+            f"[0, {vocab_size}) (does the engine serve the trainer's model?)"
+        )
+    if sample.logprobs is not None:
+        high = next((i for i, lp in enumerate(sample.logprobs) if not lp <= LOGPROB_TOLERANCE), None)  # NaN too
+        if high is not None:
+            raise EngineReplyError(
+                f"{where}: {sample.logprobs[high]:g} at position {high} is not a log-probability "
+                f"(must be <= 0, tolerance {LOGPROB_TOLERANCE:g})"
+            )
 
 
 def check_prompts(prompts_token_ids: Sequence[Sequence[int]], n: int) -> None:

@@ -162,9 +162,12 @@ def broadcast_object(obj):
 
 
 @collective
-def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | None, keys: Sequence[str]) -> dict | None:
-    """Rank 0's ``{key: host tensor}`` (only ``keys``) on every rank; None when rank 0 has none."""
-    return broadcast_object({k: tensors[k] for k in keys} if tensors is not None else None)
+def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | str | None, keys: Sequence[str]) -> dict | str | None:
+    """Rank 0's ``{key: host tensor}`` (only ``keys``) on every rank.
+
+    None when rank 0 has none; a string (a marker such as the loop's ``STOPPED``) as it is.
+    """
+    return broadcast_object(tensors if tensors is None or isinstance(tensors, str) else {k: tensors[k] for k in keys})
 
 
 @collective

@@ -59,8 +59,11 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
     )
 
 
-def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSettings:
-    """The rollout phase's settings: group size, sampling, advantage estimator and its parameters."""
+def rollout_settings(cfg: RunConfig, sampling: SamplingParams, vocab_size: int | None = None) -> RolloutSettings:
+    """The rollout phase's settings: group size, sampling, advantage estimator and its parameters.
+
+    ``vocab_size``: the model's, which every sampled token id must lie below.
+    """
     algo = cfg.algorithm
     return RolloutSettings(
         group_size=cfg.rollout.group_size,
@@ -73,6 +76,7 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams) -> RolloutSetting
         overlong_penalty=algo.overlong.penalty,
         reward_workers=cfg.reward.workers,
         timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
+        vocab_size=vocab_size,
         sample_metrics=load_callable(cfg.logging.sample_metrics) if cfg.logging.sample_metrics else None,
     )
 
@@ -182,6 +186,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
                 max_concurrency=sg.max_concurrency,
                 router_process=front,
                 deterministic=sg.deterministic,
+                vocab_size=int(hf_config["vocab_size"]),
             )
         except BaseException:
             if front is not None:

@@ -60,7 +60,8 @@ def evaluate(
                 answers.append(row.answer)
                 verifiers.append(row.verifier or verifier)
                 meta.append((row, sample))
-        scores = _score_by_verifier(texts, answers, verifiers, reward_workers)
+        labels = [f"{es.dataset.path}: row {row.index}" for row, _ in meta]
+        scores = _score_by_verifier(texts, answers, verifiers, reward_workers, labels)
         ks = [k for k in pass_k if k <= es.k]
         metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
         mine = [
@@ -81,12 +82,18 @@ def evaluate(
     return EvalResult(metrics, records)
 
 
-def _score_by_verifier(texts, answers, verifiers, workers) -> list[float]:
-    """Scores in input order, batching the responses of each verifier together."""
+def _score_by_verifier(texts, answers, verifiers, workers, labels) -> list[float]:
+    """Scores in input order, batching the responses of each verifier together; ``labels`` name the rows in errors."""
     scores = [0.0] * len(texts)
     for name in dict.fromkeys(verifiers):
         idx = [i for i, v in enumerate(verifiers) if v == name]
-        results = score_batch([texts[i] for i in idx], [answers[i] for i in idx], verifier=name, max_workers=workers)
+        results = score_batch(
+            [texts[i] for i in idx],
+            [answers[i] for i in idx],
+            verifier=name,
+            max_workers=workers,
+            labels=[labels[i] for i in idx],
+        )
         for i, result in zip(idx, results):
             scores[i] = result.score
     return scores

@@ -77,6 +77,7 @@ from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, R
 from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
+from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls_interrupted, interrupt_calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine
@@ -101,6 +102,7 @@ from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_a
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
+STOPPED = "stopped"  # the driver's batch when a preemption signal stopped the step's rollout
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 TRAIN_KEYS = ("input_ids", "lengths", "response_mask", "advantages", "old_logprobs", "ref_logprobs", "tis_weights")
 CRITIC_KEYS = ("input_ids", "lengths", "response_mask", "old_values", "returns")
@@ -179,7 +181,7 @@ class ArmorTrainer:
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
         self.sampling = components.rollout_sampling(cfg, eos)
         self.eval_sampling = components.eval_sampling(cfg, eos)
-        self.settings = components.rollout_settings(cfg, self.sampling)
+        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size)
         # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
         # trainer memory handed to colocated engines while they generate (bit-exact round trip)
         self.trainer_memory = HostOffload.of(actor, reference, critic) if offloads_during_rollout(cfg) else None
@@ -199,6 +201,8 @@ class ArmorTrainer:
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
         # metrics log lost them (killed between the save and the log line): `_log_checkpointed_step`
         self._step_record: dict | None = None
+        self._checkpointed_step: int | None = None  # the step whose state the last checkpoint holds
+        self._loader_before_pending: dict | None = None  # the loader before the background generation drew
         self.loader: PromptLoader | None = None
         self.eval_sets: list[EvalSet] = []
         if self.is_driver:
@@ -214,6 +218,7 @@ class ArmorTrainer:
                             d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, data.type_key
                         ),
                         cfg.reward.verifier,
+                        cfg.reward.verifiers,
                     ),
                     d.k,
                 )
@@ -230,7 +235,9 @@ class ArmorTrainer:
         """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
-            PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key), self.cfg.reward.verifier
+            PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key),
+            self.cfg.reward.verifier,
+            self.cfg.reward.verifiers,
         )
         total = len(dataset)
         dropped = dataset.keep(lambda row: len(self.encode(row.prompt)) <= limit)
@@ -332,7 +339,7 @@ class ArmorTrainer:
     def load_trainer_state(self, state: dict, source: str = "the checkpoint") -> None:
         """Restore the loop's state from a checkpoint's trainer state of any format it reads (`state_format`)."""
         state = migrated(state, source)
-        self.step = state["step"]
+        self.step = self._checkpointed_step = state["step"]
         self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
         if state["reset_schedule"]:
@@ -460,7 +467,7 @@ class ArmorTrainer:
         with timer.phase("rollout"):
             pending, self._pending = self._pending, None
             if pending is None:  # the first step, or after the update with the forced wait
-                self._background.start(functools.partial(self._generate, self.step))
+                self._start_pending(self.step)
                 pending = self._background.join()
                 if pending is None:
                     raise RuntimeError(f"the rollout for step {self.step + 1} returned no batch")
@@ -475,7 +482,7 @@ class ArmorTrainer:
             metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
         self._timeline_rollout = pending
         if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
-            self._background.start(functools.partial(self._generate, self.step + 1))
+            self._start_pending(self.step + 1)
         return batch, metrics, ran
 
     def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
@@ -506,8 +513,26 @@ class ArmorTrainer:
     def _settled_pending(self) -> PendingBatch | None:
         """Driver: the pending batch, once no generation runs (a checkpoint holds it)."""
         if self._background.running:
-            self._pending = self._background.join()
+            self._pending = self._join_pending()
         return self._pending
+
+    def _start_pending(self, for_step: int) -> None:
+        """Driver: generate the batch of ``for_step`` in the background (the loader's state kept first)."""
+        self._loader_before_pending = self._prompts.state_dict()
+        self._background.start(functools.partial(self._generate, for_step))
+
+    def _join_pending(self) -> PendingBatch | None:
+        """Driver: the background generation's batch.
+
+        None when a preemption signal stopped its scoring: the loader goes back to where it was
+        before that generation drew its prompts, so a resumed run draws them again.
+        """
+        try:
+            return self._background.join()
+        except CallsInterrupted:
+            if self._loader_before_pending is not None:
+                self._prompts.load_state_dict(self._loader_before_pending)
+            return None
 
     @collective
     def update(self, batch: dict, timer: StepTimer) -> dict:
@@ -664,15 +689,22 @@ class ArmorTrainer:
             return {}
         from armor_megatron.rewards import flatten_metrics
 
-        result = evaluate(
-            self._engine,
-            self.encode,
-            self.eval_sets,
-            self.eval_sampling,
-            verifier=self.cfg.reward.verifier,
-            pass_k=self.cfg.eval.pass_k,
-            sample_metrics=self.settings.sample_metrics,
-        )
+        if calls_interrupted():  # a preemption signal: generating for an evaluation it cannot score is waste
+            print(f"[{self.cfg.name}] evaluation at step {self.step} skipped: a preemption signal arrived", flush=True)
+            return {}
+        try:
+            result = evaluate(
+                self._engine,
+                self.encode,
+                self.eval_sets,
+                self.eval_sampling,
+                verifier=self.cfg.reward.verifier,
+                pass_k=self.cfg.eval.pass_k,
+                sample_metrics=self.settings.sample_metrics,
+            )
+        except CallsInterrupted:  # a preemption signal: the checkpoint matters, this evaluation does not
+            print(f"[{self.cfg.name}] evaluation at step {self.step} stopped by a preemption signal", flush=True)
+            return {}
         metrics = flatten_metrics(result.metrics)
         pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]
         if pass1:
@@ -704,11 +736,24 @@ class ArmorTrainer:
         if reporter is not None:
             self._log_checkpointed_step(reporter)
         self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
-        with PreemptionHandler() as preemption:
+        # a preemption signal also stops the reward calls in flight: a step stuck in a verifier ends
+        with PreemptionHandler(on_signal=interrupt_calls) as preemption, _calls_allowed_after():
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:
-                last, saved = self._step(save, save_hf)
+                outcome = self._step(save, save_hf)
+                if outcome is None:  # the signal stopped this step's rollout: nothing of it trained
+                    if self._checkpointed_step != self.step:
+                        with self._trainer_on_device():
+                            save()
+                        self._checkpointed_step = self.step
+                    if reporter is not None:
+                        reporter.close()
+                    raise Preempted(
+                        f"{_signal_name(preemption.received)} during step {self.step + 1}, which stopped its reward "
+                        f"calls and did not train: checkpoint of step {self.step} saved"
+                    )
+                last, saved = outcome
                 if reporter is not None:  # the driver's
                     last = self._report(last, reporter)
                 if self.step < cfg.train.steps and any_rank(preemption.requested()):  # done: nothing to requeue
@@ -723,10 +768,12 @@ class ArmorTrainer:
         return last if self.is_driver else {}
 
     @collective
-    def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool]:
+    def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool] | None:
         """One ARMOR step on every rank (module docstring).
 
-        Returns (its metrics, identical on every rank, and whether it saved a checkpoint).
+        Returns (its metrics, identical on every rank, and whether it saved a checkpoint); None on
+        every rank when a preemption signal stopped the driver's rollout (the driver's reward calls
+        raised CallsInterrupted): the step trained nothing and its prompts go back to the loader.
         """
         cfg = self.cfg
         timer = StepTimer()
@@ -734,8 +781,10 @@ class ArmorTrainer:
         reset_peak_memory()
         self._park_trainer()  # a no-op once `run` parked it
         self._timeline_rollout = None
-        batch, metrics, generated = self._step_batch(timer) if self.is_driver else (None, {}, [])
+        batch, metrics, generated = self._driver_batch(timer) if self.is_driver else (None, {}, [])
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
+        if isinstance(tensors, str):  # STOPPED
+            return None
         update_begin = time.perf_counter()
         with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
             if tensors is None:
@@ -747,7 +796,7 @@ class ArmorTrainer:
         self.step += 1
         if self.is_driver and self.overlap:
             with timer.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
-                self._pending = self._background.join()
+                self._pending = self._join_pending()
             generated += [self._pending] if self._pending is not None else []
         self.sync_weights(timer)
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
@@ -774,6 +823,7 @@ class ArmorTrainer:
                         self._step_record = {"step": self.step, "metrics": scalar_metrics(metrics)}
                     with timer.phase("checkpoint"):
                         save()
+                    self._checkpointed_step = self.step
         if save_hf is not None and save_hf_due(cfg.checkpoint.save_hf, self.step, cfg.train.steps):
             with timer.phase("save_hf"), self._host_weights(self.actor):  # from the host copy, if there
                 save_hf()
@@ -795,6 +845,20 @@ class ArmorTrainer:
             )
         )
         return metrics, saved
+
+    def _driver_batch(self, timer: StepTimer) -> tuple[RolloutBatch | str | None, dict, list[PendingBatch]]:
+        """Driver: `_step_batch`, or ``STOPPED`` when a preemption signal stopped its reward calls.
+
+        Then the loader (and a batch generated during the last step) go back to where the step
+        began, so the resumed run trains on the same prompts.
+        """
+        before, pending = self._prompts.state_dict(), self._pending
+        try:
+            return self._step_batch(timer)
+        except CallsInterrupted:
+            self._prompts.load_state_dict(before)
+            self._pending = pending  # a batch generated during the last step stays for the checkpoint
+            return STOPPED, {}, []
 
     def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:
         """Driver: the step's idle fractions, overlap savings and timeline metrics.
@@ -860,6 +924,15 @@ class ArmorTrainer:
         return reporter.report(self.step, metrics)
 
 
+@contextlib.contextmanager
+def _calls_allowed_after():
+    """Reward calls, stopped by a preemption signal inside the block, are allowed again after it."""
+    try:
+        yield
+    finally:
+        allow_calls()
+
+
 def _merge_rounds(rounds: list[dict]) -> dict:
     """The metrics of a step's rollout rounds.
 
@@ -874,7 +947,13 @@ def _merge_rounds(rounds: list[dict]) -> dict:
     return merged
 
 
-_SUMMED_OVER_ROUNDS = ("anchor/tries", "anchor/generated_tokens", "anchor/dropped", "rollout/generated_tokens")
+_SUMMED_OVER_ROUNDS = (
+    "anchor/tries",
+    "anchor/generated_tokens",
+    "anchor/dropped",
+    "rollout/generated_tokens",
+    "reward/timeouts",
+)
 
 
 def offloads_during_rollout(cfg: RunConfig) -> bool:

@@ -42,8 +42,7 @@ from armor_megatron.algo import (
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import score_batch
-from armor_megatron.rewards.registry import VerifierResultError
-from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +59,7 @@ class RolloutSettings:
     overlong_penalty: float = 1.0
     reward_workers: int | None = None
     timeout: float | None = None
+    vocab_size: int | None = None  # the model's: every sample's token ids and log-probs are checked against it
     sample_metrics: Callable[[list[dict]], dict] | None = None  # logging.sample_metrics, loaded
 
 
@@ -94,7 +94,9 @@ def collect_groups(
     found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    policy_scores = _score([[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers)
+    policy_scores, timeouts = _score(
+        [[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers
+    )
     anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
@@ -107,7 +109,7 @@ def collect_groups(
             accuracy, lengths, settings.sampling.max_new_tokens, settings.overlong_buffer, settings.overlong_penalty
         )
     prompt_of_row = [rows[src.prompt] for src in groups.rows]
-    batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id)
+    batch = _to_batch(samples, [prompt_ids[src.prompt] for src in groups.rows], pad_id, settings.vocab_size)
     batch["rewards"] = rewards.reshape(-1).float()
     batch["accuracy"] = accuracy.reshape(-1).float()
     batch["is_anchor"] = groups.is_anchor.reshape(-1)
@@ -125,6 +127,7 @@ def collect_groups(
         "rollout/reward_std": rewards.std(unbiased=False).item(),
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
+        "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
     }
     metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
@@ -198,7 +201,7 @@ def replace_stale_anchors(
         extra = engine.generate(
             [prompts[stale[j]] for j in missing], n=1, sampling=settings.sampling, timeout=settings.timeout
         )
-        scores = _score(
+        scores, _ = _score(
             [[g[0].text] for g in extra],
             [rows[j] for j in missing],
             [verifiers[j] for j in missing],
@@ -207,7 +210,7 @@ def replace_stale_anchors(
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
             samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
-    out = _to_batch(samples, prompts, pad_id)
+    out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
     rewards = accuracy
     if settings.overlong_buffer:
@@ -283,32 +286,42 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
-def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> list[list[float]]:
-    """Per-prompt score lists, scoring all responses of one verifier in one batch.
+def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> tuple[list[list[float]], int]:
+    """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
 
-    A verifier that returns no reward stops the run in one line naming the dataset row and the response.
+    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]``; an error names the row.
     """
-    answers = [r.answer for r in rows]
     flat = [(p, t) for p, group in enumerate(texts) for t in group]
     scores: list[list[float]] = [[] for _ in texts]
+    timeouts = 0
     for name in dict.fromkeys(verifiers):
         todo = [(p, t) for p, t in flat if verifiers[p] == name]
         if not todo:
             continue
-        try:
-            results = score_batch(
-                [t for _, t in todo], [answers[p] for p, _ in todo], verifier=name, max_workers=workers
-            )
-        except VerifierResultError as err:
-            row = next(rows[p].index for p, t in todo if t == err.response and answers[p] == err.ground_truth)
-            raise VerifierResultError(f"training row {row}: {err}", err.response, err.ground_truth) from None
-        by_prompt = iter(results)
-        for p, _ in todo:
-            scores[p].append(next(by_prompt).score)
-    return scores
+        results = score_batch(
+            [t for _, t in todo],
+            [rows[p].answer for p, _ in todo],
+            verifier=name,
+            max_workers=workers,
+            labels=[f"row {rows[p].index}" for p, _ in todo],
+        )
+        for (p, _), result in zip(todo, results):
+            scores[p].append(result.score)
+            timeouts += bool(result.breakdown.get("timed_out"))
+    return scores, timeouts
 
 
-def _to_batch(samples: Sequence[Sample], prompts: Sequence[Sequence[int]], pad_id: int) -> RolloutBatch:
+def _to_batch(
+    samples: Sequence[Sample], prompts: Sequence[Sequence[int]], pad_id: int, vocab_size: int | None = None
+) -> RolloutBatch:
+    """The rows of a rollout batch, from the samples of any engine.
+
+    This is where every engine's samples enter the trainer, so with ``vocab_size`` each is checked
+    first (`rollout.engine.check_sample`: ids in the vocabulary, log-probs <= 0).
+    """
+    if vocab_size is not None:
+        for k, s in enumerate(samples):
+            check_sample(s, vocab_size, f"rollout row {k} (prompt {s.prompt_index}, weights {s.weight_version})")
     lengths = [len(p) + s.num_tokens for p, s in zip(prompts, samples)]
     width = max(lengths)
     n = len(samples)

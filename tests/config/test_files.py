@@ -101,7 +101,7 @@ def test_checkpoint_resume_must_name_a_checkpoint(run, tmp_path):
         ('{"question": "1+1=", "answer": "2"}\n', "row 0 has no 'prompt' column (data.prompt_key; columns: answer"),
         ('{"prompt": "1+1=", "solution": "2"}\n', "row 0 has no 'answer' column (data.answer_key"),
         ('{"prompt": "1+1=", "answer": "2", "type": "maths"}\n', "row 0 type: unknown verifier 'maths'"),
-        ('{"prompt": "1+1=", "answer": "2", "type": "nopkg:fn"}\n', "row 0 type: verifier spec 'nopkg:fn'"),
+        ('{"prompt": "1+1=", "answer": "2", "type": "nopkg:fn"}\n', "row 0 type: verifier 'nopkg:fn' is not allowed"),
         ("[1, 2]\n", "row 0 is list, not an object with columns"),
         ('{"prompt": "1+1=", "answer": null}\n', "row 0: ground truth None cannot be scored by verifier 'math'"),
         ('{"prompt": "1+1=", "answer": "B"}\n{"prompt": "?", "answer": "Z", "type": "multiple_choice"}\n', "row 1: "),
@@ -114,6 +114,21 @@ def test_the_first_rows_of_a_dataset_are_read(run, tmp_path, content, expected):
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
     line = _refused(run(), "data.train_path: ")
     assert expected in line
+
+
+def test_every_rows_type_must_name_an_allowed_verifier_not_any_importable_function(run, tmp_path):
+    # `builtins:exec` scored a response by running it as code; row 12 lies beyond the peeked rows
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows[12].update(type="builtins:exec", answer={})
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    line = _refused(run(), "data.train_path: ")
+    assert f"{tmp_path / 'train.jsonl'}: row 12 type: verifier 'builtins:exec' is not allowed" in line
+    rows[12].update(type="tests.rewards.user_verifiers:exact_match", answer="13")  # importable, not listed
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _refused(run(), "row 12 type: verifier 'tests.rewards.user_verifiers:exact_match' is not allowed")
+    check_files(run("reward.verifiers=[tests.rewards.user_verifiers:exact_match]"))  # listed by the config
+    with pytest.raises(ConfigError, match=r"reward.verifiers\[0\]: verifier spec .* has no attribute 'nothing'"):
+        run("reward.verifiers=[tests.rewards.user_verifiers:nothing]")  # each listed verifier must load
 
 
 def test_parquet_rows_are_peeked(run, tmp_path):

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from armor_megatron.data.prompts import PromptDataset
+from armor_megatron.errors import UserInputError
 from armor_megatron.rewards import (
     RewardResult,
     VerifierSpecError,
@@ -144,3 +145,24 @@ def test_a_ground_truth_no_verifier_can_score_is_refused_when_the_dataset_loads(
         scorable(PromptDataset(str(path)), "math")
     path.write_text("".join(json.dumps(r) + "\n" for r in rows[:-1]))
     assert len(scorable(PromptDataset(str(path)), "math")) == 21
+
+
+def test_a_rows_type_may_name_only_registered_or_listed_verifiers(tmp_path):
+    rows = [{"prompt": f"{i}+1=", "answer": str(i + 1)} for i in range(20)]
+    rows.append({"prompt": "print(1)", "answer": {}, "type": "builtins:exec"})
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserInputError, match=r"train.jsonl: row 20: verifier 'builtins:exec' is not allowed") as err:
+        scorable(PromptDataset(str(path)), "math")
+    assert "reward.verifiers" in str(err.value) and "\n" not in str(err.value)
+    judge = "tests.rewards.user_verifiers:exact_match"
+    rows[20] = {"prompt": "1", "answer": "1", "type": judge}
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserInputError, match="row 20: verifier 'tests.rewards.user_verifiers:exact_match' is not"):
+        scorable(PromptDataset(str(path)), "math")
+    assert len(scorable(PromptDataset(str(path)), "math", [judge])) == 21  # listed in reward.verifiers
+    assert len(scorable(PromptDataset(str(path)), judge)) == 21  # the config's reward.verifier
+    rows[20]["type"] = 7
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UserInputError, match="row 20: verifier 7 is a int, not a verifier name"):
+        scorable(PromptDataset(str(path)), "math")

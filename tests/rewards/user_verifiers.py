@@ -33,3 +33,27 @@ class Judge:
     @staticmethod
     def score(response, ground_truth):
         return 1.0
+
+
+def hangs_on_hang(response, ground_truth):
+    """Never returns on the response "hang" (a stuck sandbox); scores 1 otherwise."""
+    import time
+
+    while response == "hang":
+        time.sleep(3600)
+    return 1.0
+
+
+def raises(response, ground_truth):
+    raise KeyError("no judge for this row")
+
+
+def long_extracted(response, ground_truth):
+    return {"score": 1.0, "extracted": "x" * 5000}
+
+
+def hangs_always(response, ground_truth):
+    import time
+
+    while True:
+        time.sleep(3600)

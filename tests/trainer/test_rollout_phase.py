@@ -17,7 +17,7 @@ from armor_megatron.rollout.anchor.build import anchor_reward
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
 from armor_megatron.rollout.anchor.source import SeparateReference
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.engine import EngineReplyError, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
@@ -75,7 +75,7 @@ def setup():
 
 def _collect(setup, anchors, **kw):
     tok, policy, sampler, rows = setup
-    settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier="test_starts_with", **kw)
+    settings = RolloutSettings(group_size=G, sampling=SAMPLING, **{"verifier": "test_starts_with", **kw})
     return collect_groups(rows, lambda p: encode(tok, p), policy, settings, anchors=anchors, pad_id=tok.pad_token_id)
 
 
@@ -238,3 +238,19 @@ def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup
     assert [s["prompt"] for s in seen[::G]] == [r.prompt for r in rows]
     assert metrics["rollout/anchors"] == float(batch["is_anchor"].sum()) > 0
     assert metrics["rollout/correct"] == float(batch["accuracy"].sum())
+
+
+def test_samples_enter_the_trainer_checked_whichever_engine_made_them(setup):
+    # the local engine samples from a model whose vocabulary is larger than the trainer's (here 4 ids):
+    # the batch refuses its ids in one line, instead of an IndexError deep in the log-prob code
+    tok, policy, _, rows = setup
+    with pytest.raises(EngineReplyError, match=r"rollout row \d+ \(prompt \d+, weights step-0\): token id \d+ at"):
+        _collect(setup, None, vocab_size=4)
+    batch, _ = _collect(setup, None, vocab_size=len(tok))  # the model's own vocabulary: every id fits
+    assert int(batch["input_ids"].max()) < len(tok)
+
+
+def test_a_nan_score_names_the_verifier_and_the_row(setup):
+    with registered(test_nan=lambda response, ground_truth: float("nan")):
+        with pytest.raises(ValueError, match=r"^row 0: verifier 'test_nan' returned nan: RewardResult.score must be"):
+            _collect(setup, None, verifier="test_nan")

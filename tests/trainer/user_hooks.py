@@ -15,3 +15,19 @@ def reset_when_evaluated(step, metrics):
 def odd_length(response, ground_truth):
     """A verifier that rewards responses of odd length: groups of random responses have signal."""
     return float(len(response) % 2)
+
+
+def hangs_once_marked(response, ground_truth):
+    """A verifier stuck for good (a sandbox that never answers) on generated responses while
+    $ARMOR_TEST_HANG_MARKER names a file path: it creates that file, then never returns. The
+    start-up probe's response (the ground truth stated in a box) it answers, as does every call
+    without the variable (the requeued run)."""
+    import os
+    import time
+
+    marker = os.environ.get("ARMOR_TEST_HANG_MARKER")
+    if marker and not response.startswith("The answer is \\boxed{"):
+        open(marker, "a").close()
+        while True:
+            time.sleep(3600)
+    return float(len(response) % 2)

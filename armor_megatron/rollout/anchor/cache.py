@@ -25,6 +25,7 @@ import threading
 from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
+from armor_megatron.rewards.isolated import CallsInterrupted
 from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample
 from armor_megatron.rollout.engine import Sample
 
@@ -155,6 +156,8 @@ class AnchorCache:
                         self._store(keys[i], r)
                         if not r.found:
                             self._prefetch_failed.add(keys[i])
+            except CallsInterrupted:
+                pass  # a preemption signal stopped its scoring: those prompts get anchors when looked up
             except BaseException as e:  # noqa: BLE001 - re-raised in the trainer's thread by wait()
                 self._prefetch_error = e
 

@@ -23,7 +23,13 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
-from armor_megatron.rollout.engine import EngineUnavailableError, RolloutError
+from armor_megatron.rollout.engine import (
+    FINISH_REASONS,
+    EngineReplyError,
+    EngineUnavailableError,
+    RolloutError,
+    check_sample,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -58,27 +64,36 @@ class _Retryable(Exception):
     """A failure worth another attempt (connection, 5xx, abort)."""
 
 
+EXCERPT_CHARS = 200
+"""Characters of an error body a message quotes (a proxy's HTML error page runs to 100 KB)."""
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARS) -> str:
+    """``text`` on one line (runs of whitespace made one blank), cut to ``limit`` characters with its length."""
+    line = " ".join(text.split())
+    if len(line) <= limit:
+        return line or "(empty body)"
+    return f"{line[:limit]}... ({len(text)} characters)"
+
+
 def error_message(body: Any) -> str:
-    """One line from any of SGLang's three error body shapes (or the raw text)."""
+    """One line from any of SGLang's three error body shapes (or the raw text), at most an :func:`excerpt`."""
     if isinstance(body, (bytes, str)):
         text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
         try:
             body = json.loads(text)
         except ValueError:
-            return text.strip() or "(empty body)"
+            return excerpt(text)
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, str):
-            return err
+            return excerpt(err)
         if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if body.get("object") == "error" and "message" in body:
-            return str(body["message"])
-        if "message" in body:
-            return str(body["message"])
-        if "detail" in body:
-            return str(body["detail"])
-    return json.dumps(body)
+            return excerpt(str(err["message"]))
+        for key in ("message", "detail"):  # OpenAI-style {"object": "error", "message": ...}; FastAPI's detail
+            if key in body:
+                return excerpt(str(body[key]))
+    return excerpt(json.dumps(body))
 
 
 class SGLangClient:
@@ -196,8 +211,29 @@ class SGLangClient:
         }
         if return_logprob:
             body["logprob_start_len"] = -1
-        result = self.request("POST", "/generate", body, timeout=timeout, check=_raise_if_aborted)
+        result = self.request("POST", "/generate", body, timeout=timeout, check=self._check_generate_reply)
         return result if isinstance(result, list) else [result]
+
+    def _check_generate_reply(self, result: Any) -> None:
+        """Retry an empty or truncated ``/generate`` body and aborted outputs; refuse any other shape.
+
+        ``result``: the decoded body (None when empty, the text when it is not JSON).
+        """
+        if result is None:
+            raise _Retryable("empty reply body")
+        if isinstance(result, str):  # cut off mid-stream (a proxy, a dying server): worth another try
+            raise _Retryable(f"reply is not JSON (truncated?): {excerpt(result, 80)}")
+        outputs = result if isinstance(result, list) else [result]
+        if not outputs or not all(isinstance(out, dict) for out in outputs):
+            raise EngineReplyError(
+                f"SGLang server {self.url}/generate answered {excerpt(json.dumps(result), 80)}: "
+                "expected an output object or a list of them"
+            )
+        for out in outputs:
+            reason = out.get("meta_info")
+            reason = reason.get("finish_reason") if isinstance(reason, dict) else None
+            if isinstance(reason, dict) and reason.get("type") == "abort":
+                raise _Retryable(f"generation aborted: {reason.get('message', '')}")
 
     def health(self, generate: bool = False, timeout: float = 10.0) -> bool:
         """True if ``/health`` (or ``/health_generate``) answers 200 within ``timeout``; never raises."""
@@ -221,15 +257,15 @@ class SGLangClient:
         raise RolloutError(f"SGLang server {self.url} reports no weight_version")
 
 
-def _raise_if_aborted(result: Any) -> None:
-    outputs = result if isinstance(result, list) else [result]
-    for out in outputs:
-        reason = (out.get("meta_info") or {}).get("finish_reason") or {}
-        if isinstance(reason, dict) and reason.get("type") == "abort":
-            raise _Retryable(f"generation aborted: {reason.get('message', '')}")
-
-
-def parse_output(out: dict, prompt_index: int, return_logprob: bool):
+def parse_output(
+    out: dict,
+    prompt_index: int,
+    return_logprob: bool,
+    *,
+    sample: int = 0,
+    source: str = "SGLang",
+    vocab_size: int | None = None,
+):
     """One SGLang ``/generate`` output -> :class:`~armor_megatron.rollout.engine.Sample`.
 
     Reads ``output_ids``, ``text`` and ``meta_info`` {``finish_reason.type``, ``weight_version``,
@@ -239,29 +275,61 @@ def parse_output(out: dict, prompt_index: int, return_logprob: bool):
     weight update carries ``weight_versions`` spans [{version, start, end}, ...] and, as
     ``weight_version``, only the last span's: its version here names every span (``"a->b"``),
     so :func:`~armor_megatron.rollout.engine.check_versions` refuses it as off-policy.
+
+    A malformed output raises :class:`~armor_megatron.rollout.engine.EngineReplyError` in one line
+    naming ``source`` (the server), the request (``meta_info.id``, SGLang's rid), the prompt and
+    the ``sample`` (its index among the prompt's samples); so does a token id outside
+    ``[0, vocab_size)`` or a log-prob above 0, when ``vocab_size`` is given
+    (:func:`~armor_megatron.rollout.engine.check_sample`).
     """
     from armor_megatron.rollout.engine import Sample
 
-    meta = out.get("meta_info") or {}
-    token_ids = tuple(int(t) for t in out.get("output_ids") or ())
+    meta = out.get("meta_info")
+    meta = meta if isinstance(meta, dict) else {}
+    rid = f" request {meta['id']}" if isinstance(meta.get("id"), str) else ""
+    where = f"{source}:{rid} sample {sample} of prompt {prompt_index}"
+    ids = out.get("output_ids")
+    if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise EngineReplyError(f"{where}: output_ids is {excerpt(json.dumps(ids), 60)}, not a list of token ids")
+    token_ids = tuple(ids)
     reason = meta.get("finish_reason") or {}
-    reason = reason.get("type") if isinstance(reason, dict) else str(reason)
+    reason = (reason.get("type") if isinstance(reason, dict) else str(reason)) or "length"
+    if reason not in FINISH_REASONS:
+        raise EngineReplyError(f"{where}: finish_reason {excerpt(str(reason), 40)} is none of {FINISH_REASONS}")
     logprobs = None
     if return_logprob:
         rows = meta.get("output_token_logprobs")
-        if rows is None:
-            raise RolloutError(f"output of prompt {prompt_index} has no meta_info.output_token_logprobs")
-        if [int(r[1]) for r in rows] != list(token_ids):
-            raise RolloutError(f"output of prompt {prompt_index}: output_token_logprobs tokens differ from output_ids")
-        logprobs = tuple(float("-inf") if r[0] is None else float(r[0]) for r in rows)
-    return Sample(
+        if not isinstance(rows, list):
+            raise EngineReplyError(f"{where}: no meta_info.output_token_logprobs list")
+        if len(rows) != len(token_ids):
+            raise EngineReplyError(f"{where}: {len(rows)} output_token_logprobs for {len(token_ids)} output_ids")
+        logprobs = tuple(_logprob(row, token, where) for row, token in zip(rows, token_ids))
+    text = out.get("text", "")
+    parsed = Sample(
         prompt_index=prompt_index,
         token_ids=token_ids,
-        text=out.get("text", ""),
+        text=text if isinstance(text, str) else "",
         logprobs=logprobs,
-        finish_reason=reason or "length",
+        finish_reason=reason,
         weight_version=_weight_version(meta),
     )
+    if vocab_size is not None:
+        check_sample(parsed, vocab_size, where)
+    return parsed
+
+
+def _logprob(row: Any, token: int, where: str) -> float:
+    """The log-prob of one ``[logprob, token_id, text]`` row of ``token`` (null: -inf)."""
+    if not isinstance(row, list) or len(row) < 2 or row[1] != token:
+        raise EngineReplyError(
+            f"{where}: output_token_logprobs row {excerpt(json.dumps(row), 60)} does not name output token {token}"
+        )
+    value = row[0]
+    if value is None:
+        return float("-inf")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise EngineReplyError(f"{where}: log-prob {excerpt(json.dumps(value), 40)} is not a number")
+    return float(value)
 
 
 def _weight_version(meta: dict) -> str:

@@ -57,8 +57,10 @@ import time
 from collections.abc import Sequence
 
 from armor_megatron.rollout.engine import (
+    EngineReplyError,
     EngineUnavailableError,
     RolloutEngine,
+    Sample,
     SamplingParams,
     ShardedWeights,
     WeightSource,
@@ -107,7 +109,8 @@ class SGLangEngine(RolloutEngine):
     :class:`~armor_megatron.rollout.sglang.router.SGLangRouter`, whose URL is the default
     ``router_url``): stopped by :meth:`shutdown` if given. ``deterministic``: per-sample seeds
     for servers run with ``--enable-deterministic-inference`` (module docstring); default: the
-    launcher's setting when launched, else False.
+    launcher's setting when launched, else False. ``vocab_size``: the served model's; replies
+    with a token id outside it (or a log-prob above 0) raise EngineReplyError naming the server.
     """
 
     def __init__(
@@ -123,6 +126,7 @@ class SGLangEngine(RolloutEngine):
         launcher=None,
         router_process=None,
         deterministic: bool | None = None,
+        vocab_size: int | None = None,
     ):
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL")
@@ -137,6 +141,7 @@ class SGLangEngine(RolloutEngine):
         if deterministic is None:
             deterministic = bool(launcher is not None and launcher.config.deterministic)
         self.deterministic = deterministic
+        self.vocab_size = vocab_size  # token ids of replies are checked against it when given
         self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrency, thread_name_prefix="sglang-generate")
         self._next = itertools.count()
         self._lock = threading.Lock()
@@ -185,26 +190,29 @@ class SGLangEngine(RolloutEngine):
         """``n`` samples per prompt from the SGLang servers, spread over them."""
         check_prompts(prompts_token_ids, n)
         deadline = None if timeout is None else time.monotonic() + timeout
+        requests = [
+            self._prompt_requests(sglang_sampling_params(sampling, n, self._request_seed(sampling, n)))
+            for _ in prompts_token_ids
+        ]
+        prompt_clients = [[client for client, _ in rs] for rs in requests]
         per_prompt = [
-            [
-                self._pool.submit(client.generate, list(p), params, return_logprob, timeout)
-                for client, params in self._prompt_requests(
-                    sglang_sampling_params(sampling, n, self._request_seed(sampling, n))
-                )
-            ]
-            for p in prompts_token_ids
+            [self._pool.submit(client.generate, list(p), params, return_logprob, timeout) for client, params in rs]
+            for p, rs in zip(prompts_token_ids, requests)
         ]
         futures = [f for fs in per_prompt for f in fs]
         try:
             groups = []
-            for i, fs in enumerate(per_prompt):
-                outputs = []
-                for f in fs:
+            for i, (fs, clients) in enumerate(zip(per_prompt, prompt_clients)):
+                outputs = []  # (server URL, output)
+                for f, client in zip(fs, clients):
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    outputs += f.result(timeout=left)
+                    outputs += [(client.url, out) for out in f.result(timeout=left)]
                 if len(outputs) != n:
-                    raise RuntimeError(f"prompt {i}: engine returned {len(outputs)} samples, asked for {n}")
-                groups.append([parse_output(o, i, return_logprob) for o in outputs])
+                    raise EngineReplyError(
+                        f"SGLang server {', '.join(dict.fromkeys(u for u, _ in outputs)) or self._urls()}/generate: "
+                        f"prompt {i}: {len(outputs)} samples, asked for {n}"
+                    )
+                groups.append([self._sample(out, i, k, url, return_logprob) for k, (url, out) in enumerate(outputs)])
         except concurrent.futures.TimeoutError:
             raise TimeoutError(
                 f"generation of {len(prompts_token_ids)} prompts passed its {timeout}s timeout"
@@ -221,6 +229,14 @@ class SGLangEngine(RolloutEngine):
                 f.cancel()
         check_versions(groups, self.weight_version)
         return groups
+
+    def _sample(self, out: dict, prompt: int, k: int, url: str, return_logprob: bool) -> Sample:
+        """Output ``k`` of ``prompt`` from server ``url`` as a Sample, its ids and log-probs checked."""
+        source = f"SGLang server {url}/generate"
+        return parse_output(out, prompt, return_logprob, sample=k, source=source, vocab_size=self.vocab_size)
+
+    def _urls(self) -> str:
+        return self.router.url if self.router is not None else ", ".join(c.url for c in self.workers)
 
     def reseed(self, seed: int) -> None:
         """Deterministic mode.

@@ -97,7 +97,9 @@ def test_logprob_rows_must_name_the_output_tokens():
         "text": "ab",
         "meta_info": {"finish_reason": {"type": "length"}, "output_token_logprobs": [[-0.1, 5, None], [-0.2, 7, None]]},
     }
-    with pytest.raises(RolloutError, match="prompt 3: output_token_logprobs tokens differ from output_ids"):
+    with pytest.raises(
+        RolloutError, match=r"prompt 3: output_token_logprobs row \[-0.2, 7, null\] does not name output token 6"
+    ):
         parse_output(out, prompt_index=3, return_logprob=True)
 
 
