@@ -138,7 +138,8 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     With ``rollout.sglang.router.enabled`` each group gets its own ``sglang-router`` process on
     this node (the policy group's on ``router.port``, the reference group's on ``port + 1``; 0:
     free ports), started before the engine client and stopped by its ``shutdown``: generation
-    goes through it, weight sync and memory release to each engine directly.
+    goes through it, weight sync and memory release to each engine directly. Colocated, the
+    routers run without health checks (an engine whose memory is released must get no request).
     """
     from armor_megatron.launch.plan import API_KEY_ENV
     from armor_megatron.rollout.sglang.client import RetryPolicy
@@ -164,6 +165,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
             api_key=api_key,
             health_check_interval_s=rc.health_check_interval_s,
             health_failure_threshold=rc.health_failure_threshold,
+            health_check=sg.placement != "colocated",  # its /health probes must not reach released engines
             request_timeout=sg.request_timeout_s,
             startup_timeout=rc.startup_timeout_s,
             log_path=os.path.join(log_dir, f"sglang-router-{group}.log"),
