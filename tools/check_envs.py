@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
             problem = shared_wheels_problem(versions["trainer"], versions["sglang"])
             if problem:
                 raise EnvError(problem + "; no lock written")
-        for name, (spec, pins) in resolved.items():
+        for spec, pins in resolved.values():
             if spec is not None and not args.no_write:
                 write_atomic(spec.lock_path, lock_text(spec, pins, args.index_url, pip_version, today))
                 print(f"  wrote {spec.lock_path.relative_to(ROOT)}")
