@@ -84,7 +84,11 @@ trainer is on the host when it offloads, ``train.offload_during_rollout``, defau
 its weights, e·P/tp_per_engine, stay) → trainer to the device → log-probs, update → trainer to the
 host and ``empty_cache`` → policy weights resumed → weights pushed bucket by bucket
 (``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a reference
-reset or a checkpoint brings the trainer back while engines keep only their weights. Disaggregated (or local engines):
+reset or a checkpoint brings the trainer back while engines keep only their weights. The start-up
+is replayed too (`replay_colocated_start`): engines up with every tag → every tag released →
+trainer built on the device → trainer to the host → per group weights resumed, pushed, KV cache and
+graphs resumed; a layout whose start does not fit is refused like one whose step does not.
+Disaggregated (or local engines):
 a trainer GPU holds the trainer throughout, plus the export's bucket at the sync; an engine GPU
 its static region, graphs and a received bucket.
 
@@ -116,6 +120,7 @@ from armor_megatron.launch.device_ledger import (
     DeviceSizes,
     EngineSizes,
     Phase,
+    replay_colocated_start,
     replay_colocated_step,
     replay_disaggregated_step,
 )
@@ -303,6 +308,7 @@ class StageMemory:
     terms: dict[str, float]
     phases: list[Phase] = dataclasses.field(default_factory=list)
     sizes: DeviceSizes | None = None  # what its ledger charged
+    start_phases: list[Phase] = dataclasses.field(default_factory=list)  # colocated: the job's start-up
 
     @property
     def total(self) -> float:
@@ -332,14 +338,15 @@ class MemoryPlan:
     def problem(self) -> str | None:
         """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
         cap = self.gpu_bytes / GIB
-        columns = [(f"pipeline stage {st.stage}", st.phases) for st in self.stages]
-        columns.append(("an engine GPU", self.engine_phases))
-        for where, phases in columns:
+        columns = [(f"pipeline stage {st.stage}", "start", st.start_phases) for st in self.stages]
+        columns += [(f"pipeline stage {st.stage}", "step", st.phases) for st in self.stages]
+        columns.append(("an engine GPU", "step", self.engine_phases))
+        for where, when, phases in columns:
             for phase in phases:
                 if phase.total > self.gpu_bytes:
                     name, size = max(phase.holdings.items(), key=lambda kv: kv[1])
                     return (
-                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in phase "
+                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in {when} phase "
                         f"'{phase.label}' ({self.placement}) > launch.gpu_memory_gib {cap:g} "
                         f"(largest: {name} {size / GIB:.1f} GiB)"
                     )
@@ -354,9 +361,12 @@ class MemoryPlan:
             rows.append([label] + [f"{st.terms[key] / GIB:.2f}" for st in self.stages])
         rows.append(["**total (update)**"] + [f"**{st.total / GIB:.2f}**" for st in self.stages])
         phases = [[f"phase ({self.placement} step)"] + [f"stage {st.stage}" for st in self.stages], rule]
+        for i, phase in enumerate(self.stages[0].start_phases):
+            phases.append([f"start: {phase.label}"] + [f"{st.start_phases[i].total / GIB:.2f}" for st in self.stages])
         for i, phase in enumerate(self.stages[0].phases):
             phases.append([phase.label] + [f"{st.phases[i].total / GIB:.2f}" for st in self.stages])
-        phases.append(["**peak**"] + [f"**{st.peak.total / GIB:.2f}**" for st in self.stages])
+        peaks = [max(st.phases + st.start_phases, key=lambda p: p.total) for st in self.stages]
+        phases.append(["**peak**"] + [f"**{p.total / GIB:.2f}**" for p in peaks])
         lines = ["| " + " | ".join(r) + " |" for r in rows]
         lines += [""] + ["| " + " | ".join(r) + " |" for r in phases]
         if self.engine_phases:
@@ -437,12 +447,16 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
             bucket=sg.bucket_mb * 2**20 if sglang else 0.0,
         )
         ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
+        start: list[Phase] = []
         if colocated:
             ledger = DeviceLedger(sizes, trainer_on_device=not offloads)
             replay_colocated_step(ledger, offload=offloads, ref_logprobs=ref_logprobs)
+            start = replay_colocated_start(
+                DeviceLedger(sizes, trainer_on_device=False), offload=offloads, reference_engine="reference" in engines
+            ).phases
         else:
             ledger = replay_disaggregated_step(DeviceLedger(sizes), ref_logprobs=ref_logprobs)
-        stages.append(StageMemory(stage, terms, ledger.phases, sizes))
+        stages.append(StageMemory(stage, terms, ledger.phases, sizes, start))
     engine_phases = []
     if sglang and not colocated:  # an engine GPU: static region, graphs and a received bucket
         engine_gpu = DeviceSizes(

@@ -129,6 +129,40 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
     return make
 
 
+def release_engines_at_start(cfg: RunConfig) -> None:
+    """Colocated SGLang engines give back all their device memory before the trainer is built.
+
+    Every rank calls it, before building any model: the driver asks every engine the job launched
+    (``rollout.sglang.urls``, ``anchor.reference_urls``) to release weights, KV cache and CUDA graphs,
+    the others wait at a barrier. The engines started with ``mem_fraction_static`` of each GPU
+    (and their graphs); building the actor, reference and critic beside that does not fit a 7B
+    model on one 80 GB GPU. The first weight push (`ArmorTrainer.start_engines`) then follows a
+    step's order: weights resumed, pushed from the trainer's host copy, KV cache and graphs resumed.
+    slime does the same (slime/ray/placement_group.py, ``create_rollout_manager``: ``offload`` right
+    after the engines are created). A no-op unless the engines are SGLang's, colocated.
+    """
+    import torch.distributed as dist
+
+    from armor_megatron.trainer.collectives import barrier
+
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sg.placement != "colocated":
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        from armor_megatron.launch.plan import API_KEY_ENV
+        from armor_megatron.rollout.sglang.engine import SGLangEngine
+
+        api_key = sg.api_key or os.environ.get(API_KEY_ENV)
+        groups = [sg.urls] + ([cfg.anchor.reference_urls] if cfg.anchor.reference_urls else [])
+        for urls in groups:
+            engine = SGLangEngine(urls, api_key=api_key, request_timeout=sg.request_timeout_s, weight_version="start")
+            try:
+                engine.release_memory()  # every tag: the first push brings the weights back
+            finally:
+                engine.shutdown()
+    barrier()
+
+
 def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     """Driver-side engine factory for GPU runs.
 
@@ -148,6 +182,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     sg = cfg.rollout.sglang
+    colocated = sg.placement == "colocated"
     disk_root = sg.disk_dir or os.path.join(checkpoint_dir(cfg), "engine_weights")
     api_key = sg.api_key or os.environ.get(API_KEY_ENV)  # the SLURM plan exports it
 
@@ -199,7 +234,11 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict):
                 front.stop()
             raise
         try:
+            if colocated:  # released at start (`release_engines_at_start`): the step's order
+                client.resume_memory(tags=("weights",))
             client.update_weights(weights, version)
+            if colocated:
+                client.resume_memory(tags=("kv_cache", "cuda_graph"))
         except BaseException:
             client.shutdown()
             raise
