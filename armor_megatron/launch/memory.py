@@ -334,6 +334,7 @@ class MemoryPlan:
     layout: str
     placement: str  # colocated | disaggregated (SGLang on other GPUs, or no engine on a GPU)
     engine_phases: list[Phase] = dataclasses.field(default_factory=list)  # an engine GPU (disaggregated)
+    update_groups: int = 0  # weight_sync distributed: NCCL communicators every engine TP rank joins
 
     def problem(self) -> str | None:
         """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
@@ -373,6 +374,13 @@ class MemoryPlan:
             lines += ["", "| phase (engine GPU) | GiB |", "| --- | ---: |"]
             lines += [f"| {p.label} | {p.total / GIB:.2f} |" for p in self.engine_phases]
         verdict = self.problem() or f"fits launch.gpu_memory_gib {self.gpu_bytes / GIB:g}"
+        if self.update_groups:
+            lines += [
+                "",
+                f"weight sync distributed: {self.update_groups} update group(s), one per sending trainer rank "
+                "(pipeline stages x expert-parallel owners): each engine TP rank holds that many NCCL "
+                "communicators and joins that many rendezvous",
+            ]
         return "\n".join([f"memory plan: {self.layout}", "", *lines, "", verdict])
 
 
@@ -483,7 +491,22 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         layout=layout,
         placement="colocated" if colocated else "disaggregated",
         engine_phases=engine_phases,
+        update_groups=update_groups(cfg, arch) if sglang else 0,
     )
+
+
+def update_groups(cfg: RunConfig, arch: ModelArch) -> int:
+    """NCCL update groups of ``weight_sync: distributed`` (0 for the other modes).
+
+    One per trainer rank that owns exported tensors (`armor_megatron.megatron.weight_export`): per
+    pipeline stage the dense owner, which is also expert-parallel rank 0's expert owner, and one
+    expert owner per further expert-parallel rank. SGLang keeps every group (a dict by name), so
+    each engine TP rank holds one communicator per group.
+    """
+    if cfg.rollout.sglang.weight_sync != "distributed":
+        return 0
+    par = cfg.parallelism
+    return par.pp * (par.ep if arch.num_experts else 1)
 
 
 def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str, EngineSizes]:

@@ -259,3 +259,24 @@ def test_the_transposed_logits_copy_does_not_raise_the_peak():
     measured, planned, unit = run_ranks(logits_peak_worker, 1, timeout=220)[0]
     assert planned == 4 * unit
     assert measured / unit == pytest.approx(4.0, abs=0.1)
+
+
+def test_the_plan_counts_the_update_groups_of_distributed_sync():
+    """One NCCL group per sending rank: pp stages x ep expert owners; every engine TP rank joins each."""
+    from armor_megatron.config import load_config
+    from armor_megatron.config.validate import model_arch_of
+
+    overrides = [
+        "rollout.sglang.placement=disaggregated",
+        "rollout.sglang.weight_sync=distributed",
+        "launch.engine_gpus=16",
+        "launch.nodes=4",
+        "parallelism.pp=2",
+        "parallelism.ep=2",
+    ]
+    cfg = load_config("configs/qwen3_30b_a3b_moe_armor.yaml", overrides)
+    plan = plan_memory(cfg, model_arch_of(cfg))
+    assert plan.update_groups == 4  # PP=2 x EP=2
+    assert "weight sync distributed: 4 update group(s)" in plan.table()
+    tensor = load_config("configs/qwen3_30b_a3b_moe_armor.yaml")
+    assert plan_memory(tensor, model_arch_of(tensor)).update_groups == 0
