@@ -83,7 +83,8 @@ trainer is on the host when it offloads, ``train.offload_during_rollout``, defau
 → engines released (the policy group every tag; a frozen-reference group its KV cache and graphs:
 its weights, e·P/tp_per_engine, stay) → trainer to the device → log-probs, update → trainer to the
 host and ``empty_cache`` → policy weights resumed → weights pushed bucket by bucket
-(``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a reference
+(``rollout.sglang.bucket_mb``; `STAGED_BUCKETS` of them on the device at the push's peak) from the
+host copy → ``empty_cache`` → KV cache and graphs resumed; a reference
 reset or a checkpoint brings the trainer back while engines keep only their weights. The start-up
 is replayed too (`replay_colocated_start`): engines up with every tag → every tag released →
 trainer built on the device → trainer to the host → per group weights resumed, pushed, KV cache and
@@ -130,6 +131,11 @@ from armor_megatron.models.family import layer_rules
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # one process's CUDA context + cuBLAS workspace + NCCL buffers (allowance)
 ENGINE_CUDA_GRAPH_GIB = 2.0  # SGLang's CUDA-graph memory outside mem_fraction_static (allowance)
+# What a weight push stages on the sending GPU at its peak, in buckets (``rollout.sglang.bucket_mb``):
+# the export's bucket being handed over, the driver's held-back previous one, and the packed copy
+# of the bucket being posted (``tensor_payload.pack`` concatenates it). Measured op by op on CPU:
+# tests/rollout/sglang/test_weight_sync_memory.py.
+STAGED_BUCKETS = 3
 LOGPROB_CHUNK_ELEMENTS = 2**26  # logprobs.DEFAULT_CHUNK_ELEMENTS (launch/ does not import megatron/)
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -339,15 +345,15 @@ class MemoryPlan:
     def problem(self) -> str | None:
         """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
         cap = self.gpu_bytes / GIB
-        columns = [(f"pipeline stage {st.stage}", "start", st.start_phases) for st in self.stages]
-        columns += [(f"pipeline stage {st.stage}", "step", st.phases) for st in self.stages]
-        columns.append(("an engine GPU", "step", self.engine_phases))
+        columns = [(f"pipeline stage {st.stage}", "start phase", st.start_phases) for st in self.stages]
+        columns += [(f"pipeline stage {st.stage}", "phase", st.phases) for st in self.stages]
+        columns.append(("an engine GPU", "phase", self.engine_phases))
         for where, when, phases in columns:
             for phase in phases:
                 if phase.total > self.gpu_bytes:
                     name, size = max(phase.holdings.items(), key=lambda kv: kv[1])
                     return (
-                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in {when} phase "
+                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in {when} "
                         f"'{phase.label}' ({self.placement}) > launch.gpu_memory_gib {cap:g} "
                         f"(largest: {name} {size / GIB:.1f} GiB)"
                     )
@@ -452,7 +458,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
             update=activations + logits,
             engines=engines if colocated else {},
             contexts=contexts,
-            bucket=sg.bucket_mb * 2**20 if sglang else 0.0,
+            bucket=STAGED_BUCKETS * sg.bucket_mb * 2**20 if sglang else 0.0,
         )
         ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
         start: list[Phase] = []
