@@ -30,7 +30,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import RunConfig, SGLangConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.launch.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
 from armor_megatron.models.megatron_options import deep_ep_available, grad_accumulation_fusion_available
@@ -136,15 +136,16 @@ def needs(cfg: RunConfig) -> list[Need]:
     return out
 
 
-def comm_probe(sg) -> Callable[[], str | None]:
+def comm_probe(sg: SGLangConfig) -> Callable[[], str | None]:
     """Whether the trainer and ``sg.python`` share what ``sg.weight_sync`` spans (one subprocess)."""
 
     def probe() -> str | None:
+        python = sg.python or sys.executable
         try:
-            engines = interpreter_versions(sg.python)
+            engines = interpreter_versions(python)
         except ProbeError as err:
             return str(err)
-        return sync_problem(sg.weight_sync, local_versions(), engines, sg.python)
+        return sync_problem(sg.weight_sync, local_versions(), engines, python)
 
     return probe
 

@@ -75,7 +75,9 @@ def interpreter_versions(python: str, timeout: float = PROBE_TIMEOUT_S) -> CommV
         raise ProbeError(f"{python}: {err}") from None
     lines = done.stdout.strip().splitlines()
     try:
-        found = json.loads(lines[-1]) if done.returncode == 0 and lines else None
+        if done.returncode != 0 or not lines:
+            raise ValueError("no answer")
+        found = json.loads(lines[-1])
         return CommVersions(torch=found["torch"], nccl=found["nccl"])
     except (ValueError, TypeError, KeyError):
         tail = (done.stderr.strip().splitlines() or ["no answer"])[-1]
