@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_lines import report, select_device, single_process_env  # noqa: E402
+from check_lines import report, skipped_or_ready  # noqa: E402
 
 TEMPERATURE = 0.7
 MEAN_ABS = 1e-2
@@ -109,12 +109,8 @@ def mean_abs(a: list[list[float]], b: list[list[float]]) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    why = missing(args.device)
-    if why:
-        report(args.json, "sglang", True, f"skipped: {why}", skipped=True)
+    if skipped_or_ready(args.json, "sglang", missing(args.device), args.device):
         return 0
-    select_device(args.device)
-    single_process_env()
     import json
 
     from armor_megatron.rollout.engine import SamplingParams

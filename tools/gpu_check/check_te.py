@@ -21,8 +21,8 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_lines import report, select_device, single_process_env  # noqa: E402
-from check_parity import BF16_MEAN_ABS, BF16_REL_L2, compare, response_positions  # noqa: E402
+from check_lines import report, skipped_or_ready  # noqa: E402
+from check_parity import BF16_MEAN_ABS, BF16_REL_L2, compare, parity_inputs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -46,30 +46,18 @@ def missing(device: str) -> str | None:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    why = missing(args.device)
-    if why:
-        report(args.json, "te", True, f"skipped: {why}", skipped=True)
+    if skipped_or_ready(args.json, "te", missing(args.device), args.device):
         return 0
-    select_device(args.device)
-    single_process_env()
     import torch
 
-    from armor_megatron.convert import convert_hf_to_mcore
-    from armor_megatron.convert.verify import prompts
     from armor_megatron.megatron import dist
     from armor_megatron.megatron.hf_weights import load_weights
     from armor_megatron.megatron.logprobs import compute_logprobs
     from armor_megatron.megatron.model import build_gpt_model
     from armor_megatron.megatron.model_state import load_model_weights
-    from armor_megatron.models import ModelArch
 
-    arch = ModelArch.from_hf_dir(args.hf)
     mcore_dir = os.path.join(args.work, "te_mcore")
-    if not os.path.isdir(mcore_dir):
-        convert_hf_to_mcore(args.hf, mcore_dir, progress_stream=None)
-    tokens = prompts(arch, batch=args.batch, length=args.length, seed=0)
-    lengths = args.length - torch.arange(args.batch) * (args.length // (2 * args.batch))
-    mask = response_positions(tokens, lengths)
+    arch, tokens, lengths, mask = parity_inputs(args.hf, mcore_dir, args.batch, args.length)
     dist.initialize(dist.ParallelConfig(), arch)
     try:
         direct = build_gpt_model(arch, dtype=torch.bfloat16, use_te=True)
