@@ -101,3 +101,15 @@ def skipped_or_ready(json_path: str | None, name: str, why: str | None, device: 
     select_device(device)
     single_process_env()
     return False
+
+
+def model_check_parser(doc: str):
+    """The flags every check on the tiny model takes: ``--hf``, ``--work``, ``--device``, ``--json``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="HF checkpoint directory")
+    p.add_argument("--work", required=True, help="scratch directory")
+    p.add_argument("--device", default="cuda", choices=DEVICES)
+    p.add_argument("--json", default=None, help="write the result here")
+    return p

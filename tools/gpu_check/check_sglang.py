@@ -22,7 +22,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_lines import report, skipped_or_ready  # noqa: E402
+from check_lines import model_check_parser, report, skipped_or_ready  # noqa: E402
 
 TEMPERATURE = 0.7
 MEAN_ABS = 1e-2
@@ -30,11 +30,7 @@ MODES = ("disk", "distributed")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf", required=True, help="HF checkpoint directory")
-    p.add_argument("--work", required=True, help="scratch directory")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--json", default=None)
+    p = model_check_parser(__doc__)
     p.add_argument("--startup-timeout", type=float, default=240.0)
     return p.parse_args(argv)
 

@@ -21,16 +21,12 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_lines import report, skipped_or_ready  # noqa: E402
+from check_lines import model_check_parser, report, skipped_or_ready  # noqa: E402
 from check_parity import BF16_MEAN_ABS, BF16_REL_L2, compare, parity_inputs  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf", required=True, help="HF checkpoint directory")
-    p.add_argument("--work", required=True, help="scratch directory (the converted checkpoint goes here)")
-    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    p.add_argument("--json", default=None)
+    p = model_check_parser(__doc__)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--length", type=int, default=48)
     return p.parse_args(argv)
