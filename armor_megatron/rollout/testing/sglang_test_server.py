@@ -59,7 +59,8 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   :attr:`SGLangTestServer.failure` (a process exits with status 1). Generating requests are
   ``/generate``, ``/health_generate`` and ``/health`` itself while ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``
   is on (SGLang 0.5.23's default: ``health_generate`` in sglang/srt/entrypoints/http_server.py serves
-  both paths and only answers ``/health`` at once when the variable is off);
+  both paths and only answers ``/health`` at once when the variable is off); resuming a tag that
+  is not released kills it too (the scheduler's set of offloaded tags has no such entry);
 * ``--api-key`` (sglang/srt/utils/auth.py): every endpoint but ``/health*``, ``/ready*``,
   ``/metrics*`` and OPTIONS wants ``Authorization: Bearer <key>`` ("bearer" in any case) or
   ``x-api-key: <key>``; else 401 ``{"error": "Unauthorized"}``;
@@ -287,13 +288,14 @@ class SGLangTestServer:
         return self
 
     def stop(self) -> None:
-        """Stop listening and join the server thread."""
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        """Stop listening and join the server thread (once, also when a crash stops it concurrently)."""
+        with self._cond:
+            httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
             if self._thread is not None:
                 self._thread.join(timeout=10)
-            self._httpd = None
 
     def crash(self) -> None:
         """Die like a killed process: stop listening and cut every open connection unanswered."""
@@ -714,8 +716,20 @@ class SGLangTestServer:
         return JSON_NULL
 
     def resume_memory_occupation(self, body):
-        """``POST /resume_memory_occupation``: take the memory of the tags back."""
-        self._released -= self._memory_tags(body, "resume_memory_occupation")
+        """``POST /resume_memory_occupation``: take the memory of the tags back.
+
+        A tag that is not released kills the engine: SGLang's scheduler removes each tag from its
+        set of offloaded tags (a ``KeyError`` in its event loop, which takes the server down).
+        """
+        tags = self._memory_tags(body, "resume_memory_occupation")
+        with self._cond:
+            held = sorted(tags - self._released)
+            if held:
+                self.failure = f"resume_memory_occupation of {held}, which were not released"
+                logger.error("engine failed: %s", self.failure)
+                threading.Thread(target=self.crash, daemon=True).start()
+                raise ConnectionAbortedError(self.failure)
+            self._released -= tags
         return JSON_NULL
 
     def pause_generation(self, body):

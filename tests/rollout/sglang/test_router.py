@@ -38,8 +38,9 @@ pytestmark = pytest.mark.double_only
 PROMPTS = ["12+3=", "what is 7*8?", "zebra", "(1)(2)(3)", "the end.", "99-1", "Quiz: 4/2", "xyz"]
 
 
-def _double(path):
-    return SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path).start()
+def _double(path, health_generation=None):
+    engine = LocalEngine.from_pretrained(path, weight_version="default")
+    return SGLangTestServer(engine, model_path=path, health_generation=health_generation).start()
 
 
 def _generate_counts(servers):
@@ -211,10 +212,10 @@ def test_launcher_starts_the_router_and_survives_a_killed_engine_process(tiny_ck
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp_path):
-    from armor_megatron.trainer.components import make_sglang_engines
+    from armor_megatron.trainer.components import make_sglang_engines, release_engines_at_start
 
     path, hf_cfg, tok = tiny_ckpt
-    servers = [_double(path) for _ in range(3)]
+    servers = [_double(path, health_generation=False) for _ in range(3)]  # colocated engines start quiet
     policy_urls, reference_urls = [s.url for s in servers[:2]], [servers[2].url]
     cfg = load_config(
         os.path.join(ROOT, "configs/tiny_cpu.yaml"),
@@ -230,6 +231,7 @@ def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp
             f"logging.dir={tmp_path / 'runs'}",
         ],
     )
+    release_engines_at_start(cfg)  # colocated (the default): as trainer/run.py, before the first push
     make = make_sglang_engines(cfg, hf_cfg)
     weights = tiny_weights(hf_cfg, seed=3)
     policy, reference = make(weights, weights, policy_version="p1", reference_version="r1")
@@ -248,6 +250,7 @@ def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp
         for s in servers:
             s.stop()
     assert not policy.router_process.running and not reference.router_process.running
+    assert all(s.failure is None for s in servers)
 
 
 @needs_router

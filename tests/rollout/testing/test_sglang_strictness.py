@@ -181,3 +181,16 @@ def test_health_without_generation_is_safe_while_released(tiny_ckpt):
         client.post("/resume_memory_occupation", {})
     finally:
         server.stop()
+
+
+def test_resuming_memory_that_was_not_released_kills_the_engine(tiny_ckpt):
+    model_path, _, _ = tiny_ckpt
+    server = SGLangTestServer(LocalEngine.from_pretrained(model_path)).start()
+    try:
+        client = SGLangClient(server.url, retry=ONCE, request_timeout=10)
+        client.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+        with pytest.raises(EngineUnavailableError):
+            client.post("/resume_memory_occupation", {"tags": ["kv_cache", "weights"]}, retry=False)
+        assert server.failure == "resume_memory_occupation of ['weights'], which were not released"
+    finally:
+        server.stop()
