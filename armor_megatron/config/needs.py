@@ -17,7 +17,7 @@ Needs (GPU runs: ``launch.gpus_per_node > 0``):
 * launched SGLang servers (``rollout.engine: sglang`` without ``rollout.sglang.urls``): sglang
   importable by ``rollout.sglang.python`` (the trainer's interpreter when null);
 * ``rollout.sglang.weight_sync`` distributed or tensor with ``rollout.sglang.python`` set: the
-  same NCCL (distributed) or torch (tensor) there as here (`armor_megatron.launch.comm_versions`).
+  same NCCL (distributed) or torch (tensor) there as here (`armor_megatron.config.comm_versions`).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from armor_megatron.config.schema import RunConfig, SGLangConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.launch.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
+from armor_megatron.config.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
 from armor_megatron.models.megatron_options import deep_ep_available, grad_accumulation_fusion_available
 
 ENV_DOC = "README, GPU environments"

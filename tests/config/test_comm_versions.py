@@ -8,7 +8,7 @@ import stat
 import pytest
 
 from armor_megatron.config import ConfigError, load_config, needs
-from armor_megatron.launch.comm_versions import (
+from armor_megatron.config.comm_versions import (
     CommVersions,
     ProbeError,
     interpreter_versions,
