@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import subprocess
+from typing import Any
 
 PROBE_TIMEOUT_S = 60.0
 FIX = "install the same torch (and so its nvidia-nccl wheel) in both environments: tools/envs/*.lock share them"
@@ -58,7 +59,7 @@ class ProbeError(RuntimeError):
 
 def local_versions() -> CommVersions:
     """This interpreter's versions."""
-    namespace: dict = {}
+    namespace: dict[str, Any] = {}
     exec(_PROBE, namespace)  # noqa: S102 - our own constant, shared with the subprocess
     return CommVersions(**namespace["_comm_versions"]())
 

@@ -30,9 +30,9 @@ import subprocess
 import sys
 from collections.abc import Callable
 
+from armor_megatron.config.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
 from armor_megatron.config.schema import RunConfig, SGLangConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.config.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
 from armor_megatron.models.megatron_options import deep_ep_available, grad_accumulation_fusion_available
 
 ENV_DOC = "README, GPU environments"
