@@ -1,5 +1,7 @@
-"""The project's root of input errors: what a user gave (a config value, a file, a dataset row,
-a checkpoint, an engine's reply) is wrong, and the message says what and where in one line.
+"""The project's root of input errors, each said in one line.
+
+What a user gave (a config value, a file, a dataset row, a checkpoint, an engine's reply) is wrong,
+and the message says what and where in one line.
 
 Command-line tools turn a ``UserInputError`` into exit code 2 and that line. Every other exception
 is a bug in this package (or in a library it calls) and keeps its traceback. Subclasses stay

@@ -20,14 +20,18 @@ listing the known names; arguments the function does not take raise one line lis
 does; an undeclared trait raises one line listing the declared ones.
 
 A layer that must know the names before the code defining them is imported (the config, below
-the engines that define weight-sync modes) declares them (:meth:`~Registry.declare`); the
-definition registered later under a declared name fills the entry in. The module imports nothing
-of the package, so every subpackage can keep a registry.
+the engines that define weight-sync modes and rollout engines) names each entry by where its
+definition lives, ``"package.module:attribute"`` (:meth:`~Registry.register_lazy`), imported on
+first use; a decorator in that module registering the same name fills the entry in. A registry
+whose config keys configure something other than the function (a policy loss's hyper-parameter
+dataclass) says which trait holds it (``configures=``), and :meth:`~Registry.configure` builds it.
+The module imports nothing of the package, so every subpackage can keep a registry.
 """
 
 from __future__ import annotations
 
 import difflib
+import importlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -39,15 +43,18 @@ class RegistryEntry:
     """One registered definition: its name, function, parameter names and metadata."""
 
     name: str
-    fn: Callable[..., Any] | None  # None: declared, its definition not registered yet
+    fn: Callable[..., Any] | None  # None: named lazily, its definition not imported yet
     parameters: tuple[str, ...]  # every parameter name of ``fn``, in order
     meta: Mapping[str, Any] = field(default_factory=dict)  # the registry's traits (and free metadata)
     config_keys: Mapping[str, str] = field(default_factory=dict)  # parameter -> config key of its section
+    configured: Callable[..., Any] | None = None  # what the config keys configure; None: ``fn``
+    target: str | None = None  # "package.module:attribute" of a lazily named definition
 
     def required(self, parameter: str) -> bool:
         """``parameter`` has no default: the caller (or its config key) must give it."""
-        assert self.fn is not None  # config keys are registered with a definition
-        return inspect.signature(self.fn).parameters[parameter].default is inspect.Parameter.empty
+        configured = self.configured or self.fn
+        assert configured is not None  # config keys are registered with a definition
+        return inspect.signature(configured).parameters[parameter].default is inspect.Parameter.empty
 
     def config_kwargs(self, section: Any) -> dict[str, Any]:
         """``{parameter: section.<config key>}`` for every hyper-parameter the entry takes from the config."""
@@ -62,11 +69,14 @@ class Registry(Mapping[str, Callable[..., Any] | None]):
 
     ``traits``: the metadata every entry carries, with its default (e.g. ``{"critic": False}``);
     registering another keyword fails in one line. Without ``traits`` any metadata is kept.
+    ``configures``: the trait holding what an entry's config keys configure (its parameters are
+    the ones they name); None: the function itself.
     """
 
-    def __init__(self, kind: str, traits: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, kind: str, traits: Mapping[str, Any] | None = None, *, configures: str | None = None) -> None:
         self.kind = kind
         self.traits = None if traits is None else dict(traits)
+        self.configures = configures
         self._entries: dict[str, RegistryEntry] = {}
 
     def register(
@@ -89,32 +99,57 @@ class Registry(Mapping[str, Callable[..., Any] | None]):
                 raise ValueError(f"{self.kind} {n!r} is already registered (pass replace=True to replace it)")
         meta = self._with_traits(name, meta)
         keys = dict(config_keys or {})
+        configured = meta.get(self.configures) if self.configures else None
+        if self.configures and configured is None:
+            raise ValueError(f"{self.kind} {name!r}: registered without {self.configures}=")
 
         def decorator(fn: Callable) -> Callable:
             parameters = tuple(inspect.signature(fn).parameters)
-            missing = [p for p in keys if p not in parameters]
+            takes = tuple(inspect.signature(configured).parameters) if configured else parameters
+            missing = [p for p in keys if p not in takes]
             if missing:
                 raise ValueError(
                     f"{self.kind} {name!r}: config_keys name {', '.join(missing)}, which it does not take "
-                    f"({', '.join(parameters)})"
+                    f"({', '.join(takes)})"
                 )
             for n in names:
-                self._entries[n] = RegistryEntry(n, fn, parameters, dict(meta), keys)
+                lazy = self._entries[n].target if n in self._entries else None
+                if lazy is not None and lazy != f"{fn.__module__}:{fn.__qualname__}":
+                    raise ValueError(
+                        f"{self.kind} {n!r} is named {lazy!r}, but {fn.__module__}:{fn.__qualname__} registers it"
+                    )
+                self._entries[n] = RegistryEntry(n, fn, parameters, dict(meta), keys, configured, lazy)
             return fn
 
         return decorator
 
-    def declare(self, *names: str) -> None:
-        """Make ``names`` known before their definitions are registered.
+    def register_lazy(self, name: str, target: str) -> None:
+        """Name ``name``'s definition by where it lives, ``"package.module:attribute"``, imported on first use.
 
-        Make ``names`` known before their definitions are registered (their module sits above
-        the layer that reads the names); :meth:`call` refuses a name still without one.
+        For a layer that must know the name before the definition's module is imported (that module
+        sits above it). The module may register the name itself (with its traits and config keys);
+        otherwise the attribute is the definition, with the registry's default traits.
         """
-        for n in names:
-            self._check_name(n)
-            if n in self._entries:
-                raise ValueError(f"{self.kind} {n!r} is already registered")
-            self._entries[n] = RegistryEntry(n, None, (), self._with_traits(n, {}))
+        self._check_name(name)
+        module, _, attribute = target.partition(":")
+        if not module or not attribute:
+            raise ValueError(f"{self.kind} {name!r}: {target!r} is not 'package.module:attribute'")
+        if name in self._entries:
+            raise ValueError(f"{self.kind} {name!r} is already registered")
+        self._entries[name] = RegistryEntry(name, None, (), self._with_traits(name, {}), target=target)
+
+    def _resolved(self, entry: RegistryEntry) -> RegistryEntry:
+        """``entry``, its lazily named definition imported (the module may register it itself)."""
+        if entry.fn is not None or entry.target is None:
+            return entry
+        module, _, attribute = entry.target.partition(":")
+        definition = getattr(importlib.import_module(module), attribute)
+        entry = self._entries[entry.name]
+        if entry.fn is None:  # the module did not register it: the attribute is the definition
+            parameters = tuple(inspect.signature(definition).parameters)
+            entry = RegistryEntry(entry.name, definition, parameters, entry.meta, target=entry.target)
+            self._entries[entry.name] = entry
+        return entry
 
     def _check_name(self, n: Any) -> None:
         if not isinstance(n, str) or not n or n != n.strip():
@@ -135,10 +170,14 @@ class Registry(Mapping[str, Callable[..., Any] | None]):
         self.entry(name)
         del self._entries[name]
 
-    def entry(self, name: str) -> RegistryEntry:
-        """The entry registered as ``name``; an unknown name raises one line listing the known ones."""
+    def entry(self, name: str, *, load: bool = True) -> RegistryEntry:
+        """The entry registered as ``name``; an unknown name raises one line listing the known ones.
+
+        A lazily named definition is imported first unless ``load`` is False (then its entry says
+        only its name, traits and ``target``).
+        """
         try:
-            return self._entries[name]
+            return self._resolved(self._entries[name]) if load else self._entries[name]
         except (KeyError, TypeError):
             pass
         close = difflib.get_close_matches(str(name), self._entries, n=1)
@@ -151,8 +190,7 @@ class Registry(Mapping[str, Callable[..., Any] | None]):
         One line for an unknown name or one only declared so far.
         """
         fn = self.entry(name).fn
-        if fn is None:
-            raise ValueError(f"{self.kind} {name!r} is declared but its definition is not registered")
+        assert fn is not None  # every entry is registered or named lazily (then imported by entry())
         return fn
 
     def call(self, name: str, *args: Any, **kwargs: Any) -> Any:
@@ -180,10 +218,23 @@ class Registry(Mapping[str, Callable[..., Any] | None]):
         """
         return self.call(name, *args, **self.entry(name).config_kwargs(section), **kwargs)
 
-    def __getitem__(self, name: str) -> Callable[..., Any] | None:  # None: declared, not yet defined
+    def configure(self, name: str, section: Any, **kwargs: Any) -> Any:
+        """What ``name``'s config keys configure (``configures=``: e.g. a loss's hyper-parameter dataclass).
+
+        Built from the config ``section``'s keys the entry declares, plus ``kwargs``.
+        """
+        entry = self.entry(name)
+        if entry.configured is None:
+            return self.call_configured(name, section, **kwargs)
+        return entry.configured(**entry.config_kwargs(section), **kwargs)
+
+    def __getitem__(self, name: str) -> Callable[..., Any] | None:
         if name not in self._entries:
             raise KeyError(name)
-        return self._entries[name].fn
+        return self._resolved(self._entries[name]).fn
+
+    def __contains__(self, name: object) -> bool:  # without importing a lazily named definition
+        return name in self._entries
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

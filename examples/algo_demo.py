@@ -123,20 +123,22 @@ def collect_groups(policy, reference, prompts, args, gen) -> tuple[RolloutBatch,
     num, g = len(prompts), args.group_size
     pool = rollout(policy, prompts, g, gen, "policy")
     tries = rollout(reference, prompts, args.max_tries, gen, "anchor") if args.armor else None
+    first: list[int | None] = [None] * num  # rejection sampling: a prompt's first verified-correct try
+    if tries:
+        first = [
+            next((j for j, r in enumerate(row) if r >= 1.0), None) for row in tries["reward"].view(num, -1).tolist()
+        ]
     groups = assemble_anchor_groups(
-        pool["reward"].view(num, g).tolist(),
-        tries["reward"].view(num, -1).tolist() if tries else None,
-        g,
-        args.max_tries,
+        pool["reward"].view(num, g).tolist(), [None if j is None else 1.0 for j in first] if tries else None, g
     )
     # Map each row to its place in [policy samples; reference tries] and gather the rows.
     policy_idx = [[p * g + i for i in range(g)] for p in range(num)]
-    ref_idx = [[num * g + p * args.max_tries + j for j in range(args.max_tries)] for p in range(num)]
+    anchor_idx = [None if j is None else num * g + p * args.max_tries + j for p, j in enumerate(first)]
     both = RolloutBatch.concat([pool, tries]) if tries else pool
-    batch = both.index(groups.gather(policy_idx, ref_idx))
+    batch = both.index(groups.gather(policy_idx, anchor_idx))
     batch["is_anchor"] = groups.is_anchor.reshape(-1)
     batch["shaped_reward"] = apply_overlong_shaping(batch["reward"], batch["length"], MAX_LEN, OVERLONG_BUFFER)
-    return batch, groups.stats()
+    return batch, {"anchor_found_rate": sum(groups.found) / num}
 
 
 def rl_step(policy, reference, optimizer, train_prompts, loss_cfg, args, gen) -> dict[str, float]:

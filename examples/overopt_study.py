@@ -11,7 +11,7 @@ seed (same warm-up, same data order). Prints the table, the validity checks M1‚Ä
 test of the endpoint E (mean validation accuracy over the last 40 steps), its 95 % CI and the
 verdict, then wall and CPU minutes. Writes ``<out>/curves.png`` and ``<out>/summary.json``.
 
-``--testbed tagged`` runs the earlier tagged-addition study (``armor_megatron/trainer/study.py``),
+``--testbed tagged`` runs the earlier tagged-addition study (``armor_megatron/study/runner.py``),
 whose cue anchors cannot see: the control that anchors cannot fix.
 """
 
@@ -22,9 +22,7 @@ import math
 import statistics
 import sys
 
-from armor_megatron.tasks.overopt_checks import decide, mean_curve
-from armor_megatron.tasks.paired_test import paired_t_test
-from armor_megatron.trainer.study import (
+from armor_megatron.study.runner import (
     SEEDS,
     VARIANTS,
     WORKED_RHO,
@@ -34,6 +32,8 @@ from armor_megatron.trainer.study import (
     run_paired,
     run_study,
 )
+from armor_megatron.tasks.overopt_checks import decide, mean_curve
+from armor_megatron.tasks.paired_test import paired_t_test
 
 # pre-registered (examples/overopt_preregistration.md): the decision's runs (DAPO, ARMOR, the œÅ = 0
 # control) on seeds 1-7, first; the ablations on seeds 1-6

@@ -23,8 +23,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from armor_megatron.study.runner import WORKED_RHO, run_paired
 from armor_megatron.tasks.overopt_checks import mean_curve
-from armor_megatron.trainer.study import WORKED_RHO, run_paired
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ LAYERS = (
     "rollout",  # engines, weight sync, anchor sampling
     "megatron",  # the only importer of megatron-core
     "trainer",  # the ARMOR loop
+    "study",  # research studies: armor-train runs over variants and seeds, read back
     "cli",  # entry points
 )
 

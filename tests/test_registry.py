@@ -1,6 +1,7 @@
 """The one registry pattern every variant kind uses (armor_megatron/registry.py): traits with defaults,
-config keys, declared names, and one-line errors."""
+config keys, lazily named entries, and one-line errors."""
 
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -48,14 +49,22 @@ def test_unknown_names_and_arguments_fail_in_one_line():
         reg.register("scaled")(scaled)
 
 
-def test_a_declared_name_is_known_before_its_definition_fills_it_in():
+def test_a_lazily_named_entry_is_known_before_its_module_is_imported(tmp_path, monkeypatch):
+    (tmp_path / "lazy_registry_defs.py").write_text("def doubled(x):\n    return 2 * x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
     reg = Registry("mode")
-    reg.declare("a", "b")
-    assert list(reg) == ["a", "b"] and "a" in reg
-    with pytest.raises(ValueError) as err:
-        reg.call("a", 1.0, 2.0)
-    assert str(err.value) == "mode 'a' is declared but its definition is not registered"
-    reg.register("b")(scaled)  # no replace=True needed: it fills the declared entry, in place
-    assert list(reg) == ["a", "b"] and reg.call("b", 1.0, 2.0) == 2.0
-    with pytest.raises(ValueError, match="already registered"):
-        reg.declare("b")
+    reg.register_lazy("double", "lazy_registry_defs:doubled")
+    assert "double" in reg and "lazy_registry_defs" not in sys.modules  # membership imports nothing
+    assert reg.call("double", 3) == 6 and reg.entry("double").parameters == ("x",)
+    assert reg["double"] is sys.modules["lazy_registry_defs"].doubled
+    with pytest.raises(ValueError, match="^mode 'bad': 'nocolon' is not 'package.module:attribute'$"):
+        reg.register_lazy("bad", "nocolon")
+    with pytest.raises(ValueError, match="^mode 'double' is already registered$"):
+        reg.register_lazy("double", "elsewhere:doubled")
+    # the named module may register the entry itself, but only the definition it was named for
+    reg.register_lazy("scaled", f"{__name__}:scaled")
+    reg.register("scaled", config_keys={"scale": "factor"})(scaled)
+    assert reg.entry("scaled").config_keys == {"scale": "factor"}
+    reg.register_lazy("other", "elsewhere:scaled")
+    with pytest.raises(ValueError, match=f"^mode 'other' is named 'elsewhere:scaled', but {__name__}:scaled registers"):
+        reg.register("other")(scaled)

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from armor_megatron.algo.registry import Registry
+from armor_megatron.registry import Registry
 
 DEFAULT_EPS = 1e-6
 

@@ -1,16 +1,14 @@
-"""Anchor groups: training groups of G responses from on-policy samples and reference tries.
+"""Anchor groups: training groups of G responses from on-policy samples and a verified anchor.
 
-Anchor groups: assembling training groups of G responses from on-policy samples and
-reference tries (the sampling side of anchors lives in `armor_megatron.rollout.anchor`).
-
-For every prompt the rollout draws G−1 responses from π_old and up to ``max_tries`` responses
-from the frozen reference π_ref (rejection sampling). The first reference try whose verifiable
-reward reaches ``success_reward`` (1: verified correct; ARMOR uses positive anchors only)
-becomes the group's anchor. Without one, the anchor slot is filled by one more on-policy
+For every prompt the rollout draws G−1 responses from π_old, and the anchor sampler
+(`armor_megatron.rollout.anchor`) draws up to ``anchor.max_tries`` responses from the frozen
+reference π_ref (rejection sampling) and keeps the first whose verifiable reward reaches the
+success reward (1: verified correct; ARMOR uses positive anchors only). That response becomes
+the group's anchor, its last row. Without one, the anchor slot is filled by one more on-policy
 sample, so every group has exactly G rows and at most one anchor.
 
-The functions here work on rewards and indices only; ``AnchorGroups.gather`` maps the chosen
-indices back to whatever objects the rollout holds (token ids, texts, log-probs, ...).
+The functions here work on rewards and indices only; ``AnchorGroups.gather`` maps the rows back
+to whatever objects the rollout holds (token ids, texts, log-probs, ...).
 """
 
 from __future__ import annotations
@@ -26,11 +24,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RowSource:
-    """Where one training row comes from: ``prompt``'s on-policy sample or reference try ``index``."""
+    """Where one training row comes from: ``prompt``'s on-policy sample ``index``, or its anchor."""
 
     prompt: int
-    source: Literal["policy", "reference"]
-    index: int
+    source: Literal["policy", "anchor"]
+    index: int  # the on-policy sample's position (0 for the anchor)
 
 
 @dataclass(frozen=True, eq=False)
@@ -38,14 +36,12 @@ class AnchorGroups:
     """num_groups = number of prompts; rows are prompt-major, G per prompt, the anchor last.
 
     rows: num_groups·G row sources.  rewards, is_anchor: [num_groups, G] (fp32, bool).
-    tries_used: per prompt, the reference tries rejection sampling needed (position of the
-    first success, or all tries examined when none passed).  found: per prompt, anchor or not.
+    found: per prompt, anchor or not.
     """
 
     rows: tuple[RowSource, ...]
     rewards: torch.Tensor
     is_anchor: torch.Tensor
-    tries_used: tuple[int, ...]
     found: tuple[bool, ...]
 
     @property
@@ -53,106 +49,65 @@ class AnchorGroups:
         """G, the number of rows per group."""
         return self.rewards.shape[1]
 
-    def gather(
-        self, policy_items: Sequence[Sequence[T]], reference_items: Sequence[Sequence[T]] | None = None
-    ) -> list[T]:
-        """Items in row order (num_groups·G), gathered from per-prompt policy and reference lists.
+    def gather(self, policy_items: Sequence[Sequence[T]], anchor_items: Sequence[T | None] | None = None) -> list[T]:
+        """The items of the rows, in row order (num_groups·G).
 
-        The flat list (num_groups·G, row order) of items, given per-prompt lists shaped like
-        the rewards passed to ``assemble_anchor_groups``.
+        ``policy_items``: per prompt, its on-policy items in sampling order; ``anchor_items``: per
+        prompt, its anchor's item (None without one), shaped like the rewards given to
+        `assemble_anchor_groups`.
         """
-
-        def source(row: RowSource) -> Sequence[Sequence[T]]:
+        out: list[T] = []
+        for row in self.rows:
             if row.source == "policy":
-                return policy_items
-            if reference_items is None:
-                raise ValueError("gather: the groups hold anchor rows but no reference_items were given")
-            return reference_items
-
-        return [source(row)[row.prompt][row.index] for row in self.rows]
-
-    def stats(self) -> dict[str, float]:
-        """Anchor statistics of this batch of groups.
-
-        anchor_found_rate (groups with an anchor / groups), anchor_tries_mean (reference
-        tries per prompt), anchor_tries_total, num_groups.
-        """
-        n = len(self.found)
-        return {
-            "anchor_found_rate": sum(self.found) / max(n, 1),
-            "anchor_tries_mean": sum(self.tries_used) / max(n, 1),
-            "anchor_tries_total": float(sum(self.tries_used)),
-            "num_groups": float(n),
-        }
-
-
-def select_anchor(
-    reference_rewards: Sequence[float], max_tries: int, success_reward: float = 1.0
-) -> tuple[int | None, int]:
-    """Rejection sampling over the tries in order.
-
-    (index of the first try with reward ≥ ``success_reward`` among the first ``max_tries``, or None;
-    tries used).
-    """
-    if max_tries < 1:
-        raise ValueError(f"anchor max_tries must be >= 1, got {max_tries!r}")
-    tries = list(reference_rewards)[:max_tries]
-    for i, reward in enumerate(tries):
-        if float(reward) >= success_reward:
-            return i, i + 1
-    return None, len(tries)
+                out.append(policy_items[row.prompt][row.index])
+                continue
+            item = None if anchor_items is None else anchor_items[row.prompt]
+            if item is None:
+                raise ValueError(f"gather: prompt {row.prompt} has an anchor row but no anchor item")
+            out.append(item)
+        return out
 
 
 def assemble_anchor_groups(
     policy_rewards: Sequence[Sequence[float]],
-    reference_rewards: Sequence[Sequence[float]] | None,
+    anchor_rewards: Sequence[float | None] | None,
     group_size: int,
-    max_tries: int = 4,
-    success_reward: float = 1.0,
 ) -> AnchorGroups:
     """Build one group of ``group_size`` rows per prompt.
 
     Args:
         policy_rewards: per prompt, the rewards of its on-policy samples in sampling order; a
-            prompt needs G−1 of them when an anchor is found and G otherwise (extra ones unused).
-        reference_rewards: per prompt, the rewards of its reference tries in sampling order;
+            prompt needs G−1 of them when it has an anchor and G otherwise (extra ones unused).
+        anchor_rewards: per prompt, the reward of its verified anchor, or None without one;
             None disables anchors (plain on-policy groups of G).
         group_size: G ≥ 2.
-        max_tries: reference tries considered per prompt (paper: 4).
-        success_reward: reward an anchor must reach (verified correct = 1).
     """
     if group_size < 2:
         raise ValueError(f"group_size must be >= 2, got {group_size!r}")
-    if reference_rewards is not None and len(reference_rewards) != len(policy_rewards):
-        raise ValueError(
-            f"reference_rewards has {len(reference_rewards)} prompts, policy_rewards {len(policy_rewards)}"
-        )
+    if anchor_rewards is not None and len(anchor_rewards) != len(policy_rewards):
+        raise ValueError(f"anchor_rewards has {len(anchor_rewards)} prompts, policy_rewards {len(policy_rewards)}")
     rows: list[RowSource] = []
     rewards: list[list[float]] = []
-    tries_used: list[int] = []
     found: list[bool] = []
     for p, pol in enumerate(policy_rewards):
-        anchor, tries = (
-            (None, 0) if reference_rewards is None else select_anchor(reference_rewards[p], max_tries, success_reward)
-        )
+        anchor = None if anchor_rewards is None else anchor_rewards[p]
         need = group_size - 1 if anchor is not None else group_size
         if len(pol) < need:
-            why = "an anchor was found" if anchor is not None else "no anchor was found"
+            why = "it has an anchor" if anchor is not None else "it has no anchor"
             raise ValueError(
                 f"prompt {p}: {why}, so group size {group_size} needs {need} on-policy samples, got {len(pol)}"
             )
         rows += [RowSource(p, "policy", i) for i in range(need)]
         group = [float(r) for r in list(pol)[:need]]
-        if anchor is not None and reference_rewards is not None:
-            rows.append(RowSource(p, "reference", anchor))
-            group.append(float(reference_rewards[p][anchor]))
+        if anchor is not None:
+            rows.append(RowSource(p, "anchor", 0))
+            group.append(float(anchor))
         rewards.append(group)
-        tries_used.append(tries)
         found.append(anchor is not None)
     reward_t = torch.tensor(rewards, dtype=torch.float32).reshape(len(rewards), group_size)
     is_anchor = torch.zeros(reward_t.shape, dtype=torch.bool)
     is_anchor[:, -1] = torch.tensor(found, dtype=torch.bool)
-    return AnchorGroups(tuple(rows), reward_t, is_anchor, tuple(tries_used), tuple(found))
+    return AnchorGroups(tuple(rows), reward_t, is_anchor, tuple(found))
 
 
 def anchor_zero_advantage_rate(advantages: torch.Tensor, is_anchor: torch.Tensor, atol: float = 0.0) -> torch.Tensor:

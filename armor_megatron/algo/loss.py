@@ -1,7 +1,6 @@
 """DAPO clipped surrogate on the ARMOR mixed ratio.
 
-DAPO clipped surrogate on the ARMOR mixed ratio, with clip-higher, dual-clip and the loss
-aggregation modes of the RL frameworks.
+With clip-higher, dual-clip and the loss aggregation modes of the RL frameworks.
 
 Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantage A:
 
@@ -41,6 +40,7 @@ clipped, without gradient, either way; with log r < −20 the gradient lost is a
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from armor_megatron.algo.ratio import check_alpha, mixed_log_ratio, mixture_weight
-from armor_megatron.algo.registry import Registry
+from armor_megatron.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -56,11 +56,29 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 # (see "Log-ratio clamp" in the module docstring for what it changes).
 MAX_ABS_LOG_RATIO = 20.0
 
-POLICY_LOSSES = Registry("policy loss")
-"""Registered policy losses. Each takes ``(logp, old_logp, ref_logp, advantages, mask, cfg, *,
-normalizer=None, entropy=None, token_weights=None)`` like :func:`policy_loss`, returns
-``(loss, metrics)``, and is registered with ``config=`` the dataclass of its hyper-parameters."""
+POLICY_LOSSES = Registry("policy loss", configures="config")
+"""Registered policy losses. Each is registered with ``config=`` the dataclass of its
+hyper-parameters and ``config_keys`` naming the ``algorithm`` key of each field (the run builds the
+dataclass from them: ``POLICY_LOSSES.configure(name, cfg.algorithm)``), takes by keyword those of
+`POLICY_LOSS_INPUTS` it names (:func:`bind_policy_loss`; :func:`policy_loss` takes them all) and
+returns ``(loss, metrics)``."""
 register_policy_loss = POLICY_LOSSES.register
+
+POLICY_LOSS_INPUTS = (
+    "logp",
+    "old_logp",
+    "ref_logp",
+    "advantages",
+    "mask",
+    "cfg",
+    "normalizer",
+    "entropy",
+    "token_weights",
+)
+"""What the actor gives a policy loss, by keyword (shapes in :func:`policy_loss`)."""
+# inputs a loss must take when the run gives them: the global aggregation and the TIS correction
+# the config asked for; a loss may leave out the others (its math decides which it reads)
+BINDING_INPUTS = ("normalizer", "token_weights")
 
 
 @dataclass(frozen=True)
@@ -156,7 +174,11 @@ def on_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-@register_policy_loss("armor", config=PolicyLossConfig)
+@register_policy_loss(
+    "armor",
+    config=PolicyLossConfig,
+    config_keys={f: f for f in ("alpha", "eps_low", "eps_high", "dual_clip_c", "loss_agg")},
+)
 def policy_loss(
     logp: torch.Tensor,
     old_logp: torch.Tensor,
@@ -226,6 +248,37 @@ def get_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, to
     An unknown name raises one line listing the known ones.
     """
     return POLICY_LOSSES.definition(name)
+
+
+def bind_policy_loss(name: str) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """The loss registered as ``name``, called by keyword with those of `POLICY_LOSS_INPUTS` it takes.
+
+    A loss needing a parameter the actor does not give is refused here; at a call, an input the
+    loss does not take is left out, unless it is one of `BINDING_INPUTS` and given (the global
+    ``normalizer``, TIS ``token_weights``): that is refused in one line rather than silently
+    training another objective than the config asks for. The metrics gain ``num_tokens`` (valid
+    tokens of the call) where the loss does not report it.
+    """
+    entry = POLICY_LOSSES.entry(name)
+    fn = POLICY_LOSSES.definition(name)
+    parameters = inspect.signature(fn).parameters
+    unknown = [p for p, v in parameters.items() if p not in POLICY_LOSS_INPUTS and v.default is inspect.Parameter.empty]
+    if unknown:
+        raise ValueError(
+            f"policy loss {name!r} needs {', '.join(unknown)}, which the actor does not give "
+            f"(it gives {', '.join(POLICY_LOSS_INPUTS)})"
+        )
+
+    def call(**inputs: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        refused = [k for k in BINDING_INPUTS if inputs.get(k) is not None and k not in entry.parameters]
+        if refused:
+            raise ValueError(f"policy loss {name!r} does not take {', '.join(refused)}, which this run gives it")
+        loss, metrics = fn(**{k: v for k, v in inputs.items() if k in entry.parameters})
+        metrics = dict(metrics)
+        metrics.setdefault("num_tokens", inputs["mask"].bool().sum().float())  # megatron's per-token accounting
+        return loss, metrics
+
+    return call
 
 
 def make_policy_loss_config(name: str, **hyper_parameters: Any) -> PolicyLossConfig:

@@ -1,7 +1,6 @@
 """Run one command as N local ranks under torchrun's agent, inside this process.
 
-Run one command as N local ranks under torchrun's agent, inside this process (``armor-train``
-started by hand for a multi-rank job).
+For ``armor-train`` started by hand for a multi-rank job.
 
 Signals: torchrun's agent turns a SIGTERM into "terminate the workers, SIGKILL after 30 s",
 which would cut a checkpoint short. Here the agent handles only SIGINT/SIGHUP/SIGQUIT; the

@@ -1,6 +1,6 @@
 """Load a run config: YAML file (optionally ``extends:`` another) + dotted overrides -> RunConfig.
 
-    cfg = load_config("configs/qwen25_math_7b_armor.yaml", ["algorithm.alpha=0.875", "parallelism.tp=4"])
+    cfg = load_config("configs/qwen25_math_7b_dapo_armor.yaml", ["algorithm.alpha=0.875", "parallelism.tp=4"])
 
 Override values are parsed as YAML scalars/lists (``x=0.5``, ``x=true``, ``x=[1,2]``, ``x=null``).
 Every problem raises ``ConfigError`` with one line naming the key.

@@ -86,9 +86,22 @@ class SGLangRouterConfig:
 
 WEIGHT_SYNC_MODES = Registry("weight sync mode")
 """``rollout.sglang.weight_sync``: each mode a ``WeightSync`` class registered in
-``rollout/sglang/weight_sync.py``. The config sits below the engines, so it declares the built-in
-names it accepts before their module is imported."""
-WEIGHT_SYNC_MODES.declare("tensor", "distributed", "disk")
+``rollout/sglang/weight_sync.py``. The config sits below the engines, so it names the built-in
+modes by where they live, imported on first use."""
+for _mode, _cls in (
+    ("tensor", "TensorWeightSync"),
+    ("distributed", "DistributedWeightSync"),
+    ("disk", "DiskWeightSync"),
+):
+    WEIGHT_SYNC_MODES.register_lazy(_mode, f"armor_megatron.rollout.sglang.weight_sync:{_cls}")
+
+ROLLOUT_ENGINES = Registry("rollout engine")
+"""``rollout.engine``: each kind a factory ``(cfg, hf_config, tokenizer) -> make``, where ``make(policy_weights,
+reference_weights, *, policy_version, reference_version) -> (policy engine, reference engine or None)``
+runs once on the driver (`trainer.components.engine_factory`). The built-in kinds live above the
+config and are named by where they are; a plugin registers its own (``ROLLOUT_ENGINES.register``)."""
+ROLLOUT_ENGINES.register_lazy("local", "armor_megatron.trainer.components:make_local_engines")
+ROLLOUT_ENGINES.register_lazy("sglang", "armor_megatron.trainer.components:make_sglang_engines")
 
 
 @dataclasses.dataclass
@@ -159,8 +172,9 @@ class SGLangConfig:
 class RolloutConfig:
     """How responses are sampled: batch shape, sampling parameters, lengths and the engine."""
 
-    engine: Literal["local", "sglang"] = checked(
+    engine: str = checked(
         "sglang",
+        check=registered(ROLLOUT_ENGINES),
         help="sglang: SGLang servers on GPUs; local: a transformers model in the driver process (CPU runs, tests)",
     )
     prompts_per_step: int = checked(128, check=at_least(1), help="prompts per RL step (before oversampling)")
@@ -654,9 +668,8 @@ class LaunchConfig:
 class ThroughputConfig:
     """Speed options of the trained models, none changing what is computed.
 
-    Speed options of the trained models (``models.megatron_options.Throughput``, which says why each
-    default is what it is): overlapped communication and fused kernels, none changing what is
-    computed. The defaults run on an image installed from the lock files alone (no APEX, no C
+    Overlapped communication and fused kernels (``models.megatron_options.Throughput`` says why
+    each default is what it is). The defaults run on an image installed from the lock files alone (no APEX, no C
     compiler needed). ``armor-train --check`` refuses the CUDA-only ones for a CPU run
     (``launch.gpus_per_node: 0``) or the local spec, and says what the chosen ones need on the job's
     machines (checking this machine unless ``--no-files``); the job refuses them, in one line, on a

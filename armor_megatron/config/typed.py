@@ -96,7 +96,7 @@ def at_least_or_null(n: int) -> Check:
 
 
 def registered(registry: Any) -> Check:
-    """The value must name an entry of `registry` (an ``algo.registry.Registry``).
+    """The value must name an entry of `registry` (an `armor_megatron.registry.Registry`).
 
     The description lists each entry with the config keys that supply its parameters, e.g.
     ``qae (qae_quantile, std_eps)``.
@@ -106,7 +106,7 @@ def registered(registry: Any) -> Check:
         return None if name in registry else f"unknown {registry.kind} {name!r}; known: {', '.join(registry)}"
 
     def listed(name: str) -> str:
-        keys = registry.entry(name).config_keys
+        keys = registry.entry(name, load=False).config_keys  # a lazily named entry stays unimported
         return f"{name} ({', '.join(keys.values())})" if keys else name
 
     return described(f"a registered {registry.kind}: {', '.join(map(listed, registry))}", check)
@@ -169,11 +169,6 @@ def to_dict(obj: Any, *, secrets: bool = False) -> Any:
     if isinstance(obj, dict):
         return {k: to_dict(v, secrets=secrets) for k, v in obj.items()}
     return obj
-
-
-def field_names(cls: type) -> list[str]:
-    """The field names of dataclass ``cls``, in order."""
-    return [f.name for f in dataclasses.fields(cls)]
 
 
 def _coerce(tp: Any, value: Any, key: str) -> Any:

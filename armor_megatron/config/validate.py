@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS, needs_critic
+from armor_megatron.algo.loss import POLICY_LOSSES
 from armor_megatron.algo.reset import RESET_SCHEDULES
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
@@ -29,6 +30,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
+    _check_policy_loss(cfg)
     _check_stability(cfg)
     _check_engines(cfg)
     _check_throughput(cfg)
@@ -355,6 +357,10 @@ def _check_critic(cfg: RunConfig) -> None:
         raise ConfigError(
             "critic.optimizer.min_lr", f"{critic.optimizer.min_lr} exceeds critic.optimizer.lr={critic.optimizer.lr}"
         )
+
+
+def _check_policy_loss(cfg: RunConfig) -> None:
+    registered_variant("algorithm", cfg.algorithm, "policy_loss", POLICY_LOSSES)
 
 
 def _check_stability(cfg: RunConfig) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from armor_megatron.models import ModelArch
 from armor_megatron.models.family import family_of, layer_rules
-from armor_megatron.models.tensors import TensorRule
+from armor_megatron.models.tensors import Layout, TensorRule, TPSplit
 from armor_megatron.models.tensors import rule as _rule
 
 __all__ = [
@@ -49,9 +49,8 @@ def tensor_rules(arch: ModelArch) -> tuple[TensorRule, ...]:
 def hf_tensor_names(arch: ModelArch) -> list[str]:
     """Every HF tensor name a full checkpoint of ``arch`` holds, in checkpoint order.
 
-    Every HF tensor name a full checkpoint of ``arch`` holds, each once, in checkpoint order
-    (embedding, per layer and expert, final norm, lm_head unless tied): what a complete export
-    must yield.
+    Each once (embedding, per layer and expert, final norm, lm_head unless tied): what a complete
+    export must yield.
     """
     return [
         name for rule in tensor_rules(arch) for layer, expert in rule.indices(arch) for name in rule.hf(layer, expert)
@@ -81,12 +80,11 @@ def _hashable(arch: ModelArch) -> ModelArch:
 def _tensor_rules(arch: ModelArch, family: type) -> tuple[TensorRule, ...]:  # family: part of the cache key
     rules = [
         _rule(
-            "embedding.word_embeddings.weight",
-            "embedding.word_embeddings.weight",
-            "model.embed_tokens.weight",
-            "copy",
-            "vocab",
-            (arch.vocab_size, arch.hidden_size),
+            ckpt="embedding.word_embeddings.weight",
+            local="embedding.word_embeddings.weight",
+            hf="model.embed_tokens.weight",
+            tp=TPSplit.VOCAB,
+            shape=(arch.vocab_size, arch.hidden_size),
         )
     ]
     if arch.homogeneous_layers:
@@ -96,23 +94,21 @@ def _tensor_rules(arch: ModelArch, family: type) -> tuple[TensorRule, ...]:  # f
             rules += [_at_layer(rule, layer) for rule in layer_rules(arch, layer)]
     rules.append(
         _rule(
-            "decoder.final_layernorm.weight",
-            "decoder.final_layernorm.weight",
-            "model.norm.weight",
-            "copy",
-            "replicated",
-            (arch.hidden_size,),
+            ckpt="decoder.final_layernorm.weight",
+            local="decoder.final_layernorm.weight",
+            hf="model.norm.weight",
+            tp=TPSplit.REPLICATED,
+            shape=(arch.hidden_size,),
         )
     )
     if not arch.tie_word_embeddings:
         rules.append(
             _rule(
-                "output_layer.weight",
-                "output_layer.weight",
-                "lm_head.weight",
-                "copy",
-                "vocab",
-                (arch.vocab_size, arch.hidden_size),
+                ckpt="output_layer.weight",
+                local="output_layer.weight",
+                hf="lm_head.weight",
+                tp=TPSplit.VOCAB,
+                shape=(arch.vocab_size, arch.hidden_size),
             )
         )
     return tuple(rules)
@@ -143,10 +139,10 @@ def _at_layer(rule: TensorRule, layer: int) -> TensorRule:
 # ---------------------------------------------------------------------- layouts over single tensors
 def hf_shapes(arch: ModelArch, rule: TensorRule) -> list[tuple[int, ...]]:
     """Shapes of the HF tensors ``rule`` is made of, in ``rule.hf_names`` order."""
-    if rule.layout == "qkv":
+    if rule.layout is Layout.QKV:
         d, rest = arch.head_dim, rule.shape[1:]
         return [(arch.num_attention_heads * d, *rest)] + [(arch.num_key_value_heads * d, *rest)] * 2
-    if rule.layout == "glu":
+    if rule.layout is Layout.GLU:
         return [(rule.shape[0] // 2, *rule.shape[1:])] * 2
     return [rule.shape]
 
@@ -158,9 +154,9 @@ def row_blocks(arch: ModelArch, rule: TensorRule) -> list[tuple[int, int, int, i
     tensor ``hf_index`` are rows ``mcore_row:mcore_row+rows`` of the Megatron tensor. For the
     fused QKV, group j's block is [q rows j·p·d.. | k rows j·d.. | v rows j·d..].
     """
-    if rule.layout == "copy":
+    if rule.layout is Layout.COPY:
         return [(0, 0, 0, rule.shape[0] if rule.shape else 1)]
-    if rule.layout == "glu":
+    if rule.layout is Layout.GLU:
         half = rule.shape[0] // 2
         return [(0, 0, 0, half), (1, 0, half, half)]
     p, d = arch.queries_per_group, arch.head_dim
@@ -173,7 +169,7 @@ def row_blocks(arch: ModelArch, rule: TensorRule) -> list[tuple[int, int, int, i
 
 def hf_to_mcore(arch: ModelArch, rule: TensorRule, hf_tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """Merge the HF tensors of one layer/expert into the Megatron tensor (shape ``rule.shape``)."""
-    if rule.layout == "copy":
+    if rule.layout is Layout.COPY:
         (tensor,) = hf_tensors
         return tensor
     out = torch.empty(rule.shape, dtype=hf_tensors[0].dtype)
@@ -199,8 +195,7 @@ def mcore_to_hf_blocks(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) 
 def mcore_to_hf(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor) -> list[torch.Tensor]:
     """Split one Megatron tensor into its HF tensors.
 
-    Split one Megatron tensor into its HF tensors (contiguous; views where the rows already
-    are), in ``rule.hf_names`` order.
+    Contiguous (views where the rows already are), in ``rule.hf_names`` order.
     """
     out = []
     for blocks, shape in zip(mcore_to_hf_blocks(arch, rule, tensor), hf_shapes(arch, rule)):

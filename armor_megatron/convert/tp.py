@@ -21,19 +21,20 @@ import torch
 
 from armor_megatron.convert.rules import TensorRule
 from armor_megatron.models import ModelArch
+from armor_megatron.models.tensors import TPSplit
 
 
 def _check_divisible(arch: ModelArch, rule: TensorRule, tp: int) -> None:
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
-    if rule.tp == "qkv":
+    if rule.tp is TPSplit.QKV:
         size, what = arch.num_key_value_heads, "num_key_value_heads"
-    elif rule.tp == "glu":
+    elif rule.tp is TPSplit.GLU:
         size, what = rule.shape[0] // 2, "ffn hidden size"
-    elif rule.tp == "row":
+    elif rule.tp is TPSplit.ROW:
         size, what = rule.shape[1], f"{rule.ckpt_key} input dim"
-    elif rule.tp in ("column", "vocab"):
-        size, what = rule.shape[0], "vocab_size" if rule.tp == "vocab" else f"{rule.ckpt_key} output dim"
+    elif rule.tp in (TPSplit.COLUMN, TPSplit.VOCAB):
+        size, what = rule.shape[0], "vocab_size" if rule.tp is TPSplit.VOCAB else f"{rule.ckpt_key} output dim"
     else:
         return
     if size % tp:
@@ -43,11 +44,11 @@ def _check_divisible(arch: ModelArch, rule: TensorRule, tp: int) -> None:
 def tp_split(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor, tp: int) -> list[torch.Tensor]:
     """Global tensor -> the tp rank-local tensors (views where possible), rank order."""
     _check_divisible(arch, rule, tp)
-    if rule.tp == "replicated":
+    if rule.tp is TPSplit.REPLICATED:
         return [tensor] * tp
-    if rule.tp == "row":
+    if rule.tp is TPSplit.ROW:
         return list(tensor.chunk(tp, dim=1))
-    if rule.tp == "glu":
+    if rule.tp is TPSplit.GLU:
         gate, up = tensor.chunk(2, dim=0)
         return [torch.cat(pair, dim=0) for pair in zip(gate.chunk(tp, dim=0), up.chunk(tp, dim=0))]
     return list(tensor.chunk(tp, dim=0))
@@ -57,11 +58,11 @@ def tp_gather(arch: ModelArch, rule: TensorRule, shards: Sequence[torch.Tensor])
     """Rank-local tensors (rank order) -> the global tensor; inverse of :func:`tp_split`."""
     tp = len(shards)
     _check_divisible(arch, rule, tp)
-    if rule.tp == "replicated":
+    if rule.tp is TPSplit.REPLICATED:
         return shards[0]
-    if rule.tp == "row":
+    if rule.tp is TPSplit.ROW:
         return torch.cat(list(shards), dim=1)
-    if rule.tp == "glu":
+    if rule.tp is TPSplit.GLU:
         halves = [s.chunk(2, dim=0) for s in shards]
         return torch.cat([h[0] for h in halves] + [h[1] for h in halves], dim=0)
     return torch.cat(list(shards), dim=0)

@@ -87,8 +87,8 @@ def compare_tensors(expected: HFCheckpoint, actual: HFCheckpoint) -> tuple[int, 
 def check_same_model(hf_dir: str, mcore_dir: str) -> None:
     """Refuse to compare checkpoints of different models.
 
-    Refuse to compare checkpoints of different models (family or shapes), in one line, when
-    the torch_dist checkpoint carries its HF config (this converter's outputs do).
+    Family or shapes, in one line, when the torch_dist checkpoint carries its HF config (this
+    converter's outputs do).
     """
     from armor_megatron.convert.output import HF_FILES_DIR
 

@@ -55,8 +55,7 @@ def balanced_partition(lengths: Sequence[int], parts: int) -> list[list[int]]:
 def packed_capacity(budget: int, multiple: int = 1) -> int:
     """Row tokens a packed micro-batch of at most ``budget`` tokens holds.
 
-    Row tokens a packed micro-batch of at most `budget` tokens holds when its length is
-    padded to a multiple of `multiple`: the budget rounded down to that multiple.
+    With its length padded to a multiple of `multiple`: the budget rounded down to that multiple.
     """
     return budget // multiple * multiple
 

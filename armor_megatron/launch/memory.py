@@ -218,7 +218,7 @@ def layer_bytes_per_token(arch: ModelArch, layer: int, *, spec: str, dtype_bytes
     # per-head widths (MLA: as many kv heads as q heads, values of their own width); the latents
     # (kv_lora_rank + its rope key, q_lora_rank) are kept too, where the family has them
     q, kv, v_out = nq * d, nkv * d, nq * arch.value_head_dim
-    latent = arch.kv_lora_rank + arch.qk_rope_head_dim + arch.q_lora_rank
+    latent = arch.mla.latent_width if arch.mla else 0
     local = spec == "local"
     if local:  # torch RMSNorm keeps fp32 copies of its input and normalised input, whatever e
         norms = 8 * (h + (q + kv if arch.qk_norm else 0)) / e

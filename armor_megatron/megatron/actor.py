@@ -63,7 +63,7 @@ from collections.abc import Mapping
 
 import torch
 
-from armor_megatron.algo.loss import PolicyLossConfig, get_policy_loss, loss_normalizer
+from armor_megatron.algo.loss import PolicyLossConfig, bind_policy_loss, loss_normalizer
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
@@ -98,7 +98,7 @@ class MegatronActor(TrainedModel):
         init_weights: bool = True,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
-        self.loss_fn = get_policy_loss(loss_name)
+        self.loss_fn = bind_policy_loss(loss_name)
         super().__init__(
             arch,
             parallel,
@@ -141,12 +141,12 @@ class MegatronActor(TrainedModel):
             )
             rows = {k: to_device(v, lp.device) for k, v in tmb.rows.items()}
             return self.loss_fn(
-                lp,
-                rows["old_logprobs"],
-                rows.get("ref_logprobs"),
-                rows["advantages"],
-                rows["response_mask"],
-                loss_config,
+                logp=lp,
+                old_logp=rows["old_logprobs"],
+                ref_logp=rows.get("ref_logprobs"),
+                advantages=rows["advantages"],
+                mask=rows["response_mask"],
+                cfg=loss_config,
                 normalizer=to_device(normalizer, lp.device),
                 entropy=ent,
                 token_weights=rows.get("tis_weights"),

@@ -38,10 +38,10 @@ Work-arounds (megatron-core behaviour covered -> what we do):
   tensor reports the CUDA type name of its dtype. (The distributed optimizer refuses CPU
   tensors outright; CPU runs use the plain one.)
 
-Version guard: the work-arounds patch internals, so `apply()` raises for a megatron-core
-minor release other than the one they were checked against (`mcore_version.SUPPORTED`) and warns
-for another patch release of it. Importing `armor_megatron.megatron` runs the same check on the
-installed package's metadata, on GPU runs too.
+Version guard: the work-arounds patch internals of the release they were checked against.
+Importing `armor_megatron.megatron` refuses another minor release (`mcore_version.check`, on the
+installed package's metadata, on GPU runs too); `apply()` runs the same check on
+``megatron.core.__version__`` where there is no metadata (a source checkout).
 """
 
 from __future__ import annotations
@@ -49,13 +49,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
-import warnings
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
-from armor_megatron.megatron.mcore_version import SUPPORTED as CHECKED_MCORE_VERSIONS
+from armor_megatron.megatron import mcore_version
 
 _applied = False
 
@@ -67,31 +66,14 @@ def apply() -> bool:
         return False
     if _applied:
         return True
-    check_mcore_version()
+    if mcore_version.installed_version() is None:  # otherwise checked when the subpackage was imported
+        import megatron.core
+
+        mcore_version.check(megatron.core.__version__)
     for workaround in WORKAROUNDS:
         workaround()
     _applied = True
     return True
-
-
-def check_mcore_version(version: str | None = None) -> None:
-    """Raise for an unchecked megatron-core minor release; warn for an unchecked patch release."""
-    if version is None:
-        import megatron.core
-
-        version = megatron.core.__version__
-    if version in CHECKED_MCORE_VERSIONS:
-        return
-    minor = lambda v: tuple(v.split(".")[:2])  # noqa: E731
-    if all(minor(version) != minor(v) for v in CHECKED_MCORE_VERSIONS):
-        raise RuntimeError(
-            f"armor_megatron.megatron.cpu_compat was checked against megatron-core {', '.join(CHECKED_MCORE_VERSIONS)}, "
-            f"not {version}: its CPU work-arounds patch internals that may have moved"
-        )
-    warnings.warn(
-        f"megatron-core {version} is not one cpu_compat was checked against ({', '.join(CHECKED_MCORE_VERSIONS)})",
-        stacklevel=2,
-    )
 
 
 # ----------------------------------------------------------------------------- work-arounds

@@ -182,11 +182,6 @@ class DistContext:
     device: torch.device
     backend: str
 
-    @property
-    def is_cpu(self) -> bool:
-        """Whether this process computes on the CPU."""
-        return self.device.type == "cpu"
-
 
 def initialize(
     parallel: ParallelConfig = ParallelConfig(),
@@ -242,6 +237,16 @@ def initialize(
 
 
 CUDA_BACKEND = "cpu:gloo,cuda:nccl"  # NCCL for device tensors, gloo for host ones (flags, objects)
+
+
+def global_rank() -> int:
+    """This process's rank in the default process group (0 without one)."""
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def is_distributed() -> bool:
+    """Whether the default process group holds more than this process."""
+    return torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
 
 
 def process_group_backend(on_cuda: bool) -> str:

@@ -123,8 +123,8 @@ def split_microbatches(
 ) -> list[MicroBatch]:
     """Cut [B, T] into consecutive padded micro-batches.
 
-    Cut [B, T] into consecutive micro-batches, each trimmed to its own longest sequence
-    rounded up to a multiple of ``multiple_of`` (see ``sequence_multiple``; zero-padded past T).
+    Each trimmed to its own longest sequence rounded up to a multiple of ``multiple_of`` (see
+    ``sequence_multiple``; zero-padded past T).
 
     Whatever the caller padded with, positions at or beyond a sequence's length become token 0,
     so any pad id (even -100) is safe for the embedding and the labels.
@@ -255,9 +255,9 @@ def local_packed_microbatches(
 ) -> tuple[list[MicroBatch], list[torch.Tensor]]:
     """This data-parallel rank's packed micro-batches under a token budget.
 
-    This data-parallel rank's packed micro-batches under a token budget, and ``shares[r]``, the
-    batch rows of every rank r in the order its micro-batches hold them: rows balanced over ranks by
-    tokens, every rank as many micro-batches (`data.token_budget.token_budget_plan`).
+    Also ``shares[r]``, the batch rows of every rank r in the order its micro-batches hold them:
+    rows balanced over ranks by tokens, every rank as many micro-batches
+    (`data.token_budget.token_budget_plan`).
 
     A micro-batch's ``index`` counts positions in this rank's ``shares[rank]``; fillers (empty
     index) stand in for micro-batches a rank lacks, and pad the count to a multiple of

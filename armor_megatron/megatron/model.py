@@ -266,13 +266,7 @@ def transformer_config_from_arch(
             moe_router_pre_softmax=not arch.moe_norm_topk_prob,
             moe_grouped_gemm=use_te,
             moe_permute_fusion=False,
-            moe_router_score_function=arch.moe_router_score_function,
-            moe_router_topk_scaling_factor=(
-                arch.moe_router_scaling_factor if arch.moe_router_scaling_factor != 1.0 else None
-            ),
-            moe_router_num_groups=arch.moe_router_num_groups or None,
-            moe_router_group_topk=arch.moe_router_group_topk or None,
-            moe_router_enable_expert_bias=arch.moe_router_expert_bias,
+            # the family's routing (scores, groups, scaling, selection bias) comes with its config_fields;
             # DeepSeek-V3's selection bias stays as the checkpoint has it: megatron's aux-loss-free
             # balancing would move it after every step (by 1e-3·sign(load error)), changing the
             # policy's routing outside the loss (slime sets the same).
@@ -280,8 +274,6 @@ def transformer_config_from_arch(
             moe_shared_expert_intermediate_size=arch.moe_shared_expert_ffn_hidden_size or None,
             moe_shared_expert_gate=arch.moe_shared_expert_gate,
         )
-        if arch.moe_router_score_function == "sigmoid":
-            kwargs.pop("moe_router_pre_softmax")
         if not arch.homogeneous_layers:
             kwargs["moe_layer_freq"] = [int(arch.is_moe_layer(i)) for i in range(arch.num_layers)]
     if use_te and arch.sliding_window:  # the local spec's attention has no window (exact up to it)

@@ -119,8 +119,7 @@ def current_lr(optimizer) -> float:
 def grad_norm(optimizer) -> float:
     """Move the reduced grads to the optimizer's params; their global L2 norm.
 
-    Move the reduced grads to the optimizer's params and return their global L2 norm
-    (over every model-parallel shard, counting tensor-parallel duplicates once).
+    The norm is over every model-parallel shard, counting tensor-parallel duplicates once.
     """
     optimizer.prepare_grads()
     return float(optimizer.get_grad_norm())

@@ -141,8 +141,7 @@ class StabilityGuard:
     def check(self, metrics: Mapping[str, float]) -> GuardDecision:
         """Judge one optimizer step from its all-reduced metrics.
 
-        Judge one optimizer step from its all-reduced ``metrics`` (``loss`` and ``grad_norm``
-        required) and update the guard's state; see the module docstring.
+        ``metrics`` must hold ``loss`` and ``grad_norm``; updates the guard's state (module docstring).
         """
         loss, norm = float(metrics["loss"]), float(metrics["grad_norm"])
         vetoes = self._vetoes(loss, norm)

@@ -137,9 +137,9 @@ class TrainedModel:
     def load_weights(self, path: str) -> None:
         """Load model weights from a torch_dist checkpoint.
 
-        Load model weights from a torch_dist checkpoint (keys of ``model.sharded_state_dict()``,
-        no prefix: the converter's output or one of our checkpoints), resharding as needed, or
-        from an HF directory (each rank reads its own slices: `hf_weights`).
+        Keys of ``model.sharded_state_dict()``, no prefix (the converter's output or one of our
+        checkpoints), resharded as needed; or from an HF directory (each rank reads its own slices:
+        `hf_weights`).
         """
         load_weights(self.model_chunks, path)
         self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
@@ -180,8 +180,8 @@ class TrainedModel:
     def _scale_lr(self, scale: float) -> float:
         """Set every param group's lr for this update.
 
-        Set every param group's lr to the schedule's lr(k) × the guard's `scale` for this
-        step's update (the schedule resets it when it advances); returns the lr now in force.
+        lr = the schedule's lr(k) × the guard's `scale` (the schedule resets it when it advances);
+        returns the lr now in force.
         """
         for group in self.optimizer.param_groups:
             group["lr"] = self.scheduler.get_lr(group) * scale

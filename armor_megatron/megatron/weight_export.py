@@ -55,6 +55,7 @@ import torch.distributed as dist
 
 from armor_megatron.convert import ParamRef, resolve_param, tp_gather, tp_split
 from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
+from armor_megatron.megatron.dist import global_rank, is_distributed
 from armor_megatron.models.arch import ModelArch
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -163,7 +164,7 @@ class HFWeightExport:
         iterate their own export. A sink that fails on any rank fails every rank with
         `~armor_megatron.rollout.engine.WeightUpdateError` once all ranks are done.
         """
-        if _rank() != 0:
+        if global_rank() != 0:
             raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
         if self._read:
             raise RuntimeError("this weight export was already read; export the model again")
@@ -189,10 +190,10 @@ class HFWeightExport:
 
     def _gather_on_rank0(self) -> Iterator[tuple[str, torch.Tensor]]:
         chunks, owners, rounds = self._prepare(self.bucket_bytes)
-        rank = _rank()
+        rank = global_rank()
         for k in range(rounds):
             bucket = list(_owned_hf_tensors(chunks[k], self.arch, "cpu")) if k < len(chunks) else []
-            if not _distributed():
+            if not is_distributed():
                 yield from bucket
                 continue
             if rank == 0:
@@ -210,7 +211,7 @@ class HFWeightExport:
         chunks, owners, rounds = self._prepare(getattr(delivery, "bucket_bytes", None) or self.bucket_bytes)
         if getattr(delivery, "coordinated", False):
             return self._deliver_coordinated(delivery, chunks, owners, rounds)
-        rank = _rank()
+        rank = global_rank()
         sink, error, report = None, None, None
         if rank in owners:
             try:
@@ -235,7 +236,7 @@ class HFWeightExport:
         if reports is not None:
             failed = [f"rank {r}: {err}" for r, (_, err) in enumerate(reports) if err]
             verdict = ["; ".join(failed) or None]
-        if _distributed():
+        if is_distributed():
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
@@ -252,7 +253,7 @@ class HFWeightExport:
         Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
         fails every rank at the same step, with every rank's message.
         """
-        rank = _rank()
+        rank = global_rank()
         state: dict[str, Any] = {"error": None}
 
         def attempt(fn, *args):
@@ -302,7 +303,7 @@ class HFWeightExport:
                 except Exception as e:  # noqa: BLE001
                     failed.append(f"rank 0: {type(e).__name__}: {e}")
             verdict = ["; ".join(failed) or None]
-        if _distributed():
+        if is_distributed():
             dist.broadcast_object_list(verdict, src=0)
         if verdict[0]:
             if gathered is not None:
@@ -315,19 +316,11 @@ class HFWeightExport:
     @staticmethod
     def _settle(delivery, state: dict) -> None:
         """Driver: wait for what it started (always, also after a failure of its own)."""
-        if _rank() == 0:
+        if global_rank() == 0:
             try:
                 delivery.settle()
             except Exception as e:  # noqa: BLE001 - reported to every rank by the next step
                 state["error"] = state["error"] or f"{type(e).__name__}: {e}"
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _driver_says(message):
@@ -335,7 +328,7 @@ def _driver_says(message):
 
     A small object broadcast, no tensors.
     """
-    if not _distributed():
+    if not is_distributed():
         return message
     box = [message if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
@@ -343,7 +336,7 @@ def _driver_says(message):
 
 
 def _gather_to_rank0(obj) -> list | None:
-    if not _distributed():
+    if not is_distributed():
         return [obj]
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(obj, gathered, dst=0)
@@ -553,7 +546,7 @@ def _check_complete(
         error = shown if problems else incompleteness(hf_tensor_names(arch), names)
         owners = [r for r, n in names.items() if n]
         verdict = [(error, owners, max(b for _, _, b in reports.values()))]
-    if _distributed():
+    if is_distributed():
         dist.broadcast_object_list(verdict, src=0)
     error, owners, rounds = verdict[0]
     if error:

@@ -36,6 +36,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.registry import Registry
 
 # name -> family class (`models.family.Family`); each module of `models.families` registers one
@@ -46,12 +47,38 @@ class UnsupportedModelError(ValueError):
     """The HF config names an architecture or a feature this project does not convert."""
 
 
+class InconsistentModelConfigError(UserInputError):
+    """The HF config's sizes contradict each other (heads that do not divide the hidden size, ...)."""
+
+
 class ParallelismError(ValueError):
     """A model size does not divide by a parallel size; ``axis`` names it ("tp", "pp" or "ep")."""
 
     def __init__(self, axis: str, message: str):
         super().__init__(message)
         self.axis = axis
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FamilyPart:
+    """A part of `ModelArch` only some families have; the family's module declares the subclass."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatentAttentionSizes(FamilyPart):
+    """What the shared code reads of a latent attention (its family declares the rest).
+
+    ``qk_rope_head_dim``: d_rope, the rotary part of the q/k head (k's is shared by all heads);
+    ``v_head_dim``: d_v, the value head width.
+    """
+
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def latent_width(self) -> int:
+        """Per token, the latents a layer keeps for backward besides the heads."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its latent width")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +91,14 @@ class ModelArch:
     gate/up [f, h], down [h, f], embed/lm_head [V, h]; experts use ``moe_ffn_hidden_size``,
     shared experts ``moe_shared_expert_ffn_hidden_size`` (0: none).
 
-    MLA (``kv_lora_rank`` > 0; nq = nkv, ``head_dim`` = d_nope + d_rope is the q/k head size):
-    q_a_proj [q_lora_rank, h] (or q_proj [nq·head_dim, h] when ``q_lora_rank`` is 0),
-    q_b_proj [nq·head_dim, q_lora_rank], kv_a_proj_with_mqa [kv_lora_rank + d_rope, h],
-    kv_b_proj [nq·(d_nope + d_v), kv_lora_rank], o_proj [h, nq·d_v].
+    Parts only some families have are `FamilyPart` subclasses declared by the family's module:
+    ``mla``, multi-head latent attention's sizes (DeepSeek's `LatentAttention`; nq = nkv,
+    ``head_dim`` = d_nope + d_rope is the q/k head size): q_a_proj [q_lora_rank, h] (or q_proj
+    [nq·head_dim, h] when ``q_lora_rank`` is 0), q_b_proj [nq·head_dim, q_lora_rank],
+    kv_a_proj_with_mqa [kv_lora_rank + d_rope, h], kv_b_proj [nq·(d_nope + d_v), kv_lora_rank],
+    o_proj [h, nq·d_v]; ``routing``, how the router scores and groups experts (DeepSeek's
+    `GroupRouting`, which only its family reads; None: softmax over all experts, unscaled, no
+    selection bias).
     """
 
     family: str
@@ -95,16 +126,9 @@ class ModelArch:
     moe_shared_expert_ffn_hidden_size: int = 0
     moe_shared_expert_gate: bool = False
     moe_first_dense_layers: int = 0
-    moe_router_score_function: str = "softmax"
-    moe_router_scaling_factor: float = 1.0
-    moe_router_num_groups: int = 0
-    moe_router_group_topk: int = 0
-    moe_router_expert_bias: bool = False
-    q_lora_rank: int = 0
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-    v_head_dim: int = 0
     mtp_layers: int = 0
+    mla: LatentAttentionSizes | None = None
+    routing: FamilyPart | None = None
 
     @property
     def is_moe(self) -> bool:
@@ -114,17 +138,17 @@ class ModelArch:
     @property
     def is_mla(self) -> bool:
         """Whether attention is multi-head latent attention (DeepSeek's MLA)."""
-        return self.kv_lora_rank > 0
+        return self.mla is not None
 
     @property
     def qk_nope_head_dim(self) -> int:
-        """The query/key head dimension without the rotary part (MLA)."""
-        return self.head_dim - self.qk_rope_head_dim
+        """The query/key head dimension without the rotary part (MLA; head_dim otherwise)."""
+        return self.head_dim - (self.mla.qk_rope_head_dim if self.mla else 0)
 
     @property
     def value_head_dim(self) -> int:
-        """Width of one head's values: ``v_head_dim`` where the family sets one (MLA), else head_dim."""
-        return self.v_head_dim or self.head_dim
+        """Width of one head's values: MLA's ``v_head_dim``, else head_dim."""
+        return self.mla.v_head_dim if self.mla else self.head_dim
 
     @property
     def attention_out_dim(self) -> int:
@@ -172,6 +196,15 @@ class ModelArch:
         family = FAMILIES.definition(name)()
         hidden = int(cfg["hidden_size"])
         heads = int(cfg["num_attention_heads"])
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        if not cfg.get("head_dim") and hidden % heads:
+            raise InconsistentModelConfigError(
+                f"hidden_size {hidden} is not divisible by num_attention_heads {heads} (and no head_dim is given)"
+            )
+        if heads % kv_heads:
+            raise InconsistentModelConfigError(
+                f"num_attention_heads {heads} is not divisible by num_key_value_heads {kv_heads}"
+            )
         rope_theta, rope_scaling = _rope_of(cfg, name, family.rope_scaling_types)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"hidden_act={cfg['hidden_act']!r} is not supported (only silu)")
@@ -180,7 +213,7 @@ class ModelArch:
             hidden_size=hidden,
             num_layers=int(cfg["num_hidden_layers"]),
             num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            num_key_value_heads=kv_heads,
             head_dim=int(cfg.get("head_dim") or hidden // heads),
             ffn_hidden_size=int(cfg["intermediate_size"]),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
@@ -206,6 +239,8 @@ class ModelArch:
             return cls.from_hf_config(cfg)
         except UnsupportedModelError:
             raise
+        except InconsistentModelConfigError as e:
+            raise InconsistentModelConfigError(f"{os.path.join(path, 'config.json')}: {e}") from None
         except KeyError as e:
             raise ValueError(f"{os.path.join(path, 'config.json')}: no {e.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError) as e:

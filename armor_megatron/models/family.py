@@ -7,16 +7,21 @@ bridge per family. It declares, as data and pure functions:
 * which HF configs it reads (``model_types``, ``architectures``) and the `ModelArch` fields they
   give beyond the ones every family shares (`Family.hf_fields`; `ModelArch.from_hf_config`
   reads the shared ones);
-* its decoder layer's tensors, HF names and layouts (`Family.attention_rules`,
-  `Family.mlp_rules`, built from `models.tensors`); `convert.rules` adds the embedding, the final
-  norm and the output layer, and serves the converter and weight sync from them;
+* its name table: the HF names of its decoder layer's tensors (``attention_names``,
+  ``mlp_names``, ``moe_names``: `models.tensors.AttentionNames`, `MLPNames`, `MoENames`), spelled
+  out in its module, from which `Family.attention_rules` and `Family.mlp_rules` build the layer's
+  `models.tensors.TensorRule`s (a family with its own layout, such as DeepSeek's MLA, overrides
+  them); `convert.rules` adds the embedding, the final norm and the output layer, and serves the
+  converter and weight sync from them;
+* the `ModelArch` parts only it has (DeepSeek: `ModelArch.mla`, `ModelArch.routing`), as
+  dataclasses in its module;
 * what megatron builds for it (`Family.megatron`: a `MegatronSpec`, data that
   `megatron.model` turns into megatron-core objects; nothing here imports megatron);
 * its FLOPs (`models.flops`) and parameter memory (`launch.memory`) follow from its tensors;
   activation memory from the `ModelArch` fields it sets.
 
 The shared code never asks a family's name: it reads what the family declares. The base class
-is a Llama-style family (GQA attention, SwiGLU MLP, routed experts under ``mlp.``).
+builds a Llama-style layer (GQA attention, SwiGLU MLP, routed experts) from the name tables.
 """
 
 from __future__ import annotations
@@ -26,7 +31,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES, ModelArch, UnsupportedModelError
-from armor_megatron.models.tensors import MoENames, TensorRule, dense_mlp_rules, gqa_attention_rules, moe_mlp_rules
+from armor_megatron.models.tensors import (
+    AttentionNames,
+    MLPNames,
+    MoENames,
+    TensorRule,
+    dense_mlp_rules,
+    gqa_attention_rules,
+    moe_mlp_rules,
+)
 
 CONFIG_CLASSES = ("TransformerConfig", "MLATransformerConfig")
 CORE_ATTENTIONS = ("packed", "mla")
@@ -74,12 +87,19 @@ class MegatronSpec:
 
 
 class Family:
-    """A Llama-style family; subclasses override what differs (module docstring)."""
+    """A family: the configs it reads, its name table, what megatron builds (module docstring).
+
+    Subclasses declare the class attributes; the methods build a Llama-style layer from the name
+    tables, and a family with another layout overrides them.
+    """
 
     model_types: tuple[str, ...] = ()  # HF ``model_type`` values this family reads
     architectures: tuple[str, ...] = ()  # HF ``architectures`` entries, when model_type is unknown
     rope_scaling_types: tuple[str, ...] = ("llama3",)  # HF rope scalings it takes ("default" always)
-    moe_names: MoENames = MoENames()  # HF names of its MoE blocks
+    # its name table (module docstring); the MoE names only where the family has routed experts
+    attention_names: AttentionNames
+    mlp_names: MLPNames | None = None  # None: no dense layers
+    moe_names: MoENames | None = None  # None: no routed experts
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """`ModelArch` fields of an HF config beyond the shared ones (which they override).
@@ -90,11 +110,15 @@ class Family:
 
     def attention_rules(self, arch: ModelArch) -> list[TensorRule]:
         """One decoder layer's attention tensors (``{layer}`` templates), input norm first."""
-        return gqa_attention_rules(arch)
+        return gqa_attention_rules(arch, self.attention_names)
 
     def mlp_rules(self, arch: ModelArch, moe: bool) -> list[TensorRule]:
         """One decoder layer's MLP tensors, pre-MLP norm first: routed experts when `moe`."""
-        return moe_mlp_rules(arch, self.moe_names) if moe else dense_mlp_rules(arch)
+        names = self.moe_names if moe else self.mlp_names
+        if names is None:
+            what = "moe_names" if moe else "mlp_names"
+            raise ValueError(f"{type(self).__name__} declares no {what}, but its config gives the model such layers")
+        return moe_mlp_rules(arch, names) if isinstance(names, MoENames) else dense_mlp_rules(arch, names)
 
     def megatron(self, arch: ModelArch) -> MegatronSpec:
         """What megatron builds for `arch` (see `MegatronSpec`)."""
@@ -117,8 +141,8 @@ def layer_rules(arch: ModelArch, layer: int) -> list[TensorRule]:
 def routed_experts(cfg: Mapping[str, Any], family: str, *, always_renormalise: bool = False) -> dict[str, Any]:
     """MoE fields of a config whose every layer routes.
 
-    MoE fields of a config whose every layer routes (``num_experts`` or ``num_local_experts``,
-    ``num_experts_per_tok``, ``moe_intermediate_size``, ``norm_topk_prob``).
+    Read from ``num_experts`` or ``num_local_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size`` and ``norm_topk_prob``.
     """
     if cfg.get("mlp_only_layers") or int(cfg.get("decoder_sparse_step", 1)) != 1:
         raise UnsupportedModelError(

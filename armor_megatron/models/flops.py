@@ -42,8 +42,8 @@ from armor_megatron.models.tensors import TensorRule
 def matmul_weights(rules: Iterable[TensorRule], routed: int = 1) -> int:
     """Weights of the matrices among ``rules`` a token goes through.
 
-    Weights of the matrices among `rules` a token goes through (vectors -- norms, biases, a
-    router's bias -- do no matmul): each expert's matrices count `routed` times (its top-k).
+    Vectors (norms, biases, a router's bias) do no matmul; each expert's matrices count `routed`
+    times (its top-k).
     """
     return sum(r.numel * (routed if r.per_expert else 1) for r in rules if len(r.shape) == 2)
 
@@ -51,8 +51,7 @@ def matmul_weights(rules: Iterable[TensorRule], routed: int = 1) -> int:
 def attention_weights(arch: ModelArch) -> int:
     """Weights of one layer's attention matmuls a token goes through.
 
-    Weights of one layer's attention matmuls a token goes through (module docstring), read
-    from its family's attention tensors.
+    Read from its family's attention tensors (module docstring).
     """
     return matmul_weights(family_of(arch).attention_rules(arch))
 
@@ -92,8 +91,7 @@ def train_flops_per_token(arch: ModelArch, seq_len: int) -> float:
 def _model_weights(arch: ModelArch, family: type) -> int:
     """Σ_layers (attention weights + mlp weights) + h·V of ``arch`` under ``family``.
 
-    Σ_layers (attention weights + mlp weights) + h·V of `arch` under `family` (the cache key:
-    a step asks for every sequence).
+    `family` is part of the cache key (a step asks for every sequence).
     """
     layers = range(arch.num_layers)
     return sum(attention_weights(arch) + mlp_weights(arch, i) for i in layers) + arch.hidden_size * arch.vocab_size

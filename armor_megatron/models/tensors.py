@@ -2,18 +2,19 @@
 
 One :class:`TensorRule` describes one Megatron tensor per layer (and per expert) and the HF
 tensors it is made of. A family (`models.family.Family`) lists its decoder layer's rules with the
-builders below (or its own); `convert.rules` adds the embedding, final norm and output layer and
+builders below from its name tables (`AttentionNames`, `MLPNames`, `MoENames`), or with its own
+rules; `convert.rules` adds the embedding, final norm and output layer and
 applies the layouts, for the checkpoint converter and for weight sync alike. This module is pure
 data: no torch, no megatron.
 
 Layouts (h = hidden, d = head_dim, g = num_key_value_heads = query groups, p = q heads per
 group, f = ffn hidden size):
 
-* ``qkv``: Megatron's fused ``linear_qkv`` interleaves per query group: group j holds its p
+* `Layout.QKV`: Megatron's fused ``linear_qkv`` interleaves per query group: group j holds its p
   query heads, then key head j, then value head j. Viewed as [g, (p+2)·d, h]; the bias is the
   same with the trailing h dropped. HF keeps q_proj [g·p·d, h], k_proj/v_proj [g·d, h].
-* ``glu``: ``linear_fc1`` is [gate; up] = [2f, h] (HF gate_proj/w1 then up_proj/w3).
-* ``copy``: the tensor is the same on both sides.
+* `Layout.GLU`: ``linear_fc1`` is [gate; up] = [2f, h] (HF gate_proj/w1 then up_proj/w3).
+* `Layout.COPY`: the tensor is the same on both sides.
 
 Names: ``{layer}`` and ``{expert}`` are global indices (a pipeline stage's local layer 0 and
 an expert-parallel rank's local expert 0 must be offset by the caller before mapping).
@@ -25,18 +26,43 @@ checkpoints use one sharded key per rule with layers (and experts) stacked on le
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Iterator, Sequence
 
 from armor_megatron.models.arch import ModelArch
 
-LAYOUTS = ("copy", "qkv", "glu")
-TP_SPLITS = ("replicated", "column", "row", "vocab", "qkv", "glu")
+
+class _Named(str, enum.Enum):
+    """An enum whose members are their string values (``==`` a string, printed as the value)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class Layout(_Named):
+    """How the HF tensors of a rule make its Megatron tensor (module docstring)."""
+
+    COPY = "copy"  # one HF tensor, the same on both sides
+    QKV = "qkv"  # q, k, v interleaved per query group
+    GLU = "glu"  # [gate; up]
+
+
+class TPSplit(_Named):
+    """How tensor parallelism splits a Megatron tensor."""
+
+    REPLICATED = "replicated"  # every rank holds it whole
+    COLUMN = "column"  # dim 0
+    ROW = "row"  # dim 1
+    VOCAB = "vocab"  # dim 0, the (padded) vocabulary
+    QKV = "qkv"  # dim 0, whole query groups
+    GLU = "glu"  # dim 0 of gate and of up separately
+
 
 DECODER = "decoder.layers.{layer}."
 HF_LAYER = "model.layers.{layer}."
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class TensorRule:
     """One Megatron tensor and the HF tensors it is made of.
 
@@ -45,10 +71,8 @@ class TensorRule:
     local_name / te_name: parameter names of the local and TE layer specs.
     grouped_name: parameter name of grouped-GEMM experts (expert rules only).
     hf_names: HF tensor names, in the order ``layout`` concatenates them.
-    layout: ``copy`` | ``qkv`` | ``glu``.
-    tp: how tensor parallelism splits it: ``replicated`` | ``column`` (dim 0) | ``row``
-        (dim 1) | ``vocab`` (dim 0, vocabulary) | ``qkv`` (dim 0, whole query groups) |
-        ``glu`` (dim 0 of gate and of up separately).
+    layout: a `Layout`.
+    tp: a `TPSplit`.
     shape: per-layer, per-expert shape of the Megatron tensor.
     buffer: a tensor of the checkpoint that megatron keeps as a buffer, not a parameter (never
         trained; not counted as a parameter).
@@ -58,8 +82,8 @@ class TensorRule:
     local_name: str
     te_name: str
     hf_names: tuple[str, ...]
-    layout: str
-    tp: str
+    layout: Layout
+    tp: TPSplit
     shape: tuple[int, ...]
     grouped_name: str | None = None
     alt_ckpt_keys: tuple[str, ...] = ()
@@ -110,28 +134,92 @@ class TensorRule:
 
 
 def rule(
-    ckpt_key: str,
+    *,
+    ckpt: str,
     local: str,
     hf: str | Sequence[str],
-    layout: str,
-    tp: str,
+    tp: TPSplit,
     shape: Sequence[int],
+    layout: Layout = Layout.COPY,
     te: str | None = None,
     grouped: str | None = None,
     alt_ckpt_keys: Sequence[str] = (),
     buffer: bool = False,
 ) -> TensorRule:
     """A `TensorRule`; ``te`` defaults to the local name, ``hf`` may be one name."""
-    if layout not in LAYOUTS or tp not in TP_SPLITS:
-        raise ValueError(f"{ckpt_key}: layout {layout!r} / tp {tp!r} is not one of {LAYOUTS} / {TP_SPLITS}")
-    names = (hf,) if isinstance(hf, str) else tuple(hf)
     return TensorRule(
-        ckpt_key, local, te or local, names, layout, tp, tuple(shape), grouped, tuple(alt_ckpt_keys), buffer
+        ckpt_key=ckpt,
+        local_name=local,
+        te_name=te or local,
+        hf_names=(hf,) if isinstance(hf, str) else tuple(hf),
+        layout=Layout(layout),
+        tp=TPSplit(tp),
+        shape=tuple(shape),
+        grouped_name=grouped,
+        alt_ckpt_keys=tuple(alt_ckpt_keys),
+        buffer=buffer,
     )
 
 
+# ---------------------------------------------------------------------- a family's name tables
+# A family's module states the HF names of its decoder layer in these tables (relative to
+# ``model.layers.{layer}.``); the builders below pair each with the Megatron tensor that megatron's
+# layer spec gives it, shown in the field comments.
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AttentionNames:
+    """HF names of a GQA attention block; q/k/v without ``.weight`` / ``.bias``."""
+
+    input_norm: str  # self_attention.linear_qkv.layer_norm_weight (TE) / input_layernorm.weight (local)
+    q: str  # self_attention.linear_qkv.{weight,bias}: q, k and v interleaved per query group
+    k: str
+    v: str
+    o: str  # self_attention.linear_proj.weight
+    q_norm: str | None = None  # self_attention.q_layernorm.weight (families with per-head q/k norms)
+    k_norm: str | None = None  # self_attention.k_layernorm.weight
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MLPNames:
+    """HF names of a dense SwiGLU MLP."""
+
+    pre_mlp_norm: str  # mlp.linear_fc1.layer_norm_weight (TE) / pre_mlp_layernorm.weight (local)
+    gate: str  # mlp.linear_fc1.weight = [gate; up]
+    up: str
+    down: str  # mlp.linear_fc2.weight
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoENames:
+    """HF names of a MoE block.
+
+    Experts sit under ``experts + "{expert}."``; the optional names exist where the family has
+    the tensor (shared experts, their sigmoid gate, the router's selection bias).
+    """
+
+    pre_mlp_norm: str  # pre_mlp_layernorm.weight
+    router: str  # mlp.router.weight
+    experts: str  # mlp.experts.local_experts.{expert}. / grouped-GEMM mlp.experts.linear_fc{1,2}.weight{expert}
+    expert_gate: str  # ... linear_fc1.weight = [gate; up]
+    expert_up: str
+    expert_down: str  # ... linear_fc2.weight
+    shared_gate_proj: str | None = None  # mlp.shared_experts.linear_fc1.weight = [gate; up]
+    shared_up_proj: str | None = None
+    shared_down_proj: str | None = None  # mlp.shared_experts.linear_fc2.weight
+    shared_expert_gate: str | None = None  # mlp.shared_experts.gate_weight
+    router_bias: str | None = None  # mlp.router.expert_bias (a buffer)
+
+
+def _declared(name: str | None, what: str) -> str:
+    """A name the family's table must hold because `ModelArch` says the tensor exists."""
+    if name is None:
+        raise ValueError(f"the family's name table has no {what}, which its config gives the model")
+    return name
+
+
 # ---------------------------------------------------------------------- the standard layer parts
-def gqa_attention_rules(arch: ModelArch) -> list[TensorRule]:
+def gqa_attention_rules(arch: ModelArch, names: AttentionNames) -> list[TensorRule]:
     """Llama-style attention.
 
     Input norm, fused q/k/v (+ its bias with ``qkv_bias``, + per-head q/k RMSNorm with ``qk_norm``),
@@ -140,210 +228,181 @@ def gqa_attention_rules(arch: ModelArch) -> list[TensorRule]:
     h, d = arch.hidden_size, arch.head_dim
     qkv_rows = (arch.num_attention_heads + 2 * arch.num_key_value_heads) * d
     L, A = DECODER, HF_LAYER
-    qkv_hf = [f"{A}self_attn.{x}_proj" for x in "qkv"]
+    qkv_hf = [A + names.q, A + names.k, A + names.v]
     rules = [
         rule(
-            "decoder.layers.self_attention.linear_qkv.layer_norm_weight",
-            L + "input_layernorm.weight",
-            A + "input_layernorm.weight",
-            "copy",
-            "replicated",
-            (h,),
+            ckpt="decoder.layers.self_attention.linear_qkv.layer_norm_weight",
+            local=L + "input_layernorm.weight",
             te=L + "self_attention.linear_qkv.layer_norm_weight",
+            hf=A + names.input_norm,
+            tp=TPSplit.REPLICATED,
+            shape=(h,),
         ),
         rule(
-            "decoder.layers.self_attention.linear_qkv.weight",
-            L + "self_attention.linear_qkv.weight",
-            [n + ".weight" for n in qkv_hf],
-            "qkv",
-            "qkv",
-            (qkv_rows, h),
+            ckpt="decoder.layers.self_attention.linear_qkv.weight",
+            local=L + "self_attention.linear_qkv.weight",
+            hf=[n + ".weight" for n in qkv_hf],
+            layout=Layout.QKV,
+            tp=TPSplit.QKV,
+            shape=(qkv_rows, h),
         ),
     ]
     if arch.qkv_bias:
         rules.append(
             rule(
-                "decoder.layers.self_attention.linear_qkv.bias",
-                L + "self_attention.linear_qkv.bias",
-                [n + ".bias" for n in qkv_hf],
-                "qkv",
-                "qkv",
-                (qkv_rows,),
+                ckpt="decoder.layers.self_attention.linear_qkv.bias",
+                local=L + "self_attention.linear_qkv.bias",
+                hf=[n + ".bias" for n in qkv_hf],
+                layout=Layout.QKV,
+                tp=TPSplit.QKV,
+                shape=(qkv_rows,),
             )
         )
     if arch.qk_norm:
         rules += [
             rule(
-                f"decoder.layers.self_attention.{x}_layernorm.weight",
-                L + f"self_attention.{x}_layernorm.weight",
-                A + f"self_attn.{x}_norm.weight",
-                "copy",
-                "replicated",
-                (d,),
+                ckpt=f"decoder.layers.self_attention.{x}_layernorm.weight",
+                local=L + f"self_attention.{x}_layernorm.weight",
+                hf=A + _declared(name, f"{x}_norm"),
+                tp=TPSplit.REPLICATED,
+                shape=(d,),
             )
-            for x in "qk"
+            for x, name in (("q", names.q_norm), ("k", names.k_norm))
         ]
     rules.append(
         rule(
-            "decoder.layers.self_attention.linear_proj.weight",
-            L + "self_attention.linear_proj.weight",
-            A + "self_attn.o_proj.weight",
-            "copy",
-            "row",
-            (h, arch.attention_out_dim),
+            ckpt="decoder.layers.self_attention.linear_proj.weight",
+            local=L + "self_attention.linear_proj.weight",
+            hf=A + names.o,
+            tp=TPSplit.ROW,
+            shape=(h, arch.attention_out_dim),
         )
     )
     return rules
 
 
-def dense_mlp_rules(arch: ModelArch) -> list[TensorRule]:
+def dense_mlp_rules(arch: ModelArch, names: MLPNames) -> list[TensorRule]:
     """SwiGLU MLP: pre-MLP norm (HF post_attention_layernorm), fc1 = [gate; up], fc2 = down."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    L, A = DECODER, HF_LAYER + "mlp."
+    L, A = DECODER, HF_LAYER
     return [
         rule(
-            "decoder.layers.mlp.linear_fc1.layer_norm_weight",
-            L + "pre_mlp_layernorm.weight",
-            HF_LAYER + "post_attention_layernorm.weight",
-            "copy",
-            "replicated",
-            (h,),
+            ckpt="decoder.layers.mlp.linear_fc1.layer_norm_weight",
+            local=L + "pre_mlp_layernorm.weight",
             te=L + "mlp.linear_fc1.layer_norm_weight",
+            hf=A + names.pre_mlp_norm,
+            tp=TPSplit.REPLICATED,
+            shape=(h,),
         ),
         rule(
-            "decoder.layers.mlp.linear_fc1.weight",
-            L + "mlp.linear_fc1.weight",
-            [A + "gate_proj.weight", A + "up_proj.weight"],
-            "glu",
-            "glu",
-            (2 * f, h),
+            ckpt="decoder.layers.mlp.linear_fc1.weight",
+            local=L + "mlp.linear_fc1.weight",
+            hf=[A + names.gate, A + names.up],
+            layout=Layout.GLU,
+            tp=TPSplit.GLU,
+            shape=(2 * f, h),
         ),
         rule(
-            "decoder.layers.mlp.linear_fc2.weight",
-            L + "mlp.linear_fc2.weight",
-            A + "down_proj.weight",
-            "copy",
-            "row",
-            (h, f),
+            ckpt="decoder.layers.mlp.linear_fc2.weight",
+            local=L + "mlp.linear_fc2.weight",
+            hf=A + names.down,
+            tp=TPSplit.ROW,
+            shape=(h, f),
         ),
     ]
 
 
-@dataclasses.dataclass(frozen=True)
-class MoENames:
-    """HF names of a MoE block, under ``model.layers.{layer}.``.
-
-    ``block`` + ``gate`` is the router, ``block`` + ``experts.{e}.`` + ``expert_gate`` /
-    ``expert_up`` / ``expert_down`` the experts' SwiGLU, ``block`` + ``shared`` the shared experts
-    (gate_proj / up_proj / down_proj), ``block`` + ``shared_gate`` the sigmoid gate of the shared
-    expert, ``block`` + ``router_bias`` the router's selection bias.
-    """
-
-    block: str = "mlp."
-    router: str = "gate.weight"
-    expert_gate: str = "gate_proj"
-    expert_up: str = "up_proj"
-    expert_down: str = "down_proj"
-    shared: str = "shared_experts."
-    shared_gate: str = "shared_expert_gate.weight"
-    router_bias: str = "gate.e_score_correction_bias"
-
-
-def moe_mlp_rules(arch: ModelArch, names: MoENames = MoENames()) -> list[TensorRule]:
+def moe_mlp_rules(arch: ModelArch, names: MoENames, *, router_bias: bool = False) -> list[TensorRule]:
     """The tensor rules of an MoE layer's MLP.
 
-    Pre-MLP norm, router (+ its selection bias with ``moe_router_expert_bias``), experts, and the
-    shared experts (+ their gate with ``moe_shared_expert_gate``) when ``arch`` has them.
+    Pre-MLP norm, router (+ its selection bias with `router_bias`), experts, and the shared
+    experts (+ their gate with ``moe_shared_expert_gate``) when ``arch`` has them.
     """
     h, f = arch.hidden_size, arch.moe_ffn_hidden_size
-    moe = HF_LAYER + names.block
-    expert = moe + "experts.{expert}."
+    A = HF_LAYER
+    expert = A + names.experts + "{expert}."
     L = DECODER + "mlp."
     rules = [
         # The project's builder keeps the MoE pre-MLP norm under the TE key for both specs;
         # megatron's stock local spec files it under the dense fused-norm key (accepted on read).
         rule(
-            "decoder.layers.pre_mlp_layernorm.weight",
-            DECODER + "pre_mlp_layernorm.weight",
-            HF_LAYER + "post_attention_layernorm.weight",
-            "copy",
-            "replicated",
-            (h,),
+            ckpt="decoder.layers.pre_mlp_layernorm.weight",
+            local=DECODER + "pre_mlp_layernorm.weight",
+            hf=A + names.pre_mlp_norm,
+            tp=TPSplit.REPLICATED,
+            shape=(h,),
             alt_ckpt_keys=("decoder.layers.mlp.linear_fc1.layer_norm_weight",),
         ),
         rule(
-            "decoder.layers.mlp.router.weight",
-            L + "router.weight",
-            moe + names.router,
-            "copy",
-            "replicated",
-            (arch.num_experts, h),
+            ckpt="decoder.layers.mlp.router.weight",
+            local=L + "router.weight",
+            hf=A + names.router,
+            tp=TPSplit.REPLICATED,
+            shape=(arch.num_experts, h),
         ),
     ]
-    if arch.moe_router_expert_bias:
+    if router_bias:
         # megatron keeps the selection bias as the router's fp32 buffer (a tensor of the sharded
         # state dict, not a parameter), added to the scores for top-k only.
         rules.append(
             rule(
-                "decoder.layers.mlp.router.expert_bias",
-                L + "router.expert_bias",
-                moe + names.router_bias,
-                "copy",
-                "replicated",
-                (arch.num_experts,),
+                ckpt="decoder.layers.mlp.router.expert_bias",
+                local=L + "router.expert_bias",
+                hf=A + _declared(names.router_bias, "router_bias"),
+                tp=TPSplit.REPLICATED,
+                shape=(arch.num_experts,),
                 buffer=True,
             )
         )
     rules += [
         rule(
-            "decoder.layers.mlp.experts.experts.linear_fc1.weight",
-            L + "experts.local_experts.{expert}.linear_fc1.weight",
-            [expert + f"{names.expert_gate}.weight", expert + f"{names.expert_up}.weight"],
-            "glu",
-            "glu",
-            (2 * f, h),
+            ckpt="decoder.layers.mlp.experts.experts.linear_fc1.weight",
+            local=L + "experts.local_experts.{expert}.linear_fc1.weight",
             grouped=L + "experts.linear_fc1.weight{expert}",
+            hf=[expert + names.expert_gate, expert + names.expert_up],
+            layout=Layout.GLU,
+            tp=TPSplit.GLU,
+            shape=(2 * f, h),
         ),
         rule(
-            "decoder.layers.mlp.experts.experts.linear_fc2.weight",
-            L + "experts.local_experts.{expert}.linear_fc2.weight",
-            expert + f"{names.expert_down}.weight",
-            "copy",
-            "row",
-            (h, f),
+            ckpt="decoder.layers.mlp.experts.experts.linear_fc2.weight",
+            local=L + "experts.local_experts.{expert}.linear_fc2.weight",
             grouped=L + "experts.linear_fc2.weight{expert}",
+            hf=expert + names.expert_down,
+            tp=TPSplit.ROW,
+            shape=(h, f),
         ),
     ]
     fs = arch.moe_shared_expert_ffn_hidden_size
     if fs:
-        shared = moe + names.shared
         rules += [
             rule(
-                "decoder.layers.mlp.shared_experts.linear_fc1.weight",
-                L + "shared_experts.linear_fc1.weight",
-                [shared + "gate_proj.weight", shared + "up_proj.weight"],
-                "glu",
-                "glu",
-                (2 * fs, h),
+                ckpt="decoder.layers.mlp.shared_experts.linear_fc1.weight",
+                local=L + "shared_experts.linear_fc1.weight",
+                hf=[
+                    A + _declared(names.shared_gate_proj, "shared_gate_proj"),
+                    A + _declared(names.shared_up_proj, "shared_up_proj"),
+                ],
+                layout=Layout.GLU,
+                tp=TPSplit.GLU,
+                shape=(2 * fs, h),
             ),
             rule(
-                "decoder.layers.mlp.shared_experts.linear_fc2.weight",
-                L + "shared_experts.linear_fc2.weight",
-                shared + "down_proj.weight",
-                "copy",
-                "row",
-                (h, fs),
+                ckpt="decoder.layers.mlp.shared_experts.linear_fc2.weight",
+                local=L + "shared_experts.linear_fc2.weight",
+                hf=A + _declared(names.shared_down_proj, "shared_down_proj"),
+                tp=TPSplit.ROW,
+                shape=(h, fs),
             ),
         ]
     if arch.moe_shared_expert_gate:
         rules.append(
             rule(
-                "decoder.layers.mlp.shared_experts.gate_weight",
-                L + "shared_experts.gate_weight",
-                moe + names.shared_gate,
-                "copy",
-                "replicated",
-                (1, h),
+                ckpt="decoder.layers.mlp.shared_experts.gate_weight",
+                local=L + "shared_experts.gate_weight",
+                hf=A + _declared(names.shared_expert_gate, "shared_expert_gate"),
+                tp=TPSplit.REPLICATED,
+                shape=(1, h),
             )
         )
     return rules

@@ -46,8 +46,7 @@ class ShardSink(abc.ABC):
     def describe(self, bucket: list[tuple[str, Any]]) -> Any:
         """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver.
 
-        A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver's
-        :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round.
+        For :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round.
         """
         return None
 

@@ -143,10 +143,6 @@ class LocalEngine(RolloutEngine):
             self.load_weights(weights, strict=True)
             self.weight_version = str(version)
 
-    def named_weights(self):
-        """``(HF name, tensor)`` of every parameter, e.g. to swap reference weights in and back."""
-        return [(n, p.detach().clone()) for n, p in self.model.named_parameters()]
-
     # ---- generation --------------------------------------------------------------------
 
     def generate(

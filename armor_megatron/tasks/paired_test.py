@@ -1,7 +1,6 @@
 """The paired two-sided Student t test of a pre-registered study, in pure Python.
 
-The paired two-sided Student t test of a pre-registered study, its confidence interval and a
-power calculation, in pure Python (no SciPy).
+With its confidence interval and a power calculation; no SciPy.
 
 For differences d_1..d_n (ARMOR − DAPO per seed): mean d̄, sample sd s, standard error
 s/√n, t = d̄ / (s/√n) with ν = n − 1 degrees of freedom, two-sided p = P(|T_ν| ≥ |t|), and the
@@ -112,9 +111,8 @@ def paired_t_test(a: Sequence[float], b: Sequence[float], *, level: float = 0.95
 def paired_power(n: int, effect: float, sd: float, *, alpha: float = 0.05) -> float:
     """Approximate power of the two-sided paired t test.
 
-    Approximate power of the two-sided paired t test with ``n`` pairs to detect a true mean
-    difference ``effect`` when the differences have sd ``sd``: P(T_{n−1} > t_{1−α/2, n−1} − δ√n/σ)
-    (the shifted central-t approximation of the noncentral t).
+    With ``n`` pairs, a true mean difference ``effect`` and differences of sd ``sd``:
+    P(T_{n−1} > t_{1−α/2, n−1} − δ√n/σ) (the shifted central-t approximation of the noncentral t).
     """
     if n < 2 or sd <= 0:
         raise ValueError(f"power needs n >= 2 and sd > 0, got n={n}, sd={sd}")

@@ -1,7 +1,6 @@
 """Supervised warm-up of a tiny HF causal LM on a synthetic task.
 
-Supervised warm-up of a tiny HF causal LM on a synthetic task, so its reference policy can
-solve part of it before RL starts (the tiny CPU main job).
+So that its reference policy solves part of the task before RL starts (the tiny CPU main job).
 
 Loss: next-token cross-entropy on the response tokens only (prompt tokens are masked with
 -100), responses end with EOS. Greedy accuracy is measured with the same verifier RL uses.

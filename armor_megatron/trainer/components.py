@@ -9,25 +9,18 @@ from __future__ import annotations
 import os
 
 from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
-from armor_megatron.algo.loss import make_policy_loss_config
+from armor_megatron.algo.loss import POLICY_LOSSES
 from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
 def loss_config(cfg: RunConfig) -> PolicyLossConfig:
-    """The hyper-parameters of the registered policy loss ``algorithm.policy_loss``."""
-    algo = cfg.algorithm
-    return make_policy_loss_config(
-        algo.policy_loss,
-        alpha=algo.alpha,
-        eps_low=algo.eps_low,
-        eps_high=algo.eps_high,
-        dual_clip_c=algo.dual_clip_c,
-        loss_agg=algo.loss_agg,
-    )
+    """The hyper-parameters of the registered policy loss ``algorithm.policy_loss``, from the keys it declares."""
+    config: PolicyLossConfig = POLICY_LOSSES.configure(cfg.algorithm.policy_loss, cfg.algorithm)
+    return config
 
 
 def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
@@ -89,12 +82,11 @@ def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
     """A factory of the policy and reference engines the config asks for.
 
     ``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
-    (policy_engine, reference_engine or None)``, called once on the driver: the local
-    transformers engine (``rollout.engine: local``) or clients of SGLang servers.
+    (policy_engine, reference_engine or None)``, called once on the driver, from the rollout engine
+    registered as ``rollout.engine`` (`config.schema.ROLLOUT_ENGINES`): the local transformers
+    engine (``local``), clients of SGLang servers (``sglang``) or a plugin's.
     """
-    if cfg.rollout.engine == "local":
-        return make_local_engines(cfg, hf_config, tokenizer)
-    return make_sglang_engines(cfg, hf_config)
+    return ROLLOUT_ENGINES.call(cfg.rollout.engine, cfg, hf_config, tokenizer)
 
 
 def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
@@ -163,8 +155,8 @@ def release_engines_at_start(cfg: RunConfig) -> None:
     barrier()
 
 
-def make_sglang_engines(cfg: RunConfig, hf_config: dict):
-    """Driver-side engine factory for GPU runs.
+def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
+    """Driver-side engine factory for GPU runs (``tokenizer`` is unused: the servers load the model's own).
 
     Clients of the SGLang servers the launcher started (``rollout.sglang.urls``) and, for anchors
     from a separate group, of ``anchor.reference_urls``.

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from armor_megatron.config.schema import SaveHFConfig
 from armor_megatron.convert.hf_io import INDEX_FILE
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files
+from armor_megatron.megatron.dist import global_rank, is_distributed
 from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES
 from armor_megatron.rollout.sglang.weight_sync import DiskDelivery
 
@@ -83,7 +84,7 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
     staging = _on_every_rank(lambda: _new_staging_dir(root, step))
     outcome: list = [None]
     try:
-        if _rank() == 0:
+        if global_rank() == 0:
             reports = export.deliver(DiskDelivery(staging, bucket_bytes))
             weight_map, total = {}, 0
             for report in filter(None, reports):
@@ -98,11 +99,11 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
             list(export)  # the driver delivers: this rank's owned tensors go to its own sink
     except Exception as e:
         outcome[0] = f"{type(e).__name__}: {e}"
-        if _rank() == 0:
+        if global_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
-        if not _distributed():
+        if not is_distributed():
             raise
-    if _distributed():
+    if is_distributed():
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, outcome[0])
         failed = [f"rank {r}: {e}" for r, e in enumerate(gathered) if e]
@@ -123,12 +124,12 @@ def _new_staging_dir(root: str, step: int) -> str:
 def _on_every_rank(make):
     """``make()`` run on rank 0; its result, or its error, on every rank."""
     box: list = [None]
-    if _rank() == 0:
+    if global_rank() == 0:
         try:
             box[0] = make()
         except OSError as e:
             box[0] = e
-    if _distributed():
+    if is_distributed():
         dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
@@ -156,11 +157,3 @@ def _replace_dir(tmp: str, final: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, final)
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _distributed() -> bool:
-    return dist.is_initialized() and dist.get_world_size() > 1

@@ -75,6 +75,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
+from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
@@ -98,6 +99,7 @@ from armor_megatron.trainer.overlap import (
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
+from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
 from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
@@ -167,7 +169,7 @@ class ArmorTrainer:
         self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
         self.tokenizer = tokenizer
         self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = global_rank()
         self.is_driver = self.rank == 0
         # progress, replicated on every rank and checkpointed (``trainer_state``)
         self.step = 0
@@ -320,8 +322,9 @@ class ArmorTrainer:
         return driver_only(self.anchors, "the anchor cache")
 
     def trainer_state(self) -> dict:
-        """Driver-side state that goes into checkpoints next to the model and optimizer."""
+        """Driver-side state that goes into checkpoints next to the model and optimizer (`state_format`)."""
         return {
+            "format_version": FORMAT_VERSION,
             "step": self.step,
             "loader": self._prompts.state_dict(),
             "anchor_cache": self.anchors.state_dict()
@@ -335,19 +338,20 @@ class ArmorTrainer:
             "step_record": self._step_record,
         }
 
-    def load_trainer_state(self, state: dict) -> None:
-        """Restore the loop's state from a checkpoint's trainer state."""
+    def load_trainer_state(self, state: dict, source: str = "the checkpoint") -> None:
+        """Restore the loop's state from a checkpoint's trainer state of any format it reads (`state_format`)."""
+        state = migrated(state, source)
         self.step = state["step"]
         self.ref_resets = state["ref_resets"]
         self.last_train_accuracy = state["last_train_accuracy"]
-        if state.get("reset_schedule"):
+        if state["reset_schedule"]:
             self.reset_schedule.load_state_dict(state["reset_schedule"])
         if self.is_driver:
             self._prompts.load_state_dict(state["loader"])
             self.monitor.load_state_dict(state["monitor"])
-            self._anchor_state = state.get("anchor_cache")
-            self._pending = load_pending(state.get("pending_batch"))
-            self._step_record = state.get("step_record")
+            self._anchor_state = state["anchor_cache"]
+            self._pending = load_pending(state["pending_batch"])
+            self._step_record = state["step_record"]
 
     def reference_replaced(self) -> None:
         """π_ref was loaded from elsewhere (recovery mode) after the state was restored.

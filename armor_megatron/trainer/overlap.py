@@ -63,8 +63,7 @@ class PendingBatch:
 class BackgroundRollout:
     """At most one generation at a time, in a daemon thread.
 
-    At most one generation at a time in a daemon thread; ``join`` returns its `PendingBatch`
-    and re-raises its error in the caller's thread.
+    ``join`` returns its `PendingBatch` and re-raises its error in the caller's thread.
     """
 
     def __init__(self):

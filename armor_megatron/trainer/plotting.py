@@ -23,10 +23,9 @@ from __future__ import annotations
 import math
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from armor_megatron.tasks.study_stats import VariantCurves
 from armor_megatron.trainer.metrics_log import read_metrics
 
 TRAIN_ACCURACY, TRAIN_REWARD, VAL_ACCURACY = "rollout/on_policy_accuracy", "rollout/reward", "eval/mean/pass@1"
@@ -156,7 +155,7 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
             points = series(run.records, key)
             _line(ax, points, color=colour, marker="." if len(points[0]) < 50 else None, label=run.label)
         ax.set_ylabel(key)
-        _legend(ax)
+        legend(ax)
     for ax, run in zip(axes[1 + len(extra_metrics) :], runs):
         _timing_panel(ax, run)
     axes[-1].set_xlabel("step")
@@ -166,7 +165,7 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
         ax.grid(alpha=0.3)
     fig.tight_layout()
     try:
-        _save_atomically(fig, out)
+        save_png(fig, out)
     finally:
         plt.close(fig)
 
@@ -191,7 +190,7 @@ def _accuracy_panel(ax, runs: Sequence[Run], colours: Sequence[str]) -> None:
             ax.axvline(step, color=colour, linewidth=0.8, alpha=0.5, label=f"{run.label} ref reset" if i == 0 else None)
     ax.set_ylabel("accuracy")
     ax.set_title("training vs validation accuracy")
-    _legend(ax)
+    legend(ax)
 
 
 def _line(ax, points: tuple[list[int], list[float]], **style) -> None:
@@ -199,7 +198,8 @@ def _line(ax, points: tuple[list[int], list[float]], **style) -> None:
         ax.plot(*points, **style)
 
 
-def _legend(ax, **kwargs) -> None:
+def legend(ax, **kwargs) -> None:
+    """A legend right of ``ax``, when it has labelled artists."""
     if ax.get_legend_handles_labels()[1]:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), **kwargs)
 
@@ -216,7 +216,7 @@ def _timing_panel(ax, run: Run) -> None:
     for name, seconds in phases.items():  # a phase keeps its colour in every run's panel
         ax.bar(steps, seconds, width=width, bottom=bottom, color=f"C{(PHASES + (OTHER,)).index(name)}", label=name)
         bottom = [b + s for b, s in zip(bottom, seconds)]
-    _legend(ax)
+    legend(ax)
 
 
 def _timeline_panel(ax, run: Run, timeline: list) -> None:
@@ -231,10 +231,11 @@ def _timeline_panel(ax, run: Run, timeline: list) -> None:
     ax.set_xlabel("seconds since the run started")
     ax.set_ylabel("step")
     ax.invert_yaxis()
-    _legend(ax)
+    legend(ax)
 
 
-def _save_atomically(fig, out: str) -> None:
+def save_png(fig, out: str) -> None:
+    """Write ``fig`` to ``out`` as a PNG, atomically (a temporary file beside it, then renamed)."""
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out)}.", suffix=".tmp")
     try:
@@ -249,39 +250,3 @@ def _save_atomically(fig, out: str) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
-
-
-def plot_study(curves: Mapping[str, VariantCurves], labels: Mapping[str, str], out: str, title: str = "") -> None:
-    """A study's figure.
-
-    Validation accuracy (top) and on-policy training reward (bottom) per variant, seed mean as a
-    line and ± one sd over seeds as a band; reference resets as thin vertical lines in the variant's
-    colour. Written to ``out`` (PNG), atomically.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig, (val_ax, train_ax) = plt.subplots(2, 1, figsize=(12, 8), sharex=True)
-    for i, (name, c) in enumerate(curves.items()):
-        colour = f"C{i % 10}"
-        for ax, mean, sd in ((val_ax, c.val_mean, c.val_sd), (train_ax, c.train_mean, c.train_sd)):
-            ax.plot(c.steps, mean, color=colour, marker="." if ax is val_ax else None, label=labels.get(name, name))
-            lo = [m - (s if math.isfinite(s) else 0.0) for m, s in zip(mean, sd)]
-            hi = [m + (s if math.isfinite(s) else 0.0) for m, s in zip(mean, sd)]
-            ax.fill_between(c.steps, lo, hi, color=colour, alpha=0.15, linewidth=0)
-            for step in c.resets:
-                ax.axvline(step, color=colour, linewidth=0.6, alpha=0.35)
-    val_ax.set_ylabel("validation accuracy (greedy)")
-    val_ax.set_title(title or "validation accuracy")
-    train_ax.set_ylabel("training reward (on-policy samples)")
-    train_ax.set_xlabel("step (thin vertical lines: reference resets)")
-    for ax in (val_ax, train_ax):
-        ax.grid(alpha=0.3)
-        _legend(ax)
-    fig.tight_layout()
-    try:
-        _save_atomically(fig, out)
-    finally:
-        plt.close(fig)

@@ -94,11 +94,9 @@ def collect_groups(
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
     policy_scores = _score([[s.text for s in group] for group in policy], answers, verifiers, settings.reward_workers)
-    anchor_samples = [[a.anchor] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
-    anchor_scores = [[a.reward] if ok else [] for a, ok in zip(anchor_results or [None] * len(rows), found)]
-    groups = assemble_anchor_groups(
-        policy_scores, anchor_scores if anchors else None, G, max_tries=1, success_reward=settings.anchor_success_reward
-    )
+    anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32).view_as(accuracy)
@@ -160,8 +158,8 @@ def replace_stale_anchors(
 ) -> tuple[RolloutBatch, int]:
     """Resample the anchors of ``batch`` an older reference produced.
 
-    Resample the anchors of ``batch`` that another reference than ``reference_version`` produced
-    (a batch generated before a reference reset, trained after it); returns (the batch, how many).
+    Those another reference than ``reference_version`` produced (a batch generated before a
+    reference reset, trained after it); returns (the batch, how many).
 
     Each stale anchor row gets a fresh anchor of the new reference from ``anchors`` (its rejection
     sampling, as `collect_groups` asks it); a prompt the new reference finds none for gets one more

@@ -156,7 +156,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     if path:
         step, extra = ckpt.load_checkpoint(path, actor, reference, critic=critic)
         ckpt.adopt_as_latest(checkpoint_dir(cfg), path)
-        trainer.load_trainer_state(broadcast_object(extra))
+        trainer.load_trainer_state(broadcast_object(extra), source=path)
         _log(f"resumed from {path} at step {step}", cfg.name)
     else:
         actor.load_weights(weights)

@@ -143,7 +143,7 @@ def mtp_layer(arch, layer: int) -> dict[str, torch.Tensor]:
         prefix + "hnorm.weight": torch.ones(h),
         prefix + "eh_proj.weight": torch.randn(h, 2 * h),
         prefix + "shared_head.norm.weight": torch.ones(h),
-        prefix + "self_attn.kv_a_layernorm.weight": torch.ones(arch.kv_lora_rank),
+        prefix + "self_attn.kv_a_layernorm.weight": torch.ones(arch.mla.kv_lora_rank),
     }
 
 

@@ -398,3 +398,44 @@ def test_interleaved_pp2_with_more_micro_batches_than_stages_trains_on_the_right
     batch = make_batch()
     expected = -(batch["advantages"][:, None] * batch["response_mask"]).sum() / batch["response_mask"].sum()
     assert m["loss"] == pytest.approx(expected.item(), abs=1e-6)
+
+
+def reinforce(logp, advantages, mask, cfg, *, normalizer=None):
+    """A registered plugin loss: ℓ_it = −A_i·lp_θ,it, the gradient of the clipped surrogate at r = 1."""
+    from armor_megatron.algo.loss import aggregate_token_loss
+
+    token_loss = -advantages.float().unsqueeze(-1) * logp
+    return aggregate_token_loss(token_loss, mask.bool(), cfg.loss_agg, normalizer), {}
+
+
+def registered_loss_worker(rank):
+    from armor_megatron.algo.loss import POLICY_LOSSES
+    from armor_megatron.megatron.actor import MegatronActor
+
+    POLICY_LOSSES.register("test-reinforce", config=PolicyLossConfig)(reinforce)
+    mdist.initialize(TP1, ARCH, seed=5)
+    try:
+        batch, params = make_batch(), {}
+        for name in ("armor", "test-reinforce"):
+            actor = MegatronActor(
+                ARCH, TP1, dtype="float32", optimizer=OPTIM, loss=PolicyLossConfig(), micro_batch_size=2,
+                total_steps=10, seed=5, loss_name=name,
+            )  # fmt: skip
+            params.setdefault("init", _params(actor))
+            actor.train_step({**batch, "old_logprobs": _logprobs(actor, batch)})
+            params[name] = _params(actor)
+        return params
+    finally:
+        POLICY_LOSSES.unregister("test-reinforce")
+        mdist.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_registered_loss_trains_the_actor_through_the_registry():
+    """The actor calls the loss `actor.loss_name` names with the inputs it takes: one step of REINFORCE
+    from the same weights moves them as the α = 1 surrogate does at r = 1 (old log-probs = current)."""
+    params = run_ranks(registered_loss_worker, 2)[0]
+    for armor, plugin in zip(params["armor"], params["test-reinforce"]):
+        torch.testing.assert_close(plugin, armor, rtol=1e-5, atol=1e-6)
+    assert any(not torch.equal(a, b) for a, b in zip(params["armor"], params["init"]))  # the step moved them

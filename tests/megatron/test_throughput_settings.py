@@ -18,8 +18,11 @@ from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.model import MoESettings, Throughput, transformer_config_from_arch
+from armor_megatron.models.families.deepseek import LatentAttention
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_parallel_logprobs import QWEN3, QWEN3_MOE
+
+TINY_MLA = LatentAttention(q_lora_rank=0, kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=8)
 
 LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
 OPTIM = OptimizerConfig(lr=5e-3, weight_decay=0.01, clip_grad=1.0, skip_grad_norm_ratio=10.0)
@@ -51,7 +54,7 @@ def test_transformer_config_carries_the_moe_settings():
 
 
 def test_family_default_balancing_and_the_run_config_path():
-    deepseek = dataclasses.replace(QWEN3_MOE, family="deepseek")
+    deepseek = dataclasses.replace(QWEN3_MOE, family="deepseek", mla=TINY_MLA)
     assert MoESettings(aux_loss_coeff=0.01).balancing_type(deepseek) == "seq_aux_loss"
     assert MoESettings(aux_loss_coeff=0.01).balancing_type(QWEN3_MOE) == "aux_loss"
     assert MoESettings().balancing_type(QWEN3_MOE) == "none"
@@ -103,7 +106,7 @@ def test_fusions_follow_the_spec_and_cpu_refuses_gpu_kernels():
     )
     off = Throughput(apply_rope_fusion=False, bias_dropout_fusion=True).config_kwargs(QWEN3, use_te=True, on_gpu=True)
     assert not off["apply_rope_fusion"] and off["bias_dropout_fusion"] and off["bias_activation_fusion"]
-    mla = dataclasses.replace(QWEN3_MOE, family="deepseek", kv_lora_rank=8)
+    mla = dataclasses.replace(QWEN3_MOE, family="deepseek", mla=TINY_MLA)
     assert mla.is_mla and not Throughput().config_kwargs(mla, use_te=True, on_gpu=True)["apply_rope_fusion"]
     with pytest.raises(ValueError, match=r"^throughput\.gradient_accumulation_fusion needs CUDA; this process has no"):
         transformer_config_from_arch(QWEN3, use_te=False, throughput=Throughput(gradient_accumulation_fusion=True))

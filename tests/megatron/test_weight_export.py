@@ -261,9 +261,10 @@ def test_te_duplicated_mla_down_projections_export_exactly(tmp_path):
     convert_hf_to_mcore(hf_dir, str(tmp_path / "mcore"), progress_stream=None)
     arch = ModelArch.from_hf_dir(hf_dir)
     results = run_ranks(duplicated_down_projections_worker, 2, hf_dir, str(tmp_path / "mcore"), timeout=300)
-    h, kv_rows = arch.hidden_size, arch.kv_lora_rank + arch.qk_rope_head_dim
+    assert arch.mla is not None
+    h, kv_rows = arch.hidden_size, arch.mla.kv_lora_rank + arch.mla.qk_rope_head_dim
     for _, replaced, refused in results:
-        assert replaced == [(arch.q_lora_rank, h), (kv_rows, h)] * arch.num_layers
+        assert replaced == [(arch.mla.q_lora_rank, h), (kv_rows, h)] * arch.num_layers
         assert refused.endswith(
             f"nothing was pushed: rank 1: decoder.layers.0.self_attention.linear_kv_down_proj.weight: shape "
             f"({kv_rows - 1}, {h}) is neither the tp=2 shard ({kv_rows // 2}, {h}) of "

@@ -1,7 +1,12 @@
+import json
+
 import pytest
 from transformers import LlamaConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
+from armor_megatron.errors import UserInputError
 from armor_megatron.models import ModelArch, UnsupportedModelError
+from armor_megatron.models.arch import InconsistentModelConfigError
+from armor_megatron.models.families.deepseek import GroupRouting, LatentAttention
 
 SMALL = dict(
     hidden_size=64,
@@ -60,6 +65,35 @@ def test_unsupported_architecture_is_named():
         ModelArch.from_hf_config({"model_type": "gpt2", **SMALL})
 
 
+@pytest.mark.parametrize(
+    "sizes, message",
+    [
+        (
+            dict(num_attention_heads=5, num_key_value_heads=5),
+            "hidden_size 64 is not divisible by num_attention_heads 5",
+        ),
+        (
+            dict(num_attention_heads=4, num_key_value_heads=3),
+            "num_attention_heads 4 is not divisible by num_key_value_heads 3",
+        ),
+    ],
+)
+def test_heads_that_do_not_divide_are_named_not_blamed_on_a_tensor(tmp_path, sizes, message):
+    with pytest.raises(InconsistentModelConfigError, match=f"^{message}") as err:
+        ModelArch.from_hf_config({"model_type": "llama", **SMALL, **sizes})
+    assert isinstance(err.value, UserInputError) and "\n" not in str(err.value)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", **SMALL, **sizes}))
+    with pytest.raises(InconsistentModelConfigError, match=f"config.json: {message}"):
+        ModelArch.from_hf_dir(str(tmp_path))
+    # a head_dim of its own frees the hidden size from the heads (Qwen3-style configs)
+    assert (
+        ModelArch.from_hf_config(
+            {"model_type": "llama", **SMALL, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 16}
+        ).head_dim
+        == 16
+    )
+
+
 def test_parallel_divisibility_names_the_key():
     arch = ModelArch.from_hf_config({"model_type": "llama", **SMALL})
     arch.validate_parallelism(tp=2, pp=2)
@@ -114,13 +148,8 @@ def test_deepseek_v2_lite_layout():
     from transformers import DeepseekV2Config
 
     arch = ModelArch.from_hf_config(DeepseekV2Config(**DEEPSEEK).to_dict())
-    assert (arch.family, arch.is_mla, arch.q_lora_rank, arch.head_dim, arch.qk_nope_head_dim) == (
-        "deepseek",
-        True,
-        0,
-        24,
-        16,
-    )
+    assert arch.mla == LatentAttention(q_lora_rank=0, kv_lora_rank=32, qk_rope_head_dim=8, v_head_dim=12)
+    assert (arch.family, arch.is_mla, arch.head_dim, arch.qk_nope_head_dim) == ("deepseek", True, 24, 16)
     assert arch.num_key_value_heads == arch.num_attention_heads and arch.attention_out_dim == 4 * 12
     assert (arch.num_experts, arch.moe_shared_expert_ffn_hidden_size, arch.moe_norm_topk_prob) == (8, 48, False)
     assert [arch.is_moe_layer(i) for i in range(2)] == [False, True] and not arch.homogeneous_layers
@@ -131,13 +160,10 @@ def test_deepseek_v3_routing_and_mtp():
 
     cfg = DeepseekV3Config(**{**DEEPSEEK, "q_lora_rank": 24}, n_group=4, topk_group=1, routed_scaling_factor=2.5)
     arch = ModelArch.from_hf_config(cfg.to_dict())
-    assert (arch.moe_router_score_function, arch.moe_router_expert_bias, arch.moe_norm_topk_prob) == (
-        "sigmoid",
-        True,
-        True,
+    assert arch.routing == GroupRouting(
+        score_function="sigmoid", scaling_factor=2.5, num_groups=4, group_topk=1, expert_bias=True
     )
-    assert (arch.moe_router_num_groups, arch.moe_router_group_topk, arch.moe_router_scaling_factor) == (4, 1, 2.5)
-    assert arch.mtp_layers == 1 and arch.q_lora_rank == 24
+    assert arch.moe_norm_topk_prob and arch.mtp_layers == 1 and arch.mla is not None and arch.mla.q_lora_rank == 24
     # megatron-core ranks groups by their top (topk // topk_group) experts; V3 by its top 2
     with pytest.raises(UnsupportedModelError, match="top-2"):
         ModelArch.from_hf_config({**cfg.to_dict(), "topk_group": 2})
@@ -150,7 +176,7 @@ def test_deepseek_v2_group_limited_routing_only_where_megatron_matches():
 
     cfg = DeepseekV2Config(**DEEPSEEK, topk_method="group_limited_greedy", n_group=4, topk_group=2).to_dict()
     arch = ModelArch.from_hf_config(cfg)
-    assert (arch.moe_router_num_groups, arch.moe_router_group_topk) == (4, 2)
+    assert arch.routing is not None and (arch.routing.num_groups, arch.routing.group_topk) == (4, 2)
     with pytest.raises(UnsupportedModelError, match="group_limited_greedy"):
         ModelArch.from_hf_config({**cfg, "topk_group": 1})
     with pytest.raises(UnsupportedModelError, match="norm_topk_prob"):

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from armor_megatron.models import FAMILIES, Family, MegatronSpec, ModelArch, UnsupportedModelError
-from armor_megatron.models.tensors import MoENames
+from armor_megatron.models.tensors import AttentionNames, MoENames
 
 TOY_CONFIG = {
     "model_type": "toy_moe",
@@ -31,12 +31,28 @@ TOY_CONFIG = {
 
 
 class ToyMoE(Family):
-    """What a new family's module holds: per-head q/k norms, experts read from its own config keys
-    and named its own way, a per-sequence balancing loss, no fused RoPE, one extra config field."""
+    """What a new family's module holds: its name table (per-head q/k norms, experts named its own
+    way), experts read from its own config keys, a per-sequence balancing loss, no fused RoPE, one extra config field."""
 
     model_types = ("toy_moe",)
     architectures = ("ToyMoeForCausalLM",)
-    moe_names = MoENames(block="moe.", router="router.weight", expert_gate="wg", expert_up="wu", expert_down="wd")
+    attention_names = AttentionNames(
+        input_norm="input_layernorm.weight",
+        q="self_attn.q_proj",
+        k="self_attn.k_proj",
+        v="self_attn.v_proj",
+        o="self_attn.o_proj.weight",
+        q_norm="self_attn.q_norm.weight",
+        k_norm="self_attn.k_norm.weight",
+    )
+    moe_names = MoENames(
+        pre_mlp_norm="post_attention_layernorm.weight",
+        router="moe.router.weight",
+        experts="moe.experts.",
+        expert_gate="wg.weight",
+        expert_up="wu.weight",
+        expert_down="wd.weight",
+    )
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         return dict(
@@ -138,3 +154,15 @@ def test_flops_and_memory_follow_its_tensors(toy):
     split = h * (nq + 2 * nkv) * d + nq * d * h
     replicated = 2 * h + 2 * d + E * h  # input and pre-MLP norms, q/k norms, router
     assert layer_params(toy, 1) == (split, replicated, E * 3 * h * fe)
+
+
+def test_a_name_table_without_the_experts_the_config_gives_is_a_clear_error(toy):
+    from armor_megatron.convert.rules import tensor_rules
+
+    class NoExpertNames(ToyMoE):
+        moe_names = None
+
+    FAMILIES.unregister("toy_moe")
+    FAMILIES.register("toy_moe")(NoExpertNames)
+    with pytest.raises(ValueError, match="NoExpertNames declares no moe_names, but its config gives the model such"):
+        tensor_rules(toy)

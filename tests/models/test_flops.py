@@ -119,7 +119,7 @@ def test_dense_by_hand():
 
 
 def test_moe_counts_the_routed_experts_and_the_router():
-    moe = dataclasses.replace(DENSE, num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4)
+    moe = dataclasses.replace(DENSE, family="qwen2_moe", num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=4)
     # mlp: router 8·8 = 64 (scores of all 8 experts), 2 routed experts · 3·8·4 = 192
     assert train_flops_per_token(moe, 10) == 6 * (2 * (128 + 64 + 64 + 192) + 800) + 6 * 160
 
@@ -215,7 +215,7 @@ def test_flops_match_torchs_flop_counter_on_the_hf_model(shape):
     tokens = 10
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         model.eval()(torch.randint(0, arch.vocab_size, (tokens, 1)))
-    d_v = arch.v_head_dim if arch.is_mla else arch.head_dim
+    d_v = arch.value_head_dim
     one_key = 2 * arch.num_layers * arch.num_attention_heads * (arch.head_dim + d_v)
     assert counter.get_total_flops() == tokens * (train_flops_per_token(arch, 0) / 3 + one_key)
 

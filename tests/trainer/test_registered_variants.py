@@ -1,9 +1,11 @@
-"""A variant registered anywhere (here: in the test) is picked up end to end, with no other edit:
+"""A variant registered anywhere (here: in the test; an estimator, a reset schedule, a policy loss, a
+rollout engine) is picked up end to end, with no other edit:
 the config accepts its name and checks the config keys it declares, the trainer's components build
 it from those keys, and the trainer dispatches on its registered traits. A wrong name fails in one
 line listing the registered ones."""
 
 import contextlib
+import dataclasses
 import os
 
 import pytest
@@ -14,12 +16,15 @@ from armor_megatron.algo import (
     RESET_SCHEDULES,
     needs_critic,
 )
+from armor_megatron.algo.loss import POLICY_LOSSES, aggregate_token_loss, bind_policy_loss
 from armor_megatron.algo.reset import EveryTau, Never, OnValidationBest, StatelessSchedule, TwoStage, ValidationHook
 from armor_megatron.config import ConfigError, load_config
+from armor_megatron.config.schema import ROLLOUT_ENGINES
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.launch.memory import plan_memory
 from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, tiny_config, tiny_weights
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 
@@ -187,3 +192,71 @@ def test_an_unknown_reset_schedule_fails_in_one_line_listing_the_registered_ones
     message = _one_line_error(TINY, ["reference.reset=evry"])
     assert message == f"reference.reset: unknown reset schedule 'evry'; known: {', '.join(RESET_SCHEDULES)}"
     assert "two_stage" in message and "validation_best" in message
+
+
+# ----------------------------------------------------------------------------- policy losses
+@dataclasses.dataclass(frozen=True)
+class ClippedPGConfig:
+    loss_agg: str
+    clip: float  # |A| is bounded by it
+
+
+def clipped_pg(logp, advantages, mask, cfg, *, normalizer=None):
+    """REINFORCE with bounded advantages: ℓ_it = −clip(A_i, ±c)·lp_θ,it (no ratio, no reference)."""
+    adv = advantages.float().clamp(-cfg.clip, cfg.clip).unsqueeze(-1)
+    return aggregate_token_loss(-adv * logp, mask.bool(), cfg.loss_agg, normalizer), {}
+
+
+def test_a_registered_policy_loss_is_built_from_the_keys_it_declares_and_given_the_inputs_it_takes():
+    keys = {"loss_agg": "loss_agg", "clip": "dual_clip_c"}
+    with registered(POLICY_LOSSES, "test-pg", clipped_pg, config=ClippedPGConfig, config_keys=keys):
+        assert _one_line_error(TINY, ["algorithm.policy_loss=test-pg", "algorithm.dual_clip_c=null"]) == (
+            "algorithm.dual_clip_c: required when algorithm.policy_loss is 'test-pg'"
+        )
+        cfg = load_config(TINY, ["algorithm.policy_loss=test-pg", "algorithm.dual_clip_c=2.0"])
+        loss_cfg = components.loss_config(cfg)
+        assert loss_cfg == ClippedPGConfig(loss_agg=cfg.algorithm.loss_agg, clip=2.0)
+
+        loss_fn = bind_policy_loss("test-pg")  # what the actor calls, with every input it has
+        logp = torch.tensor([[-1.0, -2.0]], requires_grad=True)
+        inputs = dict(logp=logp, old_logp=logp.detach(), ref_logp=None, advantages=torch.tensor([5.0]))
+        inputs.update(mask=torch.ones(1, 2), cfg=loss_cfg, normalizer=torch.tensor(2.0), entropy=torch.ones(1, 2))
+        loss, _ = loss_fn(**inputs, token_weights=None)
+        assert loss.item() == 2.0 * 3.0 / 2  # −clip(5, ±2)·(−1 − 2) / N
+        with pytest.raises(ValueError, match="^policy loss 'test-pg' does not take token_weights, which this run"):
+            loss_fn(**inputs, token_weights=torch.ones(1, 2))  # TIS on: the loss would drop its correction
+
+    def needs_kl_coef(logp, mask, cfg, kl_coef):
+        return logp.sum(), {}
+
+    with registered(POLICY_LOSSES, "test-kl", needs_kl_coef, config=ClippedPGConfig):
+        with pytest.raises(ValueError, match="^policy loss 'test-kl' needs kl_coef, which the actor does not give"):
+            bind_policy_loss("test-kl")
+
+
+# ----------------------------------------------------------------------------- rollout engines
+def test_a_registered_rollout_engine_is_chosen_by_rollout_engine():
+    made = []
+
+    def recording_engines(cfg, hf_config, tokenizer):
+        local = components.make_local_engines(cfg, hf_config, tokenizer)
+
+        def make(policy, reference, *, policy_version, reference_version):
+            made.append(policy_version)
+            return local(policy, reference, policy_version=policy_version, reference_version=reference_version)
+
+        return make
+
+    assert _one_line_error(TINY, ["rollout.engine=test-recording"]) == (
+        "rollout.engine: unknown rollout engine 'test-recording'; known: local, sglang"
+    )
+    with registered(ROLLOUT_ENGINES, "test-recording", recording_engines):
+        cfg = load_config(TINY, ["rollout.engine=test-recording"])
+        tokenizer = build_char_tokenizer()
+        hf_config = tiny_config(len(tokenizer))
+        make = components.engine_factory(cfg, hf_config, tokenizer)
+        policy, _ = make(tiny_weights(hf_config), None, policy_version="v0", reference_version="r0")
+        assert made == ["v0"] and policy.weight_version == "v0"
+    assert components.engine_factory(
+        load_config(TINY, ["rollout.engine=local"]), hf_config, tokenizer
+    ).__qualname__ == ("make_local_engines.<locals>.make")

@@ -1,7 +1,8 @@
 """The supported model families, one module each (see `models.family.Family`).
 
 Importing this package imports every module in it, and each registers its family in
-`models.arch.FAMILIES`: a new family is one new module here and nothing else.
+`models.arch.FAMILIES`: a new family is one new module here (plus its tiny model in the
+converter's parity tests, ``tests/convert/conftest.py``); no other module names it.
 """
 
 import importlib

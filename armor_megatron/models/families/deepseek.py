@@ -22,12 +22,70 @@ balance per sequence); TE's fused RoPE is off (megatron's fused MLA RoPE is trai
 log-prob passes run in eval).
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from armor_megatron.models.arch import FAMILIES, ModelArch, UnsupportedModelError
+from armor_megatron.models.arch import FAMILIES, FamilyPart, LatentAttentionSizes, ModelArch, UnsupportedModelError
+from armor_megatron.models.families import llama, qwen3_moe
 from armor_megatron.models.family import Family, MegatronSpec
-from armor_megatron.models.tensors import DECODER, HF_LAYER, TensorRule, rule
+from armor_megatron.models.tensors import DECODER, HF_LAYER, TensorRule, TPSplit, moe_mlp_rules, rule
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LatentAttention(LatentAttentionSizes):
+    """The sizes of multi-head latent attention (`ModelArch.mla`; module docstring).
+
+    ``q_lora_rank``: c_q, 0 without a q LoRA (then q_proj [n·(d_nope + d_rope), h]);
+    ``kv_lora_rank``: c_kv; ``qk_rope_head_dim``: d_rope; ``v_head_dim``: d_v.
+    """
+
+    q_lora_rank: int
+    kv_lora_rank: int
+
+    @property
+    def latent_width(self) -> int:
+        """Per token, the latents a layer keeps besides the heads: c_kv + d_rope (k's rope part) + c_q."""
+        return self.kv_lora_rank + self.qk_rope_head_dim + self.q_lora_rank
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class GroupRouting(FamilyPart):
+    """How DeepSeek's router scores and selects experts (`ModelArch.routing`; module docstring).
+
+    ``score_function``: ``softmax`` (V2) or ``sigmoid`` (V3); ``scaling_factor`` multiplies the
+    top-k weights; experts in ``num_groups`` groups of which the best ``group_topk`` compete (0: no
+    groups); ``expert_bias``: V3's selection bias (``e_score_correction_bias``), added to the scores
+    for the top-k choice only.
+    """
+
+    score_function: str
+    scaling_factor: float
+    num_groups: int
+    group_topk: int
+    expert_bias: bool
+
+    def megatron_fields(self) -> dict[str, Any]:
+        """Megatron's router settings for this routing."""
+        return dict(
+            moe_router_score_function=self.score_function,
+            moe_router_topk_scaling_factor=self.scaling_factor if self.scaling_factor != 1.0 else None,
+            moe_router_num_groups=self.num_groups or None,
+            moe_router_group_topk=self.group_topk or None,
+            moe_router_enable_expert_bias=self.expert_bias,
+        )
+
+
+# HF names of one decoder layer, under ``model.layers.{layer}.``. MLA's are in `mla_rules` beside
+# their Megatron tensors; the first dense layers use Llama's MLP names; the MoE block is
+# Qwen3-MoE's routed experts, shared experts and V3's router selection bias.
+MOE = dataclasses.replace(
+    qwen3_moe.MOE,
+    shared_gate_proj="mlp.shared_experts.gate_proj.weight",
+    shared_up_proj="mlp.shared_experts.up_proj.weight",
+    shared_down_proj="mlp.shared_experts.down_proj.weight",
+    router_bias="mlp.gate.e_score_correction_bias",
+)
 
 
 @FAMILIES.register("deepseek")
@@ -37,23 +95,37 @@ class DeepSeek(Family):
     model_types = ("deepseek_v2", "deepseek_v3", "deepseek")
     architectures = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
     rope_scaling_types = ("llama3", "yarn")
+    mlp_names = llama.MLP
+    moe_names = MOE
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """MLA and MoE fields of a DeepSeek config (heads of the full MLA head dim)."""
         mla, moe = _deepseek_of(cfg)
         heads = int(cfg["num_attention_heads"])
-        head_dim = mla["qk_rope_head_dim"] + int(cfg["qk_nope_head_dim"])
-        return dict(num_key_value_heads=heads, head_dim=head_dim, **moe, **mla)
+        head_dim = mla.qk_rope_head_dim + int(cfg["qk_nope_head_dim"])
+        mtp_layers = int(cfg.get("num_nextn_predict_layers") or 0)
+        return dict(num_key_value_heads=heads, head_dim=head_dim, mla=mla, mtp_layers=mtp_layers, **moe)
 
     def attention_rules(self, arch: ModelArch) -> list[TensorRule]:
         """The tensor rules of MLA."""
         return mla_rules(arch)
 
+    def mlp_rules(self, arch: ModelArch, moe: bool) -> list[TensorRule]:
+        """Llama's dense MLP in the first layers, then the MoE block (V3: with the router's selection bias)."""
+        routing = _routing(arch)
+        if not moe or routing is None:
+            return super().mlp_rules(arch, moe)
+        return moe_mlp_rules(arch, MOE, router_bias=routing.expert_bias)
+
     def megatron(self, arch: ModelArch) -> MegatronSpec:
-        """Megatron's MLA config class and fields for ``arch``."""
+        """Megatron's MLA config class and fields for ``arch``, and its router settings."""
+        fields = mla_config_fields(arch)
+        routing = _routing(arch)
+        if routing is not None:
+            fields.update(routing.megatron_fields())
         return MegatronSpec(
             config_class="MLATransformerConfig",
-            config_fields=mla_config_fields(arch),
+            config_fields=fields,
             qk_layernorm=True,  # the q / kv LoRA norms
             multi_latent_attention=True,
             local_core_attention="mla",
@@ -68,65 +140,71 @@ class DeepSeek(Family):
         )
 
 
+def _mla(arch: ModelArch) -> LatentAttention:
+    """``arch.mla``, which every DeepSeek arch has."""
+    if not isinstance(arch.mla, LatentAttention):
+        raise ValueError(f"{arch.family}: ModelArch.mla is {arch.mla!r}, not DeepSeek's LatentAttention")
+    return arch.mla
+
+
+def _routing(arch: ModelArch) -> GroupRouting | None:
+    """``arch.routing`` (None for a model without experts)."""
+    if arch.routing is not None and not isinstance(arch.routing, GroupRouting):
+        raise ValueError(f"{arch.family}: ModelArch.routing is {arch.routing!r}, not DeepSeek's GroupRouting")
+    return arch.routing
+
+
 def mla_rules(arch: ModelArch) -> list[TensorRule]:
-    """Multi-head latent attention's tensors.
+    """Multi-head latent attention's tensors: the Megatron tensor and the HF name side by side.
 
     Megatron's projections hold the HF rows in HF order (per head [nope | rope] for q, [nope | v]
     for kv_up; [c_kv | k_rope] for kv_down), so every tensor is a copy. The local spec splits the
     down projections over TP by rows (column parallel); the q/kv norms are kept under the TE spec's
     fused-norm keys for both specs.
     """
-    h, n, d = arch.hidden_size, arch.num_attention_heads, arch.head_dim
+    h, n, d, mla = arch.hidden_size, arch.num_attention_heads, arch.head_dim, _mla(arch)
     S, A = DECODER + "self_attention.", HF_LAYER + "self_attn."
     key = "decoder.layers.self_attention."
 
-    def r(name: str, hf: str, tp: str, shape: tuple[int, ...]) -> TensorRule:
-        return rule(key + name, S + name, A + hf, "copy", tp, shape)
+    def proj(megatron: str, hf: str, tp: TPSplit, shape: tuple[int, ...]) -> TensorRule:
+        return rule(ckpt=key + megatron, local=S + megatron, hf=A + hf, tp=tp, shape=shape)
 
-    def norm(name: str, local: str, hf: str, size: int) -> TensorRule:
-        return rule(
-            key + name + ".layer_norm_weight",
-            S + local,
-            A + hf,
-            "copy",
-            "replicated",
-            (size,),
-            te=S + name + ".layer_norm_weight",
-        )
+    def norm(megatron: str, local: str, hf: str, size: int) -> TensorRule:
+        te = megatron + ".layer_norm_weight"
+        return rule(ckpt=key + te, local=S + local, te=S + te, hf=A + hf, tp=TPSplit.REPLICATED, shape=(size,))
 
     rules = [
         rule(
-            "decoder.layers.input_layernorm.weight",
-            DECODER + "input_layernorm.weight",
-            HF_LAYER + "input_layernorm.weight",
-            "copy",
-            "replicated",
-            (h,),
+            ckpt="decoder.layers.input_layernorm.weight",
+            local=DECODER + "input_layernorm.weight",
+            hf=HF_LAYER + "input_layernorm.weight",
+            tp=TPSplit.REPLICATED,
+            shape=(h,),
         )
     ]
-    if arch.q_lora_rank:
+    if mla.q_lora_rank:
         rules += [
-            r("linear_q_down_proj.weight", "q_a_proj.weight", "column", (arch.q_lora_rank, h)),
-            norm("linear_q_up_proj", "q_layernorm.weight", "q_a_layernorm.weight", arch.q_lora_rank),
-            r("linear_q_up_proj.weight", "q_b_proj.weight", "column", (n * d, arch.q_lora_rank)),
+            proj("linear_q_down_proj.weight", "q_a_proj.weight", TPSplit.COLUMN, (mla.q_lora_rank, h)),
+            norm("linear_q_up_proj", "q_layernorm.weight", "q_a_layernorm.weight", mla.q_lora_rank),
+            proj("linear_q_up_proj.weight", "q_b_proj.weight", TPSplit.COLUMN, (n * d, mla.q_lora_rank)),
         ]
     else:
-        rules.append(r("linear_q_proj.weight", "q_proj.weight", "column", (n * d, h)))
+        rules.append(proj("linear_q_proj.weight", "q_proj.weight", TPSplit.COLUMN, (n * d, h)))
     rules += [
-        r(
+        proj(
             "linear_kv_down_proj.weight",
             "kv_a_proj_with_mqa.weight",
-            "column",
-            (arch.kv_lora_rank + arch.qk_rope_head_dim, h),
+            TPSplit.COLUMN,
+            (mla.kv_lora_rank + mla.qk_rope_head_dim, h),
         ),
-        norm("linear_kv_up_proj", "kv_layernorm.weight", "kv_a_layernorm.weight", arch.kv_lora_rank),
-        r(
+        norm("linear_kv_up_proj", "kv_layernorm.weight", "kv_a_layernorm.weight", mla.kv_lora_rank),
+        proj(
             "linear_kv_up_proj.weight",
             "kv_b_proj.weight",
-            "column",
-            (n * (arch.qk_nope_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+            TPSplit.COLUMN,
+            (n * (arch.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
         ),
-        r("linear_proj.weight", "o_proj.weight", "row", (h, arch.attention_out_dim)),
+        proj("linear_proj.weight", "o_proj.weight", TPSplit.ROW, (h, arch.attention_out_dim)),
     ]
     return rules
 
@@ -139,14 +217,14 @@ def mla_config_fields(arch: ModelArch) -> dict[str, Any]:
     mscale(factor, mscale)/mscale(factor, mscale_all_dim), and softmax scale mscale(factor,
     mscale_all_dim)² / √(d_nope + d_rope)).
     """
-    s = arch.rope_scaling or {}
+    s, mla = arch.rope_scaling or {}, _mla(arch)
     out: dict[str, Any] = dict(
         multi_latent_attention=True,
-        q_lora_rank=arch.q_lora_rank or None,
-        kv_lora_rank=arch.kv_lora_rank,
+        q_lora_rank=mla.q_lora_rank or None,
+        kv_lora_rank=mla.kv_lora_rank,
         qk_head_dim=arch.qk_nope_head_dim,
-        qk_pos_emb_head_dim=arch.qk_rope_head_dim,
-        v_head_dim=arch.v_head_dim,
+        qk_pos_emb_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
         qk_layernorm=True,  # the q / kv LoRA norms
         rotary_base=arch.rope_theta,
         rope_type="yarn" if s else "rope",
@@ -163,17 +241,16 @@ def mla_config_fields(arch: ModelArch) -> dict[str, Any]:
     return out
 
 
-def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(MLA fields, MoE fields) of a DeepSeek-V2/V3 config; refuses routings megatron-core cannot match."""
+def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[LatentAttention, dict[str, Any]]:
+    """(MLA sizes, MoE fields) of a DeepSeek-V2/V3 config; refuses routings megatron-core cannot match."""
     v3 = cfg.get("model_type") == "deepseek_v3" or "DeepseekV3ForCausalLM" in (cfg.get("architectures") or ())
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise UnsupportedModelError("deepseek with attention_bias / mlp_bias is not supported")
-    mla = dict(
+    mla = LatentAttention(
         q_lora_rank=int(cfg.get("q_lora_rank") or 0),
         kv_lora_rank=int(cfg["kv_lora_rank"]),
         qk_rope_head_dim=int(cfg["qk_rope_head_dim"]),
         v_head_dim=int(cfg["v_head_dim"]),
-        mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0),
     )
     experts = int(cfg.get("n_routed_experts") or 0)
     if not experts:
@@ -212,11 +289,13 @@ def _deepseek_of(cfg: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
         moe_norm_topk_prob=norm,
         moe_shared_expert_ffn_hidden_size=shared,
         moe_first_dense_layers=int(cfg.get("first_k_dense_replace") or 0),
-        moe_router_score_function="sigmoid" if v3 else "softmax",
-        moe_router_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-        moe_router_num_groups=groups if groups > 1 else 0,
-        moe_router_group_topk=group_topk if groups > 1 else 0,
-        moe_router_expert_bias=v3,
+        routing=GroupRouting(
+            score_function="sigmoid" if v3 else "softmax",
+            scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            num_groups=groups if groups > 1 else 0,
+            group_topk=group_topk if groups > 1 else 0,
+            expert_bias=v3,
+        ),
     )
     if moe["moe_first_dense_layers"] >= int(cfg["num_hidden_layers"]):
         moe = {}  # every layer dense: no expert tensors at all

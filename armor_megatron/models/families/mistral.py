@@ -1,13 +1,14 @@
 """Mistral: the Llama layout with a sliding attention window.
 
-Mistral: the Llama layout with a sliding attention window (``sliding_window``), which the TE
-spec applies (the local spec's attention has none: exact for sequences up to the window).
+The TE spec applies ``sliding_window``; the local spec's attention has none (exact for sequences
+up to the window).
 """
 
 from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.families import llama
 from armor_megatron.models.family import Family, sliding_window
 
 
@@ -17,6 +18,8 @@ class Mistral(Family):
 
     model_types = ("mistral",)
     architectures = ("MistralForCausalLM",)
+    attention_names = llama.ATTENTION  # Llama's names
+    mlp_names = llama.MLP
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """The sliding window, if the config sets one."""

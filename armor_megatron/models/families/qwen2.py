@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.families import llama
 from armor_megatron.models.family import Family, sliding_window
 
 
@@ -16,6 +17,8 @@ class Qwen2(Family):
 
     model_types = ("qwen2",)
     architectures = ("Qwen2ForCausalLM",)
+    attention_names = llama.ATTENTION  # Llama's names; q/k/v have a ``.bias`` beside ``.weight``
+    mlp_names = llama.MLP
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """q/k/v biases, and the sliding window if the config sets one."""

@@ -5,12 +5,23 @@ every layer, and one shared expert (``mlp.shared_expert.*``, width
 ``shared_expert_intermediate_size``) scaled by sigmoid(``mlp.shared_expert_gate`` · x).
 """
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.models.arch import FAMILIES
+from armor_megatron.models.families import llama, qwen3_moe
 from armor_megatron.models.family import Family, routed_experts, sliding_window
-from armor_megatron.models.tensors import MoENames
+
+# HF names of one layer's MoE block, under ``model.layers.{layer}.``: Qwen3-MoE's routed experts
+# and one gated shared expert; the attention is Qwen2's (Llama's names, q/k/v with biases)
+MOE = dataclasses.replace(
+    qwen3_moe.MOE,
+    shared_gate_proj="mlp.shared_expert.gate_proj.weight",
+    shared_up_proj="mlp.shared_expert.up_proj.weight",
+    shared_down_proj="mlp.shared_expert.down_proj.weight",
+    shared_expert_gate="mlp.shared_expert_gate.weight",
+)
 
 
 @FAMILIES.register("qwen2_moe")
@@ -19,7 +30,8 @@ class Qwen2MoE(Family):
 
     model_types = ("qwen2_moe",)
     architectures = ("Qwen2MoeForCausalLM",)
-    moe_names = MoENames(shared="shared_expert.")
+    attention_names = llama.ATTENTION
+    moe_names = MOE
 
     def hf_fields(self, cfg: Mapping[str, Any]) -> dict[str, Any]:
         """Attention biases, routed experts, the shared expert and the sliding window."""

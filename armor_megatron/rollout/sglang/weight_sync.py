@@ -23,8 +23,9 @@ Every mode is a :class:`WeightSync` subclass registered in ``WEIGHT_SYNC_MODES``
 (``@register_weight_sync_mode("name")``); ``WeightSyncConfig`` refuses an unregistered name in one
 line listing the registered ones, asks the mode's :meth:`WeightSync.check_config` for what it
 needs, and :func:`make_weight_sync` builds the registered class. The registry lives with the run
-config (``config.schema``), which declares the built-in names it must accept before this module
-is imported; a mode registered by code imported before the config loads needs no declaration.
+config (``config.schema``), which names the built-in modes by where they live
+(``"armor_megatron.rollout.sglang.weight_sync:TensorWeightSync"``), imported on first use; a mode
+registered by code imported before the config loads needs no such name.
 
 Only the last request of an update carries ``weight_version``, so an engine reports the new
 version only once all weights are in; afterwards every engine's reported version is read

@@ -176,8 +176,7 @@ def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
 def _join_weight_update_group(address, port, rank, world_size, group_name, backend, timeout):
     """The engine's end of a weights update group, built as SGLang builds it.
 
-    The engine's end of a weights update group, built as SGLang 0.5.23's
-    ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
+    As SGLang 0.5.23's ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
     trainer's :class:`~armor_megatron.rollout.sglang.process_group.WeightUpdateGroup`: a
     ``tcp://`` rendezvous, ``PrefixStore(group_name)`` around its store, torch's
     ``_new_process_group_helper`` (which adds ``"<group_name>/"`` and ``"<device>/"``), the

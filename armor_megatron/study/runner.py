@@ -157,7 +157,7 @@ def run_study(
         )
         for v in variants
     }
-    from armor_megatron.trainer.plotting import plot_study
+    from armor_megatron.study.plots import plot_study
 
     png = os.path.join(out, "curves.png")
     labels = {v: VARIANTS[v][0] for v in variants}
@@ -462,7 +462,7 @@ def plot_paired(runs: dict, labels: dict, out: str, *, title: str = "", seeds: i
     import matplotlib.pyplot as plt
 
     from armor_megatron.tasks.overopt_checks import WINDOW, mean_curve
-    from armor_megatron.trainer.plotting import _save_atomically
+    from armor_megatron.trainer.plotting import save_png
 
     fig, (val_ax, d_ax) = plt.subplots(2, 1, figsize=(11, 8), sharex=True)
     for i, (name, rs) in enumerate(runs.items()):
@@ -495,6 +495,6 @@ def plot_paired(runs: dict, labels: dict, out: str, *, title: str = "", seeds: i
     d_ax.set_xlabel(f"step (shaded: the last {WINDOW} steps, the endpoint window)")
     fig.tight_layout()
     try:
-        _save_atomically(fig, out)
+        save_png(fig, out)
     finally:
         plt.close(fig)

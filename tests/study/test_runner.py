@@ -6,8 +6,8 @@ import os
 
 import pytest
 
+from armor_megatron.study.runner import VARIANTS, _recovery_start, run_study, study_table
 from armor_megatron.tasks.study_stats import variant_curves
-from armor_megatron.trainer.study import VARIANTS, _recovery_start, run_study, study_table
 
 
 def test_recovery_starts_from_dapos_last_checkpoint_with_its_best_as_reference(tmp_path):
@@ -76,8 +76,8 @@ def test_a_tiny_study_trains_recovers_and_resumes(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_tiny_paired_study_logs_modes_and_reuses_one_warm_up_per_seed(tmp_path):
+    from armor_megatron.study.runner import run_paired
     from armor_megatron.tasks.overopt_checks import decide
-    from armor_megatron.trainer.study import run_paired
 
     lines = []
     task = {"task": "worked_addition", "num_val": 16, "warmup_steps": 5, "warmup_lr": 3e-3}
