@@ -23,7 +23,8 @@ setup(
     python_requires=">=3.10",
     install_requires=[
         # megatron-core 0.16's floor; Transformer Engine's torch extension compiles against the
-        # installed torch. The GPU lock pins the torch the GPU check ran (tools/check_envs.py).
+        # installed torch. The GPU locks pin the torch sglang pins, in both environments (one NCCL
+        # on both sides of a weight sync: tools/check_envs.py).
         "torch>=2.6",
         # The release the CPU compatibility layer and the local layer spec's edits were checked
         # against (megatron/cpu_compat.py CHECKED_MCORE_VERSIONS); 0.17 moved internals both touch.

@@ -10,7 +10,7 @@
 A GPU job runs two environments (docs/gpu.md, "GPU environments"):
 
 * ``trainer`` - the Megatron trainer: setup.py's ``install_requires`` and its ``gpu`` extra, with
-  torch pinned to `TRAINER_TORCH`. Transformer Engine's torch extension (``transformer-engine-torch``)
+  torch pinned to the release the ``sglang`` extra's sglang pins (`sglang_torch`). Transformer Engine's torch extension (``transformer-engine-torch``)
   is published as source only and compiles against the installed torch, so the lock holds TE's
   prebuilt core (``transformer-engine-cu<N>``, N = the CUDA major of that torch) and the extension's
   own requirements and build requirements (`TE_TORCH_REQUIRES`); it is built afterwards with the
@@ -33,6 +33,13 @@ by sglang, and prints whether that resolves; it writes no lock (nothing was test
 ``--verify`` needs no network: every requirement the environment takes from setup.py (for this
 target: markers evaluated for Python 3.12 on Linux x86-64) must be satisfied by the lock's pins,
 and every lock must exist. It exits 1 naming the first requirement a lock breaks.
+
+One torch, one NCCL: ``weight_sync: distributed`` puts trainer ranks and engine ranks in one NCCL
+communicator, and NCCL refuses ranks of different versions ("Mismatched NCCL version detected");
+``weight_sync: tensor`` hands CUDA IPC handles pickled by the trainer's torch to the servers'
+torch. So the trainer takes SGLang's torch, and with it the exact ``nvidia-nccl-cu<N>`` wheel
+torch pins; resolving and ``--verify`` both fail, naming the two versions, when the locks
+disagree on torch or on the NCCL wheel (`shared_wheels_problem`).
 """
 
 from __future__ import annotations
@@ -59,10 +66,10 @@ LOCK_DIR = ROOT / "tools" / "envs"
 PYTHON_VERSION = "3.12"
 GLIBC = (2, 34)  # sglang 0.5.23 publishes manylinux_2_34 wheels: Ubuntu 22.04, RHEL 9 and newer
 INDEX_URL = "https://pypi.org/simple"
-# The torch of the trainer environment: the release megatron-core 0.16.1 ran on in the GPU
-# acceptance check (tools/gpu_check.sh; torch 2.11.0 built with CUDA 13.0). megatron-core 0.16
-# needs torch >= 2.6 and Transformer Engine 2.9-2.11 >= 2.1; neither caps it.
-TRAINER_TORCH = "torch==2.11.0"
+# The trainer's torch is the one sglang pins (one torch and one NCCL wheel on both sides of a
+# weight sync: module docstring); megatron-core 0.16 needs torch >= 2.6 and Transformer Engine
+# 2.9-2.11 >= 2.1, neither caps it. Must agree in the locks (`shared_wheels_problem`):
+SHARED_WHEELS = ("torch", "nvidia-nccl-cu")  # exact names, or a prefix ending in "-cu" (the CUDA major varies)
 # transformer_engine_torch 2.11.0's Requires-Dist (its sdist's PKG-INFO) besides torch and the
 # transformer_engine_cu<N> core, which its setup.py picks from the CUDA major of the installed torch.
 # Building it with --no-build-isolation imports setuptools (torch requires it), wheel and packaging;
@@ -125,7 +132,7 @@ def te_requirement(requirements: list[str]) -> Requirement:
     return found[0]
 
 
-def trainer_spec(cuda_major: int, root: Path = ROOT, torch: str = TRAINER_TORCH) -> EnvSpec:
+def trainer_spec(cuda_major: int, torch: str, root: Path = ROOT) -> EnvSpec:
     """The trainer's resolvable requirements: TE's ``pytorch`` extra (a source package) replaced by
     its prebuilt core for `cuda_major` plus the extension's own requirements, torch pinned to `torch`."""
     reqs = trainer_requirements(root)
@@ -260,7 +267,7 @@ def resolve_env(name: str, index_url: str = INDEX_URL) -> tuple[EnvSpec, list[Pi
     if name == "sglang":
         spec = sglang_spec()
     else:
-        torch = TRAINER_TORCH if name == "trainer" else sglang_torch(index_url)
+        torch = sglang_torch(index_url)  # the trainer and shared environments alike: one torch, one NCCL
         cuda = torch_cuda_major(resolve([torch], index_url, no_deps=True)[0])
         spec = trainer_spec(cuda, torch=torch)
         if name == "shared":
@@ -317,15 +324,40 @@ def verify_lock(requirements, pins: dict[str, str], name: str) -> None:
             raise EnvError(f"{name} lock pins {req.name}=={version}, but setup.py requires {text}")
 
 
+def shared_wheels_problem(trainer: dict[str, str], sglang: dict[str, str]) -> str | None:
+    """One line naming the first of `SHARED_WHEELS` the two environments' pins disagree on, or None.
+
+    ``{canonical name: version}`` of each environment. A package both must hold and one lacks is a
+    disagreement too.
+    """
+    for wanted in SHARED_WHEELS:
+        names = sorted(
+            {n for n in (*trainer, *sglang) if n == wanted or (wanted.endswith("-cu") and n.startswith(wanted))}
+        )
+        for name in names or [wanted]:
+            a, b = trainer.get(name, "-"), sglang.get(name, "-")
+            if a != b:
+                why = (
+                    "one NCCL communicator (weight_sync distributed)"
+                    if "nccl" in name
+                    else "CUDA IPC (weight_sync tensor)"
+                )
+                return (
+                    f"the trainer lock pins {name}=={a}, the sglang lock {name}=={b}: {why} spans both "
+                    "environments and needs one version (re-resolve: tools/check_envs.py)"
+                )
+    return None
+
+
 def verify(root: Path = ROOT, lock_dir: Path | None = None) -> list[str]:
-    """Check every lock against setup.py; returns the summary lines."""
+    """Check every lock against setup.py, and the two against each other; returns the summary lines."""
     lock_dir = lock_dir or root / "tools" / "envs"
-    lines = []
+    lines, locked = [], {}
     for name, reqs in (("trainer", trainer_requirements(root)), ("sglang", sglang_requirements(root))):
         path = lock_dir / f"{name}-py{PYTHON_VERSION.replace('.', '')}.lock"
         if not path.is_file():
             raise EnvError(f"{path}: no such lock (run tools/check_envs.py)")
-        pins = read_lock(path)
+        pins = locked[name] = read_lock(path)
         te = [Requirement(r) for r in reqs if canonicalize_name(Requirement(r).name) == "transformer-engine"]
         # the extension is built after the lock is installed; the lock holds its core at the same version
         reqs = [r for r in reqs if canonicalize_name(Requirement(r).name) != "transformer-engine"]
@@ -335,6 +367,9 @@ def verify(root: Path = ROOT, lock_dir: Path | None = None) -> list[str]:
         if te and [pins[n] for n in cores] != [pins["transformer-engine"]]:
             raise EnvError(f"{name} lock holds no transformer-engine-cu<N> at transformer-engine's version")
         lines.append(summary(name, [Pin(n, v, None, "") for n, v in pins.items()]))
+    problem = shared_wheels_problem(locked["trainer"], locked["sglang"])
+    if problem:
+        raise EnvError(problem)
     return lines
 
 
@@ -356,12 +391,22 @@ def main(argv: list[str] | None = None) -> int:
             [sys.executable, "-m", "pip", "--version"], capture_output=True, text=True, check=True
         ).stdout.split()[1]
         today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        resolved = {}
         for name in ("trainer", "sglang") if args.env == "all" else (args.env,):
-            spec, pins = resolve_env(name, args.index_url)
-            print(summary(name, pins) + f" ({len(pins)} packages)", flush=True)
-            for cmd in spec.post_install:
+            resolved[name] = resolve_env(name, args.index_url)
+            print(summary(name, resolved[name][1]) + f" ({len(resolved[name][1])} packages)", flush=True)
+            for cmd in resolved[name][0].post_install:
                 print(f"  then: {cmd}")
-            if not args.no_write and name in LOCKED:
+        for name, path in ((n, LOCK_DIR / f"{n}-py{PYTHON_VERSION.replace('.', '')}.lock") for n in LOCKED):
+            if name not in resolved and path.is_file():  # the other lock as written: the pair must agree
+                resolved[name] = (None, [Pin(n, v, None, "") for n, v in read_lock(path).items()])
+        if len(resolved) == len(LOCKED):
+            versions = {n: {p.name: p.version for p in pins} for n, (_, pins) in resolved.items()}
+            problem = shared_wheels_problem(versions["trainer"], versions["sglang"])
+            if problem:
+                raise EnvError(problem + "; no lock written")
+        for spec, pins in resolved.values():
+            if spec is not None and not args.no_write:
                 write_atomic(spec.lock_path, lock_text(spec, pins, args.index_url, pip_version, today))
                 print(f"  wrote {spec.lock_path.relative_to(ROOT)}")
         if args.shared:

@@ -9,7 +9,11 @@
 # Prints one line per check (1. bf16 log-prob parity vs fp32 CPU, 2. a 3-step armor-train with
 # anchors, a reference reset, a checkpoint and a resume, 3. 0.5B-shaped train throughput and
 # MFU, 4. the colocated step's trainer phases with the memory ledger's bytes beside the measured
-# peaks), and last `gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>`. Exit 0 when every check passed.
+# peaks; then, when importable, 5. the Transformer Engine spec against the local one and 6. one tiny
+# colocated SGLang engine ($SGLANG_PYTHON): release, push by disk and NCCL, resume, generate, log-probs
+# against the trainer's at T=0.7; each skipped in one line naming what is missing), a summary of what
+# was and was not proven, and last `gpu_ok=<0|1> tokens_per_s=<float> mfu=<float>`. Exit 0 when every
+# check passed or was skipped.
 # Logs: gpu_check.log and gpu_check.json in --logs DIR, default the work directory (--work,
 # default $TMPDIR/armor_gpu_check).
 #

@@ -15,7 +15,9 @@ Needs (GPU runs: ``launch.gpus_per_node > 0``):
 * ``throughput.torch_compile``: Triton and a C compiler (GPU), a C++ compiler (CPU);
 * ``moe.token_dispatcher_type: flex`` (MoE models): DeepEP;
 * launched SGLang servers (``rollout.engine: sglang`` without ``rollout.sglang.urls``): sglang
-  importable by ``rollout.sglang.python`` (the trainer's interpreter when null).
+  importable by ``rollout.sglang.python`` (the trainer's interpreter when null);
+* ``rollout.sglang.weight_sync`` distributed or tensor with ``rollout.sglang.python`` set: the
+  same NCCL (distributed) or torch (tensor) there as here (`armor_megatron.config.comm_versions`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,8 @@ import subprocess
 import sys
 from collections.abc import Callable
 
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.comm_versions import ProbeError, interpreter_versions, local_versions, sync_problem
+from armor_megatron.config.schema import RunConfig, SGLangConfig
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.models.megatron_options import deep_ep_available, grad_accumulation_fusion_available
 
@@ -127,7 +130,24 @@ def needs(cfg: RunConfig) -> list[Need]:
     if cfg.rollout.engine == "sglang" and not sg.urls:
         where = sg.python or "the trainer's interpreter"
         out.append(Need("rollout.sglang.python", f"sglang importable by {where}", sglang_probe(sg.python)))
+    if cfg.rollout.engine == "sglang" and sg.python and sg.weight_sync in ("distributed", "tensor"):
+        what = "NCCL" if sg.weight_sync == "distributed" else "torch"
+        out.append(Need("rollout.sglang.weight_sync", f"one {what} for trainer and engines", comm_probe(sg)))
     return out
+
+
+def comm_probe(sg: SGLangConfig) -> Callable[[], str | None]:
+    """Whether the trainer and ``sg.python`` share what ``sg.weight_sync`` spans (one subprocess)."""
+
+    def probe() -> str | None:
+        python = sg.python or sys.executable
+        try:
+            engines = interpreter_versions(python)
+        except ProbeError as err:
+            return str(err)
+        return sync_problem(sg.weight_sync, local_versions(), engines, python)
+
+    return probe
 
 
 def describe(cfg: RunConfig) -> str | None:

@@ -6,7 +6,8 @@ an engine releasing or resuming a memory tag, a weight bucket pushed, a checkpoi
 charges or frees the bytes of each from `DeviceSizes` (the planner's formulas,
 `armor_megatron.launch.memory.device_sizes`) and records every phase's total. Pure Python:
 tests drive it with the trainer's real calls on CPU, and ``armor-train --plan`` replays a
-step's order through it (`replay_colocated_step`, `replay_disaggregated_step`).
+step's order through it (`replay_colocated_step`, `replay_disaggregated_step`) and, colocated,
+the job's start-up (`replay_colocated_start`).
 
 What a GPU holds at any moment (bytes):
 
@@ -90,6 +91,11 @@ class DeviceLedger:
     def start(self, label: str = "start") -> None:
         """Record the state before the first event."""
         self._record(label)
+
+    def trainer_built(self) -> None:
+        """The trainer's models are built and loaded on the device (start-up)."""
+        self.trainer_on_device = True
+        self._record("trainer built")
 
     def trainer_to_device(self) -> None:
         """The trainer's state comes back to the device."""
@@ -234,6 +240,31 @@ def replay_colocated_step(
             ledger.trainer_to_host(emptied_cache=True)
         ledger.engine_resumed("policy", KV_AND_GRAPHS)
         ledger.engine_resumed("reference", KV_AND_GRAPHS)
+    return ledger
+
+
+def replay_colocated_start(
+    ledger: DeviceLedger, *, offload: bool = True, reference_engine: bool = True
+) -> DeviceLedger:
+    """Replay a colocated job's start-up on a GPU's ledger (trainer not built yet, engines up).
+
+    ``trainer/run.py`` and ``ArmorTrainer.start_engines``: the engines come up holding
+    ``mem_fraction_static`` and their graphs → every group releases every tag
+    (``components.release_engines_at_start``) → the trainer is built on the device → the trainer to
+    the host and ``empty_cache`` → per engine group: weights resumed, pushed, KV cache and graphs
+    resumed. ``offload=False``: the trainer stays on the device while the engines come back.
+    """
+    ledger.start("engines up")
+    ledger.engine_released("policy", POLICY_RELEASE)
+    if reference_engine:
+        ledger.engine_released("reference", POLICY_RELEASE)
+    ledger.trainer_built()
+    if offload:
+        ledger.trainer_to_host(emptied_cache=True)
+    for role in ("policy", "reference") if reference_engine else ("policy",):
+        ledger.engine_resumed(role, ("weights",))
+        ledger.weights_pushed(role)
+        ledger.engine_resumed(role, KV_AND_GRAPHS)
     return ledger
 
 

@@ -83,8 +83,13 @@ trainer is on the host when it offloads, ``train.offload_during_rollout``, defau
 → engines released (the policy group every tag; a frozen-reference group its KV cache and graphs:
 its weights, e·P/tp_per_engine, stay) → trainer to the device → log-probs, update → trainer to the
 host and ``empty_cache`` → policy weights resumed → weights pushed bucket by bucket
-(``rollout.sglang.bucket_mb``) from the host copy → KV cache and graphs resumed; a reference
-reset or a checkpoint brings the trainer back while engines keep only their weights. Disaggregated (or local engines):
+(``rollout.sglang.bucket_mb``; `STAGED_BUCKETS` of them on the device at the push's peak) from the
+host copy → ``empty_cache`` → KV cache and graphs resumed; a reference
+reset or a checkpoint brings the trainer back while engines keep only their weights. The start-up
+is replayed too (`replay_colocated_start`): engines up with every tag → every tag released →
+trainer built on the device → trainer to the host → per group weights resumed, pushed, KV cache and
+graphs resumed; a layout whose start does not fit is refused like one whose step does not.
+Disaggregated (or local engines):
 a trainer GPU holds the trainer throughout, plus the export's bucket at the sync; an engine GPU
 its static region, graphs and a received bucket.
 
@@ -116,6 +121,7 @@ from armor_megatron.launch.device_ledger import (
     DeviceSizes,
     EngineSizes,
     Phase,
+    replay_colocated_start,
     replay_colocated_step,
     replay_disaggregated_step,
 )
@@ -125,6 +131,11 @@ from armor_megatron.models.family import layer_rules
 GIB = 2**30
 CUDA_CONTEXT_GIB = 0.75  # one process's CUDA context + cuBLAS workspace + NCCL buffers (allowance)
 ENGINE_CUDA_GRAPH_GIB = 2.0  # SGLang's CUDA-graph memory outside mem_fraction_static (allowance)
+# What a weight push stages on the sending GPU at its peak, in buckets (``rollout.sglang.bucket_mb``):
+# the export's bucket being handed over, the driver's held-back previous one, and the packed copy
+# of the bucket being posted (``tensor_payload.pack`` concatenates it). Measured op by op on CPU:
+# tests/rollout/sglang/test_weight_sync_memory.py.
+STAGED_BUCKETS = 3
 LOGPROB_CHUNK_ELEMENTS = 2**26  # logprobs.DEFAULT_CHUNK_ELEMENTS (launch/ does not import megatron/)
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -303,6 +314,7 @@ class StageMemory:
     terms: dict[str, float]
     phases: list[Phase] = dataclasses.field(default_factory=list)
     sizes: DeviceSizes | None = None  # what its ledger charged
+    start_phases: list[Phase] = dataclasses.field(default_factory=list)  # colocated: the job's start-up
 
     @property
     def total(self) -> float:
@@ -328,18 +340,20 @@ class MemoryPlan:
     layout: str
     placement: str  # colocated | disaggregated (SGLang on other GPUs, or no engine on a GPU)
     engine_phases: list[Phase] = dataclasses.field(default_factory=list)  # an engine GPU (disaggregated)
+    update_groups: int = 0  # weight_sync distributed: NCCL communicators every engine TP rank joins
 
     def problem(self) -> str | None:
         """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
         cap = self.gpu_bytes / GIB
-        columns = [(f"pipeline stage {st.stage}", st.phases) for st in self.stages]
-        columns.append(("an engine GPU", self.engine_phases))
-        for where, phases in columns:
+        columns = [(f"pipeline stage {st.stage}", "start phase", st.start_phases) for st in self.stages]
+        columns += [(f"pipeline stage {st.stage}", "phase", st.phases) for st in self.stages]
+        columns.append(("an engine GPU", "phase", self.engine_phases))
+        for where, when, phases in columns:
             for phase in phases:
                 if phase.total > self.gpu_bytes:
                     name, size = max(phase.holdings.items(), key=lambda kv: kv[1])
                     return (
-                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in phase "
+                        f"{self.layout}: {where} needs {phase.total / GIB:.1f} GiB per GPU in {when} "
                         f"'{phase.label}' ({self.placement}) > launch.gpu_memory_gib {cap:g} "
                         f"(largest: {name} {size / GIB:.1f} GiB)"
                     )
@@ -354,15 +368,25 @@ class MemoryPlan:
             rows.append([label] + [f"{st.terms[key] / GIB:.2f}" for st in self.stages])
         rows.append(["**total (update)**"] + [f"**{st.total / GIB:.2f}**" for st in self.stages])
         phases = [[f"phase ({self.placement} step)"] + [f"stage {st.stage}" for st in self.stages], rule]
+        for i, phase in enumerate(self.stages[0].start_phases):
+            phases.append([f"start: {phase.label}"] + [f"{st.start_phases[i].total / GIB:.2f}" for st in self.stages])
         for i, phase in enumerate(self.stages[0].phases):
             phases.append([phase.label] + [f"{st.phases[i].total / GIB:.2f}" for st in self.stages])
-        phases.append(["**peak**"] + [f"**{st.peak.total / GIB:.2f}**" for st in self.stages])
+        peaks = [max(st.phases + st.start_phases, key=lambda p: p.total) for st in self.stages]
+        phases.append(["**peak**"] + [f"**{p.total / GIB:.2f}**" for p in peaks])
         lines = ["| " + " | ".join(r) + " |" for r in rows]
         lines += [""] + ["| " + " | ".join(r) + " |" for r in phases]
         if self.engine_phases:
             lines += ["", "| phase (engine GPU) | GiB |", "| --- | ---: |"]
             lines += [f"| {p.label} | {p.total / GIB:.2f} |" for p in self.engine_phases]
         verdict = self.problem() or f"fits launch.gpu_memory_gib {self.gpu_bytes / GIB:g}"
+        if self.update_groups:
+            lines += [
+                "",
+                f"weight sync distributed: {self.update_groups} update group(s), one per sending trainer rank "
+                "(pipeline stages x expert-parallel owners): each engine TP rank holds that many NCCL "
+                "communicators and joins that many rendezvous",
+            ]
         return "\n".join([f"memory plan: {self.layout}", "", *lines, "", verdict])
 
 
@@ -434,15 +458,19 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
             update=activations + logits,
             engines=engines if colocated else {},
             contexts=contexts,
-            bucket=sg.bucket_mb * 2**20 if sglang else 0.0,
+            bucket=STAGED_BUCKETS * sg.bucket_mb * 2**20 if sglang else 0.0,
         )
         ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
+        start: list[Phase] = []
         if colocated:
             ledger = DeviceLedger(sizes, trainer_on_device=not offloads)
             replay_colocated_step(ledger, offload=offloads, ref_logprobs=ref_logprobs)
+            start = replay_colocated_start(
+                DeviceLedger(sizes, trainer_on_device=False), offload=offloads, reference_engine="reference" in engines
+            ).phases
         else:
             ledger = replay_disaggregated_step(DeviceLedger(sizes), ref_logprobs=ref_logprobs)
-        stages.append(StageMemory(stage, terms, ledger.phases, sizes))
+        stages.append(StageMemory(stage, terms, ledger.phases, sizes, start))
     engine_phases = []
     if sglang and not colocated:  # an engine GPU: static region, graphs and a received bucket
         engine_gpu = DeviceSizes(
@@ -469,7 +497,22 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         layout=layout,
         placement="colocated" if colocated else "disaggregated",
         engine_phases=engine_phases,
+        update_groups=update_groups(cfg, arch) if sglang else 0,
     )
+
+
+def update_groups(cfg: RunConfig, arch: ModelArch) -> int:
+    """NCCL update groups of ``weight_sync: distributed`` (0 for the other modes).
+
+    One per trainer rank that owns exported tensors (`armor_megatron.megatron.weight_export`): per
+    pipeline stage the dense owner, which is also expert-parallel rank 0's expert owner, and one
+    expert owner per further expert-parallel rank. SGLang keeps every group (a dict by name), so
+    each engine TP rank holds one communicator per group.
+    """
+    if cfg.rollout.sglang.weight_sync != "distributed":
+        return 0
+    par = cfg.parallelism
+    return par.pp * (par.ep if arch.num_experts else 1)
 
 
 def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str, EngineSizes]:

@@ -19,7 +19,9 @@ from a separate frozen reference (``anchor.source: separate`` without ``anchor.r
 by the reference group (``anchor.reference_engines``, same ``tp_per_engine``); every count above
 is over both groups. Engines run ``rollout.sglang.python`` (the SGLang environment's interpreter;
 the trainer's, ``ARMOR_PYTHON``, when null) under ``env -u SGLANG_RETURN_ORIGINAL_LOGPROB``, so an
-exported one cannot turn their log-probs into temperature-1 values. Engine ``i`` listens on
+exported one cannot turn their log-probs into temperature-1 values; colocated, with
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` (``/health`` must not generate while their
+memory is released). Engine ``i`` listens on
 ``base_port + i``; the trainer attaches to them through the ``rollout.sglang.urls`` and
 ``anchor.reference_urls`` overrides appended to its arguments. The rendezvous port is ``20000 + job_id mod 10000``, moved past the
 engine ports if it lands among them. Nothing here runs a command or imports megatron.
@@ -47,6 +49,11 @@ ENGINE_KEY_WRAPPER = "armor_megatron.rollout.sglang.launcher"  # a module name, 
 # Removed from the engine steps' environment (srun hands them the job's): SGLang would report
 # temperature-1 log-probs while the trainer computes them at the sampling temperature.
 ENGINE_UNSET_ENV = ("SGLANG_RETURN_ORIGINAL_LOGPROB",)
+# Set for colocated engines: SGLang 0.5.23's /health generates a token unless this is off
+# (sglang/srt/entrypoints/http_server.py, health_generate), and a generation while the engine's
+# memory is released kills it. slime starts its engines the same way (slime/ray/rollout.py,
+# "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false").
+QUIET_HEALTH_ENV = {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 # Signals torchrun forwards to its workers; SIGUSR1 is SLURM's "time is nearly up" (sbatch --signal).
 TORCHRUN_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
 
@@ -343,6 +350,7 @@ def _engine_step(
     server = [
         "env",
         *(arg for name in ENGINE_UNSET_ENV for arg in ("-u", name)),
+        *(f"{k}={v}" for k, v in QUIET_HEALTH_ENV.items() if sg.placement == "colocated"),
         sg.python or opts.python,  # the SGLang environment's interpreter
         "-m",
         *entry,

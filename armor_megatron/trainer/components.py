@@ -125,6 +125,40 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
     return make
 
 
+def release_engines_at_start(cfg: RunConfig) -> None:
+    """Colocated SGLang engines give back all their device memory before the trainer is built.
+
+    Every rank calls it, before building any model: the driver asks every engine the job launched
+    (``rollout.sglang.urls``, ``anchor.reference_urls``) to release weights, KV cache and CUDA graphs,
+    the others wait at a barrier. The engines started with ``mem_fraction_static`` of each GPU
+    (and their graphs); building the actor, reference and critic beside that does not fit a 7B
+    model on one 80 GB GPU. The first weight push (`ArmorTrainer.start_engines`) then follows a
+    step's order: weights resumed, pushed from the trainer's host copy, KV cache and graphs resumed.
+    slime does the same (slime/ray/placement_group.py, ``create_rollout_manager``: ``offload`` right
+    after the engines are created). A no-op unless the engines are SGLang's, colocated.
+    """
+    import torch.distributed as dist
+
+    from armor_megatron.trainer.collectives import barrier
+
+    sg = cfg.rollout.sglang
+    if cfg.rollout.engine != "sglang" or sg.placement != "colocated":
+        return
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        from armor_megatron.launch.plan import API_KEY_ENV
+        from armor_megatron.rollout.sglang.engine import SGLangEngine
+
+        api_key = sg.api_key or os.environ.get(API_KEY_ENV)
+        groups = [sg.urls] + ([cfg.anchor.reference_urls] if cfg.anchor.reference_urls else [])
+        for urls in groups:
+            engine = SGLangEngine(urls, api_key=api_key, request_timeout=sg.request_timeout_s, weight_version="start")
+            try:
+                engine.release_memory()  # every tag: the first push brings the weights back
+            finally:
+                engine.shutdown()
+    barrier()
+
+
 def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     """Driver-side engine factory for GPU runs (``tokenizer`` is unused: the servers load the model's own).
 
@@ -134,7 +168,8 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     With ``rollout.sglang.router.enabled`` each group gets its own ``sglang-router`` process on
     this node (the policy group's on ``router.port``, the reference group's on ``port + 1``; 0:
     free ports), started before the engine client and stopped by its ``shutdown``: generation
-    goes through it, weight sync and memory release to each engine directly.
+    goes through it, weight sync and memory release to each engine directly. Colocated, the
+    routers run without health checks (an engine whose memory is released must get no request).
     """
     from armor_megatron.rollout.sglang.client import RetryPolicy
     from armor_megatron.rollout.sglang.engine import SGLangEngine
@@ -142,6 +177,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     sg = cfg.rollout.sglang
+    colocated = sg.placement == "colocated"
     disk_root = sg.disk_dir or os.path.join(checkpoint_dir(cfg), "engine_weights")
     api_key = sg.api_key  # load_config takes $ARMOR_ENGINE_API_KEY, how the SLURM plan hands it over
 
@@ -159,6 +195,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
             api_key=api_key,
             health_check_interval_s=rc.health_check_interval_s,
             health_failure_threshold=rc.health_failure_threshold,
+            health_check=sg.placement != "colocated",  # its /health probes must not reach released engines
             request_timeout=sg.request_timeout_s,
             startup_timeout=rc.startup_timeout_s,
             log_path=os.path.join(log_dir, f"sglang-router-{group}.log"),
@@ -193,7 +230,11 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
                 front.stop()
             raise
         try:
+            if colocated:  # released at start (`release_engines_at_start`): the step's order
+                client.resume_memory(tags=("weights",))
             client.update_weights(weights, version)
+            if colocated:
+                client.resume_memory(tags=("kv_cache", "cuda_graph"))
         except BaseException:
             client.shutdown()
             raise

@@ -23,7 +23,9 @@ Device memory with colocated SGLang engines (never the trainer and the engines' 
 with the trainer in host memory → engines release theirs (policy: weights, KV cache, CUDA graphs;
 a frozen reference group: KV cache and graphs) → trainer to the device → log-probs and update →
 trainer to the host and ``empty_cache`` → policy weights resumed → weights pushed, streamed from
-the trainer's host copy → KV cache and graphs resumed. A reference reset or a checkpoint brings
+the trainer's host copy → ``empty_cache`` and ``ipc_collect`` → KV cache and graphs resumed. The start
+follows the same order: the engines release everything before the trainer is built, and the first
+push resumes them as a step does (``start_engines``). A reference reset or a checkpoint brings
 the trainer back while the engines keep only their weights.
 
 Rank 0 is the *driver*: it owns the data loader, the engines, the anchor cache, rewards,
@@ -266,18 +268,26 @@ class ArmorTrainer:
 
         Weights stream from the export into the engines: every rank drives the export's
         collectives, the policy's first, then the reference's. Only an anchor source that keeps
-        host copies (``swap``, to push them again around anchor requests) gets lists.
+        host copies (``swap``, to push them again around anchor requests) gets lists. Colocated,
+        the engines released all their memory before the trainer was built
+        (`components.release_engines_at_start`): the trainer goes to the host first, and each
+        engine group takes its weights' memory back, receives them and then its KV cache and graphs
+        (the engine factory), as in `sync_weights`.
         """
-        policy = self.export_weights(self.actor)
-        ref = self.export_weights(self.reference) if self.reference is not None else None
-        if source_keeps_host_weights(self.cfg) or not self.is_driver:
-            policy, ref = _materialise(policy), _materialise(ref)
-        if not self.is_driver:
-            return
-        self.policy_engine, self.reference_engine = self._make_engines(
-            policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
-        )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
-        _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
+        if self._colocated():  # engines released at start (components.release_engines_at_start)
+            self._park_trainer()  # the first push follows a step's order: it streams from the host copy
+        host = self.trainer_memory.host_views(self.actor, self.reference) if self.trainer_memory else None
+        with host or contextlib.nullcontext():
+            policy = self.export_weights(self.actor)
+            ref = self.export_weights(self.reference) if self.reference is not None else None
+            if source_keeps_host_weights(self.cfg) or not self.is_driver:
+                policy, ref = _materialise(policy), _materialise(ref)
+            if not self.is_driver:
+                return
+            self.policy_engine, self.reference_engine = self._make_engines(
+                policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
+            )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
+            _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = build_anchor_cache(
             self.cfg,
             self.sampling,
@@ -603,6 +613,9 @@ class ArmorTrainer:
                     self._engine.update_weights(weights, f"step-{self.step}")
                 else:
                     _materialise(weights)
+            if self._colocated():
+                free_device_cache()  # the push's staged buckets and IPC-shared blocks, before the KV cache returns
+                barrier()
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
 
     @collective
@@ -961,6 +974,18 @@ def offloads_during_rollout(cfg: RunConfig) -> bool:
     if cfg.train.offload_during_rollout is not None:
         return cfg.train.offload_during_rollout
     return cfg.rollout.engine == "sglang" and cfg.rollout.sglang.placement == "colocated"
+
+
+def free_device_cache() -> None:
+    """Return the caching allocator's free blocks to the device and drop blocks shared over CUDA IPC.
+
+    After a push the allocator still holds the staged parameters and buckets (``pack`` concatenates
+    a bucket's list into one more), and a ``tensor`` sync's blocks stay alive until the engines'
+    handles are collected; the KV cache resumed next would compete with them.
+    """
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.ipc_collect()
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:

@@ -78,6 +78,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         deterministic=cfg.train.deterministic,
         timeout_minutes=cfg.train.collective_timeout_minutes,
     )
+    components.release_engines_at_start(cfg)  # colocated: the engines' memory is free before any model is built
     dtype = resolve_dtype(cfg.model.dtype)
     use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
     recompute = Recompute.of(cfg.train)

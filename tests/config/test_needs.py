@@ -21,7 +21,7 @@ RECIPES = sorted(
 def test_recipes_need_only_what_the_lock_files_install(path):
     """No recipe turns on a setting a pip-only image (tools/envs/*.lock) cannot run: APEX, a compiler, DeepEP."""
     required = {n.key for n in needs.needs(load_config(path)) if n.required}
-    assert required <= {"rollout.sglang.python", "model.spec"}, required
+    assert required <= {"rollout.sglang.python", "rollout.sglang.weight_sync", "model.spec"}, required
 
 
 def test_check_says_what_the_settings_need(capsys):

@@ -196,35 +196,11 @@ def logits_peak_worker(rank):
     """Host bytes in use at the peak of a forward, log-probs and backward through megatron's GPT
     model, over a baseline, in units of one logits-sized tensor [b, s, V] (glibc's mallinfo2,
     sampled after every op). The hidden size is tiny, so the logits dominate."""
-    import ctypes
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from armor_megatron.megatron import dist as mdist
     from armor_megatron.megatron.logprobs import vocab_parallel_logprobs
     from armor_megatron.megatron.model import build_gpt_model
+    from tests.host_memory import OpPeak
     from tests.megatron.test_parallel_logprobs import QWEN3
-
-    class MallInfo(ctypes.Structure):
-        _fields_ = [
-            (n, ctypes.c_size_t)
-            for n in ("arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost").split()
-        ]
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.mallinfo2.restype = MallInfo
-
-    def in_use():
-        info = libc.mallinfo2()
-        return info.hblkhd + info.uordblks
-
-    class Peak(TorchDispatchMode):
-        peak = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            Peak.peak = max(Peak.peak, in_use())
-            return out
 
     b, s = 2, 40
     arch = dataclasses.replace(QWEN3, vocab_size=65536, num_layers=1, max_position_embeddings=64)
@@ -236,13 +212,12 @@ def logits_peak_worker(rank):
         labels = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
         peaks = []
         for _ in range(2):  # the second pass: the weights' gradients exist already
-            base = Peak.peak = in_use()
-            with Peak():
+            with OpPeak() as peak:
                 logits = model(tokens, torch.arange(s)[None].expand(b, s), None)
                 lp, _ = vocab_parallel_logprobs(logits, labels, vocab_size=arch.vocab_size)
                 del logits
                 lp.sum().backward()
-            peaks.append(Peak.peak - base)
+            peaks.append(peak.bytes)
         return peaks[-1], logits_bytes(arch, 1, b * s, 4), b * s * arch.vocab_size * 4
     finally:
         mdist.shutdown()
@@ -254,8 +229,31 @@ def test_the_transposed_logits_copy_does_not_raise_the_peak():
     """GPTModel's ``transpose(0, 1).contiguous()`` copy lives beside the output layer's logits only
     while it is made; the peak is in backward: the logits, their gradient and the two fp32 work
     buffers (four logits-sized tensors at fp32 with one chunk), what `logits_bytes` counts."""
-    if not hasattr(__import__("ctypes").CDLL("libc.so.6"), "mallinfo2"):
+    from tests import host_memory
+
+    if not host_memory.available():
         pytest.skip("needs glibc's mallinfo2")
     measured, planned, unit = run_ranks(logits_peak_worker, 1, timeout=220)[0]
     assert planned == 4 * unit
     assert measured / unit == pytest.approx(4.0, abs=0.1)
+
+
+def test_the_plan_counts_the_update_groups_of_distributed_sync():
+    """One NCCL group per sending rank: pp stages x ep expert owners; every engine TP rank joins each."""
+    from armor_megatron.config import load_config
+    from armor_megatron.config.validate import model_arch_of
+
+    overrides = [
+        "rollout.sglang.placement=disaggregated",
+        "rollout.sglang.weight_sync=distributed",
+        "launch.engine_gpus=16",
+        "launch.nodes=4",
+        "parallelism.pp=2",
+        "parallelism.ep=2",
+    ]
+    cfg = load_config("configs/qwen3_30b_a3b_moe_armor.yaml", overrides)
+    plan = plan_memory(cfg, model_arch_of(cfg))
+    assert plan.update_groups == 4  # PP=2 x EP=2
+    assert "weight sync distributed: 4 update group(s)" in plan.table()
+    tensor = load_config("configs/qwen3_30b_a3b_moe_armor.yaml")
+    assert plan_memory(tensor, model_arch_of(tensor)).update_groups == 0

@@ -74,7 +74,7 @@ def test_colocated_engines_fill_gpus_in_order_across_nodes(load):
     assert (plan.master_addr, plan.master_port) == ("node01", 24242)  # 20000 + 4242 mod 10000
     assert shlex.join(plan.engines[3].command) == (
         "srun --overlap --nodes=1 --ntasks=1 --nodelist=node02 env -u SGLANG_RETURN_ORIGINAL_LOGPROB "
-        "python -m sglang.launch_server "
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false python -m sglang.launch_server "
         "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id 4 --host 0.0.0.0 --port 30003 "
         "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed 3 --enable-memory-saver"
     )
@@ -127,6 +127,7 @@ def test_disaggregated_engines_get_the_last_whole_nodes(load):
     assert plan.trainer_nodes == ("gpu1", "gpu2", "gpu3", "gpu4") and plan.world_size == 32
     assert [(e.node, e.gpus[0], len(e.gpus)) for e in plan.engines] == [(f"gpu{i}", 0, 8) for i in (5, 6, 7, 8)]
     assert "--enable-memory-saver" not in plan.engines[0].command  # only colocated engines release memory
+    assert "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false" not in plan.engines[0].command  # nor need a quiet /health
     assert "--overlap" not in plan.trainer_command  # the trainer's nodes are its own
     assert plan.master_port == 20017
 
@@ -431,9 +432,11 @@ def test_deterministic_rollouts_start_the_engines_deterministic(load):
     assert plan.engines and all("--enable-deterministic-inference" in e.command for e in plan.engines)
     # log-probs at the sampling temperature, as the trainer computes them: never set, and removed
     # from what srun hands the engine steps (the job's environment)
+    # and, colocated, /health answers without generating (it must not run while memory is released)
     for e in plan.engines:
         python = e.command.index("-m") - 1
-        assert e.command[python - 3 : python] == ("env", "-u", "SGLANG_RETURN_ORIGINAL_LOGPROB")
+        env = ("env", "-u", "SGLANG_RETURN_ORIGINAL_LOGPROB", "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false")
+        assert e.command[python - 4 : python] == env
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in plan.env
 
 

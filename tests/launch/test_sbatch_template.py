@@ -159,7 +159,7 @@ def test_dry_run_prints_the_exact_commands_of_a_two_node_colocated_job(job):
     assert out.returncode == 0, out.stderr
     engine = (
         "srun --overlap --nodes=1 --ntasks=1 --nodelist={node} env -u SGLANG_RETURN_ORIGINAL_LOGPROB "
-        "python -m sglang.launch_server "
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false python -m sglang.launch_server "
         "--model-path /models/Qwen3-30B-A3B-Base --tp-size 4 --base-gpu-id {gpu} --host 0.0.0.0 --port {port} "
         "--mem-fraction-static 0.7 --dtype bfloat16 --random-seed {seed} --enable-memory-saver &"
     )

@@ -22,7 +22,7 @@ def test_committed_locks_satisfy_setup_py():
     done = subprocess.run([sys.executable, TOOL, "--verify"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0].startswith("trainer: torch==2.11.0 megatron-core==0.16.1 transformer-engine==2.11.0 sglang=- ")
+    assert lines[0].startswith("trainer: torch==2.14.1 megatron-core==0.16.1 transformer-engine==2.11.0 sglang=- ")
     assert lines[1].startswith("sglang: torch==2.14.1 megatron-core=- transformer-engine=- sglang==0.5.23 ")
 
 
@@ -63,16 +63,39 @@ def test_a_pin_changed_without_relocking_is_named(tmp_path, edit, message):
         check_envs.verify(root, lock_dir=check_envs.LOCK_DIR)
 
 
+def test_locks_that_disagree_on_torch_or_the_nccl_wheel_fail(tmp_path):
+    """weight_sync distributed puts both environments' NCCL in one communicator (NCCL refuses
+    mixed versions), tensor hands torch's CUDA IPC handles across: the locks must agree."""
+    for name in ("trainer", "sglang"):
+        shutil.copy(check_envs.LOCK_DIR / f"{name}-py312.lock", tmp_path)
+    trainer = tmp_path / "trainer-py312.lock"
+    pins = check_envs.read_lock(trainer)
+    assert pins["torch"] == check_envs.read_lock(tmp_path / "sglang-py312.lock")["torch"]
+    nccl = next(n for n in pins if n.startswith("nvidia-nccl-cu"))
+    trainer.write_text(trainer.read_text().replace(f"{nccl}=={pins[nccl]}", f"{nccl}==2.28.9"))
+    with pytest.raises(
+        check_envs.EnvError,
+        match=rf"the trainer lock pins {nccl}==2\.28\.9, the sglang lock {nccl}==.*one NCCL communicator",
+    ):
+        check_envs.verify(lock_dir=tmp_path)
+    same = {"torch": "2.14.1", nccl: "2.30.7"}
+    assert check_envs.shared_wheels_problem(same, dict(same)) is None
+    assert "torch==2.11.0, the sglang lock torch==2.14.1: CUDA IPC" in check_envs.shared_wheels_problem(
+        {**same, "torch": "2.11.0"}, same
+    )
+    assert f"{nccl}==-, the sglang lock" in check_envs.shared_wheels_problem({"torch": "2.14.1"}, same)
+
+
 def test_a_missing_lock_is_named(tmp_path):
     with pytest.raises(check_envs.EnvError, match="trainer-py312.lock: no such lock"):
         check_envs.verify(lock_dir=tmp_path)
 
 
 def test_trainer_resolves_tes_prebuilt_core_and_the_extensions_requirements():
-    spec = check_envs.trainer_spec(13)
+    spec = check_envs.trainer_spec(13, "torch==2.14.1")  # sglang's torch (`sglang_torch`)
     te = [r for r in spec.requirements if r.startswith("transformer-engine")]
     assert te == ["transformer-engine[core-cu13]<2.12,>=2.9"]  # the source-only pytorch extra is built later
-    assert spec.requirements.count("torch==2.11.0") == 1 and "torch>=2.6" in spec.requirements
+    assert spec.requirements.count("torch==2.14.1") == 1 and "torch>=2.6" in spec.requirements
     assert set(check_envs.TE_TORCH_REQUIRES) <= set(spec.requirements)
     assert "sglang-router==0.3.2" in spec.requirements
     assert check_envs.sglang_spec().requirements == ("sglang==0.5.23", "sglang-router==0.3.2", "pyyaml")

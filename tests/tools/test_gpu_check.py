@@ -169,3 +169,37 @@ def test_train_verdict_needs_the_resume_and_the_last_checkpoint():
     found = check_train.problems(good_steps(), "started fresh\n", "iter_0000002")
     assert "the second process did not resume at step 2" in found
     assert "latest checkpoint is iter_0000002, not iter_0000003" in found
+
+
+@pytest.mark.parametrize("check, why", [("te", "transformer_engine"), ("sglang", "SGLang needs CUDA")])
+def test_an_optional_check_that_cannot_run_is_skipped_in_one_line_naming_why(tmp_path, check, why):
+    script = os.path.join(ROOT, "tools", "gpu_check", f"check_{check}.py")
+    cmd = [sys.executable, script, "--hf", str(tmp_path / "hf"), "--work", str(tmp_path), "--device", "cpu"]
+    proc = subprocess.run(cmd + ["--json", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=60)
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert proc.returncode == 0 and result["skipped"] and proc.stdout.count("\n") == 1
+    assert result["line"].startswith(f"{check}: ok=1 skipped: ") and why in result["line"]
+
+
+def test_the_sglang_check_names_the_interpreter_that_lacks_sglang(monkeypatch):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "check_sglang", os.path.join(ROOT, "tools", "gpu_check", "check_sglang.py")
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("SGLANG_PYTHON", sys.executable)
+    assert (
+        module.missing("cuda")
+        == f"sglang not importable by {sys.executable} (set SGLANG_PYTHON to the SGLang environment's)"
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_summary_says_what_was_and_was_not_proven(tmp_path):
+    proc = run_script("--device", "cpu", "--work", str(tmp_path), "--only", "memory,te,sglang", timeout=380)
+    summary = next(line for line in proc.stdout.splitlines() if "proven on cpu" in line)
+    assert summary.startswith("gpu_check: proven on cpu: memory; not proven: te (transformer_engine")
+    assert "sglang (SGLang needs CUDA (--device cpu))" in summary and "parity (not asked)" in summary

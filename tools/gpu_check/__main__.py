@@ -14,7 +14,15 @@
    at sequence 4096 (check_throughput.py states the FLOP formula);
 4. memory: the colocated step's trainer phases (to the device, log-probs, update, to the host,
    weights streamed from the host copy), the device-memory ledger's bytes beside
-   ``torch.cuda.max_memory_allocated()`` per phase (check_memory.py).
+   ``torch.cuda.max_memory_allocated()`` per phase (check_memory.py);
+5. te (optional): the Transformer Engine layer spec, when TE is importable: HF-direct load
+   bit-equal to the converted checkpoint, log-probs within bf16 bounds of the local spec (check_te.py);
+6. sglang (optional): one tiny colocated SGLang engine, when ``$SGLANG_PYTHON`` (default this
+   interpreter) imports sglang: release → resume → push (disk, then distributed over NCCL) →
+   resume → generate, its log-probs against the trainer's at T = 0.7 (check_sglang.py).
+
+An optional check that cannot run prints one line naming what is missing and counts as skipped,
+not passed; the summary line names what was proven and what was not.
 
 Each runs as its own process under what is left of ``--budget`` (default 450 s, inside the
 8 minutes the acceptance allows), its output appended to ``<logs>/gpu_check.log`` and its
@@ -41,8 +49,9 @@ sys.path.insert(0, HERE)
 from check_lines import ROOT, exit_on_sigterm, run_process_group, select_device  # noqa: E402
 
 CHECKS = ("parity", "train", "throughput", "memory")
+OPTIONAL = ("te", "sglang")  # run when their packages are importable, else skipped in one line
 # Seconds each step may take at most (less when the budget runs short).
-TIMEOUTS = {"prepare": 180, "parity": 180, "train": 330, "throughput": 240, "memory": 150}
+TIMEOUTS = {"prepare": 180, "parity": 180, "train": 330, "throughput": 240, "memory": 150, "te": 120, "sglang": 300}
 # Throughput sizes, and the --device cpu sizes: the same code paths in seconds on two cores.
 CPU_TRAIN = ["rollout.prompts_per_step=4", "rollout.group_size=4", "train.micro_batch_size=16"]
 GPU_BENCH = {"shape": "qwen2.5-0.5b", "seq_len": 4096, "batch": 8, "steps": 5, "warmup": 2}
@@ -55,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "armor_gpu_check"))
     p.add_argument("--logs", default=None, help="where gpu_check.log/.json go (default: --work)")
     p.add_argument("--budget", type=float, default=450.0, help="seconds for everything")
-    p.add_argument("--only", default=",".join(CHECKS), help="comma-separated subset of " + ",".join(CHECKS))
+    every = CHECKS + OPTIONAL
+    p.add_argument("--only", default=",".join(every), help="comma-separated subset of " + ",".join(every))
     p.add_argument("--warmup-steps", type=int, default=None, help="supervised warm-up of the tiny model (150; cpu 20)")
     p.add_argument("--shape", default=None, help="throughput model shape (qwen2.5-0.5b; cpu: tiny)")
     p.add_argument("--seq-len", type=int, default=None, help="throughput sequence length (4096; cpu: 64)")
@@ -64,9 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train-override", action="append", default=[], metavar="KEY=VALUE", help="for armor-train")
     args = p.parse_args(argv)
     only = [c for c in args.only.split(",") if c]
-    unknown = sorted(set(only) - set(CHECKS))
+    unknown = sorted(set(only) - set(every))
     if unknown or not only:
-        p.error(f"--only: unknown check(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(CHECKS)}")
+        p.error(f"--only: unknown check(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(every)}")
     args.only = only
     return args
 
@@ -162,11 +172,14 @@ def main(argv=None) -> int:
             stopped = runner.record(name, {"name": name, "ok": False, "line": f"{name}: ok=0 stopped ({stop.code})"})
             print(stopped["line"], flush=True)
     passed = [n for n in args.only if runner.results[n]["ok"]]
+    skipped = [n for n in args.only if runner.results[n].get("skipped")]
+    proven = [n for n in passed if n not in skipped]
     bench = runner.results.get("throughput", {})
-    gpu_ok = not cpu and len(passed) == len(CHECKS)
+    gpu_ok = not cpu and all(n in proven for n in CHECKS)
     print(
         f"gpu_check: {len(passed)}/{len(args.only)} checks passed on {args.device}; log {runner.log_path}", flush=True
     )
+    print(f"gpu_check: {summary(args, runner.results)}", flush=True)
     print(
         f"gpu_ok={int(gpu_ok)} tokens_per_s={_num(bench.get('tokens_per_s'), '.1f')} mfu={_num(bench.get('mfu'), '.4g')}",
         flush=True,
@@ -196,6 +209,13 @@ def run_checks(args, runner: Runner, warmup: int) -> None:
             result = runner.run(name, "check_train.py", "--work", args.work, *overrides)
         elif name == "memory":
             result = runner.run(name, "check_memory.py")
+        elif name in OPTIONAL:
+            hf = os.path.join(args.work, "hf")
+            if not os.path.isdir(hf):  # the tiny model of `prepare` (run when parity or train is asked)
+                prepared = runner.run(
+                    "prepare", "check_train.py", "--work", args.work, "--prepare", f"--warmup-steps={warmup}"
+                )
+            result = runner.run(name, f"check_{name}.py", "--hf", hf, "--work", args.work)
         else:
             result = runner.run(
                 name,
@@ -207,6 +227,20 @@ def run_checks(args, runner: Runner, warmup: int) -> None:
                 f"--warmup={size(None, 'warmup')}",
             )
         print(result["line"], flush=True)
+
+
+def summary(args, results: dict) -> str:
+    """What this run proved on its device, and what it did not (failed, skipped with why, not asked)."""
+    proven = [n for n in args.only if results[n]["ok"] and not results[n].get("skipped")]
+    failed = [n for n in args.only if not results[n]["ok"]]
+    skipped = [f"{n} ({results[n]['line'].split('skipped: ', 1)[-1]})" for n in args.only if results[n].get("skipped")]
+    absent = [n for n in CHECKS + OPTIONAL if n not in args.only]
+    parts = [f"proven on {args.device}: {', '.join(proven) or 'nothing'}"]
+    if failed:
+        parts.append(f"failed: {', '.join(failed)}")
+    if skipped or absent:
+        parts.append("not proven: " + ", ".join(skipped + [f"{n} (not asked)" for n in absent]))
+    return "; ".join(parts)
 
 
 def _num(value, fmt: str) -> str:

@@ -90,3 +90,26 @@ def report(json_path: str | None, name: str, ok: bool, line: str, **values) -> N
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"name": name, "ok": bool(ok), "line": text, **values}, f)
+
+
+def skipped_or_ready(json_path: str | None, name: str, why: str | None, device: str) -> bool:
+    """An optional check's start: report it skipped when ``why`` names what is missing (True),
+    else select ``device`` and a world-size-1 rendezvous (False)."""
+    if why:
+        report(json_path, name, True, f"skipped: {why}", skipped=True)
+        return True
+    select_device(device)
+    single_process_env()
+    return False
+
+
+def model_check_parser(doc: str):
+    """The flags every check on the tiny model takes: ``--hf``, ``--work``, ``--device``, ``--json``."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--hf", required=True, help="HF checkpoint directory")
+    p.add_argument("--work", required=True, help="scratch directory")
+    p.add_argument("--device", default="cuda", choices=DEVICES)
+    p.add_argument("--json", default=None, help="write the result here")
+    return p

@@ -81,6 +81,23 @@ def megatron_logprobs(arch, mcore_dir: str, tokens, lengths, dtype):
     return out.logprobs.float().cpu(), str(next(model.parameters()).device)
 
 
+def parity_inputs(hf_dir: str, mcore_dir: str, batch: int, length: int, seed: int = 0):
+    """(arch, tokens, lengths, mask): the model's architecture, ragged random sequences (padding
+    in play) and their compared positions; converts ``hf_dir`` to ``mcore_dir`` when not done yet."""
+    import torch
+
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.convert.verify import prompts
+    from armor_megatron.models import ModelArch
+
+    arch = ModelArch.from_hf_dir(hf_dir)
+    if not os.path.isdir(mcore_dir):
+        convert_hf_to_mcore(hf_dir, mcore_dir, progress_stream=None)
+    tokens = prompts(arch, batch=batch, length=length, seed=seed)
+    lengths = length - torch.arange(batch) * (length // (2 * batch))
+    return arch, tokens, lengths, response_positions(tokens, lengths)
+
+
 def compare(device_lp, reference_lp, mask) -> dict:
     diff = (device_lp - reference_lp).abs() * mask
     n = mask.sum().clamp(min=1)
@@ -97,18 +114,10 @@ def main(argv=None) -> int:
     single_process_env()
     import torch
 
-    from armor_megatron.convert import convert_hf_to_mcore
-    from armor_megatron.convert.verify import prompts
     from armor_megatron.megatron import dist
-    from armor_megatron.models import ModelArch
 
-    arch = ModelArch.from_hf_dir(args.hf)
     mcore_dir = os.path.join(args.work, "parity_mcore")
-    if not os.path.isdir(mcore_dir):
-        convert_hf_to_mcore(args.hf, mcore_dir, progress_stream=None)
-    tokens = prompts(arch, batch=args.batch, length=args.length, seed=args.seed)
-    lengths = args.length - torch.arange(args.batch) * (args.length // (2 * args.batch))  # ragged: padding in play
-    mask = response_positions(tokens, lengths)
+    arch, tokens, lengths, mask = parity_inputs(args.hf, mcore_dir, args.batch, args.length, args.seed)
     reference = reference_logprobs(args.hf, tokens, lengths)
 
     ctx = dist.initialize(dist.ParallelConfig(), arch)

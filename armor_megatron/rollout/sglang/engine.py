@@ -38,7 +38,10 @@ static region at once: rollout → :meth:`release_memory` (:data:`MEMORY_TAGS`: 
 CUDA graphs) → trainer to the device → log-probs and update → trainer to the host and
 ``empty_cache`` → ``resume_memory(tags=("weights",))`` → push the weights (streamed from the
 trainer's host copy: the push peaks at the engine's weights plus one bucket) →
-``resume_memory(tags=("kv_cache", "cuda_graph"))``. Released weights come back as memory, not
+``resume_memory(tags=("kv_cache", "cuda_graph"))``. While any tag is released the engine is
+quiet: :meth:`generate` and the ``/health_generate`` probes refuse (SGLang would run their forward
+on unmapped memory and die), launched colocated servers answer ``/health`` without generating and
+a router in front of them runs without health checks. Released weights come back as memory, not
 contents, until the next push (without ``--enable-weights-cpu-backup``); so an engine whose weights
 do not change (the reference) releases only ``("kv_cache", "cuda_graph")``. Disaggregated mode
 (engines on their own GPUs or nodes): never release; push weights with ``distributed`` or
@@ -153,6 +156,7 @@ class SGLangEngine(RolloutEngine):
         self.weight_version = str(weight_version)
         self._seed: int | None = None
         self._calls = itertools.count()
+        self._released: set[str] = set()  # memory tags released by this client (colocated mode)
         self.sync.clear_stale_sessions()  # a trainer that died mid-push may have left one open
 
     @classmethod
@@ -189,6 +193,7 @@ class SGLangEngine(RolloutEngine):
     ) -> list:
         """``n`` samples per prompt from the SGLang servers, spread over them."""
         check_prompts(prompts_token_ids, n)
+        self._check_holding("generate")
         deadline = None if timeout is None else time.monotonic() + timeout
         requests = [
             self._prompt_requests(sglang_sampling_params(sampling, n, self._request_seed(sampling, n)))
@@ -283,6 +288,7 @@ class SGLangEngine(RolloutEngine):
 
     def unhealthy_workers(self, timeout: float | None = None) -> list[str]:
         """URLs of the engines that do not answer ``/health_generate`` within ``timeout`` (checked concurrently)."""
+        self._check_holding("check health (/health_generate generates)")
         with concurrent.futures.ThreadPoolExecutor(len(self.workers), thread_name_prefix="sglang-health") as pool:
             healthy = list(pool.map(lambda c: c.health(generate=True, timeout=timeout or 30.0), self.workers))
         return [c.url for c, ok in zip(self.workers, healthy) if not ok]
@@ -312,6 +318,7 @@ class SGLangEngine(RolloutEngine):
         Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
         trainer comes to the device; the servers must be idle (module docstring: the order).
         """
+        self._released |= set(tags)  # before the request: one that fails half-way leaves some released
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
     def resume_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
@@ -320,6 +327,24 @@ class SGLangEngine(RolloutEngine):
         Resumed weights are memory only until the next weight push.
         """
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
+        self._released -= set(tags)
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        """The memory tags released now (colocated mode); nothing may generate while any is."""
+        return frozenset(self._released)
+
+    def _check_holding(self, what: str) -> None:
+        """Refuse a generating request while memory is released.
+
+        SGLang would run its forward on unmapped memory and die (it neither refuses nor holds such
+        a request back).
+        """
+        if self._released:
+            raise RuntimeError(
+                f"cannot {what} while the engines' memory {sorted(self._released)} is released; "
+                "resume it first (the colocated order in trainer/loop.py)"
+            )
 
     @contextlib.contextmanager
     def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None):

@@ -41,7 +41,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, cast
 
-from armor_megatron.launch.plan import API_KEY_ENV
+from armor_megatron.launch.plan import API_KEY_ENV, QUIET_HEALTH_ENV
 from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.sglang.router import (
@@ -85,7 +85,10 @@ class LauncherConfig:
     router_policy: str = "cache_aware"
     router_health_check_interval_s: int = 5
     router_health_failure_threshold: int = 2
-    colocated: bool = False  # adds --enable-memory-saver: weights, KV cache and CUDA graphs can be released
+    router_health_check: bool | None = None  # None: off when colocated (its /health probes would generate)
+    # adds --enable-memory-saver (weights, KV cache and CUDA graphs can be released) and starts the
+    # servers with SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION off (`/health` must not generate while released)
+    colocated: bool = False
     deterministic: bool = False  # adds --enable-deterministic-inference (seeded, batch-invariant sampling)
     mem_fraction_static: float | None = None
     extra_args: Sequence[str] = ()
@@ -161,6 +164,7 @@ class SGLangLauncher:
             api_key=c.api_key,
             health_check_interval_s=c.router_health_check_interval_s,
             health_failure_threshold=c.router_health_failure_threshold,
+            health_check=not c.colocated if c.router_health_check is None else c.router_health_check,
             startup_timeout=c.startup_timeout,
             stop_grace=c.stop_grace,
             log_path=log_path,
@@ -220,7 +224,8 @@ class SGLangLauncher:
 
     def _spawn(self, cmd: list[str], log_path: str, index: int | None = None) -> None:
         """Start ``cmd`` logging to ``log_path``: a new engine, or a replacement of engine ``index``."""
-        env = {**os.environ, **self.config.env}
+        quiet = QUIET_HEALTH_ENV if self.config.colocated else {}  # before `env`: a test may restore SGLang's default
+        env = {**os.environ, **quiet, **self.config.env}
         if self.config.api_key:
             env[API_KEY_ENV] = self.config.api_key
         if env.pop(ORIGINAL_LOGPROB_ENV, None) is not None:

@@ -22,6 +22,12 @@ What 0.3.2 does, checked against the binary:
 * ``--api-key`` makes the router demand the key of its clients and pass it to the workers;
   like the servers' key it never goes on a command line (the launcher's key-from-environment
   wrapper adds it in-process);
+* it health-checks every worker at ``--health-check-endpoint`` (``/health``) every
+  ``--health-check-interval-secs``; SGLang 0.5.23's ``/health`` generates a token unless the
+  server runs with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` off, and a generation on an engine
+  whose memory is released kills it. With colocated engines the router therefore runs with
+  ``--disable-health-check`` (``health_check=False``; slime does the same: slime/ray/rollout.py,
+  ``router_args.disable_health_check = True``), and a dead engine shows up as failed requests;
 * it always serves Prometheus metrics (default port 29000 on all interfaces, so two routers on
   one node clash): each router gets its own free port on ``host``. A port taken between
   choosing and binding makes the router exit with "Address already in use"; start then tries
@@ -90,7 +96,8 @@ class SGLangRouter:
     """One ``sglang-router`` process in front of ``worker_urls``.
 
     ``port`` 0 picks a free port (and retries on a lost race); ``startup_timeout`` bounds
-    :meth:`start`; ``request_timeout`` is the router's own per-request limit (seconds).
+    :meth:`start`; ``request_timeout`` is the router's own per-request limit (seconds);
+    ``health_check=False`` turns the router's periodic worker checks off (colocated engines).
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class SGLangRouter:
         api_key: str | None = None,
         health_check_interval_s: int = 5,
         health_failure_threshold: int = 2,
+        health_check: bool = True,
         request_timeout: float = 1800.0,
         startup_timeout: float = 300.0,
         stop_grace: float = 10.0,
@@ -123,6 +131,7 @@ class SGLangRouter:
         self.host, self.requested_port, self.policy, self.api_key = host, port, policy, api_key
         self.health_check_interval_s = int(health_check_interval_s)
         self.health_failure_threshold = int(health_failure_threshold)
+        self.health_check = health_check
         self.request_timeout, self.startup_timeout, self.stop_grace = request_timeout, startup_timeout, stop_grace
         self.log_path = log_path
         self.python, self.module, self.extra_args = python, module, list(extra_args)
@@ -158,6 +167,7 @@ class SGLangRouter:
             str(self.health_check_interval_s),
             "--health-failure-threshold",
             str(self.health_failure_threshold),
+            *([] if self.health_check else ["--disable-health-check"]),
             "--worker-startup-check-interval",
             "1",
             "--worker-startup-timeout-secs",

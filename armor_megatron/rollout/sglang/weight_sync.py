@@ -106,8 +106,8 @@ class WeightSyncConfig:
 
 def _on_all(clients: Sequence[SGLangClient], fn) -> list:
     """Run ``fn(client)`` on every engine concurrently; the first failure is raised."""
-    if len(clients) == 1:
-        return [fn(clients[0])]
+    if len(clients) <= 1:
+        return [fn(c) for c in clients]
     with concurrent.futures.ThreadPoolExecutor(len(clients)) as pool:
         return [f.result() for f in [pool.submit(fn, c) for c in clients]]
 

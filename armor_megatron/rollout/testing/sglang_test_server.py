@@ -54,6 +54,13 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   ``weights`` loses them unless the server runs with ``--enable-weights-cpu-backup``: resuming
   brings the memory back, not its contents, until the next weight update (SGLang then
   generates garbage; the double refuses);
+* a generating request while any tag is released runs a forward on unmapped memory: the real
+  engine dies (an illegal memory access), so the double crashes (:meth:`crash`), records why in
+  :attr:`SGLangTestServer.failure` (a process exits with status 1). Generating requests are
+  ``/generate``, ``/health_generate`` and ``/health`` itself while ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION``
+  is on (SGLang 0.5.23's default: ``health_generate`` in sglang/srt/entrypoints/http_server.py serves
+  both paths and only answers ``/health`` at once when the variable is off); resuming a tag that
+  is not released kills it too (the scheduler's set of offloaded tags has no such entry);
 * ``--api-key`` (sglang/srt/utils/auth.py): every endpoint but ``/health*``, ``/ready*``,
   ``/metrics*`` and OPTIONS wants ``Authorization: Bearer <key>`` ("bearer" in any case) or
   ``x-api-key: <key>``; else 401 ``{"error": "Unauthorized"}``;
@@ -141,6 +148,7 @@ AUTH_EXEMPT_PREFIXES = ("/health", "/ready", "/metrics")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 PAUSE_MODES = ("abort", "retract", "in_place")
 ORIGINAL_LOGPROB_ENV = "SGLANG_RETURN_ORIGINAL_LOGPROB"
+HEALTH_GENERATION_ENV = "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"  # sglang/srt/environ.py, EnvBool(True)
 DEFAULT_SAMPLING_SEED = 42  # sampling_batch_info.py:163: the seed of a request without one, deterministic mode
 # Fields of sampling_params whose JSON type SGLang's request parsing checks, and the type.
 INT_SAMPLING_KEYS = ("max_new_tokens", "top_k", "n", "min_new_tokens")
@@ -212,14 +220,21 @@ class SGLangTestServer:
         weights_cpu_backup: bool = False,
         deterministic: bool = False,
         original_logprobs: bool | None = None,
+        health_generation: bool | None = None,
     ):
         """A server double in front of ``engine`` (not started: see :meth:`start`).
 
         ``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
-        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``.
+        ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``;
+        ``health_generation``: ``/health`` generates a token; None reads
+        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (on unless "0"/"false").
         """
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
+        if health_generation is None:
+            health_generation = os.environ.get(HEALTH_GENERATION_ENV, "true").lower() not in ("0", "false")
+        self.health_generation = health_generation
+        self.failure: str | None = None  # why the engine died (a generating request while memory was released)
         self.deterministic, self.original_logprobs = deterministic, original_logprobs
         self.engine = engine
         engine.original_logprobs = original_logprobs
@@ -272,13 +287,14 @@ class SGLangTestServer:
         return self
 
     def stop(self) -> None:
-        """Stop listening and join the server thread."""
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
+        """Stop listening and join the server thread (once, also when a crash stops it concurrently)."""
+        with self._cond:
+            httpd, self._httpd = self._httpd, None
+        if httpd is not None:
+            httpd.shutdown()
+            httpd.server_close()
             if self._thread is not None:
                 self._thread.join(timeout=10)
-            self._httpd = None
 
     def crash(self) -> None:
         """Die like a killed process: stop listening and cut every open connection unanswered."""
@@ -378,6 +394,7 @@ class SGLangTestServer:
         self._wait_until_serving()
         return_logprob = bool(body.get("return_logprob", False))
         with self._cond:
+            self._fail_if_released("/generate")
             self._running += 1
             epoch = self._abort_epoch
         try:
@@ -698,8 +715,20 @@ class SGLangTestServer:
         return JSON_NULL
 
     def resume_memory_occupation(self, body):
-        """``POST /resume_memory_occupation``: take the memory of the tags back."""
-        self._released -= self._memory_tags(body, "resume_memory_occupation")
+        """``POST /resume_memory_occupation``: take the memory of the tags back.
+
+        A tag that is not released kills the engine: SGLang's scheduler removes each tag from its
+        set of offloaded tags (a ``KeyError`` in its event loop, which takes the server down).
+        """
+        tags = self._memory_tags(body, "resume_memory_occupation")
+        with self._cond:
+            held = sorted(tags - self._released)
+            if held:
+                self.failure = f"resume_memory_occupation of {held}, which were not released"
+                logger.error("engine failed: %s", self.failure)
+                threading.Thread(target=self.crash, daemon=True).start()
+                raise ConnectionAbortedError(self.failure)
+            self._released -= tags
         return JSON_NULL
 
     def pause_generation(self, body):
@@ -723,10 +752,25 @@ class SGLangTestServer:
         return {"message": "Generation continued successfully.", "status": "ok"}
 
     def health_generate(self, body):
-        """``GET /health_generate``: 503 while paused."""
+        """``GET /health_generate``: one generated token (503 while paused)."""
         if self._paused:
             raise _HTTPError(503, {"error": "server is paused"})
+        with self._cond:  # its one-token forward (not run: it would move the engine's sampling state)
+            self._fail_if_released("a health check")
         return None
+
+    def health(self, body):
+        """``GET /health``: ``/health_generate`` unless health generation is off, then 200 at once."""
+        return self.health_generate(body) if self.health_generation else None
+
+    def _fail_if_released(self, what: str) -> None:
+        """A forward while memory is released: the real engine dies, so the double crashes (caller holds ``_cond``)."""
+        if not self._released:
+            return
+        self.failure = f"{what} ran a forward while {sorted(self._released)} were released"
+        logger.error("engine failed: %s", self.failure)
+        threading.Thread(target=self.crash, daemon=True).start()  # not from a handler thread holding the lock
+        raise ConnectionAbortedError(self.failure)
 
     def update_weight_version(self, body):
         """``POST /update_weight_version``: set the weight version without new weights."""
@@ -764,7 +808,7 @@ class SGLangTestServer:
 
 
 ROUTES = {
-    ("GET", "/health"): lambda s, b: None,
+    ("GET", "/health"): SGLangTestServer.health,
     ("GET", "/health_generate"): SGLangTestServer.health_generate,
     ("GET", "/model_info"): SGLangTestServer.model_info,
     ("GET", "/get_model_info"): SGLangTestServer.model_info,
@@ -894,9 +938,11 @@ def main(argv=None) -> None:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     print(f"sglang test server listening on {server.url}", flush=True)
-    while not stop.is_set():
+    while not stop.is_set() and server.failure is None:
         time.sleep(0.1)
     server.stop()
+    if server.failure is not None:
+        raise SystemExit(f"sglang test server failed: {server.failure}")
 
 
 if __name__ == "__main__":

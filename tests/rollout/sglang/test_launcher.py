@@ -37,6 +37,10 @@ def test_commands_follow_sglang_flags():
     launcher.ports = [30000, 30001]
     router = launcher.router_command(31000)
     assert router[3] == "sglang_router.launch_router" and "--api-key" not in router
+    assert "--disable-health-check" in router  # colocated: no /health probe may reach a released engine
+    disaggregated = SGLangLauncher(LauncherConfig(model_path="/m", use_router=True))
+    disaggregated.ports = [30000]
+    assert "--disable-health-check" not in disaggregated.router_command(31000)
     assert SGLangLauncher(LauncherConfig(model_path="/m")).server_command(0, 1)[1:3] == ["-m", "sglang.launch_server"]
     assert router[router.index("--worker-urls") + 1 :][:2] == ["http://127.0.0.1:30000", "http://127.0.0.1:30001"]
     assert "--enable-deterministic-inference" not in cmd

@@ -38,8 +38,9 @@ pytestmark = pytest.mark.double_only
 PROMPTS = ["12+3=", "what is 7*8?", "zebra", "(1)(2)(3)", "the end.", "99-1", "Quiz: 4/2", "xyz"]
 
 
-def _double(path):
-    return SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="default"), model_path=path).start()
+def _double(path, health_generation=None):
+    engine = LocalEngine.from_pretrained(path, weight_version="default")
+    return SGLangTestServer(engine, model_path=path, health_generation=health_generation).start()
 
 
 def _generate_counts(servers):
@@ -211,10 +212,10 @@ def test_launcher_starts_the_router_and_survives_a_killed_engine_process(tiny_ck
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp_path):
-    from armor_megatron.trainer.components import make_sglang_engines
+    from armor_megatron.trainer.components import make_sglang_engines, release_engines_at_start
 
     path, hf_cfg, tok = tiny_ckpt
-    servers = [_double(path) for _ in range(3)]
+    servers = [_double(path, health_generation=False) for _ in range(3)]  # colocated engines start quiet
     policy_urls, reference_urls = [s.url for s in servers[:2]], [servers[2].url]
     cfg = load_config(
         os.path.join(ROOT, "configs/tiny_cpu.yaml"),
@@ -230,6 +231,7 @@ def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp
             f"logging.dir={tmp_path / 'runs'}",
         ],
     )
+    release_engines_at_start(cfg)  # colocated (the default): as trainer/run.py, before the first push
     make = make_sglang_engines(cfg, hf_cfg)
     weights = tiny_weights(hf_cfg, seed=3)
     policy, reference = make(weights, weights, policy_version="p1", reference_version="r1")
@@ -248,6 +250,7 @@ def test_the_trainer_factory_puts_a_router_in_front_of_each_group(tiny_ckpt, tmp
         for s in servers:
             s.stop()
     assert not policy.router_process.running and not reference.router_process.running
+    assert all(s.failure is None for s in servers)
 
 
 @needs_router
@@ -275,3 +278,51 @@ def test_a_port_taken_between_choosing_and_binding_is_retried_on_fresh_ports(tin
         router.stop()
         taken.close()
         server.stop()
+
+
+@needs_router
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("settings", ["colocated", "before issue 31"])
+def test_colocated_engines_behind_the_router_stay_quiet_while_released(tiny_ckpt, tmp_path, settings):
+    """A colocated step through the router: release every tag, wait several router health-check
+    intervals, resume the weights, push, resume the rest, generate. The double dies on a
+    generating request while released, as SGLang does; colocated settings (router checks off,
+    ``/health`` not generating) keep it alive, the earlier settings (router checking ``/health``
+    every second, ``/health`` generating: SGLang's default) kill it."""
+    path, hf_config, tok = tiny_ckpt
+    before = settings != "colocated"
+    cfg = LauncherConfig(
+        model_path=path,
+        colocated=True,
+        use_router=True,
+        router_health_check_interval_s=1,
+        router_health_failure_threshold=1,
+        router_health_check=True if before else None,
+        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "true"} if before else {},
+        server_module=TEST_SERVER,
+        log_dir=str(tmp_path / "logs"),
+        startup_timeout=200,
+    )
+    launcher = SGLangLauncher(cfg)
+    sync = WeightSyncConfig(mode="disk", disk_dir=str(tmp_path / "sync"), hf_config=hf_config)
+    engine = SGLangEngine.launch(launcher, retry=FAST_RETRY, request_timeout=30, weight_sync=sync)
+    prompts = [encode(tok, p) for p in PROMPTS[:2]]
+    try:
+        assert "--disable-health-check" in launcher.router.command(1, 2) or before
+        assert [len(g) for g in engine.generate(prompts, 2, SamplingParams(max_new_tokens=3))] == [2, 2]
+        engine.release_memory()
+        time.sleep(4)  # four of the router's health-check intervals
+        server = launcher._procs[0]
+        if before:
+            assert server.wait(timeout=30) == 1  # a health check generated on released memory
+            assert "ran a forward while" in open(tmp_path / "logs" / "engine-0.log").read()
+            return
+        engine.resume_memory(tags=("weights",))
+        engine.update_weights(tiny_weights(hf_config, seed=5), "step-1")
+        engine.resume_memory(tags=("kv_cache", "cuda_graph"))
+        groups = engine.generate(prompts, 2, SamplingParams(max_new_tokens=3))
+        assert [len(g) for g in groups] == [2, 2] and groups[0][0].weight_version == "step-1"
+        assert server.poll() is None
+    finally:
+        engine.shutdown()

@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.engine import EngineUnavailableError, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, SGLangHTTPError
 from armor_megatron.rollout.sglang.engine import SGLangEngine
@@ -118,7 +118,6 @@ def test_memory_release_per_tag_answers_null_and_needs_an_idle_or_paused_server(
     _, _, tok = tiny_ckpt
     client = SGLangClient(server.url, retry=ONCE)
     assert client.post("/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) is None
-    assert client.generate(encode(tok, "1"), {"max_new_tokens": 1})  # accepted while released
     assert client.post("/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}) is None
     assert status(client, "POST", "/release_memory_occupation", {"tags": ["nope"]}) == 400
     server._running = 1  # a request in flight
@@ -148,3 +147,50 @@ def test_routes_methods_groups_and_auth(tiny_ckpt):
         lower = s.handle("GET", "/get_server_info", {"Authorization": "bearer k"}, None)
         assert lower["weight_version"] == "v7"
         assert s.handle("GET", "/get_server_info", {"x-api-key": "k"}, None)["weight_version"] == "v7"
+
+
+@pytest.mark.parametrize("path", ["/generate", "/health_generate", "/health"])
+def test_a_generating_request_while_memory_is_released_kills_the_engine(tiny_ckpt, path):
+    """SGLang 0.5.23 neither refuses nor holds a generation while memory is released: its forward
+    runs on unmapped memory and the engine dies. ``/health`` generates too unless
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION is off."""
+    model_path, _, tok = tiny_ckpt
+    server = SGLangTestServer(LocalEngine.from_pretrained(model_path), health_generation=True).start()
+    try:
+        client = SGLangClient(server.url, retry=ONCE, request_timeout=10)
+        assert client.post("/release_memory_occupation", {"tags": ["kv_cache"]}) is None
+        with pytest.raises(EngineUnavailableError):
+            if path == "/generate":
+                client.generate(encode(tok, "1"), {"max_new_tokens": 1})
+            else:
+                client.get(path, retry=False)
+        assert server.failure is not None and "released" in server.failure
+        assert not client.health(timeout=2)  # dead
+    finally:
+        server.stop()
+
+
+def test_health_without_generation_is_safe_while_released(tiny_ckpt):
+    model_path, _, _ = tiny_ckpt
+    server = SGLangTestServer(LocalEngine.from_pretrained(model_path), health_generation=False).start()
+    try:
+        client = SGLangClient(server.url, retry=ONCE)
+        client.post("/release_memory_occupation", {})
+        assert client.health(timeout=5)  # /health answers at once, no forward
+        assert server.failure is None
+        client.post("/resume_memory_occupation", {})
+    finally:
+        server.stop()
+
+
+def test_resuming_memory_that_was_not_released_kills_the_engine(tiny_ckpt):
+    model_path, _, _ = tiny_ckpt
+    server = SGLangTestServer(LocalEngine.from_pretrained(model_path)).start()
+    try:
+        client = SGLangClient(server.url, retry=ONCE, request_timeout=10)
+        client.post("/release_memory_occupation", {"tags": ["kv_cache"]})
+        with pytest.raises(EngineUnavailableError):
+            client.post("/resume_memory_occupation", {"tags": ["kv_cache", "weights"]}, retry=False)
+        assert server.failure == "resume_memory_occupation of ['weights'], which were not released"
+    finally:
+        server.stop()
