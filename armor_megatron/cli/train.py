@@ -149,9 +149,16 @@ def main(argv: list[str] | None = None) -> int:
             argv = without_secrets(argv)  # the ranks' command lines show in `ps`; the key goes by environment
         except LaunchPlanError as err:
             return fail(PROG, str(err))
-        if cfg.rollout.sglang.api_key:
-            os.environ[API_KEY_ENV] = cfg.rollout.sglang.api_key
-        return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
+        key, before = cfg.rollout.sglang.api_key, os.environ.get(API_KEY_ENV)
+        if key:
+            os.environ[API_KEY_ENV] = key  # for the ranks only: restored when they are done
+        try:
+            return relaunch_under_torchrun(argv, nprocs, cfg.launch.requeue_exit_code)
+        finally:
+            if key and before is None:
+                del os.environ[API_KEY_ENV]
+            elif key:
+                os.environ[API_KEY_ENV] = before
     return _train(cfg, args.resume)
 
 

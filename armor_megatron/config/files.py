@@ -194,7 +194,9 @@ def _probe_no_answer(key: str, where: str, spec: str, ground_truth: object) -> N
     try:
         verifier(NO_ANSWER, ground_truth)
     except VerifierResultError as err:
-        raise ConfigError(key, f"{where}: {err}; a verifier returns a reward (e.g. 0) for every response") from None
+        raise ConfigError(
+            key, f"{where}: {err}, for the response {NO_ANSWER!r}; a verifier returns a reward (e.g. 0) for every response"
+        ) from None
     except Exception as err:  # the user's code: what it raised is reported, not this package's traceback
         raise ConfigError(
             key, f"{where}: verifier {spec!r} raised {type(err).__name__} on the response {NO_ANSWER!r}: {err}"

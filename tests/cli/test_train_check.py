@@ -351,7 +351,7 @@ def test_explain_prints_one_keys_entry_without_a_config(capsys):
 
 def test_check_masks_passwords_in_urls(capsys):
     urls = '["https://alice:pa55@engines.example:30000/v1","http://127.0.0.1:30001"]'
-    assert main(["--config", SEVEN_B, "--check", "--no-files", f"rollout.sglang.urls={urls}"]) == 0
+    assert main(["--config", SEVEN_B, "--check", "--print-config", "--no-files", f"rollout.sglang.urls={urls}"]) == 0
     out = capsys.readouterr().out
     assert "pa55" not in out and "https://alice:***@engines.example:30000/v1" in out and "http://127.0.0.1:30001" in out
 
@@ -361,7 +361,7 @@ def test_the_relaunch_under_torchrun_hands_ranks_the_key_by_environment(monkeypa
     import armor_megatron.cli.train as train_cli
 
     for var in train_cli.LAUNCHER_VARS + ("ARMOR_ENGINE_API_KEY",):
-        monkeypatch.delenv(var, raising=False)  # and ARMOR_ENGINE_API_KEY is removed again afterwards
+        monkeypatch.delenv(var, raising=False)
     started = {}
 
     def relaunch(argv, nprocs, requeue_code):
@@ -372,3 +372,4 @@ def test_the_relaunch_under_torchrun_hands_ranks_the_key_by_environment(monkeypa
     assert main(["--config", TINY, "--no-files", "rollout.sglang.api_key=s3cret", "train.steps=1"]) == 0
     assert started["nprocs"] == 2 and started["key"] == "s3cret"
     assert started["argv"] == ["--config", TINY, "--no-files", "train.steps=1"]
+    assert "ARMOR_ENGINE_API_KEY" not in os.environ  # set for the ranks only: later configs in this process load no key

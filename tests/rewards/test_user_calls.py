@@ -52,7 +52,10 @@ def test_what_a_user_verifier_raises_or_returns_is_named_in_one_line():
     nan = f"{USER}:returns_nan"
     with pytest.raises(VerifierResultError) as err:
         score_batch(["a", "b"], ["1", "2"], verifier=nan, max_workers=1, labels=["row 17", "row 18"])
-    assert str(err.value) == f"row 17: verifier '{nan}' returned nan: RewardResult.score must be finite, got nan"
+    assert str(err.value) == (
+        f"row 17: verifier '{nan}' returned nan: RewardResult.score must be finite, got nan, "
+        "for the response 'a' (ground truth '1')"
+    )
 
 
 def test_a_reply_over_the_output_cap_kills_the_worker_and_scores_0(monkeypatch, timeouts):

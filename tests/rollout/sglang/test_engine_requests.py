@@ -84,7 +84,7 @@ def test_the_trainer_factory_makes_deterministic_engines_when_asked(tiny_ckpt, t
 
     from armor_megatron.config import load_config
     from armor_megatron.rollout.testing.tiny_models import tiny_weights
-    from armor_megatron.trainer.components import make_sglang_engines
+    from armor_megatron.trainer.components import make_sglang_engines, release_engines_at_start
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     _, hf_cfg, tok = tiny_ckpt
@@ -98,6 +98,7 @@ def test_the_trainer_factory_makes_deterministic_engines_when_asked(tiny_ckpt, t
             f"logging.dir={tmp_path / 'runs'}",
         ]
         cfg = load_config(os.path.join(root, "configs", "tiny_cpu.yaml"), overrides)
+        release_engines_at_start(cfg)  # colocated (the default): as trainer/run.py, before the first push
         policy, reference = make_sglang_engines(cfg, hf_cfg)(
             tiny_weights(hf_cfg, seed=3), None, policy_version="p1", reference_version="r1"
         )

@@ -23,7 +23,7 @@ from armor_megatron.rollout.sglang.weight_sync import (
     register_weight_sync_mode,
 )
 from armor_megatron.rollout.testing.tiny_models import encode, tiny_weights
-from armor_megatron.trainer.components import make_sglang_engines
+from armor_megatron.trainer.components import make_sglang_engines, release_engines_at_start
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
@@ -66,6 +66,7 @@ def test_a_registered_mode_runs_from_the_config_to_the_engines(server, tiny_ckpt
         f"logging.dir={tmp_path / 'runs'}",
     ]
     cfg = load_config(os.path.join(ROOT, "configs", "tiny_cpu.yaml"), overrides)
+    release_engines_at_start(cfg)  # colocated (the default): as trainer/run.py, before the first push
     policy, _ = make_sglang_engines(cfg, hf_cfg)(
         tiny_weights(hf_cfg, seed=5, sharpen=8.0), None, policy_version="step-1", reference_version="r"
     )
