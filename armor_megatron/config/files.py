@@ -195,7 +195,8 @@ def _probe_no_answer(key: str, where: str, spec: str, ground_truth: object) -> N
         verifier(NO_ANSWER, ground_truth)
     except VerifierResultError as err:
         raise ConfigError(
-            key, f"{where}: {err}, for the response {NO_ANSWER!r}; a verifier returns a reward (e.g. 0) for every response"
+            key,
+            f"{where}: {err}, for the response {NO_ANSWER!r}; a verifier returns a reward (e.g. 0) for every response",
         ) from None
     except Exception as err:  # the user's code: what it raised is reported, not this package's traceback
         raise ConfigError(
