@@ -43,16 +43,8 @@ class ReferenceModel:
         self.arch, self.parallel = settings.arch, settings.parallel
         # `recompute` and `throughput` only keep the config equal to the actor's: a frozen forward keeps
         # no activations and has no gradients; `moe` routes and dispatches tokens as the actor does.
-        self.model_chunks = build_model_chunks(
-            settings.arch,
-            settings.parallel,
-            dtype=settings.dtype,
-            use_te=settings.use_te,
-            recompute=settings.recompute,
-            throughput=settings.throughput,
-            moe=settings.moe,
-            perform_initialization=settings.init_weights,  # False: the caller loads every weight next
-        )
+        # settings.init_weights=False: the caller loads every weight next
+        self.model_chunks = build_model_chunks(settings.arch, settings.parallel, **settings.config_kwargs())
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
         # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep

@@ -98,6 +98,11 @@ class ModelSettings:
             init_weights=init_weights,
         )
 
+    def config_kwargs(self) -> dict:
+        """The keywords of `model.transformer_config_from_arch` and `model.build_model_chunks` these give."""
+        shared = {name: getattr(self, name) for name in ("dtype", "use_te", "recompute", "throughput", "moe")}
+        return {**shared, "perform_initialization": self.init_weights}
+
 
 @dataclasses.dataclass
 class TrainMicroBatch:
@@ -140,15 +145,7 @@ class TrainedModel:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
         config = transformer_config_from_arch(
-            settings.arch,
-            settings.parallel,
-            dtype=settings.dtype,
-            use_te=settings.use_te,
-            recompute=settings.recompute,
-            throughput=settings.throughput,
-            moe=settings.moe,
-            calculate_per_token_loss=True,
-            perform_initialization=settings.init_weights,
+            settings.arch, settings.parallel, **settings.config_kwargs(), calculate_per_token_loss=True
         )
         self.model_chunks = self._build_chunks(config, seed)
         _routers_without_token_scaling(self.model_chunks)
