@@ -79,6 +79,7 @@ def child(mode: str, hf_dir: str, work: str, launched: float) -> None:
     from armor_megatron.megatron import dist as mdist
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.reference import ReferenceModel
+    from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.models import ModelArch
 
     release_large_frees_to_os()
@@ -88,18 +89,11 @@ def child(mode: str, hf_dir: str, work: str, launched: float) -> None:
     parallel = mdist.ParallelConfig(tp=int(os.environ["BENCH_TP"]))
     mdist.initialize(parallel, arch)
 
+    settings = ModelSettings(arch, parallel, dtype="bfloat16", use_te=False, init_weights=init)
     actor = MegatronActor(
-        arch,
-        parallel,
-        dtype="bfloat16",
-        optimizer=OptimizerConfig(lr=1e-6),
-        loss=PolicyLossConfig(alpha=0.9375),
-        micro_batch_size=1,
-        total_steps=10,
-        use_te=False,
-        init_weights=init,
+        settings, optimizer=OptimizerConfig(lr=1e-6), loss=PolicyLossConfig(alpha=0.9375), total_steps=10
     )
-    reference = ReferenceModel(arch, parallel, dtype="bfloat16", micro_batch_size=1, use_te=False, init_weights=init)
+    reference = ReferenceModel(settings)
     built = time.time() - launched
     chunks = actor.model_chunks + reference.model_chunks
     share = sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())

@@ -81,6 +81,7 @@ def main() -> None:
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig
     from armor_megatron.megatron.microbatch import TokenBudget
+    from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.models.arch import ModelArch
 
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -109,15 +110,11 @@ def main() -> None:
     results = {}
     for name, budget in (("rows", TokenBudget()), ("packed", TokenBudget(args.budget, args.budget))):
         actor = MegatronActor(
-            arch,
-            ParallelConfig(),
-            dtype="float32",
+            ModelSettings(arch, ParallelConfig(), dtype="float32", micro_batch_size=4, token_budget=budget),
             optimizer=OptimizerConfig(lr=1e-5),
             loss=PolicyLossConfig(alpha=0.9),
-            micro_batch_size=4,
             total_steps=10,
             seed=3,
-            token_budget=budget,
         )
         microbatches = actor._local_microbatches(
             {**batch, "old_logprobs": torch.zeros(batch["input_ids"].shape, dtype=torch.float32)}

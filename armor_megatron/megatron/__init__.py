@@ -9,6 +9,7 @@ The only subpackage that imports ``megatron.core`` (lazily, inside functions, so
 * `cpu_compat`  - work-arounds that let megatron-core 0.16.1 run on CPU with gloo
 * `model`       - ``GPTModel`` from a `ModelArch`; checkpoint key names
 * `logprobs`    - per-token log-probs / entropy through the pipeline schedule
+* `trained_model` - `ModelSettings` (how a run builds all three models) and what actor and critic share
 * `actor`       - `MegatronActor`: the policy, its optimizer and the ARMOR train step
 * `reference`   - `ReferenceModel`: the frozen π_ref, `reset_from(actor)`
 * `critic`      - `MegatronCritic`: PPO's value model (value head on the actor's backbone)

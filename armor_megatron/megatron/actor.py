@@ -4,9 +4,9 @@ Public interface (call after `dist.initialize(parallel, arch)`; every rank calls
 the constructor seeds torch and megatron's model-parallel RNG with `seed` before building the
 weights, so a seed gives the same initial weights whatever ran before)::
 
-    actor = MegatronActor(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
-                          loss=PolicyLossConfig(alpha=0.9), micro_batch_size=2, total_steps=500,
-                          seed=1234, temperature=1.0, stability=StabilityConfig(...))
+    settings = ModelSettings(arch, parallel, dtype="bfloat16", micro_batch_size=2)   # or ModelSettings.of(cfg, ...)
+    actor = MegatronActor(settings, optimizer=OptimizerConfig(...), loss=PolicyLossConfig(alpha=0.9),
+                          total_steps=500, seed=1234, temperature=1.0, stability=StabilityConfig(...))
     actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
     actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
     actor.load_weights(path)                # torch_dist checkpoint (any TP/PP/EP layout) or HF dir
@@ -65,12 +65,9 @@ import torch
 
 from armor_megatron.algo.loss import PolicyLossConfig, bind_policy_loss, loss_normalizer
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
-from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
-from armor_megatron.megatron.microbatch import TokenBudget, to_device
-from armor_megatron.megatron.model import MoESettings, Recompute, Throughput
-from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
-from armor_megatron.models.arch import ModelArch
+from armor_megatron.megatron.microbatch import to_device
+from armor_megatron.megatron.trained_model import ModelSettings, TrainedModel, TrainMicroBatch, checked_rows
 
 
 class MegatronActor(TrainedModel):
@@ -78,43 +75,19 @@ class MegatronActor(TrainedModel):
 
     def __init__(
         self,
-        arch: ModelArch,
-        parallel: ParallelConfig,
+        settings: ModelSettings,
         *,
-        dtype,
         optimizer: OptimizerConfig,
         loss: PolicyLossConfig,
-        micro_batch_size: int,
         total_steps: int,
         seed: int = 1234,
         temperature: float = 1.0,
         loss_name: str = "armor",
-        use_te: bool | None = None,
         stability: StabilityConfig | None = None,
-        recompute: Recompute | None = None,
-        token_budget: TokenBudget | None = None,
-        throughput: Throughput | None = None,
-        moe: MoESettings | None = None,
-        init_weights: bool = True,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = bind_policy_loss(loss_name)
-        super().__init__(
-            arch,
-            parallel,
-            dtype=dtype,
-            optimizer=optimizer,
-            micro_batch_size=micro_batch_size,
-            total_steps=total_steps,
-            seed=seed,
-            use_te=use_te,
-            stability=stability,
-            recompute=recompute,
-            token_budget=token_budget,
-            throughput=throughput,
-            moe=moe,
-            init_weights=init_weights,
-        )
+        super().__init__(settings, optimizer=optimizer, total_steps=total_steps, seed=seed, stability=stability)
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
         """Per-token log-probs log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""

@@ -2,9 +2,9 @@
 
 Public interface (after `dist.initialize(parallel, arch)`; every rank calls every method)::
 
-    critic = MegatronCritic(arch, parallel, dtype="bfloat16", optimizer=OptimizerConfig(...),
-                            loss=ValueLossConfig(clip_eps=0.5), micro_batch_size=2, total_steps=500,
-                            seed=1234, value_head_init_std=0.0)
+    critic = MegatronCritic(settings, optimizer=OptimizerConfig(...),   # the actor's `ModelSettings`
+                            loss=ValueLossConfig(clip_eps=0.5), total_steps=500, seed=1234,
+                            value_head_init_std=0.0)
     critic.load_weights(path)                  # backbone: the actor's torch_dist checkpoint or HF dir
     values = critic.compute_values(input_ids, lengths)   # [N, L] fp32, no grad, every rank
     metrics = critic.train_step(batch)         # one optimizer step of the clipped value loss
@@ -50,14 +50,12 @@ import torch.nn.functional as F
 
 from armor_megatron.algo.loss import loss_normalizer
 from armor_megatron.algo.value_loss import ValueLossConfig, explained_variance_from_moments, value_loss
-from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron.dist import ParallelConfig
+from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import forward_only, shift_to_predicted
-from armor_megatron.megatron.microbatch import MicroBatch, TokenBudget, to_device
-from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks, resolve_dtype
-from armor_megatron.megatron.trained_model import TrainedModel, TrainMicroBatch, checked_rows
-from armor_megatron.models.arch import ModelArch
+from armor_megatron.megatron.microbatch import MicroBatch, to_device
+from armor_megatron.megatron.model import build_model_chunks, resolve_dtype
+from armor_megatron.megatron.trained_model import ModelSettings, TrainedModel, TrainMicroBatch, checked_rows
 
 VALUE_HEAD = "output_layer."  # the head's key prefix in the model's state dict
 _MOMENTS = ("value_error_mean", "return_sq_mean")  # only needed to compute explained_var
@@ -108,53 +106,30 @@ class MegatronCritic(TrainedModel):
 
     def __init__(
         self,
-        arch: ModelArch,
-        parallel: ParallelConfig,
+        settings: ModelSettings,
         *,
-        dtype,
         optimizer: OptimizerConfig,
         loss: ValueLossConfig,
-        micro_batch_size: int,
         total_steps: int,
         seed: int = 1234,
         value_head_init_std: float = 0.0,
-        use_te: bool | None = None,
-        stability=None,
-        recompute: Recompute | None = None,
-        token_budget: TokenBudget | None = None,
-        throughput: Throughput | None = None,
-        moe: MoESettings | None = None,
-        init_weights: bool = True,
+        stability: StabilityConfig | None = None,
     ):
         if value_head_init_std < 0:
             raise ValueError(f"value_head_init_std must be >= 0, got {value_head_init_std}")
         self.loss_config, self.value_head_init_std = loss, float(value_head_init_std)
-        super().__init__(
-            arch,
-            parallel,
-            dtype=dtype,
-            optimizer=optimizer,
-            micro_batch_size=micro_batch_size,
-            total_steps=total_steps,
-            seed=seed,
-            use_te=use_te,
-            stability=stability,
-            recompute=recompute,
-            token_budget=token_budget,
-            throughput=throughput,
-            moe=moe,
-            init_weights=init_weights,
-        )
+        super().__init__(settings, optimizer=optimizer, total_steps=total_steps, seed=seed, stability=stability)
 
-    def _build_chunks(self, config, dtype, seed: int) -> list:
-        untied = dataclasses.replace(self.arch, tie_word_embeddings=False)
-        chunks = build_model_chunks(untied, self.parallel, dtype=dtype, config=config, use_te=self.use_te)
+    def _build_chunks(self, config, seed: int) -> list:
+        s = self.settings
+        untied = dataclasses.replace(s.arch, tie_word_embeddings=False)
+        chunks = build_model_chunks(untied, s.parallel, dtype=s.dtype, config=config, use_te=s.use_te)
         for chunk in chunks:
             if chunk.post_process:
                 device = next(chunk.parameters()).device
                 chunk.output_layer = ValueHead(
-                    self.arch.hidden_size,
-                    dtype=resolve_dtype(dtype),
+                    s.arch.hidden_size,
+                    dtype=resolve_dtype(s.dtype),
                     init_std=self.value_head_init_std,
                     seed=seed,
                     sequence_parallel=config.sequence_parallel,

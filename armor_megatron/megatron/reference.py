@@ -2,8 +2,7 @@
 
 Public interface (after `dist.initialize(parallel, arch)`; every rank calls every method)::
 
-    ref = ReferenceModel(arch, parallel, dtype="bfloat16", offload=False, micro_batch_size=2,
-                         max_tokens_per_micro_batch=None)   # or packed forwards of that many tokens
+    ref = ReferenceModel(settings, offload=False, temperature=1.0)   # the actor's `ModelSettings`
     ref.compute_logprobs(input_ids, lengths) -> LogProbs     # log π_ref [N, L], every rank
     ref.reset_from(actor)                                    # θ_ref <- θ, bit for bit
     ref.load_weights(path)                                   # torch_dist checkpoint (any layout) or HF dir
@@ -15,7 +14,9 @@ tensor by tensor, so reference log-probs equal the actor's exactly until the act
 update. With ``offload=True`` the weights live in host memory between calls and are moved
 to the device only inside `compute_logprobs` / `reset_from` (a no-op on CPU-only runs);
 loading and saving work on the weights wherever they are. Give it the actor's
-``temperature`` (log-probs of softmax(logits / T), as the rollouts were sampled).
+``temperature`` (log-probs of softmax(logits / T), as the rollouts were sampled). Forwards take
+``settings.micro_batch_size`` rows per micro-batch, or pack ``settings.token_budget.forward``
+tokens.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ import contextlib
 
 import torch
 
-from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.hf_weights import load_weights
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
-from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, build_model_chunks
+from armor_megatron.megatron.model import build_model_chunks
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
-from armor_megatron.megatron.trained_model import TrainedModel, check_layout
-from armor_megatron.models.arch import ModelArch
+from armor_megatron.megatron.trained_model import ModelSettings, TrainedModel, check_layout
 
 CHECKPOINT_PREFIX = "reference."
 
@@ -38,38 +37,14 @@ CHECKPOINT_PREFIX = "reference."
 class ReferenceModel:
     """The frozen reference policy π_ref: the actor's architecture, no grads, in host memory between uses with ``offload``."""
 
-    def __init__(
-        self,
-        arch: ModelArch,
-        parallel: ParallelConfig,
-        *,
-        dtype,
-        offload: bool = False,
-        micro_batch_size: int = 1,
-        temperature: float = 1.0,
-        use_te: bool | None = None,
-        recompute: Recompute | None = None,
-        max_tokens_per_micro_batch: int | None = None,
-        throughput: Throughput | None = None,
-        moe: MoESettings | None = None,
-        init_weights: bool = True,
-    ):
-        check_layout(parallel)
-        self.arch, self.parallel = arch, parallel
-        self.micro_batch_size, self.temperature = micro_batch_size, float(temperature)
-        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch  # packed forwards (None: rows)
+    def __init__(self, settings: ModelSettings, *, offload: bool = False, temperature: float = 1.0):
+        check_layout(settings.parallel)
+        self.settings, self.temperature = settings, float(temperature)
+        self.arch, self.parallel = settings.arch, settings.parallel
         # `recompute` and `throughput` only keep the config equal to the actor's: a frozen forward keeps
         # no activations and has no gradients; `moe` routes and dispatches tokens as the actor does.
-        self.model_chunks = build_model_chunks(
-            arch,
-            parallel,
-            dtype=dtype,
-            use_te=use_te,
-            recompute=recompute or Recompute(),
-            throughput=throughput or Throughput(),
-            moe=moe,
-            perform_initialization=init_weights,  # False: the caller loads every weight next
-        )
+        # settings.init_weights=False: the caller loads every weight next
+        self.model_chunks = build_model_chunks(settings.arch, settings.parallel, **settings.config_kwargs())
         self.device = next(self.model_chunks[0].parameters()).device
         self.offload = offload and self.device.type != "cpu"
         # Frozen by construction: no optimizer, forward only under no_grad. The parameters keep
@@ -87,10 +62,10 @@ class ReferenceModel:
                 self.model_chunks,
                 input_ids,
                 lengths,
-                micro_batch_size=self.micro_batch_size,
+                micro_batch_size=self.settings.micro_batch_size,
                 vocab_size=self.arch.vocab_size,
                 temperature=self.temperature,
-                max_tokens=self.max_tokens_per_micro_batch,
+                max_tokens=self.settings.token_budget.forward,
             )
 
     @torch.no_grad()

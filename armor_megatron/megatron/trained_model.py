@@ -7,7 +7,8 @@ checkpoint hooks (`checkpoint.TrainableState`). Subclasses (`actor.MegatronActor
 `critic.MegatronCritic`) add their loss in ``train_step`` and may adapt the built chunks
 (``_build_chunks``) before DDP wraps them.
 
-Also here: `checked_rows` (validation of a train batch), `check_layout` (the initialised
+Also here: `ModelSettings` (what the actor, critic and reference of one run are built with alike),
+`checked_rows` (validation of a train batch), `check_layout` (the initialised
 megatron groups are the layout a model was asked for) and `TrainMicroBatch`.
 """
 
@@ -43,6 +44,7 @@ from armor_megatron.megatron.model import (
     Recompute,
     Throughput,
     build_model_chunks,
+    resolve_dtype,
     transformer_config_from_arch,
 )
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
@@ -50,6 +52,56 @@ from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
 
 logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSettings:
+    """How one run's models are built and run, alike for the actor, the critic and the reference.
+
+    The architecture and parallel layout, the parameter ``dtype`` (a name or a torch dtype), the
+    layer spec ``use_te`` (Transformer Engine's, the local one, or None: TE when importable), rows
+    per micro-batch, token-budget packing, recomputation, throughput and MoE options, and
+    ``init_weights`` (False leaves megatron's ``perform_initialization`` off for a caller that
+    loads every weight next: on CPU megatron draws every TP rank's initial weights at full size,
+    which costs more than the load). What differs by role (optimizer, loss, seed, temperature,
+    ...) is each model's own argument.
+    """
+
+    arch: ModelArch
+    parallel: ParallelConfig
+    dtype: str | torch.dtype
+    micro_batch_size: int = 1
+    use_te: bool | None = None
+    token_budget: TokenBudget = TokenBudget()
+    recompute: Recompute = Recompute()
+    throughput: Throughput = Throughput()
+    moe: MoESettings | None = None
+    init_weights: bool = True
+
+    def __post_init__(self):
+        if self.micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+
+    @classmethod
+    def of(cls, cfg: Any, arch: ModelArch, parallel: ParallelConfig, *, init_weights: bool = True) -> ModelSettings:
+        """From a run config (``model``, ``train``, ``throughput``, ``moe`` sections)."""
+        return cls(
+            arch,
+            parallel,
+            dtype=resolve_dtype(cfg.model.dtype),
+            micro_batch_size=cfg.train.micro_batch_size,
+            use_te={"auto": None, "local": False, "te": True}[cfg.model.spec],
+            token_budget=TokenBudget.of(cfg.train),
+            recompute=Recompute.of(cfg.train),
+            throughput=Throughput.of(cfg.throughput),
+            moe=MoESettings.of(cfg.moe),
+            init_weights=init_weights,
+        )
+
+    def config_kwargs(self) -> dict:
+        """The keywords of `model.transformer_config_from_arch` and `model.build_model_chunks` these give."""
+        shared = {name: getattr(self, name) for name in ("dtype", "use_te", "recompute", "throughput", "moe")}
+        return {**shared, "perform_initialization": self.init_weights}
 
 
 @dataclasses.dataclass
@@ -70,64 +122,46 @@ class TrainedModel:
     guard; data-parallel rows cut into micro-batches, the forward/backward through megatron's
     pipeline schedule, the guarded optimizer step, and the checkpoint hooks. Subclasses add their
     loss (``train_step``) and may adapt the built chunks (``_build_chunks``) before DDP wraps them.
-    ``init_weights=False`` leaves the model's weights uninitialised (megatron's
-    ``perform_initialization``) for a caller that loads them all next: on CPU megatron draws every
-    TP rank's initial weights at full size, which costs more than the load.
+    The constructor seeds torch and megatron's model-parallel RNG with ``seed`` before building
+    the weights, so a seed gives the same initial weights whatever ran before.
     """
 
     def __init__(
         self,
-        arch: ModelArch,
-        parallel: ParallelConfig,
+        settings: ModelSettings,
         *,
-        dtype,
         optimizer: OptimizerConfig,
-        micro_batch_size: int,
         total_steps: int,
         seed: int = 1234,
-        use_te: bool | None = None,
         stability: StabilityConfig | None = None,
-        recompute: Recompute | None = None,
-        token_budget: TokenBudget | None = None,
-        throughput: Throughput | None = None,
-        moe: MoESettings | None = None,
-        init_weights: bool = True,
     ):
         from megatron.core import tensor_parallel
 
-        check_layout(parallel)
-        if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-        self.arch, self.parallel, self.micro_batch_size = arch, parallel, micro_batch_size
-        self.token_budget = token_budget or TokenBudget()
-        self.use_te = use_te  # the layer spec: Transformer Engine's, the local one, or None (TE when importable)
+        check_layout(settings.parallel)
+        self.settings = settings
+        self.arch, self.parallel = settings.arch, settings.parallel
+        self.micro_batch_size, self.token_budget = settings.micro_batch_size, settings.token_budget
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         # calculate_per_token_loss: gradients are summed over micro-batches and DP ranks (see optimizer).
         config = transformer_config_from_arch(
-            arch,
-            parallel,
-            dtype=dtype,
-            use_te=use_te,
-            recompute=recompute or Recompute(),
-            throughput=throughput or Throughput(),
-            moe=moe,
-            calculate_per_token_loss=True,
-            perform_initialization=init_weights,
+            settings.arch, settings.parallel, **settings.config_kwargs(), calculate_per_token_loss=True
         )
-        self.model_chunks = self._build_chunks(config, dtype, seed)
+        self.model_chunks = self._build_chunks(config, seed)
         _routers_without_token_scaling(self.model_chunks)
-        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=torch.cuda.is_available(), throughput=throughput)
+        on_gpu = torch.cuda.is_available()
+        self.ddp_chunks = optim.wrap_ddp(self.model_chunks, on_gpu=on_gpu, throughput=settings.throughput)
         no_sync = [c.no_sync for c in self.ddp_chunks]
         config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         config.finalize_model_grads_func = _finalize_grads_without_token_scaling
         self.optimizer, self.scheduler = optim.build_optimizer(
-            self.ddp_chunks, optimizer, dtype=dtype, total_steps=total_steps
+            self.ddp_chunks, optimizer, dtype=settings.dtype, total_steps=total_steps
         )
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio, stability)
 
-    def _build_chunks(self, config, dtype, seed: int) -> list:
-        return build_model_chunks(self.arch, self.parallel, dtype=dtype, config=config, use_te=self.use_te)
+    def _build_chunks(self, config, seed: int) -> list:
+        s = self.settings
+        return build_model_chunks(s.arch, s.parallel, dtype=s.dtype, config=config, use_te=s.use_te)
 
     @property
     def _interleaved(self) -> bool:

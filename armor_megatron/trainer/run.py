@@ -54,9 +54,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
-    from armor_megatron.megatron.microbatch import TokenBudget
-    from armor_megatron.megatron.model import MoESettings, Recompute, Throughput, resolve_dtype
     from armor_megatron.megatron.reference import ReferenceModel
+    from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.models.arch import load_hf_config
     from armor_megatron.models.tokenizer import load_tokenizer
@@ -79,69 +78,36 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         timeout_minutes=cfg.train.collective_timeout_minutes,
     )
     components.release_engines_at_start(cfg)  # colocated: the engines' memory is free before any model is built
-    dtype = resolve_dtype(cfg.model.dtype)
-    use_te = {"auto": None, "local": False, "te": True}[cfg.model.spec]
-    recompute = Recompute.of(cfg.train)
-    token_budget = TokenBudget.of(cfg.train)
-    throughput, moe = Throughput.of(cfg.throughput), MoESettings.of(cfg.moe)
+    # every model's weights are loaded below (a checkpoint or the initial weights); the critic's
+    # value head keeps its own initialisation
+    settings = ModelSettings.of(cfg, arch, parallel, init_weights=False)
     total_updates = cfg.train.steps * cfg.train.mini_batches_per_step * cfg.train.epochs_per_step
     actor = MegatronActor(
-        arch,
-        parallel,
-        dtype=dtype,
+        settings,
         optimizer=cfg.optimizer,
         loss=components.loss_config(cfg),
-        micro_batch_size=cfg.train.micro_batch_size,
         total_steps=total_updates,
         seed=cfg.train.seed,
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
         loss_name=cfg.algorithm.policy_loss,
-        use_te=use_te,
-        recompute=recompute,
-        throughput=throughput,
-        moe=moe,
         stability=cfg.stability,
-        token_budget=token_budget,
-        init_weights=False,  # every model's weights are loaded below (checkpoint or initial weights)
     )
     critic = None
     if needs_critic(cfg.algorithm.estimator):
         from armor_megatron.megatron.critic import MegatronCritic
 
         critic = MegatronCritic(
-            arch,
-            parallel,
-            dtype=dtype,
+            settings,
             optimizer=cfg.critic.optimizer,
             loss=components.value_loss_config(cfg),
-            micro_batch_size=cfg.train.micro_batch_size,
             total_steps=total_updates,
             seed=cfg.train.seed,
             value_head_init_std=cfg.critic.value_head_init_std,
-            use_te=use_te,
-            recompute=recompute,
-            throughput=throughput,
-            moe=moe,
             stability=cfg.stability,
-            token_budget=token_budget,
-            init_weights=False,  # the value head keeps its own initialisation
         )
     reference = None
     if needs_reference(cfg):
-        reference = ReferenceModel(
-            arch,
-            parallel,
-            dtype=dtype,
-            offload=cfg.reference.offload,
-            micro_batch_size=cfg.train.micro_batch_size,
-            temperature=cfg.rollout.temperature,
-            use_te=use_te,
-            recompute=recompute,
-            max_tokens_per_micro_batch=token_budget.forward,
-            throughput=throughput,
-            moe=moe,
-            init_weights=False,
-        )
+        reference = ReferenceModel(settings, offload=cfg.reference.offload, temperature=cfg.rollout.temperature)
     weights = initial_weights(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)

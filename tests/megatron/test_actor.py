@@ -57,18 +57,23 @@ def make_batch():
     )
 
 
+def settings(arch, parallel, **overrides):
+    """The tests' `ModelSettings`: fp32, two rows per micro-batch, unless overridden."""
+    from armor_megatron.megatron.trained_model import ModelSettings
+
+    return ModelSettings(arch, parallel, **{"dtype": "float32", "micro_batch_size": 2, **overrides})
+
+
 def _actor(parallel, arch=ARCH):
     from armor_megatron.megatron.actor import MegatronActor
 
-    return MegatronActor(
-        arch, parallel, dtype="float32", optimizer=OPTIM, loss=LOSS, micro_batch_size=2, total_steps=10, seed=5
-    )
+    return MegatronActor(settings(arch, parallel), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5)
 
 
 def _reference(parallel):
     from armor_megatron.megatron.reference import ReferenceModel
 
-    return ReferenceModel(ARCH, parallel, dtype="float32", micro_batch_size=2)
+    return ReferenceModel(settings(ARCH, parallel))
 
 
 def _logprobs(model, batch):
@@ -96,14 +101,7 @@ def test_the_loss_normaliser_is_the_whole_batch_not_each_micro_batch(world_of_on
     for mbs in (2, 7):
         mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
         actor = MegatronActor(
-            ARCH,
-            ParallelConfig(),
-            dtype="float32",
-            optimizer=OPTIM,
-            loss=LOSS,
-            micro_batch_size=mbs,
-            total_steps=10,
-            seed=5,
+            settings(ARCH, ParallelConfig(), micro_batch_size=mbs), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5
         )
         lp = _logprobs(actor, batch)
         metrics = actor.train_step({**batch, "old_logprobs": lp - 0.05, "ref_logprobs": lp})
@@ -360,15 +358,8 @@ def two_rank_worker(rank, root):
         out["vpp_on_policy"] = actor.train_step({**batch, "old_logprobs": lp, "ref_logprobs": lp})
 
         mdist.set_model_parallel(TP2, ARCH, seed=5)
-        bf16 = lambda: MegatronActor(
-            ARCH,
-            TP2,
-            dtype="bfloat16",
-            optimizer=OPTIM,
-            loss=LOSS,  # noqa: E731
-            micro_batch_size=2,
-            total_steps=10,
-            seed=5,
+        bf16 = lambda: MegatronActor(  # noqa: E731
+            settings(ARCH, TP2, dtype="bfloat16"), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5
         )
         actor = bf16()
         out["bf16_dtypes"] = (
@@ -447,9 +438,8 @@ def registered_loss_worker(rank):
         batch, params = make_batch(), {}
         for name in ("armor", "test-reinforce"):
             actor = MegatronActor(
-                ARCH, TP1, dtype="float32", optimizer=OPTIM, loss=PolicyLossConfig(), micro_batch_size=2,
-                total_steps=10, seed=5, loss_name=name,
-            )  # fmt: skip
+                settings(ARCH, TP1), optimizer=OPTIM, loss=PolicyLossConfig(), total_steps=10, seed=5, loss_name=name
+            )
             params.setdefault("init", _params(actor))
             actor.train_step({**batch, "old_logprobs": _logprobs(actor, batch)})
             params[name] = _params(actor)

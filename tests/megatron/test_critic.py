@@ -20,7 +20,7 @@ from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import OPTIM as ACTOR_OPTIM
-from tests.megatron.test_actor import make_batch
+from tests.megatron.test_actor import make_batch, settings
 from tests.megatron.test_parallel_logprobs import QWEN3 as ARCH
 
 STEPS = 4
@@ -33,15 +33,7 @@ def _critic(parallel, init_std=0.1):
     from armor_megatron.megatron.critic import MegatronCritic
 
     return MegatronCritic(
-        ARCH,
-        parallel,
-        dtype="float32",
-        optimizer=OPTIM,
-        loss=LOSS,
-        micro_batch_size=2,
-        total_steps=10,
-        seed=7,
-        value_head_init_std=init_std,
+        settings(ARCH, parallel), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=7, value_head_init_std=init_std
     )
 
 
@@ -50,14 +42,7 @@ def _actor(parallel):
     from armor_megatron.megatron.actor import MegatronActor
 
     return MegatronActor(
-        ARCH,
-        parallel,
-        dtype="float32",
-        optimizer=ACTOR_OPTIM,
-        loss=PolicyLossConfig(),
-        micro_batch_size=2,
-        total_steps=10,
-        seed=5,
+        settings(ARCH, parallel), optimizer=ACTOR_OPTIM, loss=PolicyLossConfig(), total_steps=10, seed=5
     )
 
 

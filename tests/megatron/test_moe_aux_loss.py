@@ -23,18 +23,16 @@ from tests.megatron.test_parallel_logprobs import QWEN3_MOE
 
 def _router_grads(rows: int, micro_batch_size: int, coeff: float, balancing: str) -> list[torch.Tensor]:
     from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.trained_model import ModelSettings
     from tests.megatron.test_actor import make_batch
 
+    moe = MoESettings(aux_loss_coeff=coeff, load_balancing_type=balancing)
     actor = MegatronActor(
-        QWEN3_MOE,
-        ParallelConfig(),
-        dtype="float32",
+        ModelSettings(QWEN3_MOE, ParallelConfig(), dtype="float32", micro_batch_size=micro_batch_size, moe=moe),
         optimizer=OptimizerConfig(lr=0.0),
         loss=PolicyLossConfig(alpha=1.0),
-        micro_batch_size=micro_batch_size,
         total_steps=10,
         seed=5,
-        moe=MoESettings(aux_loss_coeff=coeff, load_balancing_type=balancing),
     )
     one = make_batch()
     batch = {k: torch.cat([v] * (rows // len(v))) for k, v in one.items()}

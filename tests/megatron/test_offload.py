@@ -6,7 +6,7 @@ import torch
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.offload import HostOffload
 from tests.megatron.spawn import run_ranks
-from tests.megatron.test_actor import OPTIM, _actor, _logprobs, make_batch
+from tests.megatron.test_actor import OPTIM, _actor, _logprobs, make_batch, settings
 
 LOSS_INPUTS = ("old_logprobs", "ref_logprobs")
 
@@ -104,7 +104,7 @@ def offload_worker(rank, dtype):
         results = []
         for offload in (False, True):
             actor = _actor(ParallelConfig()) if dtype == "float32" else _bf16_actor()
-            reference = ReferenceModel(ARCH, ParallelConfig(), dtype=dtype, micro_batch_size=2)
+            reference = ReferenceModel(settings(ARCH, ParallelConfig(), dtype=dtype))
             reference.reset_from(actor)
             memory = HostOffload.of(actor, reference)
             freed = restored = None
@@ -135,7 +135,7 @@ def _bf16_actor():
     from tests.megatron.test_actor import ARCH, LOSS
 
     return MegatronActor(
-        ARCH, ParallelConfig(), dtype="bfloat16", optimizer=OPTIM, loss=LOSS, micro_batch_size=2, total_steps=10, seed=5
+        settings(ARCH, ParallelConfig(), dtype="bfloat16"), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5
     )
 
 

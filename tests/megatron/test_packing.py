@@ -99,17 +99,14 @@ def _arch(name):
 
 def _run_actor(arch, parallel, budget, batch):
     from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.trained_model import ModelSettings
 
     actor = MegatronActor(
-        arch,
-        parallel,
-        dtype="float32",
+        ModelSettings(arch, parallel, dtype="float32", micro_batch_size=2, token_budget=budget),
         optimizer=OPTIM,
         loss=PolicyLossConfig(alpha=0.9, loss_agg="seq-mean-token-mean"),
-        micro_batch_size=2,
         total_steps=10,
         seed=5,
-        token_budget=budget,
     )
     lp = actor.compute_logprobs(batch["input_ids"], batch["lengths"], with_entropy=True)
     metrics = actor.train_step({**batch, "old_logprobs": lp.logprobs - 0.05, "ref_logprobs": lp.logprobs})
@@ -125,18 +122,15 @@ def _run_actor(arch, parallel, budget, batch):
 
 def _run_critic(parallel, budget, batch):
     from armor_megatron.megatron.critic import MegatronCritic
+    from armor_megatron.megatron.trained_model import ModelSettings
 
     critic = MegatronCritic(
-        QWEN3,
-        parallel,
-        dtype="float32",
+        ModelSettings(QWEN3, parallel, dtype="float32", micro_batch_size=2, token_budget=budget),
         optimizer=OPTIM,
         loss=ValueLossConfig(clip_eps=0.5),
-        micro_batch_size=2,
         total_steps=10,
         seed=5,
         value_head_init_std=0.1,
-        token_budget=budget,
     )
     values = critic.compute_values(batch["input_ids"], batch["lengths"])
     metrics = critic.train_step({**batch, "old_values": values, "returns": values + batch["advantages"][:, None]})

@@ -158,17 +158,14 @@ def test_recompute_keeps_fewer_activations_and_the_same_gradients():
 
 def _actor(arch, parallel, recompute):
     from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.trained_model import ModelSettings
 
     return MegatronActor(
-        arch,
-        parallel,
-        dtype="float32",
+        ModelSettings(arch, parallel, dtype="float32", micro_batch_size=2, recompute=recompute),
         optimizer=OptimizerConfig(lr=5e-3, weight_decay=0.01, clip_grad=1.0),
         loss=PolicyLossConfig(alpha=0.9),
-        micro_batch_size=2,
         total_steps=10,
         seed=5,
-        recompute=recompute,
     )
 
 

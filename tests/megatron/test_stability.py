@@ -206,7 +206,7 @@ def guarded_actor_worker(rank):
     from armor_megatron.megatron import dist as mdist
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig
-    from tests.megatron.test_actor import ARCH, LOSS, make_batch
+    from tests.megatron.test_actor import ARCH, LOSS, make_batch, settings
 
     mdist.initialize(ParallelConfig(), ARCH, seed=5)
     try:
@@ -215,8 +215,8 @@ def guarded_actor_worker(rank):
 
         def new_actor():
             return MegatronActor(
-                ARCH, ParallelConfig(), dtype="float32", optimizer=optimizer, loss=LOSS, micro_batch_size=2,
-                total_steps=20, seed=5, stability=stability,
+                settings(ARCH, ParallelConfig()), optimizer=optimizer, loss=LOSS, total_steps=20, seed=5,
+                stability=stability,
             )  # fmt: skip
 
         def params(actor):

@@ -20,6 +20,7 @@ from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.model import MoESettings, Throughput, transformer_config_from_arch
 from armor_megatron.models.families.deepseek import LatentAttention
 from tests.megatron.spawn import run_ranks
+from tests.megatron.test_actor import settings
 from tests.megatron.test_parallel_logprobs import QWEN3, QWEN3_MOE
 
 TINY_MLA = LatentAttention(q_lora_rank=0, kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=8)
@@ -134,17 +135,7 @@ def _batch(arch, rows=8, length=12):
 def _actor(arch, parallel, **kwargs):
     from armor_megatron.megatron.actor import MegatronActor
 
-    return MegatronActor(
-        arch,
-        parallel,
-        dtype="float32",
-        optimizer=OPTIM,
-        loss=LOSS,
-        micro_batch_size=2,
-        total_steps=10,
-        seed=5,
-        **kwargs,
-    )
+    return MegatronActor(settings(arch, parallel, **kwargs), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5)
 
 
 def _on_policy_step(actor, batch):

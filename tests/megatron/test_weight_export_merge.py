@@ -20,10 +20,11 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_tp_shards_merge_in_rank_order_into_the_whole_tensors(world_of_one):
     from armor_megatron.megatron.reference import ReferenceModel
+    from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.megatron.weight_export import _merged_pieces, _plan
 
     mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
-    model = ReferenceModel(ARCH, ParallelConfig(), dtype="float32", micro_batch_size=2)
+    model = ReferenceModel(ModelSettings(ARCH, ParallelConfig(), dtype="float32", micro_batch_size=2))
     kinds = set()
     for p in _plan(model.model_chunks, ARCH):
         whole = [v for views in _merged_pieces(p, [p.tensor], ARCH) for v in views]

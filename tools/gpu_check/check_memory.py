@@ -118,6 +118,7 @@ def main(argv=None) -> int:
     from armor_megatron.megatron import dist
     from armor_megatron.megatron.offload import HostOffload
     from armor_megatron.megatron.reference import ReferenceModel
+    from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.models import ModelArch
 
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
     dist.initialize(parallel, arch, seed=0)
     try:
         actor = random_actor(arch, parallel, total_steps=4, seed=0)
-        reference = ReferenceModel(arch, parallel, dtype=torch.bfloat16, micro_batch_size=1)
+        reference = ReferenceModel(ModelSettings(arch, parallel, dtype=torch.bfloat16))
         reference.reset_from(actor)
         batch = random_batch(arch, args.batch, args.seq_len, seed=0)
         lp = actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs.cpu()

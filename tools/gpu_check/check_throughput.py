@@ -107,14 +107,12 @@ def random_actor(arch, parallel, *, total_steps: int, seed: int):
     from armor_megatron.algo.loss import PolicyLossConfig
     from armor_megatron.config.schema import OptimizerConfig
     from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.trained_model import ModelSettings
 
     return MegatronActor(
-        arch,
-        parallel,
-        dtype=torch.bfloat16,
+        ModelSettings(arch, parallel, dtype=torch.bfloat16),
         optimizer=OptimizerConfig(),
         loss=PolicyLossConfig(alpha=0.9375),
-        micro_batch_size=1,
         total_steps=total_steps,
         seed=seed,
     )
