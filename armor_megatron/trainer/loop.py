@@ -298,20 +298,25 @@ class ArmorTrainer:
     def _ref_version(self) -> str:
         return f"ref-{self.ref_resets}"
 
+    # the driver's state that a background generation (``overlap: one_step``) uses until it is joined
     @property
     def _prompts(self) -> PromptLoader:
+        self._background.check_access("the prompt loader")
         return driver_only(self.loader, "the prompt loader")
 
     @property
     def _engine(self) -> RolloutEngine:
+        self._background.check_access("the policy engine")
         return driver_only(self.policy_engine, "the policy engine")
 
     @property
     def _anchor_cache(self) -> AnchorCache:
+        self._background.check_access("the anchor cache")
         return driver_only(self.anchors, "the anchor cache")
 
     def trainer_state(self) -> dict:
         """Driver-side state that goes into checkpoints next to the model and optimizer (`state_format`)."""
+        pending = pending_state(self._settled_pending())  # first: the generation draws from the loader
         return {
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -323,7 +328,7 @@ class ArmorTrainer:
             "monitor": self.monitor.state_dict(),
             "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
-            "pending_batch": pending_state(self._settled_pending()),
+            "pending_batch": pending,
             "step_record": self._step_record,
         }
 
