@@ -23,3 +23,7 @@ class OutputExistsError(UserInputError, FileExistsError):
 
 class DatasetError(UserInputError):
     """A dataset file or one of its rows cannot be used; the message names the file and the row."""
+
+
+class MetricsLogError(UserInputError):
+    """A run's metrics log (``metrics.jsonl``) the user named cannot be read or holds no metrics."""

@@ -15,6 +15,7 @@ import os
 import sys
 
 from armor_megatron.cli.common import EXIT_FAILED, EXIT_OK, OneLineArgumentParser, fail
+from armor_megatron.errors import UserInputError
 
 PROG = "armor-plot"
 NEEDS_MATPLOTLIB = "armor-plot needs matplotlib (pip install 'armor_megatron[plot]')"
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(PROG, f"--out directory does not exist: {out_dir}")
     try:
         runs = [load_run(run) for run in args.runs]
-    except (OSError, ValueError) as err:
+    except UserInputError as err:  # anything else is a bug: its traceback stays
         return fail(PROG, str(err))
     known = set().union(*(run.keys() for run in runs))
     unknown = [key for key in args.metric if key not in known]

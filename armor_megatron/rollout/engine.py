@@ -21,9 +21,17 @@ from typing import Any, Protocol, runtime_checkable
 from armor_megatron.errors import UserInputError
 
 FINISH_REASONS = ("stop", "length", "abort")
+# what an engine may release while a colocated trainer uses the device: SGLang 0.5.23's memory-saver tags
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor); may be ShardedWeights
 WeightSource = NamedTensors | str | os.PathLike
+
+
+def check_memory_tags(tags: Sequence[str]) -> None:
+    """Refuse memory tags no engine knows (a caller's bug: SGLang would answer 400)."""
+    if isinstance(tags, str) or not set(tags) <= set(MEMORY_TAGS):
+        raise ValueError(f"memory tags must be a sequence of {list(MEMORY_TAGS)}, got {tags!r}")
 
 
 class ShardSink(abc.ABC):
@@ -309,14 +317,16 @@ class RolloutEngine(abc.ABC):
         what the uninterrupted run sampled. Engines without seeded sampling ignore it.
         """
 
-    def release_memory(self, timeout: float | None = None) -> None:
-        """Free accelerator memory (weights, KV cache, CUDA graphs) while a colocated trainer is on the device.
+    def release_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Free the accelerator memory of ``tags`` (of `MEMORY_TAGS`) while a colocated trainer is on the device.
 
-        Default no-op.
+        Default: nothing to free (an engine sharing no device); unknown tags raise ValueError.
         """
+        check_memory_tags(tags)
 
-    def resume_memory(self, timeout: float | None = None) -> None:
-        """Take the memory back after :meth:`release_memory`; default no-op."""
+    def resume_memory(self, timeout: float | None = None, tags: Sequence[str] = MEMORY_TAGS) -> None:
+        """Take the memory of ``tags`` back after :meth:`release_memory`; default as there."""
+        check_memory_tags(tags)
 
     @abc.abstractmethod
     def shutdown(self, timeout: float | None = None) -> None:

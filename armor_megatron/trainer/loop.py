@@ -58,7 +58,6 @@ rank's sequence at TP=2 × PP=2 and checks that they are identical.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import signal
 import time
@@ -96,13 +95,12 @@ from armor_megatron.trainer.overlap import (
     generate_pending,
     load_pending,
     pending_state,
-    timing_metrics,
 )
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
-from armor_megatron.trainer.throughput import reset_peak_memory, throughput_metrics
+from armor_megatron.trainer.step_report import StepReport, StepTimer
 
 STOPPED = "stopped"  # the driver's batch when a preemption signal stopped the step's rollout
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
@@ -132,22 +130,6 @@ def driver_only(value: _T | None, what: str) -> _T:
 
 class Preempted(Exception):
     """Raised after the preemption checkpoint is written; the CLI exits with the requeue code."""
-
-
-@dataclasses.dataclass
-class StepTimer:
-    """Wall-clock seconds of a step's phases."""
-
-    times: dict = dataclasses.field(default_factory=dict)
-
-    @contextmanager
-    def phase(self, name: str):
-        """Time the block as phase ``name`` (added up when a phase repeats)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.times[f"time/{name}"] = self.times.get(f"time/{name}", 0.0) + time.perf_counter() - start
 
 
 class ArmorTrainer:
@@ -198,7 +180,6 @@ class ArmorTrainer:
         self.overlap = cfg.rollout.overlap == "one_step"
         self._background = BackgroundRollout()
         self._pending: PendingBatch | None = None
-        self._timeline_rollout: PendingBatch | None = None  # the generation of the batch this step trains
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
         # metrics log lost them (killed between the save and the log line): `_log_checkpointed_step`
@@ -317,20 +298,25 @@ class ArmorTrainer:
     def _ref_version(self) -> str:
         return f"ref-{self.ref_resets}"
 
+    # the driver's state that a background generation (``overlap: one_step``) uses until it is joined
     @property
     def _prompts(self) -> PromptLoader:
+        self._background.check_access("the prompt loader")
         return driver_only(self.loader, "the prompt loader")
 
     @property
     def _engine(self) -> RolloutEngine:
+        self._background.check_access("the policy engine")
         return driver_only(self.policy_engine, "the policy engine")
 
     @property
     def _anchor_cache(self) -> AnchorCache:
+        self._background.check_access("the anchor cache")
         return driver_only(self.anchors, "the anchor cache")
 
     def trainer_state(self) -> dict:
         """Driver-side state that goes into checkpoints next to the model and optimizer (`state_format`)."""
+        pending = pending_state(self._settled_pending())  # first: the generation draws from the loader
         return {
             "format_version": FORMAT_VERSION,
             "step": self.step,
@@ -342,7 +328,7 @@ class ArmorTrainer:
             "monitor": self.monitor.state_dict(),
             "ref_resets": self.ref_resets,
             "last_train_accuracy": self.last_train_accuracy,
-            "pending_batch": pending_state(self._settled_pending()),
+            "pending_batch": pending,
             "step_record": self._step_record,
         }
 
@@ -461,8 +447,8 @@ class ArmorTrainer:
     def _generate(self, for_step: int) -> PendingBatch:
         return generate_pending(lambda: self.rollout(StepTimer(), for_step), for_step)
 
-    def _step_batch(self, timer: StepTimer) -> tuple[RolloutBatch | None, dict, list[PendingBatch]]:
-        """Driver: this step's batch and rollout metrics, and the generations that ran during the step so far.
+    def _step_batch(self, report: StepReport) -> tuple[RolloutBatch | None, dict]:
+        """Driver: this step's batch and rollout metrics; ``report`` learns which generations ran and trains.
 
         With ``overlap: one_step`` the batch is the one generated during the last step (or now, when
         none is pending), checked (`trainer.overlap.check_lag`) after its anchors of an older
@@ -471,17 +457,17 @@ class ArmorTrainer:
         """
         if not self.overlap:
             begin = time.perf_counter()
-            batch, metrics = self.rollout(timer)
-            return batch, metrics, [PendingBatch(batch, metrics, self.step, begin, time.perf_counter())]
-        ran = []
-        with timer.phase("rollout"):
+            batch, metrics = self.rollout(report)
+            report.generated(PendingBatch(batch, metrics, self.step, begin, time.perf_counter()))
+            return batch, metrics
+        with report.phase("rollout"):
             pending, self._pending = self._pending, None
             if pending is None:  # the first step, or after the update with the forced wait
                 self._start_pending(self.step)
                 pending = self._background.join()
                 if pending is None:
                     raise RuntimeError(f"the rollout for step {self.step + 1} returned no batch")
-                ran.append(pending)
+                report.generated(pending)
             batch, metrics = pending.batch, dict(pending.metrics)
             if pending.for_step != self.step:
                 raise RuntimeError(
@@ -490,10 +476,10 @@ class ArmorTrainer:
             if batch is not None and self.anchors is not None:
                 batch, metrics = self._resample_stale_anchors(batch, metrics)
             metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
-        self._timeline_rollout = pending
+        report.trains(pending)
         if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
             self._start_pending(self.step + 1)
-        return batch, metrics, ran
+        return batch, metrics
 
     def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
         """Driver: replace the anchors an older reference produced, and recompute advantages.
@@ -789,36 +775,31 @@ class ArmorTrainer:
         raised CallsInterrupted): the step trained nothing and its prompts go back to the loader.
         """
         cfg = self.cfg
-        timer = StepTimer()
-        started = time.perf_counter()
-        reset_peak_memory()
+        report = StepReport(self._clock)
         self._park_trainer()  # a no-op once `run` parked it
-        self._timeline_rollout = None
-        batch, metrics, generated = self._driver_batch(timer) if self.is_driver else (None, {}, [])
+        batch, metrics = self._driver_batch(report) if self.is_driver else (None, {})
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
         if isinstance(tensors, str):  # STOPPED
             return None
-        update_begin = time.perf_counter()
-        with self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
+        with report.update_window(), self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
             if tensors is None:
                 metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
             else:
-                metrics.update(self.update(tensors, timer))
+                metrics.update(self.update(tensors, report))
                 metrics["train/tokens"] = float(tensors["response_mask"].sum())
-        update_end = time.perf_counter()
         self.step += 1
         if self.is_driver and self.overlap:
-            with timer.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
+            with report.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
                 self._pending = self._join_pending()
-            generated += [self._pending] if self._pending is not None else []
-        self.sync_weights(timer)
+            report.generated(self._pending)
+        self.sync_weights(report)
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
         if self.is_driver:
             # the policy's own accuracy: anchors score 1 by construction
             train_acc = metrics.get("rollout/on_policy_accuracy", metrics.get("rollout/accuracy"))
             self.last_train_accuracy = self.last_train_accuracy if train_acc is None else train_acc
             if eval_due:
-                with timer.phase("eval"):  # the policy of this step: its weights are in the engine
+                with report.phase("eval"):  # the policy of this step: its weights are in the engine
                     metrics.update(self.evaluate())
         metrics = broadcast_object(metrics)
         # the guard judges the next updates with this step's engine-vs-trainer gap; rollbacks are
@@ -830,36 +811,27 @@ class ArmorTrainer:
         if saved or reset:
             with self._trainer_on_device():  # engines keep their weights
                 if reset:
-                    metrics.update(self.reset_reference(timer))
+                    metrics.update(self.reset_reference(report))
                 if saved:
-                    if self.is_driver:
-                        self._step_record = {"step": self.step, "metrics": scalar_metrics(metrics)}
-                    with timer.phase("checkpoint"):
-                        save()
-                    self._checkpointed_step = self.step
+                    self._checkpoint(save, metrics, report)
         if save_hf is not None and save_hf_due(cfg.checkpoint.save_hf, self.step, cfg.train.steps):
-            with timer.phase("save_hf"), self._host_weights(self.actor):  # from the host copy, if there
+            with report.phase("save_hf"), self._host_weights(self.actor):  # from the host copy, if there
                 save_hf()
-        metrics.update(timer.times)
-        elapsed = time.perf_counter() - started
-        metrics["time/step"] = elapsed
-        if self.is_driver:
-            metrics.update(self._timing(timer, elapsed, generated, (update_begin, update_end)))
-        metrics["perf/tokens_per_s"] = metrics.get("train/tokens", 0.0) / max(elapsed, 1e-9)
         metrics.update(
-            throughput_metrics(
-                self.arch,
-                None if tensors is None else tensors["lengths"],
-                step_seconds=elapsed,
-                update_seconds=timer.times.get("time/update", 0.0),
+            report.metrics(
+                arch=self.arch,
+                lengths=None if tensors is None else tensors["lengths"],
+                trained_tokens=metrics.get("train/tokens", 0.0),
                 epochs=cfg.train.epochs_per_step,
                 world_size=dist.get_world_size() if dist.is_initialized() else 1,
                 peak_tflops=cfg.launch.gpu_peak_tflops,
+                driver=self.is_driver,
+                overlap=self.overlap,
             )
         )
         return metrics, saved
 
-    def _driver_batch(self, timer: StepTimer) -> tuple[RolloutBatch | str | None, dict, list[PendingBatch]]:
+    def _driver_batch(self, report: StepReport) -> tuple[RolloutBatch | str | None, dict]:
         """Driver: `_step_batch`, or ``STOPPED`` when a preemption signal stopped its reward calls.
 
         Then the loader (and a batch generated during the last step) go back to where the step
@@ -867,29 +839,22 @@ class ArmorTrainer:
         """
         before, pending = self._prompts.state_dict(), self._pending
         try:
-            return self._step_batch(timer)
+            return self._step_batch(report)
         except CallsInterrupted:
             self._prompts.load_state_dict(before)
             self._pending = pending  # a batch generated during the last step stays for the checkpoint
-            return STOPPED, {}, []
+            return STOPPED, {}
 
-    def _timing(self, timer: StepTimer, elapsed: float, generated: list, update: tuple[float, float]) -> dict:
-        """Driver: the step's idle fractions, overlap savings and timeline metrics.
+    def _checkpoint(self, save: Callable[[], None], metrics: dict, report: StepReport) -> None:
+        """All ranks, trainer on the device: save this step; the driver's state carries its metrics so far.
 
-        Driver: the step's idle fractions and overlap savings (`trainer.overlap.timing_metrics`)
-        and its timeline: when this step's batch was generated and when it trained, in seconds
-        since the run started (``timeline/*``, drawn by ``armor-plot``).
+        A resumed run logs that record if the metrics log lost the step (`_log_checkpointed_step`).
         """
-        times = timer.times
-        busy = sum(times.get(f"time/{p}", 0.0) for p in ("logprobs", "values", "update"))
-        generation = sum(p.generation_s for p in generated)
-        out = timing_metrics(elapsed, busy, generation, times.get("time/rollout", 0.0))
-        source = self._timeline_rollout if self.overlap else (generated[0] if generated else None)
-        if source is not None and source.begin > 0:
-            out["timeline/rollout_begin"] = source.begin - self._clock
-            out["timeline/rollout_end"] = source.end - self._clock
-        out["timeline/update_begin"], out["timeline/update_end"] = (t - self._clock for t in update)
-        return out
+        if self.is_driver:
+            self._step_record = {"step": self.step, "metrics": scalar_metrics(metrics)}
+        with report.phase("checkpoint"):
+            save()
+        self._checkpointed_step = self.step
 
     @collective
     def _evaluate_start(self, logger: MetricsLogger | None) -> dict:

@@ -76,6 +76,19 @@ class BackgroundRollout:
         """Whether a generation was started and not joined yet."""
         return self._thread is not None
 
+    def check_access(self, what: str) -> None:
+        """Refuse ``what`` (state the generation uses: the prompt loader, the engines, the anchor cache) to other threads.
+
+        From `start` until `join`, only the generation's own thread may touch it: the driver reading
+        the loader mid-draw would checkpoint prompts the pending batch holds too, or draw them twice.
+        Raises RuntimeError (a bug in the loop, with its traceback).
+        """
+        if self._thread is not None and threading.current_thread() is not self._thread:
+            raise RuntimeError(
+                f"{what} is in use by the background rollout ({self._thread.name}) until it is joined; "
+                "join it first (BackgroundRollout.join)"
+            )
+
     def start(self, generate: Callable[[], PendingBatch]) -> None:
         """Start ``generate`` in the background; one already running raises."""
         if self._thread is not None:

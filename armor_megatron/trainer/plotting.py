@@ -26,6 +26,7 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from armor_megatron.errors import MetricsLogError, MissingInputError
 from armor_megatron.trainer.metrics_log import read_metrics
 
 TRAIN_ACCURACY, TRAIN_REWARD, VAL_ACCURACY = "rollout/on_policy_accuracy", "rollout/reward", "eval/mean/pass@1"
@@ -55,15 +56,23 @@ def metrics_path(run: str) -> str:
 
 
 def load_run(run: str) -> Run:
-    """Read a run directory or ``metrics.jsonl``; ValueError naming the path when absent or empty."""
+    """Read a run directory or ``metrics.jsonl``.
+
+    Raises `MissingInputError` when the path or its metrics file is absent, `MetricsLogError`
+    when the file cannot be read or holds no step's record; each names the path.
+    """
     if not os.path.exists(run):
-        raise ValueError(f"no such run directory or metrics file: {run}")
+        raise MissingInputError(f"no such run directory or metrics file: {run}")
     path = metrics_path(run)
     if not os.path.isfile(path):
-        raise ValueError(f"no metrics file: {path}")
-    records = [r for r in read_metrics(path) if isinstance(r, dict) and isinstance(r.get("step"), int)]
+        raise MissingInputError(f"no metrics file: {path}")
+    try:
+        logged = read_metrics(path)
+    except OSError as err:
+        raise MetricsLogError(f"cannot read {path}: {err.strerror or err}") from err
+    records = [r for r in logged if isinstance(r, dict) and isinstance(r.get("step"), int)]
     if not records:
-        raise ValueError(f"no metrics in {path}")
+        raise MetricsLogError(f"no metrics in {path}")
     label = os.path.basename(os.path.dirname(os.path.abspath(path)))
     return Run(label=label, path=path, records=records)
 

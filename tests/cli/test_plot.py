@@ -109,6 +109,20 @@ def test_bad_input_is_one_line_exit_2(tmp_path, capsys):
     assert not (tmp_path / "x.png").exists()
 
 
+def test_a_bug_while_reading_a_run_keeps_its_traceback(tmp_path, monkeypatch):
+    """Only input errors are exit 2 and one line; a ValueError from inside the package is a bug."""
+    from armor_megatron.trainer import plotting
+
+    run = _write_run(tmp_path / "run", 0.01)
+
+    def broken(path):
+        raise ValueError("an internal check failed")
+
+    monkeypatch.setattr(plotting, "read_metrics", broken)
+    with pytest.raises(ValueError, match="an internal check failed"):
+        main([run, "--out", str(tmp_path / "x.png")])
+
+
 def test_missing_matplotlib_is_one_line(tmp_path, capsys, monkeypatch):
     run = _write_run(tmp_path / "run", 0.01)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError

@@ -11,7 +11,8 @@ import torch.distributed as dist
 from armor_megatron.config import load_config
 from armor_megatron.megatron.dist import process_group_backend
 from armor_megatron.trainer.collectives import any_rank
-from armor_megatron.trainer.loop import ArmorTrainer, StepTimer
+from armor_megatron.trainer.loop import ArmorTrainer
+from armor_megatron.trainer.step_report import StepTimer
 from tests.trainer.device_harness import emulated_backend, is_host, on_accelerator
 from tests.trainer.test_advantages import PPO_CONFIG
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import os
+import threading
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from armor_megatron.rollout.engine import SamplingParams, StaleWeightsError
 from armor_megatron.rollout.hf_checkpoint import build_causal_lm
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
+from armor_megatron.trainer.loop import ArmorTrainer
 from armor_megatron.trainer.overlap import (
     BackgroundRollout,
     LaggingBatchError,
+    PendingBatch,
     check_lag,
     generate_pending,
     load_pending,
@@ -111,6 +114,42 @@ def test_background_rollout_returns_its_batch_and_reraises_its_error_in_the_call
     with pytest.raises(ZeroDivisionError):
         runner.join()
     assert not runner.running
+
+
+def test_the_driver_touching_the_generations_state_before_the_join_fails():
+    runner, inside, release = BackgroundRollout(), [], threading.Event()
+
+    def generate():
+        runner.check_access("the prompt loader")  # the generation's own thread may
+        inside.append(True)
+        release.wait(timeout=30)
+        return PendingBatch(None, {}, for_step=0)
+
+    runner.check_access("the prompt loader")  # nothing running: the driver may
+    runner.start(generate)
+    try:
+        with pytest.raises(RuntimeError, match="the prompt loader is in use by the background rollout"):
+            runner.check_access("the prompt loader")
+    finally:
+        release.set()
+    assert runner.join() is not None and inside == [True]
+    runner.check_access("the prompt loader")  # joined: the driver's again
+
+
+def test_the_trainer_guards_its_loader_engine_and_anchors_while_a_generation_runs():
+    # the trainer's accessors of the state a generation uses, on a trainer holding only that state
+    trainer = ArmorTrainer.__new__(ArmorTrainer)
+    trainer._background, trainer.loader, trainer.policy_engine, trainer.anchors = BackgroundRollout(), [], [], []
+    release = threading.Event()
+    trainer._background.start(lambda: release.wait(timeout=30) and None)
+    try:
+        for accessor in ("_prompts", "_engine", "_anchor_cache"):
+            with pytest.raises(RuntimeError, match="in use by the background rollout"):
+                getattr(trainer, accessor)
+    finally:
+        release.set()
+        trainer._background.join()
+    assert trainer._prompts == [] and trainer._engine == [] and trainer._anchor_cache == []
 
 
 def test_timing_metrics_count_the_hidden_generation():

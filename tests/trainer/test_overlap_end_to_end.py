@@ -55,7 +55,8 @@ def test_one_step_staleness_resets_and_exact_resume_after_kill_9_and_sigterm(tin
         assert m["rollout/lag_min"] == 1.0 or m["anchor/stale_resampled"] > 0, (step, m)
         # the staleness is visible to TIS, which reweights by min(π_old/π_engine, C)
         assert m["rollout/logprob_abs_diff"] > 1e-4 and m["train/tis_weight_mean"] != 1.0
-        assert m["time/generation"] > 0.0 and "time/trainer_idle_frac" in m
+        # the next step's batch generated during the update; the last step starts none
+        assert (m["time/generation"] > 0.0) == (step < 4) and "time/trainer_idle_frac" in m, (step, m)
         assert m["timeline/rollout_begin"] < m["timeline/update_begin"]
     # tau = 1: a reset after every step; the batch generated during step t held anchors of the old
     # reference, resampled before step t+1 trained (the loop refuses an anchor of another reference)

@@ -4,6 +4,7 @@ import math
 
 import pytest
 
+from armor_megatron.errors import MetricsLogError, MissingInputError
 from armor_megatron.trainer.metrics_log import MetricsLogger
 from armor_megatron.trainer.plotting import OTHER, load_run, phase_timings, reset_steps, series, unique_labels
 
@@ -58,13 +59,13 @@ def test_load_run_from_dir_or_file_and_labels(tmp_path):
 
 
 def test_load_run_rejects_missing_and_empty(tmp_path):
-    with pytest.raises(ValueError, match="no such run directory or metrics file: .*nowhere"):
+    with pytest.raises(MissingInputError, match="no such run directory or metrics file: .*nowhere"):
         load_run(str(tmp_path / "nowhere"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no metrics file: .*empty/metrics.jsonl"):
+    with pytest.raises(MissingInputError, match="no metrics file: .*empty/metrics.jsonl"):
         load_run(str(tmp_path / "empty"))
     (tmp_path / "empty" / "metrics.jsonl").write_text("")
-    with pytest.raises(ValueError, match="no metrics in"):
+    with pytest.raises(MetricsLogError, match="no metrics in"):
         load_run(str(tmp_path / "empty"))
 
 

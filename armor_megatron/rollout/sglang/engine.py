@@ -60,6 +60,7 @@ import time
 from collections.abc import Sequence
 
 from armor_megatron.rollout.engine import (
+    MEMORY_TAGS,
     EngineReplyError,
     EngineUnavailableError,
     RolloutEngine,
@@ -67,13 +68,13 @@ from armor_megatron.rollout.engine import (
     SamplingParams,
     ShardedWeights,
     WeightSource,
+    check_memory_tags,
     check_prompts,
     check_versions,
 )
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, parse_output
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
 
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang 0.5.23 memory-saver tags: all of them
 # /pause_generation modes (SGLang 0.5.23 PauseGenerationReqInput): "abort" (its default) aborts
 # the requests in flight; "retract" puts them back in the queue (KV cache freed) and
 # "in_place" keeps them where they are; both finish them after /continue_generation.
@@ -318,6 +319,7 @@ class SGLangEngine(RolloutEngine):
         Colocated mode: free ``tags`` (default weights, KV cache and CUDA graphs) before the
         trainer comes to the device; the servers must be idle (module docstring: the order).
         """
+        check_memory_tags(tags)
         self._released |= set(tags)  # before the request: one that fails half-way leaves some released
         self._post_all("/release_memory_occupation", {"tags": list(tags)}, timeout)
 
@@ -326,6 +328,7 @@ class SGLangEngine(RolloutEngine):
 
         Resumed weights are memory only until the next weight push.
         """
+        check_memory_tags(tags)
         self._post_all("/resume_memory_occupation", {"tags": list(tags)}, timeout)
         self._released -= set(tags)
 
