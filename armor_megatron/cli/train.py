@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             if key and before is None:
                 del os.environ[API_KEY_ENV]
-            elif key:
+            elif key and before is not None:
                 os.environ[API_KEY_ENV] = before
     return _train(cfg, args.resume)
 
