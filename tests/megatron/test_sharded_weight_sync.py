@@ -233,13 +233,13 @@ def test_update_groups_per_stage_and_per_owner_deliver_the_same_tensors_bit_for_
     assert sorted(map(sorted, requests["stage"])) == sorted(map(sorted, requests["owner"]))
 
 
-def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
-    """tp=2, pp=2; the engine refuses one request: every rank must raise."""
+def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode, layout):
+    """The engine refuses one request: every rank must raise."""
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.rollout.engine import WeightUpdateError
     from tests.megatron.test_weight_export import loaded_model
 
-    arch, _, chunks = loaded_model(hf_dir, mcore_dir, dict(tp=2, pp=2))
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
     export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)
     with pytest.raises(WeightUpdateError) as failed:
         if rank == 0:
@@ -255,19 +255,28 @@ def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
 
 
 @pytest.mark.parametrize(
-    "mode, path", [("tensor", "/update_weights_from_tensor"), ("distributed", "/update_weights_from_distributed")]
+    "family, layout, mode, path",
+    [
+        ("qwen3", dict(tp=2, pp=2), "tensor", "/update_weights_from_tensor"),
+        ("qwen3", dict(tp=2, pp=2), "distributed", "/update_weights_from_distributed"),
+        # per stage: rank 1's and 3's buckets are being handed to their stage's sender when it fails
+        ("qwen3_moe", dict(ep=2, pp=2), "distributed", "/update_weights_from_distributed"),
+    ],
+    ids=["qwen3-tp2pp2-tensor", "qwen3-tp2pp2-distributed", "moe-ep2pp2-distributed"],
 )
-def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, mode, path):
+def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, family, layout, mode, path):
     from armor_megatron.convert import convert_hf_to_mcore
     from armor_megatron.rollout.local import LocalEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 
-    trainer_dir = save_tiny_model("qwen3", str(tmp_path / "trainer"), seed=2)
+    trainer_dir = save_tiny_model(family, str(tmp_path / "trainer"), seed=2)
     convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
     with SGLangTestServer(LocalEngine.from_pretrained(trainer_dir, weight_version="v0"), model_path=trainer_dir) as s:
         s.inject_failures(path, 1, status=400)
         start = time.monotonic()
-        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, timeout=380)
+        errors = run_ranks(
+            failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, layout, timeout=380
+        )
         # an owner left waiting in a broadcast hears of the refusal, not of the 300 s group timeout
         assert time.monotonic() - start < 200
         assert s.engine.weight_version == "v0"
