@@ -145,6 +145,12 @@ class SGLangConfig:
         check=registered(WEIGHT_SYNC_MODES),
         help="how trained weights reach the engines: tensor (CUDA IPC, same node), distributed (NCCL broadcast), disk (HF safetensors on a shared file system)",
     )
+    update_groups: Literal["stage", "owner"] = checked(
+        "stage",
+        help="weight_sync distributed: stage, one NCCL update group per pipeline stage (the stage's experts handed to "
+        "its sender bucket by bucket; pp communicators per engine TP rank); owner, one per trainer rank that owns "
+        "tensors (pp x ep communicators, no hand-over)",
+    )
     deterministic: bool = checked(
         False,
         help="reproducible rollouts: servers run with --enable-deterministic-inference and each sample carries its own "

@@ -134,7 +134,8 @@ ENGINE_CUDA_GRAPH_GIB = 2.0  # SGLang's CUDA-graph memory outside mem_fraction_s
 # What a weight push stages on the sending GPU at its peak, in buckets (``rollout.sglang.bucket_mb``):
 # the export's bucket being handed over, the driver's held-back previous one, and the packed copy
 # of the bucket being posted (``tensor_payload.pack`` concatenates it). Measured op by op on CPU:
-# tests/rollout/sglang/test_weight_sync_memory.py.
+# tests/rollout/sglang/test_weight_sync_memory.py. ``distributed`` stages at most two on a sender:
+# one bucket (its own, or one handed over by an expert owner of its stage) and its flattened copy.
 STAGED_BUCKETS = 3
 LOGPROB_CHUNK_ELEMENTS = 2**26  # logprobs.DEFAULT_CHUNK_ELEMENTS (launch/ does not import megatron/)
 _BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -341,6 +342,7 @@ class MemoryPlan:
     placement: str  # colocated | disaggregated (SGLang on other GPUs, or no engine on a GPU)
     engine_phases: list[Phase] = dataclasses.field(default_factory=list)  # an engine GPU (disaggregated)
     update_groups: int = 0  # weight_sync distributed: NCCL communicators every engine TP rank joins
+    update_group_layout: str = "pipeline stages"  # who sends: "pipeline stages" or "pipeline stages x expert owners"
 
     def problem(self) -> str | None:
         """One line naming the stage and phase that exceed the GPU and the phase's largest holding."""
@@ -384,7 +386,7 @@ class MemoryPlan:
             lines += [
                 "",
                 f"weight sync distributed: {self.update_groups} update group(s), one per sending trainer rank "
-                "(pipeline stages x expert-parallel owners): each engine TP rank holds that many NCCL "
+                f"({self.update_group_layout}): each engine TP rank holds that many NCCL "
                 "communicators and joins that many rendezvous",
             ]
         return "\n".join([f"memory plan: {self.layout}", "", *lines, "", verdict])
@@ -498,21 +500,25 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         placement="colocated" if colocated else "disaggregated",
         engine_phases=engine_phases,
         update_groups=update_groups(cfg, arch) if sglang else 0,
+        update_group_layout="pipeline stages x expert owners" if sg.update_groups == "owner" else "pipeline stages",
     )
 
 
 def update_groups(cfg: RunConfig, arch: ModelArch) -> int:
     """NCCL update groups of ``weight_sync: distributed`` (0 for the other modes).
 
-    One per trainer rank that owns exported tensors (`armor_megatron.megatron.weight_export`): per
-    pipeline stage the dense owner, which is also expert-parallel rank 0's expert owner, and one
-    expert owner per further expert-parallel rank. SGLang keeps every group (a dict by name), so
-    each engine TP rank holds one communicator per group.
+    ``rollout.sglang.update_groups: stage`` (default): one per pipeline stage, its sender (the
+    stage's dense owner) broadcasting the other expert owners' buckets too. ``owner``: one per
+    trainer rank that owns exported tensors (`armor_megatron.megatron.weight_export`): per pipeline
+    stage the dense owner, which is also expert-parallel rank 0's expert owner, and one expert
+    owner per further expert-parallel rank. SGLang keeps every group (a dict by name), so each
+    engine TP rank holds one communicator per group.
     """
-    if cfg.rollout.sglang.weight_sync != "distributed":
+    sg = cfg.rollout.sglang
+    if sg.weight_sync != "distributed":
         return 0
     par = cfg.parallelism
-    return par.pp * (par.ep if arch.num_experts else 1)
+    return par.pp * (par.ep if arch.num_experts and sg.update_groups == "owner" else 1)
 
 
 def _engine_sizes(cfg: RunConfig, arch: ModelArch, dtype_bytes: int) -> dict[str, EngineSizes]:

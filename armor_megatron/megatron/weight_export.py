@@ -38,7 +38,9 @@ them against ``rules.hf_tensor_names(arch)``; a missing, duplicated or unknown n
 `WeightExportError` on every rank, so nothing is pushed from an incomplete export.
 
 Memory: an owner holds one bucket of its stage's full (TP-gathered) tensors at a time (plus,
-when sending to rank 0, that bucket's bytes); rank 0 holds at most one other rank's bucket.
+when sending to rank 0 or to its stage's sender, that bucket's bytes); rank 0 holds at most one
+other rank's bucket, and a stage's sender (a delivery ``per_stage``) one bucket at a time, its
+own or one peer's.
 With tied embeddings the last pipeline stage's copy of the output layer is skipped (the
 embedding is the HF tensor).
 """
@@ -250,6 +252,15 @@ class HFWeightExport:
         reach the driver (small objects), and each owner puts its bucket while the driver conducts
         the round. Tensors never leave their owner but through its sink.
 
+        ``delivery.per_stage``: only each pipeline stage's sender (its lowest owner rank) has a sink.
+        In round k each other owner of the stage sends the sender its bucket's layout (names,
+        dtypes, shapes, offsets) before the descriptions are gathered, so the sender describes its
+        own bucket and theirs together; after the verdict the sender puts its own bucket, frees it,
+        then receives and puts each peer's bucket in rank order (point to point on the default
+        group; the peer sends it while the sender is still broadcasting its own). The sender thus
+        holds one bucket at a time, its own or one peer's, as every owner does in the per-owner
+        layout, and its peers hold only their own.
+
         Each step begins with a verdict: a failure anywhere (a sink, the driver's conducting)
         fails every rank at the same step, with every rank's message.
         """
@@ -264,7 +275,9 @@ class HFWeightExport:
                     state["error"] = f"{type(e).__name__}: {e}"
             return None
 
-        sink = attempt(delivery.open, rank) if rank in owners else None
+        sender_of = _stage_senders(owners) if getattr(delivery, "per_stage", False) else {r: r for r in owners}
+        peers = [r for r in owners if sender_of[r] == rank and r != rank]  # whose buckets this sender puts
+        sink = attempt(delivery.open, rank) if sender_of.get(rank) == rank else None
         announcement = attempt(sink.announce) if sink is not None else None
         self._step(delivery, announcement, state, lambda notes: delivery.conduct_join(notes))
         if sink is not None:
@@ -272,12 +285,30 @@ class HFWeightExport:
         self._settle(delivery, state)
         for k in range(rounds):
             bucket = list(_owned_hf_tensors(chunks[k], self.arch, None)) if k < len(chunks) else []
-            description = attempt(sink.describe, bucket) if sink is not None and bucket else None
+            # a peer's bucket reaches its sender in two parts: its layout now, its bytes after the verdict
+            if rank in owners and sender_of[rank] != rank:
+                layout = _bucket_layout(bucket)
+                dist.send_object_list([layout], dst=sender_of[rank])
+            forwarded = [_receive_layout(src) for src in peers]
+            stand_ins = [
+                [(n, torch.empty(shape, dtype=d, device="meta")) for n, d, shape, _ in m] for m, _, _ in forwarded
+            ]
+            described = [b for b in (bucket, *stand_ins) if b]
+            description = attempt(sink.describe, *described) if sink is not None and described else None
+            del described  # the sender's own bucket must go once it is put
             last = k == rounds - 1
             self._step(delivery, description, state, lambda notes, last=last: delivery.conduct_bucket(notes, last))
-            if sink is not None and description is not None:
+            if sink is not None and bucket:
                 attempt(sink.put, bucket)
+            elif rank in owners and sender_of[rank] != rank and bucket:
+                _send_bucket_bytes(bucket, layout, dst=sender_of[rank])
             del bucket
+            for src, received in zip(peers, forwarded):  # one peer's bucket at a time
+                if received[0]:
+                    theirs = list(_receive_bucket_bytes(received, src))
+                    if sink is not None:
+                        attempt(sink.put, theirs)
+                    del theirs
             self._settle(delivery, state)
         report = attempt(sink.close) if sink is not None else None
         reports = _gather_to_rank0(report)
@@ -372,30 +403,78 @@ _ALIGN = 16  # byte offset of each tensor in a sent bucket: any dtype can be vie
 
 def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int) -> None:
     """Metadata (names, dtypes, shapes: a small object), then the tensors' bytes as one uint8 tensor."""
+    layout = _bucket_layout(bucket, "cpu")
+    dist.send_object_list([layout], dst=dst)
+    _send_bucket_bytes(bucket, layout, dst)
+
+
+def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
+    return _receive_bucket_bytes(_receive_layout(src), src)
+
+
+def _bucket_layout(bucket: list[tuple[str, torch.Tensor]], device: str | None = None) -> tuple[list, int, str]:
+    """Where each tensor of ``bucket`` sits in its sent bytes.
+
+    ``([(name, dtype, shape, byte offset), ...], total bytes, device type)``; each offset a multiple
+    of ``_ALIGN``. The bytes go on ``device`` (None: the tensors' own; CPU when empty).
+    """
     meta, offset = [], 0
     for name, t in bucket:
         meta.append((name, t.dtype, tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
-    dist.send_object_list([(meta, offset)], dst=dst)
+    return meta, offset, device or (bucket[0][1].device.type if bucket else "cpu")
+
+
+def _receive_layout(src: int) -> tuple[list, int, str]:
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src)
+    return box[0]
+
+
+def _send_bucket_bytes(bucket: list[tuple[str, torch.Tensor]], layout: tuple[list, int, str], dst: int) -> None:
+    """``bucket``'s bytes as one uint8 tensor laid out by ``layout`` (nothing when it is empty)."""
+    meta, nbytes, device = layout
     if not meta:
         return
-    flat = torch.empty(offset, dtype=torch.uint8)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=_device(device))
     for (_, t), (_, _, _, start) in zip(bucket, meta):
         flat[start : start + t.numel() * t.element_size()] = t.contiguous().reshape(-1).view(torch.uint8)
     dist.send(flat, dst=dst)
 
 
-def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src)
-    meta, nbytes = box[0]
+def _receive_bucket_bytes(layout: tuple[list, int, str], src: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors ``src`` sends laid out by ``layout``: views of one received uint8 tensor."""
+    meta, nbytes, device = layout
     if not meta:
         return
-    flat = torch.empty(nbytes, dtype=torch.uint8)
+    flat = torch.empty(nbytes, dtype=torch.uint8, device=_device(device))
     dist.recv(flat, src=src)
     for name, dtype, shape, start in meta:
         size = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
         yield name, flat[start : start + size].view(dtype).view(shape)
+
+
+def _device(kind: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if kind == "cuda" else torch.device(kind)
+
+
+def _stage_senders(owners: list[int]) -> dict[int, int]:
+    """Owner rank -> the sender of its pipeline stage (the stage's lowest owner rank), on every rank.
+
+    A collective: every rank's pipeline rank is gathered on rank 0 (small objects).
+    """
+    from megatron.core import parallel_state as ps
+
+    stages = _gather_to_rank0(ps.get_pipeline_model_parallel_rank())
+    verdict: list[Any] = [None]
+    if stages is not None:
+        sender: dict[int, int] = {}
+        for r in owners:
+            sender.setdefault(stages[r], r)
+        verdict = [{r: sender[stages[r]] for r in owners}]
+    if is_distributed():
+        dist.broadcast_object_list(verdict, src=0)
+    return verdict[0]
 
 
 # ---------------------------------------------------------------------- names -> global tensors

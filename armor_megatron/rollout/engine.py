@@ -53,10 +53,13 @@ class ShardSink(abc.ABC):
     def join(self) -> None:
         """Blocking set-up, run by every owner while the driver conducts it (e.g. a rendezvous)."""
 
-    def describe(self, bucket: list[tuple[str, Any]]) -> Any:
-        """A small picklable note on ``bucket`` (names, dtypes, shapes) for the driver.
+    def describe(self, *buckets: list[tuple[str, Any]]) -> Any:
+        """A small picklable note on this round's ``buckets`` (names, dtypes, shapes) for the driver.
 
-        For :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that round.
+        For :meth:`ShardDelivery.conduct_bucket`, gathered before any owner's :meth:`put` of that
+        round; the sink then gets one :meth:`put` per bucket, in this order. More than one bucket
+        only with :attr:`ShardDelivery.per_stage`, where the tensors may be stand-ins on the
+        ``meta`` device (their names, dtypes and shapes are all a description may read).
         """
         return None
 
@@ -76,6 +79,11 @@ class ShardDelivery(abc.ABC):
     # gathered, the driver starts :meth:`conduct_bucket` while each owner puts its bucket, and
     # :meth:`settle` waits for the driver's part of each step.
     coordinated: bool = False
+    # Coordinated only. True: one sink per pipeline stage, on the stage's lowest owner rank (its
+    # sender). Each round the stage's other owners hand their bucket to the sender, which describes
+    # its own and theirs at once and puts them one at a time (own first, then by rank), so the
+    # engines meet one sender per stage. False: every owner has a sink of its own.
+    per_stage: bool = False
 
     @abc.abstractmethod
     def open(self, rank: int) -> ShardSink:

@@ -204,6 +204,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     def engine(urls, group: str, weights, version: str) -> SGLangEngine:
         sync = WeightSyncConfig(
             mode=sg.weight_sync,
+            update_groups=sg.update_groups,
             bucket_bytes=sg.bucket_mb << 20,
             tp_size=sg.tp_per_engine,
             disk_dir=os.path.join(disk_root, group),

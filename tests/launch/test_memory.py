@@ -239,7 +239,8 @@ def test_the_transposed_logits_copy_does_not_raise_the_peak():
 
 
 def test_the_plan_counts_the_update_groups_of_distributed_sync():
-    """One NCCL group per sending rank: pp stages x ep expert owners; every engine TP rank joins each."""
+    """One NCCL group per sending rank, every engine TP rank joining each: per pipeline stage by
+    default, pp stages x ep expert owners with ``update_groups: owner``."""
     from armor_megatron.config import load_config
     from armor_megatron.config.validate import model_arch_of
 
@@ -253,7 +254,11 @@ def test_the_plan_counts_the_update_groups_of_distributed_sync():
     ]
     cfg = load_config("configs/qwen3_30b_a3b_moe_armor.yaml", overrides)
     plan = plan_memory(cfg, model_arch_of(cfg))
+    assert plan.update_groups == 2  # PP=2, the experts handed to each stage's sender
+    assert "weight sync distributed: 2 update group(s), one per sending trainer rank (pipeline stages)" in plan.table()
+    owner = load_config("configs/qwen3_30b_a3b_moe_armor.yaml", [*overrides, "rollout.sglang.update_groups=owner"])
+    plan = plan_memory(owner, model_arch_of(owner))
     assert plan.update_groups == 4  # PP=2 x EP=2
-    assert "weight sync distributed: 4 update group(s)" in plan.table()
+    assert "4 update group(s), one per sending trainer rank (pipeline stages x expert owners)" in plan.table()
     tensor = load_config("configs/qwen3_30b_a3b_moe_armor.yaml")
     assert plan_memory(tensor, model_arch_of(tensor)).update_groups == 0

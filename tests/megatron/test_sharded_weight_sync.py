@@ -24,7 +24,7 @@ def hf_tensors(hf_dir: str) -> dict[str, torch.Tensor]:
         return {name: f.get_tensor(name) for name in f.keys()}
 
 
-def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1):
+def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1, update_groups="stage"):
     """Load the trainer's weights at ``layout``, push them to the engine at ``url`` with ``mode``,
     then gather a second export on rank 0 (the old path, still what local engines read).
     ``nodes`` > 1: the launcher's environment says the ranks span that many nodes."""
@@ -41,7 +41,7 @@ def sync_worker(rank, hf_dir, mcore_dir, layout, url, mode, disk_dir, nodes=1):
         if rank != 0:
             assert list(export) == []  # takes part in rank 0's delivery
         else:
-            engine = _push(export, url, mode, disk_dir, hf_dir)
+            engine = _push(export, url, mode, disk_dir, hf_dir, update_groups)
     if rank != 0:
         assert list(HFWeightExport(chunks, arch)) == []
         return {"owned": _owned_names(chunks, arch), "through_rank0": through_rank0}
@@ -81,14 +81,20 @@ class _counting_rank0_transfers:
         self.module._send_bucket, self.module._receive_bucket = self.saved
 
 
-def _push(export, url, mode, disk_dir, hf_dir):
+def _push(export, url, mode, disk_dir, hf_dir, update_groups="stage"):
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
     with open(os.path.join(hf_dir, "config.json")) as f:
         hf_config = json.load(f)
     sync = WeightSyncConfig(
-        mode=mode, bucket_bytes=16 << 10, disk_dir=disk_dir, hf_config=hf_config, backend="gloo", timeout=120
+        mode=mode,
+        bucket_bytes=16 << 10,
+        disk_dir=disk_dir,
+        hf_config=hf_config,
+        backend="gloo",
+        timeout=120,
+        update_groups=update_groups,
     )
     engine = SGLangEngine([url], weight_sync=sync, request_timeout=120)
     engine.update_weights(export, "synced")
@@ -108,7 +114,7 @@ def _served(server) -> dict[str, torch.Tensor]:
         ("qwen3", dict(tp=2, pp=2), 4, "disk", {0, 2}),  # one owner per pipeline stage
         ("qwen3", dict(tp=2, pp=2), 4, "distributed", {0, 2}),  # one group per pipeline stage's owner
         ("qwen3_moe", dict(ep=2), 2, "disk", {0, 1}),  # rank 1 owns the experts of ep rank 1
-        ("qwen3_moe", dict(ep=2), 2, "distributed", {0, 1}),
+        ("qwen3_moe", dict(ep=2), 2, "distributed-owner", {0, 1}),
         ("qwen3_moe", dict(ep=2, pp=2), 4, "disk", {0, 1, 2, 3}),
     ],
     ids=[
@@ -117,7 +123,7 @@ def _served(server) -> dict[str, torch.Tensor]:
         "qwen3-tp2pp2-disk",
         "qwen3-tp2pp2-distributed",
         "moe-ep2-disk",
-        "moe-ep2-distributed",
+        "moe-ep2-distributed-owner",
         "moe-ep2pp2-disk",
     ],
 )
@@ -135,9 +141,19 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
     with SGLangTestServer(LocalEngine.from_pretrained(engine_dir, weight_version="v0"), model_path=engine_dir) as s:
         assert any(not torch.equal(_served(s)[n], t) for n, t in expected.items() if n in _served(s))
         nodes = 2 if mode.endswith("2-nodes") else 1
+        update_groups = "owner" if mode.endswith("-owner") else "stage"
         mode = mode.split("-")[0]
         results = run_ranks(
-            sync_worker, world, trainer_dir, str(tmp_path / "mcore"), layout, s.url, mode, disk_dir, nodes
+            sync_worker,
+            world,
+            trainer_dir,
+            str(tmp_path / "mcore"),
+            layout,
+            s.url,
+            mode,
+            disk_dir,
+            nodes,
+            update_groups,
         )
         served = _served(s)
         assert s.engine.weight_version == "synced"
@@ -161,7 +177,8 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
     if mode == "tensor":
         assert requests["/update_weights_from_tensor"] > 4 and requests["/begin_weight_update"] == 1
     if mode == "distributed":
-        # every owner broadcast exactly its own tensors over its own group; nothing went through rank 0
+        # every owner is its stage's only one, or the groups are per owner: each broadcast exactly its
+        # own tensors over its own group; nothing went through rank 0
         by_rank = {}
         for group, names in updates:
             by_rank.setdefault(int(group.split("-rank")[1].split("-")[0]), []).extend(names)
@@ -173,13 +190,56 @@ def test_engine_ends_with_exactly_the_trainers_tensors(tmp_path, family, layout,
         assert len(updates) > 2 * len(writers) and requests["/begin_weight_update"] == 1
 
 
-def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
-    """tp=2, pp=2; the engine refuses one request: every rank must raise."""
+def test_update_groups_per_stage_and_per_owner_deliver_the_same_tensors_bit_for_bit(tmp_path):
+    """pp=2 x ep=2 (4 ranks, one owner each): per stage the engine joins pp = 2 groups, each stage's
+    sender broadcasting its expert peer's buckets after its own; per owner it joins 4. Either way
+    the engine receives exactly the trainer's tensors, the same names with the same bytes."""
+    from armor_megatron.convert import convert_hf_to_mcore
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    engine_dir = save_tiny_model("qwen3_moe", str(tmp_path / "engine"), seed=1)
+    trainer_dir = save_tiny_model("qwen3_moe", str(tmp_path / "trainer"), seed=2)
+    convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
+    expected = hf_tensors(trainer_dir)
+    received, groups, owned, requests = {}, {}, {}, {}
+    for layout in ("stage", "owner"):
+        with SGLangTestServer(LocalEngine.from_pretrained(engine_dir, weight_version="v0"), model_path=engine_dir) as s:
+            results = run_ranks(
+                sync_worker, 4, trainer_dir, str(tmp_path / "mcore"), dict(ep=2, pp=2), s.url, "distributed",
+                None, 1, layout, timeout=380,
+            )  # fmt: skip
+            assert s.engine.weight_version == "synced"
+            received[layout] = dict(s.distributed_tensors)
+            groups[layout] = {}
+            requests[layout] = [names for _, names in s.distributed_updates]
+            for group, names in s.distributed_updates:
+                groups[layout].setdefault(int(group.split("-rank")[1].split("-")[0]), []).extend(names)
+            owned[layout] = {r: set(res["owned"]) for r, res in enumerate(results)}
+    for layout in ("stage", "owner"):
+        assert sorted(received[layout]) == sorted(expected), layout
+        for name, tensor in expected.items():
+            got = received[layout][name]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), (layout, name)
+    assert owned["stage"] == owned["owner"] and all(owned["stage"].values())  # every rank owns experts
+    mine = owned["stage"]
+    # per owner: 4 groups, each its owner's tensors; per stage: 2 groups, a stage's sender (its lowest
+    # rank) carrying its own tensors and then its expert peer's
+    assert {r: set(n) for r, n in groups["owner"].items()} == mine
+    assert {r: set(n) for r, n in groups["stage"].items()} == {0: mine[0] | mine[1], 2: mine[2] | mine[3]}
+    # each request carries one owner's bucket (a peer's goes over whole, after its sender's own)
+    owner_of = {n: r for r, names in mine.items() for n in names}
+    assert all(len({owner_of[n] for n in names}) == 1 for names in requests["stage"])
+    assert sorted(map(sorted, requests["stage"])) == sorted(map(sorted, requests["owner"]))
+
+
+def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode, layout):
+    """The engine refuses one request: every rank must raise."""
     from armor_megatron.megatron.weight_export import HFWeightExport
     from armor_megatron.rollout.engine import WeightUpdateError
     from tests.megatron.test_weight_export import loaded_model
 
-    arch, _, chunks = loaded_model(hf_dir, mcore_dir, dict(tp=2, pp=2))
+    arch, _, chunks = loaded_model(hf_dir, mcore_dir, layout)
     export = HFWeightExport(chunks, arch, bucket_bytes=8 << 10)
     with pytest.raises(WeightUpdateError) as failed:
         if rank == 0:
@@ -195,19 +255,28 @@ def failing_sink_worker(rank, hf_dir, mcore_dir, url, mode):
 
 
 @pytest.mark.parametrize(
-    "mode, path", [("tensor", "/update_weights_from_tensor"), ("distributed", "/update_weights_from_distributed")]
+    "family, layout, mode, path",
+    [
+        ("qwen3", dict(tp=2, pp=2), "tensor", "/update_weights_from_tensor"),
+        ("qwen3", dict(tp=2, pp=2), "distributed", "/update_weights_from_distributed"),
+        # per stage: rank 1's and 3's buckets are being handed to their stage's sender when it fails
+        ("qwen3_moe", dict(ep=2, pp=2), "distributed", "/update_weights_from_distributed"),
+    ],
+    ids=["qwen3-tp2pp2-tensor", "qwen3-tp2pp2-distributed", "moe-ep2pp2-distributed"],
 )
-def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, mode, path):
+def test_a_failed_delivery_fails_every_rank_and_closes_the_session(tmp_path, family, layout, mode, path):
     from armor_megatron.convert import convert_hf_to_mcore
     from armor_megatron.rollout.local import LocalEngine
     from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 
-    trainer_dir = save_tiny_model("qwen3", str(tmp_path / "trainer"), seed=2)
+    trainer_dir = save_tiny_model(family, str(tmp_path / "trainer"), seed=2)
     convert_hf_to_mcore(trainer_dir, str(tmp_path / "mcore"), progress_stream=None)
     with SGLangTestServer(LocalEngine.from_pretrained(trainer_dir, weight_version="v0"), model_path=trainer_dir) as s:
         s.inject_failures(path, 1, status=400)
         start = time.monotonic()
-        errors = run_ranks(failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, timeout=380)
+        errors = run_ranks(
+            failing_sink_worker, 4, trainer_dir, str(tmp_path / "mcore"), s.url, mode, layout, timeout=380
+        )
         # an owner left waiting in a broadcast hears of the refusal, not of the 300 s group timeout
         assert time.monotonic() - start < 200
         assert s.engine.weight_version == "v0"

@@ -1,14 +1,18 @@
-"""``distributed`` weight sync from every owner rank: each broadcasts its own buckets to the engines.
+"""``distributed`` weight sync from the trainer's sending ranks, each broadcasting straight to the engines.
 
 SGLang 0.5.23 keeps its weights update groups in a dict by name
 (``ModelRunner``'s weight updater ``_model_update_group``), joins each with
 ``/init_weights_update_group`` {master_address, master_port, rank_offset, world_size,
 group_name, backend} and receives from rank 0 of the group a request names
 (``/update_weights_from_distributed`` {names, dtypes, shapes, group_name, load_format,
-flush_cache, weight_version}). So every trainer rank that owns tensors (a pipeline stage's
-TP rank 0, expert owners; see the Megatron weight export) gets a group of its own: the owner is
-its rank 0 and hosts its rendezvous, engine e's TP ranks are ranks ``1 + e·tp ...``. The
-owner broadcasts straight from where its tensors are (device memory with NCCL: no copy
+flush_cache, weight_version}). So every sending trainer rank gets a group of its own: the
+sender is its rank 0 and hosts its rendezvous, engine e's TP ranks are ranks ``1 + e·tp ...``.
+Which ranks send (``OwnerGroups.per_stage``, ``rollout.sglang.update_groups``): by default one per
+pipeline stage, its lowest owner rank, which also broadcasts the experts of the stage's other
+expert-parallel owners (the Megatron export hands them over bucket by bucket), so every engine TP
+rank holds pp communicators (as slime does); per owner, every rank that owns tensors (a stage's
+TP rank 0, expert owners) sends its own, pp × ep communicators per engine TP rank, nothing handed
+over. A sender broadcasts straight from where its tensors are (device memory with NCCL: no copy
 through the host); only small descriptions (names, dtypes, shapes) reach the driver.
 
 The driver (trainer rank 0) posts every request, because an engine serves weight requests one
@@ -61,12 +65,18 @@ class OwnerGroups:
     backend: str
     timeout: float
     base_port: int = 0  # 0: each owner's rendezvous on a port the OS picks; else base_port + 1 + rank
+    per_stage: bool = True  # one group per pipeline stage (its sender's); False: one per owner rank
 
 
 class OwnerBroadcastDelivery(ShardDelivery):
     """Made on the driver for one sync; ``post(client, path, body)`` sends a request to an engine."""
 
     coordinated = True
+
+    @property
+    def per_stage(self) -> bool:  # type: ignore[override]
+        """One group per pipeline stage (``OwnerGroups.per_stage``), on every rank it is pickled to."""
+        return self.groups.per_stage
 
     def __init__(self, clients: Sequence, groups: OwnerGroups, tp_size: int, bucket_bytes: int, version: str, post):
         self.groups, self.bucket_bytes = groups, bucket_bytes
@@ -266,8 +276,8 @@ class _OwnerSink(ShardSink):
         self.group = made["group"]
         _GROUPS[(g.prefix, self.rank)] = (made["group"], self.address, self._watch)
 
-    def describe(self, bucket) -> dict:
-        parts = tensor_payload.buckets(bucket, bucket_bytes=1 << 62)  # one request per dtype
+    def describe(self, *buckets) -> dict:
+        parts = [p for b in buckets for p in tensor_payload.buckets(b, bucket_bytes=1 << 62)]  # a request per dtype
         return {
             "group": self._joined().group_name,
             "buckets": [

@@ -93,6 +93,9 @@ class WeightSyncConfig:
     # distributed mode: the driver's rendezvous port, owner rank r's is master_port + 1 + r; 0: ports the OS picks
     master_port: int = 0
     backend: str = "nccl"  # distributed mode: nccl on GPUs, gloo on CPU
+    # distributed mode, a trainer's export: "stage", one group per pipeline stage (experts handed to the
+    # stage's sender); "owner", one per rank that owns tensors (see owner_broadcast)
+    update_groups: str = "stage"
     # tensor mode: where buckets go before their handles are sent. Default: CUDA when available
     # (SGLang opens CUDA IPC handles); CPU handles open only in the sender's own process tree.
     device: str | None = None
@@ -480,13 +483,26 @@ class _DiskSink(ShardSink):
         return {"files": self.files, "bytes": self.bytes}
 
 
+UPDATE_GROUP_LAYOUTS = ("stage", "owner")
+
+
 @register_weight_sync_mode("distributed")
 class DistributedWeightSync(WeightSync):
     """Broadcast over groups of 1 + Σ tp_size ranks, the broadcaster being rank 0.
 
     :meth:`push` (tensors on this process): one group, this process its rank 0.
-    :meth:`push_sharded` (a trainer's export): one group per owner rank (:mod:`.owner_broadcast`).
+    :meth:`push_sharded` (a trainer's export): one group per pipeline stage, or per owner rank
+    (``update_groups``; :mod:`.owner_broadcast`).
     """
+
+    @classmethod
+    def check_config(cls, config):
+        """Raise ValueError unless ``update_groups`` is ``stage`` or ``owner``."""
+        if config.update_groups not in UPDATE_GROUP_LAYOUTS:
+            raise ValueError(
+                f"weight sync mode 'distributed': update_groups {config.update_groups!r} is not one of "
+                f"{', '.join(UPDATE_GROUP_LAYOUTS)}"
+            )
 
     def __init__(self, clients, config):
         super().__init__(clients, config)
@@ -502,6 +518,7 @@ class DistributedWeightSync(WeightSync):
             backend=config.backend,
             timeout=config.timeout,
             base_port=config.master_port,
+            per_stage=config.update_groups == "stage",
         )
         self._owner_group_names: list[str] = []  # every owner group the engines joined
 
@@ -584,7 +601,7 @@ class DistributedWeightSync(WeightSync):
         self.verify(version)
 
     def push_sharded(self, weights, version):
-        """Every owner rank broadcasts its own buckets over its own group.
+        """Every sending rank (a stage's, or every owner) broadcasts its buckets over its own group.
 
         This (driver) rank posts the engines' requests in one order (see :mod:`.owner_broadcast`).
         """

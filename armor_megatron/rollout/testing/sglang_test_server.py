@@ -84,7 +84,8 @@ process. Real SGLang gets CUDA IPC handles, which have no such limit on one node
 
 Test hooks (not in SGLang): ``GET /test_double/requests`` (request counts per path),
 :attr:`SGLangTestServer.distributed_updates` and ``GET /test_double/distributed_updates``
-(``(group_name, names)`` of every distributed update, in order),
+(``(group_name, names)`` of every distributed update, in order), :attr:`distributed_tensors`
+(each tensor as last received that way, before any fusing),
 :meth:`SGLangTestServer.inject_failures` (answer the next
 requests to a path with an HTTP error), :meth:`inject_aborts` (next generations come back
 aborted), :meth:`crash` (drop the listening socket and in-flight connections without an
@@ -256,6 +257,7 @@ class SGLangTestServer:
         self.distributed_updates: list[
             tuple[str, list[str]]
         ] = []  # (group_name, names) of every update_weights_from_distributed received
+        self.distributed_tensors: dict[str, Any] = {}  # name -> the tensor last received so, as it came
         self._deferred: dict[str, Any] = {}  # fused-in-memory checkpoint tensors of the update in progress
         self._ckpt_names: set[str] | None = None
         self._failures: dict[str, list[int]] = {}  # path -> [remaining, status]
@@ -680,6 +682,7 @@ class SGLangTestServer:
             else:
                 raise _failed_update(f"Failed to receive weights: unknown load_format {body['load_format']!r}")
             self.distributed_updates.append((body["group_name"], [n for n, _ in named]))
+            self.distributed_tensors.update((n, t.clone()) for n, t in named)
             self._apply(named, body.get("weight_version"), strict=False)
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
