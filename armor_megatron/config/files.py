@@ -25,7 +25,6 @@ SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # w
 # a fast tokenizer's file, or a slow one's vocabulary (SentencePiece, BPE, WordPiece): AutoTokenizer needs one
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 LATEST = "latest"  # the file in a run's checkpoint directory naming its newest checkpoint (megatron.model_state)
-NO_ANSWER = "I cannot solve this."  # a response stating no answer: a verifier scores it too (0, not None)
 
 
 def check_files(cfg: RunConfig) -> None:
@@ -128,7 +127,7 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
     and a user verifier called on it returns a reward (``probe_verifier``).
     """
-    from armor_megatron.rewards.registry import check_ground_truth, load_verifier, probe_verifier
+    from armor_megatron.rewards.registry import NO_ANSWER, check_ground_truth, load_verifier, probe_verifier
 
     data = cfg.data
     try:
@@ -161,9 +160,9 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
         try:
             check_ground_truth(spec, ground_truth)
             probe_verifier(spec, ground_truth)
+            probe_verifier(spec, ground_truth, NO_ANSWER)  # early responses state none: a reward (0) too
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
-        _probe_no_answer(key, f"{path}: row {i}", spec, ground_truth)
     if len(rows) == PEEK_ROWS:  # the rest of the file: every row's type, before any step
         for i, row in enumerate(read_rows(path)[PEEK_ROWS:], PEEK_ROWS):
             if isinstance(row, dict) and has_field(row, data.type_key):
@@ -178,30 +177,6 @@ def _check_row_type(key: str, path: str, index: int, verifier: object, cfg: RunC
         check_row_verifier(verifier, cfg.reward.verifier, cfg.reward.verifiers)
     except ValueError as err:
         raise ConfigError(key, f"{path}: row {index} {cfg.data.type_key}: {err}") from None
-
-
-def _probe_no_answer(key: str, where: str, spec: str, ground_truth: object) -> None:
-    """A user verifier called on a response stating no answer returns a reward, as it must for every response.
-
-    Early in a run most responses state no answer; a verifier returning None for them would stop
-    the run at its first step.
-    """
-    from armor_megatron.rewards.registry import VerifierResultError, load_verifier
-
-    verifier = load_verifier(spec)
-    if verifier.__module__.startswith("armor_megatron."):  # built-ins return a RewardResult for any response
-        return
-    try:
-        verifier(NO_ANSWER, ground_truth)
-    except VerifierResultError as err:
-        raise ConfigError(
-            key,
-            f"{where}: {err}, for the response {NO_ANSWER!r}; a verifier returns a reward (e.g. 0) for every response",
-        ) from None
-    except Exception as err:  # the user's code: what it raised is reported, not this package's traceback
-        raise ConfigError(
-            key, f"{where}: verifier {spec!r} raised {type(err).__name__} on the response {NO_ANSWER!r}: {err}"
-        ) from None
 
 
 def _check_packages(cfg: RunConfig) -> None:

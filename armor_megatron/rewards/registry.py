@@ -134,43 +134,48 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
         ) from None
 
 
-def probe_verifier(spec: str, ground_truth: Any) -> None:
-    r"""Check a user verifier on one response stating ``ground_truth``.
+NO_ANSWER = "I cannot solve this."  # a response stating no answer: a verifier scores it too (0, not None)
+
+
+def probe_verifier(spec: str, ground_truth: Any, response: str | None = None) -> None:
+    r"""Check a user verifier on one response to a row whose ground truth is ``ground_truth``.
 
     Call a user verifier (``module:function``, or a name registered outside this package) once,
-    on a response that states ``ground_truth`` in ``\boxed{}``, and raise VerifierSpecError in
-    one line if it raises or returns what :func:`as_reward_result` refuses (a string, None, a
-    dict without ``score``, a non-finite score). Built-in verifiers are not called: they always
-    return a RewardResult, and the math one starts worker processes.
+    on ``response`` (default: one stating ``ground_truth`` in ``\boxed{}``; :data:`NO_ANSWER` for the
+    responses early in a run, which state none), and raise VerifierSpecError in one line if it
+    raises, outlasts ``reward.timeout_s``, or returns what :func:`as_reward_result` refuses (a
+    string, None, a dict without ``score``, a non-finite score). Built-in verifiers are not
+    called: they always return a RewardResult, and the math one starts worker processes.
     """
     verifier = load_verifier(spec)
     if verifier.__module__.startswith(f"{__package__}."):
         return
-    response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
+    if response is None:
+        response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
+        on = f"on a response stating the ground truth {ground_truth!r:.60}"
+    elif response == NO_ANSWER:
+        on = f"on the response {response!r}, which states no answer (a verifier returns a reward, e.g. 0, for every response)"
+    else:
+        on = f"on the response {response!r:.60} (ground truth {ground_truth!r:.40})"
     try:
         if ":" in spec:  # in a worker, under reward.timeout_s
-            value = probe_user_verifier(spec, response, ground_truth)
+            value = probe_user_verifier(spec, response, ground_truth, on)
         else:  # registered by the user's own code: in this process, on a thread we stop waiting for
             value = _in_thread(cast(Any, verifier).__wrapped__, spec, response, ground_truth)
     except VerifierTimeouts as err:
         raise VerifierSpecError(str(err)) from None
     except VerifierFailed as err:
-        raise VerifierSpecError(
-            f"verifier {spec!r} raised {err.kind} on a response stating the ground truth {ground_truth!r:.60}: "
-            f"{err.detail}"
-        ) from None
+        raise VerifierSpecError(f"verifier {spec!r} raised {err.kind} {on}: {err.detail}") from None
     except Exception as err:
-        raise VerifierSpecError(
-            f"verifier {spec!r} raised {type(err).__name__} on a response stating the ground truth "
-            f"{ground_truth!r:.60}: {str(err).splitlines()[0] if str(err) else ''}"
-        ) from None
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise VerifierSpecError(f"verifier {spec!r} raised {type(err).__name__} {on}: {detail}") from None
     try:
         as_reward_result(value, spec)
     except (TypeError, ValueError) as err:
         line = str(err).splitlines()[0]
         if not line.startswith(f"verifier {spec!r}"):
             line = f"verifier {spec!r} returned {value!r:.60}: {line}"
-        raise VerifierSpecError(line) from None
+        raise VerifierSpecError(f"{line}, {on}") from None
 
 
 def _in_thread(fn: Callable[..., Any], name: str, *args: Any) -> Any:

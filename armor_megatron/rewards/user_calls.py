@@ -99,15 +99,16 @@ def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
     return value
 
 
-def probe_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
-    """:func:`call_user_verifier` for a start-up check: a timeout or a dead worker raises, in one line."""
+def probe_user_verifier(spec: str, response: str, ground_truth: Any, on: str = "") -> Any:
+    """:func:`call_user_verifier` for a start-up check: a timeout or a dead worker raises, in one line.
+
+    ``on`` says which response it was (default: one stating ``ground_truth``).
+    """
     value = call_user_verifier(spec, response, ground_truth)
     if isinstance(value, RewardResult) and (value.breakdown.get("timed_out") or value.breakdown.get("worker_died")):
         what = "did not return within" if value.breakdown.get("timed_out") else "killed its worker within"
-        raise VerifierTimeouts(
-            f"verifier {spec!r} {what} reward.timeout_s={_Settings.timeout_s:g}s on a response stating the ground "
-            f"truth {ground_truth!r:.60}"
-        )
+        on = on or f"on a response stating the ground truth {ground_truth!r:.60}"
+        raise VerifierTimeouts(f"verifier {spec!r} {what} reward.timeout_s={_Settings.timeout_s:g}s {on}")
     return value
 
 

@@ -205,7 +205,8 @@ def test_a_user_verifier_must_score_a_response_without_an_answer(run, tmp_path):
         run(_write_verifier_module(tmp_path, name, body), f"reward.python_path=[{tmp_path}]"), "data.train_path: "
     )
     assert f"row 0: verifier '{name}:judge' returned NoneType None" in line, line
-    assert "for the response 'I cannot solve this.'" in line and "returns a reward (e.g. 0) for every" in line, line
+    assert "on the response 'I cannot solve this.', which states no answer" in line, line
+    assert "a verifier returns a reward, e.g. 0, for every response" in line, line
 
 
 def test_user_modules_are_found_beside_the_config_or_in_reward_python_path(tmp_path):

@@ -20,13 +20,15 @@ def odd_length(response, ground_truth):
 def hangs_once_marked(response, ground_truth):
     """A verifier stuck for good (a sandbox that never answers) on generated responses while
     $ARMOR_TEST_HANG_MARKER names a file path: it creates that file, then never returns. The
-    start-up probe's response (the ground truth stated in a box) it answers, as does every call
-    without the variable (the requeued run)."""
+    start-up probes' responses (the ground truth stated in a box, and one stating no answer) it
+    answers, as does every call without the variable (the requeued run)."""
     import os
     import time
 
+    from armor_megatron.rewards.registry import NO_ANSWER
+
     marker = os.environ.get("ARMOR_TEST_HANG_MARKER")
-    if marker and not response.startswith("The answer is \\boxed{"):
+    if marker and not response.startswith("The answer is \\boxed{") and response != NO_ANSWER:
         open(marker, "a").close()
         while True:
             time.sleep(3600)
