@@ -180,6 +180,8 @@ class ArmorTrainer:
         self.overlap = cfg.rollout.overlap == "one_step"
         self._background = BackgroundRollout()
         self._pending: PendingBatch | None = None
+        self._generation_beside_update = False  # the next step's batch is generating while this step trains
+        self._preemption: PreemptionHandler | None = None
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
         # metrics log lost them (killed between the save and the log line): `_log_checkpointed_step`
@@ -479,6 +481,7 @@ class ArmorTrainer:
         report.trains(pending)
         if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
             self._start_pending(self.step + 1)
+            self._generation_beside_update = True
         return batch, metrics
 
     def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
@@ -517,12 +520,43 @@ class ArmorTrainer:
         self._loader_before_pending = self._prompts.state_dict()
         self._background.start(functools.partial(self._generate, for_step))
 
+    def _stop_reward_calls(self) -> None:
+        """The preemption signal's handler: stop the reward calls in flight, unless they are the next batch's.
+
+        The rollout a step waits for is stopped at once (`interrupt_calls`): the step trains nothing,
+        and the resumed run generates the same batch from the same weights. The next step's batch,
+        generated beside this step's update, comes from weights the checkpoint no longer holds; it
+        is left to finish, so the checkpoint holds it and the resume stays exact (`_join_pending`
+        bounds the wait).
+        """
+        if not self._generation_beside_update:
+            interrupt_calls()
+
     def _join_pending(self) -> PendingBatch | None:
         """Driver: the background generation's batch.
 
-        None when a preemption signal stopped its scoring: the loader goes back to where it was
-        before that generation drew its prompts, so a resumed run draws them again.
+        After a preemption signal the generation gets ``reward.timeout_s`` (the bound of one
+        verifier call) to finish, counted from the signal or from the join, whichever is later;
+        then its reward calls are stopped. None when they were: the loader goes back to where it
+        was before that generation drew its prompts, so a resumed run draws them again, from the
+        updated weights (lag 0 where the uninterrupted run had 1; logged).
         """
+        grace_ends = None
+        while self._background.running and not self._background.finished(timeout=0.05):
+            if self._preemption is None or not self._preemption.requested():
+                continue
+            grace_ends = grace_ends or time.monotonic() + self.cfg.reward.timeout_s
+            if time.monotonic() >= grace_ends:
+                print(
+                    f"[{self.cfg.name}] warning: the next step's generation did not finish within "
+                    f"reward.timeout_s={self.cfg.reward.timeout_s:g}s of the preemption signal: its reward calls "
+                    f"are stopped, and the resumed run regenerates its batch from the updated weights (not "
+                    f"bit-exact from step {self.step + 1})",
+                    flush=True,
+                )
+                interrupt_calls()
+                break
+        self._generation_beside_update = False
         try:
             return self._background.join()
         except CallsInterrupted:
@@ -736,7 +770,8 @@ class ArmorTrainer:
             self._log_checkpointed_step(reporter)
         self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
         # a preemption signal also stops the reward calls in flight: a step stuck in a verifier ends
-        with PreemptionHandler(on_signal=interrupt_calls) as preemption, _calls_allowed_after():
+        with PreemptionHandler(on_signal=self._stop_reward_calls) as preemption, _calls_allowed_after():
+            self._preemption = preemption
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
             while self.step < cfg.train.steps:

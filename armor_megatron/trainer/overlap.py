@@ -18,7 +18,10 @@ batch's old-reference anchors are resampled (`rollout_phase.replace_stale_anchor
 
 The background thread runs only driver work (engine requests, rewards, dynamic sampling) and no
 collective, so every rank's collective sequence is that of ``overlap: off``. A checkpoint holds
-the pending batch itself (`pending_state`), joined before the save, so resume is exact.
+the pending batch itself (`pending_state`), joined before the save, so resume is exact. A
+preemption signal does not stop the generation's reward calls (its weights are gone after the
+update, so a regenerated batch would differ): the join grants it ``reward.timeout_s`` after the
+signal, then stops them (`ArmorTrainer._join_pending`).
 """
 
 from __future__ import annotations
@@ -103,6 +106,13 @@ class BackgroundRollout:
         self._result = self._error = None
         self._thread = threading.Thread(target=run, name="overlapped-rollout", daemon=True)
         self._thread.start()
+
+    def finished(self, timeout: float = 0.0) -> bool:
+        """Wait up to ``timeout`` seconds for the running generation; whether it has ended (True when none runs)."""
+        if self._thread is None:
+            return True
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
 
     def join(self) -> PendingBatch | None:
         """The running generation's batch (None when none runs)."""

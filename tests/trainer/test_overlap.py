@@ -3,6 +3,7 @@
 import dataclasses
 import os
 import threading
+import time
 
 import pytest
 import torch
@@ -257,3 +258,91 @@ def test_stale_anchors_are_resampled_from_the_new_reference_or_replaced_by_an_on
         assert after[i].token_ids == before[i].token_ids and after[i].logprobs == before[i].logprobs
     assert check_lag(out, trainer_step=0, reference_version="ref-2") == {"rollout/lag": 0.0, "rollout/lag_min": 0.0}
     assert replace_stale_anchors(out, "ref-2", rows, None, engine, settings, new_ref)[1] == 0
+
+
+class _Loader:
+    def __init__(self):
+        self.state = {"drawn": 1}
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
+
+
+def _joining_trainer(generate, timeout_s):
+    """What `ArmorTrainer._join_pending` reads: a background generation begun beside the update, and a preemption signal."""
+    from types import SimpleNamespace
+
+    from armor_megatron.trainer.preemption import PreemptionHandler
+
+    trainer = SimpleNamespace(
+        cfg=SimpleNamespace(name="run", reward=SimpleNamespace(timeout_s=timeout_s)),
+        step=1,
+        _background=BackgroundRollout(),
+        _prompts=_Loader(),
+        _loader_before_pending={"drawn": 0},
+        _generation_beside_update=True,
+        _preemption=PreemptionHandler(),
+    )
+    trainer._background.start(generate)
+    trainer._preemption.received = 15  # SIGTERM, as the handler records it
+    return trainer
+
+
+def _scoring(seconds):
+    """A generation whose reward calls take ``seconds``, and stop when the calls are interrupted."""
+    from armor_megatron.rewards.isolated import CallsInterrupted, calls_interrupted
+
+    def generate():
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if calls_interrupted():
+                raise CallsInterrupted("reward calls were stopped (a preemption signal)")
+            time.sleep(0.01)
+        return PendingBatch(None, {"rollout/reward": 0.5}, for_step=1)
+
+    return generate
+
+
+def test_after_a_preemption_signal_the_next_batch_finishes_within_the_grace_and_is_kept():
+    """The signal leaves the generation beside the update alone (`ArmorTrainer._stop_reward_calls`);
+    the join waits for it, so the preemption checkpoint holds its batch."""
+    from armor_megatron.rewards.isolated import allow_calls, calls_interrupted
+
+    trainer = _joining_trainer(_scoring(0.3), timeout_s=30.0)
+    ArmorTrainer._stop_reward_calls(trainer)
+    assert not calls_interrupted()
+    try:
+        pending = ArmorTrainer._join_pending(trainer)
+    finally:
+        allow_calls()
+    assert pending is not None and pending.metrics == {"rollout/reward": 0.5}
+    assert trainer._prompts.state == {"drawn": 1} and not trainer._generation_beside_update
+
+
+def test_a_next_batch_stuck_past_the_grace_is_stopped_and_its_prompts_go_back(capsys):
+    from armor_megatron.rewards.isolated import allow_calls
+
+    trainer = _joining_trainer(_scoring(3600.0), timeout_s=0.3)
+    begin = time.monotonic()
+    try:
+        pending = ArmorTrainer._join_pending(trainer)
+    finally:
+        allow_calls()
+    assert pending is None and time.monotonic() - begin < 30
+    assert trainer._prompts.state == {"drawn": 0}  # drawn again by the resumed run
+    assert "did not finish within reward.timeout_s=0.3s of the preemption signal" in capsys.readouterr().out
+
+
+def test_a_signal_outside_the_overlap_stops_the_reward_calls_at_once():
+    from types import SimpleNamespace
+
+    from armor_megatron.rewards.isolated import allow_calls, calls_interrupted
+
+    try:
+        ArmorTrainer._stop_reward_calls(SimpleNamespace(_generation_beside_update=False))
+        assert calls_interrupted()
+    finally:
+        allow_calls()

@@ -33,3 +33,29 @@ def hangs_once_marked(response, ground_truth):
         while True:
             time.sleep(3600)
     return float(len(response) % 2)
+
+
+def odd_length_signalling(response, ground_truth):
+    """`odd_length`, and a preemption that lands while a rollout is scoring: the generated response
+    numbered $ARMOR_TEST_SIGTERM_AT_CALL (0-based, counted over every call of the run by files created in
+    $ARMOR_TEST_CALL_DIR) sends SIGTERM to the trainer, this worker's parent, and is scored a moment
+    later. Without the variables it is `odd_length`."""
+    import os
+    import signal
+    import time
+
+    from armor_megatron.rewards.registry import NO_ANSWER
+
+    calls, at = os.environ.get("ARMOR_TEST_CALL_DIR"), os.environ.get("ARMOR_TEST_SIGTERM_AT_CALL")
+    if calls and at and not response.startswith("The answer is \\boxed{") and response != NO_ANSWER:
+        index = 0
+        while True:  # the first free number is this call's (workers score concurrently)
+            try:
+                os.close(os.open(os.path.join(calls, str(index)), os.O_CREAT | os.O_EXCL))
+                break
+            except FileExistsError:
+                index += 1
+        if index == int(at):
+            os.kill(os.getppid(), signal.SIGTERM)
+            time.sleep(0.5)
+    return odd_length(response, ground_truth)
