@@ -24,6 +24,7 @@ import os
 import signal
 import tempfile
 import threading
+import time
 
 STATUS_DIR_VAR = "ARMOR_RANK_STATUS_DIR"
 LAUNCHER_PID_VAR = "ARMOR_LAUNCHER_PID"
@@ -142,6 +143,20 @@ def die_with_launcher() -> None:
         return
     if os.getppid() != int(launcher):
         os._exit(EXIT_LAUNCHER_GONE)
+
+
+STOP_SIGNAL_WAIT_S = 2.0
+
+
+def wait_for_stop_signal(seconds: float = STOP_SIGNAL_WAIT_S) -> None:
+    """Give a stop signal the launcher sent every rank the time to arrive (its handler raises here).
+
+    A rank whose collective failed because a peer left on that signal would otherwise report the
+    failure as its own bug, with a traceback, a moment before the signal reaches it.
+    """
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def run_ranks(torchrun_args: list[str], signals) -> LaunchResult:

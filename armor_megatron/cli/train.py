@@ -205,6 +205,18 @@ def _inside_one_slurm_task() -> bool:
 
 
 def _train(cfg, resume) -> int:
+    try:
+        return _train_ranks(cfg, resume)
+    except KeyboardInterrupt:  # Ctrl-C: no checkpoint (SIGTERM/SIGUSR1 save one)
+        if relaunch.RankReport.from_env() is not None:
+            return EXIT_INTERRUPTED  # the relaunching parent says it once
+        return fail(
+            PROG, "interrupted by SIGINT: stopped without a checkpoint (the last complete one stays)", EXIT_INTERRUPTED
+        )
+
+
+def _train_ranks(cfg, resume) -> int:
+    """`_train` but for Ctrl-C, which may also arrive while a rank handles another error (below)."""
     relaunch.die_with_launcher()
     quiet_third_party_warnings()
     preemption.record_early_signals()
@@ -227,16 +239,14 @@ def _train(cfg, resume) -> int:
             return fail(PROG, line)
         report.failed(line)  # the relaunching parent prints the first failing rank's line
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:  # Ctrl-C: no checkpoint (SIGTERM/SIGUSR1 save one)
-        if relaunch.RankReport.from_env() is not None:
-            return EXIT_INTERRUPTED  # the relaunching parent says it once
-        return fail(
-            PROG, "interrupted by SIGINT: stopped without a checkpoint (the last complete one stays)", EXIT_INTERRUPTED
-        )
     except Exception:
         report = relaunch.RankReport.from_env()
-        if report is not None and report.others_failed():
-            return EXIT_FAILED  # a consequence (e.g. a collective's peer left): that rank's line says why
+        if report is not None:
+            # a peer that left on Ctrl-C breaks this rank's collective; the launcher sent this rank the
+            # same SIGINT, which raises KeyboardInterrupt in this wait (a consequence, not a bug)
+            relaunch.wait_for_stop_signal()
+            if report.others_failed():
+                return EXIT_FAILED  # a consequence (e.g. a collective's peer left): that rank's line says why
         raise
     return EXIT_OK
 
