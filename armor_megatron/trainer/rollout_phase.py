@@ -8,7 +8,8 @@ For a batch of P prompts:
    filled by one more on-policy sample);
 3. rewards: on-policy samples are scored by their row's verifier; an anchor keeps the reward it
    was verified with when sampled (never scored twice; one below ``anchor_success_reward`` is
-   dropped and counted in ``anchor/dropped``). accuracy = that score; the training reward adds
+   dropped and counted in ``anchor/dropped``), except under a group verifier, which scores the
+   whole group, anchor included, in one call. accuracy = that score; the training reward adds
    DAPO's overlong shaping to every row, anchors included: an anchor near the length limit is
    penalised like any response of that length (the shaping is part of the reward function
    the whole group is compared under);
@@ -41,7 +42,7 @@ from armor_megatron.algo import (
 )
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
-from armor_megatron.rewards import score_batch
+from armor_megatron.rewards import load_verifier, score_batch
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 
 
@@ -79,10 +80,11 @@ def collect_groups(
     """
     G = settings.group_size
     prompt_ids = [encode(r.prompt) for r in rows]
-    answers = [r.answer for r in rows]
     verifiers = [r.verifier or settings.verifier for r in rows]
     anchor_results = (
-        anchors.get(prompt_ids, list(zip(verifiers, answers)), keys=[r.index for r in rows], timeout=settings.timeout)
+        anchors.get(
+            prompt_ids, anchor_truths(rows, settings.verifier), keys=[r.index for r in rows], timeout=settings.timeout
+        )
         if anchors
         else None
     )
@@ -94,11 +96,17 @@ def collect_groups(
     found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    policy_scores, timeouts = _score(
-        [[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers
-    )
     anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    texts = [[s.text for s in group] for group in policy]
+    in_group = [_scores_groups(v) and a is not None for v, a in zip(verifiers, anchor_samples)]
+    for p, anchor in enumerate(anchor_samples):  # a group verifier sees the whole group, anchor last
+        if in_group[p] and anchor is not None:
+            texts[p].append(anchor.text)
+    policy_scores, timeouts = _score(texts, rows, verifiers, settings.reward_workers)
+    for p, scores in enumerate(policy_scores):
+        if in_group[p]:  # the anchor's score in its group replaces the one it was accepted with
+            anchor_scores[p] = scores.pop()
     groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
@@ -187,7 +195,7 @@ def replace_stale_anchors(
     verifiers = [r.verifier or settings.verifier for r in rows]
     fresh = anchors.get(
         [prompts[i] for i in stale],
-        list(zip(verifiers, [r.answer for r in rows])),
+        anchor_truths(rows, settings.verifier),
         keys=[r.index for r in rows],
         timeout=settings.timeout,
     )
@@ -223,6 +231,14 @@ def replace_stale_anchors(
     out["prompt_index"] = list(batch["prompt_index"])
     out.meta.update(batch.meta)
     return out, len(stale)
+
+
+def anchor_truths(rows: Sequence[PromptRow], default_verifier: str) -> list[tuple[str, Any, dict[str, Any]]]:
+    """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
+
+    So an anchor passes exactly the check its group is scored with (`rollout.anchor.build.anchor_reward`).
+    """
+    return [(r.verifier or default_verifier, r.answer, r.reward_fields()) for r in rows]
 
 
 def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
@@ -286,26 +302,41 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
-def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> tuple[list[list[float]], int]:
+def _scores_groups(verifier: str) -> bool:
+    """Whether ``verifier`` scores one prompt's responses together (a group verifier, docs/rewards.md)."""
+    return load_verifier(verifier).plan.scope == "group"
+
+
+def _score(
+    texts: list[list[str]],
+    rows: Sequence[PromptRow],
+    verifiers,
+    workers,
+    trajectories: Sequence[Sequence[Any]] | None = None,
+) -> tuple[list[list[float]], int]:
     """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
 
-    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]``; an error names the row.
+    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]`` (a group verifier gets
+    them in one call); ``trajectories[p][j]``: response ``j``'s turns (multi-turn; None: single-turn
+    responses); an error names the row.
     """
-    flat = [(p, t) for p, group in enumerate(texts) for t in group]
+    flat = [(p, j, t) for p, group in enumerate(texts) for j, t in enumerate(group)]
     scores: list[list[float]] = [[] for _ in texts]
     timeouts = 0
     for name in dict.fromkeys(verifiers):
-        todo = [(p, t) for p, t in flat if verifiers[p] == name]
+        todo = [(p, j, t) for p, j, t in flat if verifiers[p] == name]
         if not todo:
             continue
         results = score_batch(
-            [t for _, t in todo],
-            [rows[p].answer for p, _ in todo],
+            [t for _, _, t in todo],
+            [rows[p].answer for p, _, _ in todo],
             verifier=name,
             max_workers=workers,
-            labels=[f"row {rows[p].index}" for p, _ in todo],
+            labels=[f"row {rows[p].index}" for p, _, _ in todo],
+            fields=[rows[p].reward_fields(trajectories[p][j] if trajectories else None) for p, j, _ in todo],
+            groups=[p for p, _, _ in todo],
         )
-        for (p, _), result in zip(todo, results):
+        for (p, _, _), result in zip(todo, results):
             scores[p].append(result.score)
             timeouts += bool(result.breakdown.get("timed_out"))
     return scores, timeouts
