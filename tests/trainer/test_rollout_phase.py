@@ -254,3 +254,32 @@ def test_a_nan_score_names_the_verifier_and_the_row(setup):
     with registered(test_nan=lambda response, ground_truth: float("nan")):
         with pytest.raises(ValueError, match=r"^row 0: verifier 'test_nan' returned nan: RewardResult.score must be"):
             _collect(setup, None, verifier="test_nan")
+
+
+GROUP_CALLS: list[tuple[int, tuple[str, ...], str]] = []
+
+
+def _first_solver(responses, ground_truth, prompt):
+    """A group verifier: a response starting with the truth scores 1 alone, 0.75 in a group of several; else 0."""
+    GROUP_CALLS.append((len(responses), tuple(responses), prompt))
+    return [(1.0 if len(responses) == 1 else 0.75) * r.startswith(ground_truth) for r in responses]
+
+
+def test_a_group_verifier_scores_each_whole_group_anchor_included(setup):
+    _, _, sampler, rows = setup
+    with registered(test_first_solver=_first_solver):
+        GROUP_CALLS.clear()
+        batch, _ = _collect(setup, AnchorCache(sampler), verifier="test_first_solver")
+    is_anchor = batch["is_anchor"].view(len(rows), G)
+    texts = batch["response_text"]
+    in_groups = GROUP_CALLS[-len(rows) :]
+    assert all(n == 1 for n, _, _ in GROUP_CALLS[: -len(rows)])  # anchor candidates were judged alone
+    assert all(n == G for n, _, _ in in_groups)  # then one call per prompt, on all G
+    assert [prompt for _, _, prompt in in_groups] == [r.prompt for r in rows]  # with its row's prompt
+    for p, (_, responses, _) in enumerate(in_groups):
+        assert list(responses) == texts[p * G : (p + 1) * G]  # anchor (last) included, in the batch's order
+    assert is_anchor[:, -1].tolist() == [True, True, True, False, False]
+    accuracy = batch["accuracy"].view(len(rows), G)
+    for p in range(len(rows)):  # every row trains with its score in the group, the anchor's included
+        assert accuracy[p].tolist() == _first_solver(texts[p * G : (p + 1) * G], rows[p].answer, rows[p].prompt)
+    assert accuracy[:3, -1].tolist() == [0.75] * 3  # accepted alone (1); trains with its score in the group
