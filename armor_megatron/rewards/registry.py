@@ -214,11 +214,9 @@ class LoadedVerifier:
     """
 
     def __init__(self, name: str, fn: Callable[..., Any], plan: CallPlan, user: bool = False) -> None:
-        functools.update_wrapper(self, fn)
         self.name, self.fn, self.plan, self.user = name, fn, plan, user
-        self.probed = (
-            user or not fn.__module__.startswith(f"{__package__}.") or bool(getattr(fn, "probe_at_start", False))
-        )
+        module = getattr(fn, "__module__", None) or ""
+        self.probed = user or not module.startswith(f"{__package__}.") or bool(getattr(fn, "probe_at_start", False))
 
     def __call__(self, response: str, ground_truth: Any, fields: Mapping[str, Any] | None = None) -> RewardResult:
         """The verdict on one response (a group or batch verifier scores it as a group of one)."""
@@ -288,6 +286,8 @@ def get_verifier(name: str) -> LoadedVerifier:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         pass
+    if name == "remote":
+        raise VerifierSpecError("verifier 'remote' is the judge at reward.remote.url, which is not set")
     close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise VerifierSpecError(
