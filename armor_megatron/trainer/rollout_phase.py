@@ -9,7 +9,8 @@ For a batch of P prompts:
 3. rewards: on-policy samples are scored by their row's verifier; an anchor keeps the reward it
    was verified with when sampled (never scored twice; one below ``anchor_success_reward`` is
    dropped and counted in ``anchor/dropped``), except under a group verifier, which scores the
-   whole group, anchor included, in one call. accuracy = that score; the training reward adds
+   whole group, anchor included, in one call. accuracy = that score (the metrics log its mean as
+   ``rollout/score`` and the share reaching ``CORRECT_THRESHOLD`` as ``rollout/accuracy``); the training reward adds
    DAPO's overlong shaping to every row, anchors included: an anchor near the length limit is
    penalised like any response of that length (the shaping is part of the reward function
    the whole group is compared under);
@@ -43,6 +44,7 @@ from armor_megatron.algo import (
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import load_verifier, score_batch
+from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 
 
@@ -124,7 +126,8 @@ def collect_groups(
     batch["prompt_index"] = [r.index for r in prompt_of_row]
 
     metrics = {
-        "rollout/accuracy": accuracy.mean().item(),
+        "rollout/score": accuracy.mean().item(),  # the verifier's mean score, before shaping
+        "rollout/accuracy": (accuracy >= CORRECT_THRESHOLD).float().mean().item(),  # share verified correct
         "rollout/reward": rewards.mean().item(),
         "rollout/response_len": lengths.mean().item(),
         "rollout/response_len_min": lengths.min().item(),
@@ -137,7 +140,9 @@ def collect_groups(
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
         "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
     }
-    metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
+    on_policy = accuracy[~groups.is_anchor]  # anchors reach the success reward by construction
+    metrics["rollout/on_policy_score"] = on_policy.mean().item()
+    metrics["rollout/on_policy_accuracy"] = (on_policy >= CORRECT_THRESHOLD).float().mean().item()
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
     if settings.sample_metrics is not None:
         scored = [
@@ -273,17 +278,20 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
 
 
 def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
-    """``rollout/accuracy/<verifier>``.
+    """``rollout/accuracy/<verifier>`` and ``rollout/score/<verifier>``.
 
-    On-policy accuracy of the groups each verifier scores (mixed-domain datasets route rows by their
-    ``type``); accuracy and is_anchor are [P, G].
+    Share verified correct (score >= ``CORRECT_THRESHOLD``) and mean score of the on-policy responses
+    of the groups each verifier scores (mixed-domain datasets route rows by their ``type``);
+    accuracy (the verifier scores) and is_anchor are [P, G].
     """
     out = {}
     for name in dict.fromkeys(verifiers):
         rows = torch.tensor([v == name for v in verifiers])
         on_policy = ~is_anchor[rows]
         if on_policy.any():
-            out[f"rollout/accuracy/{name}"] = accuracy[rows][on_policy].mean().item()
+            scores = accuracy[rows][on_policy]
+            out[f"rollout/accuracy/{name}"] = (scores >= CORRECT_THRESHOLD).float().mean().item()
+            out[f"rollout/score/{name}"] = scores.mean().item()
     return out
 
 

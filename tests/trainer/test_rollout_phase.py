@@ -221,6 +221,27 @@ def test_accuracy_per_domain_covers_the_on_policy_rows_of_each_verifier(setup, v
     assert metrics["rollout/accuracy/test_starts_with"] == pytest.approx(expected)
 
 
+def _half_credit(response, ground_truth):
+    """1 for a response starting with the truth, 0.5 (a format bonus) for any other non-empty one."""
+    return RewardResult(1.0 if response.startswith(ground_truth) else 0.5 * bool(response), {})
+
+
+def test_mean_score_and_accuracy_are_logged_apart_under_partial_credit(setup):
+    """rollout/score* are mean scores; rollout/accuracy* the share scoring >= 1 (correct)."""
+    _, _, sampler, rows = setup
+    with registered(test_half_credit=_half_credit):
+        batch, metrics = _collect(setup, AnchorCache(sampler), verifier="test_half_credit")
+    scores = batch["accuracy"]
+    on_policy = scores[~batch["is_anchor"]]
+    assert set(scores.tolist()) == {0.5, 1.0}  # the anchors are correct, the random policy's responses not
+    assert metrics["rollout/score"] == pytest.approx(scores.mean().item())
+    assert metrics["rollout/accuracy"] == pytest.approx((scores >= 1).float().mean().item())
+    assert metrics["rollout/on_policy_score"] == pytest.approx(on_policy.mean().item()) == 0.5
+    assert metrics["rollout/on_policy_accuracy"] == metrics["rollout/accuracy/test_half_credit"] == 0.0
+    assert metrics["rollout/score/test_half_credit"] == pytest.approx(0.5)
+    assert metrics["rollout/accuracy"] < metrics["rollout/score"]
+
+
 def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup):
     """``logging.sample_metrics`` gets each sample's prompt, response, score and anchor flag; its
     values come back as ``rollout/<name>``."""
