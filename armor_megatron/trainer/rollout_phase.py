@@ -188,7 +188,8 @@ def replace_stale_anchors(
     sampling, as `collect_groups` asks it); a prompt the new reference finds none for gets one more
     on-policy sample from ``engine`` in that row instead, as a group without anchor does. Rewards
     (overlong shaping) are recomputed from the rows' accuracies and lengths; the caller recomputes
-    the advantages. Every other row is kept as it was, with its engine log-probs and version.
+    the advantages. Every other row is kept as it was, with its engine log-probs and version; under
+    a group verifier the scores of a changed group are all made again, by one call on the group.
     """
     is_anchor = batch["is_anchor"].clone()
     stale = stale_anchor_rows(batch, reference_version)
@@ -223,6 +224,17 @@ def replace_stale_anchors(
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
             samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
+    G = settings.group_size
+    regroup = [(i - i % G, j) for j, i in enumerate(stale) if _scores_groups(verifiers[j])]
+    if regroup:  # a group verifier's scores depend on the whole group: score each changed group again
+        scores, _ = _score(
+            [[samples[k].text for k in range(first, first + G)] for first, _ in regroup],
+            [rows[j] for _, j in regroup],
+            [verifiers[j] for _, j in regroup],
+            settings.reward_workers,
+        )
+        for (first, _), group_scores in zip(regroup, scores):
+            accuracy[first : first + G] = torch.tensor(group_scores)
     out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
     rewards = accuracy
