@@ -190,6 +190,23 @@ def test_check_calls_a_verl_compute_score_with_the_first_rows_real_fields(run, t
     assert "data_source='lighteval/MATH'" in line, line
 
 
+def test_check_calls_the_remote_judge_on_the_first_rows(run):
+    import socket
+
+    from armor_megatron.rewards.remote import configure_remote_judge
+
+    with socket.socket() as closed:  # a port nothing listens on: the judge is down
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/"
+    try:
+        cfg = run("reward.verifier=remote", f"reward.remote.url={url}", "reward.remote.retries=0")
+        line = _refused(cfg, "data.train_path: ")
+        assert f"row 0: remote judge {url} failed 1 attempt (reward.remote.retries=0): " in line, line
+        assert "on a response stating the ground truth '1'" in line, line
+    finally:
+        configure_remote_judge(None)
+
+
 def _write_verifier_module(tmp_path, name: str, body: str) -> str:
     (tmp_path / f"{name}.py").write_text(f"def judge(response, ground_truth):\n    {body}\n")
     return f"reward.verifier={name}:judge"
