@@ -218,6 +218,32 @@ def test_pending_batch_survives_a_checkpoint_file_bit_for_bit(stale_setup, tmp_p
     assert load_pending(pending_state(None)) is None
 
 
+JUDGED: list[tuple[str, ...]] = []
+
+
+def _judges_groups(responses, ground_truth):
+    """A group verifier recording each group it scores; 0.25 for every response."""
+    JUDGED.append(tuple(responses))
+    return [0.25] * len(responses)
+
+
+def test_a_group_verifier_scores_a_group_whose_stale_anchor_changed_again_whole(stale_setup):
+    tok, _, engine, _ = stale_setup
+    rows = {10: PromptRow(10, "12+7=", "19"), 11: PromptRow(11, "3+4=", "7")}
+    with registered(test_judges_groups=_judges_groups):
+        settings = dataclasses.replace(_settings(), verifier="test_judges_groups")
+        batch, _ = collect_groups(list(rows.values()), lambda p: encode(tok, p), engine, settings)
+        batch["is_anchor"] = torch.tensor([False, False, True] * 2)
+        batch["weight_version"] = ["step-0", "step-0", "ref-1"] * 2
+        JUDGED.clear()
+        out, n = replace_stale_anchors(
+            batch, "ref-2", rows, lambda p: encode(tok, p), engine, settings, _NewReference(engine), tok.pad_token_id
+        )
+    texts = out["response_text"]
+    assert n == 2 and JUDGED[-2:] == [tuple(texts[:3]), tuple(texts[3:])]  # each changed group, whole, in order
+    assert out["accuracy"].tolist() == [0.25] * 6  # the new anchor's too, scored in its group
+
+
 class _NewReference:
     """The anchor cache of the reference after a reset: it finds an anchor for prompt index 10 only."""
 
@@ -258,29 +284,3 @@ def test_stale_anchors_are_resampled_from_the_new_reference_or_replaced_by_an_on
         assert after[i].token_ids == before[i].token_ids and after[i].logprobs == before[i].logprobs
     assert check_lag(out, trainer_step=0, reference_version="ref-2") == {"rollout/lag": 0.0, "rollout/lag_min": 0.0}
     assert replace_stale_anchors(out, "ref-2", rows, None, engine, settings, new_ref)[1] == 0
-
-
-JUDGED: list[tuple[str, ...]] = []
-
-
-def _judges_groups(responses, ground_truth):
-    """A group verifier recording each group it scores; 0.25 for every response."""
-    JUDGED.append(tuple(responses))
-    return [0.25] * len(responses)
-
-
-def test_a_group_verifier_scores_a_group_whose_stale_anchor_changed_again_whole(stale_setup):
-    tok, _, engine, _ = stale_setup
-    rows = {10: PromptRow(10, "12+7=", "19"), 11: PromptRow(11, "3+4=", "7")}
-    with registered(test_judges_groups=_judges_groups):
-        settings = dataclasses.replace(_settings(), verifier="test_judges_groups")
-        batch, _ = collect_groups(list(rows.values()), lambda p: encode(tok, p), engine, settings)
-        batch["is_anchor"] = torch.tensor([False, False, True] * 2)
-        batch["weight_version"] = ["step-0", "step-0", "ref-1"] * 2
-        JUDGED.clear()
-        out, n = replace_stale_anchors(
-            batch, "ref-2", rows, lambda p: encode(tok, p), engine, settings, _NewReference(engine), tok.pad_token_id
-        )
-    texts = out["response_text"]
-    assert n == 2 and JUDGED[-2:] == [tuple(texts[:3]), tuple(texts[3:])]  # each changed group, whole, in order
-    assert out["accuracy"].tolist() == [0.25] * 6  # the new anchor's too, scored in its group
