@@ -17,7 +17,15 @@ from armor_megatron.config import needs
 from armor_megatron.config.identity import check_run_identity, checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
-from armor_megatron.data.prompts import field_kind, field_of, ground_truth_column, has_field, peek_rows, read_rows
+from armor_megatron.data.prompts import (
+    PromptRow,
+    field_kind,
+    field_of,
+    ground_truth_column,
+    has_field,
+    peek_rows,
+    read_rows,
+)
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
 RESUME_WORDS = ("auto", "none", "force")
@@ -157,10 +165,11 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
         spec, ground_truth = verifier or cfg.reward.verifier, field_of(row, truth)
+        fields = PromptRow(i, field_of(row, prompt[0]), ground_truth, verifier, columns=row).reward_fields()
         try:
             check_ground_truth(spec, ground_truth)
-            probe_verifier(spec, ground_truth)
-            probe_verifier(spec, ground_truth, NO_ANSWER)  # early responses state none: a reward (0) too
+            probe_verifier(spec, ground_truth, fields=fields)  # with the row's real fields
+            probe_verifier(spec, ground_truth, NO_ANSWER, fields)  # early responses state none: a reward (0) too
         except ValueError as err:
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
     if len(rows) == PEEK_ROWS:  # the rest of the file: every row's type, before any step

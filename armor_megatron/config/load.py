@@ -9,6 +9,7 @@ Every problem raises ``ConfigError`` with one line naming the key.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,7 @@ from armor_megatron.config.schema import API_KEY_ENV, RunConfig
 from armor_megatron.config.typed import ConfigError, from_dict
 from armor_megatron.config.validate import validate_run_config
 from armor_megatron.rewards.isolated import configure_pool
+from armor_megatron.rewards.remote import RemoteJudgeError, RemoteJudgeSettings, configure_remote_judge
 from armor_megatron.rewards.spec import add_search_paths
 from armor_megatron.rewards.user_calls import configure_user_verifiers
 
@@ -42,6 +44,11 @@ def load_config(path: str, overrides: Iterable[str] = ()) -> RunConfig:
         cfg.checkpoint.dir = os.path.join(DEFAULT_CHECKPOINT_ROOT, cfg.name)
     here = os.path.dirname(os.path.abspath(path))
     cfg.reward.python_path = add_search_paths(os.path.join(here, d) for d in cfg.reward.python_path)
+    remote = cfg.reward.remote
+    try:  # the verifier 'remote', before validation loads reward.verifier
+        configure_remote_judge(RemoteJudgeSettings(**dataclasses.asdict(remote)) if remote.url else None)
+    except RemoteJudgeError as err:
+        raise ConfigError("reward.remote.api_key_env", str(err)) from None
     validate_run_config(cfg)
     # reward.* settings that hold for every verifier call of this process (the start-up probe too)
     configure_user_verifiers(cfg.reward.timeout_s, cfg.reward.max_consecutive_timeouts)

@@ -489,6 +489,47 @@ class DataConfig:
     )
 
 
+def _judge_url(url: Any) -> str | None:
+    if url is None or (isinstance(url, str) and url.startswith(("http://", "https://")) and len(url) > 8):
+        return None
+    return f"{url!r} is not an http:// or https:// URL"
+
+
+def _env_name(name: Any) -> str | None:
+    if name is None or (isinstance(name, str) and name.replace("_", "a").isalnum() and not name[0].isdigit()):
+        return None
+    return f"{name!r} is not an environment variable's name (the variable holds the key; the key never goes here)"
+
+
+@dataclasses.dataclass
+class RemoteJudgeConfig:
+    """A judge served over HTTP, the verifier ``remote`` (docs/rewards.md, "A remote judge")."""
+
+    url: str | None = checked(
+        None,
+        check=described("null or an http(s):// URL", _judge_url),
+        help="the judge's URL (POST, JSON protocol in docs/rewards.md); set: reward.verifier or a row's type may "
+        "name the verifier 'remote'",
+    )
+    concurrency: int = checked(4, check=at_least(1), help="requests in flight at once, over the whole process")
+    timeout_s: float = checked(
+        60.0, check=in_range(0, None, lo_open=True), help="seconds a request may wait for the judge's reply"
+    )
+    retries: int = checked(
+        3,
+        check=at_least(0),
+        help="retries of a failed request (no reply, HTTP 5xx/408/429, malformed reply) before the step fails",
+    )
+    backoff_s: float = checked(1.0, check=at_least(0), help="seconds before the first retry, doubling after each")
+    batch_size: int = checked(16, check=at_least(1), help="responses per request")
+    api_key_env: str | None = checked(
+        None,
+        check=described("null or a variable name", _env_name),
+        help="name of the environment variable holding the judge's API key (sent as 'Authorization: Bearer'); "
+        "never the key itself",
+    )
+
+
 @dataclasses.dataclass
 class RewardConfig:
     """How responses are scored: the default verifier and where user verifiers are found (docs/rewards.md)."""
@@ -516,7 +557,8 @@ class RewardConfig:
     timeout_s: float = checked(
         60.0,
         check=in_range(0, None, lo_open=True),
-        help="seconds a user (module:function) verifier may take on one response; it runs in a killable worker "
+        help="seconds a user (module:function) verifier may take on one response (a group or batch verifier: on one "
+        "call); it runs in a killable worker "
         "process, and a call that runs longer is stopped and scores 0 (reward/timeouts)",
     )
     max_consecutive_timeouts: int = checked(
@@ -529,6 +571,7 @@ class RewardConfig:
         check=at_least(0),
         help="address-space cap of each reward worker process (math and user verifiers); 0: none",
     )
+    remote: RemoteJudgeConfig = dataclasses.field(default_factory=RemoteJudgeConfig)
 
 
 @dataclasses.dataclass

@@ -65,13 +65,32 @@ def ground_truth_column(row: dict[str, Any], answer_key: str) -> str | None:
 
 @dataclasses.dataclass(frozen=True)
 class PromptRow:
-    """One dataset row: its index in the file, prompt, ground truth, verifier and other columns."""
+    """One dataset row: its index in the file, prompt, ground truth, verifier and other columns.
+
+    ``columns``: the whole row as the file holds it (every column, nested fields as they are).
+    """
 
     index: int
     prompt: Any
     answer: Any
     verifier: str | None = None
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    columns: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def reward_fields(self, trajectory: Any = None) -> dict[str, Any]:
+        """The fields a verifier may name besides response and ground truth (docs/rewards.md).
+
+        ``prompt``; ``data_source`` and ``extra_info``, the columns of these names (verl's) or None;
+        ``row``, the whole row; ``trajectory``, a multi-turn response's turns (None: single-turn).
+        """
+        row = self.columns or {"prompt": self.prompt, "answer": self.answer, **self.extra}  # a row built in code
+        return {
+            "prompt": self.prompt,
+            "data_source": row.get("data_source"),
+            "extra_info": row.get("extra_info"),
+            "row": row,
+            "trajectory": trajectory,
+        }
 
 
 def read_rows(path: str) -> list[dict[str, Any]]:
@@ -157,7 +176,7 @@ class PromptDataset:
                 )
             verifier = field_of(row, type_key) if has_field(row, type_key) else None
             extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
-            self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra))
+            self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra, row))
 
     def keep(self, predicate: Callable[[PromptRow], bool]) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number).

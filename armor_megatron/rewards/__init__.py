@@ -10,7 +10,11 @@ timeout), ``multiple_choice`` (option letters A–J), ``format`` (exactly one ``
 (refuse harmful requests, answer benign ones), ``knowledge`` (normalised exact match with
 aliases). A mixed dataset routes each row to the verifier its ``type`` column names. Build
 variants with ``make_math_verifier``, ``make_choice_verifier``, ``make_format_verifier``,
-combine with ``weighted_verifier``, add your own with ``register_verifier``.
+combine with ``weighted_verifier``, add your own with ``register_verifier``. A verifier may name
+the row fields it wants (``prompt``, ``data_source``, ``extra_info``, ``row``, ``trajectory``;
+verl's ``compute_score`` works unchanged) and score a group or batch at once (``responses``):
+:mod:`armor_megatron.rewards.fields`. ``reward.remote`` adds the verifier ``remote``, a judge over
+HTTP (:mod:`armor_megatron.rewards.remote`).
 """
 
 from armor_megatron.rewards.batch import compute_score, score_batch
@@ -21,6 +25,7 @@ from armor_megatron.rewards.isolated import configure_pool, shutdown_workers
 from armor_megatron.rewards.knowledge import verify_knowledge
 from armor_megatron.rewards.math_answer import make_math_verifier
 from armor_megatron.rewards.metrics import (
+    CORRECT_THRESHOLD,
     accuracy_by_domain,
     avg_at_k,
     flatten_metrics,
@@ -41,6 +46,7 @@ from armor_megatron.rewards.safety import verify_safety
 from armor_megatron.rewards.spec import VerifierSpecError
 
 __all__ = [
+    "CORRECT_THRESHOLD",
     "RewardResult",
     "Verifier",
     "VerifierSpecError",

@@ -41,8 +41,8 @@ def _handle(kind: str, payload: Any) -> Any:
         importlib.import_module(module)
         return None
     if kind == "call":
-        target, args = payload
-        return import_callable(target)(*args)
+        target, args, kwargs = payload
+        return import_callable(target)(*args, **kwargs)
     raise ValueError(f"unknown request kind {kind!r}")
 
 

@@ -1,7 +1,7 @@
 """Weighted combination of verifiers.
 
 score = Σ_i w_i · score_i over the named verifiers, each called with the same
-(response, ground_truth). breakdown holds every part's score under its name and each of its
+(response, ground_truth) and given the row fields it names. breakdown holds every part's score under its name and each of its
 criteria as ``"<name>/<criterion>"``; ``extracted`` is the first part's that has one.
 """
 
@@ -29,12 +29,26 @@ def weighted_verifier(weights: Mapping[str, float]) -> Verifier:
             raise ValueError(f"weight of verifier {spec!r} must be a finite number, got {weight!r}")
         parts.append((spec, float(weight), load_verifier(spec)))
 
-    def verify_weighted(response: str, ground_truth: Any) -> RewardResult:
+    scoped = [spec for spec, _, verifier in parts if verifier.plan.scope != "response"]
+    if scoped:
+        raise ValueError(f"weighted verifier parts score one response each; {scoped[0]!r} scores several at once")
+
+    def verify_weighted(
+        response: str,
+        ground_truth: Any,
+        prompt: Any = None,
+        data_source: Any = None,
+        extra_info: Any = None,
+        row: Any = None,
+        trajectory: Any = None,
+    ) -> RewardResult:
+        fields = {"prompt": prompt, "data_source": data_source, "extra_info": extra_info, "row": row}
+        fields["trajectory"] = trajectory
         score = 0.0
         breakdown: dict[str, float] = {}
         extracted = None
         for spec, weight, verifier in parts:
-            result = verifier(response, ground_truth)
+            result = verifier(response, ground_truth, fields)
             score += weight * result.score
             breakdown[spec] = result.score
             breakdown.update({f"{spec}/{k}": v for k, v in result.breakdown.items()})

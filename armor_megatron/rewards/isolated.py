@@ -9,7 +9,7 @@ multiprocessing workers, and they outlive nothing: each exits when its stdin clo
 
 Protocol, over the worker's stdin/stdout pipes: 8-byte big-endian length + pickle of
 ``(kind, payload)``; kinds ``import`` (load a module before the clock starts) and ``call``
-(``("module:function", args)``), the module's import after the directories of ``reward.python_path``
+(``("module:function", args, kwargs)``), the module's import after the directories of ``reward.python_path``
 are added to the worker's ``sys.path``; replies ``("ok", value)`` or ``("error", "Type: message")``.
 
 Workers are pooled (at most ``max_workers``, started on demand, reused) and thread-safe:
@@ -43,6 +43,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,10 @@ class CallsInterrupted(RuntimeError):
 
 class IsolatedCallError(RuntimeError):
     """The function raised inside the worker (message ``Type: text``), or the worker died."""
+
+
+class UnpicklableArguments(TypeError):
+    """The call's arguments do not pickle, so they cannot reach a worker (nothing was sent)."""
 
 
 class WorkerDied(IsolatedCallError):
@@ -139,10 +144,10 @@ class _Worker:
             self.kill()
             raise
 
-    def call(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        """``target(*args)`` in this worker (``target``'s module imported first)."""
+    def call(self, target: str, args: tuple[Any, ...], timeout_s: float, kwargs: Mapping[str, Any]) -> Any:
+        """``target(*args, **kwargs)`` in this worker (``target``'s module imported first)."""
         self.preload(target.split(":", 1)[0])
-        return self._request(("call", (target, args)), timeout_s)
+        return self._request(("call", (target, args, dict(kwargs))), timeout_s)
 
     def preload(self, module: str) -> None:
         """Import ``module`` in the worker (once), under the start-up timeout."""
@@ -152,7 +157,10 @@ class _Worker:
 
     def _request(self, message: tuple[Any, ...], timeout_s: float) -> Any:
         deadline = time.monotonic() + timeout_s
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except (pickle.PicklingError, TypeError, AttributeError) as exc:
+            raise UnpicklableArguments(f"{type(exc).__name__}: {exc}") from None
         try:
             self.stdin.write(_HEADER.pack(len(data)) + data)
             self.stdin.flush()
@@ -228,17 +236,17 @@ class WorkerPool:
         self._replacing: set[threading.Thread] = set()  # replacements of killed workers, still starting
         self._cond = threading.Condition()
 
-    def run(self, target: str, args: tuple[Any, ...], timeout_s: float) -> Any:
-        """Run ``target(*args)`` in a worker process under a timeout.
+    def run(self, target: str, args: tuple[Any, ...], timeout_s: float, kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Run ``target(*args, **kwargs)`` in a worker process under a timeout.
 
-        ``target(*args)`` in a worker; IsolatedTimeout after ``timeout_s`` seconds of work
-        (worker start-up and module import are not counted).
+        IsolatedTimeout after ``timeout_s`` seconds of work (worker start-up and module import are
+        not counted).
         """
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         worker = self._acquire()
         try:
-            result = worker.call(target, args, timeout_s)
+            result = worker.call(target, args, timeout_s, kwargs or {})
         except CallsInterrupted:  # stopping: kill it, start none in its place
             worker.kill()
             with self._cond:
@@ -390,12 +398,12 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 atexit.register(lambda: _POOL.shutdown())
 
 
-def run_isolated(target: str, *args: Any, timeout_s: float) -> Any:
-    """Call ``target`` (``"package.module:function"``) with picklable ``args`` in the shared worker pool.
+def run_isolated(target: str, *args: Any, timeout_s: float, kwargs: Mapping[str, Any] | None = None) -> Any:
+    """Call ``target`` (``"package.module:function"``) with picklable ``args`` and ``kwargs`` in the shared worker pool.
 
     Raise IsolatedTimeout if it runs longer than ``timeout_s`` seconds.
     """
-    return _POOL.run(target, args, timeout_s)
+    return _POOL.run(target, args, timeout_s, kwargs)
 
 
 def configure_pool(max_workers: int | None = None, memory_limit_mb: int | None = None) -> None:

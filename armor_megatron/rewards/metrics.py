@@ -1,4 +1,10 @@
-"""Evaluation metrics over k sampled responses per prompt: avg@k and unbiased pass@k."""
+"""Evaluation metrics over k sampled responses per prompt: avg@k and unbiased pass@k.
+
+Two measures, never mixed: the **mean score** (avg@k, ``rollout/score``: partial credit counts
+as it is) and **accuracy**, the share of responses *correct*, i.e. scoring at least
+:data:`CORRECT_THRESHOLD` (pass@k, ``rollout/accuracy``, ``armor-eval``'s domain accuracy). With a
+0/1 verifier they are equal; with partial credit (a format bonus, a weighted verifier) they differ.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,9 @@ import numbers
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from typing import Any
+
+CORRECT_THRESHOLD = 1.0
+"""A response counts as correct when its score is at least this (the built-in verifiers score 0 or 1)."""
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,13 +59,13 @@ def avg_at_k(scores: Iterable[Any]) -> float:
 
 
 def group_metrics(
-    groups: Sequence[Sequence[float]], ks: Sequence[int] = (1,), threshold: float = 1.0
+    groups: Sequence[Sequence[float]], ks: Sequence[int] = (1,), threshold: float = CORRECT_THRESHOLD
 ) -> dict[str, float]:
     """Metrics for one dataset from per-prompt score lists (same length n for every prompt).
 
-    Returns ``{"num_prompts", "avg@n", "pass@k" for each k}``; a sample counts as correct
-    when its score >= ``threshold`` (use a 0/1 correctness verifier, e.g. ``math``).
-    pass@k is the mean over prompts of :func:`pass_at_k`.
+    Returns ``{"num_prompts", "avg@n", "pass@k" for each k}``: avg@n is the mean score (partial
+    credit as it is); a sample counts as correct when its score >= ``threshold``, and pass@k is the
+    mean over prompts of :func:`pass_at_k` (pass@1: the share of samples correct, the accuracy).
     """
     if not groups:
         raise ValueError("group_metrics got no prompts")
@@ -77,7 +86,7 @@ def group_metrics(
 
 
 def metrics_by_dataset(
-    records: Iterable[tuple[str, Hashable, float]], ks: Sequence[int] = (1,), threshold: float = 1.0
+    records: Iterable[tuple[str, Hashable, float]], ks: Sequence[int] = (1,), threshold: float = CORRECT_THRESHOLD
 ) -> dict[str, dict[str, float]]:
     """Per-dataset metrics from ``(dataset, prompt_id, score)`` records.
 
@@ -100,7 +109,9 @@ def metrics_by_dataset(
     return out
 
 
-def accuracy_by_domain(records: Iterable[tuple[str, float]], threshold: float = 1.0) -> dict[str, dict[str, float]]:
+def accuracy_by_domain(
+    records: Iterable[tuple[str, float]], threshold: float = CORRECT_THRESHOLD
+) -> dict[str, dict[str, float]]:
     """Per-domain accuracy of scored samples.
 
     ``(domain, score)`` records (the domain is the row's verifier, e.g. ``math``, ``safety``,

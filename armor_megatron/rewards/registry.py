@@ -1,24 +1,25 @@
 """Name -> verifier registry, ``module:function`` loading, and result coercion.
 
-A verifier is any callable ``(response: str, ground_truth) -> RewardResult``. Registered and
-user verifiers may also return a bool/number (the score) or a dict with a ``"score"`` key
-(other numeric entries become the breakdown, an ``"extracted"`` string is kept); the
-callable handed out by :func:`get_verifier` / :func:`load_verifier` always returns a
-:class:`RewardResult`.
+A verifier is any callable ``(response: str, ground_truth) -> RewardResult``, or one naming the
+row fields it wants, or scoring a group or batch of responses at once
+(:mod:`armor_megatron.rewards.fields`). Registered and user verifiers may also return a
+bool/number (the score) or a dict with a ``"score"`` key (other numeric entries become the
+breakdown, an ``"extracted"`` string is kept); the :class:`LoadedVerifier` handed out by
+:func:`get_verifier` / :func:`load_verifier` always returns :class:`RewardResult` objects.
 """
 
 from __future__ import annotations
 
 import difflib
 import functools
-import inspect
 import numbers
 import threading
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, Protocol, TypeVar
 
 from armor_megatron.errors import DatasetError, UserInputError
-from armor_megatron.rewards.result import RewardResult, Verifier
+from armor_megatron.rewards.fields import CallPlan, call_plan
+from armor_megatron.rewards.result import RewardResult
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 from armor_megatron.rewards.user_calls import (
     VerifierFailed,
@@ -28,14 +29,17 @@ from armor_megatron.rewards.user_calls import (
     user_verifier_timeout,
 )
 
-_REGISTRY: dict[str, Verifier] = {}
+_REGISTRY: dict[str, LoadedVerifier] = {}
 _GROUND_TRUTH_CHECKS: dict[str, Callable[[Any], Any]] = {}
 
 
 def register_verifier(
     name: str, *, replace: bool = False, check_ground_truth: Callable[[Any], Any] | None = None
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator registering ``fn(response, ground_truth)`` under ``name``; returns ``fn`` unchanged.
+    """Decorator registering verifier ``fn`` under ``name``; returns ``fn`` unchanged.
+
+    ``fn`` takes ``(response, ground_truth)`` or names the fields it wants
+    (:mod:`armor_megatron.rewards.fields`); it runs in this process, on the scoring threads.
 
     Registering a taken name raises unless ``replace=True`` (e.g. to swap in a ``math``
     verifier built with another timeout). ``check_ground_truth(ground_truth)``, if given,
@@ -49,8 +53,7 @@ def register_verifier(
     def decorator(fn: Callable[..., Any]) -> Callable[..., Any]:
         if name in _REGISTRY and not replace:
             raise VerifierSpecError(f"verifier {name!r} is already registered (pass replace=True to replace it)")
-        _check_signature(fn, name)
-        _REGISTRY[name] = _coercing(fn, name)
+        _REGISTRY[name] = LoadedVerifier(name, fn, call_plan(fn, name))
         _GROUND_TRUTH_CHECKS.pop(name, None)
         if check_ground_truth is not None:
             _GROUND_TRUTH_CHECKS[name] = check_ground_truth
@@ -137,18 +140,23 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
 NO_ANSWER = "I cannot solve this."  # a response stating no answer: a verifier scores it too (0, not None)
 
 
-def probe_verifier(spec: str, ground_truth: Any, response: str | None = None) -> None:
+def probe_verifier(
+    spec: str, ground_truth: Any, response: str | None = None, fields: Mapping[str, Any] | None = None
+) -> None:
     r"""Check a user verifier on one response to a row whose ground truth is ``ground_truth``.
 
-    Call a user verifier (``module:function``, or a name registered outside this package) once,
-    on ``response`` (default: one stating ``ground_truth`` in ``\boxed{}``; :data:`NO_ANSWER` for the
-    responses early in a run, which state none), and raise VerifierSpecError in one line if it
-    raises, outlasts ``reward.timeout_s``, or returns what :func:`as_reward_result` refuses (a
-    string, None, a dict without ``score``, a non-finite score). Built-in verifiers are not
-    called: they always return a RewardResult, and the math one starts worker processes.
+    Call a user verifier (``module:function``, a name registered outside this package, or the
+    remote judge) once, on ``response`` (default: one stating ``ground_truth`` in ``\boxed{}``;
+    :data:`NO_ANSWER` for the responses early in a run, which state none) with the row's
+    ``fields`` (:data:`~armor_megatron.rewards.fields.ROW_FIELDS`; a group or batch verifier gets
+    a group of this one response), and raise VerifierSpecError in one line if it raises, outlasts
+    ``reward.timeout_s``, or returns what :func:`as_reward_result` refuses (a string, None, a dict
+    without ``score``, a non-finite score, a list of another length than its responses). Built-in
+    verifiers are not called: they always return a RewardResult, and the math one starts worker
+    processes.
     """
     verifier = load_verifier(spec)
-    if verifier.__module__.startswith(f"{__package__}."):
+    if not verifier.probed:
         return
     if response is None:
         response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
@@ -158,33 +166,28 @@ def probe_verifier(spec: str, ground_truth: Any, response: str | None = None) ->
     else:
         on = f"on the response {response!r:.60} (ground truth {ground_truth!r:.40})"
     try:
-        if ":" in spec:  # in a worker, under reward.timeout_s
-            value = probe_user_verifier(spec, response, ground_truth, on)
-        else:  # registered by the user's own code: in this process, on a thread we stop waiting for
-            value = _in_thread(cast(Any, verifier).__wrapped__, spec, response, ground_truth)
+        verifier.score([response], [ground_truth], [fields or {}], probe=on)
     except VerifierTimeouts as err:
         raise VerifierSpecError(str(err)) from None
     except VerifierFailed as err:
         raise VerifierSpecError(f"verifier {spec!r} raised {err.kind} {on}: {err.detail}") from None
+    except VerifierResultError as err:
+        line = str(err).splitlines()[0]
+        raise VerifierSpecError(f"{line}, {on}") from None
+    except UserInputError as err:
+        raise VerifierSpecError(f"{str(err).splitlines()[0]}, {on}") from None
     except Exception as err:
         detail = str(err).splitlines()[0] if str(err) else ""
         raise VerifierSpecError(f"verifier {spec!r} raised {type(err).__name__} {on}: {detail}") from None
-    try:
-        as_reward_result(value, spec)
-    except (TypeError, ValueError) as err:
-        line = str(err).splitlines()[0]
-        if not line.startswith(f"verifier {spec!r}"):
-            line = f"verifier {spec!r} returned {value!r:.60}: {line}"
-        raise VerifierSpecError(f"{line}, {on}") from None
 
 
-def _in_thread(fn: Callable[..., Any], name: str, *args: Any) -> Any:
-    """``fn(*args)`` on a daemon thread, waiting at most ``reward.timeout_s`` (VerifierTimeouts after)."""
+def _in_thread(fn: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], on: str) -> Any:
+    """``fn(*args, **kwargs)`` on a daemon thread, waiting at most ``reward.timeout_s`` (VerifierTimeouts after)."""
     outcome: list[Any] = []
 
     def run() -> None:
         try:
-            outcome.append((True, fn(*args)))
+            outcome.append((True, fn(*args, **kwargs)))
         except Exception as err:  # noqa: BLE001 - re-raised in the caller's thread
             outcome.append((False, err))
 
@@ -193,13 +196,72 @@ def _in_thread(fn: Callable[..., Any], name: str, *args: Any) -> Any:
     thread.join(user_verifier_timeout())
     if not outcome:
         raise VerifierTimeouts(
-            f"verifier {name!r} did not return within reward.timeout_s={user_verifier_timeout():g}s "
-            f"on a response stating the ground truth {args[-1]!r:.60}"
+            f"verifier {name!r} did not return within reward.timeout_s={user_verifier_timeout():g}s {on}"
         )
     ok, value = outcome[0]
     if not ok:
         raise value
     return value
+
+
+class LoadedVerifier:
+    """A verifier ready to score: its name, how it is called (:class:`~armor_megatron.rewards.fields.CallPlan`), and where.
+
+    ``verifier(response, ground_truth, fields)`` scores one response; :meth:`score` makes one call
+    on one response, one prompt's group or a batch, as the verifier's scope asks. A user verifier
+    (``module:function``) runs in a reward worker process under ``reward.timeout_s``; a registered
+    one in this process.
+    """
+
+    def __init__(self, name: str, fn: Callable[..., Any], plan: CallPlan, user: bool = False) -> None:
+        self.name, self.fn, self.plan, self.user = name, fn, plan, user
+        module = getattr(fn, "__module__", None) or ""
+        self.probed = user or not module.startswith(f"{__package__}.") or bool(getattr(fn, "probe_at_start", False))
+
+    def __call__(self, response: str, ground_truth: Any, fields: Mapping[str, Any] | None = None) -> RewardResult:
+        """The verdict on one response (a group or batch verifier scores it as a group of one)."""
+        return self.score([response], [ground_truth], [fields or {}])[0]
+
+    def score(
+        self,
+        responses: Sequence[str],
+        ground_truths: Sequence[Any],
+        fields: Sequence[Mapping[str, Any]],
+        probe: str | None = None,
+    ) -> list[RewardResult]:
+        """One call: on one response, on one prompt's responses (a group verifier), or on a batch.
+
+        ``fields[i]``: response ``i``'s row fields. With ``probe`` (which response it is, for
+        messages), a timeout raises instead of scoring 0. A group or batch verifier must return
+        one score per response, in order; anything else raises VerifierResultError naming it.
+        """
+        n = len(responses)
+        if self.plan.scope == "response" and n != 1:
+            raise ValueError(f"verifier {self.name!r} scores one response per call, got {n}")
+        args, kwargs = self.plan.arguments(self.plan.values(responses, ground_truths, fields))
+        if self.user and probe is not None:
+            value = probe_user_verifier(self.name, args, kwargs, probe)
+        elif self.user:
+            value = call_user_verifier(self.name, args, kwargs)
+        elif probe is not None:
+            value = _in_thread(self.fn, self.name, args, kwargs, probe)
+        else:
+            value = self.fn(*args, **kwargs)
+        if self.plan.scope == "response":
+            return [as_reward_result(value, self.name)]
+        if isinstance(value, RewardResult):  # the call timed out or its worker died: every response scores 0
+            return [value] * n
+        if isinstance(value, (str, bytes, Mapping)) or not hasattr(value, "__len__") or len(value) != n:
+            got = (
+                f"{len(value)} scores"
+                if hasattr(value, "__len__") and not isinstance(value, (str, bytes, Mapping))
+                else f"{type(value).__name__} {value!r:.40}"
+            )
+            raise VerifierResultError(
+                f"verifier {self.name!r} returned {got} for {n} responses; a {self.plan.scope} verifier returns "
+                "one score per response, in order"
+            )
+        return [as_reward_result(v, self.name) for v in value]
 
 
 def unregister_verifier(name: str) -> None:
@@ -218,12 +280,14 @@ def registered_verifiers() -> list[str]:
     return sorted(_REGISTRY)
 
 
-def get_verifier(name: str) -> Verifier:
+def get_verifier(name: str) -> LoadedVerifier:
     """The registered verifier called ``name`` (e.g. ``"math"``, ``"multiple_choice"``, ``"format"``)."""
     try:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         pass
+    if name == "remote":
+        raise VerifierSpecError("verifier 'remote' is the judge at reward.remote.url, which is not set")
     close = difflib.get_close_matches(str(name), _REGISTRY, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     raise VerifierSpecError(
@@ -232,12 +296,12 @@ def get_verifier(name: str) -> Verifier:
     )
 
 
-def load_verifier(spec: str) -> Verifier:
+def load_verifier(spec: str) -> LoadedVerifier:
     """A registered name (``"math"``) or a user verifier ``"package.module:function"``.
 
     Raises VerifierSpecError with one line naming the spec and the problem: unknown name,
-    module not importable, no such function, not callable, or a signature that cannot take
-    ``(response, ground_truth)``.
+    module not importable, no such function, not callable, or a parameter it names that no
+    field supplies (:func:`~armor_megatron.rewards.fields.call_plan`).
     """
     if isinstance(spec, str) and ":" in spec:
         return _load_user_verifier(spec)
@@ -245,36 +309,9 @@ def load_verifier(spec: str) -> Verifier:
 
 
 @functools.cache
-def _load_user_verifier(spec: str) -> Verifier:
+def _load_user_verifier(spec: str) -> LoadedVerifier:
     fn = import_callable(spec)
-    _check_signature(fn, spec)
-
-    @functools.wraps(fn)
-    def verifier(response: str, ground_truth: Any) -> RewardResult:  # in a worker process, under reward.timeout_s
-        return as_reward_result(call_user_verifier(spec, response, ground_truth), spec)
-
-    return verifier
-
-
-def _check_signature(fn: Callable[..., Any], name: str) -> None:
-    try:
-        signature = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # some builtins have no introspectable signature; trust them
-    try:
-        signature.bind("response", "ground_truth")
-    except TypeError:
-        raise VerifierSpecError(
-            f"verifier {name!r} must accept (response, ground_truth) but its signature is {signature}"
-        ) from None
-
-
-def _coercing(fn: Callable[..., Any], name: str) -> Verifier:
-    @functools.wraps(fn)
-    def verifier(response: str, ground_truth: Any) -> RewardResult:
-        return as_reward_result(fn(response, ground_truth), name)
-
-    return verifier
+    return LoadedVerifier(spec, fn, call_plan(fn, spec), user=True)
 
 
 class VerifierResultError(UserInputError, TypeError):

@@ -18,17 +18,24 @@ an HTTP judge without a timeout), loop, or eat memory. So every call runs in a w
   stops the calls in flight at once.
 
 The verifier's arguments and result cross a pipe (pickle): the response string, the row's ground
-truth as the dataset holds it, and what the verifier returns.
+truth and the other row fields it names, as the dataset holds them, and what the verifier returns.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from armor_megatron.errors import UserInputError
-from armor_megatron.rewards.isolated import IsolatedCallError, IsolatedTimeout, WorkerDied, run_isolated
+from armor_megatron.rewards.isolated import (
+    IsolatedCallError,
+    IsolatedTimeout,
+    UnpicklableArguments,
+    WorkerDied,
+    run_isolated,
+)
 from armor_megatron.rewards.result import RewardResult
 
 logger = logging.getLogger(__name__)
@@ -39,6 +46,10 @@ DEFAULT_MAX_CONSECUTIVE_TIMEOUTS = 8
 
 class VerifierTimeouts(UserInputError):
     """A user verifier timed out (or killed its worker) on too many responses in a row."""
+
+
+class UnpicklableRowFields(UserInputError):
+    """What a user verifier is given (its response, ground truth, row fields) does not pickle."""
 
 
 class VerifierFailed(UserInputError):
@@ -75,9 +86,11 @@ def user_verifier_timeout() -> float:
     return _Settings.timeout_s
 
 
-def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
-    """``spec(response, ground_truth)`` in a worker process: what it returned, or a 0 score.
+def call_user_verifier(spec: str, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> Any:
+    """``spec(*args, **kwargs)`` in a worker process: what it returned, or a 0 score.
 
+    The arguments are the response, ground truth and row fields the verifier names
+    (:mod:`armor_megatron.rewards.fields`); they must pickle, as rows read from JSON or Parquet do.
     Returns what the verifier returned (the caller coerces it), or ``RewardResult(0)`` with
     ``timed_out``/``worker_died`` = 1 when the call timed out or its worker died; raises
     :class:`VerifierTimeouts` when that was the ``max_consecutive_timeouts``-th in a row,
@@ -86,11 +99,16 @@ def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
     """
     timeout_s = _Settings.timeout_s
     try:
-        value = run_isolated(spec, response, ground_truth, timeout_s=timeout_s)
+        value = run_isolated(spec, *args, timeout_s=timeout_s, kwargs=kwargs)
     except IsolatedTimeout:
         return _failed(spec, "timed_out", f"did not return within reward.timeout_s={timeout_s:g}s")
     except WorkerDied as err:
         return _failed(spec, "worker_died", f"killed its worker process ({err})")
+    except UnpicklableArguments as err:
+        raise UnpicklableRowFields(
+            f"verifier {spec!r}: its arguments do not pickle ({err}), so they cannot reach its worker process; "
+            "row fields must be plain data, as JSON or Parquet hold them"
+        ) from None
     except IsolatedCallError as err:  # "Type: message" from the worker
         kind, _, detail = (str(err).splitlines() or ["Exception"])[0].partition(": ")
         raise VerifierFailed(spec, kind, detail) from None
@@ -99,15 +117,14 @@ def call_user_verifier(spec: str, response: str, ground_truth: Any) -> Any:
     return value
 
 
-def probe_user_verifier(spec: str, response: str, ground_truth: Any, on: str = "") -> Any:
+def probe_user_verifier(spec: str, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None, on: str) -> Any:
     """:func:`call_user_verifier` for a start-up check: a timeout or a dead worker raises, in one line.
 
-    ``on`` says which response it was (default: one stating ``ground_truth``).
+    ``on`` says which response it was (e.g. ``on a response stating the ground truth '34'``).
     """
-    value = call_user_verifier(spec, response, ground_truth)
+    value = call_user_verifier(spec, args, kwargs)
     if isinstance(value, RewardResult) and (value.breakdown.get("timed_out") or value.breakdown.get("worker_died")):
         what = "did not return within" if value.breakdown.get("timed_out") else "killed its worker within"
-        on = on or f"on a response stating the ground truth {ground_truth!r:.60}"
         raise VerifierTimeouts(f"verifier {spec!r} {what} reward.timeout_s={_Settings.timeout_s:g}s {on}")
     return value
 

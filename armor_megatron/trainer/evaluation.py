@@ -61,7 +61,7 @@ def evaluate(
                 verifiers.append(row.verifier or verifier)
                 meta.append((row, sample))
         labels = [f"{es.dataset.path}: row {row.index}" for row, _ in meta]
-        scores = _score_by_verifier(texts, answers, verifiers, reward_workers, labels)
+        scores = _score_by_verifier(texts, answers, verifiers, reward_workers, labels, [row for row, _ in meta])
         ks = [k for k in pass_k if k <= es.k]
         metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
         mine = [
@@ -82,8 +82,12 @@ def evaluate(
     return EvalResult(metrics, records)
 
 
-def _score_by_verifier(texts, answers, verifiers, workers, labels) -> list[float]:
-    """Scores in input order, batching the responses of each verifier together; ``labels`` name the rows in errors."""
+def _score_by_verifier(texts, answers, verifiers, workers, labels, rows) -> list[float]:
+    """Scores in input order, batching the responses of each verifier together.
+
+    ``labels`` name the rows in errors; ``rows[i]``, response ``i``'s PromptRow, gives its fields
+    and its group (a group verifier scores a prompt's k responses together).
+    """
     scores = [0.0] * len(texts)
     for name in dict.fromkeys(verifiers):
         idx = [i for i, v in enumerate(verifiers) if v == name]
@@ -93,6 +97,8 @@ def _score_by_verifier(texts, answers, verifiers, workers, labels) -> list[float
             verifier=name,
             max_workers=workers,
             labels=[labels[i] for i in idx],
+            fields=[rows[i].reward_fields() for i in idx],
+            groups=[rows[i].index for i in idx],
         )
         for i, result in zip(idx, results):
             scores[i] = result.score

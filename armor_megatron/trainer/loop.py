@@ -98,7 +98,12 @@ from armor_megatron.trainer.overlap import (
 )
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
+from armor_megatron.trainer.rollout_phase import (
+    anchor_truths,
+    collect_groups,
+    replace_stale_anchors,
+    stale_anchor_rows,
+)
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
 from armor_megatron.trainer.step_report import StepReport, StepTimer
 
@@ -442,7 +447,7 @@ class ArmorTrainer:
         state = loader.state_dict()
         rows = loader.next_batch()
         loader.load_state_dict(state)
-        truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
+        truths = anchor_truths(rows, self.cfg.reward.verifier)  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
     # ------------------------------------------------------------------ overlap (driver)

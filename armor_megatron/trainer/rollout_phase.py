@@ -8,7 +8,9 @@ For a batch of P prompts:
    filled by one more on-policy sample);
 3. rewards: on-policy samples are scored by their row's verifier; an anchor keeps the reward it
    was verified with when sampled (never scored twice; one below ``anchor_success_reward`` is
-   dropped and counted in ``anchor/dropped``). accuracy = that score; the training reward adds
+   dropped and counted in ``anchor/dropped``), except under a group verifier, which scores the
+   whole group, anchor included, in one call. accuracy = that score (the metrics log its mean as
+   ``rollout/score`` and the share reaching ``CORRECT_THRESHOLD`` as ``rollout/accuracy``); the training reward adds
    DAPO's overlong shaping to every row, anchors included: an anchor near the length limit is
    penalised like any response of that length (the shaping is part of the reward function
    the whole group is compared under);
@@ -41,7 +43,8 @@ from armor_megatron.algo import (
 )
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
-from armor_megatron.rewards import score_batch
+from armor_megatron.rewards import load_verifier, score_batch
+from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 
 
@@ -79,10 +82,11 @@ def collect_groups(
     """
     G = settings.group_size
     prompt_ids = [encode(r.prompt) for r in rows]
-    answers = [r.answer for r in rows]
     verifiers = [r.verifier or settings.verifier for r in rows]
     anchor_results = (
-        anchors.get(prompt_ids, list(zip(verifiers, answers)), keys=[r.index for r in rows], timeout=settings.timeout)
+        anchors.get(
+            prompt_ids, anchor_truths(rows, settings.verifier), keys=[r.index for r in rows], timeout=settings.timeout
+        )
         if anchors
         else None
     )
@@ -94,11 +98,17 @@ def collect_groups(
     found += [False] * (len(rows) - len(found))
     policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
 
-    policy_scores, timeouts = _score(
-        [[s.text for s in group] for group in policy], rows, verifiers, settings.reward_workers
-    )
     anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    texts = [[s.text for s in group] for group in policy]
+    in_group = [_scores_groups(v) and a is not None for v, a in zip(verifiers, anchor_samples)]
+    for p, anchor in enumerate(anchor_samples):  # a group verifier sees the whole group, anchor last
+        if in_group[p] and anchor is not None:
+            texts[p].append(anchor.text)
+    policy_scores, timeouts = _score(texts, rows, verifiers, settings.reward_workers)
+    for p, scores in enumerate(policy_scores):
+        if in_group[p]:  # the anchor's score in its group replaces the one it was accepted with
+            anchor_scores[p] = scores.pop()
     groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
@@ -116,7 +126,8 @@ def collect_groups(
     batch["prompt_index"] = [r.index for r in prompt_of_row]
 
     metrics = {
-        "rollout/accuracy": accuracy.mean().item(),
+        "rollout/score": accuracy.mean().item(),  # the verifier's mean score, before shaping
+        "rollout/accuracy": (accuracy >= CORRECT_THRESHOLD).float().mean().item(),  # share verified correct
         "rollout/reward": rewards.mean().item(),
         "rollout/response_len": lengths.mean().item(),
         "rollout/response_len_min": lengths.min().item(),
@@ -129,7 +140,9 @@ def collect_groups(
         "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
         "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
     }
-    metrics["rollout/on_policy_accuracy"] = accuracy[~groups.is_anchor].mean().item()  # anchors score 1
+    on_policy = accuracy[~groups.is_anchor]  # anchors reach the success reward by construction
+    metrics["rollout/on_policy_score"] = on_policy.mean().item()
+    metrics["rollout/on_policy_accuracy"] = (on_policy >= CORRECT_THRESHOLD).float().mean().item()
     metrics.update(_accuracy_by_domain(accuracy, groups.is_anchor, verifiers))
     if settings.sample_metrics is not None:
         scored = [
@@ -175,7 +188,8 @@ def replace_stale_anchors(
     sampling, as `collect_groups` asks it); a prompt the new reference finds none for gets one more
     on-policy sample from ``engine`` in that row instead, as a group without anchor does. Rewards
     (overlong shaping) are recomputed from the rows' accuracies and lengths; the caller recomputes
-    the advantages. Every other row is kept as it was, with its engine log-probs and version.
+    the advantages. Every other row is kept as it was, with its engine log-probs and version; under
+    a group verifier the scores of a changed group are all made again, by one call on the group.
     """
     is_anchor = batch["is_anchor"].clone()
     stale = stale_anchor_rows(batch, reference_version)
@@ -187,7 +201,7 @@ def replace_stale_anchors(
     verifiers = [r.verifier or settings.verifier for r in rows]
     fresh = anchors.get(
         [prompts[i] for i in stale],
-        list(zip(verifiers, [r.answer for r in rows])),
+        anchor_truths(rows, settings.verifier),
         keys=[r.index for r in rows],
         timeout=settings.timeout,
     )
@@ -210,6 +224,17 @@ def replace_stale_anchors(
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
             samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
+    G = settings.group_size
+    regroup = [(i - i % G, j) for j, i in enumerate(stale) if _scores_groups(verifiers[j])]
+    if regroup:  # a group verifier's scores depend on the whole group: score each changed group again
+        scores, _ = _score(
+            [[samples[k].text for k in range(first, first + G)] for first, _ in regroup],
+            [rows[j] for _, j in regroup],
+            [verifiers[j] for _, j in regroup],
+            settings.reward_workers,
+        )
+        for (first, _), group_scores in zip(regroup, scores):
+            accuracy[first : first + G] = torch.tensor(group_scores)
     out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
     lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
     rewards = accuracy
@@ -223,6 +248,14 @@ def replace_stale_anchors(
     out["prompt_index"] = list(batch["prompt_index"])
     out.meta.update(batch.meta)
     return out, len(stale)
+
+
+def anchor_truths(rows: Sequence[PromptRow], default_verifier: str) -> list[tuple[str, Any, dict[str, Any]]]:
+    """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
+
+    So an anchor passes exactly the check its group is scored with (`rollout.anchor.build.anchor_reward`).
+    """
+    return [(r.verifier or default_verifier, r.answer, r.reward_fields()) for r in rows]
 
 
 def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
@@ -257,17 +290,20 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
 
 
 def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
-    """``rollout/accuracy/<verifier>``.
+    """``rollout/accuracy/<verifier>`` and ``rollout/score/<verifier>``.
 
-    On-policy accuracy of the groups each verifier scores (mixed-domain datasets route rows by their
-    ``type``); accuracy and is_anchor are [P, G].
+    Share verified correct (score >= ``CORRECT_THRESHOLD``) and mean score of the on-policy responses
+    of the groups each verifier scores (mixed-domain datasets route rows by their ``type``);
+    accuracy (the verifier scores) and is_anchor are [P, G].
     """
     out = {}
     for name in dict.fromkeys(verifiers):
         rows = torch.tensor([v == name for v in verifiers])
         on_policy = ~is_anchor[rows]
         if on_policy.any():
-            out[f"rollout/accuracy/{name}"] = accuracy[rows][on_policy].mean().item()
+            scores = accuracy[rows][on_policy]
+            out[f"rollout/accuracy/{name}"] = (scores >= CORRECT_THRESHOLD).float().mean().item()
+            out[f"rollout/score/{name}"] = scores.mean().item()
     return out
 
 
@@ -286,26 +322,41 @@ def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sampl
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
 
 
-def _score(texts: list[list[str]], rows: Sequence[PromptRow], verifiers, workers) -> tuple[list[list[float]], int]:
+def _scores_groups(verifier: str) -> bool:
+    """Whether ``verifier`` scores one prompt's responses together (a group verifier, docs/rewards.md)."""
+    return load_verifier(verifier).plan.scope == "group"
+
+
+def _score(
+    texts: list[list[str]],
+    rows: Sequence[PromptRow],
+    verifiers,
+    workers,
+    trajectories: Sequence[Sequence[Any]] | None = None,
+) -> tuple[list[list[float]], int]:
     """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
 
-    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]``; an error names the row.
+    ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]`` (a group verifier gets
+    them in one call); ``trajectories[p][j]``: response ``j``'s turns (multi-turn; None: single-turn
+    responses); an error names the row.
     """
-    flat = [(p, t) for p, group in enumerate(texts) for t in group]
+    flat = [(p, j, t) for p, group in enumerate(texts) for j, t in enumerate(group)]
     scores: list[list[float]] = [[] for _ in texts]
     timeouts = 0
     for name in dict.fromkeys(verifiers):
-        todo = [(p, t) for p, t in flat if verifiers[p] == name]
+        todo = [(p, j, t) for p, j, t in flat if verifiers[p] == name]
         if not todo:
             continue
         results = score_batch(
-            [t for _, t in todo],
-            [rows[p].answer for p, _ in todo],
+            [t for _, _, t in todo],
+            [rows[p].answer for p, _, _ in todo],
             verifier=name,
             max_workers=workers,
-            labels=[f"row {rows[p].index}" for p, _ in todo],
+            labels=[f"row {rows[p].index}" for p, _, _ in todo],
+            fields=[rows[p].reward_fields(trajectories[p][j] if trajectories else None) for p, j, _ in todo],
+            groups=[p for p, _, _ in todo],
         )
-        for (p, _), result in zip(todo, results):
+        for (p, _, _), result in zip(todo, results):
             scores[p].append(result.score)
             timeouts += bool(result.breakdown.get("timed_out"))
     return scores, timeouts

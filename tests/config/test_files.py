@@ -173,6 +173,40 @@ def test_a_verl_parquet_passes_with_its_nested_answer_key(run, tmp_path):
     check_files(run(*verl, "data.answer_key=reward_model.ground_truth"))
 
 
+def test_check_calls_a_verl_compute_score_with_the_first_rows_real_fields(run, tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"data_source": source, "prompt": "1+1=", "reward_model": {"ground_truth": "2"}, "extra_info": {"index": i}}
+        for i, source in enumerate(["openai/gsm8k", "openai/gsm8k", "lighteval/MATH"])
+    ]
+    pq.write_table(pa.Table.from_pylist(rows[:2]), tmp_path / "gsm8k.parquet")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mixed.parquet")
+    verl = ["reward.verifier=tests.rewards.row_verifiers:compute_score", "data.answer_key=reward_model.ground_truth"]
+    check_files(run(*verl, f"data.train_path={tmp_path / 'gsm8k.parquet'}", "eval.datasets=[]"))
+    line = _refused(run(*verl, f"data.train_path={tmp_path / 'mixed.parquet'}", "eval.datasets=[]"), "row 2: ")
+    assert "raised NotImplementedError on a response stating the ground truth '2'" in line, line
+    assert "data_source='lighteval/MATH'" in line, line
+
+
+def test_check_calls_the_remote_judge_on_the_first_rows(run):
+    import socket
+
+    from armor_megatron.rewards.remote import configure_remote_judge
+
+    with socket.socket() as closed:  # a port nothing listens on: the judge is down
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}/"
+    try:
+        cfg = run("reward.verifier=remote", f"reward.remote.url={url}", "reward.remote.retries=0")
+        line = _refused(cfg, "data.train_path: ")
+        assert f"row 0: remote judge {url} failed 1 attempt (reward.remote.retries=0): " in line, line
+        assert "on a response stating the ground truth '1'" in line, line
+    finally:
+        configure_remote_judge(None)
+
+
 def _write_verifier_module(tmp_path, name: str, body: str) -> str:
     (tmp_path / f"{name}.py").write_text(f"def judge(response, ground_truth):\n    {body}\n")
     return f"reward.verifier={name}:judge"

@@ -172,3 +172,33 @@ def test_passwords_in_urls_are_masked(text, masked):
     from armor_megatron.config.typed import mask_url_passwords
 
     assert mask_url_passwords(text) == masked
+
+
+def test_reward_remote_registers_the_remote_verifier_and_checks_its_keys(monkeypatch):
+    from armor_megatron.rewards.registry import registered_verifiers
+    from armor_megatron.rewards.remote import configure_remote_judge
+
+    tiny = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+    with pytest.raises(ConfigError, match="reward.verifier: verifier 'remote' is the judge at reward.remote.url"):
+        load_config(tiny, ["reward.verifier=remote"])
+    for key, value, message in [
+        ("url", "judge:8000", "is not an http:// or https:// URL"),
+        ("api_key_env", "sk-abc123", "is not an environment variable's name"),
+        ("concurrency", "0", "must be >= 1"),
+    ]:
+        with pytest.raises(ConfigError, match=f"reward.remote.{key}: .*{message}"):
+            load_config(tiny, [f"reward.remote.{key}={value}"])
+    monkeypatch.delenv("ARMOR_TEST_JUDGE_KEY", raising=False)
+    remote = [
+        "reward.verifier=remote",
+        "reward.remote.url=http://judge:8000/",
+        "reward.remote.api_key_env=ARMOR_TEST_JUDGE_KEY",
+    ]
+    try:
+        with pytest.raises(ConfigError, match="reward.remote.api_key_env: environment variable ARMOR_TEST_JUDGE_KEY"):
+            load_config(tiny, remote)
+        monkeypatch.setenv("ARMOR_TEST_JUDGE_KEY", "k")
+        cfg = load_config(tiny, remote)  # no request is made at load
+        assert cfg.reward.remote.url == "http://judge:8000/" and "remote" in registered_verifiers()
+    finally:
+        configure_remote_judge(None)

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from armor_megatron.data.prompts import PromptDataset, PromptLoader, read_rows
+from armor_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, read_rows
 
 
 def _write_jsonl(path, rows):
@@ -123,3 +123,28 @@ def test_dotted_keys_read_nested_fields_of_a_verl_parquet(tmp_path):
 def test_a_column_named_with_a_dot_wins_over_the_nested_field(tmp_path):
     _write_jsonl(tmp_path / "d.jsonl", [{"prompt": "x", "a.b": "flat", "a": {"b": "nested"}}])
     assert PromptDataset(str(tmp_path / "d.jsonl"), answer_key="a.b")[0].answer == "flat"
+
+
+def test_a_row_keeps_every_column_for_the_verifiers_that_ask(tmp_path):
+    rows = [
+        {"question": "1+1=", "gold": "2", "data_source": "toy", "extra_info": {"index": 0}, "type": "math"},
+        {"question": "2+2=", "gold": "4"},
+    ]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ds = PromptDataset(str(tmp_path / "d.jsonl"), prompt_key="question", answer_key="gold")
+    assert ds[0].reward_fields() == {
+        "prompt": "1+1=",
+        "data_source": "toy",
+        "extra_info": {"index": 0},
+        "row": rows[0],  # the prompt, answer and type columns too, under the file's own names
+        "trajectory": None,
+    }
+    assert ds[1].reward_fields(trajectory=[{"role": "tool"}]) == {
+        "prompt": "2+2=",
+        "data_source": None,
+        "extra_info": None,
+        "row": rows[1],
+        "trajectory": [{"role": "tool"}],
+    }
+    built = PromptRow(7, "p", "a", extra={"data_source": "s"})  # a row made in code, not read from a file
+    assert built.reward_fields()["row"] == {"prompt": "p", "answer": "a", "data_source": "s"}

@@ -27,7 +27,7 @@ def test_verifier_errors_propagate_from_threads():
 @pytest.mark.parametrize(
     "args, error, match",
     [
-        ((["a"], ["1", "2"]), ValueError, "1 responses but 2 ground truths"),
+        ((["a"], ["1", "2"]), ValueError, "got 2 ground truths for 1 responses"),
         (([None], ["1"]), TypeError, "response must be a str, got NoneType"),
     ],
 )

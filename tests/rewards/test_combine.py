@@ -39,3 +39,14 @@ def test_user_verifier_and_negative_weight():
 def test_bad_weights(weights, error, match):
     with pytest.raises(error, match=match):
         weighted_verifier(weights)
+
+
+def test_parts_of_a_weighted_verifier_get_the_row_fields_they_name():
+    combined = weighted_verifier({"tests.rewards.row_verifiers:compute_score": 0.5, "format": 0.5})
+    fields = {"data_source": "openai/gsm8k", "extra_info": {"split": "test"}, "prompt": "q"}
+    assert (
+        combined("#### 7 \\boxed{7}", "7", data_source=fields["data_source"], extra_info=fields["extra_info"]).score
+        == 1.0
+    )
+    with pytest.raises(ValueError, match="scores several at once"):
+        weighted_verifier({"tests.rewards.row_verifiers:ranks": 1.0})

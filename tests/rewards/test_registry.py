@@ -53,7 +53,7 @@ def test_user_verifier_reward_result_and_dotted_attribute():
         ("no_such_pkg.rewards:judge", r"cannot import module 'no_such_pkg.rewards' \(ModuleNotFoundError"),
         (f"{USER}:missing", f"module '{USER}' has no attribute 'missing'"),
         (f"{USER}:NOT_CALLABLE", "'NOT_CALLABLE' is a int, not a callable"),
-        (f"{USER}:takes_one", r"must accept \(response, ground_truth\) but its signature is \(response\)"),
+        (f"{USER}:takes_one", r"must accept \(response, ground_truth\) but its signature is \(text\)"),
         ("mod:", "not of the form 'package.module:function'"),
         (":fn", "not of the form"),
         ("a b:c", "not of the form"),

@@ -17,7 +17,7 @@ def full_result(response, ground_truth):
     return RewardResult(0.5, {"half": 1.0}, "x")
 
 
-def takes_one(response):
+def takes_one(text):
     return 1.0
 
 

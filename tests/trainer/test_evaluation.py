@@ -102,3 +102,36 @@ def test_sample_metrics_hook_adds_its_values_to_each_sets_metrics(tmp_path, engi
         engine, encode, sets, SamplingParams(max_new_tokens=2), verifier="test_always", sample_metrics=hook
     )
     assert result.metrics["toy"]["n"] == 4.0 and result.metrics["toy"]["score_sum"] == 4.0
+
+
+def test_a_verl_parquet_is_scored_by_a_verl_compute_score_unchanged(tmp_path, engine_and_tokenizer):
+    """verl's layout (nested reward_model.ground_truth, data_source, extra_info) reaches verl's signature."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    engine, tok = engine_and_tokenizer
+    encode = lambda p: encode_prompt(tok, p, apply_chat_template=False)  # noqa: E731
+    greedy = SamplingParams(max_new_tokens=4, temperature=0.0)
+    prompts = ["1+1=", "2+2=", "3+3="]
+    outputs = [g[0].text for g in engine.generate([encode(p) for p in prompts], n=1, sampling=greedy)]
+    rows = [
+        {
+            "data_source": "toy",
+            "prompt": p,
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": out if i < 2 else "<never>"},
+            "extra_info": {"split": "test", "index": i, "weight": 0.25 * (i + 1)},
+        }
+        for i, (p, out) in enumerate(zip(prompts, outputs))
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "verl.parquet")
+    dataset = PromptDataset(str(tmp_path / "verl.parquet"), answer_key="reward_model.ground_truth")
+    assert dataset[1].reward_fields()["row"] == rows[1]  # the whole row, as the file holds it
+    result = evaluate(
+        engine,
+        encode,
+        [EvalSet("verl", dataset, k=2)],
+        greedy,
+        verifier="tests.rewards.row_verifiers:weighted_by_source",
+    )
+    assert [r["score"] for r in result.records] == [0.25, 0.25, 0.5, 0.5, 0.0, 0.0]  # weights from extra_info

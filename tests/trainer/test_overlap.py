@@ -34,6 +34,7 @@ from armor_megatron.trainer.rollout_phase import (
     replace_stale_anchors,
     rows_as_samples,
 )
+from tests.registered_verifiers import registered
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -216,6 +217,32 @@ def test_pending_batch_survives_a_checkpoint_file_bit_for_bit(stale_setup, tmp_p
         assert torch.equal(back.batch[key], batch[key]), key
     assert back.batch.objects == batch.objects
     assert load_pending(pending_state(None)) is None
+
+
+JUDGED: list[tuple[str, ...]] = []
+
+
+def _judges_groups(responses, ground_truth):
+    """A group verifier recording each group it scores; 0.25 for every response."""
+    JUDGED.append(tuple(responses))
+    return [0.25] * len(responses)
+
+
+def test_a_group_verifier_scores_a_group_whose_stale_anchor_changed_again_whole(stale_setup):
+    tok, _, engine, _ = stale_setup
+    rows = {10: PromptRow(10, "12+7=", "19"), 11: PromptRow(11, "3+4=", "7")}
+    with registered(test_judges_groups=_judges_groups):
+        settings = dataclasses.replace(_settings(), verifier="test_judges_groups")
+        batch, _ = collect_groups(list(rows.values()), lambda p: encode(tok, p), engine, settings)
+        batch["is_anchor"] = torch.tensor([False, False, True] * 2)
+        batch["weight_version"] = ["step-0", "step-0", "ref-1"] * 2
+        JUDGED.clear()
+        out, n = replace_stale_anchors(
+            batch, "ref-2", rows, lambda p: encode(tok, p), engine, settings, _NewReference(engine), tok.pad_token_id
+        )
+    texts = out["response_text"]
+    assert n == 2 and JUDGED[-2:] == [tuple(texts[:3]), tuple(texts[3:])]  # each changed group, whole, in order
+    assert out["accuracy"].tolist() == [0.25] * 6  # the new anchor's too, scored in its group
 
 
 class _NewReference:

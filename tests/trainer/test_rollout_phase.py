@@ -221,6 +221,27 @@ def test_accuracy_per_domain_covers_the_on_policy_rows_of_each_verifier(setup, v
     assert metrics["rollout/accuracy/test_starts_with"] == pytest.approx(expected)
 
 
+def _half_credit(response, ground_truth):
+    """1 for a response starting with the truth, 0.5 (a format bonus) for any other non-empty one."""
+    return RewardResult(1.0 if response.startswith(ground_truth) else 0.5 * bool(response), {})
+
+
+def test_mean_score_and_accuracy_are_logged_apart_under_partial_credit(setup):
+    """rollout/score* are mean scores; rollout/accuracy* the share scoring >= 1 (correct)."""
+    _, _, sampler, rows = setup
+    with registered(test_half_credit=_half_credit):
+        batch, metrics = _collect(setup, AnchorCache(sampler), verifier="test_half_credit")
+    scores = batch["accuracy"]
+    on_policy = scores[~batch["is_anchor"]]
+    assert set(scores.tolist()) == {0.5, 1.0}  # the anchors are correct, the random policy's responses not
+    assert metrics["rollout/score"] == pytest.approx(scores.mean().item())
+    assert metrics["rollout/accuracy"] == pytest.approx((scores >= 1).float().mean().item())
+    assert metrics["rollout/on_policy_score"] == pytest.approx(on_policy.mean().item()) == 0.5
+    assert metrics["rollout/on_policy_accuracy"] == metrics["rollout/accuracy/test_half_credit"] == 0.0
+    assert metrics["rollout/score/test_half_credit"] == pytest.approx(0.5)
+    assert metrics["rollout/accuracy"] < metrics["rollout/score"]
+
+
 def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup):
     """``logging.sample_metrics`` gets each sample's prompt, response, score and anchor flag; its
     values come back as ``rollout/<name>``."""
@@ -254,3 +275,32 @@ def test_a_nan_score_names_the_verifier_and_the_row(setup):
     with registered(test_nan=lambda response, ground_truth: float("nan")):
         with pytest.raises(ValueError, match=r"^row 0: verifier 'test_nan' returned nan: RewardResult.score must be"):
             _collect(setup, None, verifier="test_nan")
+
+
+GROUP_CALLS: list[tuple[int, tuple[str, ...], str]] = []
+
+
+def _first_solver(responses, ground_truth, prompt):
+    """A group verifier: a response starting with the truth scores 1 alone, 0.75 in a group of several; else 0."""
+    GROUP_CALLS.append((len(responses), tuple(responses), prompt))
+    return [(1.0 if len(responses) == 1 else 0.75) * r.startswith(ground_truth) for r in responses]
+
+
+def test_a_group_verifier_scores_each_whole_group_anchor_included(setup):
+    _, _, sampler, rows = setup
+    with registered(test_first_solver=_first_solver):
+        GROUP_CALLS.clear()
+        batch, _ = _collect(setup, AnchorCache(sampler), verifier="test_first_solver")
+    is_anchor = batch["is_anchor"].view(len(rows), G)
+    texts = batch["response_text"]
+    in_groups = GROUP_CALLS[-len(rows) :]
+    assert all(n == 1 for n, _, _ in GROUP_CALLS[: -len(rows)])  # anchor candidates were judged alone
+    assert all(n == G for n, _, _ in in_groups)  # then one call per prompt, on all G
+    assert [prompt for _, _, prompt in in_groups] == [r.prompt for r in rows]  # with its row's prompt
+    for p, (_, responses, _) in enumerate(in_groups):
+        assert list(responses) == texts[p * G : (p + 1) * G]  # anchor (last) included, in the batch's order
+    assert is_anchor[:, -1].tolist() == [True, True, True, False, False]
+    accuracy = batch["accuracy"].view(len(rows), G)
+    for p in range(len(rows)):  # every row trains with its score in the group, the anchor's included
+        assert accuracy[p].tolist() == _first_solver(texts[p * G : (p + 1) * G], rows[p].answer, rows[p].prompt)
+    assert accuracy[:3, -1].tolist() == [0.75] * 3  # accepted alone (1); trains with its score in the group

@@ -12,13 +12,14 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 def anchor_reward(text: str, truth) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
-    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group is scored with.
+    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)`` or
+    ``(verifier, answer, row fields)``, so an anchor passes exactly the check its group is scored
+    with (a group verifier judges the candidate alone, as a group of one).
     """
     from armor_megatron.rewards import load_verifier
 
-    spec, answer = truth
-    return load_verifier(spec)(text, answer).score
+    spec, answer, *fields = truth
+    return load_verifier(spec)(text, answer, fields[0] if fields else None).score
 
 
 def source_keeps_host_weights(cfg: RunConfig) -> bool:
