@@ -98,7 +98,12 @@ from armor_megatron.trainer.overlap import (
 )
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
-from armor_megatron.trainer.rollout_phase import collect_groups, replace_stale_anchors, stale_anchor_rows
+from armor_megatron.trainer.rollout_phase import (
+    anchor_truths,
+    collect_groups,
+    replace_stale_anchors,
+    stale_anchor_rows,
+)
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
 from armor_megatron.trainer.step_report import StepReport, StepTimer
 
@@ -165,7 +170,7 @@ class ArmorTrainer:
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
         self.sampling = components.rollout_sampling(cfg, eos)
         self.eval_sampling = components.eval_sampling(cfg, eos)
-        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size)
+        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size, tokenizer)
         # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
         # trainer memory handed to colocated engines while they generate (bit-exact round trip)
         self.trainer_memory = HostOffload.of(actor, reference, critic) if offloads_during_rollout(cfg) else None
@@ -277,6 +282,7 @@ class ArmorTrainer:
             reference_weights=ref,  # host lists where the source keeps them, else spent streams it ignores
             policy_weights=policy,
             reference_version=self._ref_version(),
+            **({} if self.settings.environment is None else {"rollout": self.settings.environment.anchor_rollout}),
         )
         if self.anchors is not None and self._anchor_state is not None:
             self.anchors.load_state_dict(self._anchor_state)
@@ -440,7 +446,7 @@ class ArmorTrainer:
         state = loader.state_dict()
         rows = loader.next_batch()
         loader.load_state_dict(state)
-        truths = [(r.verifier or self.cfg.reward.verifier, r.answer) for r in rows]  # as collect_groups asks
+        truths = anchor_truths(rows, self.settings)  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
     # ------------------------------------------------------------------ overlap (driver)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor.cache import AnchorCache
-from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.sampler import AnchorRollout, AnchorSampler, AnchorSamplingConfig, single_turn
 from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, make_anchor_source
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
@@ -12,12 +12,12 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 def anchor_reward(text: str, truth) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
-    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group is scored with.
+    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)`` (multi-turn:
+    ``(verifier, answer, row)``), so an anchor passes exactly the check its group is scored with.
     """
     from armor_megatron.rewards import load_verifier
 
-    spec, answer = truth
+    spec, answer = truth[0], truth[1]
     return load_verifier(spec)(text, answer).score
 
 
@@ -35,11 +35,13 @@ def build_anchor_cache(
     reference_weights=None,
     policy_weights=None,
     reference_version: str = "ref-0",
+    rollout: AnchorRollout = single_turn,
 ) -> AnchorCache | None:
     """None without anchors.
 
     With ``anchor.cache: false`` the trainer empties the cache every step, so anchors are never
-    reused and one code path serves both.
+    reused and one code path serves both. ``rollout``: how π_ref's responses are drawn (a
+    multi-turn run's environment loop, `AnchorSampler`).
     """
     an = cfg.anchor
     if not an.enabled:
@@ -52,5 +54,5 @@ def build_anchor_cache(
         reference_version=reference_version,
         policy_weights=policy_weights,
     )
-    sampler = AnchorSampler(source, anchor_reward, AnchorSamplingConfig.from_run_config(an, sampling))
+    sampler = AnchorSampler(source, anchor_reward, AnchorSamplingConfig.from_run_config(an, sampling), rollout)
     return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)
