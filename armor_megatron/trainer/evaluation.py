@@ -13,6 +13,7 @@ from typing import Any
 from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import metrics_by_dataset, score_batch
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping
 
 
 @dataclasses.dataclass
@@ -43,16 +44,25 @@ def evaluate(
     reward_workers: int | None = None,
     timeout: float | None = None,
     sample_metrics: Callable[[list[dict]], dict] | None = None,
+    environment: MultiTurnRollout | None = None,
 ) -> EvalResult:
     """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``.
 
     ``sample_metrics(records)`` adds its ``{name: value}`` to each set's metrics (``logging.sample_metrics``).
+    ``environment``: a multi-turn run's environment loop (``rollout.environment``), which the evaluation
+    runs as training does; each record then holds its ``trajectory``.
     """
     metrics: dict[str, Any] = {}
     records: list[dict[str, Any]] = []
     for es in eval_sets:
         rows = list(es.dataset.rows)
-        groups = engine.generate([encode(r.prompt) for r in rows], n=es.k, sampling=sampling, timeout=timeout)
+        prompts = [encode(r.prompt) for r in rows]
+        if environment is None:
+            groups = engine.generate(prompts, n=es.k, sampling=sampling, timeout=timeout)
+        else:
+            groups = environment.generate(
+                engine.generate, prompts, [row_mapping(r) for r in rows], es.k, sampling, timeout
+            )
         texts, answers, verifiers, meta = [], [], [], []
         for row, group in zip(rows, groups):
             for sample in group:
@@ -73,6 +83,7 @@ def evaluate(
                 "response": sample.text,
                 "score": score,
                 "finish_reason": sample.finish_reason,
+                **({} if sample.trajectory is None else {"trajectory": sample.trajectory}),
             }
             for (row, sample), score in zip(meta, scores)
         ]

@@ -706,6 +706,7 @@ class ArmorTrainer:
                 verifier=self.cfg.reward.verifier,
                 pass_k=self.cfg.eval.pass_k,
                 sample_metrics=self.settings.sample_metrics,
+                environment=self.settings.environment,
             )
         except CallsInterrupted:  # a preemption signal: the checkpoint matters, this evaluation does not
             print(f"[{self.cfg.name}] evaluation at step {self.step} stopped by a preemption signal", flush=True)
