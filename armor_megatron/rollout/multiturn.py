@@ -114,6 +114,7 @@ class _Trajectory:
     turns: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     model_text: list[str] = dataclasses.field(default_factory=list)
     finish_reason: str = "stop"
+    last_turn: str = "stop"  # the finish reason of the model's last turn
     weight_version: str = ""
     done: bool = False
 
@@ -128,7 +129,7 @@ class _Trajectory:
 
     def end(self, finish_reason: str, truncated: str | None = None) -> None:
         self.done, self.finish_reason = True, finish_reason
-        if truncated is not None:
+        if truncated is not None and self.turns:  # no turn: the prompt alone filled max_total_tokens
             self.turns[-1]["truncated"] = truncated
 
     def sample(self) -> Sample:
@@ -207,6 +208,7 @@ class MultiTurnRollout:
                     t.weight_version = out.weight_version
                     t.model_text.append(out.text)
                     t.turns.append({"response": out.text, "observation": None, "truncated": None})
+                    t.last_turn = out.finish_reason
                     if out.finish_reason == "abort":
                         t.end("abort")
                     elif out.finish_reason == "length" and self._out_of_tokens(t, sampling.max_new_tokens):
@@ -217,7 +219,7 @@ class MultiTurnRollout:
                 if not finished:
                     t.end("length", "tool_timeout")
                 elif obs is None:
-                    t.end("stop")
+                    t.end(t.last_turn)  # done: "length" when the turn the environment closed on was cut
                 elif turn + 1 == s.max_turns:
                     t.end("length", "max_turns")  # the observation it still had is not appended
                 elif self._out_of_tokens(t, sampling.max_new_tokens):

@@ -107,7 +107,7 @@ def test_a_multi_turn_sample_keeps_token_ids_mask_and_logprobs_aligned(engine, t
         for s in group:
             answer = rows[s.prompt_index]["answer"]
             assert [t["observation"] for t in s.trajectory] == [f" ={answer}1? ", f" ={answer}2? ", None]
-            assert s.finish_reason == "stop" and s.trajectory[-1]["truncated"] is None
+            assert s.finish_reason == "length" and s.trajectory[-1]["truncated"] is None
             assert s.model_tokens == 15 and s.env_tokens == 2 * len(encode(tok, " =71? "))
             assert s.weight_version == "v0"
             _check_trajectory(s, prompt, tok, engine.model)
@@ -148,6 +148,11 @@ def test_each_limit_ends_a_trajectory_with_its_flag(engine, tiny_ckpt):
         engine.generate, [prompt], [{"answer": "2"}], 1, sampling
     )
     assert cut.num_tokens == 5 + obs + 3 and cut.model_tokens == 8 and cut.finish_reason == "length"
+    # a prompt that fills max_total_tokens by itself gets an empty response
+    [[empty]] = _rollout(tok, max_total_tokens=len(prompt)).generate(
+        engine.generate, [prompt], [{"answer": "2"}], 1, sampling
+    )
+    assert empty.token_ids == () and empty.trajectory == () and empty.finish_reason == "length"
     # a slow tool: its trajectory ends flagged, the others go on
     begin = time.monotonic()
     slow, fast = _rollout(tok, Slow, tool_timeout_s=0.5).generate(
@@ -155,7 +160,8 @@ def test_each_limit_ends_a_trajectory_with_its_flag(engine, tiny_ckpt):
     )
     assert time.monotonic() - begin < 20
     assert slow[0].trajectory[-1]["truncated"] == "tool_timeout" and slow[0].finish_reason == "length"
-    assert len(fast[0].trajectory) == 3 and fast[0].finish_reason == "stop"
+    # the environment ends the episode after a turn cut at max_turn_tokens: the response's finish is that turn's
+    assert len(fast[0].trajectory) == 3 and fast[0].finish_reason == "length"
     metrics = truncation_metrics([turns, tokens, cut, slow[0], fast[0]])
     assert metrics["rollout/env_truncated/max_turns"] == 0.2 and metrics["rollout/env_truncated/tool_timeout"] == 0.2
     assert metrics["rollout/env_truncated/max_total_tokens"] == 0.4
