@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
         )
         engine, tokenizer = _engine(model, args.url)
+        from armor_megatron.trainer.components import multi_turn_rollout
+
+        environment = multi_turn_rollout(cfg, tokenizer) if cfg else None  # the config's rollout.environment
     except UserInputError as err:  # anything else is a bug and keeps its traceback
         return fail(PROG, str(err))
     data = cfg.data if cfg else None
@@ -119,7 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         template=data.prompt_template if data else None,
     )
     with engine:
-        result = evaluate(engine, encode, eval_sets, sampling, verifier=verifier, pass_k=pass_k)
+        result = evaluate(
+            engine, encode, eval_sets, sampling, verifier=verifier, pass_k=pass_k, environment=environment
+        )
     domains = domain_accuracy(result.records, eval_sets, verifier)
     print(format_table(result.metrics))
     print()

@@ -20,7 +20,8 @@ between the jobs of one run without changing what is trained:
   ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
   (the starting weights, already consumed);
 * how user verifiers are held: ``reward.timeout_s``, ``reward.max_consecutive_timeouts``,
-  ``reward.memory_limit_mb`` (a run stopped by a hanging verifier resumes with other limits);
+  ``reward.memory_limit_mb``, ``rollout.environment.tool_timeout_s`` (a run stopped by a hanging
+  verifier or tool resumes with other limits);
 * resume options: ``reference.init_from`` (recovery restarts a run with a better reference).
 
 A key the record lacks (a run recorded before the key existed) counts as the schema default, so
@@ -64,6 +65,7 @@ NOT_DEFINING = (
     "reward.timeout_s",
     "reward.max_consecutive_timeouts",
     "reward.memory_limit_mb",
+    "rollout.environment.tool_timeout_s",
     "reference.offload",
     "reference.init_from",
     "model.spec",

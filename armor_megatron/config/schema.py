@@ -180,6 +180,39 @@ class SGLangConfig:
 
 
 @dataclasses.dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts with tools (docs/multiturn.md): the user's environment and the limits of one response."""
+
+    spec: str | None = checked(
+        None,
+        check=described(
+            "module:Class, or null",
+            lambda x: None if x is None or ":" in x else f"{x!r} is not of the form module:Class",
+        ),
+        help="the environment class, built from each row and stepped with each model turn (found on "
+        "reward.python_path); null: single-turn rollouts",
+    )
+    max_turns: int = checked(4, check=at_least(1), help="model turns of one response at most")
+    tool_timeout_s: float = checked(
+        30.0, check=positive, help="seconds one environment step (a tool call) may take; a later one ends the response"
+    )
+    max_total_tokens: int | None = checked(
+        None,
+        check=at_least_or_null(2),
+        help="prompt + model + environment tokens of one response at most; null: no limit besides max_response_len",
+    )
+    max_turn_tokens: int | None = checked(
+        None,
+        check=at_least_or_null(1),
+        help="tokens one model turn may generate (the environment still answers a turn cut there); null: what "
+        "max_response_len and max_total_tokens leave",
+    )
+    stop: list[str] = checked(
+        factory=list, help="stop strings that end a model turn (e.g. the end of a tool call), besides EOS"
+    )
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """How responses are sampled: batch shape, sampling parameters, lengths and the engine."""
 
@@ -204,7 +237,9 @@ class RolloutConfig:
         check=at_least(1),
         help="training prompts longer than this many tokens (as encoded) are left out when the dataset loads",
     )
-    max_response_len: int = checked(8192, check=at_least(1), help="tokens generated per response at most")
+    max_response_len: int = checked(
+        8192, check=at_least(1), help="tokens generated per response at most (multi-turn: the model's, over all turns)"
+    )
     seed: int = checked(0, help="seed of rollout sampling; each step's engine seed derives from it and the step")
     local_device: str = checked(
         "cpu", check=non_empty, help="engine local: where the transformers model runs (cpu, cuda, cuda:1)"
@@ -220,6 +255,7 @@ class RolloutConfig:
         "overlap's code path; the run then equals overlap off bit for bit",
     )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
+    environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
 
 
 @dataclasses.dataclass

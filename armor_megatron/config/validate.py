@@ -205,6 +205,12 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
                 f"{response} + rollout.max_prompt_len={prompt} = {prompt + response} tokens exceed the model's "
                 f"context of {context} (max_position_embeddings); the engine would refuse every such request",
             )
+    total = cfg.rollout.environment.max_total_tokens
+    if cfg.rollout.environment.spec is not None and total is not None and total > context:
+        raise ConfigError(
+            "rollout.environment.max_total_tokens",
+            f"{total} tokens exceed the model's context of {context} (max_position_embeddings)",
+        )
 
 
 def _check_token_budget(cfg: RunConfig) -> None:
@@ -217,14 +223,28 @@ def _check_token_budget(cfg: RunConfig) -> None:
     longest = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
     multiple = cfg.parallelism.tp if cfg.parallelism.sp else 1
     train = cfg.train
+    env = cfg.rollout.environment
+    if env.spec is not None and (train.max_tokens_per_micro_batch or train.forward_max_tokens_per_micro_batch):
+        if env.max_total_tokens is None:  # environment tokens would make rows of any length
+            raise ConfigError(
+                "rollout.environment.max_total_tokens",
+                "must be set with token-budget micro-batches (train.max_tokens_per_micro_batch): it bounds a "
+                "multi-turn row, environment tokens included",
+            )
+        longest = env.max_total_tokens
     for key, budget in (
         ("train.max_tokens_per_micro_batch", train.max_tokens_per_micro_batch),
         ("train.forward_max_tokens_per_micro_batch", train.forward_max_tokens_per_micro_batch),
     ):
         if budget is not None and packed_capacity(budget, multiple) < longest:
+            row = (
+                "rollout.environment.max_total_tokens"
+                if env.spec is not None
+                else ("rollout.max_prompt_len + rollout.max_response_len")
+            )
             raise ConfigError(
                 key,
-                f"{budget} tokens cannot hold a row of rollout.max_prompt_len + rollout.max_response_len = {longest} "
+                f"{budget} tokens cannot hold a row of {row} = {longest} "
                 "tokens" + (f" (packs are padded to a multiple of tp={multiple})" if multiple > 1 else ""),
             )
     if train.forward_max_tokens_per_micro_batch is not None and train.max_tokens_per_micro_batch is None:
@@ -278,6 +298,13 @@ def _check_rollout(cfg: RunConfig) -> None:
         )
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
+    env = ro.environment
+    if env.spec is not None and env.max_total_tokens is not None and env.max_total_tokens <= ro.max_prompt_len:
+        raise ConfigError(
+            "rollout.environment.max_total_tokens",
+            f"{env.max_total_tokens} leaves no room for a response after a prompt of rollout.max_prompt_len="
+            f"{ro.max_prompt_len} tokens",
+        )
 
 
 def _check_overlap(cfg: RunConfig) -> None:
@@ -560,3 +587,12 @@ def _check_user_code(cfg: RunConfig) -> None:
             load_callable(cfg.logging.sample_metrics)
         except ValueError as err:
             raise ConfigError("logging.sample_metrics", str(err).splitlines()[0]) from None
+    if cfg.rollout.environment.spec is not None:
+        from armor_megatron.rewards.spec import import_callable
+
+        try:
+            import_callable(cfg.rollout.environment.spec)
+        except ValueError as err:  # VerifierSpecError, whose words fit a verifier
+            raise ConfigError(
+                "rollout.environment.spec", str(err).splitlines()[0].replace("verifier spec ", "", 1)
+            ) from None

@@ -8,6 +8,7 @@ module                            what
 ================================  =====================================================
 ``engine``                        ``RolloutEngine`` interface, ``SamplingParams``, ``Sample``
 ``local``                         in-process transformers engine (CPU, tests, the double)
+``multiturn``                     multi-turn rollouts with tools on any engine, the loss mask
 ``sglang.client``                 HTTP client of one SGLang server: retries, error shapes
 ``sglang.engine``                 ``SGLangEngine``: servers or a router, concurrency
 ``sglang.launcher``               start/stop ``sglang.launch_server`` (+ ``sglang-router``)

@@ -206,6 +206,12 @@ class Sample:
     under the engine's model at the sampling temperature (see the engine's docs), or
     ``None`` if not requested.
     ``finish_reason``: ``stop`` | ``length`` | ``abort``.
+
+    A multi-turn response (`armor_megatron.rollout.multiturn`) interleaves model tokens with
+    environment tokens (tool results, user turns) in ``token_ids``: ``loss_mask`` (length T) is 1
+    at the model's tokens and 0 at the environment's, whose ``logprobs`` are 0 (the engine never
+    sampled them); None means every token is the model's. ``trajectory``: the turns as mappings
+    (``response``, ``observation``, ``truncated``), None for a single-turn response.
     """
 
     prompt_index: int
@@ -214,6 +220,8 @@ class Sample:
     logprobs: tuple[float, ...] | None
     finish_reason: str
     weight_version: str
+    loss_mask: tuple[int, ...] | None = None
+    trajectory: tuple[dict[str, Any], ...] | None = None
 
     def __post_init__(self):
         if self.finish_reason not in FINISH_REASONS:
@@ -222,11 +230,30 @@ class Sample:
             raise ValueError(
                 f"{len(self.logprobs)} logprobs for {len(self.token_ids)} tokens in sample of prompt {self.prompt_index}"
             )
+        if self.loss_mask is not None:
+            object.__setattr__(self, "loss_mask", tuple(int(m) for m in self.loss_mask))
+            if len(self.loss_mask) != len(self.token_ids) or not set(self.loss_mask) <= {0, 1}:
+                raise ValueError(
+                    f"loss_mask of sample of prompt {self.prompt_index} must hold one 0 or 1 per token "
+                    f"({len(self.token_ids)} tokens), got {len(self.loss_mask)} values {sorted(set(self.loss_mask))}"
+                )
+        if self.trajectory is not None:
+            object.__setattr__(self, "trajectory", tuple(dict(turn) for turn in self.trajectory))
 
     @property
     def num_tokens(self) -> int:
-        """The number of generated tokens."""
+        """The number of tokens after the prompt (a multi-turn response's environment tokens included)."""
         return len(self.token_ids)
+
+    @property
+    def model_tokens(self) -> int:
+        """The number of tokens the model generated (the ones trained on)."""
+        return len(self.token_ids) if self.loss_mask is None else sum(self.loss_mask)
+
+    @property
+    def env_tokens(self) -> int:
+        """The number of environment tokens (tool results, user turns; never trained on)."""
+        return len(self.token_ids) - self.model_tokens
 
 
 def check_versions(groups: Sequence[Sequence[Sample]], expected: str | None) -> None:

@@ -14,6 +14,7 @@ from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
 from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
@@ -59,10 +60,13 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
     )
 
 
-def rollout_settings(cfg: RunConfig, sampling: SamplingParams, vocab_size: int | None = None) -> RolloutSettings:
+def rollout_settings(
+    cfg: RunConfig, sampling: SamplingParams, vocab_size: int | None = None, tokenizer=None
+) -> RolloutSettings:
     """The rollout phase's settings: group size, sampling, advantage estimator and its parameters.
 
-    ``vocab_size``: the model's, which every sampled token id must lie below.
+    ``vocab_size``: the model's, which every sampled token id must lie below. ``tokenizer``: the
+    model's, which tokenises a multi-turn run's observations (``rollout.environment``).
     """
     algo = cfg.algorithm
     return RolloutSettings(
@@ -78,7 +82,26 @@ def rollout_settings(cfg: RunConfig, sampling: SamplingParams, vocab_size: int |
         timeout=cfg.rollout.sglang.request_timeout_s if cfg.rollout.engine == "sglang" else None,
         vocab_size=vocab_size,
         sample_metrics=load_callable(cfg.logging.sample_metrics) if cfg.logging.sample_metrics else None,
+        environment=multi_turn_rollout(cfg, tokenizer),
     )
+
+
+def multi_turn_rollout(cfg: RunConfig, tokenizer) -> MultiTurnRollout | None:
+    """The environment loop of ``rollout.environment`` (None without a spec); observations tokenised by ``tokenizer``."""
+    env = cfg.rollout.environment
+    if env.spec is None:
+        return None
+    if tokenizer is None:
+        raise ValueError("rollout.environment needs the model's tokenizer to tokenise observations")
+    settings = EnvironmentSettings(
+        spec=env.spec,
+        max_turns=env.max_turns,
+        tool_timeout_s=env.tool_timeout_s,
+        max_total_tokens=env.max_total_tokens,
+        max_turn_tokens=env.max_turn_tokens,
+        stop=tuple(env.stop),
+    )
+    return MultiTurnRollout(settings, lambda text: tokenizer.encode(text, add_special_tokens=False))
 
 
 # ----------------------------------------------------------------------------- engines

@@ -13,6 +13,7 @@ from typing import Any
 from armor_megatron.data.prompts import PromptDataset
 from armor_megatron.rewards import metrics_by_dataset, score_batch
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping
 
 
 @dataclasses.dataclass
@@ -43,16 +44,25 @@ def evaluate(
     reward_workers: int | None = None,
     timeout: float | None = None,
     sample_metrics: Callable[[list[dict]], dict] | None = None,
+    environment: MultiTurnRollout | None = None,
 ) -> EvalResult:
     """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``.
 
     ``sample_metrics(records)`` adds its ``{name: value}`` to each set's metrics (``logging.sample_metrics``).
+    ``environment``: a multi-turn run's environment loop (``rollout.environment``), which the evaluation
+    runs as training does; each record then holds its ``trajectory``.
     """
     metrics: dict[str, Any] = {}
     records: list[dict[str, Any]] = []
     for es in eval_sets:
         rows = list(es.dataset.rows)
-        groups = engine.generate([encode(r.prompt) for r in rows], n=es.k, sampling=sampling, timeout=timeout)
+        prompts = [encode(r.prompt) for r in rows]
+        if environment is None:
+            groups = engine.generate(prompts, n=es.k, sampling=sampling, timeout=timeout)
+        else:
+            groups = environment.generate(
+                engine.generate, prompts, [row_mapping(r) for r in rows], es.k, sampling, timeout
+            )
         texts, answers, verifiers, meta = [], [], [], []
         for row, group in zip(rows, groups):
             for sample in group:
@@ -61,7 +71,7 @@ def evaluate(
                 verifiers.append(row.verifier or verifier)
                 meta.append((row, sample))
         labels = [f"{es.dataset.path}: row {row.index}" for row, _ in meta]
-        scores = _score_by_verifier(texts, answers, verifiers, reward_workers, labels, [row for row, _ in meta])
+        scores = _score_by_verifier(texts, answers, verifiers, reward_workers, labels, meta)
         ks = [k for k in pass_k if k <= es.k]
         metrics.update(metrics_by_dataset([(es.name, row.index, s) for (row, _), s in zip(meta, scores)], ks=ks))
         mine = [
@@ -73,6 +83,7 @@ def evaluate(
                 "response": sample.text,
                 "score": score,
                 "finish_reason": sample.finish_reason,
+                **({} if sample.trajectory is None else {"trajectory": sample.trajectory}),
             }
             for (row, sample), score in zip(meta, scores)
         ]
@@ -82,12 +93,14 @@ def evaluate(
     return EvalResult(metrics, records)
 
 
-def _score_by_verifier(texts, answers, verifiers, workers, labels, rows) -> list[float]:
+def _score_by_verifier(texts, answers, verifiers, workers, labels, meta) -> list[float]:
     """Scores in input order, batching the responses of each verifier together.
 
-    ``labels`` name the rows in errors; ``rows[i]``, response ``i``'s PromptRow, gives its fields
-    and its group (a group verifier scores a prompt's k responses together).
+    ``labels`` name the rows in errors; ``meta[i]``, response ``i``'s (PromptRow, Sample), gives its
+    fields (the trajectory of a multi-turn response among them) and its group (a group verifier
+    scores a prompt's k responses together).
     """
+    rows = [row for row, _ in meta]
     scores = [0.0] * len(texts)
     for name in dict.fromkeys(verifiers):
         idx = [i for i, v in enumerate(verifiers) if v == name]
@@ -97,7 +110,7 @@ def _score_by_verifier(texts, answers, verifiers, workers, labels, rows) -> list
             verifier=name,
             max_workers=workers,
             labels=[labels[i] for i in idx],
-            fields=[rows[i].reward_fields() for i in idx],
+            fields=[rows[i].reward_fields(meta[i][1].trajectory) for i in idx],
             groups=[rows[i].index for i in idx],
         )
         for i, result in zip(idx, results):

@@ -170,7 +170,7 @@ class ArmorTrainer:
         eos = tuple(i for i in [tokenizer.eos_token_id] if i is not None)
         self.sampling = components.rollout_sampling(cfg, eos)
         self.eval_sampling = components.eval_sampling(cfg, eos)
-        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size)
+        self.settings = components.rollout_settings(cfg, self.sampling, arch.vocab_size, tokenizer)
         # driver only: engines (``start_engines``), anchors, data, evaluation, monitor
         # trainer memory handed to colocated engines while they generate (bit-exact round trip)
         self.trainer_memory = HostOffload.of(actor, reference, critic) if offloads_during_rollout(cfg) else None
@@ -284,6 +284,7 @@ class ArmorTrainer:
             reference_weights=ref,  # host lists where the source keeps them, else spent streams it ignores
             policy_weights=policy,
             reference_version=self._ref_version(),
+            **({} if self.settings.environment is None else {"rollout": self.settings.environment.anchor_rollout}),
         )
         if self.anchors is not None and self._anchor_state is not None:
             self.anchors.load_state_dict(self._anchor_state)
@@ -447,7 +448,7 @@ class ArmorTrainer:
         state = loader.state_dict()
         rows = loader.next_batch()
         loader.load_state_dict(state)
-        truths = anchor_truths(rows, self.cfg.reward.verifier)  # as collect_groups asks
+        truths = anchor_truths(rows, self.settings)  # as collect_groups asks
         self.anchors.prefetch([self.encode(r.prompt) for r in rows], truths, keys=[r.index for r in rows])
 
     # ------------------------------------------------------------------ overlap (driver)
@@ -739,6 +740,7 @@ class ArmorTrainer:
                 verifier=self.cfg.reward.verifier,
                 pass_k=self.cfg.eval.pass_k,
                 sample_metrics=self.settings.sample_metrics,
+                environment=self.settings.environment,
             )
         except CallsInterrupted:  # a preemption signal: the checkpoint matters, this evaluation does not
             print(f"[{self.cfg.name}] evaluation at step {self.step} stopped by a preemption signal", flush=True)

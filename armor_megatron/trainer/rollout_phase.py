@@ -22,11 +22,15 @@ The result is a ``RolloutBatch`` of P·G rows (prompt-major):
 
     input_ids      [N, L] int64   prompt + response, right-padded with pad_id
     lengths        [N]    int64   prompt + response tokens
-    response_mask  [N, L] fp32    1 at positions t holding a response token (predicted from < t)
+    response_mask  [N, L] fp32    1 at positions t holding a model token of the response (predicted
+                                  from < t); 0 at a multi-turn response's environment tokens
     rewards        [N]    fp32    shaped training reward;  accuracy [N] fp32 verifier score
     is_anchor      [N]    bool
     engine_logprobs[N, L] fp32    the engine's log-probs of the response tokens (0 elsewhere)
 objects: prompt_index (dataset row), response_text, finish_reason.
+A batch of multi-turn responses (``rollout.environment``, `armor_megatron.rollout.multiturn`) also
+holds ``prompt_lengths`` [N] int64 and the objects ``trajectory`` (each response's turns); its
+lengths, rewards' overlong shaping and ``rollout/response_len`` count the model's tokens only.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import load_verifier, score_batch
 from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
+from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping, truncation_metrics
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +69,35 @@ class RolloutSettings:
     timeout: float | None = None
     vocab_size: int | None = None  # the model's: every sample's token ids and log-probs are checked against it
     sample_metrics: Callable[[list[dict]], dict] | None = None  # logging.sample_metrics, loaded
+    environment: MultiTurnRollout | None = None  # rollout.environment: multi-turn rollouts with tools
+
+
+def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[tuple]:
+    """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
+
+    So an anchor passes exactly the check its group is scored with
+    (`rollout.anchor.build.anchor_reward`); with an environment a fourth item, the row that builds
+    π_ref's environments (`rollout.multiturn.row_mapping`).
+    """
+    truths = [(r.verifier or settings.verifier, r.answer, r.reward_fields()) for r in rows]
+    if settings.environment is None:
+        return truths
+    return [(*truth, row_mapping(r)) for truth, r in zip(truths, rows)]
+
+
+def generate_responses(
+    engine: RolloutEngine,
+    prompts: Sequence[Sequence[int]],
+    rows: Sequence[PromptRow],
+    n: int,
+    settings: RolloutSettings,
+) -> list[list[Sample]]:
+    """``n`` responses per prompt from ``engine``: one request, or the environment loop (multi-turn)."""
+    if settings.environment is None:
+        return engine.generate(prompts, n=n, sampling=settings.sampling, timeout=settings.timeout)
+    return settings.environment.generate(
+        engine.generate, prompts, [row_mapping(r) for r in rows], n, settings.sampling, settings.timeout
+    )
 
 
 def collect_groups(
@@ -84,9 +118,7 @@ def collect_groups(
     prompt_ids = [encode(r.prompt) for r in rows]
     verifiers = [r.verifier or settings.verifier for r in rows]
     anchor_results = (
-        anchors.get(
-            prompt_ids, anchor_truths(rows, settings.verifier), keys=[r.index for r in rows], timeout=settings.timeout
-        )
+        anchors.get(prompt_ids, anchor_truths(rows, settings), keys=[r.index for r in rows], timeout=settings.timeout)
         if anchors
         else None
     )
@@ -96,23 +128,25 @@ def collect_groups(
     # on-policy samples are drawn, so its slot gets one more of them; it is never trained on.
     found = [ok and a.reward >= settings.anchor_success_reward for a, ok in zip(anchor_results or [], offered)]
     found += [False] * (len(rows) - len(found))
-    policy = _sample_on_policy(engine, prompt_ids, found, G, settings)
+    policy = _sample_on_policy(engine, prompt_ids, rows, found, G, settings)
 
     anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
     texts = [[s.text for s in group] for group in policy]
+    trajectories = [[s.trajectory for s in group] for group in policy]  # multi-turn: what the verifier may see
     in_group = [_scores_groups(v) and a is not None for v, a in zip(verifiers, anchor_samples)]
     for p, anchor in enumerate(anchor_samples):  # a group verifier sees the whole group, anchor last
         if in_group[p] and anchor is not None:
             texts[p].append(anchor.text)
-    policy_scores, timeouts = _score(texts, rows, verifiers, settings.reward_workers)
+            trajectories[p].append(anchor.trajectory)
+    policy_scores, timeouts = _score(texts, rows, verifiers, settings.reward_workers, trajectories)
     for p, scores in enumerate(policy_scores):
         if in_group[p]:  # the anchor's score in its group replaces the one it was accepted with
             anchor_scores[p] = scores.pop()
     groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
-    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32).view_as(accuracy)
+    lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.float32).view_as(accuracy)
     rewards = accuracy
     if settings.overlong_buffer:
         rewards = apply_overlong_shaping(
@@ -137,8 +171,9 @@ def collect_groups(
         "rollout/reward_max": rewards.max().item(),
         "rollout/reward_std": rewards.std(unbiased=False).item(),
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
-        "rollout/generated_tokens": float(sum(s.num_tokens for group in policy for s in group)),
+        "rollout/generated_tokens": float(sum(s.model_tokens for group in policy for s in group)),
         "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
+        **truncation_metrics(samples),  # multi-turn: turns, environment tokens, limits hit
     }
     on_policy = accuracy[~groups.is_anchor]  # anchors reach the success reward by construction
     metrics["rollout/on_policy_score"] = on_policy.mean().item()
@@ -152,6 +187,7 @@ def collect_groups(
                 "score": float(a),
                 "is_anchor": bool(anchor),
                 "weight_version": s.weight_version,  # the engine weights that sampled it (an anchor: π_ref's)
+                **({} if s.trajectory is None else {"trajectory": s.trajectory}),
             }
             for row, s, a, anchor in zip(prompt_of_row, samples, accuracy.reshape(-1), groups.is_anchor.reshape(-1))
         ]
@@ -201,7 +237,7 @@ def replace_stale_anchors(
     verifiers = [r.verifier or settings.verifier for r in rows]
     fresh = anchors.get(
         [prompts[i] for i in stale],
-        anchor_truths(rows, settings.verifier),
+        anchor_truths(rows, settings),
         keys=[r.index for r in rows],
         timeout=settings.timeout,
     )
@@ -212,14 +248,15 @@ def replace_stale_anchors(
         else:
             missing.append(j)
     if missing:
-        extra = engine.generate(
-            [prompts[stale[j]] for j in missing], n=1, sampling=settings.sampling, timeout=settings.timeout
+        extra = generate_responses(
+            engine, [prompts[stale[j]] for j in missing], [rows[j] for j in missing], 1, settings
         )
         scores, _ = _score(
             [[g[0].text] for g in extra],
             [rows[j] for j in missing],
             [verifiers[j] for j in missing],
             settings.reward_workers,
+            [[g[0].trajectory] for g in extra],
         )
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
@@ -232,11 +269,12 @@ def replace_stale_anchors(
             [rows[j] for _, j in regroup],
             [verifiers[j] for _, j in regroup],
             settings.reward_workers,
+            [[samples[k].trajectory for k in range(first, first + G)] for first, _ in regroup],
         )
         for (first, _), group_scores in zip(regroup, scores):
             accuracy[first : first + G] = torch.tensor(group_scores)
     out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
-    lengths = torch.tensor([s.num_tokens for s in samples], dtype=torch.float32)
+    lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.float32)
     rewards = accuracy
     if settings.overlong_buffer:
         rewards = apply_overlong_shaping(
@@ -248,14 +286,6 @@ def replace_stale_anchors(
     out["prompt_index"] = list(batch["prompt_index"])
     out.meta.update(batch.meta)
     return out, len(stale)
-
-
-def anchor_truths(rows: Sequence[PromptRow], default_verifier: str) -> list[tuple[str, Any, dict[str, Any]]]:
-    """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
-
-    So an anchor passes exactly the check its group is scored with (`rollout.anchor.build.anchor_reward`).
-    """
-    return [(r.verifier or default_verifier, r.answer, r.reward_fields()) for r in rows]
 
 
 def stale_anchor_rows(batch: RolloutBatch, reference_version: str) -> list[int]:
@@ -271,9 +301,10 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
     log-probs included).
     """
     prompts, samples = [], []
+    multi_turn = "prompt_lengths" in batch  # else the response is the mask's tokens, all after the prompt
     n_response = batch["response_mask"].sum(1).long().tolist()
     for i, (length, n) in enumerate(zip(batch["lengths"].tolist(), n_response)):
-        start = length - n
+        start = int(batch["prompt_lengths"][i]) if multi_turn else length - n
         ids = batch["input_ids"][i]
         prompts.append(ids[:start].tolist())
         samples.append(
@@ -284,6 +315,8 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
                 logprobs=tuple(batch["engine_logprobs"][i, start:length].tolist()),
                 finish_reason=batch["finish_reason"][i],
                 weight_version=batch["weight_version"][i],
+                loss_mask=tuple(batch["response_mask"][i, start:length].long().tolist()) if multi_turn else None,
+                trajectory=batch["trajectory"][i] if multi_turn else None,
             )
         )
     return prompts, samples
@@ -307,16 +340,14 @@ def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifie
     return out
 
 
-def _sample_on_policy(engine, prompt_ids, found, G, settings) -> list[list[Sample]]:
+def _sample_on_policy(engine, prompt_ids, rows, found, G, settings) -> list[list[Sample]]:
     """G−1 samples for prompts with an anchor and G for the rest (two requests at most)."""
     out: list[list[Sample] | None] = [None] * len(prompt_ids)
     for n in (G - 1, G):
         idx = [i for i, f in enumerate(found) if (n == G - 1) == f]
         if not idx:
             continue
-        groups = engine.generate(
-            [prompt_ids[i] for i in idx], n=n, sampling=settings.sampling, timeout=settings.timeout
-        )
+        groups = generate_responses(engine, [prompt_ids[i] for i in idx], [rows[i] for i in idx], n, settings)
         for i, group in zip(idx, groups):
             out[i] = list(group)
     return cast(list[list[Sample]], out)  # every prompt asked for G−1 or G
@@ -383,10 +414,11 @@ def _to_batch(
         start, end = len(p), len(p) + s.num_tokens
         input_ids[i, :start] = torch.tensor(p, dtype=torch.long)
         input_ids[i, start:end] = torch.tensor(s.token_ids, dtype=torch.long)
-        response_mask[i, start:end] = 1.0
+        # the loss mask: environment tokens of a multi-turn response are never trained on
+        response_mask[i, start:end] = 1.0 if s.loss_mask is None else torch.tensor(s.loss_mask, dtype=torch.float32)
         if s.logprobs is not None:
             engine_logprobs[i, start:end] = torch.tensor(s.logprobs, dtype=torch.float32)
-    return RolloutBatch(
+    batch = RolloutBatch(
         tensors={
             "input_ids": input_ids,
             "lengths": torch.tensor(lengths, dtype=torch.long),
@@ -399,3 +431,7 @@ def _to_batch(
             "weight_version": [s.weight_version for s in samples],
         },
     )
+    if any(s.trajectory is not None for s in samples):  # multi-turn: where each response starts, its turns
+        batch["prompt_lengths"] = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        batch["trajectory"] = [s.trajectory for s in samples]
+    return batch

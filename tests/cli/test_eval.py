@@ -101,3 +101,31 @@ def test_domain_table_format():
         {"math": {"num_samples": 4.0, "accuracy": 0.5}, "safety": {"num_samples": 2.0, "accuracy": 1.0}}
     )
     assert table.splitlines() == ["domain  samples  accuracy", "math    4        0.5000", "safety  2        1.0000"]
+
+
+class OneCall:
+    """rollout.environment of the config below: answers the first turn with the row's answer."""
+
+    def __init__(self, row):
+        self.answer, self.turns = row["answer"], 0
+
+    def step(self, response):
+        self.turns += 1
+        return f"={self.answer} " if self.turns == 1 else None
+
+
+def test_eval_cli_runs_the_configs_environment(tmp_path, capsys):
+    make_tiny_checkpoint(str(tmp_path / "model"), seed=0)
+    (tmp_path / "val.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+    config = tmp_path / "multi_turn.yaml"
+    config.write_text(
+        f"model: {{path: {tmp_path / 'model'}}}\n"
+        f"data: {{train_path: {tmp_path / 'val.jsonl'}, apply_chat_template: false}}\n"
+        f"rollout: {{max_prompt_len: 16, max_response_len: 8, environment: {{spec: {__name__}:OneCall, max_turn_tokens: 2}}}}\n"
+        "algorithm: {overlong: {enabled: false}}\n"
+        f"eval: {{max_response_len: 4, datasets: [{{name: val, path: {tmp_path / 'val.jsonl'}, k: 2}}]}}\n"
+    )
+    out = tmp_path / "res.json"
+    assert main(["--config", str(config), "--output", str(out)]) == 0
+    for sample in json.loads(out.read_text())["samples"]:
+        assert [turn["observation"] for turn in sample["trajectory"]] == ["=2 ", None]

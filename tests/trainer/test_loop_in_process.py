@@ -208,3 +208,65 @@ def test_a_step_without_signal_trains_nothing(random_tiny, tmp_path):
     (step,) = _train(cfg).values()
     assert step["train/skipped_no_signal"] == 1.0 and "train/loss" not in step
     assert step["anchor/found_rate"] == 0.0 and step["dynamic_sampling/keep_rate"] == 0.0
+
+
+class OneLookup:
+    """rollout.environment of the multi-turn run: answers the model's first turn with the row's answer."""
+
+    def __init__(self, row):
+        self.answer, self.turns = row["answer"], 0
+
+    def step(self, response):
+        self.turns += 1
+        return f" ={self.answer} " if self.turns == 1 else None
+
+
+def tool_turns(samples):
+    """logging.sample_metrics of the multi-turn run: model turns per response, as its trajectories say."""
+    return {"tool_turns": sum(len(s["trajectory"]) for s in samples) / len(samples)}
+
+
+MULTI_TURN_RUN = (
+    "train.steps=3",
+    "eval.every_steps=3",
+    f"logging.sample_metrics={__name__}:tool_turns",
+    "reference.reset=every",
+    "reference.tau=2",
+    "algorithm.tis.enabled=true",
+    "rollout.overlap=one_step",  # the pending batch, trajectories included, goes into each checkpoint
+    "checkpoint.every_steps=1",
+    "train.max_tokens_per_micro_batch=40",
+    f"rollout.environment.spec={__name__}:OneLookup",
+    "rollout.environment.max_turn_tokens=3",
+    "rollout.environment.max_total_tokens=40",
+)
+
+
+@pytest.mark.slow
+def test_a_multi_turn_run_trains_on_model_tokens_and_resumes_bit_for_bit(random_tiny, tmp_path):
+    metrics = _train(_config(random_tiny, tmp_path, *MULTI_TURN_RUN))
+    assert sorted(metrics) == [0, 1, 2, 3]
+    # the evaluation runs the environment loop too: a turn, the lookup, a turn
+    assert metrics[0]["eval/val/tool_turns"] == metrics[3]["eval/val/tool_turns"] == 2.0
+    for step in (1, 2, 3):
+        m = metrics[step]
+        assert m["train/skipped"] == 0.0 and m["train/num_tokens"] > 0
+        assert 1.0 < m["rollout/turns"] <= 2.0 and m["rollout/env_tokens"] > 0
+        assert m["rollout/response_len_max"] <= 6  # model tokens only; the observations come on top
+        # engine and trainer agree on every model token (observations are masked out of the gap and TIS)
+        assert m["rollout/logprob_abs_diff"] < 1e-5 or m.get("rollout/lag", 0) > 0
+        assert m["rollout/env_truncated/tool_timeout"] == 0.0 and m["rollout/tool_turns"] == m["rollout/turns"]
+    assert metrics[1]["rollout/logprob_abs_diff"] < 1e-5  # the first batch is on-policy
+    # step 1 trains all 16 rows: the trained tokens are the model's, the 4 observation tokens of each row are not
+    assert (
+        metrics[1]["train/tokens"] == metrics[1]["rollout/response_len"] * 16 and metrics[1]["rollout/env_tokens"] == 4
+    )
+    assert max(metrics[s]["anchor/found_rate"] for s in (1, 2, 3)) > 0
+    # step 3's batch was generated before the reset of step 2: its anchors were resampled from its rows
+    assert metrics[3]["anchor/stale_resampled"] > 0
+    resumed = _train(
+        _config(random_tiny, tmp_path, *MULTI_TURN_RUN, f"logging.dir={tmp_path}/resumed"),
+        resume=str(tmp_path / "ckpt" / "iter_0000002"),
+    )
+    for key in ("rollout/accuracy", "rollout/env_tokens", "train/loss", "train/grad_norm", "eval/val/pass@1"):
+        assert resumed[3][key] == metrics[3][key], key

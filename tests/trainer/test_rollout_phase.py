@@ -19,9 +19,10 @@ from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingC
 from armor_megatron.rollout.anchor.source import SeparateReference
 from armor_megatron.rollout.engine import EngineReplyError, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
-from armor_megatron.trainer.rollout_phase import RolloutSettings, collect_groups
+from armor_megatron.trainer.rollout_phase import RolloutSettings, _to_batch, collect_groups, rows_as_samples
 from tests.registered_verifiers import registered
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
@@ -304,3 +305,85 @@ def test_a_group_verifier_scores_each_whole_group_anchor_included(setup):
     for p in range(len(rows)):  # every row trains with its score in the group, the anchor's included
         assert accuracy[p].tolist() == _first_solver(texts[p * G : (p + 1) * G], rows[p].answer, rows[p].prompt)
     assert accuracy[:3, -1].tolist() == [0.75] * 3  # accepted alone (1); trains with its score in the group
+
+
+class OneToolCall:
+    """Answers the first model turn with " ok", ends the episode at the second."""
+
+    def __init__(self, row):
+        self.row, self.turns = row, 0
+
+    def step(self, response):
+        self.turns += 1
+        return " ok" if self.turns == 1 else None
+
+
+def test_multi_turn_groups_mask_environment_tokens_and_count_model_tokens(setup):
+    tok, policy, sampler, rows = setup
+    env = MultiTurnRollout(
+        EnvironmentSettings(spec="tests:OneToolCall", max_turn_tokens=2), lambda t: encode(tok, t), OneToolCall
+    )
+    sampling = dataclasses.replace(SAMPLING, max_new_tokens=8)
+    multi_sampler = AnchorSampler(
+        sampler.source, anchor_reward, dataclasses.replace(sampler.config, sampling=sampling), env.anchor_rollout
+    )
+    settings = RolloutSettings(
+        group_size=G, sampling=sampling, verifier="test_starts_with", overlong_buffer=4, environment=env
+    )
+    batch, metrics = collect_groups(
+        rows, lambda p: encode(tok, p), policy, settings, anchors=AnchorCache(multi_sampler), pad_id=tok.pad_token_id
+    )
+    obs = encode(tok, " ok")
+    assert batch["is_anchor"].any()  # π_ref ran the same loop, and its whole trajectory verified
+    for i in range(len(batch)):
+        start, length = int(batch["prompt_lengths"][i]), int(batch["lengths"][i])
+        assert length - start == 2 + len(obs) + 2  # turn, observation, turn
+        assert batch["response_mask"][i, start:length].tolist() == [1, 1, 0, 0, 0, 1, 1]
+        assert batch["input_ids"][i, start + 2 : start + 5].tolist() == obs
+        assert batch["engine_logprobs"][i, start + 2 : start + 5].tolist() == [0.0] * 3
+        assert [t["observation"] for t in batch["trajectory"][i]] == [" ok", None]
+        assert batch["response_text"][i] == "".join(t["response"] for t in batch["trajectory"][i])
+    # 4 model tokens: inside max_new_tokens 8 − buffer 4, unshaped (the 7 tokens with the observation would not be)
+    assert torch.equal(batch["rewards"], batch["accuracy"])
+    assert metrics["rollout/response_len"] == 4.0 and metrics["rollout/env_tokens"] == 3.0
+    assert metrics["rollout/turns"] == 2.0 and metrics["rollout/env_truncated/max_turns"] == 0.0
+    # a pending batch's rows come back as the samples they were (the stale-anchor resampling reads them)
+    prompts, samples = rows_as_samples(batch)
+    again = _to_batch(samples, prompts, tok.pad_token_id)
+    for key in ("input_ids", "response_mask", "engine_logprobs", "prompt_lengths"):
+        assert torch.equal(again[key], batch[key]), key
+    assert again["trajectory"] == batch["trajectory"]
+
+
+TRAJECTORIES: list = []
+
+
+def _used_the_tool(response, ground_truth, trajectory):
+    """A verifier reading the trajectory: 1 when the first turn's observation came back."""
+    TRAJECTORIES.append(trajectory)
+    return float(trajectory is not None and trajectory[0]["observation"] == " ok")
+
+
+def test_a_verifier_naming_trajectory_sees_each_multi_turn_response_and_anchor_candidate(setup):
+    tok, policy, sampler, rows = setup
+    env = MultiTurnRollout(
+        EnvironmentSettings(spec="tests:OneToolCall", max_turn_tokens=2), lambda t: encode(tok, t), OneToolCall
+    )
+    sampling = dataclasses.replace(SAMPLING, max_new_tokens=8)
+    multi_sampler = AnchorSampler(
+        sampler.source, anchor_reward, dataclasses.replace(sampler.config, sampling=sampling), env.anchor_rollout
+    )
+    settings = RolloutSettings(group_size=G, sampling=sampling, verifier="test_used_the_tool", environment=env)
+    with registered(test_used_the_tool=_used_the_tool):
+        TRAJECTORIES.clear()
+        batch, _ = collect_groups(
+            rows,
+            lambda p: encode(tok, p),
+            policy,
+            settings,
+            anchors=AnchorCache(multi_sampler),
+            pad_id=tok.pad_token_id,
+        )
+    assert TRAJECTORIES and all(t is not None for t in TRAJECTORIES)  # anchor candidates' too
+    assert bool(batch["is_anchor"].any())  # candidates the verifier accepted on their trajectories
+    assert batch["accuracy"].tolist() == [1.0] * len(batch)

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor.cache import AnchorCache
-from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
+from armor_megatron.rollout.anchor.sampler import AnchorRollout, AnchorSampler, AnchorSamplingConfig, single_turn
 from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, make_anchor_source
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 
-def anchor_reward(text: str, truth) -> float:
+def anchor_reward(text: str, truth, trajectory=None) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
-    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)`` or
-    ``(verifier, answer, row fields)``, so an anchor passes exactly the check its group is scored
-    with (a group verifier judges the candidate alone, as a group of one).
+    ``truth`` is its row's ``(verifier, answer)`` or ``(verifier, answer, row fields[, environment
+    row])`` (`trainer.rollout_phase.anchor_truths`), so an anchor passes exactly the check its group
+    is scored with (a group verifier judges the candidate alone, as a group of one); ``trajectory``:
+    a multi-turn candidate's turns, for a verifier that names that field.
     """
     from armor_megatron.rewards import load_verifier
 
-    spec, answer, *fields = truth
-    return load_verifier(spec)(text, answer, fields[0] if fields else None).score
+    spec, answer, *rest = truth
+    fields = {**rest[0], "trajectory": trajectory} if rest else None
+    return load_verifier(spec)(text, answer, fields).score
 
 
 def source_keeps_host_weights(cfg: RunConfig) -> bool:
@@ -36,11 +38,13 @@ def build_anchor_cache(
     reference_weights=None,
     policy_weights=None,
     reference_version: str = "ref-0",
+    rollout: AnchorRollout = single_turn,
 ) -> AnchorCache | None:
     """None without anchors.
 
     With ``anchor.cache: false`` the trainer empties the cache every step, so anchors are never
-    reused and one code path serves both.
+    reused and one code path serves both. ``rollout``: how π_ref's responses are drawn (a
+    multi-turn run's environment loop, `AnchorSampler`).
     """
     an = cfg.anchor
     if not an.enabled:
@@ -53,5 +57,5 @@ def build_anchor_cache(
         reference_version=reference_version,
         policy_weights=policy_weights,
     )
-    sampler = AnchorSampler(source, anchor_reward, AnchorSamplingConfig.from_run_config(an, sampling))
+    sampler = AnchorSampler(source, anchor_reward, AnchorSamplingConfig.from_run_config(an, sampling), rollout)
     return AnchorCache(sampler, max_pool=an.cache_size_per_prompt, seed=cfg.rollout.seed)

@@ -221,7 +221,7 @@ class AnchorCache:
             d = dict(
                 d, token_ids=tuple(d["token_ids"]), logprobs=None if d["logprobs"] is None else tuple(d["logprobs"])
             )
-            return Sample(**d)
+            return Sample(**d)  # Sample makes a multi-turn anchor's loss_mask and trajectory tuples again
 
         with self._lock:
             self.version = state["version"]

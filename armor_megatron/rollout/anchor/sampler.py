@@ -8,8 +8,13 @@ the trainer fills that group slot with one more on-policy sample.
 Each anchor is verified once, here: its reward travels with it (``AnchorResult.reward``, and
 into the anchor cache) and is the reward its group is trained with; nothing scores it again.
 
-``reward_fn(response_text, ground_truth) -> float`` is any verifier, e.g.
+``reward_fn(response_text, ground_truth) -> float`` is any verifier (a multi-turn sample's
+trajectory is passed as a third argument), e.g.
 ``lambda text, gt: compute_score(text, gt, verifier).score`` from the rewards package.
+
+``rollout``: how responses are drawn from the source, by default ``source.generate``; a multi-turn
+task passes `armor_megatron.rollout.multiturn.MultiTurnRollout.anchor_rollout`, so π_ref runs the
+same environment loop as the policy and an anchor is kept when its whole trajectory verifies.
 
 Every generated token counts in the cost, also those of failed tries and of the other
 samples of a round after the first correct one (they were paid for; an anchor cache can
@@ -25,7 +30,15 @@ from typing import Any
 
 from armor_megatron.rollout.engine import Sample, SamplingParams
 
-RewardFn = Callable[[str, Any], float]
+RewardFn = Callable[..., float]
+# (generate, prompts_token_ids, ground_truths, n, sampling, timeout) -> per prompt, n samples;
+# generate(prompts_token_ids, n, sampling, timeout=...) is the source's
+AnchorRollout = Callable[..., list]
+
+
+def single_turn(generate, prompts_token_ids, ground_truths, n, sampling, timeout=None) -> list:
+    """The default anchor rollout: one request to the source."""
+    return generate(prompts_token_ids, n, sampling, timeout=timeout)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,10 +142,17 @@ class AnchorStats:
 class AnchorSampler:
     """Rejection sampling from ``source`` (a reference policy with ``generate`` and ``version``)."""
 
-    def __init__(self, source, reward_fn: RewardFn, config: AnchorSamplingConfig = AnchorSamplingConfig()):
+    def __init__(
+        self,
+        source,
+        reward_fn: RewardFn,
+        config: AnchorSamplingConfig = AnchorSamplingConfig(),
+        rollout: AnchorRollout = single_turn,
+    ):
         self.source = source
         self.reward_fn = reward_fn
         self.config = config
+        self.rollout = rollout
         self.stats = AnchorStats()
         self._stats_lock = threading.Lock()
 
@@ -142,8 +162,10 @@ class AnchorSampler:
         return self.source.version
 
     def verify(self, sample: Sample, ground_truth: Any) -> VerifiedSample:
-        """``sample`` with its reward against ``ground_truth``."""
-        return VerifiedSample(sample, float(self.reward_fn(sample.text, ground_truth)))
+        """``sample`` with its reward against ``ground_truth`` (a multi-turn sample's trajectory too)."""
+        if sample.trajectory is None:
+            return VerifiedSample(sample, float(self.reward_fn(sample.text, ground_truth)))
+        return VerifiedSample(sample, float(self.reward_fn(sample.text, ground_truth, sample.trajectory)))
 
     def sample(
         self, prompts_token_ids: Sequence[Sequence[int]], ground_truths: Sequence[Any], timeout: float | None = None
@@ -157,12 +179,19 @@ class AnchorSampler:
         tries_done = 0
         while pending and tries_done < cfg.max_tries:
             k = min(cfg.tries_per_request, cfg.max_tries - tries_done)
-            groups = self.source.generate([prompts_token_ids[i] for i in pending], k, cfg.sampling, timeout=timeout)
+            groups = self.rollout(
+                self.source.generate,
+                [prompts_token_ids[i] for i in pending],
+                [ground_truths[i] for i in pending],
+                k,
+                cfg.sampling,
+                timeout=timeout,
+            )
             still = []
             for i, group in zip(pending, groups):
                 r = results[i]
                 r.tries += k
-                r.generated_tokens += sum(s.num_tokens for s in group)
+                r.generated_tokens += sum(s.model_tokens for s in group)
                 verified = [self.verify(dataclasses.replace(s, prompt_index=i), ground_truths[i]) for s in group]
                 correct = [v for v in verified if v.reward >= cfg.success_reward]
                 if correct:
