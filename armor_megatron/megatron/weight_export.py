@@ -50,15 +50,19 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from armor_megatron.convert import ParamRef, resolve_param, tp_gather, tp_split
 from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
+from armor_megatron.megatron.collective_export import CollectiveExport
 from armor_megatron.megatron.dist import global_rank, is_distributed
 from armor_megatron.models.arch import ModelArch
+
+if TYPE_CHECKING:
+    from armor_megatron.rollout.engine import ShardDelivery
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -110,7 +114,7 @@ def export_hf_weights(
     return iter(HFWeightExport(model_chunks, arch, bucket_bytes))
 
 
-class HFWeightExport:
+class HFWeightExport(CollectiveExport):
     """The model's HF tensors, spread over the ranks that own them; read once, in one of two ways.
 
     Every rank makes one and hands it on; global rank 0 (the driver) decides how it is read,
@@ -135,8 +139,11 @@ class HFWeightExport:
 
     Either way each owner holds one bucket of at most ``bucket_bytes`` (a larger tensor goes
     alone) plus the tensor being gathered, never its whole stage, and the completeness check
-    runs on every rank before any tensor moves. The first read drives the collectives; a
-    second read is empty on every rank (as an exhausted generator).
+    runs on every rank before any tensor moves.
+
+    A `CollectiveExport`: each rank reads its export once and to the end (a second read, or a
+    ``with`` block / :meth:`close` before the end, raises `ExportReadError`); a rank without use
+    for the tensors calls :meth:`drain`.
     """
 
     def __init__(
@@ -144,20 +151,17 @@ class HFWeightExport:
     ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        super().__init__()
         self.model_chunks, self.arch, self.bucket_bytes = list(model_chunks), arch, bucket_bytes
-        self._read = False
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._read:
-            return
-        self._read = True
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         how = _driver_says(("gather", None))
         if how[0] == "deliver":  # only on ranks other than 0: the driver delivers
             self._deliver_share(how[1])
             return
         yield from self._gather_on_rank0()
 
-    def deliver(self, delivery) -> list | None:
+    def deliver(self, delivery: ShardDelivery) -> list[Any]:
         """Deliver every owner's tensors to the engines (rank 0 conducts).
 
         Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
@@ -168,11 +172,12 @@ class HFWeightExport:
         """
         if global_rank() != 0:
             raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
-        if self._read:
-            raise RuntimeError("this weight export was already read; export the model again")
-        self._read = True
+        self._begin("delivered")
         _driver_says(("deliver", delivery))
-        return self._deliver_share(delivery)
+        reports = self._deliver_share(delivery)
+        assert reports is not None  # rank 0 gathers every rank's
+        self._read_to_end()
+        return reports
 
     # ------------------------------------------------------------------ the two reads
     def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:

@@ -47,7 +47,7 @@ from armor_megatron.config.schema import SaveHFConfig
 from armor_megatron.convert.hf_io import INDEX_FILE
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files
 from armor_megatron.megatron.dist import global_rank, is_distributed
-from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES
+from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES, HFWeightExport
 from armor_megatron.rollout.sglang.weight_sync import DiskDelivery
 
 HF_DIR = "hf"
@@ -81,7 +81,7 @@ def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
     return final
 
 
-def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+def save_hf(export: HFWeightExport, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """Save the exported policy as an HF checkpoint.
 
     Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
@@ -105,7 +105,7 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
             copy_side_files(os.path.join(checkpoint_dir, HF_FILES_DIR), staging)
             _replace_dir(staging, final)
         else:
-            list(export)  # the driver delivers: this rank's owned tensors go to its own sink
+            export.drain()  # the driver delivers: this rank's owned tensors go to its own sink
     except Exception as e:
         outcome[0] = f"{type(e).__name__}: {e}"
         if global_rank() == 0:

@@ -75,13 +75,14 @@ from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.errors import DatasetError
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
+from armor_megatron.megatron.collective_export import CollectiveExport, NamedTensor
 from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
 from armor_megatron.rewards import scorable
 from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls_interrupted, interrupt_calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
-from armor_megatron.rollout.engine import RolloutEngine
+from armor_megatron.rollout.engine import RolloutEngine, WeightSource
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors, collective
@@ -148,12 +149,12 @@ class ArmorTrainer:
         reference,
         tokenizer,
         make_engines: Callable,
-        export_weights: Callable,
+        export_weights: Callable[..., CollectiveExport],
         critic=None,
     ):
         self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
         self.tokenizer = tokenizer
-        self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
+        self.export_weights = export_weights  # (model) -> its HF tensors, read once on every rank
         self.rank = global_rank()
         self.is_driver = self.rank == 0
         # progress, replicated on every rank and checkpointed (``trainer_state``)
@@ -259,16 +260,20 @@ class ArmorTrainer:
             self._park_trainer()  # the first push follows a step's order: it streams from the host copy
         host = self.trainer_memory.host_views(self.actor, self.reference) if self.trainer_memory else None
         with host or contextlib.nullcontext():
-            policy = self.export_weights(self.actor)
-            ref = self.export_weights(self.reference) if self.reference is not None else None
+            policy_export = self.export_weights(self.actor)
+            ref_export = self.export_weights(self.reference) if self.reference is not None else None
+            policy: WeightSource | None = policy_export
+            ref: WeightSource | None = ref_export
             if source_keeps_host_weights(self.cfg) or not self.is_driver:
-                policy, ref = _materialise(policy), _materialise(ref)
+                policy, ref = _materialise(policy_export), _materialise(ref_export)
             if not self.is_driver:
                 return
             self.policy_engine, self.reference_engine = self._make_engines(
                 policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
             )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
-            _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
+            policy_export.close()  # the policy engine read it to the end (else this raises: the job would hang)
+            if ref_export is not None:
+                ref_export.drain()  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = build_anchor_cache(
             self.cfg,
             self.sampling,
@@ -591,14 +596,14 @@ class ArmorTrainer:
         """
         with timer.phase("weight_sync"):
             self._resume_engines(("weights",), ())
-            with self._host_weights(self.actor):
-                weights = self.export_weights(self.actor)
+            with self._host_weights(self.actor), self.export_weights(self.actor) as export:
                 if self.is_driver:
+                    weights: WeightSource = export
                     if self.anchors is not None:  # the anchor source keeps what it swaps back in
-                        weights = self.anchors.sampler.source.policy_weights_pushed(weights)
+                        weights = self.anchors.sampler.source.policy_weights_pushed(export)
                     self._engine.update_weights(weights, f"step-{self.step}")
                 else:
-                    _materialise(weights)
+                    export.drain()
             if self._colocated():
                 free_device_cache()  # the push's staged buckets and IPC-shared blocks, before the KV cache returns
                 barrier()
@@ -610,12 +615,12 @@ class ArmorTrainer:
         with timer.phase("reference_reset"):
             self.reference.reset_from(self.actor)
             self.ref_resets += 1
-            ref_weights = self.export_weights(self.reference)
-            if self.is_driver and self.anchors is not None:
-                self.anchors.wait()
-                self.anchors.sampler.source.reset(ref_weights, self._ref_version())
-                self.anchors.reset(self._ref_version())
-            _materialise(ref_weights)  # drives the export's collectives wherever nothing consumed it
+            with self.export_weights(self.reference) as ref_weights:
+                if self.is_driver and self.anchors is not None:
+                    self.anchors.wait()
+                    self.anchors.sampler.source.reset(ref_weights, self._ref_version())
+                    self.anchors.reset(self._ref_version())
+                ref_weights.drain()  # drives the export's collectives wherever nothing consumed it
         return {"reference/reset": 1.0}
 
     def _reset_due(self, step_metrics: dict) -> bool:
@@ -969,5 +974,6 @@ def engine_trainer_gap(batch: dict) -> float:
     return float(gap)
 
 
-def _materialise(weights):
-    return None if weights is None else list(weights)
+def _materialise(export: CollectiveExport | None) -> list[NamedTensor] | None:
+    """The export read to the end into a list (None for None)."""
+    return None if export is None else list(export)
