@@ -78,6 +78,7 @@ from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, R
 from armor_megatron.megatron.collective_export import CollectiveExport, NamedTensor
 from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
+from armor_megatron.models.arch import ModelArch
 from armor_megatron.rewards import scorable
 from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls_interrupted, interrupt_calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
@@ -85,6 +86,7 @@ from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine, WeightSource
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
+from armor_megatron.trainer.collaborators import Actor, Critic, EngineFactory, Reference, Tokenizer, WeightExporter
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors, collective
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
@@ -136,25 +138,28 @@ class Preempted(Exception):
 class ArmorTrainer:
     """Holds the actor, reference, engines and state; ``run()`` trains to ``cfg.train.steps``.
 
-    ``engines`` is a callable building ``(policy_engine, reference_engine)`` on the driver from
-    the initial HF-named weights (the local engine on CPU, SGLang clients on GPUs). ``critic``:
-    the `MegatronCritic` of estimator gae, None otherwise.
+    What each collaborator must provide: `trainer.collaborators`. ``make_engines`` builds
+    ``(policy_engine, reference_engine)`` on the driver from the first exported weights (the local
+    engine on CPU, SGLang clients on GPUs); ``export_weights`` gives a model's read-once export;
+    ``reference``: None when neither the mixed ratio (α < 1) nor the anchors need π_ref;
+    ``critic``: the value model of estimator gae, None otherwise.
     """
 
     def __init__(
         self,
         cfg: RunConfig,
-        arch,
-        actor,
-        reference,
-        tokenizer,
-        make_engines: Callable,
-        export_weights: Callable[..., CollectiveExport],
-        critic=None,
-    ):
-        self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
+        arch: ModelArch,
+        actor: Actor,
+        reference: Reference | None,
+        tokenizer: Tokenizer,
+        make_engines: EngineFactory,
+        export_weights: WeightExporter,
+        critic: Critic | None = None,
+    ) -> None:
+        self.cfg, self.arch = cfg, arch
+        self.actor, self.reference, self.critic = actor, reference, critic
         self.tokenizer = tokenizer
-        self.export_weights = export_weights  # (model) -> its HF tensors, read once on every rank
+        self.export_weights = export_weights
         self.rank = global_rank()
         self.is_driver = self.rank == 0
         # progress, replicated on every rank and checkpointed (``trainer_state``)
@@ -612,10 +617,13 @@ class ArmorTrainer:
     @collective
     def reset_reference(self, timer: StepTimer) -> dict:
         """All ranks, trainer on the device: θ_ref ← θ in the trainer and the anchor source."""
+        reference = self.reference
+        if reference is None:
+            raise RuntimeError("a reference reset without a reference model (the schedule asks only with one)")
         with timer.phase("reference_reset"):
-            self.reference.reset_from(self.actor)
+            reference.reset_from(self.actor)
             self.ref_resets += 1
-            with self.export_weights(self.reference) as ref_weights:
+            with self.export_weights(reference) as ref_weights:
                 if self.is_driver and self.anchors is not None:
                     self.anchors.wait()
                     self.anchors.sampler.source.reset(ref_weights, self._ref_version())
