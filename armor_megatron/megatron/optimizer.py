@@ -28,7 +28,8 @@ from __future__ import annotations
 import torch
 
 from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron.model import Throughput, resolve_dtype
+from armor_megatron.megatron.model import resolve_dtype
+from armor_megatron.models.megatron_options import Throughput
 
 
 def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None = None) -> list:

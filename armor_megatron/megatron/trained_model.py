@@ -40,9 +40,7 @@ from armor_megatron.megatron.microbatch import (
     split_microbatches,
 )
 from armor_megatron.megatron.model import (
-    MoESettings,
     Recompute,
-    Throughput,
     build_model_chunks,
     resolve_dtype,
     transformer_config_from_arch,
@@ -50,6 +48,7 @@ from armor_megatron.megatron.model import (
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.megatron_options import MoESettings, Throughput
 
 logger = logging.getLogger(__name__)
 
