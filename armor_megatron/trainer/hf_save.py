@@ -40,6 +40,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -51,6 +53,7 @@ from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES, HFWeight
 from armor_megatron.rollout.sglang.weight_sync import DiskDelivery
 
 HF_DIR = "hf"
+_T = TypeVar("_T")
 
 
 def step_name(step: int) -> str:
@@ -91,7 +94,7 @@ def save_hf(export: HFWeightExport, checkpoint_dir: str, step: int, bucket_bytes
     root = os.path.join(checkpoint_dir, HF_DIR)
     final = _step_dir(checkpoint_dir, step)
     staging = _on_every_rank(lambda: _new_staging_dir(root, step))
-    outcome: list = [None]
+    outcome: list[str | None] = [None]
     try:
         if global_rank() == 0:
             reports = export.deliver(DiskDelivery(staging, bucket_bytes))
@@ -152,9 +155,9 @@ def _new_staging_dir(root: str, step: int) -> str:
     return staging
 
 
-def _on_every_rank(make):
+def _on_every_rank(make: Callable[[], _T]) -> _T:
     """``make()`` run on rank 0; its result, or its error, on every rank."""
-    box: list = [None]
+    box: list[Any] = [None]
     if global_rank() == 0:
         try:
             box[0] = make()
@@ -164,7 +167,8 @@ def _on_every_rank(make):
         dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
-    return box[0]
+    made: _T = box[0]
+    return made
 
 
 def prune_hf(checkpoint_dir: str, keep_last: int) -> list[str]:

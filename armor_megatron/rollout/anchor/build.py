@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorSampler, AnchorSamplingConfig
-from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, make_anchor_source
+from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, WeightProvider, make_anchor_source
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 
-def anchor_reward(text: str, truth) -> float:
+def anchor_reward(text: str, truth: tuple[Any, Any]) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
     An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
@@ -32,8 +34,8 @@ def build_anchor_cache(
     *,
     reference_engine: RolloutEngine | None,
     policy_engine: RolloutEngine | None = None,
-    reference_weights=None,
-    policy_weights=None,
+    reference_weights: WeightProvider | None = None,
+    policy_weights: WeightProvider | None = None,
     reference_version: str = "ref-0",
 ) -> AnchorCache | None:
     """None without anchors.

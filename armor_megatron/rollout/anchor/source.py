@@ -21,7 +21,7 @@ import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
 
-from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, WeightSource
 
 WeightProvider = WeightSource | Callable[[], WeightSource]
 
@@ -63,7 +63,7 @@ class SeparateReference:
         n: int,
         sampling: SamplingParams,
         timeout: float | None = None,
-    ):
+    ) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt from the reference engine."""
         return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
 
@@ -112,7 +112,7 @@ class SwapReference:
         n: int,
         sampling: SamplingParams,
         timeout: float | None = None,
-    ):
+    ) -> list[list[Sample]]:
         """Sample from the reference weights, swapped into the policy engine for the call (and back, unless not ``swap_back``)."""
         with self._lock:
             policy_version = self.engine.weight_version
@@ -152,7 +152,7 @@ def make_anchor_source(
     reference_weights: WeightProvider | None = None,
     reference_version: str | None = None,
     policy_weights: WeightProvider | None = None,
-):
+) -> SeparateReference | SwapReference:
     """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
     if kind == "separate":
         if reference_engine is None:

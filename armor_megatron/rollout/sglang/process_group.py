@@ -27,10 +27,10 @@ from collections.abc import Callable
 from typing import Any
 
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
-_ABANDONED: list = []  # aborted groups' backends, never destroyed while their collectives may hang
+_ABANDONED: list[Any] = []  # aborted groups' backends, never destroyed while their collectives may hang
 
 
-def listen(world_size: int, port: int = 0, timeout: float = 600.0):
+def listen(world_size: int, port: int = 0, timeout: float = 600.0) -> Any:
     """Bind rank 0's rendezvous store now.
 
     Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
