@@ -339,8 +339,8 @@ def _agreed_tmp_name(root: str, name: str) -> str:
 def _publish(tmp: str, final: str) -> None:
     """Rename the finished temporary checkpoint directory into place.
 
-    Rename the finished temporary directory into place (an unnamed leftover of the same step,
-    from a save interrupted before `latest` was written, is replaced).
+    An unnamed leftover of the same step (a save interrupted before `latest` was written) is
+    replaced.
     """
     _VERIFIED.discard(os.path.abspath(final))
     if os.path.exists(final):

@@ -195,10 +195,9 @@ def vocab_parallel_logprobs(
 
 
 def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``lp`` with NaN where the label lies outside the vocabulary.
+    """``lp`` with NaN where the label lies outside [0, vocab_size).
 
-    `lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
-    which never reads them on the host.
+    The check of labels on the device: it never reads them back to the host.
     """
     return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
 
@@ -231,9 +230,8 @@ def model_forward(model, mb: MicroBatch) -> torch.Tensor:
 def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [b, w] of a micro-batch from its logits.
 
-    Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
-    [1, t, V_local] packed); column 0 and padding are 0.
-
+    w = ``mb.width``; logits [b, s, V_local] (or [1, t, V_local] packed); column 0 and padding
+    are 0.
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
     are read whole (slicing off the last position would force a copy of [b, s−1, V_local]); the
     last position of each sequence gets a placeholder label (the next token, or 0) and its value

@@ -60,8 +60,8 @@ class MicroBatch:
     def position_ids_on(self, device) -> torch.Tensor:
         """Position ids [b, s] ([1, t] packed) on ``device``.
 
-        Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
-        copied there; ``output_size`` spares the device a read-back of the repeat counts).
+        Built there; packed, from the segment bounds copied there (``output_size`` spares the
+        device a read-back of the repeat counts).
         """
         b, t = self.tokens.shape
         positions = torch.arange(t, device=device)

@@ -462,8 +462,8 @@ def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], tok
 def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
     """Combine the step's per-micro-batch metrics over data-parallel ranks.
 
-    Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
-    the result to every rank of the pipeline (object collectives: a few floats per step).
+    The last pipeline stage's metrics are combined, then handed to every rank of the pipeline
+    (object collectives: a few floats per step).
     """
     from megatron.core import parallel_state
 

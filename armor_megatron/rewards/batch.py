@@ -14,8 +14,7 @@ from armor_megatron.rewards.result import RewardResult
 def compute_score(response: str, ground_truth: Any, verifier: str = "math") -> RewardResult:
     """Score one response against its ground truth.
 
-    Score ``response`` against ``ground_truth`` with the verifier named by ``verifier``
-    (a registered name or ``"package.module:function"``).
+    ``verifier``: a registered name or ``"package.module:function"``.
     """
     if not isinstance(response, str):
         raise TypeError(f"response must be a str, got {type(response).__name__}")

@@ -217,10 +217,10 @@ class ArmorTrainer:
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
-        """The training set without the prompts longer than ``rollout.max_prompt_len``.
+        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens.
 
-        The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
-        encoded for the engine), which are left out once, up front, with a count.
+        Lengths count the tokens as encoded for the engine (chat and prompt templates applied).
+        The long prompts are left out once, up front, with a count in the log.
         """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(

@@ -14,8 +14,8 @@ from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 def anchor_reward(text: str, truth: tuple[Any, Any]) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
-    An anchor candidate's reward; ``truth`` is its row's ``(verifier, answer)``, so an anchor
-    passes exactly the check its group is scored with.
+    ``truth`` is the row's ``(verifier, answer)``, so an anchor passes exactly the check its
+    group is scored with.
     """
     from armor_megatron.rewards import load_verifier
 

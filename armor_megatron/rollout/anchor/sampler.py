@@ -47,8 +47,7 @@ class AnchorSamplingConfig:
     def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
         """A sampler from a run config's ``anchor`` section.
 
-        From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
-        ``anchor.temperature`` when that is set.
+        ``sampling`` is the rollout's; anchors use it at ``anchor.temperature`` when that is set.
         """
         if anchor_section.temperature is not None:
             sampling = dataclasses.replace(sampling, temperature=anchor_section.temperature)

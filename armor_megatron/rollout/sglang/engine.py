@@ -260,10 +260,10 @@ class SGLangEngine(RolloutEngine):
             self._calls = itertools.count()
 
     def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
-        """The first of the request's seeds in deterministic mode, else None.
+        """The first of the request's n seeds in deterministic mode, else None.
 
-        The first of the request's n seeds in deterministic mode (never None there: a
-        deterministic server seeds unseeded requests alike), else None.
+        Never None in deterministic mode, even for an unseeded request: a deterministic server
+        seeds unseeded requests alike, so each request gets seeds of its own.
         """
         if not self.deterministic:
             return None

@@ -31,10 +31,10 @@ _ABANDONED: list[Any] = []  # aborted groups' backends, never destroyed while th
 
 
 def listen(world_size: int, port: int = 0, timeout: float = 600.0) -> Any:
-    """Bind rank 0's rendezvous store now.
+    """Bind rank 0's rendezvous store now; the engines connect to it as clients.
 
-    Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
-    one the OS picks, read it from ``.port``); the engines connect to it as clients.
+    The server listens on every interface; with ``port`` 0 the OS picks one (read it from
+    ``.port``).
     """
     import torch.distributed as dist
 

@@ -329,8 +329,8 @@ class TensorWeightSync(WeightSync):
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
     """Whether every trainer rank shares the driver's node.
 
-    Whether every trainer rank shares the driver's node, from the launcher's environment
-    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process).
+    Read from the launcher's environment: torchrun's ``LOCAL_WORLD_SIZE == WORLD_SIZE``,
+    SLURM's node count of one; without a launcher, one process.
     """
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:

@@ -578,11 +578,10 @@ class SGLangTestServer:
         return self._ckpt_names
 
     def _defer_fused(self, named):
-        """Hold back checkpoint tensors the in-memory model fuses.
+        """Hold back checkpoint tensors the in-memory model fuses, until the update's last request.
 
-        Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
-        places into its own fused parameters as they come, wait here until the update's last
-        request; every other tensor goes in now.
+        transformers 5 fuses MoE experts; SGLang places such tensors into its own fused parameters
+        as they come. Every other tensor goes in now.
         """
         if self.model_path is None:
             return named
