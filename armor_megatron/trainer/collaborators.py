@@ -130,7 +130,7 @@ class EngineFactory(Protocol):
 
     def __call__(
         self,
-        policy: WeightSource | None,
+        policy: WeightSource,
         reference: WeightSource | None,
         *,
         policy_version: str,

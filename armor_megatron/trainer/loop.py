@@ -63,7 +63,7 @@ import signal
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -267,10 +267,10 @@ class ArmorTrainer:
         with host or contextlib.nullcontext():
             policy_export = self.export_weights(self.actor)
             ref_export = self.export_weights(self.reference) if self.reference is not None else None
-            policy: WeightSource | None = policy_export
+            policy: WeightSource = policy_export
             ref: WeightSource | None = ref_export
             if source_keeps_host_weights(self.cfg) or not self.is_driver:
-                policy, ref = _materialise(policy_export), _materialise(ref_export)
+                policy, ref = list(policy_export), _materialise(ref_export)
             if not self.is_driver:
                 return
             self.policy_engine, self.reference_engine = self._make_engines(
@@ -732,7 +732,7 @@ class ArmorTrainer:
     @collective
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Train until ``train.steps``, with evaluations and checkpoints as configured.
 
         Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
