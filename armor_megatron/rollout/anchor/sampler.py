@@ -23,6 +23,8 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from armor_megatron.config.schema import AnchorConfig
+from armor_megatron.rollout.anchor.source import AnchorSource
 from armor_megatron.rollout.engine import Sample, SamplingParams
 
 RewardFn = Callable[[str, Any], float]
@@ -37,14 +39,14 @@ class AnchorSamplingConfig:
     success_reward: float = 1.0
     sampling: SamplingParams = SamplingParams()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_tries < 1 or self.tries_per_request < 1:
             raise ValueError(
                 f"max_tries and tries_per_request must be >= 1, got {self.max_tries} and {self.tries_per_request}"
             )
 
     @classmethod
-    def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
+    def from_run_config(cls, anchor_section: AnchorConfig, sampling: SamplingParams) -> AnchorSamplingConfig:
         """A sampler from a run config's ``anchor`` section.
 
         ``sampling`` is the rollout's; anchors use it at ``anchor.temperature`` when that is set.
@@ -115,7 +117,7 @@ class AnchorStats:
         """Reference tries per prompt."""
         return self.tries / self.prompts if self.prompts else 0.0
 
-    def as_dict(self, prefix: str = "anchor/") -> dict:
+    def as_dict(self, prefix: str = "anchor/") -> dict[str, float]:
         """The totals as metrics, keys prefixed ``prefix``."""
         return {
             f"{prefix}found_rate": self.found_rate,
@@ -128,7 +130,9 @@ class AnchorStats:
 class AnchorSampler:
     """Rejection sampling from ``source`` (a reference policy with ``generate`` and ``version``)."""
 
-    def __init__(self, source, reward_fn: RewardFn, config: AnchorSamplingConfig = AnchorSamplingConfig()):
+    def __init__(
+        self, source: AnchorSource, reward_fn: RewardFn, config: AnchorSamplingConfig = AnchorSamplingConfig()
+    ) -> None:
         self.source = source
         self.reward_fn = reward_fn
         self.config = config
