@@ -6,6 +6,7 @@ import pytest
 from armor_megatron.megatron.collective_export import CollectiveExport, ExportReadError
 from tests.convert.conftest import save_tiny_model
 from tests.megatron.spawn import run_ranks
+from tests.megatron.test_weight_export import hf_tensors
 
 
 class Steps(CollectiveExport):
@@ -71,18 +72,22 @@ def test_an_export_collected_part_read_says_so_on_stderr(capfd):
 
 
 def stopping_rank_worker(rank, hf_dir, mcore_dir, early):
-    """PP=2: rank ``early`` leaves its export early (rank 0: after one tensor; rank 1: unread)."""
+    """PP=2: rank 0 reads its export, rank 1 drains it, but rank ``early`` leaves it early (rank 0:
+    after one tensor; rank 1: unread; -1: no rank does)."""
     import torch.distributed as dist
 
     from armor_megatron.megatron.weight_export import HFWeightExport
     from tests.megatron.test_weight_export import loaded_model
 
     arch, _, chunks = loaded_model(hf_dir, mcore_dir, dict(pp=2))
+    names = []
     try:
         with HFWeightExport(chunks, arch, bucket_bytes=4 << 10) as export:
             if rank == early:
                 if rank == 0:
                     next(iter(export))
+            elif rank == 0:
+                names = sorted(n for n, _ in export)
             else:
                 export.drain()
     except ExportReadError as e:
@@ -92,18 +97,21 @@ def stopping_rank_worker(rank, hf_dir, mcore_dir, early):
     finally:
         if rank == early:
             dist.destroy_process_group()  # as its process would end, closing its connections
-    return "finished"
+    return names
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("early", [0, 1], ids=["rank0-after-one-tensor", "rank1-unread"])
+@pytest.mark.parametrize("early", [0, 1, -1], ids=["rank0-after-one-tensor", "rank1-unread", "none"])
 def test_a_rank_that_stops_early_fails_loudly_rather_than_hanging(tmp_path, early):
     from armor_megatron.convert import convert_hf_to_mcore
 
     hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"))
     convert_hf_to_mcore(hf_dir, str(tmp_path / "mcore"), progress_stream=None)
     results = run_ranks(stopping_rank_worker, 2, hf_dir, str(tmp_path / "mcore"), early, timeout=120, fresh=True)
+    if early < 0:  # the contract kept: rank 0 gets every tensor, the drained rank 1 none
+        assert results == [sorted(hf_tensors(hf_dir)), []]
+        return
     left = "after 1 tensors (iterated)" if early == 0 else "unread"
     assert results[early] == f"ExportReadError: rank {early} left its weight export {left}: " + (
         "every rank must read it to the end (iterate it, deliver it on rank 0, or drain() it); its reads are "
