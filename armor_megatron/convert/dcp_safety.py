@@ -134,7 +134,7 @@ def load_object(data: io.BytesIO, where: str) -> io.BytesIO:
     return copy
 
 
-def safe_reader_class():
+def safe_reader_class() -> Any:
     """`SafeReader`, defined on first use (DCP is imported lazily)."""
     global _SAFE_READER
     if _SAFE_READER is None:

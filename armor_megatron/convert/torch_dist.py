@@ -104,9 +104,9 @@ def extra_state_keys(arch: ModelArch) -> list[str]:
 def _is_linear_weight(ckpt_key: str) -> bool:
     """Whether ``ckpt_key`` is the weight of one of megatron's linear layers.
 
-    Whether ``ckpt_key`` is the weight of one of megatron's linear layers, which are all named
-    ``linear_*`` (linear_qkv, linear_proj, linear_fc1/fc2, MLA's linear_q/kv_*_proj); routers,
-    norms and the shared-expert gate are not linear layers and keep no ``_extra_state``.
+    They are all named ``linear_*`` (linear_qkv, linear_proj, linear_fc1/fc2, MLA's
+    linear_q/kv_*_proj); routers, norms and the shared-expert gate are not linear layers and
+    keep no ``_extra_state``.
     """
     *_, module, leaf = ckpt_key.split(".")
     return leaf == "weight" and module.startswith("linear_")
@@ -366,11 +366,11 @@ def _root_cause(error: BaseException) -> str:
 
 
 def _shape_fits(stored: tuple[int, ...], expected: tuple[int, ...], vocabulary: bool) -> bool:
-    """Whether a stored global shape fits the expected one.
+    """Whether a stored global shape fits the expected one: equal, or a padded vocabulary.
 
-    The stored global shape is the expected one or, for a vocabulary tensor (embedding,
-    output layer), has more rows: a training run pads the vocabulary (Megatron: to a multiple of
-    128·TP) and the rows past the HF vocabulary are padding, left unread.
+    A vocabulary tensor (embedding, output layer) may have more rows: a training run pads the
+    vocabulary (Megatron: to a multiple of 128·TP) and the rows past the HF vocabulary are
+    padding, left unread.
     """
     if stored == expected:
         return True

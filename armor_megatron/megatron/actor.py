@@ -108,7 +108,7 @@ class MegatronActor(TrainedModel):
         normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
         loss_config = _clip_scaled(self.loss_config, self.guard.clip_scale)
 
-        def loss_of(tmb: TrainMicroBatch, logits: torch.Tensor):
+        def loss_of(tmb: TrainMicroBatch, logits: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             lp, ent = token_logprobs(
                 logits, tmb.mb, vocab_size=self.arch.vocab_size, temperature=self.temperature, with_entropy=True
             )
@@ -134,7 +134,7 @@ def _clip_scaled(cfg: PolicyLossConfig, scale: float) -> PolicyLossConfig:
     return cfg if scale == 1.0 else cfg.replace(eps_low=cfg.eps_low * scale, eps_high=cfg.eps_high * scale)
 
 
-def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict:
+def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict[str, torch.Tensor]:
     """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
     out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs", "tis_weights"))
     if out.get("ref_logprobs") is None and cfg.alpha < 1.0:

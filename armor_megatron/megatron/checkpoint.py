@@ -61,7 +61,8 @@ import shutil
 import signal
 import sys
 import uuid
-from typing import Any, Protocol
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -84,6 +85,7 @@ from armor_megatron.megatron.model_state import (
     use_safe_checkpoint_reader,
 )
 
+_T = TypeVar("_T")
 TRACKER = "latest_checkpointed_iteration.txt"  # megatron's name for `latest` (it holds the step)
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -91,10 +93,10 @@ PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 class ModelState(Protocol):
     """What a checkpoint needs of a model without an optimizer (the reference)."""
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self) -> dict[str, Any]:
         """The state to save, as a sharded state dict."""
 
-    def load_sharded_state_dict(self, loaded: dict) -> None:
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Restore from what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict_to_load`."""
 
 
@@ -108,7 +110,7 @@ class TrainableState(ModelState, Protocol):
     def has_optimizer_state(self) -> bool:
         """Whether the optimizer holds state yet (it is saved only then)."""
 
-    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict[str, Any]:
         """The sharded state dict to load into; with or without the optimizer."""
 
 
@@ -126,7 +128,7 @@ def save_checkpoint(
     step: int,
     actor: TrainableState,
     reference: ModelState | None,
-    extra: dict,
+    extra: dict[str, Any],
     *,
     critic: TrainableState | None = None,
 ) -> str:
@@ -212,7 +214,7 @@ def _space_message(root: str, step: int, reason: str) -> str:
     return f"checkpoint of step {step} not written: no space left on {root} ({reason}); the partial save was removed; {kept}"
 
 
-def _on_rank_0(fn) -> None:
+def _on_rank_0(fn: Callable[[], object]) -> None:
     """Run ``fn`` on rank 0; every rank returns when it did, or raises when it failed (no rank waits forever)."""
     error: BaseException | None = None
     if dist.get_rank() == 0:
@@ -228,7 +230,7 @@ def _on_rank_0(fn) -> None:
         raise RuntimeError(f"rank 0 failed to write the checkpoint: {box[0]}")
 
 
-def _finish(tmp: str, root: str, name: str, manifest: dict) -> None:
+def _finish(tmp: str, root: str, name: str, manifest: dict[str, Any]) -> None:
     """Rank 0: write the manifest, rename the checkpoint into place, point `latest` at it."""
     write_manifest(tmp, manifest)
     _publish(tmp, os.path.join(root, name))
@@ -236,7 +238,7 @@ def _finish(tmp: str, root: str, name: str, manifest: dict) -> None:
 
 
 @contextlib.contextmanager
-def preemption_signals_held():
+def preemption_signals_held() -> Iterator[None]:
     """Block SIGTERM/SIGUSR1 in this thread.
 
     Processes started meanwhile inherit the mask (across exec too) and never see them; this process
@@ -301,7 +303,7 @@ def _serve_only_for(parent: int) -> None:
         os.dup2(null, fd)
 
 
-def _agreed_manifest(path: str) -> dict:
+def _agreed_manifest(path: str) -> dict[str, Any]:
     """Every rank hashes its share of the files; the whole manifest table, on every rank."""
     names = list_files(path) if dist.get_rank() == 0 else None
     names = _broadcast(names)
@@ -311,10 +313,12 @@ def _agreed_manifest(path: str) -> dict:
     return {k: v for s in shares for k, v in s.items()}
 
 
-def _broadcast(obj):
-    box = [obj]
+def _broadcast(obj: _T | None) -> _T:
+    """Rank 0's ``obj`` on every rank (what the other ranks pass, None, is ignored)."""
+    box: list[Any] = [obj]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    received: _T = box[0]
+    return received
 
 
 def _agreed_tmp_name(root: str, name: str) -> str:
@@ -333,14 +337,14 @@ def _agreed_tmp_name(root: str, name: str) -> str:
     dist.broadcast_object_list(message, src=0)
     if isinstance(message[0], Exception):
         raise message[0]
-    return message[0]
+    return str(message[0])
 
 
 def _publish(tmp: str, final: str) -> None:
     """Rename the finished temporary checkpoint directory into place.
 
-    Rename the finished temporary directory into place (an unnamed leftover of the same step,
-    from a save interrupted before `latest` was written, is replaced).
+    An unnamed leftover of the same step (a save interrupted before `latest` was written) is
+    replaced.
     """
     _VERIFIED.discard(os.path.abspath(final))
     if os.path.exists(final):
@@ -503,7 +507,7 @@ def load_checkpoint(
     *,
     load_optimizer: bool = True,
     critic: TrainableState | None = None,
-) -> tuple[int, dict]:
+) -> tuple[int, dict[str, Any]]:
     """Restore `actor` (and `reference`, `critic`) from a checkpoint dir, or from the one ``latest`` names in a root.
 
     Returns (step, extra).
@@ -546,7 +550,7 @@ def load_checkpoint(
     return int(common["step"]), load_trainer_state(path)
 
 
-def load_trainer_state(path: str) -> dict:
+def load_trainer_state(path: str) -> dict[str, Any]:
     """``trainer_state.pt`` of a checkpoint, unpickled with ``weights_only=True``.
 
     Only containers, numbers, strings and tensors come back: this file cannot run code (the rest
@@ -554,14 +558,15 @@ def load_trainer_state(path: str) -> dict:
     """
     full = os.path.join(path, EXTRA_FILE)
     try:
-        return torch.load(full, weights_only=True)
+        state: dict[str, Any] = torch.load(full, weights_only=True)
+        return state
     except Exception as e:  # noqa: BLE001 - the unpickler raises many kinds; the line names the file
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise DamagedCheckpointError(f"{full}: cannot be loaded safely ({reason})") from None
 
 
 # ----------------------------------------------------------------------------- layout, RNG
-def _layout() -> dict:
+def _layout() -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     return dict(
@@ -574,7 +579,7 @@ def _layout() -> dict:
     )
 
 
-def _rng_sharded_object():
+def _rng_sharded_object() -> Any:
     """This rank's RNG states as entry `rank` of a world-sized sharded object."""
     import numpy as np
     from megatron.core import tensor_parallel
@@ -590,7 +595,7 @@ def _rng_sharded_object():
     return ShardedObject("rng_state", states, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
-def _set_rng_state(states: dict) -> None:
+def _set_rng_state(states: dict[str, Any]) -> None:
     import numpy as np
     from megatron.core import tensor_parallel
 

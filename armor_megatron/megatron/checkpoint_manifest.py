@@ -17,6 +17,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterator
+from typing import Any
 
 from armor_megatron.confined import inside
 from armor_megatron.errors import UserInputError
@@ -30,7 +32,7 @@ class DamagedCheckpointError(UserInputError):
 
 
 @contextlib.contextmanager
-def read_as_checkpoint(path: str):
+def read_as_checkpoint(path: str) -> Iterator[None]:
     """Turn what reading a damaged checkpoint raises into one line naming it.
 
     Whatever reading the checkpoint at ``path`` raises (megatron's CheckpointingException, a
@@ -82,7 +84,7 @@ def file_digest(path: str) -> str:
     return digest.hexdigest()
 
 
-def describe_files(path: str, names: list[str], rank: int = 0, world: int = 1) -> dict:
+def describe_files(path: str, names: list[str], rank: int = 0, world: int = 1) -> dict[str, Any]:
     """{name: {"size", "xxh3_64"}} for this rank's share of ``names``."""
     share = {}
     for i, name in enumerate(names):
@@ -92,7 +94,7 @@ def describe_files(path: str, names: list[str], rank: int = 0, world: int = 1) -
     return share
 
 
-def write_manifest(path: str, files: dict) -> None:
+def write_manifest(path: str, files: dict[str, Any]) -> None:
     """Write the manifest of ``path`` from the gathered `describe_files` results (durably)."""
     tmp = os.path.join(path, MANIFEST_FILE + ".tmp")
     with open(tmp, "w") as f:
@@ -102,14 +104,15 @@ def write_manifest(path: str, files: dict) -> None:
     os.replace(tmp, os.path.join(path, MANIFEST_FILE))
 
 
-def read_manifest(path: str) -> dict | None:
+def read_manifest(path: str) -> dict[str, Any] | None:
     """The manifest's ``files`` table; None when the checkpoint has no manifest."""
     full = os.path.join(path, MANIFEST_FILE)
     if not os.path.exists(full):
         return None
     try:
         with open(full) as f:
-            return json.load(f)["files"]
+            files: dict[str, Any] = json.load(f)["files"]
+            return files
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise DamagedCheckpointError(f"{full}: unreadable checkpoint manifest ({type(e).__name__})") from None
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -104,7 +105,13 @@ def cuda_synchronize_on_cpu() -> None:
 class _CudaFactoriesOnCpu(TorchFunctionMode):
     """Rewrites a ``device`` argument naming CUDA to the CPU for every torch call inside it."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = kwargs or {}
         device = kwargs.get("device")
         if device is not None and torch.device(device).type == "cuda":
@@ -112,21 +119,24 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _run_inside(context):
+def _run_inside(
+    context: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorator factory: run the wrapped megatron function inside ``context()``; marks it patched."""
 
-    def make(fn):
+    def make(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             with context():
                 return fn(*args, **kwargs)
 
-        return _mark(wrapper)
+        _mark(wrapper)
+        return wrapper
 
     return make
 
 
-def _replace(module, name: str, make) -> None:
+def _replace(module: Any, name: str, make: Callable[[Any], Any]) -> None:
     """Replace ``module.name`` by ``make(old)`` once; a missing name means megatron-core moved."""
     old = getattr(module, name, None)
     if old is None:
@@ -156,7 +166,7 @@ def cuda_literal_devices_on_cpu() -> None:
 
 
 @contextlib.contextmanager
-def _tensor_cuda_is_identity():
+def _tensor_cuda_is_identity() -> Iterator[None]:
     original = torch.Tensor.cuda
     _patch(torch.Tensor, "cuda", lambda self, *args, **kwargs: self)
     try:
@@ -180,7 +190,7 @@ class CpuRNGStatesTracker:
     caller's state, exactly as the CUDA tracker does for the CUDA generator.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.use_cudagraphable_rng = False
         self.is_inference_rng_tracker = kwargs.get("is_inference_rng_tracker", False)
         self.reset()
@@ -199,7 +209,7 @@ class CpuRNGStatesTracker:
         """A copy of the named RNG states."""
         return dict(self.states_)
 
-    def set_states(self, states) -> None:
+    def set_states(self, states: Mapping[str, torch.Tensor]) -> None:
         """Replace the named RNG states."""
         self._is_initialized = True
         self.states_ = dict(states)
@@ -215,7 +225,7 @@ class CpuRNGStatesTracker:
         self.states_[name] = torch.Generator().manual_seed(seed).get_state()
 
     @contextlib.contextmanager
-    def fork(self, name: str = "model-parallel-rng"):
+    def fork(self, name: str = "model-parallel-rng") -> Iterator[None]:
         """Run the block under RNG state ``name`` (saved back after), restoring the outer state."""
         if name not in self.states_:
             raise RuntimeError(f"rng state {name} is not added")
@@ -270,16 +280,16 @@ def mla_without_te() -> None:
 class _HostStream:
     """Stands in for ``torch.cuda.Stream`` where megatron-core only orders host copies."""
 
-    def wait_stream(self, other) -> None:
+    def wait_stream(self, other: object) -> None:
         pass
 
-    def record_event(self, event=None):
+    def record_event(self, event: object = None) -> _HostEvent:
         return _HostEvent()
 
     def synchronize(self) -> None:
         pass
 
-    def __eq__(self, other) -> bool:
+    def __eq__(self, other: object) -> bool:
         return isinstance(other, _HostStream)
 
     __hash__ = object.__hash__
@@ -289,11 +299,11 @@ class _HostEvent:
     def synchronize(self) -> None:
         pass
 
-    def wait(self, stream=None) -> None:
+    def wait(self, stream: object = None) -> None:
         pass
 
 
-def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+def _host_copy(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
     """``moe_utils.maybe_move_tensor_to_cpu`` for tensors already on the CPU."""
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
@@ -313,13 +323,13 @@ def moe_alltoall_dispatcher_on_cpu() -> None:
 
 
 @contextlib.contextmanager
-def _cpu_tensors_report_cuda_type():
+def _cpu_tensors_report_cuda_type() -> Iterator[None]:
     original = torch.Tensor.type
     if getattr(original, _MARK, False):  # nested (a wrapped __init__ calling super's)
         yield
         return
 
-    def cuda_type(self, *args, **kwargs):
+    def cuda_type(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         name = original(self, *args, **kwargs)  # under a torch-function mode this may be cuda_type again
         if args or kwargs or self.is_cuda or name.startswith("torch.cuda."):
             return name
@@ -333,7 +343,7 @@ def _cpu_tensors_report_cuda_type():
 
 
 @contextlib.contextmanager
-def _optimizer_cuda_assumptions_on_cpu():
+def _optimizer_cuda_assumptions_on_cpu() -> Iterator[None]:
     with _CudaFactoriesOnCpu(), _cpu_tensors_report_cuda_type():
         yield
 

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -79,7 +80,9 @@ class ValueHead(torch.nn.Module):
         self.bias = torch.nn.Parameter(torch.zeros(1, dtype=dtype))
         self.sequence_parallel = sequence_parallel
 
-    def forward(self, hidden_states: torch.Tensor, weight=None, runtime_gather_output=None):
+    def forward(
+        self, hidden_states: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
         """Values [s, b, 1] in fp32 from hidden states [s, b, h] ([s/tp, b, h] under sequence parallelism)."""
         if self.sequence_parallel:
             # [s/tp, b, h] -> [s, b, h]. Every TP rank then computes the whole (identical) loss,
@@ -120,7 +123,7 @@ class MegatronCritic(TrainedModel):
         self.loss_config, self.value_head_init_std = loss, float(value_head_init_std)
         super().__init__(settings, optimizer=optimizer, total_steps=total_steps, seed=seed, stability=stability)
 
-    def _build_chunks(self, config, seed: int) -> list:
+    def _build_chunks(self, config: Any, seed: int) -> list[torch.nn.Module]:
         s = self.settings
         untied = dataclasses.replace(s.arch, tie_word_embeddings=False)
         chunks = build_model_chunks(untied, s.parallel, dtype=s.dtype, config=config, use_te=s.use_te)
@@ -165,7 +168,7 @@ class MegatronCritic(TrainedModel):
         batch = {k: batch[k] for k in ("input_ids", "lengths", "response_mask", *keys)}
         normalizer = loss_normalizer(batch["response_mask"], self.loss_config.loss_agg).clamp(min=1).float()
 
-        def loss_of(tmb: TrainMicroBatch, output: torch.Tensor):
+        def loss_of(tmb: TrainMicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             values = token_values(output, tmb.mb)
             rows = {k: to_device(v, values.device) for k, v in tmb.rows.items()}
             return value_loss(

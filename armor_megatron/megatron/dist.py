@@ -127,7 +127,7 @@ class ParallelConfig:
     sp: bool | None = None  # sequence parallelism; None: on exactly when Transformer Engine is used and tp > 1
 
     @classmethod
-    def from_run_config(cls, section) -> ParallelConfig:
+    def from_run_config(cls, section: Any) -> ParallelConfig:
         """The layout of a run config's ``parallelism`` section (its fields carry these names)."""
         return cls(**{f.name: getattr(section, f.name) for f in dataclasses.fields(cls) if hasattr(section, f.name)})
 
@@ -136,7 +136,7 @@ class ParallelConfig:
         """The expert tensor-parallel size (the tensor-parallel size unless set)."""
         return self.tp if self.etp is None else self.etp
 
-    def megatron_sizes(self) -> dict:
+    def megatron_sizes(self) -> dict[str, Any]:
         """The sizes under the names shared by ``initialize_model_parallel`` and ``TransformerConfig``."""
         return dict(
             tensor_model_parallel_size=self.tp,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "config.json")) and not os.path.isfile(os.path.join(path, "metadata.json"))
 
 
-def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None:
+def load_weights(chunks: list[torch.nn.Module], path: str, exclude: tuple[str, ...] = ()) -> None:
     """Model weights from ``path``.
 
     An HF directory (`load_hf_weights`: each rank reads its own slices) or a torch_dist checkpoint /
@@ -66,7 +67,7 @@ def load_weights(chunks: list, path: str, exclude: tuple[str, ...] = ()) -> None
 
 
 def load_hf_weights(
-    chunks: list, hf_dir: str, exclude: tuple[str, ...] = (), buffer_bytes: int = DEFAULT_BUFFER_BYTES
+    chunks: list[torch.nn.Module], hf_dir: str, exclude: tuple[str, ...] = (), buffer_bytes: int = DEFAULT_BUFFER_BYTES
 ) -> None:
     """Fill this rank's model chunks from the HF directory ``hf_dir``.
 
@@ -112,7 +113,7 @@ class _SliceReader:
         self.buffer_bytes = buffer_bytes
         self._buffer: torch.Tensor | None = None
 
-    def fill(self, st) -> None:
+    def fill(self, st: Any) -> None:
         arch, rule = self.arch, self.rules.get(st.key)
         if rule is None:
             raise CheckpointError(

@@ -17,6 +17,7 @@ MLA layer spec (CPU, and GPU runs without TE):
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from megatron.core.transformer.enums import AttnMaskType
@@ -25,12 +26,12 @@ from megatron.core.transformer.module import MegatronModule
 from armor_megatron.megatron.packed_attention import attend_per_segment
 
 
-class LocalMLACoreAttention(MegatronModule):
+class LocalMLACoreAttention(MegatronModule):  # type: ignore[misc]  # megatron-core ships no types
     """Causal scaled dot-product attention with separate q/k and v head sizes (no dropout)."""
 
     def __init__(
         self,
-        config,
+        config: Any,
         layer_number: int,
         attn_mask_type: AttnMaskType,
         attention_type: str,
@@ -39,8 +40,8 @@ class LocalMLACoreAttention(MegatronModule):
         k_channels: int | None = None,
         v_channels: int | None = None,
         cp_comm_type: str | None = None,
-        pg_collection=None,
-    ):
+        pg_collection: Any = None,
+    ) -> None:
         super().__init__(config=config)
         if config.context_parallel_size > 1:
             raise ValueError("LocalMLACoreAttention does not support context parallelism")
@@ -57,7 +58,7 @@ class LocalMLACoreAttention(MegatronModule):
         attention_mask: torch.Tensor | None,
         attn_mask_type: AttnMaskType | None = None,
         attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
+        packed_seq_params: Any = None,
     ) -> torch.Tensor:
         """Attention [s, b, n·d_v] of q, k, v [s, b, n, d] (THD packed: [t, n, d]), masked per ``attn_mask_type``."""
         if attention_bias is not None:

@@ -45,8 +45,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
-from typing import cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -71,7 +71,17 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
     """logits [N, V_local] (any float dtype), labels [N] -> log p [N], entropy [N] (fp32)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, vocab_start, valid, temperature, chunk, with_entropy, group):
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        vocab_start: int,
+        valid: int,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        group: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         n = logits.shape[0]
         logprobs = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(logprobs)
@@ -105,7 +115,7 @@ class _ChunkedVocabParallelLogProbs(torch.autograd.Function):
         return logprobs, (entropy if with_entropy else lse.new_zeros(0))
 
     @staticmethod
-    def backward(ctx, grad_logprobs, grad_entropy):
+    def backward(ctx: Any, grad_logprobs: torch.Tensor, grad_entropy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         logits, local, owned, lse, entropy = ctx.saved_tensors
         valid, temperature, chunk, with_entropy = ctx.args
         grad = torch.zeros_like(logits)
@@ -144,7 +154,7 @@ def _scaled_fp32(out: torch.Tensor, x: torch.Tensor, temperature: float) -> torc
     return out.div_(temperature) if temperature != 1.0 else out
 
 
-def _all_reduce(t: torch.Tensor, op, group) -> None:
+def _all_reduce(t: torch.Tensor, op: Any, group: Any) -> None:
     if group is not None and dist.get_world_size(group) > 1:
         dist.all_reduce(t, op=op, group=group)
 
@@ -157,7 +167,7 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_elements: int = DEFAULT_CHUNK_ELEMENTS,
-    group=None,
+    group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log p(labels) and optionally the entropy under softmax(logits / temperature).
 
@@ -186,7 +196,7 @@ def vocab_parallel_logprobs(
     valid = max(0, min(v_local, vocab_size - vocab_start))
     chunk = max(1, chunk_elements // max(v_local, 1))
     flat_logits = logits.reshape(-1, v_local)
-    lp, ent = _ChunkedVocabParallelLogProbs.apply(
+    lp, ent = _ChunkedVocabParallelLogProbs.apply(  # type: ignore[no-untyped-call]  # torch leaves apply untyped
         flat_logits, labels.reshape(-1), vocab_start, valid, float(temperature), chunk, with_entropy, group
     )
     if not on_host:  # reading the labels' range would wait for the device
@@ -195,10 +205,9 @@ def vocab_parallel_logprobs(
 
 
 def out_of_range_to_nan(lp: torch.Tensor, labels: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """``lp`` with NaN where the label lies outside the vocabulary.
+    """``lp`` with NaN where the label lies outside [0, vocab_size).
 
-    `lp` with NaN where the label lies outside [0, vocab_size): the check of device labels,
-    which never reads them on the host.
+    The check of labels on the device: it never reads them back to the host.
     """
     return torch.where((labels < 0) | (labels >= vocab_size), torch.nan, lp)
 
@@ -218,22 +227,22 @@ class LogProbs:
     entropy: torch.Tensor | None  # [B, T] fp32 or None
 
 
-def model_forward(model, mb: MicroBatch) -> torch.Tensor:
+def model_forward(model: Any, mb: MicroBatch) -> torch.Tensor:
     """One stage's forward: logits [b, s, V_local] ([1, t, V_local] packed) on the last stage, hidden states elsewhere.
 
     A packed micro-batch runs as THD (``PackedSeqParams``).
     """
     device = _device_of(model)
     tokens = to_device(mb.tokens, device)
-    return model(tokens, mb.position_ids_on(device), None, packed_seq_params=mb.packed_seq_params(device))
+    out: torch.Tensor = model(tokens, mb.position_ids_on(device), None, packed_seq_params=mb.packed_seq_params(device))
+    return out
 
 
-def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(logits: torch.Tensor, mb: MicroBatch, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [b, w] of a micro-batch from its logits.
 
-    Log-probs [b, w] (w = ``mb.width``) of a micro-batch from its logits [b, s, V_local] (or
-    [1, t, V_local] packed); column 0 and padding are 0.
-
+    w = ``mb.width``; logits [b, s, V_local] (or [1, t, V_local] packed); column 0 and padding
+    are 0.
     Position t holds log p(tokens[t] | tokens[:t]), predicted by the logits at t − 1. The logits
     are read whole (slicing off the last position would force a copy of [b, s−1, V_local]); the
     last position of each sequence gets a placeholder label (the next token, or 0) and its value
@@ -350,13 +359,13 @@ def forward_only(
     width = round_up(T, multiple)  # micro-batches may run past T; their extra columns are dropped
     results = {name: torch.zeros(per_rank, width, dtype=torch.float32, device=device) for name in names}
 
-    def loss_func(mb, output):
+    def loss_func(mb: MicroBatch, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         rows, index = len(mb.index), to_device(mb.index, device)
         for name, value in zip(names, collect(mb, output), strict=True):
             results[name][index, : value.shape[1]] = value[:rows]
         return output.new_zeros(()), {}
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator: Iterator[MicroBatch], model: Any) -> tuple[torch.Tensor, Callable[..., Any]]:
         mb = next(data_iterator)
         return model_forward(model, mb), functools.partial(loss_func, mb)
 

@@ -27,9 +27,11 @@ trailing dims kept) into [b, mb.width] rows, so everything downstream sees the p
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
+from armor_megatron.config.schema import TrainConfig
 from armor_megatron.data.token_budget import packed_capacity, token_budget_plan
 
 
@@ -57,11 +59,11 @@ class MicroBatch:
         """Position ids on the tokens' device."""
         return self.position_ids_on(self.tokens.device)
 
-    def position_ids_on(self, device) -> torch.Tensor:
+    def position_ids_on(self, device: torch.device | str | None) -> torch.Tensor:
         """Position ids [b, s] ([1, t] packed) on ``device``.
 
-        Positions [b, s] ([1, t] packed), built on `device` (packed: from the segment bounds
-        copied there; ``output_size`` spares the device a read-back of the repeat counts).
+        Built there; packed, from the segment bounds copied there (``output_size`` spares the
+        device a read-back of the repeat counts).
         """
         b, t = self.tokens.shape
         positions = torch.arange(t, device=device)
@@ -70,7 +72,7 @@ class MicroBatch:
             positions = positions - cu[:-1].repeat_interleave(cu.diff(), output_size=t)
         return positions.expand(b, t)
 
-    def packed_seq_params(self, device=None):
+    def packed_seq_params(self, device: torch.device | str | None = None) -> Any:
         """Megatron's ``PackedSeqParams`` (THD) of a packed micro-batch, None for a padded one."""
         if self.cu_seqlens is None:  # padded
             return None
@@ -96,7 +98,7 @@ class MicroBatch:
         return x[0][where]
 
 
-def pinned_copy(src: torch.Tensor, device) -> bool:
+def pinned_copy(src: torch.Tensor, device: torch.device | str | None) -> bool:
     """Whether `src` goes to `device` through pinned host memory, without blocking the host.
 
     When it lies in host memory and `device` is a GPU. A pageable host-to-GPU copy makes the host
@@ -105,7 +107,7 @@ def pinned_copy(src: torch.Tensor, device) -> bool:
     return src.device.type == "cpu" and device is not None and torch.device(device).type == "cuda"
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
+def to_device(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
     """`t` on `device` (None: left where it is).
 
     Host tensors bound for a GPU are pinned and copied asynchronously (`pinned_copy`): the caching
@@ -162,7 +164,7 @@ def data_parallel_shares(n: int) -> tuple[list[torch.Tensor], int]:
     return list(torch.tensor_split(torch.arange(n), dp)), max(1, -(-n // dp))
 
 
-def padded_rows(rows: dict, count: int) -> dict:
+def padded_rows(rows: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
     """`rows` ({name: [N, ...]}) with `count` padding rows appended.
 
     Token 0, length 1, zeros everywhere else (zero mask: no loss, no gradient).
@@ -181,7 +183,7 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def sequence_multiple(model_chunks) -> int:
+def sequence_multiple(model_chunks: Any) -> int:
     """What micro-batch lengths must be a multiple of.
 
     The TP size under sequence parallelism (each TP rank holds s / tp positions between the layers),
@@ -192,7 +194,7 @@ def sequence_multiple(model_chunks) -> int:
     chunk = model_chunks[0] if isinstance(model_chunks, (list, tuple)) else model_chunks
     config = getattr(getattr(chunk, "module", chunk), "config", None)
     if config is not None and getattr(config, "sequence_parallel", False):
-        return parallel_state.get_tensor_model_parallel_world_size()
+        return int(parallel_state.get_tensor_model_parallel_world_size())
     return 1
 
 
@@ -232,12 +234,12 @@ class TokenBudget:
     forward: int | None = None
 
     @classmethod
-    def of(cls, train) -> TokenBudget:
+    def of(cls, train: TrainConfig) -> TokenBudget:
         """From a run config's ``train`` section (the forward budget defaults to the train one)."""
         budget = train.max_tokens_per_micro_batch
         return cls(budget, train.forward_max_tokens_per_micro_batch or budget)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         for name in ("train", "forward"):
             value = getattr(self, name)
             if value is not None and value < 1:

@@ -82,10 +82,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from armor_megatron.config.schema import TrainConfig
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.models.family import family_of
@@ -114,7 +116,7 @@ def set_compile_stance(compile: bool) -> None:
     torch.compiler.set_stance("default" if compile else "force_eager")
 
 
-def resolve_dtype(dtype) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype named by ``dtype`` (fp32 or bf16); others raise ValueError."""
     if isinstance(dtype, torch.dtype):
         if dtype in (torch.float32, torch.bfloat16):
@@ -152,11 +154,11 @@ class Recompute:
     num_layers: int = 1  # (full only)
 
     @classmethod
-    def of(cls, train) -> Recompute:
+    def of(cls, train: TrainConfig) -> Recompute:
         """From a run config's ``train`` section."""
         return cls(train.recompute, train.recompute_method, train.recompute_num_layers)
 
-    def config_kwargs(self, layers_per_chunk: int) -> dict:
+    def config_kwargs(self, layers_per_chunk: int) -> dict[str, Any]:
         """The TransformerConfig keywords of this recompute setting."""
         if self.mode == "none":
             return {}
@@ -176,7 +178,7 @@ def transformer_config_from_arch(
     arch: ModelArch,
     parallel: ParallelConfig = ParallelConfig(),
     *,
-    dtype=torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     use_te: bool | None = None,
     sequence_parallel: bool | None = None,
     moe_aux_loss_coeff: float = 0.0,
@@ -185,8 +187,8 @@ def transformer_config_from_arch(
     recompute: Recompute = Recompute(),
     throughput: Throughput | None = None,
     moe: MoESettings | None = None,
-    **overrides,
-):
+    **overrides: Any,
+) -> Any:
     """The megatron ``TransformerConfig`` for `arch` under `parallel`; `overrides` win last.
 
     `moe` (`MoESettings`) replaces the shorthands ``moe_aux_loss_coeff`` / ``moe_token_dispatcher``
@@ -283,7 +285,7 @@ def transformer_config_from_arch(
     return config_classes[declared.config_class](**kwargs)
 
 
-def layer_spec(arch: ModelArch, use_te: bool, config=None, vp_stage: int | None = None):
+def layer_spec(arch: ModelArch, use_te: bool, config: Any = None, vp_stage: int | None = None) -> Any:
     """Transformer layer spec: TE fused modules on GPU, megatron-core local modules otherwise.
 
     Models whose layers differ (DeepSeek's first dense layers) get a block spec holding this
@@ -303,7 +305,7 @@ def layer_spec(arch: ModelArch, use_te: bool, config=None, vp_stage: int | None 
     return TransformerBlockSubmodules(layer_specs=specs[first : first + count], layer_norm=norm)
 
 
-def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool):
+def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool) -> Any:
     from megatron.core.models.gpt import gpt_layer_specs
 
     experts = arch.num_experts if moe else None
@@ -330,7 +332,7 @@ def _one_layer_spec(arch: ModelArch, use_te: bool, moe: bool):
     return spec
 
 
-def _local_core_attention(name: str):
+def _local_core_attention(name: str) -> type:
     """The local spec's core attention class a family names (`MegatronSpec.local_core_attention`)."""
     if name == "mla":
         from armor_megatron.megatron.local_mla_attention import LocalMLACoreAttention
@@ -345,12 +347,12 @@ def build_gpt_model(
     arch: ModelArch,
     parallel: ParallelConfig = ParallelConfig(),
     *,
-    dtype=torch.float32,
+    dtype: str | torch.dtype = torch.float32,
     vp_stage: int | None = None,
     use_te: bool | None = None,
-    config=None,
-    **config_kwargs,
-):
+    config: Any = None,
+    **config_kwargs: Any,
+) -> Any:
     """This rank's pipeline stage (or VPP chunk `vp_stage`) of the GPT model for `arch`.
 
     Embedding lives on the first stage, final norm and output layer on the last; with tied
@@ -392,7 +394,7 @@ def build_gpt_model(
     return model.eval()
 
 
-def build_model_chunks(arch: ModelArch, parallel: ParallelConfig = ParallelConfig(), **kwargs) -> list:
+def build_model_chunks(arch: ModelArch, parallel: ParallelConfig = ParallelConfig(), **kwargs: Any) -> list[Any]:
     """All model chunks of this rank: one, or ``parallel.vpp`` with interleaved pipelining."""
     if parallel.vpp is None:
         return [build_gpt_model(arch, parallel, **kwargs)]

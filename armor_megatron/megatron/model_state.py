@@ -16,18 +16,21 @@ Public interface (every rank calls every function)::
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from armor_megatron.errors import MissingInputError
 
 LATEST = "latest"  # text file in a checkpoint root naming its newest complete checkpoint
 
 
-def chunks_sharded_state_dict(chunks: list, prefix: str = "") -> dict:
+def chunks_sharded_state_dict(chunks: list[Any], prefix: str = "") -> dict[str, Any]:
     """{"chunk<i>": sharded state dict} of model chunks; tensor keys are global (chunk-independent)."""
     return {f"chunk{i}": c.sharded_state_dict(prefix=prefix) for i, c in enumerate(chunks)}
 
 
-def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tuple[str, ...] = ()) -> None:
+def load_chunks_state(
+    chunks: list[Any], loaded: dict[str, Any], prefix: str = "", exclude: tuple[str, ...] = ()
+) -> None:
     """Load what dist_checkpointing returned for `chunks_sharded_state_dict(chunks, prefix)`.
 
     Module keys starting with one of `exclude` may be absent (they keep their values).
@@ -42,7 +45,7 @@ def load_chunks_state(chunks: list, loaded: dict, prefix: str = "", exclude: tup
             )
 
 
-def load_model_weights(chunks: list, mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
+def load_model_weights(chunks: list[Any], mcore_dir: str, exclude: tuple[str, ...] = ()) -> None:
     """Load model tensors (unprefixed keys) from a torch_dist checkpoint into `chunks`, resharding.
 
     Tensors whose keys start with one of `exclude` are not read (e.g. the critic's value head).

@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
 
-def model_tensors(model) -> Iterator[torch.Tensor]:
+def model_tensors(model: Any) -> Iterator[torch.Tensor]:
     """Every tensor a trained or frozen model keeps between steps.
 
     Parameters and buffers of its chunks, megatron DDP's parameter and gradient buffers
@@ -63,7 +64,7 @@ def model_tensors(model) -> Iterator[torch.Tensor]:
     yield from _optimizer_tensors(getattr(model, "optimizer", None))
 
 
-def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
+def model_scratch_tensors(model: Any) -> Iterator[torch.Tensor]:
     """Megatron DDP's gradient buffers (``main_grad`` views into them).
 
     Zeroed at the start of every update (`TrainedModel._forward_backward`), so their contents need
@@ -75,16 +76,17 @@ def model_scratch_tensors(model) -> Iterator[torch.Tensor]:
                 yield buffer.grad_data
 
 
-def compute_device(*models) -> torch.device | None:
+def compute_device(*models: Any) -> torch.device | None:
     """The device the first model with parameters computes on."""
     for model in models:
         for chunk in getattr(model, "model_chunks", []) if model is not None else []:
             for p in chunk.parameters():
-                return p.device
+                device: torch.device = p.device
+                return device
     return None
 
 
-def _optimizer_tensors(optimizer) -> Iterator[torch.Tensor]:
+def _optimizer_tensors(optimizer: Any) -> Iterator[torch.Tensor]:
     if optimizer is None:
         return
     for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
@@ -108,7 +110,7 @@ class HostOffload:
         tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
         scratch: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]] = (),
         device: torch.device | None = None,
-    ):
+    ) -> None:
         self._tensors = _reader(tensors)
         self._scratch = _reader(scratch)
         self.device = device
@@ -120,7 +122,7 @@ class HostOffload:
         self.ledger = None
 
     @classmethod
-    def of(cls, *models) -> HostOffload:
+    def of(cls, *models: Any) -> HostOffload:
         """An offload of the given models' tensors (None entries skipped), on their compute device."""
         return cls(
             lambda: (t for model in models if model is not None for t in model_tensors(model)),
@@ -131,7 +133,7 @@ class HostOffload:
     def _collect(self) -> tuple[list[torch.UntypedStorage], list[torch.UntypedStorage]]:
         """(storages copied, scratch storages freed): distinct, non-empty, on ``device``."""
 
-        def distinct(tensors) -> dict[int, torch.UntypedStorage]:
+        def distinct(tensors: Iterable[torch.Tensor]) -> dict[int, torch.UntypedStorage]:
             found: dict[int, torch.UntypedStorage] = {}
             for t in tensors:
                 if torch.is_tensor(t) and not t.is_meta and (self.device is None or t.device == self.device):
@@ -200,7 +202,7 @@ class HostOffload:
             self.ledger.trainer_to_device()
 
     @contextlib.contextmanager
-    def released(self, enabled: bool = True):
+    def released(self, enabled: bool = True) -> Iterator[None]:
         """Offloaded inside the block (when `enabled`), reloaded after it, also on an error."""
         if not enabled:
             yield
@@ -227,7 +229,7 @@ class HostOffload:
         return view.set_(copy.untyped_storage(), t.storage_offset(), t.shape, t.stride())
 
     @contextlib.contextmanager
-    def host_views(self, *models):
+    def host_views(self, *models: Any) -> Iterator[None]:
         """Inside the block, the parameters and buffers of ``models``' chunks read their host copies.
 
         ``.data`` is swapped and restored after, so a weight export streams from host memory
@@ -256,12 +258,14 @@ class HostOffload:
             _unpin(copy)
         self._host = []
 
-    def __del__(self):
+    def __del__(self) -> None:
         with contextlib.suppress(Exception):
             self._release_host()
 
 
-def _reader(tensors) -> Callable[[], Iterable[torch.Tensor]]:
+def _reader(
+    tensors: Iterable[torch.Tensor] | Callable[[], Iterable[torch.Tensor]],
+) -> Callable[[], Iterable[torch.Tensor]]:
     if callable(tensors):
         return tensors
     kept = list(tensors)
@@ -276,7 +280,7 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
     """
     buffer = torch.empty(nbytes, dtype=torch.uint8)
     if pinned and nbytes:
-        status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)
+        status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)  # type: ignore[no-untyped-call]
         if int(status) != 0:
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with CUDA error {int(status)}")
         setattr(buffer, "_armor_registered", True)  # noqa: B010 (a mark on a tensor: no declared field)
@@ -285,7 +289,7 @@ def _host_buffer(nbytes: int, pinned: bool) -> torch.Tensor:
 
 def _unpin(buffer: torch.Tensor) -> None:
     if getattr(buffer, "_armor_registered", False):
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())  # type: ignore[no-untyped-call]
         setattr(buffer, "_armor_registered", False)  # noqa: B010
 
 

@@ -25,13 +25,16 @@ updates only; skipped steps do not advance it) uses lr(k): linear warmup from 0 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from armor_megatron.config.schema import OptimizerConfig
-from armor_megatron.megatron.model import Throughput, resolve_dtype
+from armor_megatron.megatron.model import resolve_dtype
+from armor_megatron.models.megatron_options import Throughput
 
 
-def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None = None) -> list:
+def wrap_ddp(model_chunks: list[Any], *, on_gpu: bool, throughput: Throughput | None = None) -> list[Any]:
     """Wrap each model chunk in Megatron's ``DistributedDataParallel``.
 
     Megatron ``DistributedDataParallel`` around each chunk (grads in fp32 buffers; only the first
@@ -60,7 +63,9 @@ def wrap_ddp(model_chunks: list, *, on_gpu: bool, throughput: Throughput | None 
     ]
 
 
-def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_steps: int):
+def build_optimizer(
+    ddp_chunks: list[Any], cfg: OptimizerConfig, *, dtype: str | torch.dtype, total_steps: int
+) -> tuple[Any, Any]:
     """Megatron optimizer over `ddp_chunks` and its LR scheduler (see module docstring)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -85,7 +90,7 @@ def build_optimizer(ddp_chunks: list, cfg: OptimizerConfig, *, dtype, total_step
     return optimizer, build_scheduler(optimizer, cfg, total_steps=total_steps)
 
 
-def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
+def build_scheduler(optimizer: Any, cfg: OptimizerConfig, *, total_steps: int) -> Any:
     """Megatron's ``OptimizerParamScheduler`` for `cfg` (see module docstring).
 
     Sets the lr of every param group of `optimizer` (anything with ``param_groups``) to lr(0) at
@@ -110,13 +115,13 @@ def build_scheduler(optimizer, cfg: OptimizerConfig, *, total_steps: int):
     )
 
 
-def current_lr(optimizer) -> float:
+def current_lr(optimizer: Any) -> float:
     """The learning rate of the optimizer's first param group."""
     return float(optimizer.param_groups[0]["lr"])
 
 
 @torch.no_grad()
-def grad_norm(optimizer) -> float:
+def grad_norm(optimizer: Any) -> float:
     """Move the reduced grads to the optimizer's params; their global L2 norm.
 
     The norm is over every model-parallel shard, counting tensor-parallel duplicates once.
@@ -126,7 +131,7 @@ def grad_norm(optimizer) -> float:
 
 
 @torch.no_grad()
-def apply_update(optimizer, scheduler, norm: float) -> None:
+def apply_update(optimizer: Any, scheduler: Any, norm: float) -> None:
     """Clip the grads by ``norm``, step the optimizer and the LR schedule.
 
     Clip the prepared grads by `norm` (coefficient clip_grad / (norm + 1e-6) when below 1),

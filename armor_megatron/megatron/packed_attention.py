@@ -15,6 +15,7 @@ the dummy batch dimension: q, k, v arrive [t, n, d] and leave as [t, 1, n·d_v].
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -25,7 +26,7 @@ def attend_per_segment(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    packed_seq_params,
+    packed_seq_params: Any,
 ) -> torch.Tensor:
     """Attention on every segment of a packed micro-batch.
 
@@ -42,22 +43,23 @@ def attend_per_segment(
     return torch.cat([attend(query[a:b, None], key[a:b, None], value[a:b, None]) for a, b in zip(bounds, bounds[1:])])
 
 
-class PackedDotProductAttention(DotProductAttention):
+class PackedDotProductAttention(DotProductAttention):  # type: ignore[misc]  # megatron-core ships no types
     """megatron-core's local ``DotProductAttention`` that also runs packed (THD) micro-batches."""
 
     def forward(
         self,
-        query,
-        key,
-        value,
-        attention_mask,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
-    ):
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
         """Megatron's dot-product attention, or per segment for a packed micro-batch (``packed_seq_params``)."""
         if packed_seq_params is None:
-            return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            out: torch.Tensor = super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            return out
         if attention_mask is not None:
             raise ValueError("packed sequences take no attention_mask: segments are bounded by cu_seqlens")
         dense = super().forward

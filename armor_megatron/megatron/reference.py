@@ -22,6 +22,8 @@ tokens.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -71,7 +73,10 @@ class ReferenceModel:
     @torch.no_grad()
     def reset_from(self, actor: TrainedModel) -> None:
         """Copy the actor's current model weights into the reference (same arch and layout)."""
-        dtype = lambda chunks: next(chunks[0].parameters()).dtype  # noqa: E731
+
+        def dtype(chunks: list[torch.nn.Module]) -> torch.dtype:
+            return next(chunks[0].parameters()).dtype
+
         if (actor.arch, actor.parallel, dtype(actor.model_chunks)) != (
             self.arch,
             self.parallel,
@@ -94,11 +99,11 @@ class ReferenceModel:
         load_weights(self.model_chunks, path)
 
     # ------------------------------------------------------------------ checkpoint hooks
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self) -> dict[str, Any]:
         """The reference's model weights as a sharded state dict (checkpoint prefix ``reference.``)."""
         return chunks_sharded_state_dict(self.model_chunks, CHECKPOINT_PREFIX)
 
-    def load_sharded_state_dict(self, loaded: dict) -> None:
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Load the reference's weights from what ``dist_checkpointing.load`` returned."""
         load_chunks_state(self.model_chunks, loaded, CHECKPOINT_PREFIX)
 
@@ -108,7 +113,7 @@ class ReferenceModel:
             chunk.to(device)
 
     @contextlib.contextmanager
-    def _on_device(self):
+    def _on_device(self) -> Iterator[None]:
         if not self.offload:
             yield
             return

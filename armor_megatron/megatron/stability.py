@@ -49,6 +49,7 @@ import dataclasses
 import math
 import statistics
 from collections.abc import Mapping
+from typing import Any
 
 from armor_megatron.config.schema import StabilityConfig
 
@@ -99,7 +100,7 @@ class GuardDecision:
 class StabilityGuard:
     """Skips unstable optimizer steps and lowers LR and clipping after repeated ones (module docstring)."""
 
-    def __init__(self, max_ratio: float = 10.0, config: StabilityConfig | None = None, **overrides):
+    def __init__(self, max_ratio: float = 10.0, config: StabilityConfig | None = None, **overrides: Any) -> None:
         if not max_ratio > 1.0:
             raise ValueError(f"max_ratio must be > 1, got {max_ratio!r}")
         config = dataclasses.replace(config or StabilityConfig(), **overrides)
@@ -258,7 +259,7 @@ class StabilityGuard:
         self.rollback_pending, self.logprob_gap = False, None
 
     # ------------------------------------------------------------------ checkpoint
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The guard's state, for checkpoints."""
         return {
             "history": list(self.history),
@@ -272,7 +273,7 @@ class StabilityGuard:
             "logprob_gap": self.logprob_gap,
         }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict`.
 
         The keys missing from a checkpoint of the old skip-only guard ({history, skipped_total})
@@ -289,7 +290,7 @@ class StabilityGuard:
         self.logprob_gap = _maybe_float(state.get("logprob_gap"))
 
 
-def _maybe_float(x) -> float | None:
+def _maybe_float(x: Any) -> float | None:
     return None if x is None else float(x)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,9 +40,7 @@ from armor_megatron.megatron.microbatch import (
     split_microbatches,
 )
 from armor_megatron.megatron.model import (
-    MoESettings,
     Recompute,
-    Throughput,
     build_model_chunks,
     resolve_dtype,
     transformer_config_from_arch,
@@ -50,6 +48,7 @@ from armor_megatron.megatron.model import (
 from armor_megatron.megatron.model_state import chunks_sharded_state_dict, load_chunks_state
 from armor_megatron.megatron.stability import StabilityGuard
 from armor_megatron.models.arch import ModelArch
+from armor_megatron.models.megatron_options import MoESettings, Throughput
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +77,7 @@ class ModelSettings:
     moe: MoESettings | None = None
     init_weights: bool = True
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.micro_batch_size < 1:
             raise ValueError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
 
@@ -98,7 +97,7 @@ class ModelSettings:
             init_weights=init_weights,
         )
 
-    def config_kwargs(self) -> dict:
+    def config_kwargs(self) -> dict[str, Any]:
         """The keywords of `model.transformer_config_from_arch` and `model.build_model_chunks` these give."""
         shared = {name: getattr(self, name) for name in ("dtype", "use_te", "recompute", "throughput", "moe")}
         return {**shared, "perform_initialization": self.init_weights}
@@ -112,7 +111,7 @@ class TrainMicroBatch:
     """
 
     mb: MicroBatch
-    rows: dict
+    rows: dict[str, torch.Tensor]
 
 
 class TrainedModel:
@@ -159,7 +158,7 @@ class TrainedModel:
         )
         self.guard = StabilityGuard(optimizer.skip_grad_norm_ratio, stability)
 
-    def _build_chunks(self, config, seed: int) -> list:
+    def _build_chunks(self, config: Any, seed: int) -> list[Any]:
         s = self.settings
         return build_model_chunks(s.arch, s.parallel, dtype=s.dtype, config=config, use_te=s.use_te)
 
@@ -179,22 +178,31 @@ class TrainedModel:
         self.optimizer.reload_model_params()  # refresh fp32 master weights of a bf16 model
 
     # ------------------------------------------------------------------ training
-    def _train_on(self, batch: dict, loss_of: Callable) -> dict[str, float]:
+    def _train_on(
+        self,
+        batch: dict[str, torch.Tensor],
+        loss_of: Callable[[TrainMicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    ) -> dict[str, float]:
         """Forward, backward and a guarded optimizer step over every row of `batch` (checked CPU tensors).
 
         ``loss_of(tmb, output)`` returns (loss / GLOBAL normalizer, metrics with ``num_tokens``) of
         one micro-batch from the last stage's output; the metrics of all micro-batches and
         data-parallel ranks are combined by ``reduce_loss_metrics``.
         """
-        calls, losses = [], []
+        calls: list[dict[str, torch.Tensor]] = []
+        losses: list[torch.Tensor] = []
 
-        def loss_func(tmb: TrainMicroBatch, output: torch.Tensor):
+        def loss_func(
+            tmb: TrainMicroBatch, output: torch.Tensor
+        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
             loss, metrics = loss_of(tmb, output)
             calls.append(metrics)
             losses.append(loss.detach())
             return loss, metrics["num_tokens"].to(torch.int), {}
 
-        def forward_step(data_iterator, model):
+        def forward_step(
+            data_iterator: Iterator[TrainMicroBatch], model: Any
+        ) -> tuple[torch.Tensor, Callable[[torch.Tensor], Any]]:
             tmb = next(data_iterator)
             return model_forward(model, tmb.mb), functools.partial(loss_func, tmb)
 
@@ -221,7 +229,7 @@ class TrainedModel:
             group["lr"] = self.scheduler.get_lr(group) * scale
         return optim.current_lr(self.optimizer)
 
-    def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step) -> None:
+    def _forward_backward(self, microbatches: list[TrainMicroBatch], forward_step: Callable[..., Any]) -> None:
         """Zero the grads, then forward and backward of every micro-batch through megatron's pipeline schedule.
 
         The grads end summed over micro-batches and data-parallel ranks.
@@ -250,7 +258,7 @@ class TrainedModel:
         finally:
             config.variable_seq_lengths, config.moe_aux_loss_coeff = variable, aux_coeff
 
-    def _local_microbatches(self, batch: dict) -> list[TrainMicroBatch]:
+    def _local_microbatches(self, batch: dict[str, torch.Tensor]) -> list[TrainMicroBatch]:
         """This data-parallel rank's rows cut into micro-batches.
 
         `micro_batch_size` rows each, or with ``token_budget.train`` set, packed into micro-batches
@@ -286,7 +294,7 @@ class TrainedModel:
             out.append(TrainMicroBatch(mb=mb, rows=_loss_rows(local, mb)))
         return out
 
-    def _packed_local_microbatches(self, batch: dict, budget: int) -> list[TrainMicroBatch]:
+    def _packed_local_microbatches(self, batch: dict[str, torch.Tensor], budget: int) -> list[TrainMicroBatch]:
         """Token-budget micro-batches (`microbatch.local_packed_microbatches`).
 
         A filler runs one padding row, appended after this rank's rows.
@@ -315,11 +323,11 @@ class TrainedModel:
     # ------------------------------------------------------------------ checkpoint hooks
     checkpoint_prefix = ""  # of the model's tensor keys in training checkpoints
 
-    def model_sharded_state_dict(self) -> dict:
+    def model_sharded_state_dict(self) -> dict[str, Any]:
         """The model chunks' weights as a sharded state dict (keys prefixed ``checkpoint_prefix``)."""
         return chunks_sharded_state_dict(self.model_chunks, self.checkpoint_prefix)
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves of this model.
 
         Model (keys prefixed ``checkpoint_prefix``), optimizer (once it has state), LR schedule
@@ -336,14 +344,14 @@ class TrainedModel:
         """Whether the optimizer holds state yet (after its first step)."""
         return len(self.optimizer.state) > 0
 
-    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict:
+    def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict[str, Any]:
         """The sharded tensors dist_checkpointing.load should fill: model, and optimizer if asked."""
         state = {"model": self.model_sharded_state_dict()}
         if load_optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=True)
         return state
 
-    def load_sharded_state_dict(self, loaded: dict) -> None:
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Restore what :meth:`sharded_state_dict` saved.
 
         Counterpart of `sharded_state_dict` for the dict dist_checkpointing.load returns
@@ -376,7 +384,7 @@ def check_layout(parallel: ParallelConfig) -> None:
         raise ValueError(f"parallel layout (tp, pp, ep, vpp)={wanted} differs from the initialised one {current}")
 
 
-def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
+def _finalize_grads_without_token_scaling(model: Any, num_tokens: Any = None, **kwargs: Any) -> None:
     """Megatron's finalize_model_grads without its 1/num_tokens scaling.
 
     Megatron's finalize_model_grads (DP all-reduce, tied-embedding and SP norm grads) without
@@ -387,7 +395,7 @@ def _finalize_grads_without_token_scaling(model, num_tokens=None, **kwargs):
     finalize_model_grads(model, None, **kwargs)
 
 
-def _routers_without_token_scaling(model_chunks) -> None:
+def _routers_without_token_scaling(model_chunks: Sequence[torch.nn.Module]) -> None:
     """MoE load-balancing losses as plain per-micro-batch losses (see `_mean_aux_loss_coeff`).
 
     Under ``calculate_per_token_loss`` megatron's routers multiply each micro-batch's aux loss by
@@ -403,7 +411,7 @@ def _routers_without_token_scaling(model_chunks) -> None:
                 module.calculate_per_token_loss = False
 
 
-def _mean_aux_loss_coeff(coeff, microbatches: int):
+def _mean_aux_loss_coeff(coeff: Any, microbatches: int) -> Any:
     """The aux-loss coefficient for one step of `microbatches` per data-parallel rank.
 
     C / (m · dp), so that the gradients, summed over micro-batches and ranks like the main loss's,
@@ -417,7 +425,7 @@ def _mean_aux_loss_coeff(coeff, microbatches: int):
     return coeff / scale if coeff else coeff
 
 
-def _padded_columns(rows: dict, width: int) -> dict:
+def _padded_columns(rows: dict[str, torch.Tensor], width: int) -> dict[str, torch.Tensor]:
     """Per-token tensors ([B, T, ...]) zero-padded to ``width`` positions; [B] ones untouched."""
     return {
         k: torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
@@ -427,13 +435,15 @@ def _padded_columns(rows: dict, width: int) -> dict:
     }
 
 
-def _loss_rows(local: dict, mb: MicroBatch) -> dict:
+def _loss_rows(local: dict[str, torch.Tensor], mb: MicroBatch) -> dict[str, torch.Tensor]:
     """The per-row loss inputs of `mb`'s rows: [b, mb.width] of [N, L] tensors, [b] of [N] ones."""
     i, s = mb.index, mb.width
     return {k: (v[i] if v.dim() == 1 else v[i, :s]) for k, v in local.items() if k not in ("input_ids", "lengths")}
 
 
-def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]) -> dict:
+def checked_rows(
+    batch: Mapping[str, torch.Tensor], required: Sequence[str], token_keys: Sequence[str]
+) -> dict[str, torch.Tensor]:
     """Check a train batch.
 
     Expects input_ids [N, L], lengths [N], response_mask [N, L] (made bool) marking only positions 1 <= t <
@@ -460,11 +470,11 @@ def checked_rows(batch: Mapping[str, torch.Tensor], required: Sequence[str], tok
     return out
 
 
-def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
+def _step_metrics(calls: list[dict[str, torch.Tensor]], losses: list[torch.Tensor]) -> dict[str, float]:
     """Combine the step's per-micro-batch metrics over data-parallel ranks.
 
-    Combine the last pipeline stage's per-micro-batch metrics over data-parallel ranks and hand
-    the result to every rank of the pipeline (object collectives: a few floats per step).
+    The last pipeline stage's metrics are combined, then handed to every rank of the pipeline
+    (object collectives: a few floats per step).
     """
     from megatron.core import parallel_state
 
@@ -483,4 +493,5 @@ def _step_metrics(calls: list, losses: list[torch.Tensor]) -> dict[str, float]:
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
-    return result[0]
+    metrics: dict[str, float] = result[0]
+    return metrics

@@ -19,6 +19,7 @@ import contextlib
 import os
 import tempfile
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -28,7 +29,7 @@ from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.models import ModelArch
 
 
-def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
+def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel: ParallelConfig | None = None) -> Any:
     """Load a checkpoint's weights into this rank's fp32 local-spec GPTModel stage.
 
     This rank's fp32 local-spec GPTModel stage with the checkpoint's model weights loaded (after
@@ -42,7 +43,7 @@ def load_megatron_model(arch: ModelArch, mcore_dir: str, parallel=None):
     return model
 
 
-def megatron_logits(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:
+def megatron_logits(model: Any, arch: ModelArch, tokens: torch.Tensor) -> torch.Tensor | None:
     """Full-vocabulary logits [b, s, V] on the last pipeline stage (None on other stages).
 
     Stages pass hidden states [s, b, h] point to point; TP ranks gather the vocab-parallel logits.
@@ -62,7 +63,8 @@ def megatron_logits(model, arch: ModelArch, tokens: torch.Tensor) -> torch.Tenso
         if not ps.is_pipeline_last_stage():
             dist.send(out.contiguous(), dst=ps.get_pipeline_model_parallel_next_rank())
             return None
-        return gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size].float()
+        logits: torch.Tensor = gather_from_tensor_model_parallel_region(out)[..., : arch.vocab_size].float()
+        return logits
 
 
 @contextlib.contextmanager

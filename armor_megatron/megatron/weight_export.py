@@ -48,17 +48,22 @@ embedding is the HF tensor).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from armor_megatron.convert import ParamRef, resolve_param, tp_gather, tp_split
 from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
+from armor_megatron.megatron.collective_export import CollectiveExport
 from armor_megatron.megatron.dist import global_rank, is_distributed
 from armor_megatron.models.arch import ModelArch
+
+if TYPE_CHECKING:
+    from armor_megatron.rollout.engine import ShardDelivery
 
 DEFAULT_BUCKET_BYTES = 256 << 20
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
@@ -110,7 +115,7 @@ def export_hf_weights(
     return iter(HFWeightExport(model_chunks, arch, bucket_bytes))
 
 
-class HFWeightExport:
+class HFWeightExport(CollectiveExport):
     """The model's HF tensors, spread over the ranks that own them; read once, in one of two ways.
 
     Every rank makes one and hands it on; global rank 0 (the driver) decides how it is read,
@@ -135,8 +140,11 @@ class HFWeightExport:
 
     Either way each owner holds one bucket of at most ``bucket_bytes`` (a larger tensor goes
     alone) plus the tensor being gathered, never its whole stage, and the completeness check
-    runs on every rank before any tensor moves. The first read drives the collectives; a
-    second read is empty on every rank (as an exhausted generator).
+    runs on every rank before any tensor moves.
+
+    A `CollectiveExport`: each rank reads its export once and to the end (a second read, or a
+    ``with`` block / :meth:`close` before the end, raises `ExportReadError`); a rank without use
+    for the tensors calls :meth:`drain`.
     """
 
     def __init__(
@@ -144,20 +152,17 @@ class HFWeightExport:
     ):
         if bucket_bytes <= 0:
             raise ValueError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+        super().__init__()
         self.model_chunks, self.arch, self.bucket_bytes = list(model_chunks), arch, bucket_bytes
-        self._read = False
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        if self._read:
-            return
-        self._read = True
+    def _items(self) -> Iterator[tuple[str, torch.Tensor]]:
         how = _driver_says(("gather", None))
         if how[0] == "deliver":  # only on ranks other than 0: the driver delivers
             self._deliver_share(how[1])
             return
         yield from self._gather_on_rank0()
 
-    def deliver(self, delivery) -> list | None:
+    def deliver(self, delivery: ShardDelivery) -> list[Any]:
         """Deliver every owner's tensors to the engines (rank 0 conducts).
 
         Rank 0: every owner streams its own tensors into ``delivery.open(rank)``'s sink
@@ -168,11 +173,12 @@ class HFWeightExport:
         """
         if global_rank() != 0:
             raise RuntimeError("HFWeightExport.deliver runs on global rank 0; the other ranks iterate the export")
-        if self._read:
-            raise RuntimeError("this weight export was already read; export the model again")
-        self._read = True
+        self._begin("delivered")
         _driver_says(("deliver", delivery))
-        return self._deliver_share(delivery)
+        reports = self._deliver_share(delivery)
+        assert reports is not None  # rank 0 gathers every rank's
+        self._read_to_end()
+        return reports
 
     # ------------------------------------------------------------------ the two reads
     def _prepare(self, bucket_bytes: int) -> tuple[list[list[_Param]], list[int], int]:
@@ -207,7 +213,7 @@ class HFWeightExport:
             elif rank in owners:
                 _send_bucket(bucket, dst=0)
 
-    def _deliver_share(self, delivery) -> list | None:
+    def _deliver_share(self, delivery: ShardDelivery) -> list[Any] | None:
         from armor_megatron.rollout.engine import WeightUpdateError
 
         chunks, owners, rounds = self._prepare(getattr(delivery, "bucket_bytes", None) or self.bucket_bytes)
@@ -244,7 +250,9 @@ class HFWeightExport:
             raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
         return [r for r, _ in reports] if reports is not None else None
 
-    def _deliver_coordinated(self, delivery, chunks, owners, rounds) -> list | None:
+    def _deliver_coordinated(
+        self, delivery: ShardDelivery, chunks: list[list[_Param]], owners: list[int], rounds: int
+    ) -> list[Any] | None:
         """A delivery the driver conducts step by step (``delivery.coordinated``).
 
         The owners' announcements, then their joins while the driver conducts them; then per round k
@@ -267,7 +275,7 @@ class HFWeightExport:
         rank = global_rank()
         state: dict[str, Any] = {"error": None}
 
-        def attempt(fn, *args):
+        def attempt(fn: Callable[..., Any], *args: Any) -> Any:
             if state["error"] is None:
                 try:
                     return fn(*args)
@@ -297,7 +305,7 @@ class HFWeightExport:
             description = attempt(sink.describe, *described) if sink is not None and described else None
             del described  # the sender's own bucket must go once it is put
             last = k == rounds - 1
-            self._step(delivery, description, state, lambda notes, last=last: delivery.conduct_bucket(notes, last))
+            self._step(delivery, description, state, functools.partial(delivery.conduct_bucket, last=last))
             if sink is not None and bucket:
                 attempt(sink.put, bucket)
             elif rank in owners and sender_of[rank] != rank and bucket:
@@ -316,7 +324,12 @@ class HFWeightExport:
         return reports
 
     @staticmethod
-    def _step(delivery, note, state: dict, conduct) -> None:
+    def _step(
+        delivery: ShardDelivery,
+        note: Any,
+        state: dict[str, Any],
+        conduct: Callable[[dict[int, Any]], None] | None,
+    ) -> None:
         """Gather every rank's ``note`` and error on the driver.
 
         Unless some rank failed, the driver starts ``conduct(notes)`` (owner rank -> note, None left
@@ -345,7 +358,7 @@ class HFWeightExport:
             raise WeightUpdateError(f"weight delivery failed: {verdict[0]}")
 
     @staticmethod
-    def _settle(delivery, state: dict) -> None:
+    def _settle(delivery: ShardDelivery, state: dict[str, Any]) -> None:
         """Driver: wait for what it started (always, also after a failure of its own)."""
         if global_rank() == 0:
             try:
@@ -354,19 +367,20 @@ class HFWeightExport:
                 state["error"] = state["error"] or f"{type(e).__name__}: {e}"
 
 
-def _driver_says(message):
+def _driver_says(message: tuple[str, ShardDelivery | None]) -> tuple[str, Any]:
     """Rank 0's ``message`` on every rank (how the export is read: ("gather", None) or ("deliver", delivery)).
 
     A small object broadcast, no tensors.
     """
     if not is_distributed():
         return message
-    box = [message if dist.get_rank() == 0 else None]
+    box: list[Any] = [message if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    said: tuple[str, Any] = box[0]
+    return said
 
 
-def _gather_to_rank0(obj) -> list | None:
+def _gather_to_rank0(obj: Any) -> list[Any] | None:
     if not is_distributed():
         return [obj]
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -399,6 +413,8 @@ def _param_buckets(params: list[_Param], limit: int) -> list[list[_Param]]:
 
 
 _ALIGN = 16  # byte offset of each tensor in a sent bucket: any dtype can be viewed in place
+# a sent bucket's layout: ([(name, dtype, shape, byte offset), ...], total bytes, device type)
+_Layout = tuple[list[tuple[str, torch.dtype, tuple[int, ...], int]], int, str]
 
 
 def _send_bucket(bucket: list[tuple[str, torch.Tensor]], dst: int) -> None:
@@ -412,26 +428,28 @@ def _receive_bucket(src: int) -> Iterator[tuple[str, torch.Tensor]]:
     return _receive_bucket_bytes(_receive_layout(src), src)
 
 
-def _bucket_layout(bucket: list[tuple[str, torch.Tensor]], device: str | None = None) -> tuple[list, int, str]:
+def _bucket_layout(bucket: list[tuple[str, torch.Tensor]], device: str | None = None) -> _Layout:
     """Where each tensor of ``bucket`` sits in its sent bytes.
 
     ``([(name, dtype, shape, byte offset), ...], total bytes, device type)``; each offset a multiple
     of ``_ALIGN``. The bytes go on ``device`` (None: the tensors' own; CPU when empty).
     """
-    meta, offset = [], 0
+    meta: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+    offset = 0
     for name, t in bucket:
         meta.append((name, t.dtype, tuple(t.shape), offset))
         offset += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
     return meta, offset, device or (bucket[0][1].device.type if bucket else "cpu")
 
 
-def _receive_layout(src: int) -> tuple[list, int, str]:
+def _receive_layout(src: int) -> _Layout:
     box: list[Any] = [None]
     dist.recv_object_list(box, src=src)
-    return box[0]
+    layout: _Layout = box[0]
+    return layout
 
 
-def _send_bucket_bytes(bucket: list[tuple[str, torch.Tensor]], layout: tuple[list, int, str], dst: int) -> None:
+def _send_bucket_bytes(bucket: list[tuple[str, torch.Tensor]], layout: _Layout, dst: int) -> None:
     """``bucket``'s bytes as one uint8 tensor laid out by ``layout`` (nothing when it is empty)."""
     meta, nbytes, device = layout
     if not meta:
@@ -442,7 +460,7 @@ def _send_bucket_bytes(bucket: list[tuple[str, torch.Tensor]], layout: tuple[lis
     dist.send(flat, dst=dst)
 
 
-def _receive_bucket_bytes(layout: tuple[list, int, str], src: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _receive_bucket_bytes(layout: _Layout, src: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The tensors ``src`` sends laid out by ``layout``: views of one received uint8 tensor."""
     meta, nbytes, device = layout
     if not meta:
@@ -474,11 +492,12 @@ def _stage_senders(owners: list[int]) -> dict[int, int]:
         verdict = [{r: sender[stages[r]] for r in owners}]
     if is_distributed():
         dist.broadcast_object_list(verdict, src=0)
-    return verdict[0]
+    senders: dict[int, int] = verdict[0]
+    return senders
 
 
 # ---------------------------------------------------------------------- names -> global tensors
-def _plan(model_chunks, arch: ModelArch) -> list[_Param]:
+def _plan(model_chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Param]:
     """This rank's parameters, each split into its global (layer, expert) Megatron tensors."""
     params = []
     for chunk in model_chunks:
@@ -545,7 +564,12 @@ def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_P
     local = _local_expert_count(arch)
     offset = _ep_rank() * local
 
-    def piece(match, local_index: int, fc: str, take=None) -> _Piece:
+    def piece(
+        match: re.Match[str],
+        local_index: int,
+        fc: str,
+        take: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> _Piece:
         if local_index >= local:
             raise ValueError(f"{name}: local expert {local_index} >= num_experts/ep = {local}")
         global_name = name[: match.start()] + f".experts.local_experts.{offset + local_index}.{fc}.weight"
@@ -561,10 +585,12 @@ def _expert_pieces(arch: ModelArch, name: str, tensor: torch.Tensor) -> tuple[_P
     if tensor.dim() != 2 or tensor.shape[1 - stacked_dim] != h or tensor.shape[stacked_dim] % local:
         raise ValueError(f"{name}: shape {tuple(tensor.shape)} is not GroupedMLP's for {local} experts of hidden {h}")
     view = (local, h, -1) if fc1 else (local, -1, h)
-    return tuple(
-        piece(legacy, j, "linear_fc1" if fc1 else "linear_fc2", lambda shard, j=j: shard.reshape(view)[j].t())
-        for j in range(local)
-    )
+
+    def expert(j: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Expert j's shard of the stacked parameter's shard."""
+        return lambda shard: shard.reshape(view)[j].t()
+
+    return tuple(piece(legacy, j, "linear_fc1" if fc1 else "linear_fc2", expert(j)) for j in range(local))
 
 
 def _local_expert_count(arch: ModelArch) -> int:
@@ -573,13 +599,13 @@ def _local_expert_count(arch: ModelArch) -> int:
     ep = ps.get_expert_model_parallel_world_size()
     if arch.num_experts % ep:
         raise ValueError(f"num_experts={arch.num_experts} is not divisible by ep={ep}")
-    return arch.num_experts // ep
+    return int(arch.num_experts // ep)
 
 
 def _ep_rank() -> int:
     from megatron.core import parallel_state as ps
 
-    return ps.get_expert_model_parallel_rank()
+    return int(ps.get_expert_model_parallel_rank())
 
 
 def _in_owner_replica(expert: bool) -> bool:
@@ -590,8 +616,8 @@ def _in_owner_replica(expert: bool) -> bool:
     from megatron.core import parallel_state as ps
 
     if expert:
-        return ps.get_expert_data_parallel_rank() == 0
-    return ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        return bool(ps.get_expert_data_parallel_rank() == 0)
+    return bool(ps.get_data_parallel_rank(with_context_parallel=True) == 0)
 
 
 def _owns(expert: bool) -> bool:
@@ -729,7 +755,7 @@ def _detached_copy(tensor: torch.Tensor, param: torch.Tensor, device: str | None
     return tensor.contiguous()
 
 
-def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
+def _gather_to_owner(shard: torch.Tensor, group: Any) -> list[torch.Tensor] | None:
     """Gather a parameter's shards on the group's owner (rank 0).
 
     Every rank's shard of a parameter (rank order in ``group``) on the group's rank 0, the
@@ -744,7 +770,7 @@ def _gather_to_owner(shard: torch.Tensor, group) -> list[torch.Tensor] | None:
     return shards
 
 
-def export_to_list(model_chunks, arch: ModelArch) -> list | None:
+def export_to_list(model_chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[tuple[str, torch.Tensor]] | None:
     """The whole export as a list on rank 0, None elsewhere (all ranks must call it)."""
     items = list(export_hf_weights(model_chunks, arch))
     return items if not dist.is_initialized() or dist.get_rank() == 0 else None

@@ -38,8 +38,8 @@ def make_choice_verifier(num_options: int = 10) -> Verifier:
 def gold_letter(ground_truth: Any, letters: str) -> str:
     """The gold option letter from a letter string or a 0-based index.
 
-    The gold option letter from a letter string (in any wrappers,
-    :func:`~armor_megatron.rewards.extract.strip_option_wrappers`) or a 0-based index.
+    A letter string may carry any wrappers :func:`~armor_megatron.rewards.extract.strip_option_wrappers`
+    removes (``(C)``, ``$C$``).
     """
     if isinstance(ground_truth, int) and not isinstance(ground_truth, bool):
         if not 0 <= ground_truth < len(letters):

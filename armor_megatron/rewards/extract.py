@@ -206,10 +206,9 @@ _JOINER = re.compile(
 
 
 def final_box_segment(text: str) -> list[tuple[int, int]] | None:
-    """Argument spans of the boxes in the final answer segment.
+    """Argument spans of the boxes in the final answer segment (module docstring).
 
-    Argument spans of the boxes in the final answer segment of ``text`` (module docstring),
-    in order, the last box last; ``None`` if ``text`` has no box or its last box is never
+    In order, the last box last; ``None`` if ``text`` has no box or its last box is never
     closed. Each gap between two boxes is scanned once: linear time.
     """
     return _segment(text, _boxes(text))
@@ -301,8 +300,7 @@ def final_answer_text(text: str) -> str | None:
 def _find_closing(text: str, closing: str, pos: int) -> int:
     r"""Index of the first unescaped ``closing`` delimiter from ``pos``, or -1.
 
-    Index of the first ``closing`` delimiter in ``text`` from ``pos`` that is not escaped
-    (``\$`` is a dollar sign inside ``$..$``), ``-1`` if none; one forward scan.
+    ``\$`` is a dollar sign inside ``$..$``, not its end. One forward scan.
     """
     for token in re.compile(re.escape(closing) + r"|\\.", re.S).finditer(text, pos):
         if token.group() == closing:
@@ -392,8 +390,7 @@ def final_math_answers(text: str, answer_line_fallback: bool = True) -> list[str
 def final_math_answer(text: str, answer_line_fallback: bool = True) -> str | None:
     """The last answer :func:`final_math_answers` reads, or None.
 
-    The last answer :func:`final_math_answers` reads (the final-answer statement, or the
-    last box of the final answer segment), ``None`` if there is none.
+    That is the final-answer statement, or the last box of the final answer segment.
     """
     answers = final_math_answers(text, answer_line_fallback)
     return answers[-1] if answers else None
@@ -490,8 +487,8 @@ def extract_choice(text: str, letters: str) -> str | None:
 def _stated_choice(text: str, cls: str) -> str | None:
     """The letter of an answer phrase on the last non-empty line, or None.
 
-    The letter of an answer phrase on the last non-empty line of ``text`` that nothing but
-    punctuation follows (``the answer is (C).``), or ``None``.
+    Only closing punctuation (or ``I hope it is correct``) may follow the phrase: ``the answer
+    is (C).`` counts, ``the answer is (C) because ...`` does not.
     """
     line = _TEXT_WRAPPER.sub(r"\1", last_line(text))
     phrase = re.compile(rf"(?i:answer)(?:\s+(?i:is))?[\s*:：]*(?i:option\s+)?\(?({cls})\)?(?![A-Za-z0-9])")

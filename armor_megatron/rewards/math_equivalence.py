@@ -56,8 +56,8 @@ _ANY_OPTION = re.compile(r"\(\s*[A-Z]\s*\)")
 def equivalent(answer: str, gold: str) -> bool:
     """Whether ``answer`` equals ``gold`` mathematically.
 
-    Whether ``answer`` equals ``gold`` mathematically (both are answer texts, LaTeX or
-    plain; math-verify's verify is not symmetric, the gold goes first).
+    Both are answer texts, LaTeX or plain. math-verify's ``verify`` is not symmetric: the gold
+    goes first.
     """
     answer_letter, gold_letter = option_letter(answer), option_letter(gold)
     if answer_letter and gold_letter:

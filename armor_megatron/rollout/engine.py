@@ -15,7 +15,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from armor_megatron.errors import UserInputError
@@ -25,7 +25,7 @@ FINISH_REASONS = ("stop", "length", "abort")
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 NamedTensors = Iterable[tuple[str, Any]]  # (HF name, torch.Tensor); may be ShardedWeights
-WeightSource = NamedTensors | str | os.PathLike
+WeightSource = NamedTensors | str | os.PathLike[str]
 
 
 def check_memory_tags(tags: Sequence[str]) -> None:
@@ -113,12 +113,16 @@ class ShardedWeights(Protocol):
 
     Iterating gathers every tensor on the driver; :meth:`deliver` lets each rank send its own share
     through ``delivery`` and returns the ranks' sink reports (rank order, None for ranks without
-    tensors). Either way every rank takes part.
+    tensors). Either way every rank takes part, and reads its export once and to the end (the
+    Megatron export raises on a second read and on a rank that leaves it early: its reads are
+    collectives).
     """
 
-    def __iter__(self): ...
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        """Every rank's read drives the export's collectives; the driver's yields the gathered tensors."""
+        ...
 
-    def deliver(self, delivery: ShardDelivery) -> list:
+    def deliver(self, delivery: ShardDelivery) -> list[Any]:
         """Stream every owner's tensors into ``delivery``; returns what each owner reported."""
 
 
@@ -168,7 +172,7 @@ class SamplingParams:
     ignore_eos: bool = False
     seed: int | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if self.temperature < 0:
@@ -178,7 +182,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
         object.__setattr__(self, "stop", tuple(str(s) for s in self.stop))
 
-    def to_sglang(self, n: int = 1) -> dict:
+    def to_sglang(self, n: int = 1) -> dict[str, Any]:
         """The ``sampling_params`` body of an SGLang ``/generate`` request."""
         params: dict[str, Any] = {
             "max_new_tokens": self.max_new_tokens,
@@ -223,7 +227,7 @@ class Sample:
     loss_mask: tuple[int, ...] | None = None
     trajectory: tuple[dict[str, Any], ...] | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.finish_reason not in FINISH_REASONS:
             raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
         if self.logprobs is not None and len(self.logprobs) != len(self.token_ids):
@@ -329,7 +333,7 @@ class RolloutEngine(abc.ABC):
         sampling: SamplingParams,
         timeout: float | None = None,
         return_logprob: bool = True,
-    ) -> list:
+    ) -> list[list[Sample]]:
         """Sample ``n`` responses for each prompt.
 
         Returns ``list[list[Sample]]``: one list of ``n`` samples per prompt, in prompt order.
@@ -367,8 +371,8 @@ class RolloutEngine(abc.ABC):
     def shutdown(self, timeout: float | None = None) -> None:
         """Stop the engine and free what it holds."""
 
-    def __enter__(self):
+    def __enter__(self) -> RolloutEngine:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()

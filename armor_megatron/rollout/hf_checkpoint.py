@@ -13,14 +13,17 @@ import os
 import shutil
 import tempfile
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from armor_megatron.errors import MissingInputError
+
+if TYPE_CHECKING:
+    import torch
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def build_causal_lm(hf_config: Mapping[str, Any], dtype=None):
+def build_causal_lm(hf_config: Mapping[str, Any], dtype: torch.dtype | None = None) -> Any:
     """A randomly initialised ``AutoModelForCausalLM`` of ``hf_config`` (eager attention, eval mode)."""
     import torch
     import transformers
@@ -31,11 +34,13 @@ def build_causal_lm(hf_config: Mapping[str, Any], dtype=None):
         raise ValueError("HF config has no 'model_type'")
     config = transformers.AutoConfig.for_model(model_type, **cfg)
     config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype or torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(  # type: ignore[no-untyped-call]  # transformers leaves it untyped
+        config, dtype=dtype or torch.float32
+    )
     return model.eval()
 
 
-def load_named_tensors(model, named_tensors: Iterable[tuple[str, Any]], strict: bool = True) -> int:
+def load_named_tensors(model: torch.nn.Module, named_tensors: Iterable[tuple[str, Any]], strict: bool = True) -> int:
     """Copy HF-named tensors into ``model`` in place; returns how many were loaded.
 
     All or nothing: names and shapes are checked before anything is copied. Unknown names and
@@ -65,7 +70,9 @@ def load_named_tensors(model, named_tensors: Iterable[tuple[str, Any]], strict: 
     return len(named)
 
 
-def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> int:
+def load_through_transformers(
+    model: torch.nn.Module, weights: Iterable[tuple[str, Any]] | str | os.PathLike[str], hf_config: Mapping[str, Any]
+) -> int:
     """Load a full set of HF checkpoint tensors via ``from_pretrained`` and copy them into ``model``.
 
     For names the in-memory model does not have: transformers 5 fuses MoE experts in memory
@@ -78,6 +85,7 @@ def load_through_transformers(model, weights, hf_config: Mapping[str, Any]) -> i
     from armor_megatron.convert.hf_io import safetensors_files
 
     with tempfile.TemporaryDirectory() as tmp:
+        path: str | os.PathLike[str]
         if isinstance(weights, (str, os.PathLike)):
             path = weights
             safetensors_files(os.fspath(path))  # the index's shard names stay inside: transformers opens them
@@ -128,7 +136,7 @@ def write_hf_checkpoint(
         shard: dict[str, Any] = {}
         shard_bytes = 0
 
-        def flush():
+        def flush() -> None:
             nonlocal shard, shard_bytes
             if shard:
                 fname = f"shard-{len(shard_files):05d}.safetensors"

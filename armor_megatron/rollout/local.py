@@ -25,7 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from armor_megatron.models.arch import load_hf_config
 from armor_megatron.models.tokenizer import load_tokenizer
@@ -40,8 +40,13 @@ from armor_megatron.rollout.engine import (
     check_versions,
 )
 
+if TYPE_CHECKING:
+    import torch
 
-def sample_next_tokens(logits, sampling: SamplingParams, generator):
+
+def sample_next_tokens(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> torch.Tensor:
     """Draw one token per row of ``logits`` [B, V] (fp32) as described in the module docstring."""
     import torch
 
@@ -78,13 +83,13 @@ class LocalEngine(RolloutEngine):
         self,
         hf_config: Mapping[str, Any],
         weights: WeightSource,
-        tokenizer=None,
+        tokenizer: Any = None,
         weight_version: str = "0",
         seed: int = 0,
         max_batch_size: int = 64,
-        dtype=None,
-        device="cpu",
-    ):
+        dtype: torch.dtype | None = None,
+        device: str | torch.device = "cpu",
+    ) -> None:
         import torch
 
         self.hf_config = dict(hf_config)
@@ -100,7 +105,7 @@ class LocalEngine(RolloutEngine):
         self.update_weights(weights, weight_version)
 
     @classmethod
-    def from_pretrained(cls, path: str, weight_version: str = "0", **kwargs) -> LocalEngine:
+    def from_pretrained(cls, path: str, weight_version: str = "0", **kwargs: Any) -> LocalEngine:
         """Load ``config.json``, the safetensors and (if present) the tokenizer from ``path``."""
         tokenizer = kwargs.pop("tokenizer", None)
         if tokenizer is None and os.path.isfile(os.path.join(path, "tokenizer.json")):
@@ -152,7 +157,7 @@ class LocalEngine(RolloutEngine):
         sampling: SamplingParams,
         timeout: float | None = None,
         return_logprob: bool = True,
-    ) -> list:
+    ) -> list[list[Sample]]:
         """``n`` samples per prompt from the local transformers model."""
         import torch
 
@@ -180,7 +185,13 @@ class LocalEngine(RolloutEngine):
         check_versions(out, self.weight_version)
         return out
 
-    def _generate_batch(self, rows, sampling: SamplingParams, generator, deadline):
+    def _generate_batch(
+        self,
+        rows: Sequence[tuple[Any, Sequence[int]]],
+        sampling: SamplingParams,
+        generator: torch.Generator | None,
+        deadline: float | None,
+    ) -> list[tuple[Any, ...]]:
         """Decode one left-padded batch; returns ``(token_ids, text, logprobs, finish_reason)`` per row."""
         import torch
 
@@ -243,10 +254,10 @@ class LocalEngine(RolloutEngine):
             results.append((tokens[r], text, logprobs[r], reason))
         return results
 
-    def _decode(self, token_ids) -> str:
+    def _decode(self, token_ids: Sequence[int]) -> str:
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        return str(self.tokenizer.decode(token_ids, skip_special_tokens=True))
 
     # ---- lifecycle ---------------------------------------------------------------------
 
@@ -259,7 +270,7 @@ class LocalEngine(RolloutEngine):
         self.model = None
 
 
-def _cache_kwargs(out) -> dict:
+def _cache_kwargs(out: Any) -> dict[str, Any]:
     """The KV cache of ``out`` as the next forward's keyword (``cache`` in transformers 5.2x, else ``past_key_values``)."""
     if "cache" in out:
         return {"cache": out["cache"]}
@@ -271,7 +282,7 @@ def _find_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(hits) if hits else None
 
 
-def _eos_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple:
+def _eos_ids(hf_config: Mapping[str, Any], tokenizer: Any) -> tuple[int, ...]:
     eos = hf_config.get("eos_token_id")
     if eos is None and tokenizer is not None:
         eos = tokenizer.eos_token_id
@@ -280,7 +291,7 @@ def _eos_ids(hf_config: Mapping[str, Any], tokenizer) -> tuple:
     return tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
 
 
-def _pad_id(hf_config: Mapping[str, Any], tokenizer) -> int:
+def _pad_id(hf_config: Mapping[str, Any], tokenizer: Any) -> int:
     for pad in (hf_config.get("pad_token_id"), getattr(tokenizer, "pad_token_id", None)):
         if pad is not None:
             return int(pad)

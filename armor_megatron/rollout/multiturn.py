@@ -51,15 +51,18 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from armor_megatron.errors import UserInputError
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 from armor_megatron.rollout.engine import RolloutError, Sample, SamplingParams
 
+if TYPE_CHECKING:
+    from armor_megatron.data.prompts import PromptRow
+
 TRUNCATIONS = ("max_turns", "max_total_tokens", "tool_timeout")
 
-Generate = Callable[..., list]  # engine.generate(prompts_token_ids, n, sampling, timeout=...)
+Generate = Callable[..., list[list[Sample]]]  # engine.generate(prompts_token_ids, n, sampling, timeout=...)
 
 
 class Environment(Protocol):
@@ -97,7 +100,7 @@ def load_environment(spec: str) -> Callable[[Mapping[str, Any]], Environment]:
         raise EnvironmentSpecError(str(err).replace("verifier spec", "rollout.environment.spec", 1)) from None
 
 
-def row_mapping(row) -> dict[str, Any]:
+def row_mapping(row: PromptRow) -> dict[str, Any]:
     """What an environment is built from: a `PromptRow`'s other columns, ``prompt``, ``answer``, ``index``."""
     return {**row.extra, "prompt": row.prompt, "answer": row.answer, "index": row.index}
 
@@ -239,7 +242,15 @@ class MultiTurnRollout:
             groups_out[t.prompt_index].append(t.sample())
         return groups_out
 
-    def anchor_rollout(self, generate: Generate, prompts_token_ids, ground_truths, n, sampling, timeout=None):
+    def anchor_rollout(
+        self,
+        generate: Generate,
+        prompts_token_ids: Sequence[Sequence[int]],
+        ground_truths: Sequence[tuple[Any, ...]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+    ) -> list[list[Sample]]:
         """`AnchorSampler`'s rollout: the ground truths are ``(verifier, answer, fields, row)`` (`anchor_truths`)."""
         return self.generate(generate, prompts_token_ids, [truth[3] for truth in ground_truths], n, sampling, timeout)
 

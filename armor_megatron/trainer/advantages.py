@@ -50,7 +50,7 @@ def group_advantages(batch: RolloutBatch, settings: RolloutSettings) -> tuple[Ro
     return batch, metrics
 
 
-def gae_targets(batch: dict, cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def gae_targets(batch: dict[str, torch.Tensor], cfg: RunConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """PPO's per-token (advantages, returns) [N, L] from the critic's ``old_values`` [N, L].
 
     The outcome reward ``rewards`` [N] on each response's last token, the critic estimator

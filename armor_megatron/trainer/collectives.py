@@ -22,9 +22,12 @@ import functools
 import inspect
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from typing import Any, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
+
+from armor_megatron.data.batch import RolloutBatch
 
 # the torch.distributed functions `recording` lists; the point-to-point ones separately (their
 # sequence differs by rank: one side sends what the other receives). ``isend`` and ``irecv`` stay
@@ -53,10 +56,16 @@ COLLECTIVE_OPS = (
 )
 POINT_TO_POINT_OPS = ("send", "recv", "batch_isend_irecv")
 
-_log: list | None = None  # this rank's events while `recording` runs
+_log: list[tuple[Any, ...]] | None = None  # this rank's events while `recording` runs
+_F = TypeVar("_F", bound=Callable[..., Any])
+_T = TypeVar("_T")
 
 
-def collective(fn: Callable | None = None, *, name: str | None = None):
+@overload
+def collective(fn: _F, *, name: str | None = None) -> _F: ...
+@overload
+def collective(fn: None = None, *, name: str | None = None) -> Callable[[_F], _F]: ...
+def collective(fn: _F | None = None, *, name: str | None = None) -> _F | Callable[[_F], _F]:
     """Mark ``fn`` as part of the collective contract: every rank calls it, in the same order.
 
     ``@collective`` on a definition, or ``collective(fn, name="checkpoint")`` on a callable made
@@ -64,22 +73,22 @@ def collective(fn: Callable | None = None, *, name: str | None = None):
     the qualified name) before it runs; the wrapper's ``collective`` attribute holds the name.
     """
 
-    def mark(f: Callable) -> Callable:
+    def mark(f: _F) -> _F:
         label = name or f.__qualname__
 
         @functools.wraps(f)
-        def marked(*args, **kwargs):
+        def marked(*args: Any, **kwargs: Any) -> Any:
             if _log is not None:
                 _log.append(("call", label))
             return f(*args, **kwargs)
 
         setattr(marked, "collective", label)  # noqa: B010 (a function attribute: no declared field to assign)
-        return marked
+        return cast(_F, marked)
 
     return mark if fn is None else mark(fn)
 
 
-def _group_key(group) -> str | tuple:
+def _group_key(group: Any) -> str | tuple[Any, ...]:
     """``"world"`` for the default group, else (the group's name, its global ranks).
 
     The same key on every member, since groups are made by every rank in the same order.
@@ -89,7 +98,7 @@ def _group_key(group) -> str | tuple:
     return (group.group_name, tuple(dist.get_process_group_ranks(group)))
 
 
-def _describe(op: str, signature: inspect.Signature, args, kwargs) -> tuple:
+def _describe(op: str, signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     bound = signature.bind_partial(*args, **kwargs).arguments
     if op == "batch_isend_irecv":
         ops = bound.get("p2p_op_list") or []
@@ -104,7 +113,7 @@ def _describe(op: str, signature: inspect.Signature, args, kwargs) -> tuple:
 
 
 @contextmanager
-def recording() -> Iterator[list]:
+def recording() -> Iterator[list[tuple[Any, ...]]]:
     """Yield the list of this rank's collective events while the block runs, in call order.
 
     ``("call", name)`` for a `collective`-marked call, ``("op", function, group)`` for a
@@ -118,15 +127,15 @@ def recording() -> Iterator[list]:
     global _log
     if _log is not None:
         raise RuntimeError("collectives are already being recorded in this process")
-    events: list = []
+    events: list[tuple[Any, ...]] = []
     depth = [0]
     originals = {op: getattr(dist, op) for op in COLLECTIVE_OPS + POINT_TO_POINT_OPS}
 
-    def wrap(op: str, original: Callable) -> Callable:
+    def wrap(op: str, original: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(original)
 
         @functools.wraps(original)
-        def recorded(*args, **kwargs):
+        def recorded(*args: Any, **kwargs: Any) -> Any:
             if depth[0] == 0:
                 events.append(_describe(op, signature, args, kwargs))
             depth[0] += 1
@@ -153,21 +162,27 @@ def _distributed() -> bool:
 
 
 @collective
-def broadcast_object(obj):
+def broadcast_object(obj: _T) -> _T:
     """Rank 0's ``obj`` (any picklable value) on every rank."""
-    payload = [obj]
+    payload: list[Any] = [obj]
     if _distributed():
         dist.broadcast_object_list(payload, src=0)
-    return payload[0]
+    received: _T = payload[0]
+    return received
 
 
 @collective
-def broadcast_tensors(tensors: Mapping[str, torch.Tensor] | str | None, keys: Sequence[str]) -> dict | str | None:
+def broadcast_tensors(
+    tensors: RolloutBatch | Mapping[str, torch.Tensor] | str | None, keys: Sequence[str]
+) -> dict[str, torch.Tensor] | str | None:
     """Rank 0's ``{key: host tensor}`` (only ``keys``) on every rank.
 
     None when rank 0 has none; a string (a marker such as the loop's ``STOPPED``) as it is.
     """
-    return broadcast_object(tensors if tensors is None or isinstance(tensors, str) else {k: tensors[k] for k in keys})
+    sent: dict[str, torch.Tensor] | str | None = (
+        tensors if tensors is None or isinstance(tensors, str) else {k: tensors[k] for k in keys}
+    )
+    return broadcast_object(sent)
 
 
 @collective

@@ -7,14 +7,17 @@ side: `armor_megatron.rollout.anchor.build`). Nothing here runs a step.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
 from armor_megatron.algo.loss import POLICY_LOSSES
 from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
+from armor_megatron.trainer.collaborators import EngineFactory
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
@@ -31,7 +34,8 @@ def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
 
 def reset_schedule(cfg: RunConfig) -> ResetSchedule:
     """The registered reset schedule ``reference.reset``, built from the ``reference`` keys it takes."""
-    return RESET_SCHEDULES.call_configured(cfg.reference.reset, cfg.reference)
+    schedule: ResetSchedule = RESET_SCHEDULES.call_configured(cfg.reference.reset, cfg.reference)
+    return schedule
 
 
 def rollout_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingParams:
@@ -61,7 +65,7 @@ def eval_sampling(cfg: RunConfig, eos_ids: tuple[int, ...] = ()) -> SamplingPara
 
 
 def rollout_settings(
-    cfg: RunConfig, sampling: SamplingParams, vocab_size: int | None = None, tokenizer=None
+    cfg: RunConfig, sampling: SamplingParams, vocab_size: int | None = None, tokenizer: Any = None
 ) -> RolloutSettings:
     """The rollout phase's settings: group size, sampling, advantage estimator and its parameters.
 
@@ -86,7 +90,7 @@ def rollout_settings(
     )
 
 
-def multi_turn_rollout(cfg: RunConfig, tokenizer) -> MultiTurnRollout | None:
+def multi_turn_rollout(cfg: RunConfig, tokenizer: Any) -> MultiTurnRollout | None:
     """The environment loop of ``rollout.environment`` (None without a spec); observations tokenised by ``tokenizer``."""
     env = cfg.rollout.environment
     if env.spec is None:
@@ -105,7 +109,7 @@ def multi_turn_rollout(cfg: RunConfig, tokenizer) -> MultiTurnRollout | None:
 
 
 # ----------------------------------------------------------------------------- engines
-def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
+def engine_factory(cfg: RunConfig, hf_config: dict[str, Any], tokenizer: Any) -> EngineFactory:
     """A factory of the policy and reference engines the config asks for.
 
     ``make(policy_weights, reference_weights, *, policy_version, reference_version) ->
@@ -113,10 +117,11 @@ def engine_factory(cfg: RunConfig, hf_config: dict, tokenizer):
     registered as ``rollout.engine`` (`config.schema.ROLLOUT_ENGINES`): the local transformers
     engine (``local``), clients of SGLang servers (``sglang``) or a plugin's.
     """
-    return ROLLOUT_ENGINES.call(cfg.rollout.engine, cfg, hf_config, tokenizer)
+    factory: EngineFactory = ROLLOUT_ENGINES.call(cfg.rollout.engine, cfg, hf_config, tokenizer)
+    return factory
 
 
-def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
+def make_local_engines(cfg: RunConfig, hf_config: dict[str, Any], tokenizer: Any) -> EngineFactory:
     """Driver-side engine factory for CPU runs.
 
     The in-process transformers engine, twice when the reference samples anchors from its own
@@ -124,7 +129,13 @@ def make_local_engines(cfg: RunConfig, hf_config: dict, tokenizer):
     """
     from armor_megatron.rollout.local import LocalEngine
 
-    def make(policy, reference, *, policy_version, reference_version):
+    def make(
+        policy: WeightSource,
+        reference: WeightSource | None,
+        *,
+        policy_version: str,
+        reference_version: str,
+    ) -> tuple[RolloutEngine, RolloutEngine | None]:
         policy_engine = LocalEngine(
             hf_config,
             policy,
@@ -182,7 +193,7 @@ def release_engines_at_start(cfg: RunConfig) -> None:
     barrier()
 
 
-def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
+def make_sglang_engines(cfg: RunConfig, hf_config: dict[str, Any], tokenizer: Any = None) -> EngineFactory:
     """Driver-side engine factory for GPU runs (``tokenizer`` is unused: the servers load the model's own).
 
     Clients of the SGLang servers the launcher started (``rollout.sglang.urls``) and, for anchors
@@ -204,7 +215,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
     disk_root = sg.disk_dir or os.path.join(checkpoint_dir(cfg), "engine_weights")
     api_key = sg.api_key  # load_config takes $ARMOR_ENGINE_API_KEY, how the SLURM plan hands it over
 
-    def router(urls, group: str) -> SGLangRouter | None:
+    def router(urls: Sequence[str], group: str) -> SGLangRouter | None:
         rc = sg.router
         if not rc.enabled:
             return None
@@ -224,7 +235,7 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
             log_path=os.path.join(log_dir, f"sglang-router-{group}.log"),
         ).start()
 
-    def engine(urls, group: str, weights, version: str) -> SGLangEngine:
+    def engine(urls: Sequence[str], group: str, weights: WeightSource, version: str) -> SGLangEngine:
         sync = WeightSyncConfig(
             mode=sg.weight_sync,
             update_groups=sg.update_groups,
@@ -264,7 +275,13 @@ def make_sglang_engines(cfg: RunConfig, hf_config: dict, tokenizer=None):
             raise
         return client
 
-    def make(policy, reference, *, policy_version, reference_version):
+    def make(
+        policy: WeightSource,
+        reference: WeightSource | None,
+        *,
+        policy_version: str,
+        reference_version: str,
+    ) -> tuple[RolloutEngine, RolloutEngine | None]:
         policy_engine = engine(sg.urls, "policy", policy, policy_version)
         reference_engine = None
         if reference is not None and cfg.anchor.enabled and cfg.anchor.source == "separate":

@@ -7,12 +7,12 @@ verifier (``type`` column); otherwise the default verifier scores it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from armor_megatron.data.prompts import PromptDataset
+from armor_megatron.data.prompts import PromptDataset, PromptRow
 from armor_megatron.rewards import metrics_by_dataset, score_batch
-from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping
 
 
@@ -29,8 +29,8 @@ class EvalSet:
 class EvalResult:
     """Metrics per dataset and one record per scored sample."""
 
-    metrics: dict  # {dataset: {"num_prompts", "avg@k", "pass@j", ...}}
-    records: list  # one dict per sample: dataset, index, prompt, answer, response, score, finish_reason
+    metrics: dict[str, dict[str, float]]  # {dataset: {"num_prompts", "avg@k", "pass@j", ...}}
+    records: list[dict[str, Any]]  # one dict per sample: dataset, index, prompt, answer, response, score, finish_reason
 
 
 def evaluate(
@@ -43,7 +43,7 @@ def evaluate(
     pass_k: Sequence[int] = (1,),
     reward_workers: int | None = None,
     timeout: float | None = None,
-    sample_metrics: Callable[[list[dict]], dict] | None = None,
+    sample_metrics: Callable[[list[dict[str, Any]]], dict[str, float]] | None = None,
     environment: MultiTurnRollout | None = None,
 ) -> EvalResult:
     """Evaluate ``engine`` on every set; ``encode(prompt) -> token ids``.
@@ -93,7 +93,14 @@ def evaluate(
     return EvalResult(metrics, records)
 
 
-def _score_by_verifier(texts, answers, verifiers, workers, labels, meta) -> list[float]:
+def _score_by_verifier(
+    texts: Sequence[str],
+    answers: Sequence[Any],
+    verifiers: Sequence[str],
+    workers: int | None,
+    labels: Sequence[str],
+    meta: Sequence[tuple[PromptRow, Sample]],
+) -> list[float]:
     """Scores in input order, batching the responses of each verifier together.
 
     ``labels`` name the rows in errors; ``meta[i]``, response ``i``'s (PromptRow, Sample), gives its
@@ -118,7 +125,7 @@ def _score_by_verifier(texts, answers, verifiers, workers, labels, meta) -> list
     return scores
 
 
-def format_table(metrics: dict) -> str:
+def format_table(metrics: Mapping[str, Mapping[str, float]]) -> str:
     """A plain-text table: one row per dataset, one column per metric."""
     columns = sorted({name for values in metrics.values() for name in values if name != "num_prompts"})
     header = ["dataset", "prompts", *columns]
@@ -127,5 +134,8 @@ def format_table(metrics: dict) -> str:
         for ds, v in metrics.items()
     ]
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))  # noqa: E731
+
+    def fmt(cells: Sequence[object]) -> str:
+        return "  ".join(str(c).ljust(w) for c, w in zip(cells, widths))
+
     return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, rows)])

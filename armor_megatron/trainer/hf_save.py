@@ -40,6 +40,8 @@ import json
 import os
 import shutil
 import uuid
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -47,10 +49,11 @@ from armor_megatron.config.schema import SaveHFConfig
 from armor_megatron.convert.hf_io import INDEX_FILE
 from armor_megatron.convert.output import HF_FILES_DIR, copy_side_files
 from armor_megatron.megatron.dist import global_rank, is_distributed
-from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES
+from armor_megatron.megatron.weight_export import DEFAULT_BUCKET_BYTES, HFWeightExport
 from armor_megatron.rollout.sglang.weight_sync import DiskDelivery
 
 HF_DIR = "hf"
+_T = TypeVar("_T")
 
 
 def step_name(step: int) -> str:
@@ -81,7 +84,7 @@ def record_hf_files(model_path: str, checkpoint_dir: str) -> str:
     return final
 
 
-def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
+def save_hf(export: HFWeightExport, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> str:
     """Save the exported policy as an HF checkpoint.
 
     Write the exported policy (``export``: every rank's `HFWeightExport` of the actor) as
@@ -91,7 +94,7 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
     root = os.path.join(checkpoint_dir, HF_DIR)
     final = _step_dir(checkpoint_dir, step)
     staging = _on_every_rank(lambda: _new_staging_dir(root, step))
-    outcome: list = [None]
+    outcome: list[str | None] = [None]
     try:
         if global_rank() == 0:
             reports = export.deliver(DiskDelivery(staging, bucket_bytes))
@@ -105,7 +108,7 @@ def save_hf(export, checkpoint_dir: str, step: int, bucket_bytes: int = DEFAULT_
             copy_side_files(os.path.join(checkpoint_dir, HF_FILES_DIR), staging)
             _replace_dir(staging, final)
         else:
-            list(export)  # the driver delivers: this rank's owned tensors go to its own sink
+            export.drain()  # the driver delivers: this rank's owned tensors go to its own sink
     except Exception as e:
         outcome[0] = f"{type(e).__name__}: {e}"
         if global_rank() == 0:
@@ -152,9 +155,9 @@ def _new_staging_dir(root: str, step: int) -> str:
     return staging
 
 
-def _on_every_rank(make):
+def _on_every_rank(make: Callable[[], _T]) -> _T:
     """``make()`` run on rank 0; its result, or its error, on every rank."""
-    box: list = [None]
+    box: list[Any] = [None]
     if global_rank() == 0:
         try:
             box[0] = make()
@@ -164,7 +167,8 @@ def _on_every_rank(make):
         dist.broadcast_object_list(box, src=0)
     if isinstance(box[0], Exception):
         raise box[0]
-    return box[0]
+    made: _T = box[0]
+    return made
 
 
 def prune_hf(checkpoint_dir: str, keep_last: int) -> list[str]:

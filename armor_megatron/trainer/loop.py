@@ -61,9 +61,9 @@ import contextlib
 import functools
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -75,15 +75,26 @@ from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.errors import DatasetError
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
+from armor_megatron.megatron.collective_export import CollectiveExport, NamedTensor
 from armor_megatron.megatron.dist import global_rank
 from armor_megatron.megatron.offload import HostOffload
+from armor_megatron.models.arch import ModelArch
 from armor_megatron.rewards import scorable
 from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls_interrupted, interrupt_calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
-from armor_megatron.rollout.engine import RolloutEngine
+from armor_megatron.rollout.engine import RolloutEngine, WeightSource
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
+from armor_megatron.trainer.collaborators import (
+    Actor,
+    Critic,
+    EngineFactory,
+    ModelChunks,
+    Reference,
+    Tokenizer,
+    WeightExporter,
+)
 from armor_megatron.trainer.collectives import any_rank, barrier, broadcast_object, broadcast_tensors, collective
 from armor_megatron.trainer.evaluation import EvalSet, evaluate
 from armor_megatron.trainer.hf_save import save_hf_due
@@ -140,25 +151,28 @@ class Preempted(Exception):
 class ArmorTrainer:
     """Holds the actor, reference, engines and state; ``run()`` trains to ``cfg.train.steps``.
 
-    ``engines`` is a callable building ``(policy_engine, reference_engine)`` on the driver from
-    the initial HF-named weights (the local engine on CPU, SGLang clients on GPUs). ``critic``:
-    the `MegatronCritic` of estimator gae, None otherwise.
+    What each collaborator must provide: `trainer.collaborators`. ``make_engines`` builds
+    ``(policy_engine, reference_engine)`` on the driver from the first exported weights (the local
+    engine on CPU, SGLang clients on GPUs); ``export_weights`` gives a model's read-once export;
+    ``reference``: None when neither the mixed ratio (α < 1) nor the anchors need π_ref;
+    ``critic``: the value model of estimator gae, None otherwise.
     """
 
     def __init__(
         self,
         cfg: RunConfig,
-        arch,
-        actor,
-        reference,
-        tokenizer,
-        make_engines: Callable,
-        export_weights: Callable,
-        critic=None,
-    ):
-        self.cfg, self.arch, self.actor, self.reference, self.critic = cfg, arch, actor, reference, critic
+        arch: ModelArch,
+        actor: Actor,
+        reference: Reference | None,
+        tokenizer: Tokenizer,
+        make_engines: EngineFactory,
+        export_weights: WeightExporter,
+        critic: Critic | None = None,
+    ) -> None:
+        self.cfg, self.arch = cfg, arch
+        self.actor, self.reference, self.critic = actor, reference, critic
         self.tokenizer = tokenizer
-        self.export_weights = export_weights  # (model) -> iterator of (hf_name, tensor) on rank 0, None elsewhere
+        self.export_weights = export_weights
         self.rank = global_rank()
         self.is_driver = self.rank == 0
         # progress, replicated on every rank and checkpointed (``trainer_state``)
@@ -178,7 +192,7 @@ class ArmorTrainer:
         self.policy_engine: RolloutEngine | None = None
         self.reference_engine: RolloutEngine | None = None
         self.anchors: AnchorCache | None = None
-        self._anchor_state: dict | None = None  # a checkpoint's anchor cache, loaded by start_engines
+        self._anchor_state: dict[str, Any] | None = None  # a checkpoint's anchor cache, loaded by start_engines
         self._anchor_tokens_logged = 0  # π_ref tokens already reported (anchor/reference_tokens)
         self.monitor = OverOptimizationMonitor()
         # rollout.overlap one_step (`trainer.overlap`): the next step's batch, generated in the background
@@ -190,9 +204,9 @@ class ArmorTrainer:
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
         # metrics log lost them (killed between the save and the log line): `_log_checkpointed_step`
-        self._step_record: dict | None = None
+        self._step_record: dict[str, Any] | None = None
         self._checkpointed_step: int | None = None  # the step whose state the last checkpoint holds
-        self._loader_before_pending: dict | None = None  # the loader before the background generation drew
+        self._loader_before_pending: dict[str, Any] | None = None  # the loader before the background generation drew
         self.loader: PromptLoader | None = None
         self.eval_sets: list[EvalSet] = []
         if self.is_driver:
@@ -218,10 +232,10 @@ class ArmorTrainer:
 
     # ------------------------------------------------------------------ set-up and state
     def _training_prompts(self) -> PromptDataset:
-        """The training set without the prompts longer than ``rollout.max_prompt_len``.
+        """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens.
 
-        The training set without the prompts longer than ``rollout.max_prompt_len`` tokens (as
-        encoded for the engine), which are left out once, up front, with a count.
+        Lengths count the tokens as encoded for the engine (chat and prompt templates applied).
+        The long prompts are left out once, up front, with a count in the log.
         """
         data, limit = self.cfg.data, self.cfg.rollout.max_prompt_len
         dataset = scorable(
@@ -243,7 +257,7 @@ class ArmorTrainer:
             )
         return dataset
 
-    def encode(self, prompt) -> list[int]:
+    def encode(self, prompt: Any) -> list[int]:
         """Token ids of a dataset prompt (chat template and prompt template as configured)."""
         data = self.cfg.data
         return encode_prompt(
@@ -266,16 +280,20 @@ class ArmorTrainer:
             self._park_trainer()  # the first push follows a step's order: it streams from the host copy
         host = self.trainer_memory.host_views(self.actor, self.reference) if self.trainer_memory else None
         with host or contextlib.nullcontext():
-            policy = self.export_weights(self.actor)
-            ref = self.export_weights(self.reference) if self.reference is not None else None
+            policy_export = self.export_weights(self.actor)
+            ref_export = self.export_weights(self.reference) if self.reference is not None else None
+            policy: WeightSource = policy_export
+            ref: WeightSource | None = ref_export
             if source_keeps_host_weights(self.cfg) or not self.is_driver:
-                policy, ref = _materialise(policy), _materialise(ref)
+                policy, ref = list(policy_export), _materialise(ref_export)
             if not self.is_driver:
                 return
             self.policy_engine, self.reference_engine = self._make_engines(
                 policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
             )  # on an error, fail here: draining the reference export would wait on ranks still in the policy's
-            _materialise(ref)  # pushed nowhere (no anchors from a separate engine): still drive its collectives
+            policy_export.close()  # the policy engine read it to the end (else this raises: the job would hang)
+            if ref_export is not None:
+                ref_export.drain()  # pushed nowhere (no anchors from a separate engine): still drive its collectives
         self.anchors = build_anchor_cache(
             self.cfg,
             self.sampling,
@@ -289,7 +307,7 @@ class ArmorTrainer:
         if self.anchors is not None and self._anchor_state is not None:
             self.anchors.load_state_dict(self._anchor_state)
 
-    def _anchor_cost(self, metrics: dict) -> dict:
+    def _anchor_cost(self, metrics: dict[str, Any]) -> dict[str, Any]:
         """Tokens π_ref generated since the last step, and the step's relative generation cost.
 
         Tokens π_ref generated since the last step, pre-generation included (``anchor/generated_tokens``
@@ -322,7 +340,7 @@ class ArmorTrainer:
         self._background.check_access("the anchor cache")
         return driver_only(self.anchors, "the anchor cache")
 
-    def trainer_state(self) -> dict:
+    def trainer_state(self) -> dict[str, Any]:
         """Driver-side state that goes into checkpoints next to the model and optimizer (`state_format`)."""
         pending = pending_state(self._settled_pending())  # first: the generation draws from the loader
         return {
@@ -340,7 +358,7 @@ class ArmorTrainer:
             "step_record": self._step_record,
         }
 
-    def load_trainer_state(self, state: dict, source: str = "the checkpoint") -> None:
+    def load_trainer_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
         """Restore the loop's state from a checkpoint's trainer state of any format it reads (`state_format`)."""
         state = migrated(state, source)
         self.step = self._checkpointed_step = state["step"]
@@ -364,7 +382,7 @@ class ArmorTrainer:
         self._anchor_state = None
 
     # ------------------------------------------------------------------ one step
-    def rollout(self, timer: StepTimer, for_step: int | None = None) -> tuple[RolloutBatch | None, dict]:
+    def rollout(self, timer: StepTimer, for_step: int | None = None) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """Driver: groups for ``prompts_per_step`` prompts.
 
         With DAPO dynamic sampling, groups whose accuracies are all equal are dropped and refilled
@@ -375,7 +393,7 @@ class ArmorTrainer:
         step = self.step if for_step is None else for_step
         pad = self.tokenizer.pad_token_id or 0
 
-        def one_round():
+        def one_round() -> tuple[RolloutBatch, dict[str, Any]]:
             return collect_groups(
                 self._prompts.next_batch(),
                 self.encode,
@@ -398,7 +416,7 @@ class ArmorTrainer:
                 cfg.rollout.prompts_per_step,
                 pad_values={"input_ids": pad, "response_mask": 0.0, "engine_logprobs": 0.0},
             )
-            rounds: list[dict] = []
+            rounds: list[dict[str, Any]] = []
             for _ in range(1 + ds.max_oversample_rounds):
                 batch, round_metrics = one_round()
                 rounds.append(round_metrics)
@@ -420,7 +438,9 @@ class ArmorTrainer:
             if engine is not None:
                 engine.reseed(self.cfg.rollout.seed + 1_000_003 * (2 * step + offset) + 7_919 * salt)
 
-    def _with_advantages(self, batch: RolloutBatch | None, metrics: dict) -> tuple[RolloutBatch | None, dict]:
+    def _with_advantages(
+        self, batch: RolloutBatch | None, metrics: dict[str, Any]
+    ) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """The step's advantages, once, over the batch that trains (None: no group had signal)."""
         if batch is None:
             return None, metrics
@@ -455,7 +475,7 @@ class ArmorTrainer:
     def _generate(self, for_step: int) -> PendingBatch:
         return generate_pending(lambda: self.rollout(StepTimer(), for_step), for_step)
 
-    def _step_batch(self, report: StepReport) -> tuple[RolloutBatch | None, dict]:
+    def _step_batch(self, report: StepReport) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """Driver: this step's batch and rollout metrics; ``report`` learns which generations ran and trains.
 
         With ``overlap: one_step`` the batch is the one generated during the last step (or now, when
@@ -490,7 +510,9 @@ class ArmorTrainer:
             self._generation_beside_update = True
         return batch, metrics
 
-    def _resample_stale_anchors(self, batch: RolloutBatch, metrics: dict) -> tuple[RolloutBatch | None, dict]:
+    def _resample_stale_anchors(
+        self, batch: RolloutBatch, metrics: dict[str, Any]
+    ) -> tuple[RolloutBatch | None, dict[str, Any]]:
         """Driver: replace the anchors an older reference produced, and recompute advantages.
 
         Driver: anchors of an older reference (the batch was generated before a reset) replaced
@@ -571,7 +593,7 @@ class ArmorTrainer:
             return None
 
     @collective
-    def update(self, batch: dict, timer: StepTimer) -> dict:
+    def update(self, batch: dict[str, Any], timer: StepTimer) -> dict[str, Any]:
         """The step's update on all ranks: log-probs, then the actor's (and critic's) updates.
 
         All ranks: recompute lp_old and lp_ref (and, with a critic, V_old and the GAE targets),
@@ -588,7 +610,7 @@ class ArmorTrainer:
             if self.reference is not None and (cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl):
                 ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
                 batch["ref_logprobs"] = to_host(ref.logprobs)
-        metrics: dict = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
+        metrics: dict[str, Any] = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
         if cfg.algorithm.tis.enabled:  # π_old / π_engine on on-policy tokens, truncated; anchors weigh 1
             batch["tis_weights"], tis = truncated_is_weights(
                 batch["old_logprobs"],
@@ -631,34 +653,37 @@ class ArmorTrainer:
         """
         with timer.phase("weight_sync"):
             self._resume_engines(("weights",), ())
-            with self._host_weights(self.actor):
-                weights = self.export_weights(self.actor)
+            with self._host_weights(self.actor), self.export_weights(self.actor) as export:
                 if self.is_driver:
+                    weights: WeightSource = export
                     if self.anchors is not None:  # the anchor source keeps what it swaps back in
-                        weights = self.anchors.sampler.source.policy_weights_pushed(weights)
+                        weights = self.anchors.sampler.source.policy_weights_pushed(export)
                     self._engine.update_weights(weights, f"step-{self.step}")
                 else:
-                    _materialise(weights)
+                    export.drain()
             if self._colocated():
                 free_device_cache()  # the push's staged buckets and IPC-shared blocks, before the KV cache returns
                 barrier()
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
 
     @collective
-    def reset_reference(self, timer: StepTimer) -> dict:
+    def reset_reference(self, timer: StepTimer) -> dict[str, Any]:
         """All ranks, trainer on the device: θ_ref ← θ in the trainer and the anchor source."""
+        reference = self.reference
+        if reference is None:
+            raise RuntimeError("a reference reset without a reference model (the schedule asks only with one)")
         with timer.phase("reference_reset"):
-            self.reference.reset_from(self.actor)
+            reference.reset_from(self.actor)
             self.ref_resets += 1
-            ref_weights = self.export_weights(self.reference)
-            if self.is_driver and self.anchors is not None:
-                self.anchors.wait()
-                self.anchors.sampler.source.reset(ref_weights, self._ref_version())
-                self.anchors.reset(self._ref_version())
-            _materialise(ref_weights)  # drives the export's collectives wherever nothing consumed it
+            with self.export_weights(reference) as ref_weights:
+                if self.is_driver and self.anchors is not None:
+                    self.anchors.wait()
+                    self.anchors.sampler.source.reset(ref_weights, self._ref_version())
+                    self.anchors.reset(self._ref_version())
+                ref_weights.drain()  # drives the export's collectives wherever nothing consumed it
         return {"reference/reset": 1.0}
 
-    def _reset_due(self, step_metrics: dict) -> bool:
+    def _reset_due(self, step_metrics: dict[str, Any]) -> bool:
         """The schedule's decision (it may read this step's validation); asked once per step."""
         return self.reference is not None and self.reset_schedule.should_reset(self.step, step_metrics)
 
@@ -666,14 +691,16 @@ class ArmorTrainer:
     def _colocated(self) -> bool:
         return self.cfg.rollout.engine == "sglang" and self.cfg.rollout.sglang.placement == "colocated"
 
-    def _engine_tags(self, policy: tuple, reference: tuple) -> list:
+    def _engine_tags(
+        self, policy: tuple[str, ...], reference: tuple[str, ...]
+    ) -> list[tuple[RolloutEngine, tuple[str, ...]]]:
         """Driver, colocated: (engine, tags) of the engines that share the trainer's GPUs."""
         if not (self.is_driver and self._colocated()):
             return []
         pairs = ((self.policy_engine, policy), (self.reference_engine, reference))
         return [(e, tags) for e, tags in pairs if e is not None and tags]
 
-    def _release_engines(self, policy: tuple, reference: tuple) -> None:
+    def _release_engines(self, policy: tuple[str, ...], reference: tuple[str, ...]) -> None:
         """Colocated engines free GPU memory (``tags`` per group); every rank waits for them."""
         released = self._engine_tags(policy, reference)
         if self.anchors is not None and released:
@@ -682,7 +709,7 @@ class ArmorTrainer:
             engine.release_memory(tags=tags)
         barrier()  # no rank allocates before the engines have let go
 
-    def _resume_engines(self, policy: tuple, reference: tuple) -> None:
+    def _resume_engines(self, policy: tuple[str, ...], reference: tuple[str, ...]) -> None:
         for engine, tags in self._engine_tags(policy, reference):
             engine.resume_memory(tags=tags)
 
@@ -697,7 +724,9 @@ class ArmorTrainer:
 
     @collective
     @contextmanager
-    def _trainer_on_device(self, policy: tuple = KV_AND_GRAPHS, reference: tuple = KV_AND_GRAPHS, resume=True):
+    def _trainer_on_device(
+        self, policy: tuple[str, ...] = KV_AND_GRAPHS, reference: tuple[str, ...] = KV_AND_GRAPHS, resume: bool = True
+    ) -> Iterator[None]:
         """Bring the trainer to the device for the block, with colocated engines released.
 
         Every rank: colocated engines release ``policy`` / ``reference`` tags, then the
@@ -716,13 +745,13 @@ class ArmorTrainer:
             if resume:
                 self._resume_engines(policy, reference)
 
-    def _host_weights(self, model):
+    def _host_weights(self, model: ModelChunks) -> contextlib.AbstractContextManager[None]:
         """While the trainer is in host memory, ``model``'s weights read their host copy."""
         if self.trainer_memory is None:
             return contextlib.nullcontext()
         return self.trainer_memory.host_views(model)
 
-    def evaluate(self) -> dict:
+    def evaluate(self) -> dict[str, Any]:
         """Driver: avg@k / pass@k of the current policy on every eval set."""
         if not self.eval_sets:
             return {}
@@ -760,7 +789,7 @@ class ArmorTrainer:
     @collective
     def run(
         self, save: Callable[[], None], logger: MetricsLogger | None = None, save_hf: Callable[[], None] | None = None
-    ) -> dict:
+    ) -> dict[str, Any]:
         """Train until ``train.steps``, with evaluations and checkpoints as configured.
 
         Train until ``train.steps``; ``save()`` writes a checkpoint of the current state (all ranks),
@@ -771,7 +800,7 @@ class ArmorTrainer:
         cfg = self.cfg
         save = collective(save, name="checkpoint")
         save_hf = None if save_hf is None else collective(save_hf, name="save_hf")
-        last: dict = {}
+        last: dict[str, Any] = {}
         reporter = self._progress_bar(logger)
         if reporter is not None:
             self._log_checkpointed_step(reporter)
@@ -809,7 +838,9 @@ class ArmorTrainer:
         return last if self.is_driver else {}
 
     @collective
-    def _step(self, save: Callable[[], None], save_hf: Callable[[], None] | None = None) -> tuple[dict, bool] | None:
+    def _step(
+        self, save: Callable[[], None], save_hf: Callable[[], None] | None = None
+    ) -> tuple[dict[str, Any], bool] | None:
         """One ARMOR step on every rank (module docstring).
 
         Returns (its metrics, identical on every rank, and whether it saved a checkpoint); None on
@@ -873,7 +904,7 @@ class ArmorTrainer:
         )
         return metrics, saved
 
-    def _driver_batch(self, report: StepReport) -> tuple[RolloutBatch | str | None, dict]:
+    def _driver_batch(self, report: StepReport) -> tuple[RolloutBatch | str | None, dict[str, Any]]:
         """Driver: `_step_batch`, or ``STOPPED`` when a preemption signal stopped its reward calls.
 
         Then the loader (and a batch generated during the last step) go back to where the step
@@ -887,7 +918,7 @@ class ArmorTrainer:
             self._pending = pending  # a batch generated during the last step stays for the checkpoint
             return STOPPED, {}
 
-    def _checkpoint(self, save: Callable[[], None], metrics: dict, report: StepReport) -> None:
+    def _checkpoint(self, save: Callable[[], None], metrics: dict[str, Any], report: StepReport) -> None:
         """All ranks, trainer on the device: save this step; the driver's state carries its metrics so far.
 
         A resumed run logs that record if the metrics log lost the step (`_log_checkpointed_step`).
@@ -899,7 +930,7 @@ class ArmorTrainer:
         self._checkpointed_step = self.step
 
     @collective
-    def _evaluate_start(self, logger: MetricsLogger | None) -> dict:
+    def _evaluate_start(self, logger: MetricsLogger | None) -> dict[str, Any]:
         """The evaluation before training (step 0); the reset schedule sees it on every rank."""
         start = self.evaluate() if self.is_driver else {}
         if logger:
@@ -936,7 +967,7 @@ class ArmorTrainer:
         if reporter.should_log(self.step, record["metrics"]):
             logger.log(self.step, {**record["metrics"], "log/restored_from_checkpoint": 1.0})
 
-    def _report(self, metrics: dict, reporter: StepReporter) -> dict:
+    def _report(self, metrics: dict[str, Any], reporter: StepReporter) -> dict[str, Any]:
         """Driver: anchor statistics into the step's metrics, then the log and the step line."""
         if self.anchors is not None:
             metrics.update(self.anchors.stats.as_dict())
@@ -945,7 +976,7 @@ class ArmorTrainer:
 
 
 @contextlib.contextmanager
-def _calls_allowed_after():
+def _calls_allowed_after() -> Iterator[None]:
     """Reward calls, stopped by a preemption signal inside the block, are allowed again after it."""
     try:
         yield
@@ -953,7 +984,7 @@ def _calls_allowed_after():
         allow_calls()
 
 
-def _merge_rounds(rounds: list[dict]) -> dict:
+def _merge_rounds(rounds: list[dict[str, Any]]) -> dict[str, Any]:
     """The metrics of a step's rollout rounds.
 
     The first round describes the policy's samples (``rollout/*``, before dynamic sampling filtered
@@ -992,7 +1023,7 @@ def free_device_cache() -> None:
     """
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        torch.cuda.ipc_collect()
+        torch.cuda.ipc_collect()  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
 def to_host(t: torch.Tensor) -> torch.Tensor:
@@ -1000,7 +1031,7 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu()
 
 
-def engine_trainer_gap(batch: dict) -> float:
+def engine_trainer_gap(batch: dict[str, Any]) -> float:
     """Mean |lp_engine − lp_old| over on-policy response tokens.
 
     ~0 when engine and trainer hold the same weights (a weight-sync bug or a precision mismatch
@@ -1011,5 +1042,6 @@ def engine_trainer_gap(batch: dict) -> float:
     return float(gap)
 
 
-def _materialise(weights):
-    return None if weights is None else list(weights)
+def _materialise(export: CollectiveExport | None) -> list[NamedTensor] | None:
+    """The export read to the end into a list (None for None)."""
+    return None if export is None else list(export)

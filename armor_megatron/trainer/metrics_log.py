@@ -20,7 +20,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TextIO
 
 
 class MetricsLogger:
@@ -130,7 +130,7 @@ def wandb_run_id(log_dir: str) -> str:
     return run_id
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_metrics(path: str) -> list[dict[str, Any]]:
     """All records of a ``metrics.jsonl``.
 
     A torn last line (killed writer) is ignored, and so is everything after a line that is not JSON
@@ -175,7 +175,7 @@ def _is_scalar(v: Any) -> bool:
     return hasattr(v, "item") and getattr(v, "numel", lambda: 0)() == 1
 
 
-def _json_float(v: float):
+def _json_float(v: float) -> float | str | None:
     if math.isnan(v):
         return None
     return v if math.isfinite(v) else str(v)
@@ -215,7 +215,7 @@ def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
-def _fmt(value) -> str:
+def _fmt(value: Any) -> str:
     v = float(value)
     return f"{v:.3f}" if abs(v) < 10 else f"{v:.1f}"
 
@@ -239,8 +239,8 @@ class StepReporter:
         initial_step: int = 0,
         name: str = "",
         progress_bar: bool = True,
-        stream=None,
-    ):
+        stream: TextIO | None = None,
+    ) -> None:
         self.logger, self.every_steps, self.total_steps = logger, every_steps, total_steps
         self.prefix = f"[{name or 'armor'}]"  # the run's name starts each text line
         self.stream = sys.stdout if stream is None else stream
@@ -256,7 +256,7 @@ class StepReporter:
         """Whether ``step`` is shown: every ``every_steps`` steps and at evaluations."""
         return step % self.every_steps == 0 or any(k.startswith("eval/") for k in metrics)
 
-    def report(self, step: int, metrics: Mapping[str, Any]) -> dict:
+    def report(self, step: int, metrics: Mapping[str, Any]) -> dict[str, Any]:
         """Log and show one step; returns the metrics as logged."""
         metrics = dict(metrics)
         if self.logger is not None and self.should_log(step, metrics):
@@ -274,8 +274,8 @@ class StepReporter:
             self.bar.close()
 
 
-def _is_tty(stream) -> bool:
+def _is_tty(stream: TextIO) -> bool:
     try:
-        return stream.isatty()
+        return bool(stream.isatty())
     except (AttributeError, ValueError):
         return False

@@ -31,6 +31,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.rollout.engine import StaleWeightsError
@@ -52,7 +53,7 @@ class PendingBatch:
     """
 
     batch: RolloutBatch | None
-    metrics: dict
+    metrics: dict[str, Any]
     for_step: int
     begin: float = 0.0
     end: float = 0.0
@@ -69,7 +70,7 @@ class BackgroundRollout:
     ``join`` returns its `PendingBatch` and re-raises its error in the caller's thread.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._result: PendingBatch | None = None
         self._error: BaseException | None = None
@@ -97,7 +98,7 @@ class BackgroundRollout:
         if self._thread is not None:
             raise RuntimeError("a background rollout is already running")
 
-        def run():
+        def run() -> None:
             try:
                 self._result = generate()
             except BaseException as err:  # noqa: BLE001 - re-raised by join() in the trainer's thread
@@ -127,7 +128,7 @@ class BackgroundRollout:
         return result
 
 
-def generate_pending(rollout: Callable[[], tuple[RolloutBatch | None, dict]], for_step: int) -> PendingBatch:
+def generate_pending(rollout: Callable[[], tuple[RolloutBatch | None, dict[str, Any]]], for_step: int) -> PendingBatch:
     """Run ``rollout()`` and time it."""
     begin = time.perf_counter()
     batch, metrics = rollout()
@@ -175,7 +176,7 @@ def check_lag(batch: RolloutBatch | None, trainer_step: int, reference_version: 
     return {"rollout/lag": float(max(lags)), "rollout/lag_min": float(min(lags))}
 
 
-def pending_state(pending: PendingBatch | None) -> dict | None:
+def pending_state(pending: PendingBatch | None) -> dict[str, Any] | None:
     """The pending batch as checkpointable containers and tensors (``trainer_state.pt``)."""
     if pending is None:
         return None
@@ -190,7 +191,7 @@ def pending_state(pending: PendingBatch | None) -> dict | None:
     }
 
 
-def load_pending(state: dict | None) -> PendingBatch | None:
+def load_pending(state: dict[str, Any] | None) -> PendingBatch | None:
     """Inverse of `pending_state` (generation times restart at zero: they describe the past run)."""
     if state is None:
         return None

@@ -9,6 +9,7 @@ training reward is positive and that of validation accuracy is negative by more 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 
 def _slope(values: list[float]) -> float:
@@ -29,7 +30,7 @@ class OverOptimizationMonitor:
         self.train: deque[float] = deque(maxlen=window)
         self.val: deque[float] = deque(maxlen=window)
 
-    def update(self, train_reward: float, val_accuracy: float) -> tuple[dict, str | None]:
+    def update(self, train_reward: float, val_accuracy: float) -> tuple[dict[str, float], str | None]:
         """Record one evaluation; returns (metrics, warning or None)."""
         self.train.append(train_reward)
         self.val.append(val_accuracy)
@@ -45,11 +46,11 @@ class OverOptimizationMonitor:
             )
         return metrics, None
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The recent rewards and accuracies, for checkpoints."""
         return {"train": list(self.train), "val": list(self.val)}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
         self.train.extend(state["train"])
         self.val.extend(state["val"])

@@ -25,6 +25,7 @@ import os
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from armor_megatron.errors import MetricsLogError, MissingInputError
 from armor_megatron.trainer.metrics_log import read_metrics
@@ -43,7 +44,7 @@ class Run:
 
     label: str
     path: str
-    records: list[dict]
+    records: list[dict[str, Any]]
 
     def keys(self) -> set[str]:
         """The metric names the run logged."""
@@ -86,19 +87,19 @@ def unique_labels(runs: Sequence[Run]) -> None:
             run.label = os.path.join(os.path.basename(os.path.dirname(parent)), os.path.basename(parent))
 
 
-def series(records: Sequence[dict], key: str) -> tuple[list[int], list[float]]:
+def series(records: Sequence[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the records that have ``key``, in step order; null and "nan"/"inf" -> floats."""
     points = sorted((r["step"], _float(r[key])) for r in records if key in r)
     return [s for s, _ in points], [v for _, v in points]
 
 
-def reset_steps(records: Sequence[dict]) -> list[int]:
+def reset_steps(records: Sequence[dict[str, Any]]) -> list[int]:
     """Steps after which the reference was reset to the actor."""
     steps, values = series(records, RESET)
     return [s for s, v in zip(steps, values) if v == 1.0]
 
 
-def phase_timings(records: Sequence[dict]) -> tuple[list[int], dict[str, list[float]]]:
+def phase_timings(records: Sequence[dict[str, Any]]) -> tuple[list[int], dict[str, list[float]]]:
     """Seconds per phase for every record with ``time/step``: (steps, {phase: [seconds per step]}).
 
     Phases absent from every record are left out; absent in one record they count 0 there.
@@ -112,7 +113,7 @@ def phase_timings(records: Sequence[dict]) -> tuple[list[int], dict[str, list[fl
     return [r["step"] for r in timed], out
 
 
-def step_timeline(records: Sequence[dict]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
+def step_timeline(records: Sequence[dict[str, Any]]) -> list[tuple[int, dict[str, tuple[float, float]]]]:
     """Each step's timeline bars, ``(step, {bar: (begin, end)})``, since the run started.
 
     Per step that logged one, ``(step, {bar: (begin, end)})`` in seconds since the run started
@@ -132,12 +133,12 @@ def step_timeline(records: Sequence[dict]) -> list[tuple[int, dict[str, tuple[fl
     return out
 
 
-def _float(value) -> float:
+def _float(value: Any) -> float:
     """A logged value as a float: null (NaN in the JSONL) and "nan"/"inf" strings included."""
     return math.nan if value is None else float(value)
 
 
-def _finite(value) -> float:
+def _finite(value: Any) -> float:
     v = _float(value)
     return v if math.isfinite(v) else 0.0
 
@@ -179,7 +180,7 @@ def plot_runs(runs: Sequence[Run], out: str, extra_metrics: Sequence[str] = ()) 
         plt.close(fig)
 
 
-def _accuracy_panel(ax, runs: Sequence[Run], colours: Sequence[str]) -> None:
+def _accuracy_panel(ax: Any, runs: Sequence[Run], colours: Sequence[str]) -> None:
     for run, colour in zip(runs, colours):
         accuracy = series(run.records, TRAIN_ACCURACY)
         reward = series(run.records, TRAIN_REWARD)
@@ -202,18 +203,18 @@ def _accuracy_panel(ax, runs: Sequence[Run], colours: Sequence[str]) -> None:
     legend(ax)
 
 
-def _line(ax, points: tuple[list[int], list[float]], **style) -> None:
+def _line(ax: Any, points: tuple[list[int], list[float]], **style: Any) -> None:
     if points[0]:
         ax.plot(*points, **style)
 
 
-def legend(ax, **kwargs) -> None:
+def legend(ax: Any, **kwargs: Any) -> None:
     """A legend right of ``ax``, when it has labelled artists."""
     if ax.get_legend_handles_labels()[1]:
         ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1.0), **kwargs)
 
 
-def _timing_panel(ax, run: Run) -> None:
+def _timing_panel(ax: Any, run: Run) -> None:
     steps, phases = phase_timings(run.records)
     ax.set_title(f"{run.label}: seconds per step by phase")
     ax.set_ylabel("seconds")
@@ -228,7 +229,7 @@ def _timing_panel(ax, run: Run) -> None:
     legend(ax)
 
 
-def _timeline_panel(ax, run: Run, timeline: list) -> None:
+def _timeline_panel(ax: Any, run: Run, timeline: list[tuple[int, dict[str, tuple[float, float]]]]) -> None:
     """Per step (y), the rollout bar above the update bar (x: seconds since the run started)."""
     for bar, (offset, colour) in zip(TIMELINE_BARS, ((0.05, "C0"), (-0.45, "C2"))):
         spans = [(step, bars[bar]) for step, bars in timeline if bar in bars]
@@ -243,7 +244,7 @@ def _timeline_panel(ax, run: Run, timeline: list) -> None:
     legend(ax)
 
 
-def save_png(fig, out: str) -> None:
+def save_png(fig: Any, out: str) -> None:
     """Write ``fig`` to ``out`` as a PNG, atomically (a temporary file beside it, then renamed)."""
     directory = os.path.dirname(os.path.abspath(out))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(out)}.", suffix=".tmp")

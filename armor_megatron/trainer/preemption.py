@@ -19,21 +19,23 @@ so a signal to the whole process group, as SLURM sends it, leaves them working.
 from __future__ import annotations
 
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from types import FrameType
+from typing import Any
 
 REQUEUE_EXIT_CODE = 85
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _early: list[int] = []  # signals recorded before a PreemptionHandler was installed
 
 
-def record_early_signals(signals=SIGNALS) -> None:
+def record_early_signals(signals: Iterable[int] = SIGNALS) -> None:
     """Record (instead of dying of) ``signals`` until a `PreemptionHandler` takes over."""
     for sig in signals:
         signal.signal(sig, _record_early)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
 
-def _record_early(signum, frame) -> None:
+def _record_early(signum: int, frame: FrameType | None) -> None:
     _early.append(signum)
 
 
@@ -45,11 +47,11 @@ class PreemptionHandler:
     verifier ends now rather than never.
     """
 
-    def __init__(self, signals=SIGNALS, on_signal: Callable[[], None] | None = None):
+    def __init__(self, signals: Iterable[int] = SIGNALS, on_signal: Callable[[], None] | None = None) -> None:
         self.signals = tuple(signals)
         self.received: int | None = None
         self.on_signal = on_signal
-        self._previous: dict = {}
+        self._previous: dict[int, Any] = {}
 
     def install(self) -> PreemptionHandler:
         """Install the handlers (a signal received before them counts); returns self."""
@@ -67,7 +69,7 @@ class PreemptionHandler:
             signal.signal(sig, handler)
         self._previous.clear()
 
-    def _handle(self, signum, frame) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
         if self.on_signal is not None:
             self.on_signal()
@@ -76,8 +78,8 @@ class PreemptionHandler:
         """Whether a preemption signal arrived."""
         return self.received is not None
 
-    def __enter__(self):
+    def __enter__(self) -> PreemptionHandler:
         return self.install()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.uninstall()

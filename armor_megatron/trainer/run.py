@@ -13,6 +13,8 @@ Called by ``armor-train`` inside each distributed process (torchrun / srun start
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 
@@ -49,7 +51,7 @@ def initial_weights(cfg: RunConfig) -> str:
     return cfg.model.mcore_path or cfg.model.path
 
 
-def train(cfg: RunConfig, resume: str | None = None) -> dict:
+def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
     """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
@@ -148,7 +150,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         write_run_record(cfg)  # this directory now belongs to this run (read by check_run_identity on resume)
         record_hf_files(cfg.model.path, checkpoint_dir(cfg))  # config + tokenizer for HF copies and armor-convert
 
-    def save_hf_copy():
+    def save_hf_copy() -> None:
         path = save_hf(HFWeightExport(actor.model_chunks, arch), checkpoint_dir(cfg), trainer.step)
         if trainer.is_driver:
             prune_hf(checkpoint_dir(cfg), cfg.checkpoint.save_hf.keep_last)
@@ -177,7 +179,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
                 cfg.name,
             )
 
-    def save():
+    def save() -> None:
         root = checkpoint_dir(cfg)
         ckpt.save_checkpoint(
             root, trainer.step, actor, reference, trainer.trainer_state() if trainer.is_driver else {}, critic=critic
@@ -192,7 +194,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
             logger.close()
 
 
-def _finish_killed_export(cfg, trainer, save_hf_copy) -> None:
+def _finish_killed_export(cfg: RunConfig, trainer: ArmorTrainer, save_hf_copy: Callable[[], None]) -> None:
     """A resumed run writes the HF copy its checkpoint's step was due and lacks (the previous job died exporting it).
 
     Stale staging directories go first. Every rank calls it (the export is collective); the driver decides.

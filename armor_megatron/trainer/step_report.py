@@ -33,7 +33,7 @@ TRAINER_BUSY_PHASES = ("logprobs", "values", "update")  # the trainer's own work
 class StepTimer:
     """Wall-clock seconds of a step's phases."""
 
-    times: dict = dataclasses.field(default_factory=dict)
+    times: dict[str, float] = dataclasses.field(default_factory=dict)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:

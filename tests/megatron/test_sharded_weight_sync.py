@@ -82,6 +82,7 @@ class _counting_rank0_transfers:
 
 
 def _push(export, url, mode, disk_dir, hf_dir, update_groups="stage"):
+    from armor_megatron.megatron.collective_export import ExportReadError
     from armor_megatron.rollout.sglang.engine import SGLangEngine
     from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig
 
@@ -98,7 +99,9 @@ def _push(export, url, mode, disk_dir, hf_dir, update_groups="stage"):
     )
     engine = SGLangEngine([url], weight_sync=sync, request_timeout=120)
     engine.update_weights(export, "synced")
-    assert list(export) == []  # read once
+    assert export.finished
+    with pytest.raises(ExportReadError, match="already"):  # read once
+        iter(export)
     return engine
 
 

@@ -15,6 +15,7 @@ from armor_megatron.config import load_config
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.launch.device_ledger import GIB, DeviceLedger, replay_colocated_step
 from armor_megatron.launch.memory import plan_memory
+from armor_megatron.megatron.collective_export import CollectiveExport
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.sglang import engine as sglang_engine
@@ -95,8 +96,20 @@ class StandInModel:
                 mine.copy_(theirs)
 
 
+class StandInExport(CollectiveExport):
+    """The stand-in model's tensors under the export's read-once contract (one process: no collectives)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def _items(self):
+        for n, t in self.model.model_chunks[0].state_dict().items():
+            yield n, t.detach().clone()
+
+
 def export(model):
-    return iter([(n, t.detach().clone()) for n, t in model.model_chunks[0].state_dict().items()])
+    return StandInExport(model)
 
 
 @pytest.fixture

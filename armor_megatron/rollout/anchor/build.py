@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorRollout, AnchorSampler, AnchorSamplingConfig, single_turn
-from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, make_anchor_source
+from armor_megatron.rollout.anchor.source import ANCHOR_SOURCES, WeightProvider, make_anchor_source
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams
 
 
-def anchor_reward(text: str, truth, trajectory=None) -> float:
+def anchor_reward(text: str, truth: tuple[Any, ...], trajectory: Any = None) -> float:
     """An anchor candidate's reward, by its row's own verifier.
 
     ``truth`` is its row's ``(verifier, answer)`` or ``(verifier, answer, row fields[, environment
@@ -35,8 +37,8 @@ def build_anchor_cache(
     *,
     reference_engine: RolloutEngine | None,
     policy_engine: RolloutEngine | None = None,
-    reference_weights=None,
-    policy_weights=None,
+    reference_weights: WeightProvider | None = None,
+    policy_weights: WeightProvider | None = None,
     reference_version: str = "ref-0",
     rollout: AnchorRollout = single_turn,
 ) -> AnchorCache | None:

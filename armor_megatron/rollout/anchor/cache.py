@@ -44,7 +44,7 @@ class CacheStats:
         """Share of lookups served from the pool."""
         return self.hits / self.lookups if self.lookups else 0.0
 
-    def as_dict(self, prefix: str = "anchor_cache/") -> dict:
+    def as_dict(self, prefix: str = "anchor_cache/") -> dict[str, float]:
         """The counters as metrics, keys prefixed ``prefix``."""
         return {f"{prefix}hit_rate": self.hit_rate, f"{prefix}lookups": self.lookups, f"{prefix}skipped": self.skipped}
 
@@ -75,7 +75,7 @@ class AnchorCache:
         self.stats = CacheStats()
         self._pools: dict[Hashable, list[_Entry]] = {}
         self._failures: dict[Hashable, int] = {}
-        self._prefetch_failed: set = set()  # failed in a prefetch, not looked up since: no second try
+        self._prefetch_failed: set[Hashable] = set()  # failed in a prefetch, not looked up since: no second try
         self._rng = random.Random(seed)
         self._lock = threading.RLock()
         self._prefetch: threading.Thread | None = None
@@ -148,7 +148,7 @@ class AnchorCache:
         if not todo:
             return
 
-        def run():
+        def run() -> None:
             try:
                 fresh = self.sampler.sample([prompts_token_ids[i] for i in todo], [ground_truths[i] for i in todo])
                 with self._lock:
@@ -192,7 +192,7 @@ class AnchorCache:
 
     # ---- checkpointing ---------------------------------------------------------------------
 
-    def state_dict(self) -> dict:
+    def state_dict(self) -> dict[str, Any]:
         """The cache's pools and counters, for checkpoints."""
         self.wait()
         with self._lock:
@@ -211,13 +211,13 @@ class AnchorCache:
                 "rng": self._rng.getstate(),
             }
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
 
-        def key(k):
+        def key(k: Any) -> Hashable:
             return tuple(k) if isinstance(k, list) else k
 
-        def sample(d):
+        def sample(d: dict[str, Any]) -> Sample:
             d = dict(
                 d, token_ids=tuple(d["token_ids"]), logprobs=None if d["logprobs"] is None else tuple(d["logprobs"])
             )
@@ -240,7 +240,7 @@ class AnchorCache:
     # ---- internals -------------------------------------------------------------------------
 
     @staticmethod
-    def _keys(prompts, keys) -> list[Hashable]:
+    def _keys(prompts: Sequence[Sequence[int]], keys: Sequence[Hashable] | None) -> list[Hashable]:
         if keys is None:
             return [tuple(int(t) for t in p) for p in prompts]
         if len(keys) != len(prompts):
@@ -260,10 +260,10 @@ class AnchorCache:
         self._failures.clear()
         self._prefetch_failed.clear()
 
-    def _given_up(self, key) -> bool:
+    def _given_up(self, key: Hashable) -> bool:
         return self.give_up_after is not None and self._failures.get(key, 0) >= self.give_up_after
 
-    def _draw(self, key) -> _Entry | None:
+    def _draw(self, key: Hashable) -> _Entry | None:
         pool = self._pools.get(key)
         if not pool:
             return None
@@ -276,7 +276,7 @@ class AnchorCache:
         if self.max_uses is not None and entry.uses >= self.max_uses:
             pool.remove(entry)
 
-    def _store(self, key, result: AnchorResult) -> None:
+    def _store(self, key: Hashable, result: AnchorResult) -> None:
         if not result.found:
             self._failures[key] = self._failures.get(key, 0) + 1
             return
@@ -286,7 +286,7 @@ class AnchorCache:
             if len(pool) < self.max_pool:
                 pool.append(_Entry(v.sample, v.reward))
 
-    def _count_use(self, key, sample: Sample | None) -> None:
+    def _count_use(self, key: Hashable, sample: Sample | None) -> None:
         pool = self._pools.get(key, [])
         for entry in pool:
             if sample is not None and entry.sample is sample:

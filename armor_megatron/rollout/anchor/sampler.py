@@ -28,17 +28,27 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from armor_megatron.config.schema import AnchorConfig
+from armor_megatron.rollout.anchor.source import AnchorSource
 from armor_megatron.rollout.engine import Sample, SamplingParams
 
 RewardFn = Callable[..., float]
 # (generate, prompts_token_ids, ground_truths, n, sampling, timeout) -> per prompt, n samples;
 # generate(prompts_token_ids, n, sampling, timeout=...) is the source's
-AnchorRollout = Callable[..., list]
+AnchorRollout = Callable[..., list[list[Sample]]]
 
 
-def single_turn(generate, prompts_token_ids, ground_truths, n, sampling, timeout=None) -> list:
-    """The default anchor rollout: one request to the source."""
-    return generate(prompts_token_ids, n, sampling, timeout=timeout)
+def single_turn(
+    generate: Callable[..., list[list[Sample]]],
+    prompts_token_ids: Sequence[Sequence[int]],
+    ground_truths: Sequence[Any],
+    n: int,
+    sampling: SamplingParams,
+    timeout: float | None = None,
+) -> list[list[Sample]]:
+    """The default anchor rollout: one request to the source (the ground truths are not needed)."""
+    samples: list[list[Sample]] = generate(prompts_token_ids, n, sampling, timeout=timeout)
+    return samples
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,18 +60,17 @@ class AnchorSamplingConfig:
     success_reward: float = 1.0
     sampling: SamplingParams = SamplingParams()
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_tries < 1 or self.tries_per_request < 1:
             raise ValueError(
                 f"max_tries and tries_per_request must be >= 1, got {self.max_tries} and {self.tries_per_request}"
             )
 
     @classmethod
-    def from_run_config(cls, anchor_section, sampling: SamplingParams) -> AnchorSamplingConfig:
+    def from_run_config(cls, anchor_section: AnchorConfig, sampling: SamplingParams) -> AnchorSamplingConfig:
         """A sampler from a run config's ``anchor`` section.
 
-        From a run config's ``anchor`` section; ``sampling`` is the rollout's, at
-        ``anchor.temperature`` when that is set.
+        ``sampling`` is the rollout's; anchors use it at ``anchor.temperature`` when that is set.
         """
         if anchor_section.temperature is not None:
             sampling = dataclasses.replace(sampling, temperature=anchor_section.temperature)
@@ -129,7 +138,7 @@ class AnchorStats:
         """Reference tries per prompt."""
         return self.tries / self.prompts if self.prompts else 0.0
 
-    def as_dict(self, prefix: str = "anchor/") -> dict:
+    def as_dict(self, prefix: str = "anchor/") -> dict[str, float]:
         """The totals as metrics, keys prefixed ``prefix``."""
         return {
             f"{prefix}found_rate": self.found_rate,
@@ -144,11 +153,11 @@ class AnchorSampler:
 
     def __init__(
         self,
-        source,
+        source: AnchorSource,
         reward_fn: RewardFn,
         config: AnchorSamplingConfig = AnchorSamplingConfig(),
         rollout: AnchorRollout = single_turn,
-    ):
+    ) -> None:
         self.source = source
         self.reward_fn = reward_fn
         self.config = config

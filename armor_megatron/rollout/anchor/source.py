@@ -20,8 +20,9 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
 
-from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
+from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, WeightSource
 
 WeightProvider = WeightSource | Callable[[], WeightSource]
 
@@ -41,6 +42,41 @@ def _provider(weights: WeightProvider) -> Callable[[], WeightSource]:
     raise TypeError(
         "reference weights must be a checkpoint directory, (name, tensor) pairs or a callable returning them"
     )
+
+
+class AnchorSource(Protocol):
+    """Where the anchor sampler draws π_ref's responses from (`SeparateReference`, `SwapReference`).
+
+    ``supports_background``: anchors may be sampled while the policy engine generates;
+    ``keeps_host_weights``: it needs the weights as host copies (`reset`, `policy_weights_pushed`
+    read them more than once), not a read-once stream.
+    """
+
+    supports_background: bool
+    keeps_host_weights: bool
+
+    @property
+    def version(self) -> str:
+        """The reference weights' version (``ref-<n>``) the samples carry."""
+        ...
+
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+    ) -> list[list[Sample]]:
+        """``n`` samples of π_ref per prompt, in prompt order."""
+        ...
+
+    def reset(self, weights: WeightSource, version: str) -> None:
+        """θ_ref ← the given weights, named ``version`` from now on."""
+        ...
+
+    def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        """The policy the trainer pushes next (what to push: a host list where it keeps one)."""
+        ...
 
 
 class SeparateReference:
@@ -63,7 +99,7 @@ class SeparateReference:
         n: int,
         sampling: SamplingParams,
         timeout: float | None = None,
-    ):
+    ) -> list[list[Sample]]:
         """Sample ``n`` responses per prompt from the reference engine."""
         return self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout)
 
@@ -112,7 +148,7 @@ class SwapReference:
         n: int,
         sampling: SamplingParams,
         timeout: float | None = None,
-    ):
+    ) -> list[list[Sample]]:
         """Sample from the reference weights, swapped into the policy engine for the call (and back, unless not ``swap_back``)."""
         with self._lock:
             policy_version = self.engine.weight_version
@@ -152,7 +188,7 @@ def make_anchor_source(
     reference_weights: WeightProvider | None = None,
     reference_version: str | None = None,
     policy_weights: WeightProvider | None = None,
-):
+) -> AnchorSource:
     """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
     if kind == "separate":
         if reference_engine is None:

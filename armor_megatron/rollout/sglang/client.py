@@ -20,7 +20,7 @@ import logging
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from armor_megatron.rollout.engine import (
@@ -28,6 +28,7 @@ from armor_megatron.rollout.engine import (
     EngineReplyError,
     EngineUnavailableError,
     RolloutError,
+    Sample,
     check_sample,
 )
 
@@ -43,7 +44,7 @@ class RetryPolicy:
     multiplier: float = 2.0
     max_backoff: float = 8.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.max_attempts < 1:
             raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
 
@@ -111,7 +112,7 @@ class SGLangClient:
         self.request_timeout = request_timeout
         self.retry = retry
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return f"SGLangClient({self.url!r})"
 
     # ---- transport ---------------------------------------------------------------------
@@ -148,7 +149,7 @@ class SGLangClient:
         body: Any = None,
         timeout: float | None = None,
         retry: bool = True,
-        check=None,
+        check: Callable[[Any], None] | None = None,
     ) -> Any:
         """Send one request, retrying per :attr:`retry`; returns the decoded JSON (or text).
 
@@ -194,10 +195,10 @@ class SGLangClient:
     def generate(
         self,
         input_ids: Sequence[int],
-        sampling_params: dict | list[dict],
+        sampling_params: dict[str, Any] | list[dict[str, Any]],
         return_logprob: bool = True,
         timeout: float | None = None,
-    ) -> list:
+    ) -> list[dict[str, Any]]:
         """``POST /generate`` for one prompt; returns its raw outputs (dicts), retrying aborted ones.
 
         ``sampling_params``: one dict (its ``n`` samples), or a list of dicts, one per sample:
@@ -258,14 +259,14 @@ class SGLangClient:
 
 
 def parse_output(
-    out: dict,
+    out: dict[str, Any],
     prompt_index: int,
     return_logprob: bool,
     *,
     sample: int = 0,
     source: str = "SGLang",
     vocab_size: int | None = None,
-):
+) -> Sample:
     """One SGLang ``/generate`` output -> :class:`~armor_megatron.rollout.engine.Sample`.
 
     Reads ``output_ids``, ``text`` and ``meta_info`` {``finish_reason.type``, ``weight_version``,
@@ -282,8 +283,6 @@ def parse_output(
     ``[0, vocab_size)`` or a log-prob above 0, when ``vocab_size`` is given
     (:func:`~armor_megatron.rollout.engine.check_sample`).
     """
-    from armor_megatron.rollout.engine import Sample
-
     meta = out.get("meta_info")
     meta = meta if isinstance(meta, dict) else {}
     rid = f" request {meta['id']}" if isinstance(meta.get("id"), str) else ""
@@ -332,7 +331,7 @@ def _logprob(row: Any, token: int, where: str) -> float:
     return float(value)
 
 
-def _weight_version(meta: dict) -> str:
+def _weight_version(meta: dict[str, Any]) -> str:
     spans = [str(s["version"]) for s in meta.get("weight_versions") or () if isinstance(s, dict) and "version" in s]
     if len(set(spans)) > 1:
         return "->".join(spans)

@@ -57,7 +57,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from armor_megatron.rollout.engine import (
     MEMORY_TAGS,
@@ -75,6 +76,10 @@ from armor_megatron.rollout.engine import (
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, parse_output
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
 
+if TYPE_CHECKING:
+    from armor_megatron.rollout.sglang.launcher import SGLangLauncher
+    from armor_megatron.rollout.sglang.router import SGLangRouter
+
 # /pause_generation modes (SGLang 0.5.23 PauseGenerationReqInput): "abort" (its default) aborts
 # the requests in flight; "retract" puts them back in the queue (KV cache freed) and
 # "in_place" keeps them where they are; both finish them after /continue_generation.
@@ -83,7 +88,9 @@ PAUSE_MODES = ("abort", "retract", "in_place")
 logger = logging.getLogger(__name__)
 
 
-def sglang_sampling_params(sampling: SamplingParams, n: int, seed: int | None = None) -> dict | list[dict]:
+def sglang_sampling_params(
+    sampling: SamplingParams, n: int, seed: int | None = None
+) -> dict[str, Any] | list[dict[str, Any]]:
     """``sampling_params`` of one prompt's request.
 
     A dict with ``n`` and no seed, or, with a ``seed`` (deterministic mode), one dict per sample
@@ -127,14 +134,17 @@ class SGLangEngine(RolloutEngine):
         request_timeout: float = 600.0,
         max_concurrency: int = 256,
         weight_version: str | None = None,
-        launcher=None,
-        router_process=None,
+        launcher: SGLangLauncher | None = None,
+        router_process: SGLangRouter | None = None,
         deterministic: bool | None = None,
         vocab_size: int | None = None,
-    ):
+    ) -> None:
         if not worker_urls:
             raise ValueError("SGLangEngine needs at least one worker URL")
-        make = lambda url: SGLangClient(url, api_key=api_key, request_timeout=request_timeout, retry=retry)  # noqa: E731
+
+        def make(url: str) -> SGLangClient:
+            return SGLangClient(url, api_key=api_key, request_timeout=request_timeout, retry=retry)
+
         self.workers = [make(u) for u in worker_urls]
         self.router_process = router_process
         if router_url is None and router_process is not None:
@@ -161,7 +171,7 @@ class SGLangEngine(RolloutEngine):
         self.sync.clear_stale_sessions()  # a trainer that died mid-push may have left one open
 
     @classmethod
-    def launch(cls, launcher, **kwargs) -> SGLangEngine:
+    def launch(cls, launcher: SGLangLauncher, **kwargs: Any) -> SGLangEngine:
         """Start ``launcher`` (:class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`) and attach to it."""
         launcher.start()
         return cls(
@@ -177,7 +187,9 @@ class SGLangEngine(RolloutEngine):
             return self.router
         return self.workers[next(self._next) % len(self.workers)]
 
-    def _prompt_requests(self, params: dict | list[dict]) -> list[tuple[SGLangClient, dict | list]]:
+    def _prompt_requests(
+        self, params: dict[str, Any] | list[dict[str, Any]]
+    ) -> list[tuple[SGLangClient, dict[str, Any] | list[dict[str, Any]]]]:
         """The ``(client, sampling_params)`` requests of one prompt: one, except per-sample params through the router."""
         client = self._generation_client()
         if client is self.router and isinstance(params, list):
@@ -191,7 +203,7 @@ class SGLangEngine(RolloutEngine):
         sampling: SamplingParams,
         timeout: float | None = None,
         return_logprob: bool = True,
-    ) -> list:
+    ) -> list[list[Sample]]:
         """``n`` samples per prompt from the SGLang servers, spread over them."""
         check_prompts(prompts_token_ids, n)
         self._check_holding("generate")
@@ -236,7 +248,7 @@ class SGLangEngine(RolloutEngine):
         check_versions(groups, self.weight_version)
         return groups
 
-    def _sample(self, out: dict, prompt: int, k: int, url: str, return_logprob: bool) -> Sample:
+    def _sample(self, out: dict[str, Any], prompt: int, k: int, url: str, return_logprob: bool) -> Sample:
         """Output ``k`` of ``prompt`` from server ``url`` as a Sample, its ids and log-probs checked."""
         source = f"SGLang server {url}/generate"
         return parse_output(out, prompt, return_logprob, sample=k, source=source, vocab_size=self.vocab_size)
@@ -260,10 +272,10 @@ class SGLangEngine(RolloutEngine):
             self._calls = itertools.count()
 
     def _request_seed(self, sampling: SamplingParams, n: int) -> int | None:
-        """The first of the request's seeds in deterministic mode, else None.
+        """The first of the request's n seeds in deterministic mode, else None.
 
-        The first of the request's n seeds in deterministic mode (never None there: a
-        deterministic server seeds unseeded requests alike), else None.
+        Never None in deterministic mode, even for an unseeded request: a deterministic server
+        seeds unseeded requests alike, so each request gets seeds of its own.
         """
         if not self.deterministic:
             return None
@@ -309,7 +321,7 @@ class SGLangEngine(RolloutEngine):
             logger.warning("SGLang router %s not healthy", self.router.url)
         return not dead and router_ok
 
-    def _post_all(self, path: str, body: dict, timeout: float | None) -> None:
+    def _post_all(self, path: str, body: dict[str, Any], timeout: float | None) -> None:
         for c in self.workers:
             c.post(path, body, timeout=timeout)
 
@@ -350,7 +362,7 @@ class SGLangEngine(RolloutEngine):
             )
 
     @contextlib.contextmanager
-    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None):
+    def released(self, tags: Sequence[str] = MEMORY_TAGS, timeout: float | None = None) -> Iterator[SGLangEngine]:
         """``with engine.released(tags): ...`` frees ``tags``, then takes them back.
 
         For a phase that leaves the engine's weights alone (``tags=("kv_cache", "cuda_graph")``);

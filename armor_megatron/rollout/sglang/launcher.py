@@ -38,7 +38,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from types import FrameType
 from typing import Any, cast
 
 from armor_megatron.launch.plan import API_KEY_ENV, QUIET_HEALTH_ENV
@@ -101,7 +102,7 @@ class LauncherConfig:
     stop_grace: float = 30.0
     port_retries: int = 3  # new free ports tried per engine whose chosen port was taken before it bound it
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.num_engines < 1 or self.tp_size < 1:
             raise ValueError(f"need num_engines >= 1 and tp_size >= 1, got {self.num_engines} and {self.tp_size}")
         if ORIGINAL_LOGPROB_ENV in self.env:
@@ -121,7 +122,7 @@ class SGLangLauncher:
         self.config = config
         self.ports: list[int] = []
         self.router: SGLangRouter | None = None
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[str] = []
         self._log_starts: list[int] = []  # where each process's part of its log begins
         self._lock = threading.Lock()
@@ -323,7 +324,7 @@ class SGLangLauncher:
             return
         self._prev_sigterm = signal.getsignal(signal.SIGTERM)
 
-        def on_sigterm(signum, frame):
+        def on_sigterm(signum: int, frame: FrameType | None) -> None:
             self.stop()
             prev = self._prev_sigterm
             if callable(prev):
@@ -333,14 +334,14 @@ class SGLangLauncher:
 
         signal.signal(signal.SIGTERM, on_sigterm)
 
-    def __enter__(self):
+    def __enter__(self) -> SGLangLauncher:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
 
-def run_server_with_env_key(argv: Sequence[str], environ=os.environ) -> None:
+def run_server_with_env_key(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> None:
     """``python -m armor_megatron.rollout.sglang.launcher MODULE ARGS...``.
 
     Run ``MODULE`` as ``__main__`` with ``ARGS + --api-key $ARMOR_ENGINE_API_KEY``. The key is added

@@ -43,11 +43,12 @@ import dataclasses
 import datetime
 import secrets
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from armor_megatron.rollout.engine import ShardDelivery, ShardSink, WeightUpdateError
 from armor_megatron.rollout.sglang import tensor_payload
+from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, address_towards, listen
 
 ABORT_KEY = "armor/aborted"  # outside every group's key prefix
@@ -78,18 +79,26 @@ class OwnerBroadcastDelivery(ShardDelivery):
         """One group per pipeline stage (``OwnerGroups.per_stage``), on every rank it is pickled to."""
         return self.groups.per_stage
 
-    def __init__(self, clients: Sequence, groups: OwnerGroups, tp_size: int, bucket_bytes: int, version: str, post):
+    def __init__(
+        self,
+        clients: Sequence[SGLangClient],
+        groups: OwnerGroups,
+        tp_size: int,
+        bucket_bytes: int,
+        version: str,
+        post: Callable[[SGLangClient, str, dict[str, Any]], Any],
+    ) -> None:
         self.groups, self.bucket_bytes = groups, bucket_bytes
         # driver only (never pickled):
         self._clients, self._tp, self._version, self._post = list(clients), tp_size, version, post
-        self._running: list[concurrent.futures.Future] = []
+        self._running: list[concurrent.futures.Future[None]] = []
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
         self._stop = threading.Event()
         self.joined: list[str] = []  # group names the engines joined during this sync
         self.requests: list[tuple[str, list[str]]] = []  # (group, names) in the order posted
         self.version_sent = False
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {"groups": self.groups, "bucket_bytes": self.bucket_bytes}
 
     def open(self, rank: int) -> ShardSink:
@@ -97,7 +106,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         return _OwnerSink(self.groups, rank)
 
     # ---------------------------------------------------------------- driver
-    def _start(self, per_engine) -> None:
+    def _start(self, per_engine: Callable[[SGLangClient, int], None]) -> None:
         """Run ``per_engine(client, i)`` for every engine on threads of their own."""
         self.settle()
         if self._pool is None:
@@ -111,7 +120,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         new = [a for a in self._owners if a["new"]]
         g = self.groups
 
-        def join_all(client, i):
+        def join_all(client: SGLangClient, i: int) -> None:
             for a in new:
                 if self._stop.is_set():
                     return
@@ -143,7 +152,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
         self.requests += [(group, names) for group, names, _, _ in requests]
         version = self._version if last else None
 
-        def post_all(client, i):
+        def post_all(client: SGLangClient, i: int) -> None:
             for k, (group, names, dtypes, shapes) in enumerate(requests):
                 if self._stop.is_set():
                     return
@@ -194,7 +203,7 @@ class OwnerBroadcastDelivery(ShardDelivery):
             self._pool = None
 
 
-def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
+def _abort(announcements: list[dict[str, Any]], reason: str, timeout: float) -> None:
     """Tell every owner waiting in a join or a broadcast that the engines will not come (best effort).
 
     A key in the owner's rendezvous store, which it checks while it waits.
@@ -206,7 +215,7 @@ def _abort(announcements: list[dict], reason: str, timeout: float) -> None:
             pass
 
 
-def _store_client(address: str, port: int, timeout: float):
+def _store_client(address: str, port: int, timeout: float) -> Any:
     import torch.distributed as dist
 
     return dist.TCPStore(address, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
@@ -227,7 +236,7 @@ class _OwnerSink(ShardSink):
             self.group = self._watch = None
         self.tensors = self.bytes = 0
 
-    def announce(self) -> dict:
+    def announce(self) -> dict[str, Any]:
         g = self.groups
         new = self.group is None
         if self.group is None:
@@ -247,7 +256,7 @@ class _OwnerSink(ShardSink):
 
     def _aborted(self) -> str | None:
         if self._watch.check([ABORT_KEY]):
-            return self._watch.get(ABORT_KEY).decode()
+            return str(self._watch.get(ABORT_KEY).decode())
         return None
 
     def join(self) -> None:
@@ -256,7 +265,7 @@ class _OwnerSink(ShardSink):
         g = self.groups
         made: dict[str, Any] = {}
 
-        def make():
+        def make() -> None:
             try:
                 made["group"] = WeightUpdateGroup(
                     "", 0, 0, g.world_size, self._name, g.backend, g.timeout, store=self._store
@@ -276,7 +285,7 @@ class _OwnerSink(ShardSink):
         self.group = made["group"]
         _GROUPS[(g.prefix, self.rank)] = (made["group"], self.address, self._watch)
 
-    def describe(self, *buckets) -> dict:
+    def describe(self, *buckets: list[tuple[str, Any]]) -> dict[str, Any]:
         parts = [p for b in buckets for p in tensor_payload.buckets(b, bucket_bytes=1 << 62)]  # a request per dtype
         return {
             "group": self._joined().group_name,
@@ -290,7 +299,7 @@ class _OwnerSink(ShardSink):
             ],
         }
 
-    def put(self, bucket) -> None:
+    def put(self, bucket: list[tuple[str, Any]]) -> None:
         import torch
 
         device = "cuda" if self.groups.backend == "nccl" else "cpu"
@@ -308,5 +317,5 @@ class _OwnerSink(ShardSink):
             self.bytes += flat.numel()
             del flat
 
-    def close(self) -> dict:
+    def close(self) -> dict[str, Any]:
         return {"group": self.group.group_name if self.group else None, "tensors": self.tensors, "bytes": self.bytes}

@@ -27,14 +27,14 @@ from collections.abc import Callable
 from typing import Any
 
 BACKEND_DEVICE = {"nccl": "cuda", "gloo": "cpu"}
-_ABANDONED: list = []  # aborted groups' backends, never destroyed while their collectives may hang
+_ABANDONED: list[Any] = []  # aborted groups' backends, never destroyed while their collectives may hang
 
 
-def listen(world_size: int, port: int = 0, timeout: float = 600.0):
-    """Bind rank 0's rendezvous store now.
+def listen(world_size: int, port: int = 0, timeout: float = 600.0) -> Any:
+    """Bind rank 0's rendezvous store now; the engines connect to it as clients.
 
-    Rank 0's rendezvous store, bound now (the server listens on every interface; ``port`` 0:
-    one the OS picks, read it from ``.port``); the engines connect to it as clients.
+    The server listens on every interface; with ``port`` 0 the OS picks one (read it from
+    ``.port``).
     """
     import torch.distributed as dist
 

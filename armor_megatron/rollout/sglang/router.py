@@ -65,7 +65,8 @@ def free_port(host: str) -> int:
     """A TCP port free on ``host`` now (the OS picks it; another process may take it before we bind)."""
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def local_url(host: str, port: int) -> str:
@@ -73,7 +74,7 @@ def local_url(host: str, port: int) -> str:
     return f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
-def signal_group(proc: subprocess.Popen, sig: int) -> None:
+def signal_group(proc: subprocess.Popen[bytes], sig: int) -> None:
     """Send ``sig`` to the process group of ``proc`` (it and its children) if it still runs."""
     if proc.poll() is not None:
         return
@@ -136,7 +137,7 @@ class SGLangRouter:
         self.log_path = log_path
         self.python, self.module, self.extra_args = python, module, list(extra_args)
         self.port: int | None = None
-        self.proc: subprocess.Popen | None = None
+        self.proc: subprocess.Popen[bytes] | None = None
         self._atexit = False
 
     @property
@@ -266,10 +267,10 @@ class SGLangRouter:
         """Whether the router process is alive."""
         return self.proc is not None and self.proc.poll() is None
 
-    def __enter__(self):
+    def __enter__(self) -> SGLangRouter:
         return self.start()
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- state -----------------------------------------------------------------------------

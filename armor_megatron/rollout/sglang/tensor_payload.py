@@ -43,7 +43,7 @@ import copyreg
 import dataclasses
 import io
 import pickle
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 FLATTENED_BUCKET = "flattened_bucket"
@@ -111,7 +111,7 @@ class SGLangUnpickler(pickle.Unpickler):
     and CUDA tensors named by GPU UUID are rebuilt on this process's device of that UUID.
     """
 
-    def find_class(self, module, name):
+    def find_class(self, module: str, name: str) -> Any:
         """The class ``module.name`` if SGLang's allowlist admits it, else UnpicklingError."""
         if not sglang_admits(module, name):
             raise pickle.UnpicklingError(f"SGLang's unpickler refuses {module}.{name} (not in its allowlist)")
@@ -151,17 +151,17 @@ def _device_index(device: int | str) -> int:
     raise pickle.UnpicklingError(f"the payload's GPU {device} is not visible to this process")
 
 
-def _rebuild_cuda_tensor_on_uuid(*args):
+def _rebuild_cuda_tensor_on_uuid(*args: Any) -> Any:
     from torch.multiprocessing import reductions
 
     args = (*args[:_CUDA_DEVICE_ARG], _device_index(args[_CUDA_DEVICE_ARG]), *args[_CUDA_DEVICE_ARG + 1 :])
-    return reductions.rebuild_cuda_tensor(*args)
+    return reductions.rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]  # torch leaves it untyped
 
 
-def _naming_gpus_by_uuid(reduce):
+def _naming_gpus_by_uuid(reduce: Callable[[Any], tuple[Any, tuple[Any, ...]]]) -> Callable[[Any], Any]:
     """A tensor reducer like ``reduce`` whose CUDA IPC handles name their GPU by UUID."""
 
-    def reduce_naming_the_gpu(obj):
+    def reduce_naming_the_gpu(obj: Any) -> tuple[Any, tuple[Any, ...]]:
         rebuild, args = reduce(obj)
         if getattr(rebuild, "__name__", None) == "rebuild_cuda_tensor":
             index = args[_CUDA_DEVICE_ARG]
@@ -181,7 +181,7 @@ class _PayloadPickler(pickle._Pickler):
 
     dispatch = dict(pickle._Pickler.dispatch)
 
-    def __init__(self, file, protocol):
+    def __init__(self, file: io.BytesIO, protocol: int) -> None:
         from multiprocessing.reduction import ForkingPickler
 
         super().__init__(file, protocol)

@@ -65,8 +65,9 @@ import shutil
 import socket
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, cast
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from types import TracebackType
+from typing import Any, TypeVar, cast
 
 from armor_megatron.config.schema import WEIGHT_SYNC_MODES
 from armor_megatron.rollout.engine import ShardDelivery, ShardedWeights, ShardSink, WeightUpdateError
@@ -75,6 +76,7 @@ from armor_megatron.rollout.sglang import tensor_payload
 from armor_megatron.rollout.sglang.client import SGLangClient, SGLangHTTPError
 
 logger = logging.getLogger(__name__)
+_R = TypeVar("_R")
 
 register_weight_sync_mode = WEIGHT_SYNC_MODES.register
 
@@ -102,12 +104,12 @@ class WeightSyncConfig:
     group_name: str = "armor_weight_sync"
     timeout: float = 600.0
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         mode = cast("type[WeightSync]", WEIGHT_SYNC_MODES.definition(self.mode))  # a registered WeightSync class
         mode.check_config(self)
 
 
-def _on_all(clients: Sequence[SGLangClient], fn) -> list:
+def _on_all(clients: Sequence[SGLangClient], fn: Callable[[SGLangClient], _R]) -> list[_R]:
     """Run ``fn(client)`` on every engine concurrently; the first failure is raised."""
     if len(clients) <= 1:
         return [fn(c) for c in clients]
@@ -120,7 +122,7 @@ def _check_success(client: SGLangClient, path: str, result: Any) -> None:
         raise WeightUpdateError(f"{client.url}{path} failed: {result.get('message', result)}")
 
 
-def _post(client: SGLangClient, path: str, body: dict, timeout: float) -> Any:
+def _post(client: SGLangClient, path: str, body: dict[str, Any], timeout: float) -> Any:
     """A weight-update request: failures (HTTP 400 + success false in 0.5.x) become WeightUpdateError."""
     try:
         result = client.post(path, body, timeout=timeout, retry=False)
@@ -175,10 +177,10 @@ class WeightSync(abc.ABC):
             if reported != version:
                 raise WeightUpdateError(f"{c.url} reports weight_version {reported!r} after pushing {version!r}")
 
-    def _on_all(self, fn) -> list:
+    def _on_all(self, fn: Callable[[SGLangClient], _R]) -> list[_R]:
         return _on_all(self.clients, fn)
 
-    def _session(self):
+    def _session(self) -> _UpdateSession:
         return _UpdateSession(self)
 
     def clear_stale_sessions(self) -> None:
@@ -214,7 +216,7 @@ class _UpdateSession:
         self.sync = sync
         self.opened: list[int] = []
 
-    def __enter__(self):
+    def __enter__(self) -> _UpdateSession:
         timeout = self.sync.config.timeout
         try:
             self.sync.clear_stale_sessions()
@@ -234,7 +236,7 @@ class _UpdateSession:
             raise
         return self
 
-    def _close(self) -> list:
+    def _close(self) -> list[Exception]:
         errors = []
         for i in self.opened:
             try:
@@ -245,7 +247,9 @@ class _UpdateSession:
         self.opened = []
         return errors
 
-    def __exit__(self, exc_type, exc, tb):
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         errors = self._close()
         if errors and exc_type is None:
             raise errors[0]
@@ -259,7 +263,7 @@ def _default_handle_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _mark_last(iterable):
+def _mark_last(iterable: Iterable[_R]) -> Iterator[tuple[_R, bool]]:
     """Yield ``(item, is_last)``."""
     it = iter(iterable)
     try:
@@ -273,7 +277,7 @@ def _mark_last(iterable):
 
 
 def _post_tensor_bucket(
-    clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list, version: str | None
+    clients: Sequence[SGLangClient], cfg: WeightSyncConfig, bucket: list[tuple[str, Any]], version: str | None
 ) -> None:
     """Send one bucket to every engine with ``/update_weights_from_tensor``.
 
@@ -284,7 +288,7 @@ def _post_tensor_bucket(
     device = cfg.device or _default_handle_device()
     packed = tensor_payload.pack([(name, t.to(device)) for name, t in bucket], load_format)
 
-    def send(client):
+    def send(client: SGLangClient) -> Any:
         body = {
             # Handles are consumed by their receiver: one fresh entry per TP rank.
             "serialized_named_tensors": [tensor_payload.dumps(packed) for _ in range(cfg.tp_size)],
@@ -302,7 +306,7 @@ def _post_tensor_bucket(
 class TensorWeightSync(WeightSync):
     """Pushes buckets as CUDA IPC handles (``update_weights_from_tensor``); engines on the trainer's node."""
 
-    def push(self, named_tensors, version):
+    def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """Push ``named_tensors`` bucket by bucket, then set ``version``."""
         cfg = self.config
         sent = 0
@@ -314,7 +318,7 @@ class TensorWeightSync(WeightSync):
             raise WeightUpdateError("no weights to push")
         self.verify(version)
 
-    def push_sharded(self, weights, version):
+    def push_sharded(self, weights: ShardedWeights, version: str) -> None:
         """Push every owner's tensors (each owner sends its own), then set ``version``."""
         if not trainer_on_one_node():  # owners on other nodes cannot hand the engines CUDA IPC handles
             self.push(iter(weights), version)
@@ -329,8 +333,8 @@ class TensorWeightSync(WeightSync):
 def trainer_on_one_node(environ: Mapping[str, str] | None = None) -> bool:
     """Whether every trainer rank shares the driver's node.
 
-    Whether every trainer rank shares the driver's node, from the launcher's environment
-    (torchrun: ``LOCAL_WORLD_SIZE == WORLD_SIZE``; SLURM: one node; no launcher: one process).
+    Read from the launcher's environment: torchrun's ``LOCAL_WORLD_SIZE == WORLD_SIZE``,
+    SLURM's node count of one; without a launcher, one process.
     """
     env = os.environ if environ is None else environ
     if "WORLD_SIZE" in env:
@@ -349,7 +353,7 @@ class TensorDelivery(ShardDelivery):
         self.driver_host = socket.gethostname()
         self._driver_sink: _TensorSink | None = None  # never pickled: set on the driver by open()
 
-    def __getstate__(self):
+    def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_driver_sink": None}
 
     def open(self, rank: int) -> ShardSink:
@@ -375,12 +379,12 @@ class TensorDelivery(ShardDelivery):
 
 
 class _TensorSink(ShardSink):
-    def __init__(self, clients, config: WeightSyncConfig, hold_last: bool):
+    def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig, hold_last: bool) -> None:
         self.clients, self.config, self.hold_last = clients, config, hold_last
-        self.pending: list | None = None
+        self.pending: list[tuple[str, Any]] | None = None
         self.sent = 0
 
-    def put(self, bucket):
+    def put(self, bucket: list[tuple[str, Any]]) -> None:
         for part in tensor_payload.buckets(bucket, self.config.bucket_bytes):
             if self.pending is not None:
                 _post_tensor_bucket(self.clients, self.config, self.pending, None)
@@ -391,7 +395,7 @@ class _TensorSink(ShardSink):
                 self.sent += len(part)
                 self.pending = None
 
-    def close(self):
+    def close(self) -> dict[str, Any]:
         return {"tensors": self.sent + len(self.pending or ())}
 
 
@@ -400,21 +404,21 @@ class DiskWeightSync(WeightSync):
     """Writes an HF checkpoint on a shared file system and has the engines load it."""
 
     @classmethod
-    def check_config(cls, config):
+    def check_config(cls, config: WeightSyncConfig) -> None:
         """Raise ValueError unless ``config`` names a disk directory and an HF config."""
         if not config.disk_dir:
             raise ValueError("weight sync mode 'disk' needs disk_dir")
         if config.hf_config is None:
             raise ValueError("weight sync mode 'disk' needs hf_config (written as config.json)")
 
-    def push(self, named_tensors, version):
+    def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """Write ``named_tensors`` as an HF checkpoint and load it into the engines at ``version``."""
         cfg = self.config
         assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
         path = write_hf_checkpoint(cfg.disk_dir, named_tensors, cfg.hf_config)
         self.load_from_disk(path, version)
 
-    def push_sharded(self, weights, version):
+    def push_sharded(self, weights: ShardedWeights, version: str) -> None:
         """Every owner writes its own shards; the assembled checkpoint is loaded at ``version``."""
         cfg = self.config
         assert cfg.disk_dir is not None and cfg.hf_config is not None  # check_config
@@ -464,7 +468,7 @@ class _DiskSink(ShardSink):
         self.files: dict[str, list[str]] = {}
         self.bytes = 0
 
-    def put(self, bucket):
+    def put(self, bucket: list[tuple[str, Any]]) -> None:
         from safetensors.torch import save_file
 
         tensors = {}
@@ -479,7 +483,7 @@ class _DiskSink(ShardSink):
         os.replace(path + ".tmp", path)
         self.files[fname] = list(tensors)
 
-    def close(self):
+    def close(self) -> dict[str, Any]:
         return {"files": self.files, "bytes": self.bytes}
 
 
@@ -496,7 +500,7 @@ class DistributedWeightSync(WeightSync):
     """
 
     @classmethod
-    def check_config(cls, config):
+    def check_config(cls, config: WeightSyncConfig) -> None:
         """Raise ValueError unless ``update_groups`` is ``stage`` or ``owner``."""
         if config.update_groups not in UPDATE_GROUP_LAYOUTS:
             raise ValueError(
@@ -504,7 +508,7 @@ class DistributedWeightSync(WeightSync):
                 f"{', '.join(UPDATE_GROUP_LAYOUTS)}"
             )
 
-    def __init__(self, clients, config):
+    def __init__(self, clients: Sequence[SGLangClient], config: WeightSyncConfig) -> None:
         super().__init__(clients, config)
         self.group = None
         import secrets
@@ -522,7 +526,7 @@ class DistributedWeightSync(WeightSync):
         )
         self._owner_group_names: list[str] = []  # every owner group the engines joined
 
-    def _init_group(self):
+    def _init_group(self) -> None:
         from armor_megatron.rollout.sglang.process_group import WeightUpdateGroup, listen
 
         cfg = self.config
@@ -543,9 +547,9 @@ class DistributedWeightSync(WeightSync):
         # engine has joined (or its timeout passes), so it runs on a thread of its own while we
         # watch the engines' answers: an engine that fails to join answers with its error at
         # once, and that error is raised then, not after the rendezvous timeout.
-        joined: dict = {}
+        joined: dict[str, Any] = {}
 
-        def join():
+        def join() -> None:
             try:
                 joined["group"] = WeightUpdateGroup(
                     cfg.master_address, store.port, 0, world, cfg.group_name, cfg.backend, cfg.timeout, store=store
@@ -571,7 +575,7 @@ class DistributedWeightSync(WeightSync):
             raise WeightUpdateError(f"weight update group {cfg.group_name!r}: trainer failed to join: {error}")
         self.group = joined["group"]
 
-    def push(self, named_tensors, version):
+    def push(self, named_tensors: Iterable[tuple[str, Any]], version: str) -> None:
         """Broadcast ``named_tensors`` to the engines over the weights update group, then set ``version``."""
         cfg = self.config
         if self.group is None:
@@ -600,7 +604,7 @@ class DistributedWeightSync(WeightSync):
                         f.result()
         self.verify(version)
 
-    def push_sharded(self, weights, version):
+    def push_sharded(self, weights: ShardedWeights, version: str) -> None:
         """Every sending rank (a stage's, or every owner) broadcasts its buckets over its own group.
 
         This (driver) rank posts the engines' requests in one order (see :mod:`.owner_broadcast`).
@@ -627,7 +631,7 @@ class DistributedWeightSync(WeightSync):
         self.last_delivery = delivery  # what went where, for tests and benchmarks
         self.verify(version)
 
-    def close(self):
+    def close(self) -> None:
         """Ask the engines to leave every group made, and destroy this side's."""
         names = self._owner_group_names + ([self.config.group_name] if self.group is not None else [])
         for name in names:
@@ -644,4 +648,5 @@ class DistributedWeightSync(WeightSync):
 
 def make_weight_sync(clients: Sequence[SGLangClient], config: WeightSyncConfig) -> WeightSync:
     """The registered mode ``config.mode`` over ``clients``."""
-    return WEIGHT_SYNC_MODES.call(config.mode, clients, config)
+    sync: WeightSync = WEIGHT_SYNC_MODES.call(config.mode, clients, config)
+    return sync

@@ -106,6 +106,8 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Callable, Sequence
+from email.message import Message
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -174,7 +176,9 @@ def _invalid_request(message: str, param: str | None = None) -> _HTTPError:
     )
 
 
-def _join_weight_update_group(address, port, rank, world_size, group_name, backend, timeout):
+def _join_weight_update_group(
+    address: str, port: int, rank: int, world_size: int, group_name: str, backend: str, timeout: float
+) -> Any:
     """The engine's end of a weights update group, built as SGLang builds it.
 
     As SGLang 0.5.23's ``init_custom_process_group`` builds it (sglang/srt/utils/common.py), independently of the
@@ -197,7 +201,7 @@ def _join_weight_update_group(address, port, rank, world_size, group_name, backe
         [],
         c10d.Backend(backend),
         c10d.PrefixStore(group_name, store),
-        group_name=group_name,
+        group_name=group_name,  # type: ignore[arg-type]  # c10d's private helper types it as its GroupName
         timeout=delta,
     )
     c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}
@@ -320,10 +324,10 @@ class SGLangTestServer:
         self._released = set()
         return self.start()
 
-    def __enter__(self):
+    def __enter__(self) -> SGLangTestServer:
         return self.start() if self._httpd is None else self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.stop()
 
     # ---- test hooks --------------------------------------------------------------------
@@ -340,7 +344,7 @@ class SGLangTestServer:
 
     # ---- request handling --------------------------------------------------------------
 
-    def handle(self, method: str, path: str, headers, body: Any):
+    def handle(self, method: str, path: str, headers: Message, body: Any) -> Any:
         """Serve one request: count it, check the API key, apply injected failures, dispatch to the route's method."""
         with self._cond:
             self.requests[path] = self.requests.get(path, 0) + 1
@@ -358,16 +362,16 @@ class SGLangTestServer:
             raise _HTTPError(404, {"detail": "Not Found"})
         return route(self, body)
 
-    def _authorized(self, method, path, headers) -> bool:
+    def _authorized(self, method: str, path: str, headers: Message) -> bool:
         """SGLang's ``decide_request_auth`` for a server with ``--api-key`` and no admin key."""
         if method == "OPTIONS" or path.startswith(AUTH_EXEMPT_PREFIXES):
             return True
         scheme, _, token = (headers.get("Authorization") or "").partition(" ")
         if scheme.lower() == "bearer" and token == self.api_key:
             return True
-        return headers.get("x-api-key") == self.api_key
+        return bool(headers.get("x-api-key") == self.api_key)
 
-    def _wait_until_serving(self):
+    def _wait_until_serving(self) -> None:
         with self._cond:
             while self._paused and self._httpd is not None:
                 self._cond.wait(timeout=0.1)
@@ -376,7 +380,7 @@ class SGLangTestServer:
 
     # -- generation
 
-    def generate(self, body):
+    def generate(self, body: Any) -> Any:
         """``POST /generate``: sample from the local engine, SGLang's request and reply formats."""
         if not isinstance(body, dict):
             raise _invalid_request("request body must be a JSON object")
@@ -413,7 +417,7 @@ class SGLangTestServer:
                 out["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue"}
         return outputs[0] if single and len(outputs) == 1 else outputs
 
-    def _sampling(self, params, prompt) -> tuple:
+    def _sampling(self, params: Any, prompt: list[int]) -> tuple[int, SamplingParams | None]:
         """``(n, SamplingParams | None)``; None for ``max_new_tokens`` 0. Refuses what SGLang refuses."""
         if not isinstance(params, dict):
             raise _HTTPError(400, {"error": "sampling_params must be a JSON object"})
@@ -463,7 +467,7 @@ class SGLangTestServer:
         """The model's context length (``max_position_embeddings``), None when unknown."""
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
-    def _sample(self, prompt, n, sampling, return_logprob):
+    def _sample(self, prompt: list[int], n: int, sampling: SamplingParams | None, return_logprob: bool) -> list[Sample]:
         """The n samples of one prompt.
 
         Without deterministic inference the seed is ignored and the copies draw independently (one
@@ -479,7 +483,7 @@ class SGLangTestServer:
         seeded = dataclasses.replace(sampling, seed=DEFAULT_SAMPLING_SEED if sampling.seed is None else sampling.seed)
         return [self.engine.generate([prompt], 1, seeded, return_logprob=return_logprob)[0][0] for _ in range(n)]
 
-    def _prompts(self, body):
+    def _prompts(self, body: Any) -> tuple[list[list[int]], bool]:
         if "input_ids" in body:
             ids = body["input_ids"]
             single = bool(ids) and all(isinstance(t, int) for t in ids)
@@ -500,7 +504,9 @@ class SGLangTestServer:
             return [self.engine.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts], single
         raise _invalid_request("Either text or input_ids should be provided.")
 
-    def _output(self, sample, prompt_len, sampling, return_logprob):
+    def _output(
+        self, sample: Sample, prompt_len: int, sampling: SamplingParams | None, return_logprob: bool
+    ) -> dict[str, Any]:
         with self._cond:
             aborted = self._aborts > 0
             self._aborts -= aborted
@@ -510,6 +516,7 @@ class SGLangTestServer:
         elif sample.finish_reason == "length":
             reason = {"type": "length", "length": sampling.max_new_tokens if sampling else 0}
         else:
+            assert sampling is not None  # a stop comes after generated tokens
             last = sample.token_ids[-1]
             matched = (
                 last
@@ -531,7 +538,7 @@ class SGLangTestServer:
 
     # -- weights
 
-    def begin_weight_update(self, body):
+    def begin_weight_update(self, body: Any) -> Any:
         """``POST /begin_weight_update``: open a weight update session (one at a time)."""
         with self._cond:
             if self._session_open:
@@ -539,7 +546,7 @@ class SGLangTestServer:
             self._session_open = True
         return {"success": True, "message": "weight update session opened"}
 
-    def end_weight_update(self, body):
+    def end_weight_update(self, body: Any) -> Any:
         """``POST /end_weight_update``: close the weight update session."""
         with self._cond:
             if not self._session_open:
@@ -548,13 +555,13 @@ class SGLangTestServer:
             self._cond.notify_all()
         return {"success": True, "message": "weight update session closed"}
 
-    def _require_session(self, what):
+    def _require_session(self, what: str) -> None:
         if not self._session_open:
             raise _failed_update(
                 f"{what} is only allowed inside a weight update session (call /begin_weight_update first)"
             )
 
-    def _apply(self, named, version, strict):
+    def _apply(self, named: Any, version: str | None, strict: bool) -> None:
         try:
             if not strict:
                 named = self._defer_fused(named)
@@ -577,12 +584,11 @@ class SGLangTestServer:
             self._ckpt_names = {n for n, _ in read_hf_checkpoint(self.model_path, keys_only=True)}
         return self._ckpt_names
 
-    def _defer_fused(self, named):
-        """Hold back checkpoint tensors the in-memory model fuses.
+    def _defer_fused(self, named: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+        """Hold back checkpoint tensors the in-memory model fuses, until the update's last request.
 
-        Checkpoint tensors the in-memory model fuses (transformers 5's MoE experts), which SGLang
-        places into its own fused parameters as they come, wait here until the update's last
-        request; every other tensor goes in now.
+        transformers 5 fuses MoE experts; SGLang places such tensors into its own fused parameters
+        as they come. Every other tensor goes in now.
         """
         if self.model_path is None:
             return named
@@ -595,7 +601,7 @@ class SGLangTestServer:
                 now.append((name, t))
         return now
 
-    def _load_deferred(self):
+    def _load_deferred(self) -> None:
         """The deferred tensors with the model's own checkpoint-named ones, through transformers' loader."""
         state = self.engine.model.state_dict()
         full = {n: state[n] for n in self._checkpoint_names() if n in state}
@@ -603,7 +609,7 @@ class SGLangTestServer:
         self._deferred = {}
         self.engine.load_weights(list(full.items()), strict=True)
 
-    def update_weights_from_disk(self, body):
+    def update_weights_from_disk(self, body: Any) -> Any:
         """``POST /update_weights_from_disk``: load an HF checkpoint directory (every weight required)."""
         path = body.get("model_path")
         if not path or not os.path.isdir(path):
@@ -611,7 +617,7 @@ class SGLangTestServer:
         self._apply(path, body.get("weight_version"), strict=True)
         return {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
 
-    def update_weights_from_tensor(self, body):
+    def update_weights_from_tensor(self, body: Any) -> Any:
         """``POST /update_weights_from_tensor``: apply serialized named tensors, within a session."""
         from armor_megatron.rollout.sglang import tensor_payload
 
@@ -626,12 +632,12 @@ class SGLangTestServer:
         self._apply(named, body.get("weight_version"), strict=False)
         return {"success": True, "message": "Succeeded to update model weights."}
 
-    def init_weights_update_group(self, body):
+    def init_weights_update_group(self, body: Any) -> Any:
         """``POST /init_weights_update_group``: join a trainer's weights update group."""
         with self._weights_lock:
             return self._init_weights_update_group(body)
 
-    def _init_weights_update_group(self, body):
+    def _init_weights_update_group(self, body: Any) -> Any:
         try:
             group = _join_weight_update_group(
                 body["master_address"],
@@ -647,7 +653,7 @@ class SGLangTestServer:
         self._groups[body["group_name"]] = group
         return {"success": True, "message": "Succeeded to initialize custom process group."}
 
-    def update_weights_from_distributed(self, body):
+    def update_weights_from_distributed(self, body: Any) -> Any:
         """``POST /update_weights_from_distributed``: receive a broadcast bucket over a joined group."""
         import torch
         import torch.distributed as dist
@@ -686,7 +692,7 @@ class SGLangTestServer:
             self._apply(named, body.get("weight_version"), strict=False)
         return {"success": True, "message": "Succeeded to update parameter online from distributed."}
 
-    def destroy_weights_update_group(self, body):
+    def destroy_weights_update_group(self, body: Any) -> Any:
         """``POST /destroy_weights_update_group``: leave a group."""
         import torch.distributed as dist
 
@@ -699,7 +705,7 @@ class SGLangTestServer:
 
     # -- memory, pause, misc
 
-    def _memory_tags(self, body, what):
+    def _memory_tags(self, body: Any, what: str) -> set[str]:
         tags = (body or {}).get("tags") or list(MEMORY_TAGS)
         unknown = sorted(set(tags) - set(MEMORY_TAGS))
         if unknown:
@@ -709,7 +715,7 @@ class SGLangTestServer:
                 raise _bad_value(f"{what} needs an idle server: {self._running} request(s) running; pause first")
         return set(tags)
 
-    def release_memory_occupation(self, body):
+    def release_memory_occupation(self, body: Any) -> Any:
         """``POST /release_memory_occupation``: release memory tags (weights lost unless backed up on the CPU)."""
         tags = self._memory_tags(body, "release_memory_occupation")
         self._released |= tags
@@ -717,7 +723,7 @@ class SGLangTestServer:
             self._weights_lost = True  # resuming restores the memory, not its contents
         return JSON_NULL
 
-    def resume_memory_occupation(self, body):
+    def resume_memory_occupation(self, body: Any) -> Any:
         """``POST /resume_memory_occupation``: take the memory of the tags back.
 
         A tag that is not released kills the engine: SGLang's scheduler removes each tag from its
@@ -734,7 +740,7 @@ class SGLangTestServer:
             self._released -= tags
         return JSON_NULL
 
-    def pause_generation(self, body):
+    def pause_generation(self, body: Any) -> Any:
         """``POST /pause_generation``: pause in ``abort``, ``retract`` or ``in_place`` mode."""
         if not isinstance(body, dict):
             raise _invalid_request("pause_generation needs a JSON body")
@@ -747,14 +753,14 @@ class SGLangTestServer:
                 self._abort_epoch += 1
         return {"message": "Generation paused successfully.", "status": "ok"}
 
-    def continue_generation(self, body):
+    def continue_generation(self, body: Any) -> Any:
         """``POST /continue_generation``: resume paused generation."""
         with self._cond:
             self._paused = False
             self._cond.notify_all()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
-    def health_generate(self, body):
+    def health_generate(self, body: Any) -> Any:
         """``GET /health_generate``: one generated token (503 while paused)."""
         if self._paused:
             raise _HTTPError(503, {"error": "server is paused"})
@@ -762,7 +768,7 @@ class SGLangTestServer:
             self._fail_if_released("a health check")
         return None
 
-    def health(self, body):
+    def health(self, body: Any) -> Any:
         """``GET /health``: ``/health_generate`` unless health generation is off, then 200 at once."""
         return self.health_generate(body) if self.health_generation else None
 
@@ -775,7 +781,7 @@ class SGLangTestServer:
         threading.Thread(target=self.crash, daemon=True).start()  # not from a handler thread holding the lock
         raise ConnectionAbortedError(self.failure)
 
-    def update_weight_version(self, body):
+    def update_weight_version(self, body: Any) -> Any:
         """``POST /update_weight_version``: set the weight version without new weights."""
         version = (body or {}).get("new_version")
         if not isinstance(version, str):
@@ -783,7 +789,7 @@ class SGLangTestServer:
         self.engine.weight_version = version
         return {"success": True, "message": f"Weight version updated to {version}", "new_version": version}
 
-    def server_info(self, body):
+    def server_info(self, body: Any) -> Any:
         """``GET /get_server_info``: model path, context length, weight version."""
         return {
             "model_path": self.model_path,
@@ -792,7 +798,7 @@ class SGLangTestServer:
             "version": "test-double",
         }
 
-    def models(self, body):
+    def models(self, body: Any) -> Any:
         """``GET /v1/models``: the served model, as SGLang lists it."""
         name = self.model_path or "default"
         return {
@@ -800,7 +806,7 @@ class SGLangTestServer:
             "data": [{"id": name, "object": "model", "root": name, "max_model_len": self.context_length}],
         }
 
-    def model_info(self, body):
+    def model_info(self, body: Any) -> Any:
         """``GET /model_info`` (and ``/get_model_info``): model and tokenizer paths."""
         return {
             "model_path": self.model_path,
@@ -810,7 +816,7 @@ class SGLangTestServer:
         }
 
 
-ROUTES = {
+ROUTES: dict[tuple[str, str], Callable[[SGLangTestServer, Any], Any]] = {
     ("GET", "/health"): SGLangTestServer.health,
     ("GET", "/health_generate"): SGLangTestServer.health_generate,
     ("GET", "/model_info"): SGLangTestServer.model_info,
@@ -843,15 +849,15 @@ class _Handler(BaseHTTPRequestHandler):
     owner: SGLangTestServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, fmt, *args):  # keep test output quiet
+    def log_message(self, fmt: str, *args: Any) -> None:  # keep test output quiet
         logger.debug("%s " + fmt, self.address_string(), *args)
 
-    def setup(self):
+    def setup(self) -> None:
         super().setup()
         with self.owner._cond:
             self.owner._connections.add(self.connection)
 
-    def finish(self):
+    def finish(self) -> None:
         with self.owner._cond:
             self.owner._connections.discard(self.connection)
         try:
@@ -859,7 +865,7 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             pass
 
-    def _serve(self, method):
+    def _serve(self, method: str) -> None:
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
         length = int(self.headers.get("Content-Length") or 0)
         raw = self.rfile.read(length) if length else b""
@@ -895,23 +901,23 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:
             self.close_connection = True
 
-    def do_GET(self):
+    def do_GET(self) -> None:
         self._serve("GET")
 
-    def do_POST(self):
+    def do_POST(self) -> None:
         self._serve("POST")
 
-    def do_PUT(self):
+    def do_PUT(self) -> None:
         self._serve("PUT")
 
-    def do_DELETE(self):
+    def do_DELETE(self) -> None:
         self._serve("DELETE")
 
-    def do_OPTIONS(self):
+    def do_OPTIONS(self) -> None:
         self._serve("OPTIONS")
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Run the test double as a server process (its command line mirrors SGLang's)."""
     parser = argparse.ArgumentParser(
         description="TEST DOUBLE of an SGLang server (not SGLang), backed by a local CPU engine"

@@ -9,17 +9,20 @@ property in anchor tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from armor_megatron.tasks import tokenizer as _char_tokenizer
 
 ALPHABET = "0123456789+-=? abcdefghijklmnopqrstuvwxyz"
 
 
-def build_char_tokenizer(alphabet: str = ALPHABET):
+def build_char_tokenizer(alphabet: str = ALPHABET) -> Any:
     """A ``PreTrainedTokenizerFast``: ids 0..2 are <pad>, <eos>, <unk>, then one id per character."""
     return _char_tokenizer.build_char_tokenizer(alphabet)
 
 
-def tiny_config(vocab_size: int, family: str = "qwen2", hidden_size: int = 32, num_layers: int = 2) -> dict:
+def tiny_config(vocab_size: int, family: str = "qwen2", hidden_size: int = 32, num_layers: int = 2) -> dict[str, Any]:
     """HF ``config.json`` dict of a tiny decoder: 4 query heads, 2 KV heads, head_dim = hidden_size / 4."""
     cfg = {
         "model_type": family,
@@ -45,7 +48,7 @@ def tiny_config(vocab_size: int, family: str = "qwen2", hidden_size: int = 32, n
     return cfg
 
 
-def tiny_weights(cfg: dict, seed: int = 0, sharpen: float = 1.0):
+def tiny_weights(cfg: dict[str, Any], seed: int = 0, sharpen: float = 1.0) -> list[tuple[str, Any]]:
     """``[(HF name, tensor)]`` of a freshly initialised model of ``cfg`` (seeded), ``lm_head`` scaled by ``sharpen``."""
     import torch
 
@@ -59,7 +62,7 @@ def tiny_weights(cfg: dict, seed: int = 0, sharpen: float = 1.0):
 
 def make_tiny_checkpoint(
     directory: str, seed: int = 0, sharpen: float = 1.0, family: str = "qwen2", hidden_size: int = 32
-) -> tuple[dict, object]:
+) -> tuple[dict[str, Any], Any]:
     """Write a tiny HF checkpoint (config, safetensors, tokenizer) to ``directory``; returns (config, tokenizer)."""
     from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
 
@@ -70,12 +73,12 @@ def make_tiny_checkpoint(
     return cfg, tokenizer
 
 
-def encode(tokenizer, text: str) -> list:
+def encode(tokenizer: Any, text: str) -> list[int]:
     """Token ids of ``text`` without special tokens."""
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def main(argv=None) -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """``python -m armor_megatron.rollout.testing.tiny_models --out DIR``: write a tiny checkpoint (used by gpu_smoke.sh)."""
     import argparse
 
