@@ -161,13 +161,13 @@ def _kill_9_at_checkpoint(args, run_dir, iteration: str) -> list[psutil.Process]
 
 def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_path):
     common = ["train.steps=4", "checkpoint.every_steps=2", "eval.every_steps=2"]
-    reference = _train_cli(tiny, tmp_path / "straight", *common)
+    reference = _train(tiny, tmp_path / "straight", *common)
 
     run = tmp_path / "killed"
     assert _kill_9_at_checkpoint(_args(tiny, run, *common), run, "iter_0000002")  # ranks under torchrun
     # checkpoint.resume defaults to auto; the trainer's memory goes to the host around every
     # rollout and evaluation (what colocated engines get) and must come back bit for bit
-    resumed = _train_cli(tiny, run, *common, "train.offload_during_rollout=true")
+    resumed = _train(tiny, run, *common, "train.offload_during_rollout=true")
     assert sorted(resumed) == [0, 1, 2, 3, 4]  # records of the killed step 3 were dropped and rewritten
     for step in (3, 4):
         for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "anchor/found_rate"):
@@ -175,7 +175,7 @@ def test_kill_9_then_resume_auto_reaches_the_uninterrupted_metrics(tiny, tmp_pat
     assert resumed[4]["eval/val/pass@1"] == reference[4]["eval/val/pass@1"]
 
     # recovery mode: a fresh run whose reference starts from that (trained) checkpoint, not the policy
-    recovered = _train_cli(
+    recovered = _train(
         tiny,
         tmp_path / "recovery",
         "train.steps=1",

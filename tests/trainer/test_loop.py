@@ -39,7 +39,9 @@ def _stub_trainer(steps: int, signal_at_step: int, signum):
         _progress_bar=lambda logger: None,
         _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
         _park_trainer=lambda: None,
+        _generation_beside_update=False,  # no overlap: the signal stops the reward calls at once
     )
+    trainer._stop_reward_calls = lambda: ArmorTrainer._stop_reward_calls(trainer)
     return trainer
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from armor_megatron.trainer.metrics_log import read_metrics
 from armor_megatron.trainer.preemption import PreemptionHandler
-from tests.trainer.test_end_to_end import _args, _env, _latest, _train_cli
+from tests.trainer.test_end_to_end import _args, _env, _latest, _train, _train_cli
 
 
 def test_signals_are_recorded_not_fatal_and_handlers_restored():
@@ -107,8 +107,8 @@ def test_preemption_checkpoints_exits_85_and_leaves_no_process(tiny, tmp_path, l
     assert not [n for n in os.listdir(tmp_path / "preempted" / "ckpt") if ".tmp-" in n]
 
     if (layout, delivery) == ("tp1", "group"):  # the requeued job continues exactly where it stopped
-        resumed = _train_cli(tiny, tmp_path / "preempted", *common)
-        straight = _train_cli(tiny, tmp_path / "straight", *common)
+        resumed = _train(tiny, tmp_path / "preempted", *common)
+        straight = _train(tiny, tmp_path / "straight", *common)
         assert sorted(resumed) == [1, 2, 3, 4, 5]
         for s in range(step + 1, 6):
             for key in ("rollout/accuracy", "train/loss", "train/grad_norm"):
