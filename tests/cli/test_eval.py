@@ -103,17 +103,6 @@ def test_domain_table_format():
     assert table.splitlines() == ["domain  samples  accuracy", "math    4        0.5000", "safety  2        1.0000"]
 
 
-class OneCall:
-    """rollout.environment of the config below: answers the first turn with the row's answer."""
-
-    def __init__(self, row):
-        self.answer, self.turns = row["answer"], 0
-
-    def step(self, response):
-        self.turns += 1
-        return f"={self.answer} " if self.turns == 1 else None
-
-
 def test_eval_cli_runs_the_configs_environment(tmp_path, capsys):
     make_tiny_checkpoint(str(tmp_path / "model"), seed=0)
     (tmp_path / "val.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
@@ -121,7 +110,7 @@ def test_eval_cli_runs_the_configs_environment(tmp_path, capsys):
     config.write_text(
         f"model: {{path: {tmp_path / 'model'}}}\n"
         f"data: {{train_path: {tmp_path / 'val.jsonl'}, apply_chat_template: false}}\n"
-        f"rollout: {{max_prompt_len: 16, max_response_len: 8, environment: {{spec: {__name__}:OneCall, max_turn_tokens: 2}}}}\n"
+        f"rollout: {{max_prompt_len: 16, max_response_len: 8, environment: {{spec: tests.trainer.user_hooks:OneLookup, max_turn_tokens: 2}}}}\n"
         "algorithm: {overlong: {enabled: false}}\n"
         f"eval: {{max_response_len: 4, datasets: [{{name: val, path: {tmp_path / 'val.jsonl'}, k: 2}}]}}\n"
     )

@@ -210,17 +210,6 @@ def test_a_step_without_signal_trains_nothing(random_tiny, tmp_path):
     assert step["anchor/found_rate"] == 0.0 and step["dynamic_sampling/keep_rate"] == 0.0
 
 
-class OneLookup:
-    """rollout.environment of the multi-turn run: answers the model's first turn with the row's answer."""
-
-    def __init__(self, row):
-        self.answer, self.turns = row["answer"], 0
-
-    def step(self, response):
-        self.turns += 1
-        return f" ={self.answer} " if self.turns == 1 else None
-
-
 def tool_turns(samples):
     """logging.sample_metrics of the multi-turn run: model turns per response, as its trajectories say."""
     return {"tool_turns": sum(len(s["trajectory"]) for s in samples) / len(samples)}
@@ -236,7 +225,7 @@ MULTI_TURN_RUN = (
     "rollout.overlap=one_step",  # the pending batch, trajectories included, goes into each checkpoint
     "checkpoint.every_steps=1",
     "train.max_tokens_per_micro_batch=40",
-    f"rollout.environment.spec={__name__}:OneLookup",
+    "rollout.environment.spec=tests.trainer.user_hooks:OneLookup",
     "rollout.environment.max_turn_tokens=3",
     "rollout.environment.max_total_tokens=40",
 )
@@ -257,9 +246,9 @@ def test_a_multi_turn_run_trains_on_model_tokens_and_resumes_bit_for_bit(random_
         assert m["rollout/logprob_abs_diff"] < 1e-5 or m.get("rollout/lag", 0) > 0
         assert m["rollout/env_truncated/tool_timeout"] == 0.0 and m["rollout/tool_turns"] == m["rollout/turns"]
     assert metrics[1]["rollout/logprob_abs_diff"] < 1e-5  # the first batch is on-policy
-    # step 1 trains all 16 rows: the trained tokens are the model's, the 4 observation tokens of each row are not
+    # step 1 trains all 16 rows: the trained tokens are the model's, the 3 observation tokens of each row ("=<answer> ") are not
     assert (
-        metrics[1]["train/tokens"] == metrics[1]["rollout/response_len"] * 16 and metrics[1]["rollout/env_tokens"] == 4
+        metrics[1]["train/tokens"] == metrics[1]["rollout/response_len"] * 16 and metrics[1]["rollout/env_tokens"] == 3
     )
     assert max(metrics[s]["anchor/found_rate"] for s in (1, 2, 3)) > 0
     # step 3's batch was generated before the reset of step 2: its anchors were resampled from its rows

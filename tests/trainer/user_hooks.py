@@ -1,5 +1,5 @@
 """User code the end-to-end runs load by ``module:function`` (the trainer subprocess imports it
-through PYTHONPATH): a verifier and a reset hook."""
+through PYTHONPATH): verifiers, a reset hook, an environment."""
 
 
 def never_right(response, ground_truth):
@@ -59,3 +59,14 @@ def odd_length_signalling(response, ground_truth):
             os.kill(os.getppid(), signal.SIGTERM)
             time.sleep(0.5)
     return odd_length(response, ground_truth)
+
+
+class OneLookup:
+    """rollout.environment of the multi-turn runs: answers the model's first turn with the row's answer, ends at the second."""
+
+    def __init__(self, row):
+        self.answer, self.turns = row["answer"], 0
+
+    def step(self, response):
+        self.turns += 1
+        return f"={self.answer} " if self.turns == 1 else None

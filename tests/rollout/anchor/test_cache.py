@@ -97,3 +97,41 @@ def test_state_dict_round_trip(setup, ref):
     assert restored.num_anchors == cache.num_anchors
     a, b = cache.get(prompts, truths), restored.get(prompts, truths)
     assert [r.anchor for r in a if r.cached] == [r.anchor for r in b if r.cached]
+
+
+class _Echo:
+    """An environment that answers the first turn with "=" and ends the episode at the second."""
+
+    def __init__(self, row):
+        self.turns = 0
+
+    def step(self, response):
+        self.turns += 1
+        return "=" if self.turns == 1 else None
+
+
+def test_multi_turn_anchors_keep_their_mask_and_trajectory_through_a_checkpoint(setup, ref):
+    import io
+
+    import torch
+
+    from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
+
+    _, tok, _, prompts, truths = setup
+    env = MultiTurnRollout(
+        EnvironmentSettings(spec="tests:_Echo", max_turn_tokens=2),
+        lambda t: tok.encode(t, add_special_tokens=False),
+        _Echo,
+    )
+    config = AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING)
+    sampler = AnchorSampler(SeparateReference(ref), lambda text, t: starts_with(text, t[1]), config, env.anchor_rollout)
+    rows = [("v", t, {"index": i}) for i, t in enumerate(truths)]  # (verifier, answer, row), as the trainer's
+    cache = AnchorCache(sampler)
+    found = [r.anchor for r in cache.get(prompts, rows) if r.found]
+    assert found and all(a.loss_mask == (1, 1, 0, 1, 1) and len(a.trajectory) == 2 for a in found)
+    buffer = io.BytesIO()
+    torch.save(cache.state_dict(), buffer)  # as trainer_state.pt holds it, read back with weights_only
+    restored = AnchorCache(sampler)
+    restored.load_state_dict(torch.load(io.BytesIO(buffer.getvalue()), weights_only=True))
+    a, b = cache.get(prompts, rows), restored.get(prompts, rows)
+    assert [r.anchor for r in a if r.cached] == [r.anchor for r in b if r.cached] != []
