@@ -2,7 +2,8 @@
 
     python examples/overopt_noisy.py --seeds 101,102 [--design rare_cue|dormant] [--variants dapo,...]
                                      [--v0-only] [--force] [--out DIR] [--warmup-dir DIR] [--jobs N]
-                                     [--q Q] [--copy-prob P] [--warm-right R] [key=value ...]
+                                     [--q Q] [--copy-prob P] [--warm-right R] [--warmup-steps N]
+                                     [key=value ...]
 
 Per seed: a warm-up (``armor_megatron/tasks/noisy_cue.py``), the V0 probe of π_ref on the RL training
 prompts (``armor_megatron/tasks/v0_gate.py``; one line per seed), then the variants on the seeds that
@@ -19,7 +20,7 @@ import math
 import os
 import sys
 
-from armor_megatron.study.noisy import NOISY_SPLIT, NOISY_VARIANTS, run_noisy
+from armor_megatron.study.noisy import NOISY_SPLIT, NOISY_TASK, NOISY_VARIANTS, run_noisy
 from armor_megatron.tasks.overopt_checks import summarize_run
 from armor_megatron.trainer.metrics_log import read_metrics
 
@@ -37,6 +38,7 @@ def main() -> int:
     parser.add_argument("--q", type=float, default=NOISY_SPLIT["q"], help="share of right tags in RL rows")
     parser.add_argument("--copy-prob", type=float, default=NOISY_SPLIT["copy_prob"], help="copy rows in warm-up")
     parser.add_argument("--warm-right", type=float, default=NOISY_SPLIT["warm_right"], help="right tags in W rows")
+    parser.add_argument("--warmup-steps", type=int, default=NOISY_TASK["warmup_steps"], help="warm-up steps")
     parser.add_argument("--mix-commits", action="store_true", help="allow runs of another commit in --out")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = parser.parse_args()
@@ -47,6 +49,7 @@ def main() -> int:
         variants,
         args.seeds,
         split=split,
+        task={**NOISY_TASK, "warmup_steps": args.warmup_steps},
         overrides=args.overrides,
         jobs=args.jobs,
         warmup_dir=args.warmup_dir,

@@ -38,7 +38,7 @@ DAPO = ["anchor.enabled=false", "algorithm.alpha=1.0"]
 NOISY_VARIANTS = {
     "dapo": ("DAPO", DAPO),
     "armor": ("ARMOR", []),
-    "dapo_kl": ("DAPO + KL to π_ref (β = 0.05, k3)", [*DAPO, "algorithm.kl_loss.coef=0.05"]),
+    "dapo_kl": ("DAPO + KL to π_ref (β = 0.04, k3)", [*DAPO, "algorithm.kl_loss.coef=0.04"]),  # GRPO's β
     "dapo_half_lr": ("DAPO at half the learning rate", [*DAPO, "optimizer.lr=1.0e-4"]),
     "mixed_only": ("mixed ratio, no anchors", ["anchor.enabled=false"]),
     "anchors_only": ("anchors, α = 1", ["algorithm.alpha=1.0"]),
