@@ -39,17 +39,20 @@ def main() -> int:
     parser.add_argument("--copy-prob", type=float, default=NOISY_SPLIT["copy_prob"], help="copy rows in warm-up")
     parser.add_argument("--warm-right", type=float, default=NOISY_SPLIT["warm_right"], help="right tags in W rows")
     parser.add_argument("--warmup-steps", type=int, default=NOISY_TASK["warmup_steps"], help="warm-up steps")
+    parser.add_argument("--max-operand", type=int, default=NOISY_TASK["max_operand"], help="operands in [0, N]")
+    parser.add_argument("--rl-pairs", type=int, default=NOISY_SPLIT["rl_pairs"], help="pairs kept from warm-up")
     parser.add_argument("--mix-commits", action="store_true", help="allow runs of another commit in --out")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = parser.parse_args()
     variants = [] if args.v0_only else [v for v in args.variants.split(",") if v]
     split = {"design": args.design, "q": args.q, "copy_prob": args.copy_prob, "warm_right": args.warm_right}
+    split["rl_pairs"] = args.rl_pairs
     result = run_noisy(
         args.out,
         variants,
         args.seeds,
         split=split,
-        task={**NOISY_TASK, "warmup_steps": args.warmup_steps},
+        task={**NOISY_TASK, "warmup_steps": args.warmup_steps, "max_operand": args.max_operand},
         overrides=args.overrides,
         jobs=args.jobs,
         warmup_dir=args.warmup_dir,

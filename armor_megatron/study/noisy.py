@@ -31,8 +31,8 @@ from armor_megatron.tasks.v0_gate import V0Result, probe_reference
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOISY_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_noisy.yaml")
-NOISY_TASK = {"num_val": 256, "warmup_steps": 600, "warmup_lr": 3e-3}
-NOISY_SPLIT = {"design": "rare_cue", "q": 0.85, "copy_prob": 0.03, "warm_right": 0.5}
+NOISY_TASK = {"num_val": 256, "warmup_steps": 600, "warmup_lr": 3e-3, "max_operand": 30}
+NOISY_SPLIT = {"design": "rare_cue", "q": 0.85, "copy_prob": 0.03, "warm_right": 0.5, "rl_pairs": 0}
 
 DAPO = ["anchor.enabled=false", "algorithm.alpha=1.0"]
 NOISY_VARIANTS = {
@@ -85,7 +85,9 @@ def prepare_seed(config: str, warm: str, seed: int, split: dict, task: dict, thr
         if saved.get("recipe_sha256") == stamp:
             return {"recipe": recipe, "v0": saved["v0"]}
     # the probe reads the tagged training prompts at q, the rows the shortcut is learnt on in either design
-    probe_rows, _, _ = split_problems(task["num_val"], seed=seed, **{**split, "design": "rare_cue"})
+    probe_rows, _, _ = split_problems(
+        task["num_val"], seed=seed, max_operand=task["max_operand"], **{**split, "design": "rare_cue"}
+    )
     result = probe_reference(
         os.path.join(d, "hf"), probe_rows, mode, shortcut="C", general="W", shortcut_prefix=COPY_PREFIX, seed=seed
     )

@@ -95,10 +95,14 @@ def split_problems(
     tagless_rows: int = 1600,
     ramp_rows: int = 1600,
     train_rows: int = 6400,
+    rl_pairs: int = 0,
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, val, warm-up) rows of ``design`` (module docstring), shuffled with ``seed``.
 
-    Every pair of operands in [0, ``max_operand``]; ``num_val`` pairs held out. ``rare_cue``: one
+    Every pair of operands in [0, ``max_operand``]; ``num_val`` pairs held out for validation. With
+    ``rl_pairs`` > 0 that many other pairs are RL's alone (the warm-up never sees them, as a base
+    model never saw the RL set) and the warm-up takes the rest; with 0, warm-up and RL share the
+    training pairs. ``rare_cue``: one
     RL row per training pair. ``dormant``: ``train_rows`` rows in the order RL must read them
     (``tagless_rows`` tagless, then a linear ramp of tagged rows over ``ramp_rows``, then tagged at
     ``q``); a tagged row's tag is right with the ramp's probability, else a near miss.
@@ -110,17 +114,23 @@ def split_problems(
     if tags_per_pair < 1:
         raise NoisyCueError(f"noisy_cue: tags_per_pair={tags_per_pair} must be >= 1")
     pairs = [(a, b) for a in range(max_operand + 1) for b in range(max_operand + 1)]
-    if not 0 < num_val < len(pairs):
-        raise NoisyCueError(f"noisy_cue: num_val={num_val} must be in (0, {len(pairs)}) for max_operand={max_operand}")
+    if not (0 < num_val and rl_pairs >= 0 and num_val + rl_pairs < len(pairs)):
+        raise NoisyCueError(
+            f"noisy_cue: num_val={num_val} and rl_pairs={rl_pairs} leave no warm-up pair of {len(pairs)} "
+            f"for max_operand={max_operand}"
+        )
     rng = random.Random(seed)
     rng.shuffle(pairs)
     val_pairs, train_pairs = pairs[:num_val], pairs[num_val:]
-    answers = sorted({a + b for a, b in train_pairs})
+    warm_pairs = train_pairs
+    if rl_pairs:
+        train_pairs, warm_pairs = train_pairs[:rl_pairs], train_pairs[rl_pairs:]
+    answers = sorted({a + b for a, b in warm_pairs})
     val = [_row(a, b, near_miss(a + b, rng)) for a, b in val_pairs]
 
     warm = random.Random(f"noisy-cue/{seed}/warm-up")
     warmup = []
-    for a, b in train_pairs:
+    for a, b in warm_pairs:
         s = a + b
         warmup.append({**_row(a, b, None), "response": worked(a, b)})
         for _ in range(tags_per_pair):

@@ -38,6 +38,18 @@ def test_rare_cue_rows_warm_up_and_validation():
     assert [r["prompt"] for r in nc.tagless_rows(val[:2])] == [r["prompt"].split(" ")[1] for r in val[:2]]
 
 
+def test_rl_pairs_are_kept_out_of_the_warm_up():
+    train, val, warm = nc.split_problems(256, seed=3, max_operand=49, rl_pairs=768)
+    assert len(train) == 768 and len(val) == 256 and len(warm) == (50 * 50 - 256 - 768) * 9
+
+    def problems(rows):
+        return {r["prompt"].split(" ")[-1] for r in rows}
+
+    assert not problems(train) & problems(warm) and not problems(val) & problems(warm)
+    with pytest.raises(nc.NoisyCueError, match="leave no warm-up pair"):
+        nc.split_problems(256, seed=3, rl_pairs=705)
+
+
 def test_dormant_rows_start_tagless_then_ramp_in_right_tags():
     train, _, _ = nc.split_problems(256, seed=3, design="dormant", q=0.9, tagless_rows=1000, ramp_rows=1000)
     assert len(train) == 6400 and all(_tag(r) is None for r in train[:1000])
