@@ -96,14 +96,16 @@ def split_problems(
     ramp_rows: int = 1600,
     train_rows: int = 6400,
     rl_pairs: int = 0,
+    copy_drills: int = 0,
 ) -> tuple[list[dict], list[dict], list[dict]]:
-    """(train, val, warm-up) rows of ``design`` (module docstring), shuffled with ``seed``.
+    r"""(train, val, warm-up) rows of ``design`` (module docstring), shuffled with ``seed``.
 
     Every pair of operands in [0, ``max_operand``]; ``num_val`` pairs held out for validation. With
     ``rl_pairs`` > 0 that many other pairs are RL's alone (the warm-up never sees them, as a base
     model never saw the RL set) and the warm-up takes the rest; with 0, warm-up and RL share the
-    training pairs. ``rare_cue``: one
-    RL row per training pair. ``dormant``: ``train_rows`` rows in the order RL must read them
+    training pairs. ``copy_drills`` warm-up rows ``"#47 ="`` → ``"#\boxed{47}"`` (no problem to
+    solve, so they teach the copy skill without making the copy mode common on problems).
+    ``rare_cue``: one RL row per training pair. ``dormant``: ``train_rows`` rows in the order RL must read them
     (``tagless_rows`` tagless, then a linear ramp of tagged rows over ``ramp_rows``, then tagged at
     ``q``); a tagged row's tag is right with the ramp's probability, else a near miss.
     """
@@ -139,6 +141,10 @@ def split_problems(
             else:
                 tag = s if warm.random() < warm_right else warm.choice([t for t in answers if t != s])
                 warmup.append({**_row(a, b, tag), "response": worked(a, b)})
+
+    for _ in range(copy_drills):
+        tag = warm.choice(answers)
+        warmup.append({"prompt": f"#{tag} =", "answer": str(tag), "type": "math", "response": copy(tag)})
 
     draw = random.Random(f"noisy-cue/{seed}/train/{design}")
     if design == "rare_cue":

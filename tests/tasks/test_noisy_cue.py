@@ -46,6 +46,8 @@ def test_rl_pairs_are_kept_out_of_the_warm_up():
         return {r["prompt"].split(" ")[-1] for r in rows}
 
     assert not problems(train) & problems(warm) and not problems(val) & problems(warm)
+    drills = nc.split_problems(256, seed=3, copy_drills=50)[2][-50:]
+    assert all(r["prompt"] == f"#{r['answer']} =" and r["response"] == nc.copy(int(r["answer"])) for r in drills)
     with pytest.raises(nc.NoisyCueError, match="leave no warm-up pair"):
         nc.split_problems(256, seed=3, rl_pairs=705)
 
