@@ -42,12 +42,13 @@ def main() -> int:
     parser.add_argument("--max-operand", type=int, default=NOISY_TASK["max_operand"], help="operands in [0, N]")
     parser.add_argument("--rl-pairs", type=int, default=NOISY_SPLIT["rl_pairs"], help="pairs kept from warm-up")
     parser.add_argument("--copy-drills", type=int, default=NOISY_SPLIT["copy_drills"], help="copy-drill rows")
+    parser.add_argument("--w-slip", type=float, default=NOISY_SPLIT["w_slip"], help="slipped worked warm-up rows")
     parser.add_argument("--mix-commits", action="store_true", help="allow runs of another commit in --out")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides for every run")
     args = parser.parse_args()
     variants = [] if args.v0_only else [v for v in args.variants.split(",") if v]
     split = {"design": args.design, "q": args.q, "copy_prob": args.copy_prob, "warm_right": args.warm_right}
-    split.update(rl_pairs=args.rl_pairs, copy_drills=args.copy_drills)
+    split.update(rl_pairs=args.rl_pairs, copy_drills=args.copy_drills, w_slip=args.w_slip)
     result = run_noisy(
         args.out,
         variants,

@@ -32,7 +32,15 @@ from armor_megatron.tasks.v0_gate import V0Result, probe_reference
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOISY_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_noisy.yaml")
 NOISY_TASK = {"num_val": 256, "warmup_steps": 600, "warmup_lr": 3e-3, "max_operand": 30}
-NOISY_SPLIT = {"design": "rare_cue", "q": 0.85, "copy_prob": 0.03, "warm_right": 0.5, "rl_pairs": 0, "copy_drills": 0}
+NOISY_SPLIT = {
+    "design": "rare_cue",
+    "q": 0.85,
+    "copy_prob": 0.03,
+    "warm_right": 0.5,
+    "rl_pairs": 0,
+    "copy_drills": 0,
+    "w_slip": 0.0,
+}
 
 DAPO = ["anchor.enabled=false", "algorithm.alpha=1.0"]
 NOISY_VARIANTS = {

@@ -67,6 +67,17 @@ def mode(response: str) -> str:
     return "W" if _W.match(response) else "other"
 
 
+def slipped(a: int, b: int, rng: random.Random) -> str:
+    r"""A worked response with one slip: the tens line off by one, the box consistent with it (wrong).
+
+    ``slipped(18, 29)`` is ``"17,3\boxed{37}"`` or ``"17,5\boxed{57}"``; never negative.
+    """
+    units = a % 10 + b % 10
+    tens = a // 10 + b // 10 + units // 10
+    wrong = tens + rng.choice([-1, 1]) if tens > 0 else tens + 1
+    return f"{units},{wrong}{BOXED}{wrong * 10 + units % 10}}}"
+
+
 def _row(a: int, b: int, tag: int | None) -> dict:
     prompt = f"{a}+{b}=" if tag is None else f"#{tag} {a}+{b}="
     return {"prompt": prompt, "answer": str(a + b), "type": "math"}
@@ -97,6 +108,7 @@ def split_problems(
     train_rows: int = 6400,
     rl_pairs: int = 0,
     copy_drills: int = 0,
+    w_slip: float = 0.0,
 ) -> tuple[list[dict], list[dict], list[dict]]:
     r"""(train, val, warm-up) rows of ``design`` (module docstring), shuffled with ``seed``.
 
@@ -105,13 +117,14 @@ def split_problems(
     model never saw the RL set) and the warm-up takes the rest; with 0, warm-up and RL share the
     training pairs. ``copy_drills`` warm-up rows ``"#47 ="`` → ``"#\boxed{47}"`` (no problem to
     solve, so they teach the copy skill without making the copy mode common on problems).
-    ``rare_cue``: one RL row per training pair. ``dormant``: ``train_rows`` rows in the order RL must read them
+    A share ``w_slip`` of the worked warm-up rows carry a slip (:func:`slipped`): the reference's
+    worked mode is sloppy, with room for RL to improve it. ``rare_cue``: one RL row per training pair. ``dormant``: ``train_rows`` rows in the order RL must read them
     (``tagless_rows`` tagless, then a linear ramp of tagged rows over ``ramp_rows``, then tagged at
     ``q``); a tagged row's tag is right with the ramp's probability, else a near miss.
     """
     if design not in DESIGNS:
         raise NoisyCueError(f"noisy_cue: unknown design {design!r}; known: {', '.join(DESIGNS)}")
-    for name, value in (("q", q), ("copy_prob", copy_prob), ("warm_right", warm_right)):
+    for name, value in (("q", q), ("copy_prob", copy_prob), ("warm_right", warm_right), ("w_slip", w_slip)):
         _check(name, value)
     if tags_per_pair < 1:
         raise NoisyCueError(f"noisy_cue: tags_per_pair={tags_per_pair} must be >= 1")
@@ -134,13 +147,17 @@ def split_problems(
     warmup = []
     for a, b in warm_pairs:
         s = a + b
-        warmup.append({**_row(a, b, None), "response": worked(a, b)})
+
+        def worked_row(a: int = a, b: int = b) -> str:
+            return slipped(a, b, warm) if warm.random() < w_slip else worked(a, b)
+
+        warmup.append({**_row(a, b, None), "response": worked_row()})
         for _ in range(tags_per_pair):
             if warm.random() < copy_prob:
                 warmup.append({**_row(a, b, s), "response": copy(s)})
             else:
                 tag = s if warm.random() < warm_right else warm.choice([t for t in answers if t != s])
-                warmup.append({**_row(a, b, tag), "response": worked(a, b)})
+                warmup.append({**_row(a, b, tag), "response": worked_row()})
 
     for _ in range(copy_drills):
         tag = warm.choice(answers)

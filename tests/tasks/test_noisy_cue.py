@@ -1,5 +1,7 @@
 """The noisy-cue task: its modes, where the tag is right, the dormant design's order, the mode metrics."""
 
+import random
+
 import pytest
 
 from armor_megatron.rewards import score_batch
@@ -46,6 +48,12 @@ def test_rl_pairs_are_kept_out_of_the_warm_up():
         return {r["prompt"].split(" ")[-1] for r in rows}
 
     assert not problems(train) & problems(warm) and not problems(val) & problems(warm)
+    warm = nc.split_problems(256, seed=3, w_slip=0.3)[2]
+    w_rows = [r for r in warm if nc.mode(r["response"]) == "W"]
+    wrong = [r for r in w_rows if not r["response"].endswith(f"{{{r['answer']}}}")]
+    assert 0.25 < len(wrong) / len(w_rows) < 0.35  # slips: the tens line off by one, the box with it
+    assert all(abs(int(r["response"].split("{")[1][:-1]) - int(r["answer"])) == 10 for r in wrong)
+    assert nc.slipped(18, 29, random.Random(0)) in ("17,3\\boxed{37}", "17,5\\boxed{57}")
     drills = nc.split_problems(256, seed=3, copy_drills=50)[2][-50:]
     assert all(r["prompt"] == f"#{r['answer']} =" and r["response"] == nc.copy(int(r["answer"])) for r in drills)
     with pytest.raises(nc.NoisyCueError, match="leave no warm-up pair"):
