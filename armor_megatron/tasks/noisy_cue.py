@@ -33,14 +33,13 @@ armor_megatron.tasks.noisy_cue:mode_metrics``). Nothing here knows about ARMOR.
 
 from __future__ import annotations
 
-import math
 import random
 import re
 from collections.abc import Mapping, Sequence
 
 from armor_megatron.errors import UserInputError
 from armor_megatron.tasks.arithmetic import BOXED
-from armor_megatron.tasks.worked_addition import build_tokenizer, worked
+from armor_megatron.tasks.worked_addition import build_tokenizer, mode_statistics, worked
 
 __all__ = ["DESIGNS", "build_tokenizer", "copy", "mode", "mode_metrics", "split_problems", "tagless_rows"]
 
@@ -192,20 +191,5 @@ def mode_metrics(samples: Sequence[Mapping]) -> dict[str, float]:
     ``other_share`` and ``acc_w`` / ``acc_short`` (accuracy within a mode; absent without a
     sample); over the anchors, when there are any, ``anchor_short_share`` and ``anchor_w_share``.
     """
-    out: dict[str, float] = {}
-    policy = [s for s in samples if not s.get("is_anchor")]
-    anchors = [s for s in samples if s.get("is_anchor")]
     names = {"C": "short", "W": "w", "D": "d", "other": "other"}
-    if policy:
-        modes = [mode(s["response"]) for s in policy]
-        for m, name in names.items():
-            out[f"{name}_share"] = modes.count(m) / len(modes)
-        for m in ("W", "C"):
-            scores = [float(s["score"]) for s, k in zip(policy, modes) if k == m]
-            if scores:
-                out[f"acc_{names[m]}"] = math.fsum(scores) / len(scores)
-    if anchors:
-        modes = [mode(s["response"]) for s in anchors]
-        out["anchor_short_share"] = modes.count("C") / len(modes)
-        out["anchor_w_share"] = modes.count("W") / len(modes)
-    return out
+    return mode_statistics(samples, mode, names, scored=("W", "C"))
