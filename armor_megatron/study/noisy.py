@@ -86,7 +86,7 @@ def prepare_seed(config: str, warm: str, seed: int, split: dict, task: dict, thr
     with open(os.path.join(d, "hf", RECIPE)) as f:
         recipe = json.load(f)
     v0_path = os.path.join(d, "v0.json")
-    stamp = hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()
+    stamp = hashlib.sha256(json.dumps([recipe, split], sort_keys=True).encode()).hexdigest()  # the probe's rows too
     if os.path.isfile(v0_path):
         with open(v0_path) as f:
             saved = json.load(f)
