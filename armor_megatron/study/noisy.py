@@ -20,14 +20,14 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from armor_megatron.config import load_config
 from armor_megatron.study.runner import _cpu_seconds, _run_all, _utc, _write
 from armor_megatron.tasks.arithmetic import write_jsonl
 from armor_megatron.tasks.noisy_cue import COPY_PREFIX, mode, split_problems, tagless_rows
 from armor_megatron.tasks.tiny_run import RECIPE, prepare_tiny_run
-from armor_megatron.tasks.v0_gate import V0Result, probe_reference
+from armor_megatron.tasks.v0_gate import MIN_PROMPTS, V0Result, v0_statistics
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NOISY_CONFIG = os.path.join(ROOT, "configs", "tiny_overopt_noisy.yaml")
@@ -199,3 +199,51 @@ def _check_commit(out: str, code: dict, mix_commits: bool) -> None:
                     f"{out}: run {name[: -len('.done')]} came from commit {earlier}, this code is {code['commit']}; "
                     "use another --out, or allow mixing commits"
                 )
+
+
+def probe_reference(
+    model_dir: str,
+    rows: Sequence[Mapping],
+    mode: Callable[[str], str],
+    *,
+    shortcut: str,
+    general: str,
+    shortcut_prefix: str,
+    samples_per_prompt: int = 4,
+    max_new_tokens: int = 12,
+    temperature: float = 1.0,
+    seed: int = 0,
+    verifier: str = "math",
+) -> V0Result:
+    """Sample and score π_ref (the HF model in ``model_dir``) on ``rows`` (``prompt``, ``answer``) for the gate.
+
+    The free samples and the forced ones (the prompt followed by ``shortcut_prefix``, which is then
+    part of the scored response) come from the local engine at ``temperature``, seeded.
+    """
+    from armor_megatron.rewards.registry import get_verifier
+    from armor_megatron.rollout.engine import SamplingParams
+    from armor_megatron.rollout.local import LocalEngine
+
+    if len(rows) < MIN_PROMPTS:
+        raise ValueError(f"the V0 probe needs at least {MIN_PROMPTS} training prompts, got {len(rows)}")
+    engine = LocalEngine.from_pretrained(model_dir, seed=seed, max_batch_size=256)
+    tok, score = engine.tokenizer, get_verifier(verifier)
+    try:
+
+        def draw(prefix: str, call_seed: int) -> list[list[tuple[str, float]]]:
+            ids = [tok.encode(r["prompt"] + prefix, add_special_tokens=False) for r in rows]
+            sampling = SamplingParams(
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                stop_token_ids=engine.eos_token_ids,
+                seed=call_seed,
+            )
+            out = engine.generate(ids, samples_per_prompt, sampling, return_logprob=False)
+            return [
+                [(prefix + s.text, float(score(prefix + s.text, r["answer"]).score)) for s in group]
+                for r, group in zip(rows, out)
+            ]
+
+        return v0_statistics(draw("", seed), draw(shortcut_prefix, seed + 1), mode, shortcut=shortcut, general=general)
+    finally:
+        engine.shutdown()

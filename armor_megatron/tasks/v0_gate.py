@@ -17,19 +17,20 @@ training prompt at the RL temperature and k more with the shortcut's first token
 
 The gate passes when s ∈ ``SHARE``, a_G ∈ ``GENERAL_ACC``, Δ > 0 and the predicted anchor shortcut
 share ≤ ``MAX_ANCHOR_SHORT``. :func:`v0_statistics` is the arithmetic on scored samples;
-:func:`probe_reference` draws and scores them from an HF model directory with the local engine.
+``armor_megatron.study.noisy.probe_reference`` draws and scores them from an HF model directory
+with the local engine.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 
 SHARE = (0.02, 0.10)
 GENERAL_ACC = (0.5, 0.75)
 MAX_ANCHOR_SHORT = 0.15
-MIN_PROMPTS = 512
+MIN_PROMPTS = 512  # the probe's least number of training prompts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,51 +127,3 @@ def v0_statistics(
         anchor_short_measured=_mean([float(a) for a in anchors]),
         anchor_found=len(anchors) / len(samples),
     )
-
-
-def probe_reference(
-    model_dir: str,
-    rows: Sequence[Mapping],
-    mode: Callable[[str], str],
-    *,
-    shortcut: str,
-    general: str,
-    shortcut_prefix: str,
-    samples_per_prompt: int = 4,
-    max_new_tokens: int = 12,
-    temperature: float = 1.0,
-    seed: int = 0,
-    verifier: str = "math",
-) -> V0Result:
-    """Sample and score π_ref (the HF model in ``model_dir``) on ``rows`` (``prompt``, ``answer``) for the gate.
-
-    The free samples and the forced ones (the prompt followed by ``shortcut_prefix``, which is then
-    part of the scored response) come from the local engine at ``temperature``, seeded.
-    """
-    from armor_megatron.rewards.registry import get_verifier
-    from armor_megatron.rollout.engine import SamplingParams
-    from armor_megatron.rollout.local import LocalEngine
-
-    if len(rows) < MIN_PROMPTS:
-        raise ValueError(f"the V0 probe needs at least {MIN_PROMPTS} training prompts, got {len(rows)}")
-    engine = LocalEngine.from_pretrained(model_dir, seed=seed, max_batch_size=256)
-    tok, score = engine.tokenizer, get_verifier(verifier)
-    try:
-
-        def draw(prefix: str, call_seed: int) -> list[list[tuple[str, float]]]:
-            ids = [tok.encode(r["prompt"] + prefix, add_special_tokens=False) for r in rows]
-            sampling = SamplingParams(
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                stop_token_ids=engine.eos_token_ids,
-                seed=call_seed,
-            )
-            out = engine.generate(ids, samples_per_prompt, sampling, return_logprob=False)
-            return [
-                [(prefix + s.text, float(score(prefix + s.text, r["answer"]).score)) for s in group]
-                for r, group in zip(rows, out)
-            ]
-
-        return v0_statistics(draw("", seed), draw(shortcut_prefix, seed + 1), mode, shortcut=shortcut, general=general)
-    finally:
-        engine.shutdown()
