@@ -57,8 +57,19 @@ class RegistryEntry:
         return inspect.signature(configured).parameters[parameter].default is inspect.Parameter.empty
 
     def config_kwargs(self, section: Any) -> dict[str, Any]:
-        """``{parameter: section.<config key>}`` for every hyper-parameter the entry takes from the config."""
-        return {param: getattr(section, key) for param, key in self.config_keys.items()}
+        """``{parameter: section.<config key>}`` for every hyper-parameter the entry takes from the config.
+
+        A dotted key (``kl_loss.coef``) reads a subsection's key.
+        """
+        return {param: config_value(section, key) for param, key in self.config_keys.items()}
+
+
+def config_value(section: Any, key: str) -> Any:
+    """``section.<key>``, following the dots of a dotted key (``kl_loss.coef``) through subsections."""
+    value = section
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
 
 
 class Registry(Mapping[str, Callable[..., Any] | None]):

@@ -36,6 +36,13 @@ def test_config_keys_supply_parameters_from_a_config_section():
     assert "bad" not in reg
 
 
+def test_a_dotted_config_key_reads_a_subsection():
+    reg = Registry("toy")
+    reg.register("scaled", config_keys={"scale": "factor", "shift": "sub.offset"})(scaled)
+    section = SimpleNamespace(factor=3.0, sub=SimpleNamespace(offset=-1.0))
+    assert reg.call_configured("scaled", section, 2.0) == 5.0
+
+
 def test_unknown_names_and_arguments_fail_in_one_line():
     reg = Registry("toy")
     reg.register("scaled", "alias")(scaled)

@@ -1,7 +1,7 @@
 """The ARMOR algorithm in pure torch.
 
-Mixed ratio, clipped loss, advantages, anchors, PPO value loss, DAPO's dynamic sampling and overlong
-shaping, reference reset schedules.
+Mixed ratio, clipped loss (with an optional KL penalty to π_ref), advantages, anchors, PPO value
+loss, DAPO's dynamic sampling and overlong shaping, reference reset schedules.
 
 Nothing here imports megatron or a rollout engine; tensors in, tensors out. Advantage
 estimators, policy losses and reset schedules are looked up by name in registries (registry.py):
@@ -22,6 +22,7 @@ from armor_megatron.algo.advantages import (
 )
 from armor_megatron.algo.anchors import AnchorGroups, anchor_zero_advantage_rate, assemble_anchor_groups
 from armor_megatron.algo.dynamic_sampling import DynamicSampler, dynamic_sampling_keep
+from armor_megatron.algo.kl import KL_ESTIMATORS, kl_estimate
 from armor_megatron.algo.loss import (
     POLICY_LOSSES,
     PolicyLossConfig,
@@ -47,6 +48,7 @@ from armor_megatron.algo.value_loss import (
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "ESTIMATORS",
+    "KL_ESTIMATORS",
     "POLICY_LOSSES",
     "RESET_SCHEDULES",
     "AnchorGroups",
@@ -64,6 +66,7 @@ __all__ = [
     "explained_variance",
     "explained_variance_from_moments",
     "gae_advantages",
+    "kl_estimate",
     "get_estimator",
     "get_policy_loss",
     "loss_normalizer",

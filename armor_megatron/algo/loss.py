@@ -7,7 +7,10 @@ Per valid response token t of sequence i, with r = r_mix (ratio.py) and advantag
     ℓ_it = max(−A·r, −A·clip(r, 1−ε_low, 1+ε_high))            (PPO/DAPO, clip-higher)
     ℓ_it = min(ℓ_it, −A·c)   where A < 0                          (dual-clip, c > 1, optional)
 
-No KL term. Aggregation over the global batch (N is the ``normalizer``):
+No KL term unless asked for (ARMOR's own recipe has none): with ``kl_coef`` β > 0 the loss gains
+β·L_KL, L_KL the per-token KL estimate k(lp_θ, lp_ref) (k1, k2 or k3 of kl.py) aggregated like ℓ
+(the ``k3`` default is verl's ``low_var_kl``). Aggregation over the global batch (N is the
+``normalizer``):
 
     token-mean            L = Σ_i Σ_t ℓ_it / N,  N = number of valid tokens
     seq-mean-token-mean   L = Σ_i (Σ_t ℓ_it / T_i) / N,  N = number of sequences (T_i ≥ 1)
@@ -47,14 +50,11 @@ from typing import Any
 
 import torch
 
-from armor_megatron.algo.ratio import check_alpha, mixed_log_ratio, mixture_weight
+from armor_megatron.algo.kl import check_kl_estimator, kl_estimate
+from armor_megatron.algo.ratio import MAX_ABS_LOG_RATIO, check_alpha, mixed_log_ratio, mixture_weight
 from armor_megatron.registry import Registry
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
-
-# exp(±20) ≈ 4.9e8: far outside any clip range, but finite in fp32 even for garbage inputs
-# (see "Log-ratio clamp" in the module docstring for what it changes).
-MAX_ABS_LOG_RATIO = 20.0
 
 POLICY_LOSSES = Registry("policy loss", configures="config")
 """Registered policy losses. Each is registered with ``config=`` the dataclass of its
@@ -90,6 +90,8 @@ class PolicyLossConfig:
     eps_high: float = 0.28
     dual_clip_c: float | None = None  # e.g. 3.0; bounds the loss of negative advantages
     loss_agg: str = "token-mean"
+    kl_coef: float = 0.0  # β of the KL penalty to π_ref; 0: none
+    kl_estimator: str = "k3"  # k1, k2 or k3 (kl.py)
 
     def __post_init__(self) -> None:
         check_alpha(self.alpha)
@@ -100,6 +102,14 @@ class PolicyLossConfig:
         if self.dual_clip_c is not None and not self.dual_clip_c > 1.0:
             raise ValueError(f"dual_clip_c must be > 1 (or None), got {self.dual_clip_c!r}")
         check_loss_agg(self.loss_agg)
+        if not (isinstance(self.kl_coef, (int, float)) and self.kl_coef >= 0.0):
+            raise ValueError(f"kl_coef must be >= 0, got {self.kl_coef!r}")
+        check_kl_estimator(self.kl_estimator)
+
+    @property
+    def needs_ref_logp(self) -> bool:
+        """The loss reads log π_ref: for the mixed ratio (α < 1) or the KL penalty (β > 0)."""
+        return self.alpha < 1.0 or self.kl_coef > 0.0
 
     def replace(self, **changes: Any) -> PolicyLossConfig:
         """A copy with ``changes`` applied (validated again)."""
@@ -177,7 +187,11 @@ def on_valid(x: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
 @register_policy_loss(
     "armor",
     config=PolicyLossConfig,
-    config_keys={f: f for f in ("alpha", "eps_low", "eps_high", "dual_clip_c", "loss_agg")},
+    config_keys={
+        **{f: f for f in ("alpha", "eps_low", "eps_high", "dual_clip_c", "loss_agg")},
+        "kl_coef": "kl_loss.coef",
+        "kl_estimator": "kl_loss.estimator",
+    },
 )
 def policy_loss(
     logp: torch.Tensor,
@@ -196,7 +210,8 @@ def policy_loss(
     Args:
         logp: [B, T] log-probs of the response tokens under π_θ (with grad).
         old_logp: [B, T] log-probs under π_old.
-        ref_logp: [B, T] log-probs under π_ref; may be None when ``cfg.alpha`` == 1.
+        ref_logp: [B, T] log-probs under π_ref; may be None when ``cfg.alpha`` == 1 and
+            ``cfg.kl_coef`` == 0.
         advantages: [B] (one per sequence) or [B, T] (per token).
         mask: [B, T], 1/True on real response tokens.
         cfg: the loss hyper-parameters.
@@ -213,11 +228,14 @@ def policy_loss(
         approx_kl_old = mean(ρ−1−log ρ), ρ = π_θ/π_old (k3 estimate of KL(π_old‖π_θ)),
         approx_kl_ref = mean(ρ−1−log ρ), ρ = π_ref/π_θ (k3 estimate of KL(π_θ‖π_ref)),
         mixture_weight_mean = mean α·π_θ/(α·π_θ+(1−α)·π_ref) (both when ref_logp is given),
-        log_ratio_clamped_frac (|log r_mix| > 20, module doc), entropy (when given) and num_tokens.
+        log_ratio_clamped_frac (|log r_mix| > 20, module doc), kl_loss = mean k (the estimator of
+        ``cfg.kl_estimator``, when ``cfg.kl_coef`` > 0), entropy (when given) and num_tokens.
     """
     _check_inputs(logp, old_logp, ref_logp, advantages, mask, entropy, token_weights)
-    if cfg.alpha < 1.0 and ref_logp is None:
-        raise ValueError(f"ref_logp is required when alpha < 1 (alpha={cfg.alpha})")
+    if cfg.needs_ref_logp and ref_logp is None:
+        raise ValueError(
+            f"ref_logp is required when alpha < 1 or kl_coef > 0 (alpha={cfg.alpha}, kl_coef={cfg.kl_coef})"
+        )
     valid = mask.bool()
     adv = advantages.float()
     if adv.dim() == 1:
@@ -236,9 +254,16 @@ def policy_loss(
     if token_weights is not None:
         token_loss = token_loss * on_valid(token_weights.detach().float(), valid)
     loss = aggregate_token_loss(token_loss, valid, cfg.loss_agg, normalizer)
+    kl = None
+    if cfg.kl_coef > 0.0:
+        assert ref_logp is not None  # needs_ref_logp
+        kl = kl_estimate(logp, ref_logp, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * aggregate_token_loss(kl, valid, cfg.loss_agg, normalizer)
 
     with torch.no_grad():
         metrics = _metrics(ratio, log_ratio, adv, valid, logp, old_logp, ref_logp, entropy, cfg)
+        if kl is not None:
+            metrics["kl_loss"] = torch.where(valid, kl.detach(), 0.0).sum() / valid.sum().clamp(min=1).float()
     return loss, metrics
 
 
@@ -313,9 +338,8 @@ def _metrics(
     def mean(x: torch.Tensor) -> torch.Tensor:
         return torch.where(valid, x.float(), 0.0).sum() / denom
 
-    def k3(log_rho: torch.Tensor) -> torch.Tensor:
-        log_rho = log_rho.float().clamp(-MAX_ABS_LOG_RATIO, MAX_ABS_LOG_RATIO)
-        return mean(torch.expm1(log_rho) - log_rho)
+    def k3(logp: torch.Tensor, other_logp: torch.Tensor) -> torch.Tensor:  # mean k3 of KL(π_logp ‖ π_other)
+        return mean(kl_estimate(logp, other_logp, "k3"))
 
     inf = torch.tensor(float("inf"), device=ratio.device)
     out = {
@@ -329,12 +353,12 @@ def _metrics(
         "ratio_mean": mean(ratio),
         "ratio_min": torch.where(has_tokens, torch.where(valid, ratio, inf).min(), 0.0),
         "ratio_max": torch.where(has_tokens, torch.where(valid, ratio, -inf).max(), 0.0),
-        "approx_kl_old": k3(logp.detach().float() - old_logp.float()),
+        "approx_kl_old": k3(old_logp, logp),
         "log_ratio_clamped_frac": mean(log_ratio.detach().abs() > MAX_ABS_LOG_RATIO),
         "num_tokens": n.float(),
     }
     if ref_logp is not None:
-        out["approx_kl_ref"] = k3(ref_logp.float() - logp.detach().float())
+        out["approx_kl_ref"] = k3(logp, ref_logp)
         out["mixture_weight_mean"] = mean(mixture_weight(logp.detach(), ref_logp, cfg.alpha))
     if entropy is not None:
         out["entropy"] = mean(on_valid(entropy.detach(), valid))

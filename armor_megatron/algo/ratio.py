@@ -22,6 +22,10 @@ import math
 
 import torch
 
+# exp(±20) ≈ 4.9e8: far outside any clip range, but finite in fp32 even for garbage inputs
+# (see "Log-ratio clamp" in algo/loss.py for what it changes).
+MAX_ABS_LOG_RATIO = 20.0
+
 
 def check_alpha(alpha: float) -> None:
     """Raise ValueError unless the mixing weight α lies in (0, 1]."""

@@ -29,6 +29,7 @@ from armor_megatron.registry import Registry
 API_KEY_ENV = "ARMOR_ENGINE_API_KEY"  # rollout.sglang.api_key by environment: never on a command line
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+KLEstimator = Literal["k1", "k2", "k3"]
 
 
 @dataclasses.dataclass
@@ -315,6 +316,25 @@ class TISConfig:
 
 
 @dataclasses.dataclass
+class KLLossConfig:
+    """A KL penalty to π_ref added to the policy loss: β · (the estimator aggregated like the loss); off by default.
+
+    ARMOR's recipe has none (the mixed ratio regularises instead); the penalty is for DAPO/GRPO runs
+    (α = 1) and as a control against ARMOR. Logged as train/kl_loss.
+    """
+
+    coef: float = checked(0.0, check=in_range(0, None), help="β; 0: no KL penalty")
+    estimator: KLEstimator = checked(
+        "k3",
+        help="per-token estimate of KL(π_θ‖π_ref), d = log π_θ − log π_ref: k1 = d, k2 = d²/2, "
+        "k3 = exp(−d) − 1 + d (verl's low_var_kl)",
+    )
+    with_mixed_ratio: bool = checked(
+        False, help="allow the penalty with algorithm.alpha < 1 (refused otherwise: it regularises toward π_ref twice)"
+    )
+
+
+@dataclasses.dataclass
 class AlgorithmConfig:
     """The policy update: advantage estimator, policy loss, the mixed-ratio weight α and the clip range."""
 
@@ -349,6 +369,7 @@ class AlgorithmConfig:
     dynamic_sampling: DynamicSamplingConfig = dataclasses.field(default_factory=DynamicSamplingConfig)
     overlong: OverlongConfig = dataclasses.field(default_factory=OverlongConfig)
     tis: TISConfig = dataclasses.field(default_factory=TISConfig)
+    kl_loss: KLLossConfig = dataclasses.field(default_factory=KLLossConfig)
 
 
 @dataclasses.dataclass
@@ -885,3 +906,8 @@ class RunConfig:
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
     throughput: ThroughputConfig = dataclasses.field(default_factory=ThroughputConfig)
     moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+
+def needs_reference_logprobs(cfg: RunConfig) -> bool:
+    """The trainer computes log π_ref per step: for the mixed ratio (α < 1), the KL penalty or the logged KL."""
+    return cfg.algorithm.alpha < 1.0 or cfg.algorithm.kl_loss.coef > 0 or cfg.logging.reference_kl

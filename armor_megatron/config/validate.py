@@ -16,7 +16,7 @@ from armor_megatron.data.token_budget import packed_capacity
 from armor_megatron.models.arch import ModelArch, ParallelismError, UnsupportedModelError, load_hf_config
 from armor_megatron.models.family import family_of
 from armor_megatron.models.megatron_options import MoESettings
-from armor_megatron.registry import Registry, RegistryEntry
+from armor_megatron.registry import Registry, RegistryEntry, config_value
 
 
 def validate_run_config(cfg: RunConfig) -> None:
@@ -354,16 +354,24 @@ def registered_variant(section_key: str, section: Any, key: str, registry: Regis
     """
     name = getattr(section, key)
     entry = registry.entry(name)
-    keys = {f.name for f in dataclasses.fields(section)}
     for param, config_key in entry.config_keys.items():
-        if config_key not in keys:
+        if not _is_config_key(section, config_key):
             raise ConfigError(
                 f"{section_key}.{key}",
                 f"{registry.kind} {name!r} takes {param} from {section_key}.{config_key}, which is not a config key",
             )
-        if getattr(section, config_key) is None and entry.required(param):
+        if config_value(section, config_key) is None and entry.required(param):
             raise ConfigError(f"{section_key}.{config_key}", f"required when {section_key}.{key} is {name!r}")
     return entry
+
+
+def _is_config_key(section: Any, key: str) -> bool:
+    """``key`` (dotted through subsections: ``kl_loss.coef``) names a field of the config ``section``."""
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(section) or part not in {f.name for f in dataclasses.fields(section)}:
+            return False
+        section = getattr(section, part)
+    return True
 
 
 def _check_reference(cfg: RunConfig) -> None:
@@ -397,6 +405,13 @@ def _check_critic(cfg: RunConfig) -> None:
 
 def _check_policy_loss(cfg: RunConfig) -> None:
     registered_variant("algorithm", cfg.algorithm, "policy_loss", POLICY_LOSSES)
+    kl = cfg.algorithm.kl_loss
+    if kl.coef > 0 and cfg.algorithm.alpha < 1.0 and not kl.with_mixed_ratio:
+        raise ConfigError(
+            "algorithm.kl_loss.coef",
+            f"a KL penalty on top of the mixed ratio (algorithm.alpha={cfg.algorithm.alpha} < 1) regularises "
+            "toward π_ref twice; set algorithm.alpha: 1.0, or algorithm.kl_loss.with_mixed_ratio: true to mean it",
+        )
 
 
 def _check_stability(cfg: RunConfig) -> None:

@@ -114,7 +114,7 @@ import dataclasses
 import math
 
 from armor_megatron.algo.advantages import needs_critic
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.launch.device_ledger import (
     DeviceLedger,
@@ -462,7 +462,7 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
             contexts=contexts,
             bucket=STAGED_BUCKETS * sg.bucket_mb * 2**20 if sglang else 0.0,
         )
-        ref_logprobs = cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl
+        ref_logprobs = needs_reference_logprobs(cfg)
         start: list[Phase] = []
         if colocated:
             ledger = DeviceLedger(sizes, trainer_on_device=not offloads)

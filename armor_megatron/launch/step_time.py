@@ -86,7 +86,7 @@ import dataclasses
 import sys
 
 from armor_megatron.algo.advantages import needs_critic
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.config.validate import launched_reference_engines, validate_run_config
 from armor_megatron.launch.memory import plan_memory, total_params
@@ -276,7 +276,7 @@ def workload_of(cfg: RunConfig, arch: ModelArch) -> Workload:
     anchors = anchor.enabled and (anchor.source == "swap" or launched_reference_engines(cfg) > 0)
     external = anchor.enabled and not anchors  # anchors from servers outside the job: not timed here
     s = ro.max_prompt_len + L
-    passes = 1 + (1 if cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl else 0) + 3 * cfg.train.epochs_per_step
+    passes = 1 + (1 if needs_reference_logprobs(cfg) else 0) + 3 * cfg.train.epochs_per_step
     if needs_critic(cfg.algorithm.estimator):
         passes += 1 + 3 * cfg.train.epochs_per_step
     return Workload(

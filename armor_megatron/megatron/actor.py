@@ -31,7 +31,7 @@ forwards: ``token_budget.forward``). Keys (N rows, L positions):
                                   predicted from tokens < t, so 1 <= t < lengths[n]
     advantages     [N] or [N, L]  per sequence or per token
     old_logprobs   [N, L] fp32    log π_old(token t), same positions as compute_logprobs
-    ref_logprobs   [N, L] fp32    log π_ref(token t); may be absent when loss.alpha == 1
+    ref_logprobs   [N, L] fp32    log π_ref(token t); may be absent when loss.alpha == 1 and loss.kl_coef == 0
     tis_weights    [N, L] fp32    optional per-token loss weights (truncated importance sampling)
 
 Loss: the registered policy loss ``loss_name`` (algo/loss.py; ``"armor"``) of every micro-batch with ``normalizer`` = the GLOBAL
@@ -51,7 +51,8 @@ on every rank, identical (lr: the rate of this step's update; the guard's metric
     loss, grad_norm, lr, skipped (0/1), skipped_total, lr_scale, clip_scale, guard_level, guard_unhealthy,
     guard_reduce, guard_rebaseline, guard_relax, guard_rollback, guard_exhausted (0/1),
     clip_frac_low, clip_frac_high, dual_clip_frac, ratio_mean, ratio_min, ratio_max,
-    approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), entropy, log_ratio_clamped_frac,
+    approx_kl_old, approx_kl_ref, mixture_weight_mean (with ref_logprobs), kl_loss (with the KL penalty),
+    entropy, log_ratio_clamped_frac,
     num_tokens
 
 (the policy-loss metrics are token-weighted over the whole batch, see algo/metrics.py).
@@ -137,8 +138,10 @@ def _clip_scaled(cfg: PolicyLossConfig, scale: float) -> PolicyLossConfig:
 def _checked_batch(batch: Mapping[str, torch.Tensor], cfg: PolicyLossConfig) -> dict[str, torch.Tensor]:
     """Validate the actor's batch; returns CPU tensors (ref_logprobs may be None)."""
     out = checked_rows(batch, ("advantages", "old_logprobs"), ("old_logprobs", "ref_logprobs", "tis_weights"))
-    if out.get("ref_logprobs") is None and cfg.alpha < 1.0:
-        raise ValueError(f"ref_logprobs is required when alpha < 1 (alpha={cfg.alpha})")
+    if out.get("ref_logprobs") is None and cfg.needs_ref_logp:
+        raise ValueError(
+            f"ref_logprobs is required when alpha < 1 or kl_coef > 0 (alpha={cfg.alpha}, kl_coef={cfg.kl_coef})"
+        )
     ids = out["input_ids"]
     if out["advantages"].shape not in (ids.shape[:1], ids.shape):
         raise ValueError(f"advantages has shape {tuple(out['advantages'].shape)}, expected [N] or [N, L]")

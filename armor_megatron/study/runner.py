@@ -228,12 +228,20 @@ def _recovery_start(ckpt_dir: str, dapo_records: list[dict], hf_dir: str) -> tup
 
 
 def _run_all(
-    runs: list[tuple[str, int, list[str]]], out: str, jobs: int, stamp: dict, log: Callable[[str], None]
+    runs: list[tuple[str, int, list[str]]],
+    out: str,
+    jobs: int,
+    stamp: dict,
+    log: Callable[[str], None],
+    *,
+    provenance: dict | None = None,
 ) -> None:
     """Run the commands ``jobs`` at a time (one torch thread each when several run).
 
     The first failure stops the study with the tail of that run's log. A run is skipped when its
-    marker records the same command and ``stamp`` (config file, warmed-up model).
+    marker records the same command and ``stamp`` (config file, warmed-up model). With
+    ``provenance`` (the code's commit and dirty flag) the marker also records it, with the run's
+    start and end times (UTC), under ``"provenance"``.
     """
     env = dict(os.environ)
     if jobs > 1:
@@ -243,10 +251,14 @@ def _run_all(
     def one(variant: str, seed: int, cmd: list[str]) -> None:
         name = f"{variant}-s{seed}"
         done = os.path.join(out, "logs", f"{name}.done")
-        marker = json.dumps({"command": cmd, **stamp}, sort_keys=True)
-        if os.path.isfile(done) and open(done).read() == marker:
-            log(f"{name}: already done")
-            return
+        made_from = {"command": cmd, **json.loads(json.dumps(stamp))}  # JSON types, as read back
+        if os.path.isfile(done):
+            with open(done) as f:
+                recorded = json.load(f)
+            recorded.pop("provenance", None)
+            if recorded == made_from:
+                log(f"{name}: already done")
+                return
         log(f"{name}: training")
         shutil.rmtree(os.path.join(out, "ckpt", name), ignore_errors=True)  # a fresh start
         t0 = time.time()
@@ -257,7 +269,9 @@ def _run_all(
             with open(log_path) as f:
                 tail = "".join(f.readlines()[-15:])
             raise RuntimeError(f"{name} failed with exit code {code} (log {log_path}):\n{tail}")
-        _write(done, marker)
+        if provenance is not None:
+            made_from["provenance"] = {**provenance, "started": _utc(t0), "ended": _utc(time.time())}
+        _write(done, json.dumps(made_from, sort_keys=True))
         log(f"{name}: done in {(time.time() - t0) / 60:.1f} min")
 
     with ThreadPoolExecutor(max_workers=jobs) as pool:
@@ -269,6 +283,10 @@ def _run_all(
             for future in futures:
                 future.cancel()  # runs not started yet; those running finish
             raise
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def _write(path: str, text: str) -> None:

@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from armor_megatron.tasks.paired_test import PairedTest, paired_t_test
 
 VAL = "eval/mean/pass@1"
-ROLLOUT_D, ANCHOR_W, ANCHOR_FOUND = "rollout/d_share", "rollout/anchor_w_share", "anchor/found_rate"
+ANCHOR_W, ANCHOR_FOUND = "rollout/anchor_w_share", "anchor/found_rate"
 WINDOW = 40  # steps averaged into the endpoint
 EFFECT = 0.05  # the smallest effect the study is powered for
 
@@ -97,8 +97,14 @@ class RunSummary:
         return _mean(self._window(self.val_acc_w))
 
 
-def summarize_run(records: Sequence[Mapping]) -> RunSummary:
-    """A run's summary from its ``metrics.jsonl`` records (one dict per logged step)."""
+def summarize_run(records: Sequence[Mapping], *, shortcut_share: str = "d_share") -> RunSummary:
+    """A run's summary from its ``metrics.jsonl`` records (one dict per logged step).
+
+    ``shortcut_share`` names the task's metric of the shortcut mode's share (``d_share`` for worked
+    addition, ``short_share`` for the noisy cue); the summary's ``val_d_share`` and
+    ``rollout_d_share`` hold it.
+    """
+    rollout_share = f"rollout/{shortcut_share}"
     evals = [r for r in records if r.get(VAL) is not None]
     if not evals:
         raise ValueError("the run logged no evaluation")
@@ -114,12 +120,14 @@ def summarize_run(records: Sequence[Mapping]) -> RunSummary:
     return RunSummary(
         steps=[int(r["step"]) for r in evals],
         val=[float(r[VAL]) for r in evals],
-        val_d_share=[get(r, "d_share") for r in evals],
+        val_d_share=[get(r, shortcut_share) for r in evals],
         val_acc_w=[get(r, "acc_w") for r in evals],
         last_step=max(steps),
         anchor_found=_mean(found),
         anchor_w_share=_mean(w_share),
-        rollout_d_share=[(int(r["step"]), float(r[ROLLOUT_D])) for r in records if r.get(ROLLOUT_D) is not None],
+        rollout_d_share=[
+            (int(r["step"]), float(r[rollout_share])) for r in records if r.get(rollout_share) is not None
+        ],
     )
 
 

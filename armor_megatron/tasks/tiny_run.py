@@ -18,7 +18,7 @@ import torch
 
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.errors import UserInputError
-from armor_megatron.tasks import arithmetic, tagged_addition, tool_lookup, worked_addition
+from armor_megatron.tasks import arithmetic, noisy_cue, tagged_addition, tool_lookup, worked_addition
 from armor_megatron.tasks.arithmetic import solution, write_jsonl
 from armor_megatron.tasks.warmup import supervised_warmup
 
@@ -36,6 +36,7 @@ TASKS = {
     "arithmetic": (arithmetic.build_tokenizer, _arithmetic_split),
     "tagged_addition": (tagged_addition.build_tokenizer, tagged_addition.split_problems),
     "worked_addition": (worked_addition.build_tokenizer, worked_addition.split_problems),
+    "noisy_cue": (noisy_cue.build_tokenizer, noisy_cue.split_problems),
     "tool_lookup": (tool_lookup.build_tokenizer, tool_lookup.split_problems),
 }
 

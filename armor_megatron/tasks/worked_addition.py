@@ -34,7 +34,7 @@ from __future__ import annotations
 import math
 import random
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from armor_megatron.tasks.arithmetic import BOXED
 from armor_megatron.tasks.tokenizer import build_char_tokenizer
@@ -128,19 +128,36 @@ def mode_metrics(samples: Sequence[Mapping]) -> dict[str, float]:
     (accuracy within a mode; absent when the mode has no sample); over the anchors, when there are
     any, ``anchor_d_share`` and ``anchor_w_share``.
     """
+    return mode_statistics(samples, mode, {"W": "w", "D": "d", "other": "other"}, scored=("W", "D"))
+
+
+def mode_statistics(
+    samples: Sequence[Mapping],
+    classify: Callable[[str], str],
+    names: Mapping[str, str],
+    *,
+    scored: Sequence[str],
+) -> dict[str, float]:
+    """The shares and accuracies of response modes, for a task's ``mode_metrics`` hook.
+
+    ``classify`` gives a response's mode, ``names`` each mode's metric name. Over the on-policy
+    samples ``<name>_share`` of every mode and ``acc_<name>`` of each mode in ``scored`` that has a
+    sample; over the anchors (``is_anchor``), when there are any, ``anchor_<name>_share`` of each
+    mode in ``scored``.
+    """
     out: dict[str, float] = {}
     policy = [s for s in samples if not s.get("is_anchor")]
     anchors = [s for s in samples if s.get("is_anchor")]
     if policy:
-        modes = [mode(s["response"]) for s in policy]
-        for m in ("W", "D", "other"):
-            out[f"{m.lower()}_share"] = modes.count(m) / len(modes)
-        for m in ("W", "D"):
+        modes = [classify(s["response"]) for s in policy]
+        for m, name in names.items():
+            out[f"{name}_share"] = modes.count(m) / len(modes)
+        for m in scored:
             scores = [float(s["score"]) for s, k in zip(policy, modes) if k == m]
             if scores:
-                out[f"acc_{m.lower()}"] = math.fsum(scores) / len(scores)
+                out[f"acc_{names[m]}"] = math.fsum(scores) / len(scores)
     if anchors:
-        modes = [mode(s["response"]) for s in anchors]
-        out["anchor_d_share"] = modes.count("D") / len(modes)
-        out["anchor_w_share"] = modes.count("W") / len(modes)
+        modes = [classify(s["response"]) for s in anchors]
+        for m in scored:
+            out[f"anchor_{names[m]}_share"] = modes.count(m) / len(modes)
     return out

@@ -70,7 +70,7 @@ import torch.distributed as dist
 
 from armor_megatron.algo import DynamicSampler, ResetSchedule, explained_variance
 from armor_megatron.algo.tis import truncated_is_weights
-from armor_megatron.config.schema import RunConfig
+from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
 from armor_megatron.errors import DatasetError
@@ -607,7 +607,7 @@ class ArmorTrainer:
         cfg = self.cfg
         with timer.phase("logprobs"):
             batch["old_logprobs"] = to_host(self.actor.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs)
-            if self.reference is not None and (cfg.algorithm.alpha < 1.0 or cfg.logging.reference_kl):
+            if self.reference is not None and needs_reference_logprobs(cfg):
                 ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
                 batch["ref_logprobs"] = to_host(ref.logprobs)
         metrics: dict[str, Any] = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}

@@ -37,8 +37,8 @@ from armor_megatron.trainer.metrics_log import MetricsLogger
 
 
 def needs_reference(cfg: RunConfig) -> bool:
-    """A trainer-side reference model is needed for the mixed ratio (α<1) or to source anchors."""
-    return cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled
+    """A trainer-side reference model is needed for the mixed ratio (α<1), the KL penalty or to source anchors."""
+    return cfg.algorithm.alpha < 1.0 or cfg.algorithm.kl_loss.coef > 0 or cfg.anchor.enabled
 
 
 def initial_weights(cfg: RunConfig) -> str:

@@ -117,8 +117,10 @@ def test_bad_train_batches_fail_with_one_clear_line():
 
     batch = {**make_batch(), "old_logprobs": torch.zeros(7, 14)}
     assert _checked_batch(batch, PolicyLossConfig())["response_mask"].dtype == torch.bool  # alpha 1: no ref
-    with pytest.raises(ValueError, match=r"^ref_logprobs is required when alpha < 1 \(alpha=0.9\)$"):
+    with pytest.raises(ValueError, match=r"^ref_logprobs is required when alpha < 1 or kl_coef > 0 \(alpha=0.9, "):
         _checked_batch(batch, LOSS)
+    with pytest.raises(ValueError, match=r"^ref_logprobs is required .* \(alpha=1.0, kl_coef=0.1\)$"):
+        _checked_batch(batch, PolicyLossConfig(kl_coef=0.1))  # the KL penalty reads π_ref too
     with pytest.raises(KeyError, match="train batch lacks advantages, old_logprobs"):
         _checked_batch({k: v for k, v in batch.items() if k not in ("advantages", "old_logprobs")}, LOSS)
     with pytest.raises(ValueError, match=r"old_logprobs has shape \(7, 13\), expected \(7, 14\) like input_ids"):

@@ -259,3 +259,14 @@ def test_a_multi_turn_run_trains_on_model_tokens_and_resumes_bit_for_bit(random_
     )
     for key in ("rollout/accuracy", "rollout/env_tokens", "train/loss", "train/grad_norm", "eval/val/pass@1"):
         assert resumed[3][key] == metrics[3][key], key
+
+
+@pytest.mark.slow  # two training steps in process: a few seconds of CPU
+def test_dapo_with_a_kl_penalty_builds_the_reference_and_logs_the_penalty(random_tiny, tmp_path):
+    overrides = ("anchor.enabled=false", "algorithm.alpha=1.0", "algorithm.kl_loss.coef=0.1", "train.steps=2")
+    metrics = _train(_config(random_tiny, tmp_path, *overrides, "eval.every_steps=0", "reference.reset=never"))
+    # k3 (the default estimator) over the same tokens as the logged KL to the reference: equal
+    for step in (1, 2):
+        assert metrics[step]["train/kl_loss"] == pytest.approx(metrics[step]["train/approx_kl_ref"], rel=1e-6)
+    assert metrics[1]["train/kl_loss"] == 0.0  # step 1 trains the reference's own weights
+    assert metrics[2]["train/kl_loss"] > 0.0  # after one update the policy has moved away from π_ref
