@@ -124,8 +124,12 @@ def test_multi_turn_anchors_keep_their_mask_and_trajectory_through_a_checkpoint(
         _Echo,
     )
     config = AnchorSamplingConfig(max_tries=4, tries_per_request=2, sampling=SAMPLING)
-    sampler = AnchorSampler(SeparateReference(ref), lambda text, t: starts_with(text, t[1]), config, env.anchor_rollout)
-    rows = [("v", t, {"index": i}) for i, t in enumerate(truths)]  # (verifier, answer, row), as the trainer's
+    sampler = AnchorSampler(
+        SeparateReference(ref), lambda text, t, trajectory: starts_with(text, t[1]), config, env.anchor_rollout
+    )
+    rows = [
+        ("v", t, {}, {"index": i}) for i, t in enumerate(truths)
+    ]  # (verifier, answer, fields, row), as the trainer's
     cache = AnchorCache(sampler)
     found = [r.anchor for r in cache.get(prompts, rows) if r.found]
     assert found and all(a.loss_mask == (1, 1, 0, 1, 1) and len(a.trajectory) == 2 for a in found)
