@@ -400,6 +400,11 @@ class BaseWeights:
     module: torch.nn.Module
 
 
+def export_chunks(model) -> list:
+    """What the weight export reads of a model: its chunks, or a `LoRAReference`'s base views of the actor's."""
+    return model.export_chunks if isinstance(model, LoRAReference) else model.model_chunks
+
+
 # ----------------------------------------------------------------------------- the reference
 class LoRAReference:
     """π_ref of a LoRA actor: the actor's own chunks with the adapters off; no second model.

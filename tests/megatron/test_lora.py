@@ -5,10 +5,12 @@ In one process (TP=1): B = 0 gives the base model's log-probs exactly; only adap
 equal HF PEFT's per-projection adapters (checked against a hand-made merged weight); the reference
 is the same model with the adapters off; a reset merges and leaves the policy unchanged.
 
-In a 2-rank gloo job: TP=2 and PP=2 log-probs and adapter gradients equal the TP=1 ones on the
-same base and adapters (fp32).
+In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
+the TP=1 ones on the same base and adapters (fp32). The merged export, saved as safetensors, loads in
+transformers with the trainer's log-probs; the reference's export is the base checkpoint exactly.
 """
 
+import dataclasses
 import zlib
 
 import pytest
@@ -20,7 +22,10 @@ from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import make_batch, settings
-from tests.megatron.test_parallel_logprobs import QWEN2 as ARCH  # GQA (4 heads, 2 groups), q/k/v bias
+from tests.megatron.test_parallel_logprobs import QWEN2
+
+# GQA (4 heads, 2 groups), q/k/v bias; a vocabulary TP=2 divides (the export's vocab gather needs it)
+ARCH = dataclasses.replace(QWEN2, vocab_size=128)
 
 LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
 OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e9)
@@ -186,6 +191,7 @@ def _adapter_grads_and_values(actor) -> dict:
 
 def parity_worker(rank, root):
     from armor_megatron.megatron.checkpoint import save_checkpoint
+    from armor_megatron.megatron.weight_export import export_to_list
 
     mdist.initialize(ParallelConfig(), ARCH, seed=5)
     out = {}
@@ -200,9 +206,10 @@ def parity_worker(rank, root):
                 actor.load_weights(f"{root}/base")
             _set_nonzero_b(actor)
             lp = _lp(actor, batch)
+            merged = export_to_list(actor.model_chunks, ARCH)  # gathered on rank 0, merged on each shard's rank
             train = {**batch, "old_logprobs": lp.detach() - 0.05, "ref_logprobs": lp.detach()}
             actor.train_step(train)  # the step's gradients stay in main_grad
-            out[name] = (lp, _adapter_grads_and_values(actor))
+            out[name] = (lp, _adapter_grads_and_values(actor), merged)
         return out
     finally:
         mdist.shutdown()
@@ -212,13 +219,64 @@ def parity_worker(rank, root):
 @pytest.mark.timeout(300)
 def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
     out = run_ranks(parity_worker, 2, str(tmp_path), timeout=280)[0]
-    lp1, ref = out["tp1"]
+    lp1, ref, merged1 = out["tp1"]
     assert len(ref) == 2 * ARCH.num_layers * (3 + 1 + 2 + 1)
     for name in ("tp2", "pp2"):
-        lp, got = out[name]
+        lp, got, merged = out[name]
         torch.testing.assert_close(lp, lp1, rtol=0, atol=1e-5)
+        assert [n for n, _ in merged] != [] and dict(merged).keys() == dict(merged1).keys()
+        for key, tensor in merged:
+            torch.testing.assert_close(tensor, dict(merged1)[key], rtol=0, atol=1e-6, msg=f"{name} export {key}")
         assert got.keys() == ref.keys()
         for key, (value, grad) in got.items():
             # values after one Adam step from the same start: equal gradients give equal steps
             torch.testing.assert_close(grad, ref[key][1], rtol=1e-4, atol=1e-6, msg=f"{name} grad {key}")
             torch.testing.assert_close(value, ref[key][0], rtol=1e-4, atol=1e-5, msg=f"{name} value {key}")
+
+
+# ----------------------------------------------------------------------------- export
+def test_merged_export_is_an_hf_model_with_the_policys_logprobs_and_the_reference_exports_the_base(
+    world_of_one, tmp_path
+):
+    """The policy's export (W + s·B·A per weight) saved as safetensors loads in transformers with
+    the trainer's log-probs; the reference's export is the base HF checkpoint bit for bit."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from armor_megatron.megatron.lora import LoRAReference, export_chunks
+    from armor_megatron.megatron.weight_export import export_to_list
+    from armor_megatron.models.arch import ModelArch
+    from tests.convert.conftest import save_tiny_model
+    from tests.megatron.test_weight_export import assert_exact, hf_tensors
+
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"))
+    arch = ModelArch.from_hf_dir(hf_dir)
+    mdist.set_model_parallel(ParallelConfig(), arch, seed=5)
+    from armor_megatron.megatron.actor import MegatronActor
+
+    actor = MegatronActor(settings(arch, ParallelConfig()), optimizer=OPTIM, loss=LOSS, total_steps=10, lora=_lora())
+    actor.load_weights(hf_dir)
+    _set_nonzero_b(actor)
+    reference = LoRAReference(actor)
+
+    assert_exact(export_to_list(export_chunks(reference), arch), hf_tensors(hf_dir))
+    merged = dict(export_to_list(export_chunks(actor), arch))
+    assert merged.keys() == hf_tensors(hf_dir).keys()
+    out = tmp_path / "merged"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "model.safetensors"))
+    shutil.copy(tmp_path / "hf" / "config.json", out / "config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, arch.vocab_size, (3, 10), generator=g)
+    lengths = torch.tensor([10, 10, 10])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    hf_lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    ours = actor.compute_logprobs(ids, lengths).logprobs[:, 1:]
+    torch.testing.assert_close(ours, hf_lp, rtol=0, atol=1e-4)
+    base_lp = reference.compute_logprobs(ids, lengths).logprobs[:, 1:]
+    assert (ours - base_lp).abs().max() > 0.05  # the adapters matter: the merge is not the base
