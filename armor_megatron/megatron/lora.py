@@ -400,6 +400,89 @@ class BaseWeights:
     module: torch.nn.Module
 
 
+def peft_name(layer: int, target: str, projection: str, kind: str) -> str:
+    """HF PEFT's name of an adapter matrix (``kind`` A or B) on the HF model."""
+    owner = "self_attn" if _OWNER[target] == "self_attention" else "mlp"
+    return f"base_model.model.model.layers.{layer}.{owner}.{projection}.lora_{kind}.weight"
+
+
+def peft_adapter_tensors(model_chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor] | None:
+    """Every adapter matrix at its full shape under HF PEFT's names, on global rank 0 (None elsewhere).
+
+    Every rank calls it: TP shards are all-gathered in their TP group, then the first TP and
+    data-parallel replica of each pipeline stage hands its adapters to rank 0 (an object gather:
+    the adapters are a few percent of the model).
+    """
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    local = {}
+    owner = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    for _, _, a in adapters_of(model_chunks):
+        for kind, params in (("A", a.A), ("B", a.B)):
+            for projection, param in params.items():
+                t = param.detach()
+                if (kind == "B") == a.column and a.tp_size > 1:
+                    parts = [torch.empty_like(t) for _ in range(a.tp_size)]
+                    dist.all_gather(parts, t.contiguous(), group=a.tp_group)
+                    t = torch.cat(parts, dim=0 if a.column else 1)
+                if owner:
+                    local[peft_name(a.layer, a.target, projection, kind)] = t.cpu().clone()
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return local
+    gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(local, gathered, dst=0)
+    return {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
+
+
+def save_peft_adapter(
+    model_chunks: Sequence[torch.nn.Module], settings: LoRASettings, out_dir: str, base: str = ""
+) -> None:
+    """Write the adapters as an HF PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).
+
+    Every rank calls it; rank 0 writes, through a temporary directory renamed into place. The
+    adapters apply to the actor's current base (``base``: where that base is, for
+    ``base_model_name_or_path``): after a reference reset that is the merged base, which the
+    reference's export writes, not the model the run started from.
+    """
+    import json
+    import os
+    import shutil
+    import uuid
+
+    from safetensors.torch import save_file
+
+    tensors = peft_adapter_tensors(model_chunks)
+    if tensors is None:
+        return
+    modules = sorted({p for t in settings.targets for p in PROJECTIONS[t]})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+    tmp = f"{out_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:12]}"
+    os.makedirs(tmp)
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, "adapter_model.safetensors"))
+        with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        if os.path.lexists(out_dir):
+            shutil.rmtree(out_dir)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def export_chunks(model) -> list:
     """What the weight export reads of a model: its chunks, or a `LoRAReference`'s base views of the actor's."""
     return model.export_chunks if isinstance(model, LoRAReference) else model.model_chunks

@@ -1,13 +1,15 @@
 """LoRA adapters on megatron's TP linears (`megatron.lora`).
 
 In one process (TP=1): B = 0 gives the base model's log-probs exactly; only adapters train
-(no gradient buffer, master copy or Adam state for the base); the fused QKV / gated fc1 adapters
+(no gradient buffer, master copy or Adam state for the base) and they raise the log-probs of
+responses with a positive advantage; the fused QKV / gated fc1 adapters
 equal HF PEFT's per-projection adapters (checked against a hand-made merged weight); the reference
 is the same model with the adapters off; a reset merges and leaves the policy unchanged.
 
 In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
 the TP=1 ones on the same base and adapters (fp32). The merged export, saved as safetensors, loads in
-transformers with the trainer's log-probs; the reference's export is the base checkpoint exactly.
+transformers with the trainer's log-probs, and so does the PEFT adapter directory on the base in HF
+PEFT; the reference's export is the base checkpoint exactly.
 """
 
 import dataclasses
@@ -21,7 +23,7 @@ from armor_megatron.config.schema import OptimizerConfig
 from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
-from tests.megatron.test_actor import make_batch, settings
+from tests.megatron.test_actor import _positive_mean, make_batch, settings
 from tests.megatron.test_parallel_logprobs import QWEN2
 
 # GQA (4 heads, 2 groups), q/k/v bias; a vocabulary TP=2 divides (the export's vocab gather needs it)
@@ -94,9 +96,13 @@ def test_b_zero_is_the_base_model_exactly_and_only_adapters_train(world_of_one):
     assert ddp_numel < sum(p.numel() for c in adapted.model_chunks for p in c.parameters()) / 4
     frozen = dict(adapted.model_chunks[0].named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
     before = frozen.detach().clone()
-    metrics = adapted.train_step(_train_batch(adapted, batch))
-    assert metrics["grad_norm"] > 0
+    start = _lp(adapted, batch)
+    train = _train_batch(adapted, batch)
+    for _ in range(3):
+        assert adapted.train_step(train)["grad_norm"] > 0
     assert torch.equal(frozen, before)
+    # the adapters learn: responses with a positive advantage became more likely
+    assert _positive_mean(_lp(adapted, batch), batch) > _positive_mean(start, batch) + 0.05
     assert all(not torch.equal(a.B[p], torch.zeros_like(a.B[p])) for _, _, a in adapters for p in a.B)
 
 
@@ -235,7 +241,7 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- export
-def test_merged_export_is_an_hf_model_with_the_policys_logprobs_and_the_reference_exports_the_base(
+def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(
     world_of_one, tmp_path
 ):
     """The policy's export (W + s·B·A per weight) saved as safetensors loads in transformers with
@@ -280,3 +286,16 @@ def test_merged_export_is_an_hf_model_with_the_policys_logprobs_and_the_referenc
     torch.testing.assert_close(ours, hf_lp, rtol=0, atol=1e-4)
     base_lp = reference.compute_logprobs(ids, lengths).logprobs[:, 1:]
     assert (ours - base_lp).abs().max() > 0.05  # the adapters matter: the merge is not the base
+
+    # the adapters alone as an HF PEFT directory, on the base: the same policy
+    import peft
+
+    from armor_megatron.megatron.lora import save_peft_adapter
+
+    save_peft_adapter(actor.model_chunks, _lora(), str(tmp_path / "adapter"), base=hf_dir)
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()
+        peft_logits = peft_model(input_ids=ids).logits
+    peft_lp = torch.log_softmax(peft_logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(peft_lp, ours, rtol=0, atol=1e-4)
