@@ -241,9 +241,7 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- export
-def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(
-    world_of_one, tmp_path
-):
+def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(world_of_one, tmp_path):
     """The policy's export (W + s·B·A per weight) saved as safetensors loads in transformers with
     the trainer's log-probs; the reference's export is the base HF checkpoint bit for bit."""
     import shutil
