@@ -9,7 +9,7 @@ Public interface (after `dist.initialize(parallel, arch)`; every rank calls ever
     merge_adapters(model_chunks)            # W += s·B·A on every shard, then new adapters (A fresh, B = 0)
     adapter_sharded_state_dict(model_chunks, prefix)   # {"chunk<i>": {...}} of the adapters, for checkpoints
     adapters_of(model_chunks)               # [(module path, LoRALinear)] of this rank
-    ref = LoRAReference(actor, temperature) # π_ref: the actor's own chunks with the adapters off
+    ref = LoRAReference(actor)              # π_ref: the actor's own chunks with the adapters off
 
 The math. A targeted linear y = x·Wᵀ gets y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ with A [r, in], B [out, r] and
 s = alpha / r. B starts at 0 (the model starts as the base, exactly); A is drawn as HF PEFT draws
@@ -60,7 +60,7 @@ from typing import Any
 import torch
 
 from armor_megatron.errors import UserInputError
-from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs
+from armor_megatron.megatron.logprobs import LogProbs
 
 TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 _OWNER = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
@@ -499,10 +499,10 @@ class LoRAReference:
     actor's); ``export_chunks`` are what the weight export reads for the engines.
     """
 
-    def __init__(self, actor, *, temperature: float = 1.0):
+    def __init__(self, actor):
         if not has_adapters(actor.model_chunks):
             raise ValueError("LoRAReference needs an actor with adapters (attach_adapters)")
-        self.actor, self.temperature = actor, float(temperature)
+        self.actor, self.temperature = actor, actor.temperature  # log-probs at the actor's (the rollouts') temperature
         self.arch, self.parallel, self.settings = actor.arch, actor.parallel, actor.settings
         self.resets = 0
 
@@ -513,17 +513,8 @@ class LoRAReference:
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
         """Log-probs log π_ref [N, L] of every token: the actor's forward with its adapters off, on every rank."""
-        chunks = self.actor.model_chunks
-        with adapters_disabled(chunks):
-            return compute_logprobs(
-                chunks,
-                input_ids,
-                lengths,
-                micro_batch_size=self.settings.micro_batch_size,
-                vocab_size=self.arch.vocab_size,
-                temperature=self.temperature,
-                max_tokens=self.settings.token_budget.forward,
-            )
+        with adapters_disabled(self.actor.model_chunks):
+            return self.actor.compute_logprobs(input_ids, lengths)
 
     def reset_from(self, actor) -> None:
         """θ_ref ← θ: merge the adapters into the base, new adapters (A fresh, B = 0), fresh Adam state for them."""

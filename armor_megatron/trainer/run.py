@@ -109,7 +109,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict:
         )
     reference: ReferenceModel | LoRAReference | None = None
     if needs_reference(cfg) and actor.lora is not None:  # the actor's base, adapters off: no second model
-        reference = LoRAReference(actor, temperature=cfg.rollout.temperature)
+        reference = LoRAReference(actor)
     elif needs_reference(cfg):
         reference = ReferenceModel(settings, offload=cfg.reference.offload, temperature=cfg.rollout.temperature)
     weights = initial_weights(cfg)
