@@ -7,7 +7,7 @@ equal HF PEFT's per-projection adapters (checked against a hand-made merged weig
 is the same model with the adapters off; a reset merges and leaves the policy unchanged.
 
 In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
-the TP=1 ones on the same base and adapters (fp32). The merged export, saved as safetensors, loads in
+the TP=1 ones on the same base and adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2. The merged export, saved as safetensors, loads in
 transformers with the trainer's log-probs, and so does the PEFT adapter directory on the base in HF
 PEFT; the reference's export is the base checkpoint exactly.
 """
@@ -196,7 +196,7 @@ def _adapter_grads_and_values(actor) -> dict:
 
 
 def parity_worker(rank, root):
-    from armor_megatron.megatron.checkpoint import save_checkpoint
+    from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
     from armor_megatron.megatron.weight_export import export_to_list
 
     mdist.initialize(ParallelConfig(), ARCH, seed=5)
@@ -216,6 +216,13 @@ def parity_worker(rank, root):
             train = {**batch, "old_logprobs": lp.detach() - 0.05, "ref_logprobs": lp.detach()}
             actor.train_step(train)  # the step's gradients stay in main_grad
             out[name] = (lp, _adapter_grads_and_values(actor), merged)
+            if name == "tp2":  # adapters and their Adam moments saved at TP=2 ...
+                save_checkpoint(f"{root}/trained", 1, actor, None, {})
+                out["tp2_after"] = _lp(actor, batch)
+        # ... resume at PP=2 (TP=1): the same policy and the same next step
+        resumed = _actor(ParallelConfig(pp=2), lora=_lora())
+        load_checkpoint(f"{root}/trained", resumed, None)
+        out["resumed"] = _lp(resumed, batch)
         return out
     finally:
         mdist.shutdown()
@@ -238,6 +245,9 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
             # values after one Adam step from the same start: equal gradients give equal steps
             torch.testing.assert_close(grad, ref[key][1], rtol=1e-4, atol=1e-6, msg=f"{name} grad {key}")
             torch.testing.assert_close(value, ref[key][0], rtol=1e-4, atol=1e-5, msg=f"{name} value {key}")
+    # a TP=2 checkpoint's adapters reshard: loaded at PP=2 they give the TP=2 policy
+    assert (out["tp2_after"] - lp1).abs().max() > 1e-3
+    torch.testing.assert_close(out["resumed"], out["tp2_after"], rtol=0, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------- export
