@@ -144,7 +144,7 @@ def test_fused_qkv_and_gated_fc1_adapters_are_peft_per_projection_adapters(world
     torch.testing.assert_close(_lp(actor, batch), lp, rtol=0, atol=2e-5)  # merged base + B = 0 is the same policy
 
 
-@pytest.mark.parametrize("dtype, atol", [("float32", 2e-5), ("bfloat16", 0.1)])
+@pytest.mark.parametrize("dtype, atol", [("float32", 2e-6), ("bfloat16", 0.03)])  # measured: 4.8e-7, 5.0e-3
 def test_reference_is_the_base_and_a_reset_makes_it_the_policy(world_of_one, dtype, atol):
     from armor_megatron.megatron.lora import LoRAReference
 
