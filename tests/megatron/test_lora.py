@@ -9,7 +9,8 @@ is the same model with the adapters off; a reset merges and leaves the policy un
 In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
 the TP=1 ones on the same base and adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2. The merged export, saved as safetensors, loads in
 transformers with the trainer's log-probs, and so does the PEFT adapter directory on the base in HF
-PEFT; the reference's export is the base checkpoint exactly.
+PEFT; the reference's export is the base checkpoint exactly; ``armor-convert`` refuses a LoRA
+training checkpoint in one line.
 """
 
 import dataclasses
@@ -251,9 +252,12 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
 
 
 # ----------------------------------------------------------------------------- export
-def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(world_of_one, tmp_path):
+def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(
+    world_of_one, tmp_path, capsys
+):
     """The policy's export (W + s·B·A per weight) saved as safetensors loads in transformers with
-    the trainer's log-probs; the reference's export is the base HF checkpoint bit for bit."""
+    the trainer's log-probs, so does the PEFT adapter directory on the base; the reference's export
+    is the base HF checkpoint bit for bit; the converter refuses the LoRA checkpoint."""
     import shutil
 
     import transformers
@@ -307,3 +311,16 @@ def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exp
         peft_logits = peft_model(input_ids=ids).logits
     peft_lp = torch.log_softmax(peft_logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
     torch.testing.assert_close(peft_lp, ours, rtol=0, atol=1e-4)
+
+    # the converter refuses a LoRA checkpoint in one line rather than write its base without the adapters
+    from armor_megatron.cli.convert import main as convert
+    from armor_megatron.megatron.checkpoint import save_checkpoint
+
+    save_checkpoint(str(tmp_path / "ckpt"), 1, actor, reference, {})
+    capsys.readouterr()  # what transformers printed above
+    code = convert(
+        ["mcore-to-hf", str(tmp_path / "ckpt" / "iter_0000001"), str(tmp_path / "converted"), "--hf-config", hf_dir]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err, err
+    assert not (tmp_path / "converted").exists()
