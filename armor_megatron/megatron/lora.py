@@ -181,9 +181,13 @@ class LoRALinear(torch.nn.Module):
         parts = [h[..., i * r : (i + 1) * r] @ b.t() for i, b in enumerate(self.B.values())]
         return self.combine(parts) * self.scale
 
-    def delta_weight(self) -> torch.Tensor:
-        """s·B·A in fp32, shaped as this rank's shard of the base weight (rows in the base's order)."""
-        parts = [(b.float() @ a.float()) for a, b in zip(self.A.values(), self.B.values())]
+    def delta_weight(self, device: torch.device) -> torch.Tensor:
+        """s·B·A in fp32 on ``device``, shaped as this rank's shard of the base weight (rows in the base's order).
+
+        The product runs on ``device`` (the weight's): adapters read from a host copy (an offloaded
+        trainer's weight sync) are moved there first, r columns at a time.
+        """
+        parts = [(b.to(device).float() @ a.to(device).float()) for a, b in zip(self.A.values(), self.B.values())]
         return self.combine([d.t() for d in parts]).t() * self.scale
 
     def combine(self, parts: list[torch.Tensor]) -> torch.Tensor:
@@ -333,7 +337,7 @@ def merge_adapters(model_chunks: Sequence[torch.nn.Module], generation: int) -> 
     """
     for chunk, path, adapter in adapters_of(model_chunks):
         weight = _unwrapped(model_chunks[chunk]).get_submodule(path).weight
-        weight.copy_((weight.float() + adapter.delta_weight().to(weight.device)).to(weight.dtype))
+        weight.copy_((weight.float() + adapter.delta_weight(weight.device)).to(weight.dtype))
         adapter.reinit(generation)
 
 
@@ -388,7 +392,7 @@ def export_merges(chunk) -> tuple[set[str], dict[str, Callable[[torch.Tensor], t
 def _merger(adapter: LoRALinear) -> Callable[[torch.Tensor], torch.Tensor]:
     def merge(shard: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
-            return (shard.float() + adapter.delta_weight().to(shard.device)).to(shard.dtype)
+            return (shard.float() + adapter.delta_weight(shard.device)).to(shard.dtype)
 
     return merge
 
