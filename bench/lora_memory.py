@@ -12,9 +12,9 @@ masters and Adam moments) plus the reference model's weights -- what a run holds
 2. **A measured tiny model** (Qwen2-shaped, one CPU process): the distinct tensor storages the actor
    and reference hold after a train step (`megatron.offload.model_tensors`: parameters and buffers,
    DDP's gradient buffers, the optimizer's masters and moments), full (actor + `ReferenceModel`)
-   against LoRA (adapted actor + `LoRAReference`, which holds nothing), bf16.
+   against LoRA (adapted actor + `LoRAReference`, which holds nothing), bf16 (``--dtype``).
 3. ``step_time_lora_over_full``: the median wall time of a tiny actor's ``train_step`` (CPU), LoRA
-   over full, measured side by side in this process.
+   over full, measured side by side in this process, the two variants' steps interleaved.
 
 The last line is ``state_bytes_lora_over_full=<7B> state_bytes_lora_over_full_tiny=<measured>
 peak_bytes_lora_over_full=<7B> step_time_lora_over_full=<CPU>``.
@@ -91,7 +91,7 @@ def _state_bytes(*models) -> int:
     return sum(storages.values())
 
 
-def measured(rank: int, steps: int) -> tuple[float, float]:
+def measured(rank: int, steps: int, dtype: str = "bfloat16") -> tuple[float, float]:
     """(state bytes LoRA / full, median step time LoRA / full) of the tiny model in this process."""
     from armor_megatron.algo.loss import PolicyLossConfig
     from armor_megatron.config.schema import OptimizerConfig
@@ -110,10 +110,10 @@ def measured(rank: int, steps: int) -> tuple[float, float]:
         ids = torch.randint(0, arch.vocab_size, (rows, length), generator=g)
         lengths = torch.full((rows,), length)
         mask = torch.arange(length)[None].expand(rows, -1) >= 32
-        settings = ModelSettings(arch, ParallelConfig(), dtype="bfloat16", micro_batch_size=4)
-        result = {}
+        settings = ModelSettings(arch, ParallelConfig(), dtype=dtype, micro_batch_size=4)
+        models = {}
+        mdist.set_model_parallel(ParallelConfig(), arch, seed=1)
         for name, lora in (("full", None), ("lora", LoRASettings(rank=rank, alpha=2.0 * rank))):
-            mdist.set_model_parallel(ParallelConfig(), arch, seed=1)
             actor = MegatronActor(
                 settings,
                 optimizer=OptimizerConfig(lr=1e-4),
@@ -132,13 +132,19 @@ def measured(rank: int, steps: int) -> tuple[float, float]:
                 old_logprobs=lp,
                 ref_logprobs=lp,
             )
-            times = []
-            for _ in range(steps):
+            actor.train_step(batch)  # the optimizer's state exists before the bytes are counted
+            models[name] = (actor, reference, batch, [])
+        for _ in range(steps):  # interleaved, so that a busy machine slows both alike
+            for actor, _, batch, times in models.values():
                 start = time.perf_counter()
                 actor.train_step(batch)
                 times.append(time.perf_counter() - start)
+        result = {}
+        for name, (actor, reference, _, times) in models.items():
             result[name] = (_state_bytes(actor, reference), statistics.median(times))
-            print(f"tiny {name}: state {result[name][0] / 2**20:.2f} MiB, median step {result[name][1]:.3f} s")
+            print(
+                f"tiny {name} ({dtype}): state {result[name][0] / 2**20:.2f} MiB, median step {result[name][1]:.3f} s"
+            )
         return result["lora"][0] / result["full"][0], result["lora"][1] / result["full"][1]
     finally:
         mdist.shutdown()
@@ -148,10 +154,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rank", type=int, default=64, help="LoRA rank (alpha = 2·rank)")
     parser.add_argument("--tiny-rank", type=int, default=16, help="LoRA rank of the measured tiny model")
-    parser.add_argument("--steps", type=int, default=5, help="timed train steps per variant")
+    parser.add_argument("--steps", type=int, default=9, help="timed train steps per variant (interleaved)")
+    parser.add_argument("--dtype", default="bfloat16", help="the tiny model's dtype (bfloat16 | float32)")
     args = parser.parse_args()
     state_full, state_lora, peak_full, peak_lora = planned(args.rank)
-    tiny_state, step_time = measured(args.tiny_rank, args.steps)
+    tiny_state, step_time = measured(args.tiny_rank, args.steps, args.dtype)
     print(
         f"state_bytes_lora_over_full={state_lora / state_full:.3f} state_bytes_lora_over_full_tiny={tiny_state:.3f} "
         f"peak_bytes_lora_over_full={peak_lora / peak_full:.3f} step_time_lora_over_full={step_time:.3f}"
