@@ -58,6 +58,7 @@ setup(
             "types-PyYAML==6.0.12.20261122",
             "coverage>=7.6",
             "sglang-router==0.3.2",  # the real router binary (CPU): tests/rollout/sglang/test_router.py
+            "peft>=0.17",  # HF PEFT loads the LoRA adapter directory: tests/megatron/test_lora.py
         ],
     },
     entry_points={

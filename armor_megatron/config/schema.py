@@ -395,6 +395,41 @@ class ReferenceConfig:
     )
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names of the adaptable linears
+
+
+def _lora_targets(x: Any) -> str | None:
+    if not isinstance(x, list) or not x:
+        return "must be a non-empty list"
+    unknown = [t for t in x if t not in LORA_TARGETS]
+    if unknown:
+        return f"{unknown[0]!r} is not one of {', '.join(LORA_TARGETS)}"
+    return "lists a module twice" if len(set(x)) < len(x) else None
+
+
+@dataclasses.dataclass
+class LoRAConfig:
+    """Low-rank adapters on the actor (``docs/lora.md``): only A and B train, the base is frozen.
+
+    Each targeted linear W gets W + s·B·A with s = alpha / rank, B = 0 at the start; the fused
+    linear_qkv gets one adapter per projection (q, k, v) and linear_fc1 one per half (gate, up),
+    as HF PEFT has them. The reference π_ref is the same model with the adapters off; a reference
+    reset merges s·B·A into the base and starts new adapters.
+    """
+
+    enabled: bool = checked(False, help="train low-rank adapters instead of the whole actor")
+    rank: int = checked(16, check=at_least(1), help="r: the adapters' inner width")
+    alpha: float = checked(32.0, check=positive, help="scale numerator: the update is (alpha / rank)·B·A")
+    dropout: float = checked(
+        0.0, check=in_range(0, 1, hi_open=True), help="dropout on the adapters' input in training forwards (tp = 1)"
+    )
+    target_modules: list[str] = checked(
+        factory=lambda: list(LORA_TARGETS),
+        check=described(f"non-empty list of {', '.join(LORA_TARGETS)}", _lora_targets),
+        help="megatron linears that get adapters (MoE models: linear_qkv and linear_proj only)",
+    )
+
+
 @dataclasses.dataclass
 class OptimizerConfig:
     """Adam with decoupled weight decay, gradient clipping and a warm-up / decay schedule (megatron's optimizer)."""
@@ -895,6 +930,7 @@ class RunConfig:
     anchor: AnchorConfig = dataclasses.field(default_factory=AnchorConfig)
     algorithm: AlgorithmConfig = dataclasses.field(default_factory=AlgorithmConfig)
     reference: ReferenceConfig = dataclasses.field(default_factory=ReferenceConfig)
+    lora: LoRAConfig = dataclasses.field(default_factory=LoRAConfig)
     optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
     stability: StabilityConfig = dataclasses.field(default_factory=StabilityConfig)
     critic: CriticConfig = dataclasses.field(default_factory=CriticConfig)

@@ -35,6 +35,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_engines(cfg)
     _check_throughput(cfg)
     _check_moe(cfg)
+    _check_lora(cfg)
     _check_step_time(cfg)
     _check_user_code(cfg)
 
@@ -551,6 +552,35 @@ def _check_moe(cfg: RunConfig) -> None:
             raise ConfigError("moe.token_dispatcher_type", "flex needs DeepEP on GPUs, but launch.gpus_per_node=0")
         if moe.pad_expert_input_to_capacity:
             raise ConfigError("moe.pad_expert_input_to_capacity", "is not supported by the flex (DeepEP) dispatcher")
+
+
+def _check_lora(cfg: RunConfig) -> None:
+    """Layouts the actor's adapters (``megatron.lora``) cannot be built on, each refused in one line."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return
+    if cfg.model.spec == "te":
+        raise ConfigError(
+            "model.spec", "lora needs the local layer spec: the TE spec fuses the norms into the linears it adapts"
+        )
+    if cfg.parallelism.sp:
+        raise ConfigError("parallelism.sp", "lora does not support sequence parallelism (it needs the TE spec)")
+    if lora.dropout > 0 and cfg.parallelism.tp > 1:
+        raise ConfigError("lora.dropout", "dropout > 0 needs tp = 1 (tensor-parallel ranks would drop differently)")
+    if cfg.reference.init_from:
+        raise ConfigError("reference.init_from", "with lora the reference is the actor's base weights; unset it")
+    if cfg.reference.offload:
+        raise ConfigError("reference.offload", "with lora the reference is the actor's own base: nothing to offload")
+    arch = model_arch_of(cfg)
+    if arch is None:
+        return
+    if arch.is_mla:
+        raise ConfigError("lora.enabled", "lora does not support MLA attention (DeepSeek): it has no linear_qkv")
+    experts = [t for t in lora.target_modules if t in ("linear_fc1", "linear_fc2")]
+    if arch.is_moe and experts:
+        raise ConfigError(
+            "lora.target_modules", f"{experts[0]} of an MoE model is its experts, which get no adapters; drop it"
+        )
 
 
 def _check_step_time(cfg: RunConfig) -> None:

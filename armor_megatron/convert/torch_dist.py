@@ -243,6 +243,12 @@ class TorchDistReader:
         self._storage = safe_reader_class()(ckpt_dir)  # runs no code a crafted checkpoint carries
         self.metadata = self._storage.read_metadata()
         stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        adapter = next((k for k in stored if ".lora.A." in k or ".lora.B." in k), None)  # megatron.lora's keys
+        if adapter is not None:
+            raise CheckpointError(
+                f"{ckpt_dir}: holds LoRA adapters ({adapter}), which converting would drop; use the run's merged "
+                "HF copies (checkpoint.save_hf)"
+            )
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}
         for rule in tensor_rules(arch):

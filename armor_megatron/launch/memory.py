@@ -69,6 +69,13 @@ GPTModel's ``logits.transpose(0, 1).contiguous()`` copy lives beside the output 
 only while it is made, before the gradient and the work buffers exist: it does not raise the
 peak (measured in megatron's forward and backward, tests/launch/test_memory.py).
 
+**LoRA** (``lora.enabled``, `megatron.lora`): the base keeps e bytes per parameter and nothing
+else (frozen: no gradient buffer, no master copy, no Adam moments); the adapters A and B (per
+targeted linear and projection p: r·in + out_p·r, the TP-split one of the two divided by t) hold
+e + 4 + the optimizer's bytes each, like any trained parameter; the reference is the base itself:
+0 bytes. Activations add the r-wide products x·Aᵀ kept for B's gradient, e·r per token and
+projection (whole on every TP rank).
+
 **Reference model**: e bytes per parameter, no gradients or optimizer; 0 with
 ``reference.offload`` (then on the device only while it computes log-probs, not while the actor
 trains). **Critic** (``algorithm.estimator: gae``): the actor's parameters without the LM head,
@@ -209,6 +216,35 @@ def total_params(arch: ModelArch) -> int:
     """Parameters of the whole model (unpadded vocabulary), e.g. 8.19e9 for Qwen3-8B."""
     n = sum(sum(layer_params(arch, i)) for i in range(arch.num_layers))
     return n + arch.vocab_size * arch.hidden_size * (1 if arch.tie_word_embeddings else 2) + arch.hidden_size
+
+
+def lora_params_per_gpu(arch: ModelArch, targets, rank: int, tp: int, pp: int, stage: int) -> tuple[float, int]:
+    """(adapter parameters, r-wide activations per token) of one GPU of pipeline `stage` (module docstring).
+
+    Per layer of the stage and targeted linear, one adapter per logical projection: ``linear_qkv``
+    q [nq·d], k and v [nkv·d] from h; ``linear_proj`` h from nq·d; ``linear_fc1`` gate and up [f]
+    from h; ``linear_fc2`` h from f. Column-parallel B and row-parallel A are split over tp.
+    """
+    h, q, kv, f = (
+        arch.hidden_size,
+        arch.num_attention_heads * arch.head_dim,
+        arch.num_key_value_heads * arch.head_dim,
+        arch.ffn_hidden_size,
+    )
+    shapes = {  # target: (input width, [output width per projection], column-parallel)
+        "linear_qkv": (h, [q, kv, kv], True),
+        "linear_proj": (q, [h], False),
+        "linear_fc1": (h, [f, f], True),
+        "linear_fc2": (f, [h], False),
+    }
+    params, width = 0.0, 0
+    for _ in stage_layers(arch, pp, stage):
+        for target in targets:
+            fan_in, outs, column = shapes[target]
+            for out in outs:
+                params += rank * fan_in + out * rank / tp if column else rank * fan_in / tp + out * rank
+                width += rank
+    return params, width
 
 
 # ----------------------------------------------------------------------------- activations
@@ -422,7 +458,8 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
     )
     sglang = cfg.rollout.engine == "sglang" and on_gpu
     colocated = sglang and sg.placement == "colocated"
-    reference = (cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled) and not cfg.reference.offload
+    # a LoRA reference is the actor's base (adapters off): no weights of its own
+    reference = (cfg.algorithm.alpha < 1.0 or cfg.anchor.enabled) and not cfg.reference.offload and not cfg.lora.enabled
     engines = _engine_sizes(cfg, arch, e) if sglang else {}
     kept = engines["reference"].weights if colocated and "reference" in engines else 0.0
     contexts = (2 if colocated else 1) * CUDA_CONTEXT_GIB * GIB if on_gpu else 0.0
@@ -432,19 +469,25 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         dense, expert = params_per_gpu(arch, tp, pp, ep, stage)
         shard = (dp, expert_dp) if on_gpu else (1, 1)
         params = dense + expert
-        opt = optimizer_bytes * (dense / shard[0] + expert / shard[1])
+        trained = (dense / shard[0] + expert / shard[1], params)  # (optimizer-sharded, gradient) parameters
+        adapters, lora_width = 0.0, 0
+        if cfg.lora.enabled:  # the base frozen: only the adapters have gradients and optimizer state
+            adapters, lora_width = lora_params_per_gpu(arch, cfg.lora.target_modules, cfg.lora.rank, tp, pp, stage)
+            trained = (adapters / shard[0], adapters)
+        opt = optimizer_bytes * trained[0]
         c_dense, c_expert = params_per_gpu(arch, tp, pp, ep, stage, lm_head=False)
         critic = 0.0
         if needs_critic(cfg.algorithm.estimator):
             critic = (e + 4) * (c_dense + c_expert) + optimizer_bytes * (c_dense / shard[0] + c_expert / shard[1])
         held = in_flight_microbatches(pp, par.vpp, stage, microbatches)
         activations = activation_bytes(arch, stage_layers(arch, pp, stage), act, held)
+        activations += held * act.tokens * e * lora_width
         if stage == 0:
             activations += held * act.tokens * e * arch.hidden_size / tp
         logits = logits_bytes(arch, tp, act.tokens, e) if stage == pp - 1 else 0.0
         terms = dict(
-            weights=e * params,
-            gradients=4.0 * params,
+            weights=e * (params + adapters),
+            gradients=4.0 * trained[1],
             optimizer=opt,
             activations=activations,
             logits=logits,

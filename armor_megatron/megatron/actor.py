@@ -67,6 +67,7 @@ import torch
 from armor_megatron.algo.loss import PolicyLossConfig, bind_policy_loss, loss_normalizer
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
+from armor_megatron.megatron.lora import LoRASettings, adapter_sharded_state_dict, attach_adapters
 from armor_megatron.megatron.microbatch import to_device
 from armor_megatron.megatron.trained_model import ModelSettings, TrainedModel, TrainMicroBatch, checked_rows
 
@@ -85,10 +86,32 @@ class MegatronActor(TrainedModel):
         temperature: float = 1.0,
         loss_name: str = "armor",
         stability: StabilityConfig | None = None,
+        lora: LoRASettings | None = None,
     ):
         self.loss_config, self.temperature = loss, float(temperature)
         self.loss_fn = bind_policy_loss(loss_name)
+        self.lora = lora
         super().__init__(settings, optimizer=optimizer, total_steps=total_steps, seed=seed, stability=stability)
+
+    def _build_chunks(self, config, seed: int) -> list:
+        chunks = super()._build_chunks(config, seed)
+        if self.lora is not None:  # base frozen, adapters added, before DDP and the optimizer see the parameters
+            attach_adapters(chunks, self.lora)
+        return chunks
+
+    def model_sharded_state_dict(self) -> dict:
+        """The base weights and, with LoRA, the adapters (`lora.adapter_sharded_state_dict`)."""
+        state = super().model_sharded_state_dict()
+        if self.lora is not None:
+            for chunk, adapters in adapter_sharded_state_dict(self.model_chunks, self.checkpoint_prefix).items():
+                state[chunk].update(adapters)
+        return state
+
+    def restart_adapter_optimizer(self) -> None:
+        """After a reference reset put new adapters in place: Adam starts afresh for them, masters copied from them."""
+        for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
+            opt.optimizer.state.clear()
+        self.optimizer.reload_model_params()
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:
         """Per-token log-probs log π_θ(token t | tokens < t) [N, L] (0 outside 1 <= t < length), no grad; every rank."""

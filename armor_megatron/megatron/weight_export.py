@@ -43,6 +43,11 @@ other rank's bucket, and a stage's sender (a delivery ``per_stage``) one bucket 
 own or one peer's.
 With tied embeddings the last pipeline stage's copy of the output layer is skipped (the
 embedding is the HF tensor).
+
+LoRA (`megatron.lora`): adapter parameters are never exported; each adapted weight's shard is
+replaced, as the export reaches it, by W + s·B·A of that shard (`lora.export_merges`), so the
+engines get the policy's merged weights and no merged copy of the model is ever held. A
+`lora.BaseWeights` chunk (the reference) exports the base as it is.
 """
 
 from __future__ import annotations
@@ -60,6 +65,7 @@ from armor_megatron.convert import ParamRef, resolve_param, tp_gather, tp_split
 from armor_megatron.convert.rules import hf_tensor_names, mcore_to_hf
 from armor_megatron.megatron.collective_export import CollectiveExport
 from armor_megatron.megatron.dist import global_rank, is_distributed
+from armor_megatron.megatron.lora import export_merges
 from armor_megatron.models.arch import ModelArch
 
 if TYPE_CHECKING:
@@ -101,6 +107,7 @@ class _Param:
     expert: bool
     pieces: tuple[_Piece, ...]
     gather: bool = True
+    merge: Callable[[torch.Tensor], torch.Tensor] | None = None  # LoRA: shard -> W + s·B·A (`lora.export_merges`)
 
 
 def export_hf_weights(
@@ -507,9 +514,11 @@ def _plan(model_chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Par
             if hasattr(module, "decoder")
             else {}
         )
+        adapters, merges = export_merges(chunk)
         for name, param in _exported(module):
-            if arch.tie_word_embeddings and name == "output_layer.weight":
+            if (arch.tie_word_embeddings and name == "output_layer.weight") or name in adapters:
                 continue
+            merge = merges.get(name)
             match = _LAYER.search(name)
             if match:
                 name = name.replace(match.group(0), f"decoder.layers.{layer_of[int(match.group(1))]}.", 1)
@@ -519,7 +528,8 @@ def _plan(model_chunks: Sequence[torch.nn.Module], arch: ModelArch) -> list[_Par
                 params.append(_Param(tensor, True, pieces))
             else:
                 ref = resolve_param(arch, name)
-                params.append(_Param(tensor, False, (_Piece(ref),), _is_tp_shard(arch, ref, name, tensor)))
+                gather = _is_tp_shard(arch, ref, name, tensor)
+                params.append(_Param(tensor, False, (_Piece(ref),), gather, merge))
     return params
 
 
@@ -702,7 +712,7 @@ def _owned_hf_tensors(params: list[_Param], arch: ModelArch, device: str | None)
         if not _in_owner_replica(p.expert):
             continue  # another data-parallel replica exports it: no collective in this TP group
         group = ps.get_expert_tensor_parallel_group() if p.expert else ps.get_tensor_model_parallel_group()
-        shard = _staged(p.tensor)
+        shard = _staged(p.tensor) if p.merge is None else p.merge(_staged(p.tensor))
         shards = _gather_to_owner(shard, group) if p.gather else [shard]
         if shards is None or not _owns(p.expert):  # None: not this group's owner
             continue

@@ -56,6 +56,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
     from armor_megatron.megatron import checkpoint as ckpt
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
+    from armor_megatron.megatron.lora import LoRAReference, LoRASettings, export_chunks
     from armor_megatron.megatron.reference import ReferenceModel
     from armor_megatron.megatron.trained_model import ModelSettings
     from armor_megatron.megatron.weight_export import HFWeightExport
@@ -93,6 +94,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
         temperature=cfg.rollout.temperature,  # π_old and π_ref of the ratio are the sampling distributions
         loss_name=cfg.algorithm.policy_loss,
         stability=cfg.stability,
+        lora=LoRASettings.of(cfg.lora, seed=cfg.train.seed),
     )
     critic = None
     if needs_critic(cfg.algorithm.estimator):
@@ -107,8 +109,10 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
             value_head_init_std=cfg.critic.value_head_init_std,
             stability=cfg.stability,
         )
-    reference = None
-    if needs_reference(cfg):
+    reference: ReferenceModel | LoRAReference | None = None
+    if needs_reference(cfg) and actor.lora is not None:  # the actor's base, adapters off: no second model
+        reference = LoRAReference(actor)
+    elif needs_reference(cfg):
         reference = ReferenceModel(settings, offload=cfg.reference.offload, temperature=cfg.rollout.temperature)
     weights = initial_weights(cfg)
     tokenizer = load_tokenizer(cfg.model.path)
@@ -121,7 +125,8 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
         reference,
         tokenizer,
         make_engines,
-        export_weights=lambda model: HFWeightExport(model.model_chunks, arch),  # each owner delivers its share
+        # each owner delivers its share; a LoRA reference exports the actor's base (`lora.export_chunks`)
+        export_weights=lambda model: HFWeightExport(export_chunks(model), arch),
         critic=critic,
     )
 

@@ -1,0 +1,326 @@
+"""LoRA adapters on megatron's TP linears (`megatron.lora`).
+
+In one process (TP=1): B = 0 gives the base model's log-probs exactly; only adapters train
+(no gradient buffer, master copy or Adam state for the base) and they raise the log-probs of
+responses with a positive advantage; the fused QKV / gated fc1 adapters
+equal HF PEFT's per-projection adapters (checked against a hand-made merged weight); the reference
+is the same model with the adapters off; a reset merges and leaves the policy unchanged.
+
+In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
+the TP=1 ones on the same base and adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2. The merged export, saved as safetensors, loads in
+transformers with the trainer's log-probs, and so does the PEFT adapter directory on the base in HF
+PEFT; the reference's export is the base checkpoint exactly; ``armor-convert`` refuses a LoRA
+training checkpoint in one line.
+"""
+
+import dataclasses
+import zlib
+
+import pytest
+import torch
+
+from armor_megatron.algo.loss import PolicyLossConfig
+from armor_megatron.config.schema import OptimizerConfig
+from armor_megatron.megatron import dist as mdist
+from armor_megatron.megatron.dist import ParallelConfig
+from tests.megatron.spawn import run_ranks
+from tests.megatron.test_actor import _positive_mean, make_batch, settings
+from tests.megatron.test_parallel_logprobs import QWEN2
+
+# GQA (4 heads, 2 groups), q/k/v bias; a vocabulary TP=2 divides (the export's vocab gather needs it)
+ARCH = dataclasses.replace(QWEN2, vocab_size=128)
+
+LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
+OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e9)
+
+
+def _lora(**kw):
+    from armor_megatron.megatron.lora import LoRASettings
+
+    return LoRASettings(**{"rank": 4, "alpha": 8.0, "seed": 3, **kw})
+
+
+def _actor(parallel=ParallelConfig(), lora=None, dtype="float32"):
+    from armor_megatron.megatron.actor import MegatronActor
+
+    return MegatronActor(
+        settings(ARCH, parallel, dtype=dtype), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5, lora=lora
+    )
+
+
+def _lp(model, batch):
+    return model.compute_logprobs(batch["input_ids"], batch["lengths"]).logprobs
+
+
+def _full_b(layer: int, target: str, proj: str, shape) -> torch.Tensor:
+    """A non-zero B, the same in every layout (drawn at its full shape from a key of its own)."""
+    g = torch.Generator().manual_seed(zlib.crc32(f"{layer}/{target}/{proj}".encode()))
+    return torch.randn(*shape, generator=g) * 0.3
+
+
+@torch.no_grad()
+def _set_nonzero_b(actor) -> None:
+    """Every B set to `_full_b`, this rank taking its TP shard of the split ones (column-parallel)."""
+    from armor_megatron.megatron.lora import adapters_of
+
+    for _, _, a in adapters_of(actor.model_chunks):
+        for proj, b in a.B.items():
+            rows = b.shape[0] * (a.tp_size if a.column else 1)
+            full = _full_b(a.layer, a.target, proj, (rows, a.rank))
+            b.copy_(full[a.tp_rank * b.shape[0] : (a.tp_rank + 1) * b.shape[0]] if a.column else full)
+
+
+def _train_batch(actor, batch):
+    lp = _lp(actor, batch)
+    return {**batch, "old_logprobs": lp - 0.05, "ref_logprobs": lp}
+
+
+# ----------------------------------------------------------------------------- one process
+def test_b_zero_is_the_base_model_exactly_and_only_adapters_train(world_of_one):
+    from armor_megatron.megatron.lora import adapters_of
+
+    batch = make_batch()
+    mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+    base = _actor()
+    mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+    adapted = _actor(lora=_lora())
+    assert torch.equal(_lp(adapted, batch), _lp(base, batch))
+
+    adapters = adapters_of(adapted.model_chunks)
+    assert len(adapters) == 4 * ARCH.num_layers
+    trained = [p for c in adapted.model_chunks for p in c.parameters() if p.requires_grad]
+    assert {id(p) for p in trained} == {id(p) for _, _, a in adapters for p in a.parameters()}
+    in_optimizer = [p for g in adapted.optimizer.param_groups for p in g["params"]]
+    assert len(in_optimizer) == len(trained)
+    ddp_numel = sum(b.grad_data.numel() for d in adapted.ddp_chunks for b in d.buffers)
+    assert ddp_numel >= sum(p.numel() for p in trained)
+    assert ddp_numel < sum(p.numel() for c in adapted.model_chunks for p in c.parameters()) / 4
+    frozen = dict(adapted.model_chunks[0].named_parameters())["decoder.layers.0.self_attention.linear_qkv.weight"]
+    before = frozen.detach().clone()
+    start = _lp(adapted, batch)
+    train = _train_batch(adapted, batch)
+    for _ in range(3):
+        assert adapted.train_step(train)["grad_norm"] > 0
+    assert torch.equal(frozen, before)
+    # the adapters learn: responses with a positive advantage became more likely
+    assert _positive_mean(_lp(adapted, batch), batch) > _positive_mean(start, batch) + 0.05
+    assert all(not torch.equal(a.B[p], torch.zeros_like(a.B[p])) for _, _, a in adapters for p in a.B)
+
+
+def test_fused_qkv_and_gated_fc1_adapters_are_peft_per_projection_adapters(world_of_one):
+    """The merged QKV weight is the base plus s·B_p·A_p of q, k and v, each placed on its rows of
+    every query group (q heads of the group, then its k head, then its v head); fc1 is [gate; up]."""
+    from armor_megatron.megatron.lora import adapters_of, merge_adapters
+
+    mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+    actor = _actor(lora=_lora())
+    _set_nonzero_b(actor)
+    batch = make_batch()
+    lp = _lp(actor, batch)
+    params = dict(actor.model_chunks[0].named_parameters())
+    qkv, fc1 = (
+        params[f"decoder.layers.1.{n}.weight"].detach().clone() for n in ("self_attention.linear_qkv", "mlp.linear_fc1")
+    )
+    ad = {(a.layer, a.target): a for _, _, a in adapters_of(actor.model_chunks)}
+    s, d, groups = 2.0, ARCH.head_dim, ARCH.num_key_value_heads
+    per_group = ARCH.num_attention_heads // groups
+    delta = {p: s * ad[1, "linear_qkv"].B[p] @ ad[1, "linear_qkv"].A[p] for p in ("q_proj", "k_proj", "v_proj")}
+    expected_qkv = qkv.clone()
+    for g in range(groups):
+        row = g * (per_group + 2) * d
+        expected_qkv[row : row + per_group * d] += delta["q_proj"][g * per_group * d : (g + 1) * per_group * d]
+        expected_qkv[row + per_group * d : row + (per_group + 1) * d] += delta["k_proj"][g * d : (g + 1) * d]
+        expected_qkv[row + (per_group + 1) * d : row + (per_group + 2) * d] += delta["v_proj"][g * d : (g + 1) * d]
+    f = ARCH.ffn_hidden_size
+    a = ad[1, "linear_fc1"]
+    expected_fc1 = fc1 + s * torch.cat([a.B["gate_proj"] @ a.A["gate_proj"], a.B["up_proj"] @ a.A["up_proj"]])
+    assert a.B["gate_proj"].shape == (f, 4)
+
+    merge_adapters(actor.model_chunks, generation=1)
+    torch.testing.assert_close(
+        params["decoder.layers.1.self_attention.linear_qkv.weight"], expected_qkv, rtol=0, atol=1e-6
+    )
+    torch.testing.assert_close(params["decoder.layers.1.mlp.linear_fc1.weight"], expected_fc1, rtol=0, atol=1e-6)
+    assert all(torch.equal(b, torch.zeros_like(b)) for _, _, x in adapters_of(actor.model_chunks) for b in x.B.values())
+    torch.testing.assert_close(_lp(actor, batch), lp, rtol=0, atol=2e-5)  # merged base + B = 0 is the same policy
+
+
+@pytest.mark.parametrize("dtype, atol", [("float32", 2e-6), ("bfloat16", 0.03)])  # measured: 4.8e-7, 5.0e-3
+def test_reference_is_the_base_and_a_reset_makes_it_the_policy(world_of_one, dtype, atol):
+    from armor_megatron.megatron.lora import LoRAReference
+
+    batch = make_batch()
+    mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+    base_lp = _lp(_actor(dtype=dtype), batch)
+    mdist.set_model_parallel(ParallelConfig(), ARCH, seed=5)
+    actor = _actor(lora=_lora(), dtype=dtype)
+    reference = LoRAReference(actor)
+    _set_nonzero_b(actor)
+    actor.optimizer.reload_model_params()
+    actor.train_step(_train_batch(actor, batch))  # Adam state for the adapters
+    policy = _lp(actor, batch)
+    assert torch.equal(_lp(reference, batch), base_lp)  # adapters off: the base, bit for bit
+    assert (policy - base_lp).abs().max() > 0.05
+
+    reference.reset_from(actor)
+    torch.testing.assert_close(_lp(actor, batch), policy, rtol=0, atol=atol)
+    torch.testing.assert_close(_lp(reference, batch), policy, rtol=0, atol=atol)
+    assert not actor.has_optimizer_state  # new adapters, new Adam moments
+    actor.train_step(_train_batch(actor, batch))  # and they train
+    assert (_lp(actor, batch) - _lp(reference, batch)).abs().max() > 0
+
+
+# ----------------------------------------------------------------------------- TP=2, PP=2 parity
+def _adapter_grads_and_values(actor) -> dict:
+    """{(layer, target, A|B, proj): (full value, full grad)} of every adapter, gathered over TP and PP."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from armor_megatron.megatron.lora import adapters_of
+
+    local = {}
+    for _, _, a in adapters_of(actor.model_chunks):
+        for kind, params in (("A", a.A), ("B", a.B)):
+            split = (kind == "B") == a.column
+            for proj, p in params.items():
+                pair = [p.detach(), p.main_grad.detach().to(p.dtype)]
+                if split and a.tp_size > 1:
+                    axis = 0 if a.column else 1
+                    for i, t in enumerate(pair):
+                        parts = [torch.empty_like(t) for _ in range(a.tp_size)]
+                        dist.all_gather(parts, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+                        pair[i] = torch.cat(parts, dim=axis)
+                local[(a.layer, a.target, kind, proj)] = tuple(pair)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    return {k: v for g in gathered for k, v in g.items()}
+
+
+def parity_worker(rank, root):
+    from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from armor_megatron.megatron.weight_export import export_to_list
+
+    mdist.initialize(ParallelConfig(), ARCH, seed=5)
+    out = {}
+    try:
+        batch = make_batch()
+        for name, layout in (("tp1", ParallelConfig()), ("tp2", ParallelConfig(tp=2)), ("pp2", ParallelConfig(pp=2))):
+            mdist.set_model_parallel(layout, ARCH, seed=5)
+            actor = _actor(layout, lora=_lora())
+            if name == "tp1":
+                save_checkpoint(f"{root}/base", 0, actor, None, {})  # one base for every layout
+            else:
+                actor.load_weights(f"{root}/base")
+            _set_nonzero_b(actor)
+            lp = _lp(actor, batch)
+            merged = export_to_list(actor.model_chunks, ARCH)  # gathered on rank 0, merged on each shard's rank
+            train = {**batch, "old_logprobs": lp.detach() - 0.05, "ref_logprobs": lp.detach()}
+            actor.train_step(train)  # the step's gradients stay in main_grad
+            out[name] = (lp, _adapter_grads_and_values(actor), merged)
+            if name == "tp2":  # adapters and their Adam moments saved at TP=2 ...
+                save_checkpoint(f"{root}/trained", 1, actor, None, {})
+                out["tp2_after"] = _lp(actor, batch)
+        # ... resume at PP=2 (TP=1): the same policy and the same next step
+        resumed = _actor(ParallelConfig(pp=2), lora=_lora())
+        load_checkpoint(f"{root}/trained", resumed, None)
+        out["resumed"] = _lp(resumed, batch)
+        return out
+    finally:
+        mdist.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
+    out = run_ranks(parity_worker, 2, str(tmp_path), timeout=280)[0]
+    lp1, ref, merged1 = out["tp1"]
+    assert len(ref) == 2 * ARCH.num_layers * (3 + 1 + 2 + 1)
+    for name in ("tp2", "pp2"):
+        lp, got, merged = out[name]
+        torch.testing.assert_close(lp, lp1, rtol=0, atol=1e-5)
+        assert [n for n, _ in merged] != [] and dict(merged).keys() == dict(merged1).keys()
+        for key, tensor in merged:
+            torch.testing.assert_close(tensor, dict(merged1)[key], rtol=0, atol=1e-6, msg=f"{name} export {key}")
+        assert got.keys() == ref.keys()
+        for key, (value, grad) in got.items():
+            # values after one Adam step from the same start: equal gradients give equal steps
+            torch.testing.assert_close(grad, ref[key][1], rtol=1e-4, atol=1e-6, msg=f"{name} grad {key}")
+            torch.testing.assert_close(value, ref[key][0], rtol=1e-4, atol=1e-5, msg=f"{name} value {key}")
+    # a TP=2 checkpoint's adapters reshard: loaded at PP=2 they give the TP=2 policy
+    assert (out["tp2_after"] - lp1).abs().max() > 1e-3
+    torch.testing.assert_close(out["resumed"], out["tp2_after"], rtol=0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- export
+def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(
+    world_of_one, tmp_path, capsys
+):
+    """The policy's export (W + s·B·A per weight) saved as safetensors loads in transformers with
+    the trainer's log-probs, so does the PEFT adapter directory on the base; the reference's export
+    is the base HF checkpoint bit for bit; the converter refuses the LoRA checkpoint."""
+    import shutil
+
+    import transformers
+    from safetensors.torch import save_file
+
+    from armor_megatron.megatron.lora import LoRAReference, export_chunks
+    from armor_megatron.megatron.weight_export import export_to_list
+    from armor_megatron.models.arch import ModelArch
+    from tests.convert.conftest import save_tiny_model
+    from tests.megatron.test_weight_export import assert_exact, hf_tensors
+
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"))
+    arch = ModelArch.from_hf_dir(hf_dir)
+    mdist.set_model_parallel(ParallelConfig(), arch, seed=5)
+    from armor_megatron.megatron.actor import MegatronActor
+
+    actor = MegatronActor(settings(arch, ParallelConfig()), optimizer=OPTIM, loss=LOSS, total_steps=10, lora=_lora())
+    actor.load_weights(hf_dir)
+    _set_nonzero_b(actor)
+    reference = LoRAReference(actor)
+
+    assert_exact(export_to_list(export_chunks(reference), arch), hf_tensors(hf_dir))
+    merged = dict(export_to_list(export_chunks(actor), arch))
+    assert merged.keys() == hf_tensors(hf_dir).keys()
+    out = tmp_path / "merged"
+    out.mkdir()
+    save_file({k: v.contiguous() for k, v in merged.items()}, str(out / "model.safetensors"))
+    shutil.copy(tmp_path / "hf" / "config.json", out / "config.json")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32).eval()
+
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, arch.vocab_size, (3, 10), generator=g)
+    lengths = torch.tensor([10, 10, 10])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    hf_lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    ours = actor.compute_logprobs(ids, lengths).logprobs[:, 1:]
+    torch.testing.assert_close(ours, hf_lp, rtol=0, atol=1e-4)
+    base_lp = reference.compute_logprobs(ids, lengths).logprobs[:, 1:]
+    assert (ours - base_lp).abs().max() > 0.05  # the adapters matter: the merge is not the base
+
+    # the adapters alone as an HF PEFT directory, on the base: the same policy
+    import peft
+
+    from armor_megatron.megatron.lora import save_peft_adapter
+
+    save_peft_adapter(actor.model_chunks, _lora(), str(tmp_path / "adapter"), base=hf_dir)
+    base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        peft_model = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter")).eval()
+        peft_logits = peft_model(input_ids=ids).logits
+    peft_lp = torch.log_softmax(peft_logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(peft_lp, ours, rtol=0, atol=1e-4)
+
+    # the converter refuses a LoRA checkpoint in one line rather than write its base without the adapters
+    from armor_megatron.cli.convert import main as convert
+    from armor_megatron.megatron.checkpoint import save_checkpoint
+
+    save_checkpoint(str(tmp_path / "ckpt"), 1, actor, reference, {})
+    capsys.readouterr()  # what transformers printed above
+    code = convert(
+        ["mcore-to-hf", str(tmp_path / "ckpt" / "iter_0000001"), str(tmp_path / "converted"), "--hf-config", hf_dir]
+    )
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err, err
+    assert not (tmp_path / "converted").exists()
