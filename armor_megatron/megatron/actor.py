@@ -61,6 +61,7 @@ on every rank, identical (lr: the rate of this step's update; the guard's metric
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -93,13 +94,13 @@ class MegatronActor(TrainedModel):
         self.lora = lora
         super().__init__(settings, optimizer=optimizer, total_steps=total_steps, seed=seed, stability=stability)
 
-    def _build_chunks(self, config, seed: int) -> list:
+    def _build_chunks(self, config: Any, seed: int) -> list[Any]:
         chunks = super()._build_chunks(config, seed)
         if self.lora is not None:  # base frozen, adapters added, before DDP and the optimizer see the parameters
             attach_adapters(chunks, self.lora)
         return chunks
 
-    def model_sharded_state_dict(self) -> dict:
+    def model_sharded_state_dict(self) -> dict[str, Any]:
         """The base weights and, with LoRA, the adapters (`lora.adapter_sharded_state_dict`)."""
         state = super().model_sharded_state_dict()
         if self.lora is not None:

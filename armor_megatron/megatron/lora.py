@@ -88,7 +88,7 @@ class LoRASettings:
     targets: tuple[str, ...] = TARGETS
     seed: int = 1234
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         unknown = [t for t in self.targets if t not in TARGETS]
         if self.rank < 1 or self.alpha <= 0 or not 0 <= self.dropout < 1 or unknown or not self.targets:
             raise LoRAError(
@@ -127,7 +127,7 @@ class LoRALinear(torch.nn.Module):
         in_local: int,
         tp_rank: int,
         tp_size: int,
-        tp_group,
+        tp_group: Any,
         settings: LoRASettings,
         dtype: torch.dtype,
         device: torch.device,
@@ -215,10 +215,10 @@ def attach_adapters(model_chunks: Sequence[torch.nn.Module], settings: LoRASetti
             # tensors of it); the actor adds the adapters, sharded right (`adapter_sharded_state_dict`)
             linear.sharded_state_dict = functools.partial(_base_sharded_state_dict, linear)
             # base checkpoints and HF directories hold no adapter: a load without them keeps them as they are
-            adapter.register_load_state_dict_pre_hook(_keep_missing_adapters)
+            adapter.register_load_state_dict_pre_hook(_keep_missing_adapters)  # type: ignore[no-untyped-call]
 
 
-def _targeted_linears(chunk, targets: Sequence[str]) -> Iterator[tuple[str, Any, int]]:
+def _targeted_linears(chunk: torch.nn.Module, targets: Sequence[str]) -> Iterator[tuple[str, Any, int]]:
     """(module path in the chunk, linear, global 0-based layer) of every targeted linear of ``chunk``."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -238,7 +238,7 @@ def _targeted_linears(chunk, targets: Sequence[str]) -> Iterator[tuple[str, Any,
             yield path, linear, layer.layer_number - 1
 
 
-def _adapter_for(linear, path: str, layer: int, settings: LoRASettings) -> LoRALinear:
+def _adapter_for(linear: Any, path: str, layer: int, settings: LoRASettings) -> LoRALinear:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
@@ -278,7 +278,9 @@ def _adapter_for(linear, path: str, layer: int, settings: LoRASettings) -> LoRAL
     )
 
 
-def _add_adapter_output(linear, args, kwargs, output):
+def _add_adapter_output(
+    linear: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: tuple[torch.Tensor, Any]
+) -> tuple[torch.Tensor, Any]:
     """Forward hook of an adapted linear: (y + s·(x·Aᵀ)·Bᵀ, bias) while its adapter is enabled."""
     adapter = getattr(linear, CHECKPOINT_KEY)
     if not adapter.enabled:
@@ -288,12 +290,14 @@ def _add_adapter_output(linear, args, kwargs, output):
     return out + adapter(x).to(out.dtype), bias
 
 
-def _base_sharded_state_dict(linear, prefix: str = "", *args, **kwargs) -> dict:
+def _base_sharded_state_dict(linear: Any, prefix: str = "", *args: Any, **kwargs: Any) -> dict[str, Any]:
     state = type(linear).sharded_state_dict(linear, prefix, *args, **kwargs)
     return {k: v for k, v in state.items() if not k.startswith(f"{prefix}{CHECKPOINT_KEY}.")}
 
 
-def _keep_missing_adapters(module, state_dict, prefix, *args, **kwargs) -> None:
+def _keep_missing_adapters(
+    module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any
+) -> None:
     for name, param in module.named_parameters():
         state_dict.setdefault(prefix + name, param)
 
@@ -315,7 +319,7 @@ def has_adapters(model_chunks: Sequence[torch.nn.Module]) -> bool:
 
 
 @contextlib.contextmanager
-def adapters_disabled(model_chunks: Sequence[torch.nn.Module]):
+def adapters_disabled(model_chunks: Sequence[torch.nn.Module]) -> Iterator[None]:
     """Inside the block every adapter is off: forwards compute the base model, π_ref."""
     adapters = [a for _, _, a in adapters_of(model_chunks)]
     states = [a.enabled for a in adapters]
@@ -341,17 +345,17 @@ def merge_adapters(model_chunks: Sequence[torch.nn.Module], generation: int) -> 
         adapter.reinit(generation)
 
 
-def _unwrapped(chunk) -> Any:
+def _unwrapped(chunk: Any) -> Any:
     """The GPTModel inside a (DDP-wrapped) chunk."""
     return getattr(chunk, "module", chunk)
 
 
 # ----------------------------------------------------------------------------- checkpoints and export
-def adapter_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: str = "") -> dict[str, dict]:
+def adapter_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: str = "") -> dict[str, dict[str, Any]]:
     """{"chunk<i>": {module key: ShardedTensor}} of the adapters (layers stacked on a leading axis, TP offsets)."""
     from megatron.core.utils import make_sharded_tensor_for_checkpoint, make_tp_sharded_tensor_for_checkpoint
 
-    out: dict[str, dict] = {f"chunk{i}": {} for i in range(len(model_chunks))}
+    out: dict[str, dict[str, Any]] = {f"chunk{i}": {} for i in range(len(model_chunks))}
     for chunk, path, adapter in adapters_of(model_chunks):
         layers = _unwrapped(model_chunks[chunk]).config.num_layers
         stacked = path.split(".", 3)
@@ -371,7 +375,7 @@ def adapter_sharded_state_dict(model_chunks: Sequence[torch.nn.Module], prefix: 
     return out
 
 
-def export_merges(chunk) -> tuple[set[str], dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
+def export_merges(chunk: Any) -> tuple[set[str], dict[str, Callable[[torch.Tensor], torch.Tensor]]]:
     """For the weight export of one chunk: the adapter parameter names to skip, and per adapted weight its merge.
 
     ``merge(shard)`` returns W_shard + s·B·A (this rank's shard, fp32 sum rounded to W's dtype), one
@@ -487,7 +491,7 @@ def save_peft_adapter(
         raise
 
 
-def export_chunks(model) -> list:
+def export_chunks(model: Any) -> list[Any]:
     """What the weight export reads of a model: its chunks, or a `LoRAReference`'s base views of the actor's."""
     return model.export_chunks if isinstance(model, LoRAReference) else model.model_chunks
 
@@ -503,7 +507,7 @@ class LoRAReference:
     actor's); ``export_chunks`` are what the weight export reads for the engines.
     """
 
-    def __init__(self, actor):
+    def __init__(self, actor: Any) -> None:
         if not has_adapters(actor.model_chunks):
             raise ValueError("LoRAReference needs an actor with adapters (attach_adapters)")
         self.actor, self.temperature = actor, actor.temperature  # log-probs at the actor's (the rollouts') temperature
@@ -518,9 +522,10 @@ class LoRAReference:
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
         """Log-probs log π_ref [N, L] of every token: the actor's forward with its adapters off, on every rank."""
         with adapters_disabled(self.actor.model_chunks):
-            return self.actor.compute_logprobs(input_ids, lengths)
+            logprobs: LogProbs = self.actor.compute_logprobs(input_ids, lengths)
+            return logprobs
 
-    def reset_from(self, actor) -> None:
+    def reset_from(self, actor: Any) -> None:
         """θ_ref ← θ: merge the adapters into the base, new adapters (A fresh, B = 0), fresh Adam state for them."""
         if actor is not self.actor:
             raise ValueError("a LoRA reference resets from its own actor")
@@ -528,16 +533,16 @@ class LoRAReference:
         merge_adapters(actor.model_chunks, generation=self._generation(actor))
         actor.restart_adapter_optimizer()
 
-    def _generation(self, actor) -> int:
+    def _generation(self, actor: Any) -> int:
         """A count that differs at each reset of a run, resumed ones included: the optimizer steps taken so far."""
         return int(actor.scheduler.num_steps) + 1
 
     def load_weights(self, path: str) -> None:
         """Nothing to load: the base is the actor's (``reference.init_from`` is refused with lora)."""
 
-    def sharded_state_dict(self) -> dict:
+    def sharded_state_dict(self) -> dict[str, Any]:
         """Empty: the base and the adapters are in the actor's checkpoint state."""
         return {}
 
-    def load_sharded_state_dict(self, loaded: dict) -> None:
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Nothing: see `sharded_state_dict`."""

@@ -82,8 +82,12 @@ class Actor(ModelChunks, Protocol):
         ...
 
 
-class Reference(ModelChunks, Protocol):
-    """The frozen reference policy π_ref of the mixed ratio and the anchors."""
+class Reference(Protocol):
+    """The frozen reference policy π_ref of the mixed ratio and the anchors.
+
+    The weight exporter reads it (its model chunks, or a LoRA reference's base views of the actor's:
+    `megatron.lora.export_chunks`), and the host offload moves whatever tensors it owns.
+    """
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> TokenLogProbs:
         """The log-probs log π_ref(token t | tokens < t) at the sampling temperature."""
@@ -147,6 +151,6 @@ class EngineFactory(Protocol):
 class WeightExporter(Protocol):
     """Exports a model's weights as HF-named tensors: a fresh read-once `CollectiveExport` per call."""
 
-    def __call__(self, model: ModelChunks) -> CollectiveExport:
+    def __call__(self, model: ModelChunks | Reference) -> CollectiveExport:
         """``model``'s export (the actor or the reference); every rank calls it and reads the result once."""
         ...
