@@ -58,8 +58,8 @@ class Span:
 class PartialResponse:
     """One response stopped before its end.
 
-    ``key``: the prompt's identity across steps (e.g. its dataset row); ``group``: the group it
-    belongs to; ``prompt_ids``: the prompt's tokens; ``token_ids`` / ``logprobs``: the tokens
+    ``key``: the response's identity across steps (e.g. its group and index in it); ``group``: the
+    group it belongs to; ``prompt_ids``: the prompt's tokens; ``token_ids`` / ``logprobs``: the tokens
     generated so far and the engine's log-prob of each (length T); ``spans``: the versions
     that generated them, consecutive, covering ``[0, T)``; ``max_new_tokens``: the limit of the
     whole response; ``reference``: π_ref's version for an anchor (None: an on-policy response).
@@ -171,6 +171,38 @@ class Finished:
     def token_versions(self) -> list[str]:
         """The version of each token (length T)."""
         return per_token_versions(self.spans)
+
+    @classmethod
+    def of(cls, sample: Sample) -> Finished:
+        """A response generated in one piece (one span, its ``weight_version``)."""
+        return cls(sample, (Span(sample.weight_version, 0, sample.num_tokens),) if sample.num_tokens else ())
+
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for a checkpoint (single-turn samples: no loss mask, no trajectory)."""
+        s = self.sample
+        return {
+            "prompt_index": s.prompt_index,
+            "token_ids": list(s.token_ids),
+            "text": s.text,
+            "logprobs": None if s.logprobs is None else list(s.logprobs),
+            "finish_reason": s.finish_reason,
+            "weight_version": s.weight_version,
+            "spans": [[x.version, x.start, x.end] for x in self.spans],
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Finished:
+        """The inverse of :meth:`to_state`."""
+        lps = state["logprobs"]
+        sample = Sample(
+            int(state["prompt_index"]),
+            tuple(int(t) for t in state["token_ids"]),
+            str(state["text"]),
+            None if lps is None else tuple(float(x) for x in lps),
+            str(state["finish_reason"]),
+            str(state["weight_version"]),
+        )
+        return cls(sample, tuple(Span(str(v), int(a), int(b)) for v, a, b in state["spans"]))
 
 
 @dataclasses.dataclass(frozen=True)

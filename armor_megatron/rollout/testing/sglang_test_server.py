@@ -301,7 +301,7 @@ class SGLangTestServer:
         class Handler(_Handler):
             owner = server
 
-        self._httpd = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._httpd = _Server((self.host, self.port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -928,6 +928,10 @@ ROUTES = {
     ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
     ("GET", "/test_double/distributed_updates"): lambda s, b: [[g, n] for g, n in s.distributed_updates],
 }
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 2048  # the listen backlog uvicorn gives SGLang (5 by default here: resets under load)
 
 
 class _Handler(BaseHTTPRequestHandler):
