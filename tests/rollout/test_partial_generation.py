@@ -3,11 +3,9 @@
 import pytest
 
 from armor_megatron.rollout.engine import SamplingParams
-from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.partial import PartialBuffer, Span
 from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator, percentile
 from armor_megatron.rollout.sglang.client import SGLangClient
-from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -16,11 +14,8 @@ GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 
 @pytest.fixture
-def server(tiny_ckpt):
-    path, _, _ = tiny_ckpt
-    engine = LocalEngine.from_pretrained(path, weight_version="step-0")
-    with SGLangTestServer(engine, model_path=path, seconds_per_token=0.05) as s:
-        yield s
+def server(decoding_double):
+    return decoding_double
 
 
 def _generator(server, max_versions=2):

@@ -53,8 +53,8 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   (``FINISH_ABORT.to_json``, schedule_batch.py:332-345); a request aborted before it ran
   gets ``message`` "Abort in waiting queue" and no tokens (tokenizer_manager.py:3596);
 * decoding takes time: with ``seconds_per_token`` > 0 every sequence of a request decodes one
-  token per ``seconds_per_token`` from the request's start, all of a request's sequences at once
-  (continuous batching), so a longer response answers later and an abort cuts it where decoding
+  token per ``seconds_per_token`` from the request's arrival (the double's own sampling time
+  counts toward it), all of a request's sequences at once (continuous batching), so a longer response answers later and an abort cuts it where decoding
   is. The double samples the whole response first and reveals its prefix with time, which gives
   the same tokens and log-probs as decoding one token at a time. A continuation is an ordinary
   request whose ``input_ids`` are the prompt followed by the partial output;
@@ -426,11 +426,12 @@ class SGLangTestServer:
             self._running += 1
             epoch = self._abort_epoch
             self._rids.update(dict.fromkeys(rids))
+            start = time.monotonic()  # the decode clock: the double's own sampling time counts toward it
         try:
             sampled = [
                 (s, len(p), sp) for p, (n, sp) in zip(prompts, checked) for s in self._sample(p, n, sp, return_logprob)
             ]
-            cut = self._decode_in_time(rids, [len(s.token_ids) for s, _, _ in sampled])
+            cut = self._decode_in_time(start, rids, [len(s.token_ids) for s, _, _ in sampled])
             outputs = []
             for rid, keep, (sample, prompt_len, sampling) in zip(rids, cut, sampled):
                 out = self._output(sample, prompt_len, sampling, return_logprob, rid=rid, keep=keep)
@@ -460,13 +461,12 @@ class SGLangTestServer:
             raise _bad_value("The specified rids length mismatch with the batch_size for batch processing.")
         return base if per == 1 else [f"{b}_{k}" for b in base for k in range(per)]
 
-    def _decode_in_time(self, rids: list[str], lengths: list[int]) -> list[int | None]:
+    def _decode_in_time(self, start: float, rids: list[str], lengths: list[int]) -> list[int | None]:
         """Wait while the sequences decode, ``seconds_per_token`` per token.
 
-        Returns, per sequence, None when it decoded to its end, else the number of tokens decoded
+        ``start``: when the request arrived. Returns, per sequence, None when it decoded to its end, else the number of tokens decoded
         when its abort arrived.
         """
-        start = time.monotonic()
         ends = dict(zip(rids, (start + n * self.seconds_per_token for n in lengths)))
         with self._cond:
             while True:

@@ -5,9 +5,7 @@ import time
 
 import pytest
 
-from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.sglang.client import SGLangClient, parse_output
-from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
 
 from .conftest import FAST_RETRY
@@ -18,12 +16,9 @@ GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "n": 1}
 
 
 @pytest.fixture
-def slow_server(tiny_ckpt):
-    """The double decoding one token per 100 ms: 12 tokens take 1.2 s, long enough to abort midway."""
-    path, _, _ = tiny_ckpt
-    engine = LocalEngine.from_pretrained(path, weight_version="v1")
-    with SGLangTestServer(engine, model_path=path, seconds_per_token=0.1) as s:
-        yield s
+def slow_server(decoding_double):
+    """12 tokens take 1.2 s: long enough to abort midway."""
+    return decoding_double
 
 
 def _in_thread(fn, *args, **kw):
