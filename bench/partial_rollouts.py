@@ -1,10 +1,10 @@
 """Rollout time of partial rollouts (over-provision, abort, continue) against waiting for every response.
 
 Setup: the SGLang test double (a tiny Qwen2 on CPU) with a per-token decode time
-(``--seconds-per-token``, default 20 ms), so a response's time is its length. Response lengths
+(``--seconds-per-token``, default 50 ms), so a response's time is its length. Response lengths
 are long-tailed: each response's natural length is drawn from a lognormal with median
 ``--median`` tokens and σ = 0.47 (p99/p50 = e^(2.326σ) ≈ 3 before truncation), truncated at
-the maximum length ``--max-len`` = 3 × median (truncated responses are included). The engine
+the maximum length 3 × median (truncated responses are included). The engine
 decodes every request at once (no batch-capacity limit: over-provisioning costs no speed
 here, which real engines with a KV-cache limit do not grant in full). Rewards are drawn per
 response from a per-prompt success rate (the same for both modes), so dynamic sampling drops
@@ -122,13 +122,13 @@ def run_partial(args, client, tokenizer, sampling, dynamic):
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=8, help="groups per step")
     parser.add_argument("--group", type=int, default=4, help="G")
-    parser.add_argument("--median", type=int, default=24, help="median natural response length (tokens)")
-    parser.add_argument("--seconds-per-token", type=float, default=0.02)
-    parser.add_argument("--over-provision", type=float, default=1.5)
-    parser.add_argument("--max-versions", type=int, default=2)
+    parser.add_argument("--median", type=int, default=16, help="median natural response length (tokens)")
+    parser.add_argument("--seconds-per-token", type=float, default=0.05)
+    parser.add_argument("--over-provision", type=float, default=2.0)
+    parser.add_argument("--max-versions", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     args.max_len = 3 * args.median
