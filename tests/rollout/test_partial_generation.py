@@ -76,3 +76,26 @@ def test_dynamic_sampling_filters_groups_as_they_finish_and_refills_at_once(serv
 
 def test_percentile_interpolates_like_numpy():
     assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and percentile([5.0], 0.99) == 5.0 and percentile([], 0.5) == 0
+
+
+def test_rule_drop_discards_a_response_at_the_limit_and_its_group_starts_it_over(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "6+6="))
+    client = SGLangClient(server.url, request_timeout=60)
+    gen = PartialGenerator(client, GREEDY, PartialBuffer(max_versions=2, on_stale="drop"), over_provision=2.0)
+    short = iter([GroupRequest(k, p, (2, 2)) for k in ("a", "b", "c")])
+    long = GroupRequest("long", p, (20, 20))
+    done, _ = gen.generate(iter([GroupRequest("a", p, (2, 2)), long]), target=1, version="step-0")
+    assert [r.key for r, _ in done] == ["a"] and len(gen.buffer) == 2
+    server.engine.weight_version = "step-1"
+    next(short)
+    done, metrics = gen.generate(short, target=1, version="step-1")  # the long responses span 2 versions now
+    assert metrics["partial/continued"] == 2 and len(gen.buffer) == 2  # aborted again, with no must_finish
+    server.engine.weight_version = "step-2"
+    done, metrics = gen.generate(iter(()), target=1, version="step-2")
+    assert [r.key for r, _ in done] == ["long"]
+    assert metrics["partial/dropped_stale"] == 2 and metrics["partial/wasted_tokens"] > 0
+    [[whole]] = server.engine.generate([list(p)], 1, _greedy(20))
+    for m in done[0][1]:
+        assert m.spans == (Span("step-2", 0, 20),) and m.sample.token_ids == whole.token_ids
+    gen.close()
