@@ -1,7 +1,9 @@
 """Over-provisioned group generation that stops at its target, aborts the rest and keeps their tokens.
 
-One :meth:`PartialGenerator.generate` call is one step's rollout against an SGLang server (or
-router) through :class:`~armor_megatron.rollout.sglang.client.SGLangClient`:
+One :meth:`PartialGenerator.generate` call is one step's rollout against SGLang servers through
+their :class:`~armor_megatron.rollout.sglang.client.SGLangClient` (requests spread over them in
+turn; an abort goes to the server that holds the request; a continuation, being token ids,
+may run on any of them):
 
 1. the responses left unfinished by earlier steps are continued first, from their token ids
    (:class:`~armor_megatron.rollout.partial.PartialBuffer`); groups completed after the last
@@ -62,7 +64,7 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 class PartialGenerator:
-    """Partial rollouts of groups over one SGLang endpoint; state: :meth:`state_dict`.
+    """Partial rollouts of groups over SGLang servers (``client``: one, or a list); state: :meth:`state_dict`.
 
     ``sampling``: SGLang ``sampling_params`` of every response (``n`` 1; ``max_new_tokens`` comes
     from each group's request); ``over_provision`` >= 1: groups in flight per group needed.
@@ -70,7 +72,7 @@ class PartialGenerator:
 
     def __init__(
         self,
-        client: SGLangClient,
+        client: SGLangClient | Sequence[SGLangClient],
         sampling: dict[str, Any],
         buffer: PartialBuffer,
         over_provision: float = 1.5,
@@ -79,7 +81,10 @@ class PartialGenerator:
     ):
         if over_provision < 1:
             raise ValueError(f"over_provision must be >= 1, got {over_provision}")
-        self.client, self.sampling, self.buffer = client, dict(sampling), buffer
+        self.clients = [client] if isinstance(client, SGLangClient) else list(client)
+        if not self.clients:
+            raise ValueError("PartialGenerator needs at least one SGLang client")
+        self.sampling, self.buffer = dict(sampling), buffer
         self.over_provision, self.timeout = over_provision, timeout
         self._groups: dict[str, _Group] = {}  # groups started and not yet handed out, by key
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="partial-rollout")
@@ -105,7 +110,7 @@ class PartialGenerator:
         accepted: list[tuple[GroupRequest, list[Finished]]] = []
         filtered = generated = 0
         finish_times: list[float] = []
-        running: dict[concurrent.futures.Future, tuple[str, int, PartialResponse | None, str]] = {}
+        running: dict[concurrent.futures.Future, tuple[str, int, PartialResponse | None, str, SGLangClient]] = {}
 
         def submit(group: _Group, k: int, partial: PartialResponse | None) -> None:
             self._serial += 1
@@ -115,8 +120,9 @@ class PartialGenerator:
             else:
                 ids, left = partial.continuation_ids(), partial.tokens_left
             params = {**self.sampling, "n": 1, "max_new_tokens": left}
-            future = self._pool.submit(self.client.generate, ids, params, True, self.timeout, rid)
-            running[future] = (group.request.key, k, partial, rid)
+            client = self.clients[self._serial % len(self.clients)]
+            future = self._pool.submit(client.generate, ids, params, True, self.timeout, rid)
+            running[future] = (group.request.key, k, partial, rid, client)
 
         def take_complete(key: str) -> None:
             nonlocal filtered
@@ -139,7 +145,7 @@ class PartialGenerator:
             submit(self._groups[key], k, cont.partial)
         for key in list(self._groups):  # a group whose unfinished responses were all dropped starts them over
             group = self._groups[key]
-            busy = {k for _, k, _, _ in (running[f] for f in running if running[f][0] == key)}
+            busy = {entry[1] for entry in running.values() if entry[0] == key}
             for k in range(len(group.request.max_new_tokens)):
                 if k not in group.done and k not in busy:
                     submit(group, k, None)
@@ -161,7 +167,7 @@ class PartialGenerator:
         while running:
             done, _ = concurrent.futures.wait(list(running), return_when=concurrent.futures.FIRST_COMPLETED)
             for future in done:
-                key, k, partial, rid = running.pop(future)
+                key, k, partial, _, _ = running.pop(future)
                 [out] = future.result()
                 more = parse_output(out, 0, True)
                 generated += more.num_tokens
@@ -188,9 +194,9 @@ class PartialGenerator:
             if len(accepted) >= target and not aborting:
                 aborting = True
                 keep = {key for key, g in self._groups.items() if g.must_finish}
-                for key, _, _, rid in list(running.values()):
+                for key, _, _, rid, client in list(running.values()):
                     if key not in keep:
-                        self.client.abort(rid)
+                        client.abort(rid)
             elif not aborting:
                 top_up()
 

@@ -3,9 +3,11 @@
 import pytest
 
 from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.partial import PartialBuffer, Span
 from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator, percentile
 from armor_megatron.rollout.sglang.client import SGLangClient
+from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
 
 pytestmark = pytest.mark.timeout(120)
@@ -99,3 +101,19 @@ def test_rule_drop_discards_a_response_at_the_limit_and_its_group_starts_it_over
     for m in done[0][1]:
         assert m.spans == (Span("step-2", 0, 20),) and m.sample.token_ids == whole.token_ids
     gen.close()
+
+
+def test_requests_spread_over_servers_and_each_abort_reaches_its_server(server, tiny_ckpt):
+    path, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "8+8="))
+    second = SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="step-0"), seconds_per_token=0.1)
+    with second:
+        clients = [SGLangClient(s.url, request_timeout=60) for s in (server, second)]
+        gen = PartialGenerator(clients, GREEDY, PartialBuffer(), over_provision=2.0)
+        supply = iter([GroupRequest("short", p, (2, 2)), GroupRequest("long", p, (20, 20))])
+        done, metrics = gen.generate(supply, target=1, version="step-0")
+        assert [r.key for r, _ in done] == ["short"] and metrics["partial/surplus_aborted"] == 2
+        assert server.requests["/generate"] == second.requests["/generate"] == 2
+        assert server.requests["/abort_request"] == second.requests["/abort_request"] == 1
+        assert len(gen.buffer) == 2 and gen.buffer.tokens < 40  # cut where decoding was, on both servers
+        gen.close()
