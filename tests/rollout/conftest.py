@@ -24,3 +24,15 @@ def tiny_ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("tiny") / "policy")
     cfg, tok = make_tiny_checkpoint(path, seed=0, sharpen=8.0)
     return path, cfg, tok
+
+
+@pytest.fixture
+def decoding_double(tiny_ckpt):
+    """The SGLang TEST DOUBLE on the tiny model, decoding one token per 100 ms (weight_version step-0)."""
+    from armor_megatron.rollout.local import LocalEngine
+    from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+
+    path, _, _ = tiny_ckpt
+    engine = LocalEngine.from_pretrained(path, weight_version="step-0")
+    with SGLangTestServer(engine, model_path=path, seconds_per_token=0.1) as server:
+        yield server

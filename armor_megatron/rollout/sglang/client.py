@@ -198,11 +198,15 @@ class SGLangClient:
         sampling_params: dict[str, Any] | list[dict[str, Any]],
         return_logprob: bool = True,
         timeout: float | None = None,
+        rid: str | None = None,
     ) -> list[dict[str, Any]]:
         """``POST /generate`` for one prompt; returns its raw outputs (dicts), retrying aborted ones.
 
         ``sampling_params``: one dict (its ``n`` samples), or a list of dicts, one per sample:
         then the prompt is sent as a batch of ``len(list)`` copies, each with its own params.
+        ``rid``: the request's id, which :meth:`abort` names (SGLang runs the copies of a batch as
+        ``<rid>_<i>``). A request with a ``rid`` is one the caller may abort: its aborted outputs
+        come back as they are (the tokens generated so far, finish reason ``abort``), not retried.
         """
         ids = [int(t) for t in input_ids]
         body: dict[str, Any] = {
@@ -212,10 +216,51 @@ class SGLangClient:
         }
         if return_logprob:
             body["logprob_start_len"] = -1
-        result = self.request("POST", "/generate", body, timeout=timeout, check=self._check_generate_reply)
+        if rid is not None:
+            body["rid"] = rid
+        check = self._check_reply_shape if rid is not None else self._check_generate_reply
+        result = self.request("POST", "/generate", body, timeout=timeout, check=check)
         return result if isinstance(result, list) else [result]
 
-    def _check_generate_reply(self, result: Any) -> None:
+    def generate_continuation(
+        self,
+        prompt_ids: Sequence[int],
+        partial_ids: Sequence[int],
+        sampling_params: dict[str, Any],
+        return_logprob: bool = True,
+        timeout: float | None = None,
+        rid: str | None = None,
+    ) -> list[dict[str, Any]]:
+        """Continue one aborted response: ``input_ids`` = prompt + its ``partial_ids``, as SGLang resumes.
+
+        ``sampling_params`` are the original request's (``n`` 1); its ``max_new_tokens`` is lowered
+        by ``len(partial_ids)`` so the whole response keeps the original limit. The outputs hold the
+        new tokens only (the caller joins them to ``partial_ids``).
+        """
+        if sampling_params.get("n", 1) != 1:
+            raise ValueError(f"a continuation continues one response, got n={sampling_params['n']}")
+        left = int(sampling_params.get("max_new_tokens", 128)) - len(partial_ids)
+        if left < 1:
+            raise ValueError(f"{len(partial_ids)} partial tokens leave nothing of max_new_tokens to continue")
+        params = {**sampling_params, "max_new_tokens": left}
+        ids = [*prompt_ids, *partial_ids]
+        return self.generate(ids, params, return_logprob=return_logprob, timeout=timeout, rid=rid)
+
+    def abort(self, rid: str = "", abort_all: bool = False, timeout: float | None = None) -> None:
+        """``POST /abort_request``: abort every request whose rid starts with ``rid`` (or all).
+
+        SGLang answers at once; each aborted request's ``/generate`` then answers with its tokens
+        so far. An empty ``rid`` without ``abort_all`` would abort nothing and is refused here.
+        """
+        if not rid and not abort_all:
+            raise ValueError("abort needs a rid or abort_all")
+        self.post("/abort_request", {"rid": rid, "abort_all": abort_all}, timeout=timeout)
+
+    def _check_reply_shape(self, result: Any) -> None:
+        """Retry an empty or truncated ``/generate`` body; refuse a body that is not outputs."""
+        self._check_generate_reply(result, retry_aborted=False)
+
+    def _check_generate_reply(self, result: Any, retry_aborted: bool = True) -> None:
         """Retry an empty or truncated ``/generate`` body and aborted outputs; refuse any other shape.
 
         ``result``: the decoded body (None when empty, the text when it is not JSON).
@@ -230,7 +275,7 @@ class SGLangClient:
                 f"SGLang server {self.url}/generate answered {excerpt(json.dumps(result), 80)}: "
                 "expected an output object or a list of them"
             )
-        for out in outputs:
+        for out in outputs if retry_aborted else ():
             reason = out.get("meta_info")
             reason = reason.get("finish_reason") if isinstance(reason, dict) else None
             if isinstance(reason, dict) and reason.get("type") == "abort":

@@ -44,6 +44,20 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   -> 400 ``{"error": "<text>"}``; prompt + ``max_new_tokens`` over the context length
   (``max_position_embeddings``) -> 400, as the tokenizer manager's length check does;
   ``sampling_params`` may be a list, one per prompt of a batch;
+* ``/abort_request`` {rid, abort_all}: answers 200 with an empty body (http_server.py:1721-1731);
+  the scheduler aborts every request whose rid *starts with* ``rid`` (scheduler.py:5688, 5800;
+  a batch sent with one rid string runs as ``<rid>_<i>``, io_struct.py:759-765) or all with
+  ``abort_all``; an unknown rid is ignored. The aborted request's ``/generate`` answers 200 with
+  the tokens generated so far (``output_ids``, their ``output_token_logprobs``) and
+  ``finish_reason`` {type: abort, message: "Aborted", status_code: null, err_type: null}
+  (``FINISH_ABORT.to_json``, schedule_batch.py:332-345); a request aborted before it ran
+  gets ``message`` "Abort in waiting queue" and no tokens (tokenizer_manager.py:3596);
+* decoding takes time: with ``seconds_per_token`` > 0 every sequence of a request decodes one
+  token per ``seconds_per_token`` from the request's arrival (the double's own sampling time
+  counts toward it), all of a request's sequences at once (continuous batching), so a longer response answers later and an abort cuts it where decoding
+  is. The double samples the whole response first and reveals its prefix with time, which gives
+  the same tokens and log-probs as decoding one token at a time. A continuation is an ordinary
+  request whose ``input_ids`` are the prompt followed by the partial output;
 * ``/pause_generation`` {mode}: ``abort`` (SGLang's default) aborts the requests in flight,
   ``retract`` and ``in_place`` keep them; new requests wait until ``/continue_generation``;
   ``/health_generate`` answers 503 while paused (SGLang: its probe generation cannot run and
@@ -226,14 +240,19 @@ class SGLangTestServer:
         deterministic: bool = False,
         original_logprobs: bool | None = None,
         health_generation: bool | None = None,
+        seconds_per_token: float = 0.0,
     ):
         """A server double in front of ``engine`` (not started: see :meth:`start`).
 
         ``deterministic``: as ``--enable-deterministic-inference`` (seeds honoured);
         ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``;
         ``health_generation``: ``/health`` generates a token; None reads
-        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (on unless "0"/"false").
+        ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (on unless "0"/"false");
+        ``seconds_per_token``: decode time of one token of a sequence (0: answers at once).
         """
+        if seconds_per_token < 0:
+            raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
+        self.seconds_per_token = seconds_per_token
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
         if health_generation is None:
@@ -266,6 +285,7 @@ class SGLangTestServer:
         self._ckpt_names: set[str] | None = None
         self._failures: dict[str, list[int]] = {}  # path -> [remaining, status]
         self._aborts = 0
+        self._rids: dict[str, float | None] = {}  # rid of every sequence decoding -> when it was aborted
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -285,7 +305,7 @@ class SGLangTestServer:
         class Handler(_Handler):
             owner = server
 
-        self._httpd = ThreadingHTTPServer((self.host, self.port), Handler)
+        self._httpd = _Server((self.host, self.port), Handler)
         self._httpd.daemon_threads = True
         self.port = self._httpd.server_address[1]
         self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -336,6 +356,11 @@ class SGLangTestServer:
         """Answer the next ``count`` requests to ``path`` with HTTP ``status``."""
         with self._cond:
             self._failures[path] = [count, status]
+
+    def decoding(self) -> list[str]:
+        """The rids of the sequences decoding now (not aborted)."""
+        with self._cond:
+            return [r for r, at in self._rids.items() if at is None]
 
     def inject_aborts(self, count: int) -> None:
         """The next ``count`` generations come back with finish_reason ``abort``."""
@@ -399,23 +424,82 @@ class SGLangTestServer:
             raise _bad_value("weights were released without --enable-weights-cpu-backup and not reloaded since")
         self._wait_until_serving()
         return_logprob = bool(body.get("return_logprob", False))
+        rids = self._rids_of(body.get("rid"), len(prompts), sum(n for n, _ in checked))
         with self._cond:
             self._fail_if_released("/generate")
             self._running += 1
             epoch = self._abort_epoch
+            self._rids.update(dict.fromkeys(rids))
+            start = time.monotonic()  # the decode clock: the double's own sampling time counts toward it
         try:
+            sampled = [
+                (s, len(p), sp) for p, (n, sp) in zip(prompts, checked) for s in self._sample(p, n, sp, return_logprob)
+            ]
+            cut = self._decode_in_time(start, rids, [len(s.token_ids) for s, _, _ in sampled])
             outputs = []
-            for prompt, (n, sampling) in zip(prompts, checked):
-                for sample in self._sample(prompt, n, sampling, return_logprob):
-                    outputs.append(self._output(sample, len(prompt), sampling, return_logprob))
+            for rid, keep, (sample, prompt_len, sampling) in zip(rids, cut, sampled):
+                out = self._output(sample, prompt_len, sampling, return_logprob, rid=rid, keep=keep)
+                outputs.append(out)
         finally:
             with self._cond:
                 self._running -= 1
                 aborted = epoch != self._abort_epoch
+                for rid in rids:
+                    self._rids.pop(rid, None)
         if aborted:  # an "abort" pause arrived while this request ran
             for out in outputs:
                 out["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue"}
         return outputs[0] if single and len(outputs) == 1 else outputs
+
+    @staticmethod
+    def _rids_of(rid: Any, batch: int, sequences: int) -> list[str]:
+        """One rid per output sequence, as SGLang's ``_normalize_rid`` names them (uuid hex when absent)."""
+        if rid is None:
+            return [os.urandom(16).hex() for _ in range(sequences)]
+        per = sequences // batch
+        if isinstance(rid, str):
+            base = [rid] if batch == 1 and per == 1 else [f"{rid}_{i}" for i in range(batch)]
+        elif isinstance(rid, list) and len(rid) == batch and all(isinstance(r, str) for r in rid):
+            base = rid
+        else:
+            raise _bad_value("The specified rids length mismatch with the batch_size for batch processing.")
+        return base if per == 1 else [f"{b}_{k}" for b in base for k in range(per)]
+
+    def _decode_in_time(self, start: float, rids: list[str], lengths: list[int]) -> list[int | None]:
+        """Wait while the sequences decode, ``seconds_per_token`` per token.
+
+        ``start``: when the request arrived. Returns, per sequence, None when it decoded to its end, else the number of tokens decoded
+        when its abort arrived.
+        """
+        ends = dict(zip(rids, (start + n * self.seconds_per_token for n in lengths)))
+        with self._cond:
+            while True:
+                now = time.monotonic()
+                pending = [r for r in rids if self._rids.get(r) is None and ends[r] > now]
+                if not pending or self._httpd is None:
+                    break
+                self._cond.wait(timeout=min(ends[r] for r in pending) - now)
+            aborted = {r: self._rids.get(r) for r in rids}
+        spt = self.seconds_per_token
+        return [
+            None if at is None or at >= ends[r] else (int((at - start) / spt) if spt > 0 else 0)
+            for r, at in aborted.items()
+        ]
+
+    def abort_request(self, body: Any) -> None:
+        """``POST /abort_request`` {rid, abort_all}: abort the sequences decoding whose rid starts with ``rid``."""
+        if not isinstance(body, dict):
+            raise _invalid_request("abort_request needs a JSON body")
+        rid, abort_all = body.get("rid") or "", bool(body.get("abort_all", False))
+        if not abort_all and not rid:  # tokenizer_manager.py:2243: ignored, not an error
+            return None
+        with self._cond:
+            now = time.monotonic()
+            for r, at in self._rids.items():
+                if at is None and (abort_all or r.startswith(rid)):
+                    self._rids[r] = now
+            self._cond.notify_all()
+        return None
 
     def _sampling(self, params: Any, prompt: list[int]) -> tuple[int, SamplingParams | None]:
         """``(n, SamplingParams | None)``; None for ``max_new_tokens`` 0. Refuses what SGLang refuses."""
@@ -505,13 +589,26 @@ class SGLangTestServer:
         raise _invalid_request("Either text or input_ids should be provided.")
 
     def _output(
-        self, sample: Sample, prompt_len: int, sampling: SamplingParams | None, return_logprob: bool
+        self,
+        sample: Sample,
+        prompt_len: int,
+        sampling: SamplingParams | None,
+        return_logprob: bool,
+        rid: str | None = None,
+        keep: int | None = None,
     ) -> dict[str, Any]:
+        """SGLang's output dict of ``sample``; ``keep``: aborted after that many tokens (None: not aborted)."""
         with self._cond:
             aborted = self._aborts > 0
             self._aborts -= aborted
         reason: dict[str, Any]
-        if aborted:
+        if keep is not None:
+            lps = None if sample.logprobs is None else sample.logprobs[:keep]
+            ids = sample.token_ids[:keep]
+            sample = dataclasses.replace(sample, token_ids=ids, logprobs=lps, text=self.engine._decode(ids))
+            message = "Aborted" if keep else "Abort in waiting queue"
+            reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+        elif aborted:
             reason = {"type": "abort", "message": "injected abort"}
         elif sample.finish_reason == "length":
             reason = {"type": "length", "length": sampling.max_new_tokens if sampling else 0}
@@ -525,7 +622,7 @@ class SGLangTestServer:
             )
             reason = {"type": "stop", "matched": matched}
         meta = {
-            "id": os.urandom(8).hex(),
+            "id": rid if rid is not None else os.urandom(8).hex(),
             "finish_reason": reason,
             "prompt_tokens": prompt_len,
             "completion_tokens": len(sample.token_ids),
@@ -827,7 +924,7 @@ ROUTES: dict[tuple[str, str], Callable[[SGLangTestServer, Any], Any]] = {
     ("POST", "/generate"): SGLangTestServer.generate,
     ("POST", "/flush_cache"): lambda s, b: "Cache flushed.",
     ("GET", "/flush_cache"): lambda s, b: "Cache flushed.",
-    ("POST", "/abort_request"): lambda s, b: None,
+    ("POST", "/abort_request"): SGLangTestServer.abort_request,
     ("POST", "/begin_weight_update"): SGLangTestServer.begin_weight_update,
     ("POST", "/end_weight_update"): SGLangTestServer.end_weight_update,
     ("POST", "/update_weights_from_disk"): SGLangTestServer.update_weights_from_disk,
@@ -843,6 +940,10 @@ ROUTES: dict[tuple[str, str], Callable[[SGLangTestServer, Any], Any]] = {
     ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
     ("GET", "/test_double/distributed_updates"): lambda s, b: [[g, n] for g, n in s.distributed_updates],
 }
+
+
+class _Server(ThreadingHTTPServer):
+    request_queue_size = 2048  # the listen backlog uvicorn gives SGLang (5 by default here: resets under load)
 
 
 class _Handler(BaseHTTPRequestHandler):

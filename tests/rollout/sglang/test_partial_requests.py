@@ -1,0 +1,90 @@
+"""Abort by request id and continuation from token ids, against the SGLang TEST DOUBLE with decode time."""
+
+import threading
+import time
+
+import pytest
+
+from armor_megatron.rollout.sglang.client import SGLangClient, parse_output
+from armor_megatron.rollout.testing.tiny_models import encode
+
+from .conftest import FAST_RETRY
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.double_only]
+
+GREEDY = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True, "n": 1}
+
+
+@pytest.fixture
+def slow_server(decoding_double):
+    """12 tokens take 1.2 s: long enough to abort midway."""
+    return decoding_double
+
+
+def _in_thread(fn, *args, **kw):
+    box = {}
+    thread = threading.Thread(target=lambda: box.setdefault("out", fn(*args, **kw)), daemon=True)
+    thread.start()
+    return thread, box
+
+
+def _wait_decoding(server, rid_prefix, count):
+    deadline = time.monotonic() + 30
+    while sum(r.startswith(rid_prefix) for r in server.decoding()) < count:
+        assert time.monotonic() < deadline, "the request never started decoding"
+        time.sleep(0.005)
+
+
+def test_abort_returns_tokens_so_far_and_continuation_completes_them(slow_server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(slow_server.url, retry=FAST_RETRY, request_timeout=60)
+    prompt = encode(tok, "1+2=")
+    [whole] = client.generate(prompt, GREEDY)  # uninterrupted, for reference
+    full = parse_output(whole, 0, True)
+    assert len(full.token_ids) == 12 and full.finish_reason == "length"
+
+    thread, box = _in_thread(client.generate, prompt, GREEDY, rid="req-a")
+    _wait_decoding(slow_server, "req-a", 1)
+    client.abort("req-a")
+    thread.join(30)
+    [out] = box["out"]
+    assert out["meta_info"]["id"] == "req-a"
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"  # returned as it is, not retried
+    part = parse_output(out, 0, True)
+    k = len(part.token_ids)
+    assert k < 12 and part.finish_reason == "abort"
+    assert part.token_ids == full.token_ids[:k] and part.logprobs == pytest.approx(full.logprobs[:k], abs=1e-5)
+    assert out["meta_info"]["completion_tokens"] == k
+    assert slow_server.requests["/generate"] == 2
+
+    [rest] = client.generate_continuation(prompt, part.token_ids, GREEDY, rid="req-a-cont")
+    cont = parse_output(rest, 0, True)
+    assert cont.finish_reason == "length" and rest["meta_info"]["prompt_tokens"] == len(prompt) + k
+    assert part.token_ids + cont.token_ids == full.token_ids
+    assert part.logprobs + cont.logprobs == pytest.approx(full.logprobs, abs=1e-4)
+
+
+def test_abort_matches_rids_by_prefix_and_leaves_the_others(slow_server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(slow_server.url, retry=FAST_RETRY, request_timeout=60)
+    short = {**GREEDY, "max_new_tokens": 6}
+    batch, batch_box = _in_thread(client.generate, encode(tok, "7"), [GREEDY, GREEDY], rid="grp1")
+    kept, kept_box = _in_thread(client.generate, encode(tok, "7"), short, rid="grp2")
+    _wait_decoding(slow_server, "grp1_", 2)  # a batch sent with one rid runs as <rid>_<i>
+    _wait_decoding(slow_server, "grp2", 1)
+    client.abort("grp1")
+    client.abort("no-such-request")  # ignored, as SGLang ignores an unknown rid
+    batch.join(30)
+    kept.join(30)
+    assert [o["meta_info"]["id"] for o in batch_box["out"]] == ["grp1_0", "grp1_1"]
+    assert all(o["meta_info"]["finish_reason"]["type"] == "abort" for o in batch_box["out"])
+    [other] = kept_box["out"]
+    assert other["meta_info"]["finish_reason"]["type"] == "length" and len(other["output_ids"]) == 6
+
+
+def test_abort_needs_a_rid_and_a_continuation_must_leave_room(slow_server):
+    client = SGLangClient(slow_server.url, retry=FAST_RETRY)
+    with pytest.raises(ValueError, match="rid or abort_all"):
+        client.abort("")
+    with pytest.raises(ValueError, match="nothing of max_new_tokens"):
+        client.generate_continuation([1], [2] * 12, GREEDY)

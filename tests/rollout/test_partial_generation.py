@@ -1,0 +1,119 @@
+"""The partial generator against the SGLang TEST DOUBLE with decode time: stop at the target, abort, continue."""
+
+import pytest
+
+from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.partial import PartialBuffer, Span
+from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator, percentile
+from armor_megatron.rollout.sglang.client import SGLangClient
+from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
+from armor_megatron.rollout.testing.tiny_models import encode
+
+pytestmark = pytest.mark.timeout(120)
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+
+
+@pytest.fixture
+def server(decoding_double):
+    return decoding_double
+
+
+def _generator(server, max_versions=2):
+    client = SGLangClient(server.url, request_timeout=60)
+    return PartialGenerator(client, GREEDY, PartialBuffer(max_versions=max_versions), over_provision=2.0)
+
+
+def test_surplus_is_aborted_kept_and_continued_to_the_uninterrupted_responses(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    prompts = {k: tuple(encode(tok, text)) for k, text in [("a", "1+1="), ("b", "2+2="), ("c", "3+3="), ("d", "4+4=")]}
+    lengths = {"a": (2, 3), "b": (3, 2), "c": (16, 16), "d": (16, 14)}
+    supply = iter([GroupRequest(k, prompts[k], lengths[k]) for k in "abcd"])
+    gen = _generator(server)
+    done, metrics = gen.generate(supply, target=2, version="step-0")
+    assert sorted(r.key for r, _ in done) == ["a", "b"]  # the short groups; c and d were aborted midway
+    assert metrics["partial/surplus_aborted"] == 4 and len(gen.buffer) == 4
+    assert metrics["partial/wasted_tokens"] == 0
+
+    state = gen.state_dict()  # a checkpoint here resumes exactly (the same continuations follow)
+    server.engine.weight_version = "step-1"  # an update between the steps
+    done, metrics = gen.generate(iter(()), target=2, version="step-1")
+    assert sorted(r.key for r, _ in done) == ["c", "d"]
+    assert metrics["partial/continued"] == 4 and metrics["partial/tokens_carried"] > 0
+    assert metrics["partial/versions_spanned_max"] == 2
+    for request, members in done:
+        for k, m in enumerate(members):
+            assert len(m.sample.token_ids) == request.max_new_tokens[k]
+            [[whole]] = server.engine.generate([list(request.prompt_ids)], 1, _greedy(request.max_new_tokens[k]))
+            assert m.sample.token_ids == whole.token_ids  # continued from token ids = generated in one go
+            assert m.spans[0].version == "step-0" and m.spans[-1] == Span(
+                "step-1", m.spans[-1].start, len(whole.token_ids)
+            )
+
+    resumed = _generator(server)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state
+    again, _ = resumed.generate(iter(()), target=2, version="step-1")
+    assert [(r, [m.sample.token_ids for m in ms]) for r, ms in sorted(again, key=lambda x: x[0].key)] == [
+        (r, [m.sample.token_ids for m in ms]) for r, ms in sorted(done, key=lambda x: x[0].key)
+    ]
+    gen.close()
+    resumed.close()
+
+
+def _greedy(n):
+    return SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def test_dynamic_sampling_filters_groups_as_they_finish_and_refills_at_once(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "5+5="))
+    supply = iter([GroupRequest("flat", p, (2, 2)), GroupRequest("x", p, (3, 3)), GroupRequest("y", p, (4, 4))])
+    gen = _generator(server)
+    done, metrics = gen.generate(supply, target=1, version="step-0", accept=lambda r, m: r.key != "flat")
+    assert [r.key for r, _ in done] == ["x"] and metrics["partial/filtered_groups"] == 1
+    gen.close()
+
+
+def test_percentile_interpolates_like_numpy():
+    assert percentile([1.0, 2.0, 3.0, 4.0], 0.5) == 2.5 and percentile([5.0], 0.99) == 5.0 and percentile([], 0.5) == 0
+
+
+def test_rule_drop_discards_a_response_at_the_limit_and_its_group_starts_it_over(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "6+6="))
+    client = SGLangClient(server.url, request_timeout=60)
+    gen = PartialGenerator(client, GREEDY, PartialBuffer(max_versions=2, on_stale="drop"), over_provision=2.0)
+    short = iter([GroupRequest(k, p, (2, 2)) for k in ("a", "b", "c")])
+    long = GroupRequest("long", p, (20, 20))
+    done, _ = gen.generate(iter([GroupRequest("a", p, (2, 2)), long]), target=1, version="step-0")
+    assert [r.key for r, _ in done] == ["a"] and len(gen.buffer) == 2
+    server.engine.weight_version = "step-1"
+    next(short)
+    done, metrics = gen.generate(short, target=1, version="step-1")  # the long responses span 2 versions now
+    assert metrics["partial/continued"] == 2 and len(gen.buffer) == 2  # aborted again, with no must_finish
+    server.engine.weight_version = "step-2"
+    done, metrics = gen.generate(iter(()), target=1, version="step-2")
+    assert [r.key for r, _ in done] == ["long"]
+    assert metrics["partial/dropped_stale"] == 2 and metrics["partial/wasted_tokens"] > 0
+    [[whole]] = server.engine.generate([list(p)], 1, _greedy(20))
+    for m in done[0][1]:
+        assert m.spans == (Span("step-2", 0, 20),) and m.sample.token_ids == whole.token_ids
+    gen.close()
+
+
+def test_requests_spread_over_servers_and_each_abort_reaches_its_server(server, tiny_ckpt):
+    path, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "8+8="))
+    second = SGLangTestServer(LocalEngine.from_pretrained(path, weight_version="step-0"), seconds_per_token=0.1)
+    with second:
+        clients = [SGLangClient(s.url, request_timeout=60) for s in (server, second)]
+        gen = PartialGenerator(clients, GREEDY, PartialBuffer(), over_provision=2.0)
+        supply = iter([GroupRequest("short", p, (2, 2)), GroupRequest("long", p, (20, 20))])
+        done, metrics = gen.generate(supply, target=1, version="step-0")
+        assert [r.key for r, _ in done] == ["short"] and metrics["partial/surplus_aborted"] == 2
+        assert server.requests["/generate"] == second.requests["/generate"] == 2
+        assert server.requests["/abort_request"] == second.requests["/abort_request"] == 1
+        assert len(gen.buffer) == 2 and gen.buffer.tokens < 40  # cut where decoding was, on both servers
+        gen.close()
