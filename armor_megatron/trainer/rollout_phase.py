@@ -49,6 +49,8 @@ from armor_megatron.data.batch import RolloutBatch
 from armor_megatron.data.prompts import PromptRow
 from armor_megatron.rewards import load_verifier, score_batch
 from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
+from armor_megatron.rollout.anchor.cache import AnchorCache
+from armor_megatron.rollout.anchor.sampler import AnchorResult
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
 from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping, truncation_metrics
 
@@ -60,7 +62,7 @@ class RolloutSettings:
     group_size: int
     sampling: SamplingParams
     estimator: str = "dapo"  # read by trainer.advantages
-    estimator_kwargs: dict = dataclasses.field(default_factory=dict)
+    estimator_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     verifier: str = "math"
     anchor_success_reward: float = 1.0  # an anchor's carried reward must reach it (positive anchors only)
     overlong_buffer: int | None = None  # tokens; None disables overlong shaping
@@ -68,11 +70,11 @@ class RolloutSettings:
     reward_workers: int | None = None
     timeout: float | None = None
     vocab_size: int | None = None  # the model's: every sample's token ids and log-probs are checked against it
-    sample_metrics: Callable[[list[dict]], dict] | None = None  # logging.sample_metrics, loaded
+    sample_metrics: Callable[[list[dict[str, Any]]], dict[str, float]] | None = None  # logging.sample_metrics, loaded
     environment: MultiTurnRollout | None = None  # rollout.environment: multi-turn rollouts with tools
 
 
-def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[tuple]:
+def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[tuple[Any, ...]]:
     """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
 
     So an anchor passes exactly the check its group is scored with
@@ -105,7 +107,7 @@ def collect_groups(
     encode: Callable[[Any], list[int]],
     engine: RolloutEngine,
     settings: RolloutSettings,
-    anchors=None,
+    anchors: AnchorCache | None = None,
     pad_id: int = 0,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, verify and group one batch of prompts; returns (batch of P·G rows, metrics).
@@ -122,16 +124,20 @@ def collect_groups(
         if anchors
         else None
     )
-    offered = [bool(a and a.found) for a in anchor_results] if anchor_results else [False] * len(rows)
     # Anchors were verified once, by the sampler: their rewards travel with them. One below the
     # success reward (a pooled anchor verified under another threshold) is dropped before the
     # on-policy samples are drawn, so its slot gets one more of them; it is never trained on.
-    found = [ok and a.reward >= settings.anchor_success_reward for a, ok in zip(anchor_results or [], offered)]
-    found += [False] * (len(rows) - len(found))
+    results: list[AnchorResult | None] = list(anchor_results) if anchor_results else [None] * len(rows)
+    offered = [a is not None and a.found for a in results]
+    kept = [
+        a if a is not None and a.found and a.reward is not None and a.reward >= settings.anchor_success_reward else None
+        for a in results
+    ]
+    found = [a is not None for a in kept]
     policy = _sample_on_policy(engine, prompt_ids, rows, found, G, settings)
 
-    anchor_samples = [a.anchor if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
-    anchor_scores = [a.reward if ok else None for a, ok in zip(anchor_results or [None] * len(rows), found)]
+    anchor_samples = [None if a is None else a.anchor for a in kept]
+    anchor_scores = [None if a is None else a.reward for a in kept]
     texts = [[s.text for s in group] for group in policy]
     trajectories = [[s.trajectory for s in group] for group in policy]  # multi-turn: what the verifier may see
     in_group = [_scores_groups(v) and a is not None for v, a in zip(verifiers, anchor_samples)]
@@ -212,7 +218,7 @@ def replace_stale_anchors(
     encode: Callable[[Any], list[int]],
     engine: RolloutEngine,
     settings: RolloutSettings,
-    anchors,
+    anchors: AnchorCache,
     pad_id: int = 0,
 ) -> tuple[RolloutBatch, int]:
     """Resample the anchors of ``batch`` an older reference produced.
@@ -243,8 +249,9 @@ def replace_stale_anchors(
     )
     missing = []
     for j, (i, result) in enumerate(zip(stale, fresh)):
-        if result.found and result.reward is not None and result.reward >= settings.anchor_success_reward:
-            samples[i], accuracy[i] = dataclasses.replace(result.anchor, prompt_index=i), float(result.reward)
+        anchor = result.anchor if result.found else None
+        if anchor is not None and result.reward is not None and result.reward >= settings.anchor_success_reward:
+            samples[i], accuracy[i] = dataclasses.replace(anchor, prompt_index=i), float(result.reward)
         else:
             missing.append(j)
     if missing:
@@ -322,7 +329,7 @@ def rows_as_samples(batch: RolloutBatch) -> tuple[list[list[int]], list[Sample]]
     return prompts, samples
 
 
-def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict:
+def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifiers: Sequence[str]) -> dict[str, float]:
     """``rollout/accuracy/<verifier>`` and ``rollout/score/<verifier>``.
 
     Share verified correct (score >= ``CORRECT_THRESHOLD``) and mean score of the on-policy responses
@@ -340,7 +347,14 @@ def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifie
     return out
 
 
-def _sample_on_policy(engine, prompt_ids, rows, found, G, settings) -> list[list[Sample]]:
+def _sample_on_policy(
+    engine: RolloutEngine,
+    prompt_ids: Sequence[Sequence[int]],
+    rows: Sequence[PromptRow],
+    found: Sequence[bool],
+    G: int,
+    settings: RolloutSettings,
+) -> list[list[Sample]]:
     """G−1 samples for prompts with an anchor and G for the rest (two requests at most)."""
     out: list[list[Sample] | None] = [None] * len(prompt_ids)
     for n in (G - 1, G):
@@ -361,8 +375,8 @@ def _scores_groups(verifier: str) -> bool:
 def _score(
     texts: list[list[str]],
     rows: Sequence[PromptRow],
-    verifiers,
-    workers,
+    verifiers: Sequence[str],
+    workers: int | None,
     trajectories: Sequence[Sequence[Any]] | None = None,
 ) -> tuple[list[list[float]], int]:
     """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
