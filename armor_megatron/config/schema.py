@@ -200,7 +200,8 @@ class EnvironmentConfig:
     max_total_tokens: int | None = checked(
         None,
         check=at_least_or_null(2),
-        help="prompt + model + environment tokens of one response at most; null: no limit besides max_response_len",
+        help="prompt + model + environment tokens of one response at most; null: the model's context "
+        "(max_position_embeddings), which also sizes a multi-turn row in --plan",
     )
     max_turn_tokens: int | None = checked(
         None,

@@ -300,6 +300,12 @@ def _check_rollout(cfg: RunConfig) -> None:
     if ro.engine == "local" and ro.sglang.urls:
         raise ConfigError("rollout.sglang.urls", "set, but rollout.engine is 'local'")
     env = ro.environment
+    if env.spec is not None and cfg.anchor.enabled and cfg.anchor.source == "swap":
+        raise ConfigError(
+            "anchor.source",
+            "'swap' with rollout.environment would swap π_ref's weights in and out of the policy engine at every "
+            "turn of the anchors' environment loop; use anchor.source: separate",
+        )
     if env.spec is not None and env.max_total_tokens is not None and env.max_total_tokens <= ro.max_prompt_len:
         raise ConfigError(
             "rollout.environment.max_total_tokens",

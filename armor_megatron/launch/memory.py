@@ -440,6 +440,8 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
     optimizer_bytes = 8 + (4 if e < 4 else 0)
     spec = "local" if cfg.model.spec == "local" or not on_gpu else "te"
     seq = cfg.rollout.max_prompt_len + cfg.rollout.max_response_len
+    if cfg.rollout.environment.spec is not None:  # a multi-turn row holds environment tokens too
+        seq = cfg.rollout.environment.max_total_tokens or arch.max_position_embeddings
     rows_per_step = cfg.rollout.prompts_per_step * cfg.rollout.group_size / train.mini_batches_per_step
     budget = train.max_tokens_per_micro_batch
     rows_per_microbatch = max(1, budget // seq) if budget else train.micro_batch_size

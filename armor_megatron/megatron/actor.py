@@ -112,6 +112,8 @@ class MegatronActor(TrainedModel):
         """After a reference reset put new adapters in place: Adam starts afresh for them, masters copied from them."""
         for opt in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
             opt.optimizer.state.clear()
+            for group in opt.optimizer.param_groups:  # fused Adams (TE, apex) count steps per group
+                group.pop("step", None)
         self.optimizer.reload_model_params()
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor, with_entropy: bool = False) -> LogProbs:

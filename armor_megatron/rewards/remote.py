@@ -130,7 +130,7 @@ class RemoteJudge:
             raise CallsInterrupted("reward calls were stopped (a preemption signal)")
         request = urllib.request.Request(s.url, data=body, headers=self._headers, method="POST")
         try:
-            with urllib.request.urlopen(request, timeout=s.timeout_s) as reply:
+            with _NO_REDIRECTS.open(request, timeout=s.timeout_s) as reply:
                 raw = reply.read()
         except urllib.error.HTTPError as err:
             detail = _first_line(err.read())
@@ -152,6 +152,16 @@ class RemoteJudge:
             if calls_interrupted():
                 raise CallsInterrupted("reward calls were stopped (a preemption signal)")
             time.sleep(min(left, 0.1))
+
+
+class _RefuseRedirects(urllib.request.HTTPRedirectHandler):
+    """A judge that redirects is refused (HTTP 3xx): the API key is never sent on to another URL."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+_NO_REDIRECTS = urllib.request.build_opener(_RefuseRedirects)
 
 
 def _parse(raw: bytes, n: int) -> list[RewardResult]:

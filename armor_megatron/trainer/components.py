@@ -15,6 +15,7 @@ from armor_megatron.algo.loss import POLICY_LOSSES
 from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
+from armor_megatron.config.validate import hf_config_of
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.trainer.collaborators import EngineFactory
@@ -97,11 +98,13 @@ def multi_turn_rollout(cfg: RunConfig, tokenizer: Any) -> MultiTurnRollout | Non
         return None
     if tokenizer is None:
         raise ValueError("rollout.environment needs the model's tokenizer to tokenise observations")
+    source = hf_config_of(cfg)  # unset, the total is bounded by the model's context
+    context = (source[0] if source else {}).get("max_position_embeddings")
     settings = EnvironmentSettings(
         spec=env.spec,
         max_turns=env.max_turns,
         tool_timeout_s=env.tool_timeout_s,
-        max_total_tokens=env.max_total_tokens,
+        max_total_tokens=env.max_total_tokens or (int(context) if context else None),
         max_turn_tokens=env.max_turn_tokens,
         stop=tuple(env.stop),
     )

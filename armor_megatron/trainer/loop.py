@@ -505,9 +505,10 @@ class ArmorTrainer:
                 batch, metrics = self._resample_stale_anchors(batch, metrics)
             metrics.update(check_lag(batch, self.step, self._ref_version() if self.anchors is not None else None))
         report.trains(pending)
-        if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps:
+        preempted = self._preemption is not None and self._preemption.requested()
+        if not self.cfg.rollout.overlap_forced_wait and self.step + 1 < self.cfg.train.steps and not preempted:
+            self._generation_beside_update = True  # before the thread starts: a signal from now on spares it
             self._start_pending(self.step + 1)
-            self._generation_beside_update = True
         return batch, metrics
 
     def _resample_stale_anchors(
@@ -565,7 +566,9 @@ class ArmorTrainer:
 
         After a preemption signal the generation gets ``reward.timeout_s`` (the bound of one
         verifier call) to finish, counted from the signal or from the join, whichever is later;
-        then its reward calls are stopped. None when they were: the loader goes back to where it
+        then its reward calls are stopped (an engine request in flight still ends within its own
+        timeout). Once the batch is in hand the reward calls are stopped too, so the step's
+        evaluation is skipped as it is without overlap. None when they were: the loader goes back to where it
         was before that generation drew its prompts, so a resumed run draws them again, from the
         updated weights (lag 0 where the uninterrupted run had 1; logged).
         """
@@ -586,11 +589,14 @@ class ArmorTrainer:
                 break
         self._generation_beside_update = False
         try:
-            return self._background.join()
+            pending = self._background.join()
         except CallsInterrupted:
             if self._loader_before_pending is not None:
                 self._prompts.load_state_dict(self._loader_before_pending)
             return None
+        if self._preemption is not None and self._preemption.requested():
+            interrupt_calls()  # the batch is in hand: what the step does after this (an evaluation) is skipped
+        return pending
 
     @collective
     def update(self, batch: dict[str, Any], timer: StepTimer) -> dict[str, Any]:

@@ -47,12 +47,21 @@ class Judge:
                 if reply == "exact":
                     scores = [float(i["response"] == i["ground_truth"]) for i in body["items"]]
                     reply = (200, {"scores": scores, "details": [{"seen": 1.0} for _ in scores]})
-                status, payload = reply
+                status, payload, *headers = reply
                 data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
                 self.send_response(status)
+                for name, value in (headers[0] if headers else {}).items():
+                    self.send_header(name, value)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.write(data)
+
+            def do_GET(self):  # noqa: N802 - what a client following a redirect of its POST sends
+                with judge.lock:
+                    judge.requests.append((dict(self.headers), None))
+                self.send_response(404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
 
             def log_message(self, *args):
                 pass
@@ -155,6 +164,15 @@ def test_a_refused_request_fails_at_once(judge):
     with pytest.raises(RemoteJudgeError, match=r"refused the request: HTTP 401: bad key$"):
         _score(j.url, retries=3)
     assert len(j.requests) == 1
+
+
+def test_a_redirecting_judge_is_refused_and_the_key_goes_nowhere_else(judge, monkeypatch):
+    elsewhere = judge("exact")
+    j = judge((302, b"moved", {"Location": elsewhere.url}))
+    monkeypatch.setenv("JUDGE_KEY", "s3cret")
+    with pytest.raises(RemoteJudgeError, match=r"refused the request: HTTP 302: moved$"):
+        _score(j.url, api_key_env="JUDGE_KEY", retries=3)
+    assert len(j.requests) == 1 and elsewhere.requests == []
 
 
 def test_batches_are_split_and_the_concurrency_limit_holds_over_all_calls(judge):

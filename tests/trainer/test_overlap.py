@@ -335,7 +335,8 @@ def _scoring(seconds):
 
 def test_after_a_preemption_signal_the_next_batch_finishes_within_the_grace_and_is_kept():
     """The signal leaves the generation beside the update alone (`ArmorTrainer._stop_reward_calls`);
-    the join waits for it, so the preemption checkpoint holds its batch."""
+    the join waits for it, so the preemption checkpoint holds its batch; with the batch in hand the
+    reward calls are stopped, so the step's evaluation is skipped as without overlap."""
     from armor_megatron.rewards.isolated import allow_calls, calls_interrupted
 
     trainer = _joining_trainer(_scoring(0.3), timeout_s=30.0)
@@ -343,6 +344,7 @@ def test_after_a_preemption_signal_the_next_batch_finishes_within_the_grace_and_
     assert not calls_interrupted()
     try:
         pending = ArmorTrainer._join_pending(trainer)
+        assert calls_interrupted()
     finally:
         allow_calls()
     assert pending is not None and pending.metrics == {"rollout/reward": 0.5}
