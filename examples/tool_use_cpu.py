@@ -3,8 +3,10 @@
     python examples/tool_use_cpu.py [--out outputs/tool_use] [key=value ...]
 
 1. warms a tiny Qwen2-style model up on the lookup task (``armor_megatron/tasks/tool_lookup.py``):
-   the answer is a secret value only the tool returns; half of the warm-up responses call the tool
-   (``#7>`` → ``=58`` → ``\\boxed{58}``), half answer at once with a wrong guess;
+   the answer is a secret digit only the tool returns; a quarter of the warm-up responses call the
+   tool and copy its result (``#7>`` → ``=5`` → ``\\boxed{5}``), the rest answer at once with a
+   wrong guess, so the warmed-up policy calls on about a third of its samples and RL must learn
+   to call always;
 2. ``armor-train`` with ``configs/tiny_tool_use.yaml``: multi-turn rollouts (the environment
    ``LookupTable``, tool results masked out of the loss), verified anchors from π_ref running the
    same loop, the mixed ratio;
@@ -12,14 +14,17 @@
    response, share calling with the prompt's key, share answering without a call), and the
    validation accuracy of the greedy policy.
 
-The last line is ``reward_start=… reward_end=… correct_call_start=… correct_call_end=… val_start=…
-val_end=… minutes=…`` (start: the mean of the first 3 steps, end: of the last 3).
+The last line is ``reward_start=… reward_end=… calls_start=… calls_end=… correct_call_start=…
+correct_call_end=… val_start=… val_end=… minutes=… cpu_minutes=…`` (start: the mean of the first 3
+steps, end: of the last 3; val: the first and last evaluation; minutes: wall clock; cpu_minutes:
+CPU time of the example and its trainer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -31,10 +36,16 @@ from armor_megatron.trainer.metrics_log import read_metrics
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "tiny_tool_use.yaml")
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the trainer)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="outputs/tool_use", help="working directory of the run")
-    parser.add_argument("--warmup-steps", type=int, default=400, help="supervised warm-up steps")
+    parser.add_argument("--warmup-steps", type=int, default=800, help="supervised warm-up steps")
     parser.add_argument("overrides", nargs="*", help="extra section.key=value overrides")
     args = parser.parse_args()
     started = time.time()
@@ -80,11 +91,14 @@ def main() -> int:
     print(
         f"reward_start={mean('rollout/on_policy_accuracy', first):.4f} "
         f"reward_end={mean('rollout/on_policy_accuracy', last):.4f} "
+        f"calls_start={mean('rollout/tool_calls', first):.4f} "
+        f"calls_end={mean('rollout/tool_calls', last):.4f} "
         f"correct_call_start={mean('rollout/tool_correct_share', first):.4f} "
         f"correct_call_end={mean('rollout/tool_correct_share', last):.4f} "
         f"val_start={records[evals[0]]['eval/lookup-val/avg@1']:.4f} "
         f"val_end={records[evals[-1]]['eval/lookup-val/avg@1']:.4f} "
         f"minutes={(time.time() - started) / 60:.2f}"
+        f" cpu_minutes={cpu_seconds() / 60:.2f}"
     )
     return 0
 

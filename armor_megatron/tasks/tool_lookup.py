@@ -1,16 +1,19 @@
 r"""A task a model can solve only through a tool: look a secret up, then answer with it.
 
-Prompt ``"k7?"``: the key 7; answer ``"58"``, a value drawn at random for each row, which nothing
-in the prompt or the weights can know. The environment (`LookupTable`, ``rollout.environment.spec:
+Prompt ``"k7?"``: the key 7; answer ``"5"``, a digit drawn at random for each row, independently
+of the key, which nothing in the prompt or the weights can know. The environment (`LookupTable`, ``rollout.environment.spec:
 armor_megatron.tasks.tool_lookup:LookupTable``) holds the row's entry::
 
     model:        #7>           a call (the turn ends at the stop string ">")
-    environment:  =58           the tool's result (tokenised once, never trained on)
-    model:        \boxed{58}    the answer, verified like any math answer
+    environment:  =5            the tool's result (tokenised once, never trained on)
+    model:        \boxed{5}     the answer, verified like any math answer
 
-A response that answers at once (``\boxed{...}``) guesses one of 90 values. The warm-up corpus
-(what the model "pretrained" on) holds both modes on fresh rows, ``tool_share`` of them calling the
-tool, so the warmed-up policy calls it part of the time and RL has a mode to prefer.
+A response that answers at once (``\boxed{...}``) guesses one of 10 digits: right 1 time in 10.
+The warm-up corpus (what the model "pretrained" on) holds both modes on fresh rows: a share
+``tool_share`` calls the tool and always copies its result, the rest answer at once with a wrong
+guess. So the warmed-up policy copies well and what RL has to learn is *whether to call*: the
+reward starts near ``tool_share + (1 - tool_share) / 10`` and every group that mixes the modes
+carries signal. The value is one symbol so that a 2-layer model learns the copy in warm-up.
 `tool_use` measures it (``logging.sample_metrics``): calls per response, the share of responses
 that call with the prompt's key, the share that answer without a call.
 """
@@ -48,7 +51,7 @@ def transcript(r: dict) -> str:
 
 
 def split_problems(
-    num_val: int, *, seed: int, max_operand: int = 0, num_train: int = 512, num_warmup: int = 2048, tool_share=0.5
+    num_val: int, *, seed: int, max_operand: int = 0, num_train: int = 512, num_warmup: int = 2048, tool_share=0.25
 ) -> tuple[list[dict], list[dict], list[dict]]:
     """(train, val, warm-up) rows with fresh random values; ``max_operand`` is unused (the tiny-run signature).
 
@@ -58,14 +61,14 @@ def split_problems(
     rng = random.Random(seed)
 
     def draw(n: int) -> list[dict]:
-        return [row(rng.randrange(10), rng.randrange(10, 100)) for _ in range(n)]
+        return [row(rng.randrange(10), rng.randrange(10)) for _ in range(n)]
 
     train, val, warmup = draw(num_train), draw(num_val), draw(num_warmup)
     for r in warmup:
         if rng.random() < tool_share:
             r["response"] = transcript(r)
         else:
-            guess = rng.choice([v for v in range(10, 100) if str(v) != r["answer"]])
+            guess = rng.choice([v for v in range(10) if str(v) != r["answer"]])
             r["response"] = f"{BOXED}{guess}}}"
     return train, val, warmup
 

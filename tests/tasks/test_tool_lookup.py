@@ -4,15 +4,17 @@ from armor_megatron.tasks.tool_lookup import LookupTable, build_tokenizer, split
 
 
 def test_the_table_answers_calls_and_ends_at_an_answer():
-    env = LookupTable({"prompt": "k7?", "answer": "58", "key": "7", "index": 0})
-    assert env.step("#7") == "=58 " and env.step("#3") == "=? " and env.step("\\boxed{58}") is None
+    env = LookupTable({"prompt": "k7?", "answer": "5", "key": "7", "index": 0})
+    assert env.step("#7") == "=5 " and env.step("#3") == "=? " and env.step("\\boxed{5}") is None
 
 
 def test_rows_and_the_warm_up_corpus():
     train, val, warmup = split_problems(8, seed=0, num_train=32, num_warmup=200, tool_share=0.5)
     assert (len(train), len(val), len(warmup)) == (32, 8, 200)
     for r in train + val:
-        assert r["prompt"] == f"k{r['key']}?" and 10 <= int(r["answer"]) < 100 and r["type"] == "math"
+        assert r["prompt"] == f"k{r['key']}?" and r["answer"] in set("0123456789") and r["type"] == "math"
+    same_key = [r["answer"] for r in warmup if r["key"] == "7"]
+    assert len(set(same_key)) > 5  # the value is drawn per row: the key does not give it away
     calls = [r for r in warmup if r["response"].startswith("#")]
     assert 60 < len(calls) < 140  # about half call the tool
     for r in warmup:  # a call's transcript answers right, a guess wrong
