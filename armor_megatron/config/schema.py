@@ -215,6 +215,30 @@ class EnvironmentConfig:
 
 
 @dataclasses.dataclass
+class PartialConfig:
+    """Partial rollouts (docs/partial_rollouts.md): over-provisioned groups, the surplus aborted at the target and continued next step."""
+
+    enabled: bool = checked(
+        False,
+        help="request more groups than a step needs, stop once enough are accepted (after dynamic sampling's "
+        "filter), abort the rest and continue their tokens first in the next step (engine sglang only)",
+    )
+    over_provision: float = checked(
+        1.5, check=at_least(1), help="groups kept in flight per group the step needs (ceil(target x this))"
+    )
+    max_versions: int = checked(
+        2,
+        check=at_least(2),
+        help="policy versions one response may span at most (1 would never continue an aborted response)",
+    )
+    stale: Literal["finish", "drop"] = checked(
+        "finish",
+        help="a response at its last allowed version: finish: generated to its end in that step; drop: aborted "
+        "like the rest and discarded (its tokens counted in partial/wasted_tokens) when it would span one too many",
+    )
+
+
+@dataclasses.dataclass
 class RolloutConfig:
     """How responses are sampled: batch shape, sampling parameters, lengths and the engine."""
 
@@ -258,6 +282,7 @@ class RolloutConfig:
     )
     sglang: SGLangConfig = dataclasses.field(default_factory=SGLangConfig)
     environment: EnvironmentConfig = dataclasses.field(default_factory=EnvironmentConfig)
+    partial: PartialConfig = dataclasses.field(default_factory=PartialConfig)
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ def validate_run_config(cfg: RunConfig) -> None:
     _check_token_budget(cfg)
     _check_rollout(cfg)
     _check_overlap(cfg)
+    _check_partial(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
@@ -350,6 +351,35 @@ def _check_overlap(cfg: RunConfig) -> None:
             )
     if unmet:
         raise ConfigError("rollout.overlap", "one_step needs " + "; ".join(unmet))
+
+
+def _check_partial(cfg: RunConfig) -> None:
+    """``rollout.partial``: the combinations the partial generator does not support yet, refused by key."""
+    ro = cfg.rollout
+    if not ro.partial.enabled:
+        return
+    if ro.engine != "sglang":
+        raise ConfigError(
+            "rollout.partial.enabled",
+            f"needs rollout.engine sglang (the {ro.engine!r} engine cannot abort a request and keep its tokens)",
+        )
+    if ro.environment.spec is not None:
+        raise ConfigError(
+            "rollout.partial.enabled",
+            "not supported with rollout.environment (multi-turn responses are not aborted and continued yet)",
+        )
+    if ro.overlap != "off":
+        raise ConfigError(
+            "rollout.partial.enabled",
+            f"not supported with rollout.overlap {ro.overlap!r} (requests in flight across the update are not "
+            "kept yet); set rollout.overlap=off",
+        )
+    if cfg.anchor.enabled:
+        raise ConfigError(
+            "rollout.partial.enabled",
+            "not supported with anchor.enabled (the partial generator samples on-policy groups only; anchors "
+            "are not continued across steps yet); set anchor.enabled=false",
+        )
 
 
 def registered_variant(section_key: str, section: Any, key: str, registry: Registry) -> RegistryEntry:

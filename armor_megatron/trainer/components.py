@@ -18,6 +18,8 @@ from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
 from armor_megatron.config.validate import hf_config_of
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
+from armor_megatron.rollout.partial import PartialBuffer
+from armor_megatron.rollout.partial_generation import PartialGenerator
 from armor_megatron.trainer.collaborators import EngineFactory
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
@@ -31,6 +33,25 @@ def loss_config(cfg: RunConfig) -> PolicyLossConfig:
 def value_loss_config(cfg: RunConfig) -> ValueLossConfig:
     """The critic's loss: its value clip, aggregated like the policy loss."""
     return ValueLossConfig(clip_eps=cfg.critic.clip_eps, loss_agg=cfg.algorithm.loss_agg)
+
+
+def partial_generator(cfg: RunConfig, engine: RolloutEngine, sampling: SamplingParams) -> PartialGenerator:
+    """``rollout.partial``'s generator over the policy engine's SGLang servers (each request to one server, by rid)."""
+    from armor_megatron.rollout.sglang.engine import SGLangEngine, sglang_sampling_params
+
+    if not isinstance(engine, SGLangEngine):
+        raise TypeError(f"rollout.partial needs SGLang engines, got {type(engine).__name__}")
+    params = sglang_sampling_params(sampling, 1)
+    if not isinstance(params, dict):  # no seed was asked for: one dict
+        raise TypeError("per-sample sampling params for partial rollouts")
+    part = cfg.rollout.partial
+    return PartialGenerator(
+        engine.workers,
+        params,
+        PartialBuffer(part.max_versions, part.stale),
+        over_provision=part.over_provision,
+        timeout=cfg.rollout.sglang.request_timeout_s,
+    )
 
 
 def reset_schedule(cfg: RunConfig) -> ResetSchedule:

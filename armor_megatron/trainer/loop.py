@@ -59,6 +59,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -69,6 +71,7 @@ import torch
 import torch.distributed as dist
 
 from armor_megatron.algo import DynamicSampler, ResetSchedule, explained_variance
+from armor_megatron.algo.dynamic_sampling import dynamic_sampling_keep
 from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.data.batch import RolloutBatch
@@ -84,6 +87,8 @@ from armor_megatron.rewards.isolated import CallsInterrupted, allow_calls, calls
 from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps_host_weights
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine, WeightSource
+from armor_megatron.rollout.partial import Finished, PartialStateError
+from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collaborators import (
@@ -111,8 +116,10 @@ from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import (
     anchor_truths,
+    check_spans,
     collect_groups,
     replace_stale_anchors,
+    score_group,
     stale_anchor_rows,
 )
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
@@ -200,6 +207,12 @@ class ArmorTrainer:
         self._background = BackgroundRollout()
         self._pending: PendingBatch | None = None
         self._generation_beside_update = False  # the next step's batch is generating while this step trains
+        # rollout.partial (driver): the generator (built with the engines), a checkpoint's state for it,
+        # the rows drawn from the loader and not yet requested, and a running count naming each group
+        self._partial: PartialGenerator | None = None
+        self._partial_state: dict[str, Any] | None = None
+        self._partial_queue: list[int] = []
+        self._partial_draws = 0
         self._preemption: PreemptionHandler | None = None
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
@@ -356,6 +369,7 @@ class ArmorTrainer:
             "last_train_accuracy": self.last_train_accuracy,
             "pending_batch": pending,
             "step_record": self._step_record,
+            "partial_rollouts": self._partial_rollout_state(),
         }
 
     def load_trainer_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
@@ -372,6 +386,17 @@ class ArmorTrainer:
             self._anchor_state = state["anchor_cache"]
             self._pending = load_pending(state["pending_batch"])
             self._step_record = state["step_record"]
+            partial = state["partial_rollouts"]
+            if partial is not None and not self.cfg.rollout.partial.enabled:
+                raise PartialStateError(
+                    f"{source} holds partial rollouts in progress, but rollout.partial.enabled is false"
+                )
+            self._partial_state = None if partial is None else partial["generator"]
+            self._partial_queue = [] if partial is None else [int(i) for i in partial["queue"]]
+            self._partial_draws = 0 if partial is None else int(partial["draws"])
+            if self._partial is not None and self._partial_state is not None:  # a generator already running
+                self._partial.load_state_dict(self._partial_state)
+                self._partial_state = None
 
     def reference_replaced(self) -> None:
         """π_ref was loaded from elsewhere (recovery mode) after the state was restored.
@@ -407,6 +432,9 @@ class ArmorTrainer:
             self.anchors.wait()  # a pre-generation still running would race the reseed below
         self._reseed_engines(step)
         ds = cfg.algorithm.dynamic_sampling
+        if cfg.rollout.partial.enabled:
+            with timer.phase("rollout"):
+                return self._partial_rollout(step)
         with timer.phase("rollout"):
             if not ds.enabled:
                 batch, metrics = one_round()
@@ -427,6 +455,69 @@ class ArmorTrainer:
         metrics = _merge_rounds(rounds)
         metrics.update(sampler.stats())
         return self._with_advantages(sampler.take(allow_partial=True), metrics)
+
+    def _partial_rollout(self, step: int) -> tuple[RolloutBatch | None, dict[str, Any]]:
+        """Driver: the step's groups from the partial generator (`rollout.partial_generation`).
+
+        The responses the last step left unfinished are continued first; new groups come from
+        the loader, ``ceil(P · over_provision)`` in flight; with dynamic sampling each group is
+        scored as it completes and kept when its accuracies differ (at most
+        ``P · over_provision · (1 + max_oversample_rounds)`` new groups per step, as many as the
+        rounds would draw); once P are kept the rest are aborted and buffered. The kept groups
+        are then scored (once) and assembled by `collect_groups`, their per-token versions checked.
+        """
+        cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
+        engine, part, ds = self._engine, cfg.rollout.partial, cfg.algorithm.dynamic_sampling
+        if self._partial is None:
+            self._partial = components.partial_generator(cfg, engine, self.sampling)
+            if self._partial_state is not None:
+                self._partial.load_state_dict(self._partial_state)
+                self._partial_state = None
+        max_new = (int(self.sampling.max_new_tokens),) * G
+
+        def supply() -> Iterator[GroupRequest]:
+            while True:
+                if not self._partial_queue:
+                    self._partial_queue = [r.index for r in self._prompts.next_batch()]
+                index = self._partial_queue.pop(0)
+                self._partial_draws += 1
+                prompt = tuple(self.encode(self._rows_by_index[index].prompt))
+                yield GroupRequest(f"{index}:{self._partial_draws}", prompt, max_new)
+
+        scored: dict[str, tuple[list[float], int]] = {}
+
+        def accept(request: GroupRequest, members: list[Finished]) -> bool:
+            row = self._rows_by_index[int(request.key.split(":")[0])]
+            scored[request.key] = score_group(row, [m.sample for m in members], self.settings)
+            return bool(dynamic_sampling_keep(torch.tensor([scored[request.key][0]]))[0])
+
+        new_groups = math.ceil(P * part.over_provision) * (1 + ds.max_oversample_rounds) if ds.enabled else None
+        accepted, metrics = self._partial.generate(
+            itertools.islice(supply(), new_groups), P, engine.weight_version, accept if ds.enabled else None
+        )
+        if not accepted:
+            return None, metrics
+        metrics.update(check_spans([m.spans for _, ms in accepted for m in ms], step, part.max_versions))
+        rows = [self._rows_by_index[int(r.key.split(":")[0])] for r, _ in accepted]
+        batch, round_metrics = collect_groups(
+            rows,
+            self.encode,
+            engine,
+            self.settings,
+            pad_id=self.tokenizer.pad_token_id or 0,
+            generated=[[m.sample for m in ms] for _, ms in accepted],
+            group_scores=([scored[r.key][0] for r, _ in accepted], sum(t for _, t in scored.values()))
+            if ds.enabled
+            else None,
+        )
+        return self._with_advantages(batch, {**round_metrics, **metrics})
+
+    def _partial_rollout_state(self) -> dict[str, Any] | None:
+        """``rollout.partial``'s state for the checkpoint: the generator's, the rows drawn and not requested."""
+        if not self.cfg.rollout.partial.enabled:
+            return None
+        generator = self._partial.state_dict() if self._partial is not None else self._partial_state
+        return {"generator": generator, "queue": list(self._partial_queue), "draws": self._partial_draws}
 
     def _reseed_engines(self, step: int, salt: int = 0) -> None:
         """Seed both engines from the step, so a resumed run samples what the uninterrupted one did.

@@ -11,6 +11,8 @@ Versions:
    ``last_train_accuracy`` always there; ``reset_schedule``, ``anchor_cache``,
    ``pending_batch`` and ``step_record`` only in checkpoints written once they existed.
 2. ``format_version``, and every key present (None where there is nothing to restore).
+3. ``partial_rollouts``: ``rollout.partial``'s generator state (buffered responses, groups in
+   progress), the rows drawn and not yet requested, the groups named so far; None when off.
 
 A change to the state's keys or their meaning is a new version here and a migration from the one
 before, with a checkpoint of the previous version under ``tests/trainer/data/`` that a test resumes.
@@ -23,7 +25,7 @@ from typing import Any
 
 from armor_megatron.errors import UserInputError
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 KEY = "format_version"
 
 
@@ -37,8 +39,13 @@ def _v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
     return {**{key: None for key in optional}, **state}
 
 
+def _v2_to_v3(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 2 -> 3: no partial rollouts in progress."""
+    return {"partial_rollouts": None, **state}
+
+
 # version n -> the function that turns a version-n state into a version n+1 state
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3}
 
 
 def versioned(state: dict[str, Any]) -> dict[str, Any]:

@@ -387,3 +387,24 @@ def test_a_verifier_naming_trajectory_sees_each_multi_turn_response_and_anchor_c
     assert TRAJECTORIES and all(t is not None for t in TRAJECTORIES)  # anchor candidates' too
     assert bool(batch["is_anchor"].any())  # candidates the verifier accepted on their trajectories
     assert batch["accuracy"].tolist() == [1.0] * len(batch)
+
+
+def test_check_spans_refuses_responses_past_the_staleness_limit_in_one_line():
+    from armor_megatron.rollout.partial import Span
+    from armor_megatron.trainer.overlap import LaggingBatchError
+    from armor_megatron.trainer.rollout_phase import check_spans
+
+    two = [Span("step-1", 0, 3), Span("step-2", 3, 5)]
+    one = [Span("step-2", 0, 4)]
+    assert check_spans([two, one], trainer_step=2, max_versions=2) == {
+        "rollout/versions_spanned_max": 2.0,
+        "rollout/versions_spanned_mean": 1.5,
+    }
+    with pytest.raises(LaggingBatchError, match=r"^step 3's response 0 holds tokens of weight_version 'step-1', 1 upd"):
+        check_spans([two], trainer_step=2, max_versions=1)
+    three = [Span("step-1", 0, 1), Span("step-2", 1, 2), Span("step-3", 2, 3)]
+    assert check_spans([three], trainer_step=3, max_versions=3)["rollout/versions_spanned_max"] == 3.0
+    with pytest.raises(LaggingBatchError, match="'step-1', 2 updates behind .*; rollout.partial.max_versions=2$"):
+        check_spans([three], trainer_step=3, max_versions=2)  # three versions: the oldest is too old
+    with pytest.raises(LaggingBatchError, match="weight_version 'start', from weights of no step"):
+        check_spans([[Span("start", 0, 2)]], trainer_step=0, max_versions=2)

@@ -26,7 +26,11 @@ def test_a_version_1_state_gains_its_version_and_the_keys_it_may_lack():
         "anchor_cache": None,
         "pending_batch": None,
         "step_record": None,
+        "partial_rollouts": None,
     }
+    v2 = {**V1_REQUIRED, "format_version": 2, "reset_schedule": None, "anchor_cache": None}
+    v2 |= {"pending_batch": None, "step_record": None}
+    assert migrated(v2) == {**v2, "format_version": FORMAT_VERSION, "partial_rollouts": None}  # version 2 -> 3
     kept = {**V1_REQUIRED, "step_record": {"step": 3, "metrics": {}}}
     assert migrated(kept)["step_record"] == {"step": 3, "metrics": {}}
     current = migrated(kept)

@@ -1031,6 +1031,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--enable-deterministic-inference", action="store_true")
+    parser.add_argument("--seconds-per-token", type=float, default=0.0, help="the double's decode time per token")
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
@@ -1043,6 +1044,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         model_path=args.model_path,
         weights_cpu_backup=args.enable_weights_cpu_backup,
         deterministic=args.enable_deterministic_inference,
+        seconds_per_token=args.seconds_per_token,
     ).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
