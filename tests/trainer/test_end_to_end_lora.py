@@ -1,13 +1,12 @@
 """A LoRA ARMOR run through ``armor-train`` on the tiny model (TP=2, gloo, the local engine): only the
 adapters train, the reference is the actor's base (adapters off) and its resets merge the adapters,
 the engine samples with the merged weights, and a run killed with ``kill -9`` resumes to the same
-metrics as the run that was never stopped; and 80 steps of 256 samples raise the reward, as full fine-tuning's
-run in tests/trainer/test_overlap_end_to_end.py does (the sweep behind the settings: docs/lora.md)."""
+metrics as the run that was never stopped. (Whether 80 steps raise the reward is measured, not tested: the
+runs are in docs/lora.md.)"""
 
 import pytest
 
 from tests.trainer.test_end_to_end import _args, _kill_9_at_checkpoint, _train, _train_cli
-from tests.trainer.test_overlap_end_to_end import ONE_STEP
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -43,26 +42,3 @@ def test_a_lora_run_trains_resets_by_merging_and_resumes_bit_exact_after_kill_9(
         for key in ("rollout/accuracy", "train/loss", "train/grad_norm", "train/approx_kl_ref"):
             assert resumed[step][key] == straight[step][key], (step, key)
     assert resumed[6]["eval/val/pass@1"] == straight[6]["eval/val/pass@1"]
-
-
-@pytest.mark.timeout(1500)
-def test_a_tiny_lora_run_learns(tiny, tmp_path):
-    metrics = _train(
-        tiny,
-        tmp_path,
-        *ONE_STEP,
-        "lora.enabled=true",
-        "lora.rank=8",
-        "lora.alpha=16",
-        "optimizer.lr=5e-4",  # on this 64-wide model A is large (U(±1/8)): 5e-3 and up no longer learn
-        "train.steps=80",
-        "rollout.prompts_per_step=32",
-        "rollout.group_size=8",
-        "train.micro_batch_size=32",
-        "eval.every_steps=0",
-        "checkpoint.every_steps=0",
-        timeout=1500,
-    )
-    reward = [metrics[step]["rollout/reward"] for step in range(1, 81)]
-    # 256 samples a step at a success rate near 0.07: a 10-step mean has a standard error near 0.005
-    assert sum(reward[-10:]) / 10 > sum(reward[:10]) / 10 + 0.01, reward
