@@ -450,7 +450,8 @@ def _score(
         )
         for (p, _, _), result in zip(todo, results):
             scores[p].append(result.score)
-            timeouts += bool(result.breakdown.get("timed_out"))
+        # a group or batch call that timed out gives each of its responses the same result: one call
+        timeouts += len({id(r) for r in results if r.breakdown.get("timed_out")})
     return scores, timeouts
 
 

@@ -408,3 +408,17 @@ def test_check_spans_refuses_responses_past_the_staleness_limit_in_one_line():
         check_spans([three], trainer_step=3, max_versions=2)  # three versions: the oldest is too old
     with pytest.raises(LaggingBatchError, match="weight_version 'start', from weights of no step"):
         check_spans([[Span("start", 0, 2)]], trainer_step=0, max_versions=2)
+
+
+def _timed_out_group(responses, ground_truth):
+    """A group verifier whose call timed out: what the worker pool answers, one result for the whole call."""
+    return RewardResult(0.0, {"timed_out": 1.0})
+
+
+def test_a_timed_out_group_call_counts_one_timeout_not_one_per_response(setup):
+    from armor_megatron.trainer.rollout_phase import _score
+
+    _, _, _, rows = setup
+    with registered(test_timed_out_group=_timed_out_group):
+        scores, timeouts = _score([["a", "b", "c"], ["d", "e"]], rows[:2], ["test_timed_out_group"] * 2, None)
+    assert scores == [[0.0, 0.0, 0.0], [0.0, 0.0]] and timeouts == 2
