@@ -3,15 +3,17 @@ from the same things is not run again, and a study directory refuses runs of ano
 
 import json
 import sys
+import time
 
 import pytest
 
 from armor_megatron.study.noisy import _check_commit, provenance
-from armor_megatron.study.runner import _run_all
+from armor_megatron.study.runner import _run_all, _utc
 
 
 def test_markers_record_provenance_and_a_finished_run_is_skipped(tmp_path):
     code = provenance()
+    before = _utc(time.time() // 1)
     assert set(code) == {"commit", "dirty"} and len(code["commit"]) == 40 and isinstance(code["dirty"], bool)
     flag = tmp_path / "ran"
     cmd = [sys.executable, "-c", f"open({str(flag)!r}, 'a').write('x')"]
@@ -22,7 +24,8 @@ def test_markers_record_provenance_and_a_finished_run_is_skipped(tmp_path):
     marker = json.loads((tmp_path / "logs" / "dapo-s101.done").read_text())
     assert marker["command"] == cmd and marker["models"] == {"101": "m"}
     assert marker["provenance"]["commit"] == code["commit"] and marker["provenance"]["started"].endswith("Z")
-    assert marker["provenance"]["ended"] >= marker["provenance"]["started"]
+    # UTC times of this test's own run (the strings order as the times do)
+    assert before <= marker["provenance"]["started"] <= marker["provenance"]["ended"] <= _utc(time.time())
 
 
 def test_runs_of_another_commit_are_refused_unless_mixing_is_allowed(tmp_path):
