@@ -318,8 +318,10 @@ class OneToolCall:
         return " ok" if self.turns == 1 else None
 
 
-def test_multi_turn_groups_mask_environment_tokens_and_count_model_tokens(setup):
-    tok, policy, sampler, rows = setup
+def _multi_turn(setup, verifier, **settings):
+    """Rollout settings with the OneToolCall environment (8 model tokens at most, 2 a turn), and an
+    anchor cache whose π_ref runs the same environment loop."""
+    tok, _, sampler, _ = setup
     env = MultiTurnRollout(
         EnvironmentSettings(spec="tests:OneToolCall", max_turn_tokens=2), lambda t: encode(tok, t), OneToolCall
     )
@@ -327,11 +329,15 @@ def test_multi_turn_groups_mask_environment_tokens_and_count_model_tokens(setup)
     multi_sampler = AnchorSampler(
         sampler.source, anchor_reward, dataclasses.replace(sampler.config, sampling=sampling), env.anchor_rollout
     )
-    settings = RolloutSettings(
-        group_size=G, sampling=sampling, verifier="test_starts_with", overlong_buffer=4, environment=env
-    )
+    rollout = RolloutSettings(group_size=G, sampling=sampling, verifier=verifier, environment=env, **settings)
+    return rollout, AnchorCache(multi_sampler)
+
+
+def test_multi_turn_groups_mask_environment_tokens_and_count_model_tokens(setup):
+    tok, policy, _, rows = setup
+    settings, anchors = _multi_turn(setup, "test_starts_with", overlong_buffer=4)
     batch, metrics = collect_groups(
-        rows, lambda p: encode(tok, p), policy, settings, anchors=AnchorCache(multi_sampler), pad_id=tok.pad_token_id
+        rows, lambda p: encode(tok, p), policy, settings, anchors=anchors, pad_id=tok.pad_token_id
     )
     obs = encode(tok, " ok")
     assert batch["is_anchor"].any()  # π_ref ran the same loop, and its whole trajectory verified
@@ -365,24 +371,12 @@ def _used_the_tool(response, ground_truth, trajectory):
 
 
 def test_a_verifier_naming_trajectory_sees_each_multi_turn_response_and_anchor_candidate(setup):
-    tok, policy, sampler, rows = setup
-    env = MultiTurnRollout(
-        EnvironmentSettings(spec="tests:OneToolCall", max_turn_tokens=2), lambda t: encode(tok, t), OneToolCall
-    )
-    sampling = dataclasses.replace(SAMPLING, max_new_tokens=8)
-    multi_sampler = AnchorSampler(
-        sampler.source, anchor_reward, dataclasses.replace(sampler.config, sampling=sampling), env.anchor_rollout
-    )
-    settings = RolloutSettings(group_size=G, sampling=sampling, verifier="test_used_the_tool", environment=env)
+    tok, policy, _, rows = setup
+    settings, anchors = _multi_turn(setup, "test_used_the_tool")
     with registered(test_used_the_tool=_used_the_tool):
         TRAJECTORIES.clear()
         batch, _ = collect_groups(
-            rows,
-            lambda p: encode(tok, p),
-            policy,
-            settings,
-            anchors=AnchorCache(multi_sampler),
-            pad_id=tok.pad_token_id,
+            rows, lambda p: encode(tok, p), policy, settings, anchors=anchors, pad_id=tok.pad_token_id
         )
     assert TRAJECTORIES and all(t is not None for t in TRAJECTORIES)  # anchor candidates' too
     assert bool(batch["is_anchor"].any())  # candidates the verifier accepted on their trajectories
