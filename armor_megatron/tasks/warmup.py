@@ -41,10 +41,10 @@ def supervised_warmup(
     seed: int = 0,
     log: Callable[[str], None] | None = None,
 ) -> list[float]:
-    """AdamW on random mini-batches for ``steps`` steps; returns the loss of each step."""
+    """AdamW on random mini-batches for ``steps`` steps (0: the model is left as built); returns the loss of each step."""
     gen = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / steps))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * max(0.1, 1 - s / max(steps, 1)))
     model.train()
     losses = []
     for step in range(steps):

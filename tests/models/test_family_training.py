@@ -1,6 +1,7 @@
 """A 3-step ``armor-train`` run on CPU for each family added after the first five (Mistral,
-Qwen2-MoE, DeepSeek-V2-Lite's layout): the tiny CPU config with ``model.arch`` swapped for a tiny
-model of the family (converted, trained with weight sync to the local engine every step)."""
+Qwen2-MoE, DeepSeek-V2-Lite's layout): the tiny CPU config with ``model.arch`` swapped for an
+untrained tiny model of the family (converted, trained with weight sync to the local engine every
+step), rewarded by a verifier that random responses satisfy about half the time."""
 
 import os
 
@@ -8,10 +9,12 @@ import pytest
 
 from armor_megatron.config import load_config
 from armor_megatron.tasks import tiny_run
+from armor_megatron.tasks.arithmetic import write_jsonl
 from tests.trainer.test_end_to_end import _train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
+ODD_LENGTH = "reward.verifier=tests.trainer.user_hooks:odd_length"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 ARCHS = {
@@ -72,9 +75,14 @@ def test_three_steps_of_armor_train(family, tmp_path):
         f"eval.datasets=[{{name: val, path: {tmp_path}/val.jsonl, k: 1}}]",
         *arch,
     ]
-    tiny_run.prepare_tiny_run(load_config(CONFIG, paths + layout), num_val=8, warmup_steps=150, log=None)
+    rows = tiny_run.prepare_tiny_run(load_config(CONFIG, paths + layout), num_val=8, warmup_steps=0, log=None)
+    # an untrained model and a verifier that random responses satisfy half the time: groups have signal
+    # and anchors are found without the warm-up (which costs more than the run for MoE families)
+    write_jsonl(f"{tmp_path}/train.jsonl", [{"prompt": r["prompt"], "answer": r["answer"]} for r in rows["train"]])
     # the ranks as torchrun starts them, on pooled processes (a process start costs more than a step here)
-    metrics = _train(paths, tmp_path, *layout, "train.steps=3", "eval.every_steps=0", "checkpoint.every_steps=0")
+    metrics = _train(
+        paths, tmp_path, *layout, ODD_LENGTH, "train.steps=3", "eval.every_steps=0", "checkpoint.every_steps=0"
+    )
     assert sorted(metrics) == [1, 2, 3], sorted(metrics)
     assert any(metrics[step].get("train/num_tokens", 0) > 0 for step in (1, 2, 3)), metrics
     for step in (1, 2, 3):

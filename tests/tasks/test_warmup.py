@@ -14,8 +14,7 @@ def test_labels_mask_prompt_and_padding():
     assert mask.sum(1).tolist() == [8, 11]
 
 
-def test_warmup_lowers_the_loss():
-    tok = build_tokenizer()
+def _tiny_model():
     cfg = Qwen2Config(
         vocab_size=32,
         hidden_size=32,
@@ -28,10 +27,26 @@ def test_warmup_lowers_the_loss():
         eos_token_id=1,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    return Qwen2ForCausalLM(cfg)
+
+
+def test_warmup_lowers_the_loss():
+    tok = build_tokenizer()
+    model = _tiny_model()
     rows = make_problems(64, seed=0, max_operand=9)
     losses = supervised_warmup(
         model, tok, [r["prompt"] for r in rows], [solution(r) for r in rows], steps=40, batch_size=16
     )
     assert sum(losses[-5:]) / 5 < 0.6 * sum(losses[:5]) / 5
     assert not model.training
+
+
+def test_zero_steps_leave_the_model_as_built():
+    model = _tiny_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = make_problems(8, seed=0, max_operand=9)
+    assert (
+        supervised_warmup(model, build_tokenizer(), [r["prompt"] for r in rows], [solution(r) for r in rows], steps=0)
+        == []
+    )
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
