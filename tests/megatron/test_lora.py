@@ -8,14 +8,16 @@ is the same model with the adapters off; a reset merges and leaves the policy un
 checkpoint holds the base only once a reset has merged into it (before: the adapters, and the HF
 directory the base is read from again, refused if it changed).
 
-In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports (the
-padded vocabulary cut to the HF one) equal the TP=1 ones on the same base and adapters (fp32), and
-a TP=2 checkpoint's adapters load at PP=2.
+In a 2-rank gloo job: TP=2, PP=2 and VPP (pp=2, vpp=2) log-probs, adapter gradients and merged
+weight exports (the padded vocabulary cut to the HF one) equal the TP=1 ones on the same base and
+adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2; an MoE model's attention adapters
+(experts frozen) at ep=2 likewise; B = 0 is the base and a reset keeps the policy in every layout.
 The merged export, saved as safetensors, loads in transformers with the trainer's log-probs, and
 so does the PEFT adapter directory on the base in HF PEFT; the reference's export is the base
 checkpoint exactly; ``armor-convert`` refuses a LoRA training checkpoint in one line.
 """
 
+import dataclasses
 import zlib
 
 import pytest
@@ -27,10 +29,11 @@ from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import _positive_mean, make_batch, settings
-from tests.megatron.test_parallel_logprobs import QWEN2
+from tests.megatron.test_parallel_logprobs import QWEN2, QWEN3_MOE
 
 # GQA (4 heads, 2 groups), q/k/v bias; vocabulary 125, padded to 128 (the export cuts the padding at any TP)
 ARCH = QWEN2
+DEEP = dataclasses.replace(QWEN2, num_layers=4)  # two layers per virtual pipeline stage at pp=2, vpp=2
 
 LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
 OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e9)
@@ -251,6 +254,74 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
     # a TP=2 checkpoint's adapters reshard: loaded at PP=2 they give the TP=2 policy
     assert (out["tp2_after"] - lp1).abs().max() > 1e-3
     torch.testing.assert_close(out["resumed"], out["tp2_after"], rtol=0, atol=1e-5)
+
+
+def vpp_and_moe_worker(rank, root):
+    """Per (model, layout): log-probs of B = 0 and of the base, then with non-zero B: log-probs,
+    merged export, adapter values and gradients of one step, and log-probs before and after a reset."""
+    from armor_megatron.megatron.checkpoint import save_checkpoint
+    from armor_megatron.megatron.lora import LoRAReference
+    from armor_megatron.megatron.weight_export import export_to_list
+
+    attention = ("linear_qkv", "linear_proj")  # an MoE model's MLP is its experts: no adapters
+    cases = (
+        ("dense", DEEP, _lora(), (("tp1", ParallelConfig()), ("pp2vpp2", ParallelConfig(pp=2, vpp=2)))),
+        ("moe", QWEN3_MOE, _lora(targets=attention), (("tp1", ParallelConfig()), ("ep2", ParallelConfig(ep=2)))),
+    )
+    mdist.initialize(ParallelConfig(), DEEP, seed=5)
+    out = {}
+    try:
+        batch = make_batch()
+        for model, arch, lora, layouts in cases:
+            for name, layout in layouts:
+                mdist.set_model_parallel(layout, arch, seed=5)
+                actor = _actor(layout, lora=lora, arch=arch)
+                if name == "tp1":
+                    save_checkpoint(f"{root}/{model}", 0, actor, None, {})  # one base for every layout
+                else:
+                    actor.load_weights(f"{root}/{model}")
+                reference = LoRAReference(actor)
+                b_zero, base = _lp(actor, batch), _lp(reference, batch)
+                _set_nonzero_b(actor)
+                lp = _lp(actor, batch)
+                merged = export_to_list(actor.model_chunks, arch)
+                actor.train_step({**batch, "old_logprobs": lp - 0.05, "ref_logprobs": lp})
+                trained = _lp(actor, batch)
+                grads = _adapter_grads_and_values(actor)
+                reference.reset_from(actor)
+                after_reset = {"after_reset": _lp(actor, batch), "reference_after_reset": _lp(reference, batch)}
+                out[model, name] = dict(b_zero=b_zero, base=base, lp=lp, merged=merged, grads=grads, trained=trained)
+                out[model, name].update(after_reset)
+        return out
+    finally:
+        mdist.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vpp_and_moe_attention_adapters(tmp_path):
+    """VPP (pp=2, vpp=2: two model chunks per rank) and an MoE model's attention adapters (experts
+    frozen, at ep=2): B = 0 is the base bit for bit, log-probs, merged exports and one step's adapter
+    gradients equal TP=1's, and a reset merge keeps the policy."""
+    out = run_ranks(vpp_and_moe_worker, 2, str(tmp_path), timeout=280)[0]
+    for model, layout in (("dense", "pp2vpp2"), ("moe", "ep2")):
+        one, got = out[model, "tp1"], out[model, layout]
+        assert len(one["grads"]) == 2 * (DEEP.num_layers * 7 if model == "dense" else QWEN3_MOE.num_layers * 4)
+        for case in (one, got):
+            assert torch.equal(case["b_zero"], case["base"])
+            assert (case["lp"] - case["base"]).abs().max() > 1e-3  # the adapters matter
+            torch.testing.assert_close(case["after_reset"], case["trained"], rtol=0, atol=2e-6)
+            torch.testing.assert_close(case["reference_after_reset"], case["trained"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(got["base"], one["base"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["lp"], one["lp"], rtol=0, atol=1e-5)
+        assert dict(got["merged"]).keys() == dict(one["merged"]).keys()
+        for key, tensor in got["merged"]:
+            torch.testing.assert_close(tensor, dict(one["merged"])[key], rtol=0, atol=1e-6, msg=f"{model} export {key}")
+        # gradients, not the values after the step: Adam's first step is ±lr wherever a gradient is
+        # non-zero, so a near-zero entry whose rounding differs between layouts moves by up to 2·lr
+        assert got["grads"].keys() == one["grads"].keys()
+        for key, (_, grad) in got["grads"].items():
+            torch.testing.assert_close(grad, one["grads"][key][1], rtol=1e-4, atol=1e-6, msg=f"{model} grad {key}")
 
 
 # ----------------------------------------------------------------------------- export
