@@ -18,7 +18,8 @@ between the jobs of one run without changing what is trained:
   ``rollout.sglang`` (servers, ports, weight-sync transport; the SLURM launcher passes new URLs
   every job), ``anchor.reference_urls`` / ``anchor.reference_engines``, ``reward.workers``, ``reward.python_path``,
   ``reference.offload``, ``model.spec``, ``model.arch`` (facts for checks), ``model.mcore_path``
-  (the starting weights, already consumed);
+  (the starting weights, already consumed; a LoRA checkpoint that left out its base reads it from the
+  path it recorded, checked against its fingerprint);
 * how user verifiers are held: ``reward.timeout_s``, ``reward.max_consecutive_timeouts``,
   ``reward.memory_limit_mb``, ``rollout.environment.tool_timeout_s`` (a run stopped by a hanging
   verifier or tool resumes with other limits);

@@ -245,9 +245,15 @@ class TorchDistReader:
         stored = {k: v for k, v in self.metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         adapter = next((k for k in stored if ".lora.A." in k or ".lora.B." in k), None)  # megatron.lora's keys
         if adapter is not None:
+            if all(".lora." in k for k in stored):  # saved before a reference reset merged into the base
+                problem = (
+                    "without their base (a LoRA run saves the base once a reset has merged into it; until then "
+                    "it is the run's model.path or model.mcore_path)"
+                )
+            else:
+                problem = "which converting would drop"
             raise CheckpointError(
-                f"{ckpt_dir}: holds LoRA adapters ({adapter}), which converting would drop; use the run's merged "
-                "HF copies (checkpoint.save_hf)"
+                f"{ckpt_dir}: holds LoRA adapters ({adapter}) {problem}; use the run's merged HF copies (checkpoint.save_hf)"
             )
         self.keys: dict[TensorRule, str] = {}
         self.dtypes: dict[TensorRule, torch.dtype] = {}

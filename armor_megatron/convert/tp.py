@@ -55,9 +55,14 @@ def tp_split(arch: ModelArch, rule: TensorRule, tensor: torch.Tensor, tp: int) -
 
 
 def tp_gather(arch: ModelArch, rule: TensorRule, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Rank-local tensors (rank order) -> the global tensor; inverse of :func:`tp_split`."""
+    """Rank-local tensors (rank order) -> the global tensor; inverse of :func:`tp_split`.
+
+    Vocabulary shards are concatenated as they are: a trainer's hold its padded vocabulary (a
+    multiple of tp, whatever the HF vocabulary), whose padding rows the caller cuts.
+    """
     tp = len(shards)
-    _check_divisible(arch, rule, tp)
+    if rule.tp is not TPSplit.VOCAB:
+        _check_divisible(arch, rule, tp)
     if rule.tp is TPSplit.REPLICATED:
         return shards[0]
     if rule.tp is TPSplit.ROW:

@@ -10,6 +10,7 @@ weights, so a seed gives the same initial weights whatever ran before)::
     actor.model_chunks                      # this rank's unwrapped GPTModel chunks (one, or vpp)
     actor.optimizer, actor.scheduler        # megatron optimizer, OptimizerParamScheduler
     actor.load_weights(path)                # torch_dist checkpoint (any TP/PP/EP layout) or HF dir
+    actor.base_source                       # LoRA: where the unmerged base came from (None: the checkpoint holds it)
     out = actor.compute_logprobs(input_ids, lengths, with_entropy=False)   # LogProbs, no grad
     metrics = actor.train_step(batch)       # one optimizer step over the whole batch
     actor.guard                             # StabilityGuard (skips, LR / clip scales, counters)
@@ -67,6 +68,8 @@ import torch
 
 from armor_megatron.algo.loss import PolicyLossConfig, bind_policy_loss, loss_normalizer
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
+from armor_megatron.errors import UserInputError
+from armor_megatron.megatron.base_source import LORA_BASE, BaseSource, on_rank_0
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
 from armor_megatron.megatron.lora import LoRASettings, adapter_sharded_state_dict, attach_adapters
 from armor_megatron.megatron.microbatch import to_device
@@ -100,13 +103,65 @@ class MegatronActor(TrainedModel):
             attach_adapters(chunks, self.lora)
         return chunks
 
+    # ------------------------------------------------------------------ LoRA: the base in checkpoints
+    base_source: BaseSource | None = (
+        None  # the files of a LoRA actor's unmerged base; None: its checkpoints hold the base
+    )
+
+    def load_weights(self, path: str) -> None:
+        """Load the weights at ``path``; a LoRA actor records it as its base's source (`base_source`)."""
+        super().load_weights(path)
+        if self.lora is not None:
+            self.base_source = on_rank_0(lambda: BaseSource.of(path))
+
     def model_sharded_state_dict(self) -> dict[str, Any]:
-        """The base weights and, with LoRA, the adapters (`lora.adapter_sharded_state_dict`)."""
+        """The base weights and, with LoRA, the adapters (`lora.adapter_sharded_state_dict`).
+
+        A LoRA actor whose base is still the files it was loaded from (no reset has merged into it:
+        `base_source` is set) has the adapters alone: its checkpoints record the source instead.
+        """
         state = super().model_sharded_state_dict()
         if self.lora is not None:
+            if self.base_source is not None:
+                state = {chunk: {} for chunk in state}
             for chunk, adapters in adapter_sharded_state_dict(self.model_chunks, self.checkpoint_prefix).items():
                 state[chunk].update(adapters)
         return state
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """What a checkpoint saves (`TrainedModel.sharded_state_dict`); ``lora_base``: the source of a base left out."""
+        state = super().sharded_state_dict()
+        if self.lora is not None and self.base_source is not None:
+            state[LORA_BASE] = self.base_source.to_state()
+        return state
+
+    def restore_base(self, checkpoint: str, saved: dict[str, Any] | None) -> None:
+        """Before loading ``checkpoint``: load the base from the source it records (``saved``), if it left the base out.
+
+        Refused in one line when that source is gone or its files changed. Without ``saved`` the
+        checkpoint holds the base (loaded with the rest). Every rank calls it.
+        """
+        if saved is None or self.lora is None:
+            super().restore_base(checkpoint, saved)  # refuses a base left out when this actor has no adapters
+            self.base_source = None
+            return
+        source = BaseSource.from_state(saved)
+        problem = on_rank_0(source.problem)
+        if problem is not None:
+            raise UserInputError(
+                f"{checkpoint} holds LoRA adapters, not their base, which it reads from {source.path}: {problem}; "
+                "restore those files to resume"
+            )
+        super().load_weights(source.path)
+        self.base_source = source
+
+    def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
+        """Restore a checkpoint; one without the base (`restore_base` loaded it) restores the adapters around it."""
+        if self.lora is not None and self.base_source is not None:
+            for i, chunk in enumerate(self.model_chunks):
+                ours = {self.checkpoint_prefix + k: v for k, v in chunk.state_dict(keep_vars=True).items()}
+                loaded["model"][f"chunk{i}"] = {**ours, **loaded["model"][f"chunk{i}"]}
+        super().load_sharded_state_dict(loaded)
 
     def restart_adapter_optimizer(self) -> None:
         """After a reference reset put new adapters in place: Adam starts afresh for them, masters copied from them."""

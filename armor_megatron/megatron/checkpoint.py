@@ -18,7 +18,9 @@ Layout of ``{root}``::
     latest_checkpointed_iteration.txt   text: "100", megatron's own tracker, for megatron's tools
 
 What a checkpoint holds: the actor's model (keys exactly ``model.sharded_state_dict()``, no
-prefix, so `load_model_weights` and the converter read it too), its optimizer state (Adam
+prefix, so `load_model_weights` and the converter read it too; a LoRA actor whose base no reset has
+merged into yet saves its adapters alone and records where the base comes from under ``lora_base``,
+`base_source.BaseSource`, which loading checks and reads the base from), its optimizer state (Adam
 moments sharded like the weights; none before the first update), LR schedule, stability guard, the reference model under
 keys prefixed ``reference.``, the PPO critic when there is one (model keys prefixed ``critic.``,
 its own optimizer, LR schedule and guard under ``critic``), the RNG states of every rank (python, numpy, torch, CUDA and
@@ -70,6 +72,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from armor_megatron.errors import UserInputError
 from armor_megatron.megatron import model_state
+from armor_megatron.megatron.base_source import LORA_BASE
 from armor_megatron.megatron.checkpoint_manifest import (
     DamagedCheckpointError,
     damaged_file,
@@ -112,6 +115,9 @@ class TrainableState(ModelState, Protocol):
 
     def sharded_state_dict_to_load(self, load_optimizer: bool) -> dict[str, Any]:
         """The sharded state dict to load into; with or without the optimizer."""
+
+    def restore_base(self, checkpoint: str, saved: dict[str, Any] | None) -> None:
+        """Before the load: read the base from where ``saved`` (a checkpoint's ``lora_base``) says, when the checkpoint left it out."""
 
 
 EXTRA_FILE = "trainer_state.pt"
@@ -522,6 +528,7 @@ def load_checkpoint(
         raise UserInputError(f"{path} holds no reference model; load it with reference=None and reset the reference")
     if critic is not None and not common.get("has_critic", False):
         raise UserInputError(f"{path} holds no critic; start the critic from the actor's weights instead")
+    actor.restore_base(path, common.get(LORA_BASE))  # a LoRA checkpoint before the first reset holds no base
     # each model's Adam moments exist only once it has taken an update
     load_critic_optimizer = critic is not None and load_optimizer and common["critic_has_optimizer"]
     load_optimizer = load_optimizer and common["has_optimizer"]

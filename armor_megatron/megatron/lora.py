@@ -531,6 +531,7 @@ class LoRAReference:
             raise ValueError("a LoRA reference resets from its own actor")
         self.resets += 1
         merge_adapters(actor.model_chunks, generation=self._generation(actor))
+        actor.base_source = None  # the base is no longer the files it was loaded from: checkpoints hold it now
         actor.restart_adapter_optimizer()
 
     def _generation(self, actor: Any) -> int:

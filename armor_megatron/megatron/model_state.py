@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from armor_megatron.errors import MissingInputError
+from armor_megatron.errors import MissingInputError, UserInputError
 
 LATEST = "latest"  # text file in a checkpoint root naming its newest complete checkpoint
 
@@ -55,6 +55,13 @@ def load_model_weights(chunks: list[Any], mcore_dir: str, exclude: tuple[str, ..
     from armor_megatron.megatron.checkpoint_manifest import read_as_checkpoint
 
     path = resolve_checkpoint_dir(mcore_dir)
+    with read_as_checkpoint(path):
+        common = dist_checkpointing.load_common_state_dict(path)
+    if isinstance(common, dict) and "lora_base" in common:  # `base_source.LORA_BASE`: a LoRA run's checkpoint
+        raise UserInputError(
+            f"{path} holds LoRA adapters without their base (that is {common['lora_base']['path']}): "
+            "load the base from there, or a checkpoint saved after a reference reset merged into it"
+        )
     use_safe_checkpoint_reader(path)
     state = {
         name: {k: v for k, v in sd.items() if not k.startswith(exclude)}

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from armor_megatron.algo.metrics import reduce_loss_metrics
 from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
+from armor_megatron.errors import UserInputError
 from armor_megatron.megatron import optimizer as optim
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.megatron.hf_weights import load_weights
@@ -350,6 +351,13 @@ class TrainedModel:
         if load_optimizer:
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=True)
         return state
+
+    def restore_base(self, checkpoint: str, saved: dict[str, Any] | None) -> None:
+        """Called before loading ``checkpoint``; ``saved``: the base it left out (LoRA, `MegatronActor.restore_base`)."""
+        if saved is not None:
+            raise UserInputError(
+                f"{checkpoint} holds LoRA adapters without their base: resume it with the run's lora settings"
+            )
 
     def load_sharded_state_dict(self, loaded: dict[str, Any]) -> None:
         """Restore what :meth:`sharded_state_dict` saved.

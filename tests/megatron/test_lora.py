@@ -4,13 +4,17 @@ In one process (TP=1): B = 0 gives the base model's log-probs exactly; only adap
 (no gradient buffer, master copy or Adam state for the base) and they raise the log-probs of
 responses with a positive advantage; the fused QKV / gated fc1 adapters
 equal HF PEFT's per-projection adapters (checked against a hand-made merged weight); the reference
-is the same model with the adapters off; a reset merges and leaves the policy unchanged.
+is the same model with the adapters off; a reset merges and leaves the policy unchanged. A
+checkpoint holds the base only once a reset has merged into it (before: the adapters, and the HF
+directory the base is read from again, refused if it changed).
 
-In a 2-rank gloo job: TP=2 and PP=2 log-probs, adapter gradients and merged weight exports equal
-the TP=1 ones on the same base and adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2. The merged export, saved as safetensors, loads in
-transformers with the trainer's log-probs, and so does the PEFT adapter directory on the base in HF
-PEFT; the reference's export is the base checkpoint exactly; ``armor-convert`` refuses a LoRA
-training checkpoint in one line.
+In a 2-rank gloo job: TP=2, PP=2 and VPP (pp=2, vpp=2) log-probs, adapter gradients and merged
+weight exports (the padded vocabulary cut to the HF one) equal the TP=1 ones on the same base and
+adapters (fp32), and a TP=2 checkpoint's adapters load at PP=2; an MoE model's attention adapters
+(experts frozen) at ep=2 likewise; B = 0 is the base and a reset keeps the policy in every layout.
+The merged export, saved as safetensors, loads in transformers with the trainer's log-probs, and
+so does the PEFT adapter directory on the base in HF PEFT; the reference's export is the base
+checkpoint exactly; ``armor-convert`` refuses a LoRA training checkpoint in one line.
 """
 
 import dataclasses
@@ -25,10 +29,11 @@ from armor_megatron.megatron import dist as mdist
 from armor_megatron.megatron.dist import ParallelConfig
 from tests.megatron.spawn import run_ranks
 from tests.megatron.test_actor import _positive_mean, make_batch, settings
-from tests.megatron.test_parallel_logprobs import QWEN2
+from tests.megatron.test_parallel_logprobs import QWEN2, QWEN3_MOE
 
-# GQA (4 heads, 2 groups), q/k/v bias; a vocabulary TP=2 divides (the export's vocab gather needs it)
-ARCH = dataclasses.replace(QWEN2, vocab_size=128)
+# GQA (4 heads, 2 groups), q/k/v bias; vocabulary 125, padded to 128 (the export cuts the padding at any TP)
+ARCH = QWEN2
+DEEP = dataclasses.replace(QWEN2, num_layers=4)  # two layers per virtual pipeline stage at pp=2, vpp=2
 
 LOSS = PolicyLossConfig(alpha=0.9, eps_low=0.2, eps_high=0.28)
 OPTIM = OptimizerConfig(lr=1e-2, weight_decay=0.0, clip_grad=1e9)
@@ -40,11 +45,11 @@ def _lora(**kw):
     return LoRASettings(**{"rank": 4, "alpha": 8.0, "seed": 3, **kw})
 
 
-def _actor(parallel=ParallelConfig(), lora=None, dtype="float32"):
+def _actor(parallel=ParallelConfig(), lora=None, dtype="float32", arch=ARCH):
     from armor_megatron.megatron.actor import MegatronActor
 
     return MegatronActor(
-        settings(ARCH, parallel, dtype=dtype), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5, lora=lora
+        settings(arch, parallel, dtype=dtype), optimizer=OPTIM, loss=LOSS, total_steps=10, seed=5, lora=lora
     )
 
 
@@ -251,6 +256,74 @@ def test_tp2_and_pp2_adapters_equal_the_unsharded_ones(tmp_path):
     torch.testing.assert_close(out["resumed"], out["tp2_after"], rtol=0, atol=1e-5)
 
 
+def vpp_and_moe_worker(rank, root):
+    """Per (model, layout): log-probs of B = 0 and of the base, then with non-zero B: log-probs,
+    merged export, adapter values and gradients of one step, and log-probs before and after a reset."""
+    from armor_megatron.megatron.checkpoint import save_checkpoint
+    from armor_megatron.megatron.lora import LoRAReference
+    from armor_megatron.megatron.weight_export import export_to_list
+
+    attention = ("linear_qkv", "linear_proj")  # an MoE model's MLP is its experts: no adapters
+    cases = (
+        ("dense", DEEP, _lora(), (("tp1", ParallelConfig()), ("pp2vpp2", ParallelConfig(pp=2, vpp=2)))),
+        ("moe", QWEN3_MOE, _lora(targets=attention), (("tp1", ParallelConfig()), ("ep2", ParallelConfig(ep=2)))),
+    )
+    mdist.initialize(ParallelConfig(), DEEP, seed=5)
+    out = {}
+    try:
+        batch = make_batch()
+        for model, arch, lora, layouts in cases:
+            for name, layout in layouts:
+                mdist.set_model_parallel(layout, arch, seed=5)
+                actor = _actor(layout, lora=lora, arch=arch)
+                if name == "tp1":
+                    save_checkpoint(f"{root}/{model}", 0, actor, None, {})  # one base for every layout
+                else:
+                    actor.load_weights(f"{root}/{model}")
+                reference = LoRAReference(actor)
+                b_zero, base = _lp(actor, batch), _lp(reference, batch)
+                _set_nonzero_b(actor)
+                lp = _lp(actor, batch)
+                merged = export_to_list(actor.model_chunks, arch)
+                actor.train_step({**batch, "old_logprobs": lp - 0.05, "ref_logprobs": lp})
+                trained = _lp(actor, batch)
+                grads = _adapter_grads_and_values(actor)
+                reference.reset_from(actor)
+                after_reset = {"after_reset": _lp(actor, batch), "reference_after_reset": _lp(reference, batch)}
+                out[model, name] = dict(b_zero=b_zero, base=base, lp=lp, merged=merged, grads=grads, trained=trained)
+                out[model, name].update(after_reset)
+        return out
+    finally:
+        mdist.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_vpp_and_moe_attention_adapters(tmp_path):
+    """VPP (pp=2, vpp=2: two model chunks per rank) and an MoE model's attention adapters (experts
+    frozen, at ep=2): B = 0 is the base bit for bit, log-probs, merged exports and one step's adapter
+    gradients equal TP=1's, and a reset merge keeps the policy."""
+    out = run_ranks(vpp_and_moe_worker, 2, str(tmp_path), timeout=280)[0]
+    for model, layout in (("dense", "pp2vpp2"), ("moe", "ep2")):
+        one, got = out[model, "tp1"], out[model, layout]
+        assert len(one["grads"]) == 2 * (DEEP.num_layers * 7 if model == "dense" else QWEN3_MOE.num_layers * 4)
+        for case in (one, got):
+            assert torch.equal(case["b_zero"], case["base"])
+            assert (case["lp"] - case["base"]).abs().max() > 1e-3  # the adapters matter
+            torch.testing.assert_close(case["after_reset"], case["trained"], rtol=0, atol=2e-6)
+            torch.testing.assert_close(case["reference_after_reset"], case["trained"], rtol=0, atol=2e-6)
+        torch.testing.assert_close(got["base"], one["base"], rtol=0, atol=1e-5)
+        torch.testing.assert_close(got["lp"], one["lp"], rtol=0, atol=1e-5)
+        assert dict(got["merged"]).keys() == dict(one["merged"]).keys()
+        for key, tensor in got["merged"]:
+            torch.testing.assert_close(tensor, dict(one["merged"])[key], rtol=0, atol=1e-6, msg=f"{model} export {key}")
+        # gradients, not the values after the step: Adam's first step is ±lr wherever a gradient is
+        # non-zero, so a near-zero entry whose rounding differs between layouts moves by up to 2·lr
+        assert got["grads"].keys() == one["grads"].keys()
+        for key, (_, grad) in got["grads"].items():
+            torch.testing.assert_close(grad, one["grads"][key][1], rtol=1e-4, atol=1e-6, msg=f"{model} grad {key}")
+
+
 # ----------------------------------------------------------------------------- export
 def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exports_the_base(
     world_of_one, tmp_path, capsys
@@ -324,3 +397,104 @@ def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exp
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err, err
     assert not (tmp_path / "converted").exists()
+
+
+# ----------------------------------------------------------------------------- checkpoints
+def _stored_tensor_keys(path) -> set:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from armor_megatron.convert.dcp_safety import read_metadata
+
+    stored = read_metadata(str(path)).state_dict_metadata
+    return {k for k, v in stored.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def _bytes(path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_a_checkpoint_holds_the_base_only_once_a_reset_merged_into_it(world_of_one, tmp_path, capsys):
+    """Before the first reset a checkpoint holds the adapters and their Adam state, and records the
+    HF directory the base came from; loading it reads the base from there (into an actor built on
+    other weights) and gives the same policy and the same next step, bit for bit. After a reset the
+    checkpoint holds the merged base and loads as exactly. A changed or missing base is refused in
+    one line, and so are converting either checkpoint and starting from the first."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from armor_megatron.cli.convert import main as convert
+    from armor_megatron.errors import UserInputError
+    from armor_megatron.megatron.actor import MegatronActor
+    from armor_megatron.megatron.checkpoint import load_checkpoint, save_checkpoint
+    from armor_megatron.megatron.lora import LoRAReference
+    from armor_megatron.models.arch import ModelArch
+    from tests.convert.conftest import save_tiny_model
+
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"))
+    arch = ModelArch.from_hf_dir(hf_dir)
+
+    def adapted(seed):  # the base is drawn from `seed` until weights are loaded
+        mdist.set_model_parallel(ParallelConfig(), arch, seed=seed)
+        one_micro_batch = settings(arch, ParallelConfig(), micro_batch_size=8)
+        actor = MegatronActor(one_micro_batch, optimizer=OPTIM, loss=LOSS, total_steps=10, seed=seed, lora=_lora())
+        return actor, LoRAReference(actor)
+
+    batch = make_batch()
+    actor, reference = adapted(5)
+    actor.load_weights(hf_dir)
+    actor.train_step(_train_batch(actor, batch))  # non-zero B and Adam moments
+    root = tmp_path / "ckpt"
+    adapters_only = save_checkpoint(str(root), 1, actor, reference, {"step": 1})
+    stored = _stored_tensor_keys(adapters_only)
+    assert stored and all(".lora." in k for k in stored), sorted(stored)[:5]
+
+    resumed, resumed_reference = adapted(6)
+    assert not torch.equal(_lp(resumed, batch), _lp(actor, batch))
+    assert load_checkpoint(str(root), resumed, resumed_reference) == (1, {"step": 1})
+    assert torch.equal(_lp(resumed, batch), _lp(actor, batch))
+    assert torch.equal(_lp(resumed_reference, batch), _lp(reference, batch))  # the base, read from hf_dir
+    train = _train_batch(actor, batch)
+    for model in (actor, resumed):
+        model.train_step(train)
+    assert torch.equal(_lp(resumed, batch), _lp(actor, batch))  # Adam's moments came back too
+
+    # after a reset the base is the merge: the checkpoint holds it, and needs nothing else
+    reference.reset_from(actor)
+    actor.train_step(_train_batch(actor, batch))
+    with_base = save_checkpoint(str(root), 2, actor, reference, {"step": 2})
+    assert "embedding.word_embeddings.weight" in _stored_tensor_keys(with_base)
+    resumed.load_weights(hf_dir)  # the base it reads will not do: this checkpoint holds its own
+    load_checkpoint(with_base, resumed, resumed_reference)
+    assert torch.equal(_lp(resumed, batch), _lp(actor, batch))
+    assert torch.equal(_lp(resumed_reference, batch), _lp(reference, batch))
+    train = _train_batch(actor, batch)
+    for model in (actor, resumed):
+        model.train_step(train)
+    assert torch.equal(_lp(resumed, batch), _lp(actor, batch))
+    # the same state but for the base: the base's bytes (fp32) are what the first checkpoint left out
+    base_bytes = 4 * sum(p.numel() for c in actor.model_chunks for p in c.parameters() if not p.requires_grad)
+    sizes = (_bytes(root / "iter_0000001"), _bytes(root / "iter_0000002"))
+    print(f"checkpoint bytes: adapters {sizes[0]}, with the base {sizes[1]}, the base's parameters {base_bytes}")
+    assert base_bytes <= sizes[1] - sizes[0] < 1.25 * base_bytes  # and the metadata of its tensors
+
+    # armor-convert refuses both in one line, saying what each holds
+    capsys.readouterr()
+    for path, says in ((adapters_only, "without their base"), (with_base, "which converting would drop")):
+        code = convert(["mcore-to-hf", path, str(tmp_path / "converted"), "--hf-config", hf_dir])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err and says in err, err
+
+    # as starting weights (model.mcore_path) it has no base to give
+    with pytest.raises(UserInputError, match="holds LoRA adapters without their base"):
+        resumed.load_weights(adapters_only)
+
+    # the base of the first checkpoint changed, then gone: refused in one line
+    weights = load_file(f"{hf_dir}/model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] + 1
+    save_file(weights, f"{hf_dir}/model.safetensors", metadata={"format": "pt"})
+    for says in ("model.safetensors changed since the checkpoint was written", f"{hf_dir} is gone"):
+        with pytest.raises(UserInputError, match="holds LoRA adapters, not their base") as refused:
+            load_checkpoint(adapters_only, resumed, resumed_reference)
+        assert says in str(refused.value) and "\n" not in str(refused.value), refused.value
+        shutil.rmtree(hf_dir, ignore_errors=True)

@@ -271,3 +271,40 @@ def test_te_duplicated_mla_down_projections_export_exactly(tmp_path):
             f"decoder.layers.self_attention.linear_kv_down_proj.weight nor its whole ({kv_rows}, {h})"
         )
     assert_exact(results[0][0], hf_tensors(hf_dir))
+
+
+def padded_vocabulary_worker(rank, hf_dir, out_dir):
+    """At TP=2 the vocabulary (255 rows) is padded to 256: the export used by weight sync (gathered on
+    rank 0) and the HF copy of a checkpoint (`save_hf`, each owner delivering) both cut the padding."""
+    from armor_megatron.megatron.dist import ParallelConfig, initialize
+    from armor_megatron.megatron.hf_weights import load_weights
+    from armor_megatron.megatron.model import build_model_chunks, padded_vocab_size
+    from armor_megatron.megatron.weight_export import HFWeightExport, export_to_list
+    from armor_megatron.models import ModelArch
+    from armor_megatron.trainer.hf_save import record_hf_files, save_hf
+
+    arch = ModelArch.from_hf_dir(hf_dir)
+    parallel = ParallelConfig(tp=2)
+    initialize(parallel, arch)
+    chunks = build_model_chunks(arch, parallel)
+    load_weights(chunks, hf_dir)
+    rows = dict(chunks[0].named_parameters())["embedding.word_embeddings.weight"].shape[0]
+    assert rows * 2 == padded_vocab_size(arch, 2) > arch.vocab_size
+    exported = export_to_list(chunks, arch)
+    if rank == 0:
+        record_hf_files(hf_dir, out_dir)
+    torch.distributed.barrier()
+    saved = save_hf(HFWeightExport(chunks, arch), out_dir, step=1)
+    return exported, saved
+
+
+def test_a_vocabulary_tp_does_not_divide_exports_at_the_hf_size(tmp_path):
+    hf_dir = save_tiny_model("qwen2", str(tmp_path / "hf"), vocab_size=255, tie_word_embeddings=False)
+    exported, saved = run_ranks(padded_vocabulary_worker, 2, hf_dir, str(tmp_path / "run"), timeout=300)[0]
+    expected = hf_tensors(hf_dir)
+    assert expected["model.embed_tokens.weight"].shape[0] == expected["lm_head.weight"].shape[0] == 255
+    assert_exact(exported, expected)
+    from safetensors.torch import load_file
+
+    files = [f for f in sorted(os.listdir(saved)) if f.endswith(".safetensors")]
+    assert_exact([pair for f in files for pair in load_file(os.path.join(saved, f)).items()], expected)
