@@ -117,10 +117,11 @@ def test_a_run_resumed_with_responses_buffered_continues_them_bit_for_bit(tiny, 
     assert buffered and straight[1]["partial/buffered"] == len(buffered)  # step 1 cut responses and kept them
     tokenizer = AutoTokenizer.from_pretrained(_model(tiny))
     carried = {tokenizer.decode(g["prompt_ids"]): g["key"] for g in saved["groups"]}
+    keys = set(carried.values())
 
     def carried_responses(final, rows):
         """The carried groups' responses after step 2 by prompt: trained (``rows``), or held complete in ``final``."""
-        held = {g["key"]: [g["done"][str(k)]["text"] for k in range(4)] for g in final["groups"]}
+        held = {g["key"]: [g["done"][str(k)]["text"] for k in range(4)] for g in final["groups"] if g["key"] in keys}
         return {prompt: [r for p, r, _ in rows if p == prompt] or held.get(key) for prompt, key in carried.items()}
 
     first = carried_responses(_partial_state(tmp_path, 2), trained[1])
