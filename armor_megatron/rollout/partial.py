@@ -62,7 +62,8 @@ class PartialResponse:
     group it belongs to; ``prompt_ids``: the prompt's tokens; ``token_ids`` / ``logprobs``: the tokens
     generated so far and the engine's log-prob of each (length T); ``spans``: the versions
     that generated them, consecutive, covering ``[0, T)``; ``max_new_tokens``: the limit of the
-    whole response; ``reference``: π_ref's version for an anchor (None: an on-policy response).
+    whole response; ``reference``: π_ref's version for an anchor (None: an on-policy response);
+    ``continuations``: how many times it was continued and stopped again.
     """
 
     key: str
@@ -73,6 +74,7 @@ class PartialResponse:
     spans: tuple[Span, ...]
     max_new_tokens: int
     reference: str | None = None
+    continuations: int = 0
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
@@ -140,7 +142,9 @@ class PartialResponse:
                 spans.append(Span(more.weight_version, len(self.token_ids), end))
         ids, lps = self.token_ids + more.token_ids, self.logprobs + more.logprobs
         if more.finish_reason == "abort" and len(ids) < self.max_new_tokens:
-            return dataclasses.replace(self, token_ids=ids, logprobs=lps, spans=tuple(spans))
+            return dataclasses.replace(
+                self, token_ids=ids, logprobs=lps, spans=tuple(spans), continuations=self.continuations + 1
+            )
         reason = "length" if more.finish_reason == "abort" else more.finish_reason
         return Finished(Sample(more.prompt_index, ids, more.text, lps, reason, more.weight_version), tuple(spans))
 
@@ -164,6 +168,7 @@ class PartialResponse:
             spans=tuple(Span(str(v), int(a), int(b)) for v, a, b in state["spans"]),
             max_new_tokens=int(state["max_new_tokens"]),
             reference=state["reference"],
+            continuations=int(state.get("continuations", 0)),  # absent from buffers saved before it was kept
         )
 
 

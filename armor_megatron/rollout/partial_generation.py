@@ -21,12 +21,25 @@ may run on any of them):
 Every response's tokens keep the policy version that generated them
 (:class:`~armor_megatron.rollout.partial.Finished` spans). Single-turn, on-policy groups only:
 anchors and multi-turn responses are not generated here.
+
+Deterministic mode (``seed``; servers run with ``--enable-deterministic-inference``): every
+request carries ``sampling_seed`` = :func:`request_seed` of (seed, group key, response index,
+continuation count), so a response, and each continuation of it from the same tokens, samples
+the same tokens in every run that reaches it. Which responses a step aborts, and where, is
+decided by time (the order requests finish in), not by seeds.
+
+Stopping (``stop()``, polled while requests run; the trainer's preemption signal): every request
+in flight is aborted, including those the rule ``finish`` keeps; their tokens go to the buffer,
+the groups complete or handed out stay in progress, and :class:`GenerationStopped` is raised:
+the state (:meth:`PartialGenerator.state_dict`) then holds every token generated.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -34,6 +47,22 @@ from typing import Any
 
 from armor_megatron.rollout.partial import Finished, PartialBuffer, PartialResponse, versions_spanned
 from armor_megatron.rollout.sglang.client import SGLangClient, parse_output
+
+STOP_POLL_S = 0.1  # how often a generation with a ``stop`` asks it
+
+
+class GenerationStopped(RuntimeError):
+    """``stop()`` said stop: the requests in flight were aborted and their tokens kept (the generator's state)."""
+
+
+def request_seed(seed: int, group: str, index: int, continuation: int) -> int:
+    """``sampling_seed`` of one request: a 62-bit hash of its four arguments.
+
+    ``seed``: the run's; ``group``: the group's key; ``index``: the response's in its group;
+    ``continuation``: how many times the response was continued before (0: its first request).
+    """
+    key = f"{seed}/{group}/{index}/{continuation}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,7 +96,10 @@ class PartialGenerator:
     """Partial rollouts of groups over SGLang servers (``client``: one, or a list); state: :meth:`state_dict`.
 
     ``sampling``: SGLang ``sampling_params`` of every response (``n`` 1; ``max_new_tokens`` comes
-    from each group's request); ``over_provision`` >= 1: groups in flight per group needed.
+    from each group's request); ``over_provision`` >= 1: groups in flight per group needed;
+    ``seed``: deterministic mode, a ``sampling_seed`` per request (module docs; None: none sent);
+    ``stop``: polled every :data:`STOP_POLL_S` while requests run (module docs). :meth:`close`
+    stops its request threads.
     """
 
     def __init__(
@@ -78,6 +110,8 @@ class PartialGenerator:
         over_provision: float = 1.5,
         timeout: float | None = None,
         workers: int = 256,
+        seed: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ):
         if over_provision < 1:
             raise ValueError(f"over_provision must be >= 1, got {over_provision}")
@@ -86,13 +120,25 @@ class PartialGenerator:
             raise ValueError("PartialGenerator needs at least one SGLang client")
         self.sampling, self.buffer = dict(sampling), buffer
         self.over_provision, self.timeout = over_provision, timeout
+        self.seed, self.stop = seed, stop
         self._groups: dict[str, _Group] = {}  # groups started and not yet handed out, by key
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="partial-rollout")
         self._serial = 0
+        self._in_flight: dict[
+            concurrent.futures.Future[Any], tuple[str, int, PartialResponse | None, str, SGLangClient]
+        ] = {}
 
     def close(self) -> None:
-        """Stop the request threads."""
-        self._pool.shutdown(wait=True)
+        """Abort the requests a failed generation left in flight, then stop the request threads."""
+        for _, _, _, rid, client in list(self._in_flight.values()):
+            with contextlib.suppress(Exception):  # a server that is gone has nothing left to abort
+                client.abort(rid)
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def give_back(self, groups: Sequence[tuple[GroupRequest, list[Finished]]]) -> None:
+        """Take back groups :meth:`generate` handed out (not trained): complete, they are offered first next time."""
+        back = {request.key: _Group(request, dict(enumerate(members))) for request, members in groups}
+        self._groups = {**back, **self._groups}
 
     def generate(
         self,
@@ -111,6 +157,8 @@ class PartialGenerator:
         filtered = generated = 0
         finish_times: list[float] = []
         running: dict[concurrent.futures.Future[Any], tuple[str, int, PartialResponse | None, str, SGLangClient]] = {}
+        self._in_flight = running  # what an error leaves in flight, aborted by close
+        stopping = False  # stop() said stop: everything in flight aborted, nothing handed out
 
         def submit(group: _Group, k: int, partial: PartialResponse | None) -> None:
             self._serial += 1
@@ -120,6 +168,9 @@ class PartialGenerator:
             else:
                 ids, left = partial.continuation_ids(), partial.tokens_left
             params = {**self.sampling, "n": 1, "max_new_tokens": left}
+            if self.seed is not None:
+                continuation = 0 if partial is None else partial.continuations + 1
+                params["sampling_seed"] = request_seed(self.seed, group.request.key, k, continuation)
             client = self.clients[self._serial % len(self.clients)]
             future = self._pool.submit(client.generate, ids, params, True, self.timeout, rid)
             running[future] = (group.request.key, k, partial, rid, client)
@@ -128,10 +179,16 @@ class PartialGenerator:
             nonlocal filtered
             group = self._groups[key]
             members = [group.done[k] for k in range(len(group.request.max_new_tokens))]
-            if len(accepted) >= target:
+            if len(accepted) >= target or stopping:
                 return  # complete after the target: offered first next step
+            try:
+                keep = accept is None or accept(group.request, members)
+            except Exception:
+                if self.stop is not None and self.stop():
+                    return  # the stop interrupted its judging: it stays in progress, complete
+                raise
             del self._groups[key]
-            if accept is None or accept(group.request, members):
+            if keep:
                 accepted.append((group.request, members))
             else:
                 filtered += 1
@@ -162,11 +219,17 @@ class PartialGenerator:
                 for k in range(len(request.max_new_tokens)):
                     submit(group, k, None)
 
+        def abort(keep: set[str]) -> None:
+            for key, _, _, rid, client in list(running.values()):
+                if key not in keep:
+                    client.abort(rid)
+
         top_up()
         aborting = False
+        poll = None if self.stop is None else STOP_POLL_S
         while running:
-            done, _ = concurrent.futures.wait(list(running), return_when=concurrent.futures.FIRST_COMPLETED)
-            for future in done:
+            done, _ = concurrent.futures.wait(list(running), poll, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in [f for f in running if f in done]:  # in the order requested
                 key, k, partial, _, _ = running.pop(future)
                 [out] = future.result()
                 more = parse_output(out, 0, True)
@@ -191,14 +254,19 @@ class PartialGenerator:
                 finish_times.append(time.monotonic() - start)
                 if len(group.done) == len(group.request.max_new_tokens):
                     take_complete(key)
-            if len(accepted) >= target and not aborting:
+            if not stopping and self.stop is not None and self.stop():
+                stopping = aborting = True
+                abort(keep=set())  # the rule finish's responses too: their tokens are kept all the same
+            elif len(accepted) >= target and not aborting:
                 aborting = True
-                keep = {key for key, g in self._groups.items() if g.must_finish}
-                for key, _, _, rid, client in list(running.values()):
-                    if key not in keep:
-                        client.abort(rid)
+                abort(keep={key for key, g in self._groups.items() if g.must_finish})
             elif not aborting:
                 top_up()
+        if stopping:
+            self.give_back(accepted)
+            raise GenerationStopped(
+                f"generation stopped: {len(self.buffer)} responses buffered, {len(self._groups)} groups in progress"
+            )
 
         after = self.buffer.counts
         responses = [m for _, members in accepted for m in members]

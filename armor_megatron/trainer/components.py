@@ -16,6 +16,7 @@ from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
 from armor_megatron.config.validate import hf_config_of
+from armor_megatron.rewards.isolated import calls_interrupted
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.rollout.partial import PartialBuffer
@@ -51,6 +52,8 @@ def partial_generator(cfg: RunConfig, engine: RolloutEngine, sampling: SamplingP
         PartialBuffer(part.max_versions, part.stale),
         over_provision=part.over_provision,
         timeout=cfg.rollout.sglang.request_timeout_s,
+        seed=cfg.rollout.seed if engine.deterministic else None,  # a seed per request, as the engine sends them
+        stop=calls_interrupted,  # the preemption signal: abort what is in flight, keep its tokens
     )
 
 

@@ -88,7 +88,7 @@ from armor_megatron.rollout.anchor.build import build_anchor_cache, source_keeps
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.engine import RolloutEngine, WeightSource
 from armor_megatron.rollout.partial import Finished, PartialStateError
-from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator
+from armor_megatron.rollout.partial_generation import GenerationStopped, GroupRequest, PartialGenerator
 from armor_megatron.trainer import components
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collaborators import (
@@ -492,24 +492,32 @@ class ArmorTrainer:
             return bool(dynamic_sampling_keep(torch.tensor([scored[request.key][0]]))[0])
 
         new_groups = math.ceil(P * part.over_provision) * (1 + ds.max_oversample_rounds) if ds.enabled else None
-        accepted, metrics = self._partial.generate(
-            itertools.islice(supply(), new_groups), P, engine.weight_version, accept if ds.enabled else None
-        )
+        try:
+            accepted, metrics = self._partial.generate(
+                itertools.islice(supply(), new_groups), P, engine.weight_version, accept if ds.enabled else None
+            )
+        except GenerationStopped as stopped:  # the preemption signal: the generator kept every token
+            raise CallsInterrupted(str(stopped)) from None
         if not accepted:
             return None, metrics
+        accepted.sort(key=lambda group: int(group[0].key.split(":")[1]))  # by draw: no row order decided by time
         metrics.update(check_spans([m.spans for _, ms in accepted for m in ms], step, part.max_versions))
         rows = [self._rows_by_index[int(r.key.split(":")[0])] for r, _ in accepted]
-        batch, round_metrics = collect_groups(
-            rows,
-            self.encode,
-            engine,
-            self.settings,
-            pad_id=self.tokenizer.pad_token_id or 0,
-            generated=[[m.sample for m in ms] for _, ms in accepted],
-            group_scores=([scored[r.key][0] for r, _ in accepted], sum(t for _, t in scored.values()))
-            if ds.enabled
-            else None,
-        )
+        try:
+            batch, round_metrics = collect_groups(
+                rows,
+                self.encode,
+                engine,
+                self.settings,
+                pad_id=self.tokenizer.pad_token_id or 0,
+                generated=[[m.sample for m in ms] for _, ms in accepted],
+                group_scores=([scored[r.key][0] for r, _ in accepted], sum(t for _, t in scored.values()))
+                if ds.enabled
+                else None,
+            )
+        except CallsInterrupted:  # the signal stopped their scoring: the groups stay with the generator
+            self._partial.give_back(accepted)
+            raise
         return self._with_advantages(batch, {**round_metrics, **metrics})
 
     def _partial_rollout_state(self) -> dict[str, Any] | None:
@@ -903,7 +911,11 @@ class ArmorTrainer:
             self._log_checkpointed_step(reporter)
         self._park_trainer()  # engines generate from here on: the evaluation at step 0 too
         # a preemption signal also stops the reward calls in flight: a step stuck in a verifier ends
-        with PreemptionHandler(on_signal=self._stop_reward_calls) as preemption, _calls_allowed_after():
+        with (
+            PreemptionHandler(on_signal=self._stop_reward_calls) as preemption,
+            _calls_allowed_after(),
+            self._partial_generator_closed(),
+        ):
             self._preemption = preemption
             if self.step == 0 and cfg.eval.every_steps:
                 last = self._evaluate_start(logger)
@@ -933,6 +945,15 @@ class ArmorTrainer:
         if reporter is not None:
             reporter.close()
         return last if self.is_driver else {}
+
+    @contextlib.contextmanager
+    def _partial_generator_closed(self) -> Iterator[None]:
+        """Driver: the partial generator's requests and threads are stopped when the run ends, however it ends."""
+        try:
+            yield
+        finally:
+            if self._partial is not None:
+                self._partial.close()
 
     @collective
     def _step(
@@ -1005,13 +1026,15 @@ class ArmorTrainer:
         """Driver: `_step_batch`, or ``STOPPED`` when a preemption signal stopped its reward calls.
 
         Then the loader (and a batch generated during the last step) go back to where the step
-        began, so the resumed run trains on the same prompts.
+        began, so the resumed run trains on the same prompts; with ``rollout.partial`` the loader
+        stays where it is: the generator kept the groups drawn, with their tokens, for the checkpoint.
         """
         before, pending = self._prompts.state_dict(), self._pending
         try:
             return self._step_batch(report)
         except CallsInterrupted:
-            self._prompts.load_state_dict(before)
+            if not self.cfg.rollout.partial.enabled:  # partial rollouts: the generator holds what was drawn
+                self._prompts.load_state_dict(before)
             self._pending = pending  # a batch generated during the last step stays for the checkpoint
             return STOPPED, {}
 

@@ -1,11 +1,20 @@
 """The partial generator against the SGLang TEST DOUBLE with decode time: stop at the target, abort, continue."""
 
+import threading
+import time
+
 import pytest
 
 from armor_megatron.rollout.engine import SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.partial import PartialBuffer, Span
-from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator, percentile
+from armor_megatron.rollout.partial_generation import (
+    GenerationStopped,
+    GroupRequest,
+    PartialGenerator,
+    percentile,
+    request_seed,
+)
 from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
@@ -117,3 +126,63 @@ def test_requests_spread_over_servers_and_each_abort_reaches_its_server(server, 
         assert server.requests["/abort_request"] == second.requests["/abort_request"] == 1
         assert len(gen.buffer) == 2 and gen.buffer.tokens < 40  # cut where decoding was, on both servers
         gen.close()
+
+
+def test_seeded_requests_continue_a_response_to_the_same_tokens_in_any_run(tiny_ckpt):
+    path, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "7+7="))
+    engine = LocalEngine.from_pretrained(path, weight_version="step-0")
+    with SGLangTestServer(engine, deterministic=True, seconds_per_token=0.1) as server:
+        sampled = {"temperature": 1.0}
+
+        def generator(seed, state=None):
+            gen = PartialGenerator(
+                SGLangClient(server.url, request_timeout=60), sampled, PartialBuffer(), 2.0, seed=seed
+            )
+            if state is not None:
+                gen.load_state_dict(state)
+            return gen
+
+        gen = generator(seed=7)
+        supply = iter([GroupRequest("short", p, (2, 2, 2)), GroupRequest("long", p, (30, 30, 30))])
+        first, _ = gen.generate(supply, target=1, version="step-0")
+        saved = gen.state_dict()
+        assert [r.key for r, _ in first] == ["short"] and len(saved["buffer"]["items"]) == 3
+        [(_, continued)] = gen.generate(iter(()), target=1, version="step-0")[0]
+        assert len({m.sample.token_ids for m in continued}) == 3  # a seed per response: the group's responses differ
+        for seed, same in (
+            (7, True),
+            (8, False),
+        ):  # a resumed generator continues them to the same tokens; the seed decides
+            resumed = generator(seed, saved)
+            [(_, again)] = resumed.generate(iter(()), target=1, version="step-0")[0]
+            assert ([m.sample.token_ids for m in again] == [m.sample.token_ids for m in continued]) is same
+            assert ([m.sample.logprobs for m in again] == [m.sample.logprobs for m in continued]) is same
+            resumed.close()
+        gen.close()
+        assert request_seed(7, "long", 0, 1) != request_seed(7, "long", 0, 0) != request_seed(7, "long", 1, 0)
+
+
+def test_a_stop_aborts_everything_in_flight_and_keeps_every_token(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "9+9="))
+    stop = threading.Event()
+    client = SGLangClient(server.url, request_timeout=60)
+    gen = PartialGenerator(client, GREEDY, PartialBuffer(max_versions=2), over_provision=2.0, stop=stop.is_set)
+    supply = iter([GroupRequest("done", p, (1, 1)), GroupRequest("a", p, (30, 30)), GroupRequest("b", p, (30, 2))])
+    threading.Timer(0.8, stop.set).start()  # the short groups are complete by then, the long responses decode
+    started = time.monotonic()
+    with pytest.raises(GenerationStopped):
+        gen.generate(supply, target=3, version="step-0")
+    assert time.monotonic() - started < 2.0  # not the 3 s the long responses take
+    assert server.decoding() == []
+    state = gen.state_dict()
+    groups = {g["key"]: g for g in state["groups"]}
+    assert sorted(groups) == ["a", "b", "done"]  # the complete group was not handed out: kept
+    buffered = {p["key"]: p for p in state["buffer"]["items"]}
+    assert sorted(buffered) == ["a/0", "a/1", "b/0"] and sorted(groups["b"]["done"]) == ["1"]
+    assert all(0 < len(p["token_ids"]) < 30 for p in buffered.values())  # cut where decoding was, kept
+    stop.clear()
+    done, metrics = gen.generate(iter(()), target=3, version="step-0")  # the next call continues them
+    assert sorted(r.key for r, _ in done) == ["a", "b", "done"] and metrics["partial/continued"] == 3
+    gen.close()
