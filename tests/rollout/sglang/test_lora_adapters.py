@@ -145,3 +145,21 @@ def test_what_sglang_refuses_is_refused(lora_server, tiny_ckpt):
             bare.load_adapter("policy-step-1-ref-0", _config(), adapter, "step-1")
         with pytest.raises(SGLangHTTPError, match="LoRA is not enabled"):
             bare.workers[0].generate(PROMPTS[0], {"max_new_tokens": 2}, lora_path="a")
+
+
+def test_an_adapter_applies_to_the_base_the_server_holds_now(lora_server, tiny_ckpt, tmp_path):
+    """A reference reset pushes a new base: requests naming an adapter loaded before apply it to the new base."""
+    from armor_megatron.rollout.testing.tiny_models import make_tiny_checkpoint
+
+    _, hf_config, _ = tiny_ckpt
+    other = str(tmp_path / "other")
+    make_tiny_checkpoint(other, seed=7, sharpen=8.0)
+    adapter, config = _adapter(hf_config, seed=1), _config()
+    engine = SGLangEngine([lora_server.url], weight_version="step-0")
+    engine.load_adapter("policy-step-1-ref-0", config, adapter, "step-1")
+    engine.generate(PROMPTS[:1], 1, SAMPLING)  # the adapter applied to the first base
+    engine.update_weights(other, "step-1")
+    [[s]] = engine.generate(PROMPTS[:1], 1, SAMPLING)
+    want = _logprobs(_peft_model(other, adapter, config), PROMPTS[0], s)
+    assert torch.allclose(torch.tensor(s.logprobs), want, atol=1e-4)
+    engine.shutdown()
