@@ -8,6 +8,7 @@ to it; checks that involve several fields live in ``armor_megatron.config.valida
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any, Literal
 
 from armor_megatron.algo.advantages import ADVANTAGE_ESTIMATORS
@@ -422,6 +423,18 @@ class ReferenceConfig:
 
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # megatron's names of the adaptable linears
+# HF PEFT's names of each target's logical projections (one adapter each), as the adapters are exported
+LORA_PEFT_MODULES = {
+    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
+    "linear_proj": ("o_proj",),
+    "linear_fc1": ("gate_proj", "up_proj"),
+    "linear_fc2": ("down_proj",),
+}
+
+
+def lora_peft_modules(targets: Sequence[str]) -> list[str]:
+    """The PEFT ``target_modules`` of megatron ``targets`` (sorted): an adapter's config, SGLang's ``--lora-target-modules``."""
+    return sorted({p for t in targets for p in LORA_PEFT_MODULES[t]})
 
 
 def _lora_targets(x: Any) -> str | None:
@@ -453,6 +466,13 @@ class LoRAConfig:
         factory=lambda: list(LORA_TARGETS),
         check=described(f"non-empty list of {', '.join(LORA_TARGETS)}", _lora_targets),
         help="megatron linears that get adapters (MoE models: linear_qkv and linear_proj only)",
+    )
+    sync: Literal["merged", "adapter"] = checked(
+        "merged",
+        help="what the policy engines get each step: merged, the weights W + s·B·A through rollout.sglang.weight_sync; "
+        "adapter (SGLang only), A and B alone, loaded at run time and named by policy requests, the base pushed "
+        "after each reference reset; with anchor.source swap, anchors are requests without the adapter: no swap "
+        "(docs/lora.md)",
     )
 
 

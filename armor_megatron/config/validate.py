@@ -594,6 +594,8 @@ def _check_lora(cfg: RunConfig) -> None:
     """Layouts the actor's adapters (``megatron.lora``) cannot be built on, each refused in one line."""
     lora = cfg.lora
     if not lora.enabled:
+        if lora.sync == "adapter":
+            raise ConfigError("lora.sync", "adapter sends the adapters of lora.enabled: true, which is off")
         return
     if cfg.model.spec == "te":
         raise ConfigError(
@@ -607,6 +609,7 @@ def _check_lora(cfg: RunConfig) -> None:
         raise ConfigError("reference.init_from", "with lora the reference is the actor's base weights; unset it")
     if cfg.reference.offload:
         raise ConfigError("reference.offload", "with lora the reference is the actor's own base: nothing to offload")
+    _check_lora_sync(cfg)
     arch = model_arch_of(cfg)
     if arch is None:
         return
@@ -616,6 +619,20 @@ def _check_lora(cfg: RunConfig) -> None:
     if arch.is_moe and experts:
         raise ConfigError(
             "lora.target_modules", f"{experts[0]} of an MoE model is its experts, which get no adapters; drop it"
+        )
+
+
+def _check_lora_sync(cfg: RunConfig) -> None:
+    """``lora.sync: adapter``: what SGLang 0.5.23's run-time adapters take (`rollout.sglang.lora_adapters`)."""
+    if cfg.lora.sync != "adapter":
+        return
+    if cfg.rollout.engine != "sglang":
+        raise ConfigError(
+            "lora.sync", f"adapter loads A and B into SGLang servers; rollout.engine is {cfg.rollout.engine!r}"
+        )
+    if cfg.rollout.partial.enabled:
+        raise ConfigError(
+            "lora.sync", "adapter does not work with rollout.partial (its requests do not name the adapter); use merged"
         )
 
 

@@ -36,7 +36,7 @@ import shlex
 from collections.abc import Mapping, Sequence
 from typing import Literal, cast
 
-from armor_megatron.config.schema import API_KEY_ENV, RunConfig
+from armor_megatron.config.schema import API_KEY_ENV, RunConfig, lora_peft_modules
 from armor_megatron.config.validate import launched_reference_engines
 from armor_megatron.errors import UserInputError
 from armor_megatron.launch.slurm_env import SlurmEnv
@@ -332,6 +332,18 @@ def _check_weight_sync(cfg: RunConfig, engines: Sequence[EngineStep], driver_nod
             )
 
 
+def lora_server_args(rank: int, target_modules: Sequence[str]) -> list[str]:
+    """The flags that let SGLang 0.5.23 load adapters of rank <= ``rank`` on ``target_modules`` (PEFT names) at run time.
+
+    Without ``--lora-paths`` SGLang needs both ``--max-lora-rank`` and ``--lora-target-modules``
+    (``check_lora_server_args``); its ``--max-loras-per-batch`` (8, base requests included) is left
+    as it is: a step holds at most two adapters, the new one and, until it is unloaded, the previous.
+    """
+    if rank < 1 or not target_modules:
+        raise ValueError(f"LoRA serving needs a rank >= 1 and target modules, got {rank} and {list(target_modules)}")
+    return ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *target_modules]
+
+
 def _engine_step(
     cfg: RunConfig,
     opts: LaunchOptions,
@@ -375,6 +387,8 @@ def _engine_step(
         server.append("--enable-memory-saver")  # release/resume_memory_occupation around training
     if sg.deterministic:  # sampling_seed honoured, batch-invariant kernels (SGLangEngine sends per-sample seeds)
         server.append("--enable-deterministic-inference")
+    if group == "policy" and cfg.lora.enabled and cfg.lora.sync == "adapter":  # the trainer loads A and B each step
+        server += lora_server_args(cfg.lora.rank, lora_peft_modules(cfg.lora.target_modules))
     # --overlap: engine steps share nodes with each other and, colocated, with the trainer step.
     srun = ["srun", "--overlap", "--nodes=1", "--ntasks=1", f"--nodelist={node}"]
     srun += _cpus_per_task(opts, sg.tp_per_engine) + _srun_common(opts)

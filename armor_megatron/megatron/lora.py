@@ -59,18 +59,13 @@ from typing import Any
 
 import torch
 
+from armor_megatron.config.schema import LORA_PEFT_MODULES, LORA_TARGETS, lora_peft_modules
 from armor_megatron.errors import UserInputError
 from armor_megatron.megatron.logprobs import LogProbs
 
-TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+TARGETS = LORA_TARGETS
 _OWNER = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
-# HF PEFT's names of each target's logical projections (one adapter each)
-PROJECTIONS = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
+PROJECTIONS = LORA_PEFT_MODULES  # HF PEFT's names of each target's logical projections (one adapter each)
 CHECKPOINT_KEY = "lora"  # the adapter module's attribute on its linear, and its key segment
 
 
@@ -431,6 +426,7 @@ def peft_adapter_tensors(model_chunks: Sequence[torch.nn.Module]) -> dict[str, t
             for projection, param in params.items():
                 t = param.detach()
                 if (kind == "B") == a.column and a.tp_size > 1:
+                    t = t.to(_collective_device(a.tp_group))  # a host copy (offloaded trainer) gathers on the GPU
                     parts = [torch.empty_like(t) for _ in range(a.tp_size)]
                     dist.all_gather(parts, t.contiguous(), group=a.tp_group)
                     t = torch.cat(parts, dim=0 if a.column else 1)
@@ -441,6 +437,36 @@ def peft_adapter_tensors(model_chunks: Sequence[torch.nn.Module]) -> dict[str, t
     gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, gathered, dst=0)
     return {k: v for part in gathered for k, v in part.items()} if gathered is not None else None
+
+
+def peft_adapter_config(settings: LoRASettings, base: str = "") -> dict[str, Any]:
+    """HF PEFT's ``adapter_config.json`` of the adapters (``base``: ``base_model_name_or_path``).
+
+    What `save_peft_adapter` writes and what SGLang's ``/load_lora_adapter_from_tensors`` takes as
+    ``config_dict`` (it reads ``r``, ``lora_alpha`` and ``target_modules``).
+    """
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": settings.rank,
+        "lora_alpha": settings.alpha,
+        "lora_dropout": settings.dropout,
+        "target_modules": lora_peft_modules(settings.targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "inference_mode": True,
+    }
+
+
+def _collective_device(group: Any) -> torch.device:
+    """Where ``group``'s collectives take tensors: this rank's GPU under NCCL, else the host."""
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def save_peft_adapter(
@@ -463,20 +489,7 @@ def save_peft_adapter(
     tensors = peft_adapter_tensors(model_chunks)
     if tensors is None:
         return
-    modules = sorted({p for t in settings.targets for p in PROJECTIONS[t]})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
-        "r": settings.rank,
-        "lora_alpha": settings.alpha,
-        "lora_dropout": settings.dropout,
-        "target_modules": modules,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "inference_mode": True,
-    }
+    config = peft_adapter_config(settings, base)
     tmp = f"{out_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:12]}"
     os.makedirs(tmp)
     try:
@@ -489,6 +502,11 @@ def save_peft_adapter(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def base_export_chunks(model_chunks: Sequence[torch.nn.Module]) -> list[Any]:
+    """The chunks read as their base weights (adapters off, nothing merged): what the weight export sends for π_ref."""
+    return [BaseWeights(_unwrapped(c)) for c in model_chunks]
 
 
 def export_chunks(model: Any) -> list[Any]:
@@ -517,7 +535,7 @@ class LoRAReference:
     @property
     def export_chunks(self) -> list[BaseWeights]:
         """The actor's chunks read as their base weights (see `export_merges`)."""
-        return [BaseWeights(_unwrapped(c)) for c in self.actor.model_chunks]
+        return base_export_chunks(self.actor.model_chunks)
 
     def compute_logprobs(self, input_ids: torch.Tensor, lengths: torch.Tensor) -> LogProbs:
         """Log-probs log π_ref [N, L] of every token: the actor's forward with its adapters off, on every rank."""

@@ -8,7 +8,8 @@
                   returns per response token (outcome reward on the last token)        (all ranks)
         update:   mini-batches × epochs of the mixed-ratio DAPO loss                  (all ranks)
                   and, with a critic, of the clipped value loss on the same mini-batches
-        sync:     actor weights -> rollout engine (HF names, new weight_version)
+        sync:     actor weights -> rollout engine (HF names, new weight_version); with lora.sync
+                  adapter, the adapters' A and B only (`trainer.adapter_sync`)
         eval:     the policy of this step, served by the engine                       (driver rank)
         reset:    if the schedule says so (it may read the eval), θ_ref ← θ in the trainer AND the anchor source
         checkpoint, log; on SIGTERM/SIGUSR1 checkpoint and exit for requeue
@@ -44,10 +45,12 @@ rank's sequence at TP=2 × PP=2 and checks that they are identical.
         broadcast_tensors                            the driver's batch (BATCH_TENSORS), None without signal
         _trainer_on_device release → device → host   a barrier once the engines released, one before they resume
           update                                     Megatron's: TP/PP in the layers, the token count, DDP, grad norm
-        sync_weights                                 the actor's export (every owner drives it)
+        sync_weights                                 the actor's export (every owner drives it), or the
+                                                     adapters' gather (lora.sync adapter)
         broadcast_object                             the step's metrics, the driver's evaluation included
         _trainer_on_device on a reset or a save      as above
-          reset_reference                            θ_ref ← θ, then the reference's export
+          reset_reference                            θ_ref ← θ, then the reference's export (lora.sync
+                                                     adapter: then the base's export and the adapters' gather)
           checkpoint                                 `dist_checkpointing` save (``save`` as passed to run)
         save_hf            when due                  the actor's export into an HF directory
         max_over_ranks                               the peak memory of the throughput metrics
@@ -65,7 +68,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -90,6 +93,7 @@ from armor_megatron.rollout.engine import RolloutEngine, WeightSource
 from armor_megatron.rollout.partial import Finished, PartialStateError
 from armor_megatron.rollout.partial_generation import GenerationStopped, GroupRequest, PartialGenerator
 from armor_megatron.trainer import components
+from armor_megatron.trainer.adapter_sync import AdapterEngine, AdapterSync
 from armor_megatron.trainer.advantages import gae_targets, group_advantages
 from armor_megatron.trainer.collaborators import (
     Actor,
@@ -162,7 +166,9 @@ class ArmorTrainer:
     ``(policy_engine, reference_engine)`` on the driver from the first exported weights (the local
     engine on CPU, SGLang clients on GPUs); ``export_weights`` gives a model's read-once export;
     ``reference``: None when neither the mixed ratio (α < 1) nor the anchors need π_ref;
-    ``critic``: the value model of estimator gae, None otherwise.
+    ``critic``: the value model of estimator gae, None otherwise; ``adapter_sync``: with
+    ``lora.sync: adapter``, what the policy engines get instead of the actor's merged weights
+    (`trainer.adapter_sync`).
     """
 
     def __init__(
@@ -175,8 +181,12 @@ class ArmorTrainer:
         make_engines: EngineFactory,
         export_weights: WeightExporter,
         critic: Critic | None = None,
+        adapter_sync: AdapterSync | None = None,
     ) -> None:
         self.cfg, self.arch = cfg, arch
+        self.adapter_sync = adapter_sync
+        # what the policy engines release while the trainer updates: with adapter sync they keep the base
+        self._policy_release = REFERENCE_RELEASE if adapter_sync is not None else POLICY_RELEASE
         self.actor, self.reference, self.critic = actor, reference, critic
         self.tokenizer = tokenizer
         self.export_weights = export_weights
@@ -293,13 +303,15 @@ class ArmorTrainer:
             self._park_trainer()  # the first push follows a step's order: it streams from the host copy
         host = self.trainer_memory.host_views(self.actor, self.reference) if self.trainer_memory else None
         with host or contextlib.nullcontext():
-            policy_export = self.export_weights(self.actor)
+            # with adapter sync the policy engines get the base, then the adapters (`_sync_adapter` below)
+            policy_export = self.export_weights(self.actor) if self.adapter_sync is None else self.adapter_sync.base()
             ref_export = self.export_weights(self.reference) if self.reference is not None else None
             policy: WeightSource = policy_export
             ref: WeightSource | None = ref_export
             if source_keeps_host_weights(self.cfg) or not self.is_driver:
                 policy, ref = list(policy_export), _materialise(ref_export)
             if not self.is_driver:
+                self._sync_adapter()
                 return
             self.policy_engine, self.reference_engine = self._make_engines(
                 policy, ref, policy_version=f"step-{self.step}", reference_version=self._ref_version()
@@ -307,6 +319,7 @@ class ArmorTrainer:
             policy_export.close()  # the policy engine read it to the end (else this raises: the job would hang)
             if ref_export is not None:
                 ref_export.drain()  # pushed nowhere (no anchors from a separate engine): still drive its collectives
+            self._sync_adapter()
         self.anchors = build_anchor_cache(
             self.cfg,
             self.sampling,
@@ -716,6 +729,8 @@ class ArmorTrainer:
                 ref = self.reference.compute_logprobs(batch["input_ids"], batch["lengths"])
                 batch["ref_logprobs"] = to_host(ref.logprobs)
         metrics: dict[str, Any] = {"rollout/logprob_abs_diff": [engine_trainer_gap(batch)]}
+        if "ref_logprobs" in batch and bool(batch["is_anchor"].any()):
+            metrics["rollout/anchor_logprob_abs_diff"] = [anchor_reference_gap(batch)]
         if cfg.algorithm.tis.enabled:  # π_old / π_engine on on-policy tokens, truncated; anchors weigh 1
             batch["tis_weights"], tis = truncated_is_weights(
                 batch["old_logprobs"],
@@ -750,26 +765,40 @@ class ArmorTrainer:
         return {k: sum(v) / len(v) for k, v in metrics.items()}
 
     @collective
-    def sync_weights(self, timer: StepTimer) -> None:
-        """All ranks: push the new policy to the engine (the driver talks to it).
+    def sync_weights(self, timer: StepTimer) -> dict[str, float]:
+        """All ranks: push the new policy to the engine (the driver talks to it); with adapter sync, its adapters.
 
         Colocated, the policy engines take their weights' memory back first, the weights stream from
-        the trainer's host copy, and the KV cache and graphs come back after.
+        the trainer's host copy, and the KV cache and graphs come back after. With ``lora.sync:
+        adapter`` the engines kept their base weights; only the adapters go (``sync/adapter_bytes``).
         """
+        metrics: dict[str, float] = {}
         with timer.phase("weight_sync"):
-            self._resume_engines(("weights",), ())
-            with self._host_weights(self.actor), self.export_weights(self.actor) as export:
-                if self.is_driver:
-                    weights: WeightSource = export
-                    if self.anchors is not None:  # the anchor source keeps what it swaps back in
-                        weights = self.anchors.sampler.source.policy_weights_pushed(export)
-                    self._engine.update_weights(weights, f"step-{self.step}")
-                else:
-                    export.drain()
+            self._resume_engines(tuple(t for t in self._policy_release if t not in KV_AND_GRAPHS), ())
+            if self.adapter_sync is not None:
+                metrics = self._sync_adapter()
+            else:
+                with self._host_weights(self.actor), self.export_weights(self.actor) as export:
+                    if self.is_driver:
+                        weights: WeightSource = export
+                        if self.anchors is not None:  # the anchor source keeps what it swaps back in
+                            weights = self.anchors.sampler.source.policy_weights_pushed(export)
+                        self._engine.update_weights(weights, f"step-{self.step}")
+                    else:
+                        export.drain()
             if self._colocated():
                 free_device_cache()  # the push's staged buckets and IPC-shared blocks, before the KV cache returns
                 barrier()
             self._resume_engines(KV_AND_GRAPHS, KV_AND_GRAPHS)
+        return metrics
+
+    def _sync_adapter(self) -> dict[str, float]:
+        """With adapter sync, every rank: the actor's adapters gathered, loaded into the policy engines by the driver."""
+        if self.adapter_sync is None:
+            return {}
+        with self._host_weights(self.actor):
+            engine = cast(AdapterEngine, self._engine) if self.is_driver else None
+            return self.adapter_sync.push_adapter(engine, f"step-{self.step}", self._ref_version())
 
     @collective
     def reset_reference(self, timer: StepTimer) -> dict[str, Any]:
@@ -786,7 +815,12 @@ class ArmorTrainer:
                     self.anchors.sampler.source.reset(ref_weights, self._ref_version())
                     self.anchors.reset(self._ref_version())
                 ref_weights.drain()  # drives the export's collectives wherever nothing consumed it
-        return {"reference/reset": 1.0}
+            metrics = {"reference/reset": 1.0}
+            if self.adapter_sync is not None:  # the merge changed the base: the policy engines get it, then B = 0
+                engine = cast(AdapterEngine, self._engine) if self.is_driver else None
+                self.adapter_sync.push_base(engine, f"step-{self.step}")
+                metrics.update(self._sync_adapter())
+        return metrics
 
     def _reset_due(self, step_metrics: dict[str, Any]) -> bool:
         """The schedule's decision (it may read this step's validation); asked once per step."""
@@ -972,7 +1006,7 @@ class ArmorTrainer:
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
         if isinstance(tensors, str):  # STOPPED
             return None
-        with report.update_window(), self._trainer_on_device(POLICY_RELEASE, REFERENCE_RELEASE, resume=False):
+        with report.update_window(), self._trainer_on_device(self._policy_release, REFERENCE_RELEASE, resume=False):
             if tensors is None:
                 metrics["train/skipped_no_signal"] = 1.0  # every group had equal rewards
             else:
@@ -983,7 +1017,7 @@ class ArmorTrainer:
             with report.phase("rollout"):  # the trainer waits for the next step's batch, if it is not ready
                 self._pending = self._join_pending()
             report.generated(self._pending)
-        self.sync_weights(report)
+        metrics.update(self.sync_weights(report))
         eval_due = bool(cfg.eval.every_steps and self.step % cfg.eval.every_steps == 0)
         if self.is_driver:
             # the policy's own accuracy: anchors score 1 by construction
@@ -1159,6 +1193,13 @@ def engine_trainer_gap(batch: dict[str, Any]) -> float:
     """
     mask = batch["response_mask"] * (~batch["is_anchor"].bool()).unsqueeze(1)
     gap = ((batch["engine_logprobs"] - batch["old_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
+    return float(gap)
+
+
+def anchor_reference_gap(batch: dict[str, Any]) -> float:
+    """Mean |lp_engine − lp_ref| over anchor response tokens: ~0 when the anchors' engine sampled π_ref's weights."""
+    mask = batch["response_mask"] * batch["is_anchor"].bool().unsqueeze(1)
+    gap = ((batch["engine_logprobs"] - batch["ref_logprobs"]).abs() * mask).sum() / mask.sum().clamp(min=1)
     return float(gap)
 
 

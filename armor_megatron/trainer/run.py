@@ -24,6 +24,7 @@ from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.validate import model_arch_of
 from armor_megatron.errors import MissingInputError
 from armor_megatron.trainer import components
+from armor_megatron.trainer.adapter_sync import AdapterSync
 from armor_megatron.trainer.collectives import broadcast_object
 from armor_megatron.trainer.hf_save import (
     export_unfinished,
@@ -54,6 +55,7 @@ def initial_weights(cfg: RunConfig) -> str:
 def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
     """Run ``cfg`` in this process (one rank of the job); returns the driver's final metrics."""
     from armor_megatron.megatron import checkpoint as ckpt
+    from armor_megatron.megatron import lora
     from armor_megatron.megatron.actor import MegatronActor
     from armor_megatron.megatron.dist import ParallelConfig, initialize
     from armor_megatron.megatron.lora import LoRAReference, LoRASettings, export_chunks
@@ -118,6 +120,13 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.model.path)
     hf_config = load_hf_config(cfg.model.path)
     make_engines = components.engine_factory(cfg, hf_config, tokenizer)
+    adapter_sync = None
+    if actor.lora is not None and cfg.lora.sync == "adapter":  # the engines get A and B, and the base after resets
+        adapter_sync = AdapterSync(
+            adapter=lambda: lora.peft_adapter_tensors(actor.model_chunks),
+            config=lora.peft_adapter_config(actor.lora),
+            base=lambda: HFWeightExport(lora.base_export_chunks(actor.model_chunks), arch),
+        )
     trainer = ArmorTrainer(
         cfg,
         arch,
@@ -128,6 +137,7 @@ def train(cfg: RunConfig, resume: str | None = None) -> dict[str, Any]:
         # each owner delivers its share; a LoRA reference exports the actor's base (`lora.export_chunks`)
         export_weights=lambda model: HFWeightExport(export_chunks(model), arch),
         critic=critic,
+        adapter_sync=adapter_sync,
     )
 
     if os.path.isdir(checkpoint_dir(cfg)) and (not dist.is_initialized() or dist.get_rank() == 0):

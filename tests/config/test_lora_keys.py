@@ -22,6 +22,25 @@ BAD = [
     (TINY, [ON, "reference.offload=true"], "reference.offload: with lora the reference is the actor's own base"),
     (MOE, [ON, *TP1], "lora.target_modules: linear_fc1 of an MoE model is its experts"),
     (DEEPSEEK, [ON, "lora.target_modules=[linear_proj]", "--no-plan"], "lora.enabled: lora does not support MLA"),
+    (TINY, [ON, "lora.sync=delta"], "lora.sync: 'delta' is not one of"),
+    (TINY, ["lora.sync=adapter"], "lora.sync: adapter sends the adapters of lora.enabled: true, which is off"),
+    (
+        TINY,
+        [ON, "lora.sync=adapter"],
+        "lora.sync: adapter loads A and B into SGLang servers; rollout.engine is 'local'",
+    ),
+    (
+        SEVEN_B,
+        [
+            ON,
+            "model.spec=local",
+            "parallelism.sp=false",
+            "lora.sync=adapter",
+            "rollout.partial.enabled=true",
+            "anchor.enabled=false",
+        ],
+        "lora.sync: adapter does not work with rollout.partial",
+    ),
 ]
 
 
@@ -39,6 +58,7 @@ GOOD = [
     (TINY, [ON]),
     (TINY, [ON, "lora.rank=8", "lora.alpha=16", "lora.target_modules=[linear_qkv,linear_proj]"]),
     (MOE, [ON, "lora.target_modules=[linear_qkv,linear_proj]", *TP1]),
+    (SEVEN_B, [ON, "model.spec=local", "parallelism.sp=false", "lora.sync=adapter"]),
 ]
 
 

@@ -440,6 +440,31 @@ def test_deterministic_rollouts_start_the_engines_deterministic(load):
     assert "SGLANG_RETURN_ORIGINAL_LOGPROB" not in plan.env
 
 
+def test_lora_adapter_sync_starts_the_policy_engines_able_to_load_adapters(load):
+    lora = ("lora.enabled=true", "lora.rank=32", "model.spec=local", "parallelism.sp=false")
+    merged = plan_job(load("qwen25_math_7b_dapo_armor", *lora), env_of(["n1"]), train_args=ARGS)
+    assert not any("--enable-lora" in e.command for e in merged.engines)
+    cfg = load("qwen25_math_7b_dapo_armor", *lora, "lora.sync=adapter", "lora.target_modules=[linear_qkv,linear_fc2]")
+    plan = plan_job(cfg, env_of(["n1"]), train_args=ARGS)
+    flags = [
+        "--enable-lora",
+        "--max-lora-rank",
+        "32",
+        "--lora-target-modules",
+        "down_proj",
+        "k_proj",
+        "q_proj",
+        "v_proj",
+    ]
+    for e in plan.engines:  # the reference group (anchor.source separate) serves the base alone
+        if e.group == "policy":
+            at = e.command.index("--enable-lora")
+            assert list(e.command[at : at + len(flags)]) == flags, e.command
+        else:
+            assert "--enable-lora" not in e.command
+    assert {e.group for e in plan.engines} == {"policy", "reference"}
+
+
 @pytest.mark.parametrize("engines", [1, 0], ids=["launched engines", "external engines"])
 def test_an_api_key_override_never_reaches_the_trainers_command_line(load, engines):
     """``ps`` on every node shows the trainer's command line: the key goes by environment."""

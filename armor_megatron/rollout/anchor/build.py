@@ -26,9 +26,19 @@ def anchor_reward(text: str, truth: tuple[Any, ...], trajectory: Any = None) -> 
     return load_verifier(spec)(text, answer, fields).score
 
 
+def anchor_source_kind(cfg: RunConfig) -> str:
+    """``anchor.source``, except ``swap`` with ``lora.sync: adapter``: ``base``.
+
+    There the policy engines hold the base (π_ref) and the policy's adapter, so anchors are
+    requests that name no adapter: nothing to swap.
+    """
+    adapter_sync = cfg.lora.enabled and cfg.lora.sync == "adapter"
+    return "base" if adapter_sync and cfg.anchor.source == "swap" else cfg.anchor.source
+
+
 def source_keeps_host_weights(cfg: RunConfig) -> bool:
     """Whether the configured anchor source needs the weights as host copies (not a stream)."""
-    return cfg.anchor.enabled and ANCHOR_SOURCES[cfg.anchor.source].keeps_host_weights
+    return cfg.anchor.enabled and ANCHOR_SOURCES[anchor_source_kind(cfg)].keeps_host_weights
 
 
 def build_anchor_cache(
@@ -52,7 +62,7 @@ def build_anchor_cache(
     if not an.enabled:
         return None
     source = make_anchor_source(
-        an.source,
+        anchor_source_kind(cfg),
         policy_engine=policy_engine,
         reference_engine=reference_engine,
         reference_weights=reference_weights,

@@ -8,6 +8,10 @@ pushed in, anchors sampled, and the policy weights pushed back. No extra GPUs, t
 pushes per request, and nothing else may use the engines meanwhile (no background
 pre-generation).
 
+``base`` (not a config value: ``swap`` with ``lora.sync: adapter``, `build.anchor_source_kind`): the
+policy engines hold the base and the policy's LoRA adapter, so π_ref is the base: anchor requests
+name no adapter and sample it, with no weight swap (`BaseOfPolicyEngines`).
+
 Either way :meth:`reset` is the reference reset θ_ref ← θ: it installs new reference weights
 under a new ``version``; anchor caches keyed by that version drop their pools. The trainer
 hands every policy push through :meth:`policy_weights_pushed`, so the source keeps what it
@@ -17,10 +21,11 @@ says whether it needs the weights as host copies rather than a stream.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, WeightSource
 
@@ -175,9 +180,62 @@ class SwapReference:
             self.version = str(version)
 
 
-ANCHOR_SOURCES: dict[str, type[SeparateReference] | type[SwapReference]] = {
+class BaseServingEngine(Protocol):
+    """An engine that samples its base weights when asked (`SGLangEngine` with a loaded LoRA adapter)."""
+
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+        return_logprob: bool = True,
+        base: bool = False,
+    ) -> list[list[Sample]]:
+        """``base``: sample the base weights, without the adapter that policy requests name."""
+        ...
+
+
+class BaseOfPolicyEngines:
+    """π_ref as the policy engines' base weights: requests without the policy's LoRA adapter.
+
+    The trainer keeps the base current (it pushes the merged base after each reset, before the
+    fresh adapter), so nothing is swapped; the samples are labelled with the reference version
+    (``ref-<n>``), which the engines' own version (the policy's) does not say. Background
+    sampling is left off, as with ``swap``: the trainer's pushes expect no anchor requests in flight.
+    """
+
+    supports_background = False
+    keeps_host_weights = False
+
+    def __init__(self, engine: BaseServingEngine, reference_version: str):
+        self.engine = engine
+        self.version = str(reference_version)
+
+    def generate(
+        self,
+        prompts_token_ids: Sequence[Sequence[int]],
+        n: int,
+        sampling: SamplingParams,
+        timeout: float | None = None,
+    ) -> list[list[Sample]]:
+        """``n`` samples of the base per prompt, labelled with the reference's version."""
+        groups = self.engine.generate(prompts_token_ids, n, sampling, timeout=timeout, base=True)
+        return [[dataclasses.replace(s, weight_version=self.version) for s in group] for group in groups]
+
+    def reset(self, weights: WeightSource, version: str) -> None:
+        """Take the new reference's name; its weights, the merged base, reach the engines by the trainer's push."""
+        self.version = str(version)
+
+    def policy_weights_pushed(self, weights: WeightSource) -> WeightSource:
+        """The policy weights, unchanged (nothing to keep)."""
+        return weights
+
+
+ANCHOR_SOURCES: dict[str, type[SeparateReference] | type[SwapReference] | type[BaseOfPolicyEngines]] = {
     "separate": SeparateReference,
     "swap": SwapReference,
+    "base": BaseOfPolicyEngines,
 }
 
 
@@ -189,7 +247,14 @@ def make_anchor_source(
     reference_version: str | None = None,
     policy_weights: WeightProvider | None = None,
 ) -> AnchorSource:
-    """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest."""
+    """The ``anchor_source`` config switch: ``separate`` needs ``reference_engine``; ``swap`` needs the rest.
+
+    ``base`` (`build.anchor_source_kind`) needs the policy engine and the reference version.
+    """
+    if kind == "base":
+        if policy_engine is None or reference_version is None:
+            raise ValueError("anchor source 'base' needs the policy engine and the reference version")
+        return BaseOfPolicyEngines(cast(BaseServingEngine, policy_engine), reference_version)
     if kind == "separate":
         if reference_engine is None:
             raise ValueError("anchor_source 'separate' needs a reference engine")

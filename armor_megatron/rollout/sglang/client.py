@@ -91,7 +91,8 @@ def error_message(body: Any) -> str:
             return excerpt(err)
         if isinstance(err, dict) and "message" in err:
             return excerpt(str(err["message"]))
-        for key in ("message", "detail"):  # OpenAI-style {"object": "error", "message": ...}; FastAPI's detail
+        # OpenAI-style {"object": "error", "message": ...}; FastAPI's detail; a LoRA load's LoRAUpdateOutput
+        for key in ("message", "detail", "error_message"):
             if key in body:
                 return excerpt(str(body[key]))
     return excerpt(json.dumps(body))
@@ -199,6 +200,7 @@ class SGLangClient:
         return_logprob: bool = True,
         timeout: float | None = None,
         rid: str | None = None,
+        lora_path: str | None = None,
     ) -> list[dict[str, Any]]:
         """``POST /generate`` for one prompt; returns its raw outputs (dicts), retrying aborted ones.
 
@@ -207,6 +209,7 @@ class SGLangClient:
         ``rid``: the request's id, which :meth:`abort` names (SGLang runs the copies of a batch as
         ``<rid>_<i>``). A request with a ``rid`` is one the caller may abort: its aborted outputs
         come back as they are (the tokens generated so far, finish reason ``abort``), not retried.
+        ``lora_path``: the name of a loaded LoRA adapter to sample with (None: the base model).
         """
         ids = [int(t) for t in input_ids]
         body: dict[str, Any] = {
@@ -218,6 +221,8 @@ class SGLangClient:
             body["logprob_start_len"] = -1
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         check = self._check_reply_shape if rid is not None else self._check_generate_reply
         result = self.request("POST", "/generate", body, timeout=timeout, check=check)
         return result if isinstance(result, list) else [result]

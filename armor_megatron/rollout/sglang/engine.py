@@ -46,6 +46,11 @@ contents, until the next push (without ``--enable-weights-cpu-backup``); so an e
 do not change (the reference) releases only ``("kv_cache", "cuda_graph")``. Disaggregated mode
 (engines on their own GPUs or nodes): never release; push weights with ``distributed`` or
 ``disk`` sync.
+
+LoRA adapters (``lora.sync: adapter``, :mod:`armor_megatron.rollout.sglang.lora_adapters`):
+:meth:`load_adapter` loads the policy's adapter on every server, names it in every policy
+request (``lora_path``) and unloads the one before; ``generate(..., base=True)`` sends no
+``lora_path``, so it samples the base weights (π_ref's anchors), next to policy requests.
 """
 
 from __future__ import annotations
@@ -69,10 +74,12 @@ from armor_megatron.rollout.engine import (
     SamplingParams,
     ShardedWeights,
     WeightSource,
+    WeightUpdateError,
     check_memory_tags,
     check_prompts,
     check_versions,
 )
+from armor_megatron.rollout.sglang import lora_adapters
 from armor_megatron.rollout.sglang.client import RetryPolicy, SGLangClient, parse_output
 from armor_megatron.rollout.sglang.weight_sync import WeightSyncConfig, make_weight_sync
 
@@ -151,6 +158,8 @@ class SGLangEngine(RolloutEngine):
             router_url = router_process.url
         self.router = make(router_url) if router_url else None
         self.sync = make_weight_sync(self.workers, weight_sync or WeightSyncConfig())
+        self.tp_size = (weight_sync or WeightSyncConfig()).tp_size
+        self.adapter: str | None = None  # the LoRA adapter policy requests name (`load_adapter`); None: the base
         self.launcher = launcher
         if deterministic is None:
             deterministic = bool(launcher is not None and launcher.config.deterministic)
@@ -203,8 +212,13 @@ class SGLangEngine(RolloutEngine):
         sampling: SamplingParams,
         timeout: float | None = None,
         return_logprob: bool = True,
+        base: bool = False,
     ) -> list[list[Sample]]:
-        """``n`` samples per prompt from the SGLang servers, spread over them."""
+        """``n`` samples per prompt from the SGLang servers, spread over them.
+
+        With a loaded adapter (:meth:`load_adapter`) requests name it, unless ``base``: then they
+        sample the base weights, and their samples carry the server's version unchecked.
+        """
         check_prompts(prompts_token_ids, n)
         self._check_holding("generate")
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -213,8 +227,12 @@ class SGLangEngine(RolloutEngine):
             for _ in prompts_token_ids
         ]
         prompt_clients = [[client for client, _ in rs] for rs in requests]
+        lora_path = None if base else self.adapter
         per_prompt = [
-            [self._pool.submit(client.generate, list(p), params, return_logprob, timeout) for client, params in rs]
+            [
+                self._pool.submit(client.generate, list(p), params, return_logprob, timeout, None, lora_path)
+                for client, params in rs
+            ]
             for p, rs in zip(prompts_token_ids, requests)
         ]
         futures = [f for fs in per_prompt for f in fs]
@@ -245,7 +263,7 @@ class SGLangEngine(RolloutEngine):
         finally:
             for f in futures:
                 f.cancel()
-        check_versions(groups, self.weight_version)
+        check_versions(groups, None if base else self.weight_version)
         return groups
 
     def _sample(self, out: dict[str, Any], prompt: int, k: int, url: str, return_logprob: bool) -> Sample:
@@ -298,6 +316,38 @@ class SGLangEngine(RolloutEngine):
             else:
                 self.sync.push(weights, str(version))
             self.weight_version = str(version)
+
+    def load_adapter(
+        self, name: str, config: dict[str, Any], tensors: dict[str, Any], version: str, timeout: float | None = None
+    ) -> int:
+        """Load the policy's LoRA adapter ``name`` on every server, then name it in policy requests; its bytes.
+
+        ``config``: the PEFT ``adapter_config.json``; ``tensors``: A and B of every adapted
+        projection under PEFT's names, whole. Once every server holds it, the servers take
+        ``version`` (``/update_weight_version``, requests in flight kept) and every other adapter
+        of this project's naming (the previous step's, or one a killed run left) is unloaded.
+        A name already loaded (a resumed run repeating a step) is unloaded and loaded again.
+        Returns the adapter's bytes (every TP rank of every server receives them whole).
+        """
+        with self._lock:
+            loaded: dict[str, dict[str, str]] = {}
+            for c in self.workers:
+                try:
+                    loaded[c.url] = lora_adapters.load_adapter(c, name, config, tensors, self.tp_size, timeout)
+                except WeightUpdateError as e:
+                    if "already loaded" not in str(e):
+                        raise
+                    lora_adapters.unload_adapter(c, name, timeout)
+                    loaded[c.url] = lora_adapters.load_adapter(c, name, config, tensors, self.tp_size, timeout)
+            self._post_all(
+                "/update_weight_version", {"new_version": str(version), "abort_all_requests": False}, timeout
+            )
+            self.adapter, self.weight_version = name, str(version)
+            for c in self.workers:  # after every server names the new one: no request names a stale one now
+                for stale in loaded[c.url]:
+                    if stale != name and stale.startswith(lora_adapters.ADAPTER_PREFIX):
+                        lora_adapters.unload_adapter(c, stale, timeout)
+            return lora_adapters.adapter_bytes(tensors)
 
     def unhealthy_workers(self, timeout: float | None = None) -> list[str]:
         """URLs of the engines that do not answer ``/health_generate`` within ``timeout`` (checked concurrently)."""

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any, cast
 
-from armor_megatron.launch.plan import API_KEY_ENV, QUIET_HEALTH_ENV
+from armor_megatron.launch.plan import API_KEY_ENV, QUIET_HEALTH_ENV, lora_server_args
 from armor_megatron.rollout.engine import EngineUnavailableError
 from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.sglang.router import (
@@ -71,7 +71,9 @@ class LauncherConfig:
     No code builds one from a run config (the trainer attaches to ``rollout.sglang.urls``; the SLURM
     plan starts its own servers); building one by hand, a run config's ``rollout.sglang.python`` is
     ``python`` (null there means the trainer's interpreter, ``sys.executable`` here),
-    ``rollout.sglang.tp_per_engine`` is ``tp_size``, ``placement: colocated`` is ``colocated``.
+    ``rollout.sglang.tp_per_engine`` is ``tp_size``, ``placement: colocated`` is ``colocated``, and
+    ``lora.sync: adapter`` is ``lora_rank`` = ``lora.rank`` with ``lora_target_modules`` =
+    ``config.schema.lora_peft_modules(lora.target_modules)`` (``--enable-lora ...``).
     """
 
     model_path: str
@@ -92,6 +94,9 @@ class LauncherConfig:
     colocated: bool = False
     deterministic: bool = False  # adds --enable-deterministic-inference (seeded, batch-invariant sampling)
     mem_fraction_static: float | None = None
+    # LoRA adapters loaded at run time (lora.sync: adapter): the largest rank and the PEFT module names; None: off
+    lora_rank: int | None = None
+    lora_target_modules: Sequence[str] = ()
     extra_args: Sequence[str] = ()
     server_module: str = "sglang.launch_server"
     router_module: str = ROUTER_MODULE
@@ -152,6 +157,8 @@ class SGLangLauncher:
             cmd += [DETERMINISTIC_FLAG]
         if c.mem_fraction_static is not None:
             cmd += ["--mem-fraction-static", str(c.mem_fraction_static)]
+        if c.lora_rank is not None:
+            cmd += lora_server_args(c.lora_rank, c.lora_target_modules)
         return cmd + list(c.extra_args)
 
     def make_router(self, log_path: str | None = None) -> SGLangRouter:

@@ -34,6 +34,12 @@ CUDA tensors name their GPU by UUID, not by index (what SGLang's own senders do 
 which names another GPU in an engine process that sees a different ``CUDA_VISIBLE_DEVICES``.
 SGLang's receiving ranks patch ``rebuild_cuda_tensor`` to map a UUID back to their own index
 (an int passes unchanged); :func:`restricted_loads` does the same.
+
+By value (:func:`serialize_by_value`, for payloads small enough to copy, such as a LoRA adapter's
+A and B for ``/load_lora_adapter_from_tensors``): plain pickling without ForkingPickler's
+reductions writes each tensor's storage as ``torch.storage._load_from_bytes(torch.save bytes)``,
+which SGLang's ``SafeUnpickler.find_class`` maps to its ``_safe_load_torch_storage``
+(``torch.load(weights_only=True)``); such a payload reaches an engine on any node.
 """
 
 from __future__ import annotations
@@ -99,9 +105,12 @@ class FlattenedTensorMetadata:
     numel: int
 
 
+_STORAGE_BY_VALUE = ("torch.storage", "_load_from_bytes")  # SGLang's find_class loads it with weights_only
+
+
 def sglang_admits(module: str, name: str) -> bool:
     """Whether SGLang's restricted unpickler imports ``module.name`` (as far as a payload goes)."""
-    return (module, name) in SGLANG_ALLOWED_GLOBALS
+    return (module, name) in SGLANG_ALLOWED_GLOBALS or (module, name) == _STORAGE_BY_VALUE
 
 
 class SGLangUnpickler(pickle.Unpickler):
@@ -120,9 +129,21 @@ class SGLangUnpickler(pickle.Unpickler):
                 return super().find_class(module, name)
             except ImportError:
                 return FlattenedTensorMetadata
+        if (module, name) == _STORAGE_BY_VALUE:
+            return _load_storage_safely
         if (module, name) == (_REDUCTIONS, "rebuild_cuda_tensor"):
             return _rebuild_cuda_tensor_on_uuid
         return super().find_class(module, name)
+
+
+def _load_storage_safely(data: bytes) -> Any:
+    """A by-value storage, as SGLang loads it (``_safe_load_torch_storage``: ``torch.load`` with weights_only)."""
+    import torch
+
+    storage = torch.load(io.BytesIO(data), weights_only=True)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise pickle.UnpicklingError(f"expected a torch storage, got {type(storage).__name__}")
+    return storage
 
 
 def restricted_loads(data: bytes) -> Any:
@@ -181,15 +202,16 @@ class _PayloadPickler(pickle._Pickler):
 
     dispatch = dict(pickle._Pickler.dispatch)
 
-    def __init__(self, file: io.BytesIO, protocol: int) -> None:
+    def __init__(self, file: io.BytesIO, protocol: int, by_value: bool = False) -> None:
         from multiprocessing.reduction import ForkingPickler
 
         super().__init__(file, protocol)
         self.dispatch_table = copyreg.dispatch_table.copy()
-        self.dispatch_table.update(
-            (cls, _naming_gpus_by_uuid(reduce))
-            for cls, reduce in ForkingPickler._extra_reducers.items()  # type: ignore[attr-defined]  # untyped private table
-        )
+        if not by_value:
+            self.dispatch_table.update(
+                (cls, _naming_gpus_by_uuid(reduce))
+                for cls, reduce in ForkingPickler._extra_reducers.items()  # type: ignore[attr-defined]  # untyped private table
+            )
 
     # typeshed's pickle._Pickler declares only the public Pickler API, not the pure-Python
     # pickler's save_global, write and memoize that this override uses.
@@ -261,6 +283,17 @@ def dumps(packed: Any) -> str:
 
     buf = io.BytesIO()
     _PayloadPickler(buf, pickle.HIGHEST_PROTOCOL).dump(packed)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def serialize_by_value(named_tensors: list[tuple[str, Any]]) -> str:
+    """One flattened-bucket entry holding the tensors' bytes themselves (module docstring), from host copies."""
+    packed = pack([(name, t.detach().cpu()) for name, t in named_tensors], FLATTENED_BUCKET)
+    flat = packed["flattened_tensor"]
+    if flat.untyped_storage().nbytes() != flat.numel() * flat.element_size():
+        packed["flattened_tensor"] = flat.clone()  # a view would carry its whole storage
+    buf = io.BytesIO()
+    _PayloadPickler(buf, pickle.HIGHEST_PROTOCOL, by_value=True).dump(packed)
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 

@@ -88,6 +88,8 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   refuses a tensor whose byte offset is not a multiple of its dtype's size). Weight requests
   (group joins, updates, sessions) are served one at a time in arrival order, as SGLang's
   queueing communicators serve them: a join or a broadcast blocks every weight request behind it.
+* LoRA adapters (``--enable-lora``): ``/load_lora_adapter_from_tensors``, ``/unload_lora_adapter``
+  and ``/generate`` with ``lora_path``, as :mod:`armor_megatron.rollout.testing.lora_serving` says.
 
 ``/update_weights_from_tensor`` payloads carry tensor *handles* (see
 :mod:`armor_megatron.rollout.sglang.tensor_payload`): CPU tensors arrive as shared-memory
@@ -127,6 +129,7 @@ from typing import Any
 
 from armor_megatron.rollout.engine import Sample, SamplingParams, WeightUpdateError
 from armor_megatron.rollout.local import LocalEngine
+from armor_megatron.rollout.testing.lora_serving import NOT_ENABLED, LoRARefusal, LoRAServing
 
 logger = logging.getLogger(__name__)
 
@@ -241,6 +244,7 @@ class SGLangTestServer:
         original_logprobs: bool | None = None,
         health_generation: bool | None = None,
         seconds_per_token: float = 0.0,
+        lora: LoRAServing | None = None,
     ):
         """A server double in front of ``engine`` (not started: see :meth:`start`).
 
@@ -248,11 +252,13 @@ class SGLangTestServer:
         ``original_logprobs``: temperature-1 log-probs; None reads ``SGLANG_RETURN_ORIGINAL_LOGPROB``;
         ``health_generation``: ``/health`` generates a token; None reads
         ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (on unless "0"/"false");
-        ``seconds_per_token``: decode time of one token of a sequence (0: answers at once).
+        ``seconds_per_token``: decode time of one token of a sequence (0: answers at once);
+        ``lora``: the LoRA serving of ``--enable-lora`` (None: LoRA not enabled).
         """
         if seconds_per_token < 0:
             raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
         self.seconds_per_token = seconds_per_token
+        self.lora = lora
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
         if health_generation is None:
@@ -420,6 +426,7 @@ class SGLangTestServer:
         else:
             per_prompt = [raw] * len(prompts)
         checked = [self._sampling(params, prompt) for params, prompt in zip(per_prompt, prompts)]
+        engines = self._lora_engines(body.get("lora_path"), len(prompts))
         if self._weights_lost:  # SGLang would generate garbage here; the double refuses
             raise _bad_value("weights were released without --enable-weights-cpu-backup and not reloaded since")
         self._wait_until_serving()
@@ -433,7 +440,9 @@ class SGLangTestServer:
             start = time.monotonic()  # the decode clock: the double's own sampling time counts toward it
         try:
             sampled = [
-                (s, len(p), sp) for p, (n, sp) in zip(prompts, checked) for s in self._sample(p, n, sp, return_logprob)
+                (s, len(p), sp)
+                for p, (n, sp), engine in zip(prompts, checked, engines)
+                for s in self._sample(p, n, sp, return_logprob, engine)
             ]
             cut = self._decode_in_time(start, rids, [len(s.token_ids) for s, _, _ in sampled])
             outputs = []
@@ -551,21 +560,29 @@ class SGLangTestServer:
         """The model's context length (``max_position_embeddings``), None when unknown."""
         return (self.engine.hf_config or {}).get("max_position_embeddings")
 
-    def _sample(self, prompt: list[int], n: int, sampling: SamplingParams | None, return_logprob: bool) -> list[Sample]:
-        """The n samples of one prompt.
+    def _sample(
+        self,
+        prompt: list[int],
+        n: int,
+        sampling: SamplingParams | None,
+        return_logprob: bool,
+        engine: LocalEngine | None = None,
+    ) -> list[Sample]:
+        """The n samples of one prompt (``engine``: a LoRA adapter's, else the server's).
 
         Without deterministic inference the seed is ignored and the copies draw independently (one
         batch, the engine's own stream); with it each copy is drawn alone from its seed (42 without
         one), so the copies of one request come out identical.
         """
+        engine = engine or self.engine
         if sampling is None:  # max_new_tokens 0: nothing generated
-            empty = Sample(0, (), "", () if return_logprob else None, "length", self.engine.weight_version)
+            empty = Sample(0, (), "", () if return_logprob else None, "length", engine.weight_version)
             return [empty] * n
         if not self.deterministic:
             sampling = dataclasses.replace(sampling, seed=None)
-            return self.engine.generate([prompt], n, sampling, return_logprob=return_logprob)[0]
+            return engine.generate([prompt], n, sampling, return_logprob=return_logprob)[0]
         seeded = dataclasses.replace(sampling, seed=DEFAULT_SAMPLING_SEED if sampling.seed is None else sampling.seed)
-        return [self.engine.generate([prompt], 1, seeded, return_logprob=return_logprob)[0][0] for _ in range(n)]
+        return [engine.generate([prompt], 1, seeded, return_logprob=return_logprob)[0][0] for _ in range(n)]
 
     def _prompts(self, body: Any) -> tuple[list[list[int]], bool]:
         if "input_ids" in body:
@@ -912,6 +929,61 @@ class SGLangTestServer:
             "weight_version": self.engine.weight_version,
         }
 
+    # -- LoRA adapters (lora_serving)
+
+    def _lora_engines(self, lora_path: Any, prompts: int) -> list[LocalEngine | None]:
+        """Per prompt, the engine of the adapter its ``lora_path`` names (None: the base); refuses as SGLang does."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * prompts
+        if len(names) != prompts or not all(n is None or isinstance(n, str) for n in names):
+            raise _invalid_request(f"lora_path must be a string or one per prompt, got {lora_path!r}", "lora_path")
+        if any(names) and self.lora is None:
+            first = next(n for n in names if n)
+            raise _bad_value(
+                f"LoRA adapter '{first}' was requested, but LoRA is not enabled. Please launch the server with "
+                "--enable-lora flag and preload adapters using --lora-paths or /load_lora_adapter endpoint."
+            )
+        try:
+            return [None if not n or self.lora is None else self.lora.engine_for(n, self.engine) for n in names]
+        except LoRARefusal as e:
+            raise _bad_value(str(e)) from None
+
+    def _lora_answer(self, change: Callable[[LoRAServing], None]) -> Any:
+        """SGLang's ``LoRAUpdateOutput`` of one load or unload: 200 on success, else 400 and ``success: false``."""
+        if self.lora is None:
+            raise _HTTPError(400, {"success": False, "error_message": NOT_ENABLED, "loaded_adapters": None})
+        try:
+            change(self.lora)
+        except LoRARefusal as e:
+            raise _HTTPError(
+                400, {"success": False, "error_message": str(e), "loaded_adapters": self.lora.loaded()}
+            ) from None
+        return {"success": True, "error_message": "", "loaded_adapters": self.lora.loaded()}
+
+    def load_lora_adapter_from_tensors(self, body: Any) -> Any:
+        """``POST /load_lora_adapter_from_tensors``: hold an adapter sent as tensors (TP rank 0's entry)."""
+        from armor_megatron.rollout.sglang import tensor_payload
+
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise _invalid_request("lora_name must be a string", "lora_name")
+        entries = body.get("serialized_named_tensors")
+        if not isinstance(entries, list) or not entries:
+            raise _invalid_request("serialized_named_tensors must be a non-empty list (one entry per TP rank)")
+
+        def load(lora: LoRAServing) -> None:
+            try:
+                tensors = dict(tensor_payload.deserialize(entries[0], body.get("load_format")))
+            except Exception as e:  # noqa: BLE001 - a payload SGLang could not read fails its load
+                raise LoRARefusal(f"{type(e).__name__}: {e}") from None
+            lora.load(body["lora_name"], body.get("config_dict"), tensors)
+
+        return self._lora_answer(load)
+
+    def unload_lora_adapter(self, body: Any) -> Any:
+        """``POST /unload_lora_adapter``: drop an adapter."""
+        if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str):
+            raise _invalid_request("lora_name must be a string", "lora_name")
+        return self._lora_answer(lambda lora: lora.unload(body["lora_name"]))
+
 
 ROUTES: dict[tuple[str, str], Callable[[SGLangTestServer, Any], Any]] = {
     ("GET", "/health"): SGLangTestServer.health,
@@ -936,6 +1008,8 @@ ROUTES: dict[tuple[str, str], Callable[[SGLangTestServer, Any], Any]] = {
     ("POST", "/resume_memory_occupation"): SGLangTestServer.resume_memory_occupation,
     ("POST", "/pause_generation"): SGLangTestServer.pause_generation,
     ("POST", "/continue_generation"): SGLangTestServer.continue_generation,
+    ("POST", "/load_lora_adapter_from_tensors"): SGLangTestServer.load_lora_adapter_from_tensors,
+    ("POST", "/unload_lora_adapter"): SGLangTestServer.unload_lora_adapter,
     # test hook, not in SGLang: request counts per path, for tests that run the double as a process
     ("GET", "/test_double/requests"): lambda s, b: dict(s.requests),
     ("GET", "/test_double/distributed_updates"): lambda s, b: [[g, n] for g, n in s.distributed_updates],
@@ -1032,6 +1106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--enable-weights-cpu-backup", action="store_true")
     parser.add_argument("--enable-deterministic-inference", action="store_true")
     parser.add_argument("--seconds-per-token", type=float, default=0.0, help="the double's decode time per token")
+    parser.add_argument("--enable-lora", action="store_true")
+    parser.add_argument("--max-lora-rank", type=int, default=0)
+    parser.add_argument("--lora-target-modules", nargs="*", default=[])
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
@@ -1045,6 +1122,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         weights_cpu_backup=args.enable_weights_cpu_backup,
         deterministic=args.enable_deterministic_inference,
         seconds_per_token=args.seconds_per_token,
+        lora=LoRAServing(args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None,
     ).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

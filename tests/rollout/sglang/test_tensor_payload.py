@@ -71,6 +71,21 @@ def test_flattened_payload_names_only_classes_sglangs_unpickler_admits():
     assert all(tensor_payload.sglang_admits(module, name) for module, name in names)
 
 
+def test_a_by_value_payload_carries_the_bytes_themselves_under_sglangs_allowlist():
+    # for /load_lora_adapter_from_tensors: the tensors' bytes, which any process can read (no fd or IPC
+    # handle of the sender's), as torch.storage._load_from_bytes, which SGLang loads with weights_only
+    named = [("a", torch.arange(6.0).reshape(2, 3)), ("b", torch.ones(4))]
+    payload = tensor_payload.serialize_by_value(named)
+    names = _globals_named(payload)
+    assert ("torch.storage", "_load_from_bytes") in names
+    assert not [n for n in names if n[0] == "torch.multiprocessing.reductions"]
+    assert all(tensor_payload.sglang_admits(module, name) for module, name in names)
+    back = dict(tensor_payload.deserialize(payload, tensor_payload.FLATTENED_BUCKET))
+    assert torch.equal(back["a"], named[0][1]) and torch.equal(back["b"], named[1][1])
+    big = torch.zeros(4000)  # one tensor, a view: a copy goes, not the 16 KB storage it views
+    assert len(tensor_payload.serialize_by_value([("v", big[:6])])) < 2000
+
+
 def test_restricted_unpickler_refuses_classes_outside_sglangs_allowlist():
     import base64
     import pickle
