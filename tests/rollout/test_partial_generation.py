@@ -2,13 +2,15 @@
 
 import pytest
 
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.anchor.sampler import AnchorResult
+from armor_megatron.rollout.engine import Sample, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.partial import PartialBuffer, Span
 from armor_megatron.rollout.partial_generation import GroupRequest, PartialGenerator, percentile
 from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
+from armor_megatron.trainer.partial_anchors import NONE_FOUND
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +119,38 @@ def test_requests_spread_over_servers_and_each_abort_reaches_its_server(server, 
         assert server.requests["/abort_request"] == second.requests["/abort_request"] == 1
         assert len(gen.buffer) == 2 and gen.buffer.tokens < 40  # cut where decoding was, on both servers
         gen.close()
+
+
+def test_a_group_whose_anchor_a_reset_made_stale_is_reanchored_or_grown_by_one_response(server, tiny_ckpt):
+    """A group in progress holds its anchor's reference; after a reset the caller replaces a stale anchor
+    (counted as discarded): by a fresh one, or by none and one more on-policy response, generated in full
+    in that step, which the group trains in (its first responses would be too old for the next)."""
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "7+7="))
+    old = AnchorResult(0, Sample(0, (3, 4), "ab", (-0.5, -0.25), "stop", "ref-0"), 2, 4, reward=1.0)
+    supply = iter([GroupRequest("short", p, (2,) * 3, old, "ref-0"), GroupRequest("long", p, (16,) * 3, old, "ref-0")])
+    gen = _generator(server)
+    done, metrics = gen.generate(supply, target=1, version="step-0")
+    assert [r.key for r, _ in done] == ["short"] and done[0][0].anchor == old  # the anchor travels with its group
+    assert metrics["partial/anchors_discarded"] == 0  # "long" is in progress: aborted, or complete after the target
+    state = gen.state_dict()
+    resumed = _generator(server)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state and resumed.stale_anchors("ref-1")[0].anchor == old  # kept exactly
+    resumed.close()
+
+    assert gen.stale_anchors("ref-0") == [] and [g.key for g in gen.stale_anchors("ref-1")] == ["long"]
+    with pytest.raises(ValueError, match="keeps its 3 responses"):
+        gen.reanchor("long", NONE_FOUND, "ref-1", (16, 16))
+    gen.reanchor("long", NONE_FOUND, "ref-1", (16, 16, 16, 16))  # none found under ref-1: a 4th response
+    server.engine.weight_version = "step-1"
+    new = iter([GroupRequest("new", p, (2,) * 4)])
+    done, metrics = gen.generate(new, target=1, version="step-1")
+    [(request, members)] = done  # "long" started a step ago: due now (max_versions 2), so it takes the one place
+    assert gen.groups_in_progress == 1  # before "new", complete first and kept for the next step
+    assert (request.anchor, request.reference, len(members)) == (NONE_FOUND, "ref-1", 4)
+    assert metrics["partial/anchors_discarded"] == 1
+    [[whole]] = server.engine.generate([list(p)], 1, _greedy(16))
+    assert [m.sample.token_ids for m in members] == [whole.token_ids] * 4
+    assert members[3].spans == (Span("step-1", 0, 16),)  # the new response, generated in this step
+    gen.close()
