@@ -204,7 +204,8 @@ class PartialGenerator:
 
         def offer_complete() -> None:
             for key in [k for k, g in self._groups.items() if len(g.done) == len(g.request.max_new_tokens)]:
-                take_complete(key)
+                if key in self._groups:  # not taken meanwhile (a filtered due group offers its place again)
+                    take_complete(key)
 
         # 1. groups completed late last step, then continuations
         offer_complete()

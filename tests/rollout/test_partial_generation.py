@@ -154,3 +154,17 @@ def test_a_group_whose_anchor_a_reset_made_stale_is_reanchored_or_grown_by_one_r
     assert [m.sample.token_ids for m in members] == [whole.token_ids] * 4
     assert members[3].spans == (Span("step-1", 0, 16),)  # the new response, generated in this step
     gen.close()
+
+
+def test_a_due_group_that_the_filter_drops_gives_its_kept_place_to_a_group_complete_meanwhile(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "9+9="))
+    gen = _generator(server)
+    done, _ = gen.generate(iter([GroupRequest("a", p, (2, 2)), GroupRequest("due", p, (16, 16))]), 1, "step-0")
+    assert [r.key for r, _ in done] == ["a"] and gen.groups_in_progress == 1
+    server.engine.weight_version = "step-1"
+    # "b" completes first but the one place is kept for "due" (started a step ago); "due" is filtered
+    done, metrics = gen.generate(iter([GroupRequest("b", p, (2, 2))]), 1, "step-1", accept=lambda r, m: r.key != "due")
+    assert [r.key for r, _ in done] == ["b"] and metrics["partial/filtered_groups"] == 1
+    assert gen.groups_in_progress == 0
+    gen.close()
