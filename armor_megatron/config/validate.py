@@ -374,11 +374,11 @@ def _check_partial(cfg: RunConfig) -> None:
             f"not supported with rollout.overlap {ro.overlap!r} (requests in flight across the update are not "
             "kept yet); set rollout.overlap=off",
         )
-    if cfg.anchor.enabled:
+    if cfg.anchor.enabled and cfg.anchor.pregenerate:
         raise ConfigError(
             "rollout.partial.enabled",
-            "not supported with anchor.enabled (the partial generator samples on-policy groups only; anchors "
-            "are not continued across steps yet); set anchor.enabled=false",
+            "not supported with anchor.pregenerate (a partial step looks its groups' anchors up at its start, "
+            "for the rows it may start); set anchor.pregenerate=false",
         )
 
 

@@ -20,9 +20,10 @@ exceed it (:attr:`PartialBuffer.on_stale`):
   would continue it with one version too many; its tokens count in ``dropped_tokens``.
 
 Anchors (samples of the frozen reference π_ref) are continued only with the same reference:
-after a reset changes π_ref, the buffered anchors are discarded (``anchors_discarded``). A
-group trains only once its anchor is complete: an anchor is continued before its group's
-responses are counted as done (the rollout phase's rule, stated here for its callers).
+after a reset changes π_ref, the buffered anchors are discarded (``anchors_discarded``). The
+trainer's partial rollouts buffer none: a group's anchor is sampled whole before the group is
+requested (`armor_megatron.trainer.partial_anchors`), and the same counter counts the anchors of
+groups in progress that a reset discards.
 
 The buffer is plain data: :meth:`PartialBuffer.state_dict` holds lists, strings and floats
 only, so a checkpoint restores it exactly.

@@ -16,11 +16,23 @@ may run on any of them):
 4. once ``target`` groups are accepted, every response still decoding is aborted, except
    those the staleness rule ``finish`` says must end in this step; the aborted ones answer with
    their tokens so far, which go into the buffer; nothing generated is thrown away, save what the
-   staleness rule ``drop`` discards (counted).
+   staleness rule ``drop`` discards (counted);
+5. under rule ``finish``, a group started ``max_versions − 1`` calls (steps) ago is *due*: its
+   tokens would be too old for the next step, so it is generated to its end and a place of the
+   target is kept for it (groups not due are accepted only while places are left; new ones are
+   still started and decode until the target is met).
 
 Every response's tokens keep the policy version that generated them
-(:class:`~armor_megatron.rollout.partial.Finished` spans). Single-turn, on-policy groups only:
-anchors and multi-turn responses are not generated here.
+(:class:`~armor_megatron.rollout.partial.Finished` spans). Single-turn responses only.
+
+Anchors: a group's anchor (a complete, verified π_ref response) is looked up by the caller
+before the group is requested and travels with it (:attr:`GroupRequest.anchor`, with the
+reference ``reference`` that sampled it); the request then asks for the G−1 on-policy responses
+only. The generator never samples π_ref. A group carried across a reference reset keeps its
+anchor only under the same reference: :meth:`PartialGenerator.stale_anchors` names the groups
+whose anchor another reference produced, and :meth:`PartialGenerator.reanchor` gives each a fresh
+anchor, or none and one more on-policy member (the discarded anchors count in
+``anchors_discarded``).
 
 Deterministic mode (``seed``; servers run with ``--enable-deterministic-inference``): every
 request carries ``sampling_seed`` = :func:`request_seed` of (seed, group key, response index,
@@ -45,6 +57,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from armor_megatron.rollout.anchor.sampler import AnchorResult
 from armor_megatron.rollout.partial import Finished, PartialBuffer, PartialResponse, versions_spanned
 from armor_megatron.rollout.sglang.client import SGLangClient, parse_output
 
@@ -67,11 +80,22 @@ def request_seed(seed: int, group: str, index: int, continuation: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class GroupRequest:
-    """A new group: ``key`` names it, ``prompt_ids`` its prompt, ``max_new_tokens`` the limit of each of its G responses."""
+    """A new group: ``key`` names it, ``prompt_ids`` its prompt, ``max_new_tokens`` the limit of each of its on-policy responses.
+
+    ``anchor``: the group's anchor lookup (found or not), made before the request, and
+    ``reference`` the π_ref version it was made under; None for groups without anchors. The
+    caller sizes ``max_new_tokens``: G−1 responses beside a kept anchor, G otherwise.
+    """
 
     key: str
     prompt_ids: tuple[int, ...]
     max_new_tokens: tuple[int, ...]
+    anchor: AnchorResult | None = None
+    reference: str | None = None
+
+    def anchored_elsewhere(self, reference: str) -> bool:
+        """Whether it holds a found anchor of another reference than ``reference``."""
+        return self.anchor is not None and self.anchor.found and self.reference != reference
 
 
 @dataclasses.dataclass
@@ -79,6 +103,7 @@ class _Group:
     request: GroupRequest
     done: dict[int, Finished]
     must_finish: bool = False
+    started: int = 0  # the generate call that started it
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -127,6 +152,34 @@ class PartialGenerator:
         self._in_flight: dict[
             concurrent.futures.Future[Any], tuple[str, int, PartialResponse | None, str, SGLangClient]
         ] = {}
+        self._counts_reported = dict(buffer.counts)  # the buffer's counters at the last metrics
+        self._calls = 0  # generate calls made (one per step): a group's age is counted in them
+        self._handed_out: dict[str, _Group] = {}  # the last call's accepted groups, as they were in progress
+
+    @property
+    def groups_in_progress(self) -> int:
+        """Groups started and not yet handed out (they count towards the next step's groups in flight)."""
+        return len(self._groups)
+
+    def stale_anchors(self, reference: str) -> list[GroupRequest]:
+        """The groups in progress holding a found anchor of another reference than ``reference``, oldest first."""
+        return [g.request for g in self._groups.values() if g.request.anchored_elsewhere(reference)]
+
+    def reanchor(self, key: str, anchor: AnchorResult, reference: str, max_new_tokens: tuple[int, ...]) -> None:
+        """Replace group ``key``'s stale anchor by ``anchor`` (a lookup under ``reference``), counted as discarded.
+
+        ``max_new_tokens``: its on-policy responses from now on, the ones it has followed by any
+        new ones (one more when the fresh lookup found no anchor to keep); the next
+        :meth:`generate` requests the new ones.
+        """
+        group = self._groups[key]
+        old = group.request.max_new_tokens
+        if max_new_tokens[: len(old)] != old:
+            raise ValueError(f"group {key!r} keeps its {len(old)} responses {old}; got {max_new_tokens}")
+        group.request = dataclasses.replace(
+            group.request, anchor=anchor, reference=reference, max_new_tokens=max_new_tokens
+        )
+        self.buffer.counts["anchors_discarded"] += 1
 
     def close(self) -> None:
         """Abort the requests a failed generation left in flight, then stop the request threads."""
@@ -136,9 +189,15 @@ class PartialGenerator:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def give_back(self, groups: Sequence[tuple[GroupRequest, list[Finished]]]) -> None:
-        """Take back groups :meth:`generate` handed out (not trained): complete, they are offered first next time."""
-        back = {request.key: _Group(request, dict(enumerate(members))) for request, members in groups}
+        """Undo the last :meth:`generate` call's hand-out: its step did not train and will run again.
+
+        The groups (complete) are offered first next time, with the age they had; the call is not
+        counted, so the step run again sees every group in progress at the age it saw.
+        """
+        back = {request.key: self._handed_out[request.key] for request, _ in groups}
         self._groups = {**back, **self._groups}
+        self._handed_out = {}
+        self._calls -= 1
 
     def generate(
         self,
@@ -152,7 +211,7 @@ class PartialGenerator:
         ``supply`` yields new groups on demand; ``version``: the policy the engine holds now.
         """
         start = time.monotonic()
-        counts_before = dict(self.buffer.counts)
+        counts_before = self._counts_reported  # :meth:`reanchor` counts before the step's call
         accepted: list[tuple[GroupRequest, list[Finished]]] = []
         filtered = generated = 0
         finish_times: list[float] = []
@@ -175,11 +234,24 @@ class PartialGenerator:
             future = self._pool.submit(client.generate, ids, params, True, self.timeout, rid)
             running[future] = (group.request.key, k, partial, rid, client)
 
+        # Rule finish: a group trains at most max_versions − 1 steps after it started (its first tokens are
+        # then that many versions old): one of that age is due, runs to its end and has a place of the target.
+        self._calls += 1
+        self._handed_out = {}
+        age = self.buffer.max_versions - 1 if self.buffer.on_stale == "finish" else math.inf
+        due = {k for k, g in self._groups.items() if self._calls - g.started >= age}
+        for key in due:
+            self._groups[key].must_finish = True
+
+        def open_places() -> int:
+            """Places of the target left for groups that are not due."""
+            return target - len(accepted) - sum(k in self._groups for k in due)
+
         def take_complete(key: str) -> None:
             nonlocal filtered
             group = self._groups[key]
             members = [group.done[k] for k in range(len(group.request.max_new_tokens))]
-            if len(accepted) >= target or stopping:
+            if len(accepted) >= target or stopping or (key not in due and open_places() <= 0):
                 return  # complete after the target: offered first next step
             try:
                 keep = accept is None or accept(group.request, members)
@@ -187,15 +259,21 @@ class PartialGenerator:
                 if self.stop is not None and self.stop():
                     return  # the stop interrupted its judging: it stays in progress, complete
                 raise
-            del self._groups[key]
+            self._handed_out[key] = self._groups.pop(key)
             if keep:
                 accepted.append((group.request, members))
             else:
                 filtered += 1
+                if key in due:  # its kept place opens: offer it to the groups complete meanwhile
+                    offer_complete()
+
+        def offer_complete() -> None:
+            for key in [k for k, g in self._groups.items() if len(g.done) == len(g.request.max_new_tokens)]:
+                if key in self._groups:  # not taken meanwhile (a filtered due group offers its place again)
+                    take_complete(key)
 
         # 1. groups completed late last step, then continuations
-        for key in [k for k, g in self._groups.items() if len(g.done) == len(g.request.max_new_tokens)]:
-            take_complete(key)
+        offer_complete()
         for cont in self.buffer.take(version, reference=None):
             key, k = cont.partial.group, int(cont.partial.key.rsplit("/", 1)[1])
             self._groups[key].must_finish |= cont.must_finish
@@ -215,7 +293,7 @@ class PartialGenerator:
                     return
                 if request.key in self._groups:
                     raise ValueError(f"group {request.key!r} is already being generated")
-                group = self._groups[request.key] = _Group(request, {})
+                group = self._groups[request.key] = _Group(request, {}, started=self._calls)
                 for k in range(len(request.max_new_tokens)):
                     submit(group, k, None)
 
@@ -275,6 +353,7 @@ class PartialGenerator:
             "partial/tokens_carried": float(after["tokens_carried"] - counts_before["tokens_carried"]),
             "partial/surplus_aborted": float(after["surplus_aborted"] - counts_before["surplus_aborted"]),
             "partial/dropped_stale": float(after["dropped_stale"] - counts_before["dropped_stale"]),
+            "partial/anchors_discarded": float(after["anchors_discarded"] - counts_before["anchors_discarded"]),
             "partial/wasted_tokens": float(after["dropped_tokens"] - counts_before["dropped_tokens"]),
             "partial/buffered": float(len(self.buffer)),
             "partial/filtered_groups": float(filtered),
@@ -284,12 +363,14 @@ class PartialGenerator:
             "time/generation_p99": percentile(finish_times, 0.99),
             **{k.replace("rollout/", "partial/"): v for k, v in versions_spanned([m.spans for m in responses]).items()},
         }
+        self._counts_reported = dict(after)
         return accepted, metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """The buffer and the groups in progress (their finished responses), as plain data."""
+        """The buffer, the calls made and the groups in progress (finished responses, anchor, age), as plain data."""
         return {
             "buffer": self.buffer.state_dict(),
+            "calls": self._calls,
             "groups": [
                 {
                     "key": g.request.key,
@@ -297,6 +378,9 @@ class PartialGenerator:
                     "max_new_tokens": list(g.request.max_new_tokens),
                     "done": {str(k): f.to_state() for k, f in g.done.items()},
                     "must_finish": g.must_finish,
+                    "started": g.started,
+                    "anchor": None if g.request.anchor is None else g.request.anchor.to_state(),
+                    "reference": g.request.reference,
                 }
                 for g in self._groups.values()
             ],
@@ -305,8 +389,16 @@ class PartialGenerator:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the generator must be idle)."""
         self.buffer.load_state_dict(state["buffer"])
+        self._counts_reported = dict(self.buffer.counts)
+        self._calls = int(state["calls"])
         self._groups = {}
         for g in state["groups"]:
-            request = GroupRequest(str(g["key"]), tuple(g["prompt_ids"]), tuple(g["max_new_tokens"]))
+            request = GroupRequest(
+                str(g["key"]),
+                tuple(g["prompt_ids"]),
+                tuple(g["max_new_tokens"]),
+                None if g["anchor"] is None else AnchorResult.from_state(g["anchor"]),
+                g["reference"],
+            )
             done = {int(k): Finished.from_state(f) for k, f in g["done"].items()}
-            self._groups[request.key] = _Group(request, done, bool(g["must_finish"]))
+            self._groups[request.key] = _Group(request, done, bool(g["must_finish"]), int(g["started"]))

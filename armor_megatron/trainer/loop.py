@@ -78,7 +78,7 @@ from armor_megatron.algo.dynamic_sampling import dynamic_sampling_keep
 from armor_megatron.algo.tis import truncated_is_weights
 from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.data.batch import RolloutBatch
-from armor_megatron.data.prompts import PromptDataset, PromptLoader, encode_prompt
+from armor_megatron.data.prompts import PromptDataset, PromptLoader, PromptRow, encode_prompt
 from armor_megatron.errors import DatasetError
 from armor_megatron.launch.device_ledger import KV_AND_GRAPHS, POLICY_RELEASE, REFERENCE_RELEASE
 from armor_megatron.megatron.collective_export import CollectiveExport, NamedTensor
@@ -117,11 +117,14 @@ from armor_megatron.trainer.overlap import (
     pending_state,
 )
 from armor_megatron.trainer.overopt_monitor import OverOptimizationMonitor
+from armor_megatron.trainer.partial_anchors import NONE_FOUND, HeldAnchors, holds_anchors
 from armor_megatron.trainer.preemption import PreemptionHandler
 from armor_megatron.trainer.rollout_phase import (
     anchor_truths,
     check_spans,
     collect_groups,
+    group_accuracy,
+    kept_anchor,
     replace_stale_anchors,
     score_group,
     stale_anchor_rows,
@@ -223,6 +226,7 @@ class ArmorTrainer:
         self._partial_state: dict[str, Any] | None = None
         self._partial_queue: list[int] = []
         self._partial_draws = 0
+        self._partial_anchors = HeldAnchors()  # anchors looked up for the head of that queue (with anchors)
         self._preemption: PreemptionHandler | None = None
         self._clock = time.perf_counter()  # the step timeline's origin (``timeline/*``)
         # the last step's metrics as its checkpoint was written; a resumed run logs them if the
@@ -404,9 +408,12 @@ class ArmorTrainer:
                 raise PartialStateError(
                     f"{source} holds partial rollouts in progress, but rollout.partial.enabled is false"
                 )
+            if partial is not None and not self.cfg.anchor.enabled and holds_anchors(partial):
+                raise PartialStateError(f"{source} holds partial rollouts with anchors, but anchor.enabled is false")
             self._partial_state = None if partial is None else partial["generator"]
             self._partial_queue = [] if partial is None else [int(i) for i in partial["queue"]]
             self._partial_draws = 0 if partial is None else int(partial["draws"])
+            self._partial_anchors.load_state_dict([] if partial is None else partial["anchors"])
             if self._partial is not None and self._partial_state is not None:  # a generator already running
                 self._partial.load_state_dict(self._partial_state)
                 self._partial_state = None
@@ -478,6 +485,8 @@ class ArmorTrainer:
         ``P · over_provision · (1 + max_oversample_rounds)`` new groups per step, as many as the
         rounds would draw); once P are kept the rest are aborted and buffered. The kept groups
         are then scored (once) and assembled by `collect_groups`, their per-token versions checked.
+        With anchors, the groups' anchors are looked up first, before any on-policy request, and
+        those a reset made stale are replaced (`trainer.partial_anchors`).
         """
         cfg, G, P = self.cfg, self.cfg.rollout.group_size, self.cfg.rollout.prompts_per_step
         engine, part, ds = self._engine, cfg.rollout.partial, cfg.algorithm.dynamic_sampling
@@ -486,7 +495,29 @@ class ArmorTrainer:
             if self._partial_state is not None:
                 self._partial.load_state_dict(self._partial_state)
                 self._partial_state = None
-        max_new = (int(self.sampling.max_new_tokens),) * G
+        max_new = int(self.sampling.max_new_tokens)
+
+        def row_of(request: GroupRequest) -> PromptRow:
+            return self._rows_by_index[int(request.key.split(":")[0])]
+
+        new_groups = math.ceil(P * part.over_provision) * (1 + ds.max_oversample_rounds) if ds.enabled else None
+        discarded = 0
+        if self.anchors is not None:  # the step's anchors, before any on-policy request (`trainer.partial_anchors`)
+            if new_groups is None:  # every new group starts at once: as many as free places in flight
+                new_groups = max(0, math.ceil(P * part.over_provision) - self._partial.groups_in_progress)
+            while len(self._partial_queue) < new_groups:
+                self._partial_queue += [r.index for r in self._prompts.next_batch()]
+            rows = [self._rows_by_index[i] for i in self._partial_queue[:new_groups]]
+            discarded = self._partial_anchors.prepare(
+                self._partial,
+                rows,
+                row_of,
+                self._anchor_cache,
+                self._ref_version(),
+                self.settings,
+                self.encode,
+                max_new,
+            )
 
         def supply() -> Iterator[GroupRequest]:
             while True:
@@ -494,31 +525,36 @@ class ArmorTrainer:
                     self._partial_queue = [r.index for r in self._prompts.next_batch()]
                 index = self._partial_queue.pop(0)
                 self._partial_draws += 1
-                prompt = tuple(self.encode(self._rows_by_index[index].prompt))
-                yield GroupRequest(f"{index}:{self._partial_draws}", prompt, max_new)
+                key, prompt = f"{index}:{self._partial_draws}", self.encode(self._rows_by_index[index].prompt)
+                if self.anchors is None:
+                    yield GroupRequest(key, tuple(prompt), (max_new,) * G)
+                else:
+                    yield self._partial_anchors.request(key, prompt, self.settings, max_new)
 
         scored: dict[str, tuple[list[float], int]] = {}
 
         def accept(request: GroupRequest, members: list[Finished]) -> bool:
-            row = self._rows_by_index[int(request.key.split(":")[0])]
-            scored[request.key] = score_group(row, [m.sample for m in members], self.settings)
-            return bool(dynamic_sampling_keep(torch.tensor([scored[request.key][0]]))[0])
+            row, anchor = row_of(request), kept_anchor(request.anchor, self.settings)
+            scored[request.key] = score_group(row, [m.sample for m in members], self.settings, anchor)
+            accuracy = group_accuracy(row, scored[request.key][0], anchor, self.settings)
+            return bool(dynamic_sampling_keep(torch.tensor([accuracy]))[0])
 
-        new_groups = math.ceil(P * part.over_provision) * (1 + ds.max_oversample_rounds) if ds.enabled else None
         try:
             accepted, metrics = self._partial.generate(
                 itertools.islice(supply(), new_groups), P, engine.weight_version, accept if ds.enabled else None
             )
         except GenerationStopped as stopped:  # the preemption signal: the generator kept every token
             raise CallsInterrupted(str(stopped)) from None
+        metrics["partial/anchors_discarded"] += discarded
+        if self.anchors is not None:
+            self._pregenerate_anchors()  # anchor.cache false: the cache's anchors serve once
         if not accepted:
             return None, metrics
         accepted.sort(key=lambda group: int(group[0].key.split(":")[1]))  # by draw: no row order decided by time
         metrics.update(check_spans([m.spans for _, ms in accepted for m in ms], step, part.max_versions))
-        rows = [self._rows_by_index[int(r.key.split(":")[0])] for r, _ in accepted]
         try:
             batch, round_metrics = collect_groups(
-                rows,
+                [row_of(r) for r, _ in accepted],
                 self.encode,
                 engine,
                 self.settings,
@@ -527,10 +563,15 @@ class ArmorTrainer:
                 group_scores=([scored[r.key][0] for r, _ in accepted], sum(t for _, t in scored.values()))
                 if ds.enabled
                 else None,
+                resolved=None if self.anchors is None else [r.anchor or NONE_FOUND for r, _ in accepted],
             )
         except CallsInterrupted:  # the signal stopped their scoring: the groups stay with the generator
             self._partial.give_back(accepted)
             raise
+        if self.anchors is not None and stale_anchor_rows(batch, self._ref_version()):
+            raise RuntimeError(
+                f"step {step + 1}: a group holds an anchor of another reference than {self._ref_version()}"
+            )
         return self._with_advantages(batch, {**round_metrics, **metrics})
 
     def _partial_rollout_state(self) -> dict[str, Any] | None:
@@ -538,7 +579,12 @@ class ArmorTrainer:
         if not self.cfg.rollout.partial.enabled:
             return None
         generator = self._partial.state_dict() if self._partial is not None else self._partial_state
-        return {"generator": generator, "queue": list(self._partial_queue), "draws": self._partial_draws}
+        return {
+            "generator": generator,
+            "queue": list(self._partial_queue),
+            "draws": self._partial_draws,
+            "anchors": self._partial_anchors.state_dict(),
+        }
 
     def _reseed_engines(self, step: int, salt: int = 0) -> None:
         """Seed both engines from the step, so a resumed run samples what the uninterrupted one did.

@@ -113,36 +113,47 @@ def collect_groups(
     pad_id: int = 0,
     generated: Sequence[Sequence[Sample]] | None = None,
     group_scores: tuple[list[list[float]], int] | None = None,
+    resolved: Sequence[AnchorResult] | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, verify and group one batch of prompts; returns (batch of P·G rows, metrics).
 
     ``anchors``: an ``AnchorCache`` (or anything with its ``get(prompt_ids, ground_truths, keys,
     timeout) -> [AnchorResult]``) whose ground truths are ``(verifier, answer)`` pairs, so an
     anchor is accepted by the verifier its row is scored with; None for on-policy groups only.
-    ``generated``: the G on-policy responses of each row, already sampled (partial rollouts,
-    `rollout.partial_generation`; no anchors then), and ``group_scores``: their verifier scores and
-    timed-out calls when already computed (by dynamic sampling's filter), as `_score` returns them.
+    ``generated``: the on-policy responses of each row, already sampled (partial rollouts,
+    `rollout.partial_generation`): G−1 for a row whose anchor is kept, G otherwise; ``resolved``:
+    the anchors of those rows, already looked up (one `AnchorResult` per row, in place of
+    ``anchors``); ``group_scores``: their verifier scores and timed-out calls when already computed
+    (by dynamic sampling's filter, `score_group`), as `_score` returns them.
     """
     G = settings.group_size
     prompt_ids = [encode(r.prompt) for r in rows]
     verifiers = [r.verifier or settings.verifier for r in rows]
+    if resolved is not None and (anchors is not None or generated is None):
+        raise ValueError("collect_groups: resolved anchors come with pre-generated groups, in place of a cache")
     anchor_results = (
-        anchors.get(prompt_ids, anchor_truths(rows, settings), keys=[r.index for r in rows], timeout=settings.timeout)
+        list(resolved)
+        if resolved is not None
+        else anchors.get(
+            prompt_ids, anchor_truths(rows, settings), keys=[r.index for r in rows], timeout=settings.timeout
+        )
         if anchors
         else None
     )
     # Anchors were verified once, by the sampler: their rewards travel with them. One below the
     # success reward (a pooled anchor verified under another threshold) is dropped before the
     # on-policy samples are drawn, so its slot gets one more of them; it is never trained on.
-    results: list[AnchorResult | None] = list(anchor_results) if anchor_results else [None] * len(rows)
+    results: list[AnchorResult | None] = list(anchor_results) if anchor_results is not None else [None] * len(rows)
     offered = [a is not None and a.found for a in results]
-    kept = [
-        a if a is not None and a.found and a.reward is not None and a.reward >= settings.anchor_success_reward else None
-        for a in results
-    ]
+    kept = [kept_anchor(a, settings) for a in results]
     found = [a is not None for a in kept]
-    if generated is not None and anchors is not None:
-        raise ValueError("collect_groups: pre-generated groups come without anchors")
+    if generated is not None:
+        for p, (group, has_anchor) in enumerate(zip(generated, found)):
+            if len(group) != G - has_anchor:
+                raise ValueError(
+                    f"collect_groups: row {p} has {len(group)} pre-generated responses, "
+                    f"{G - has_anchor} expected (group size {G}, {'an' if has_anchor else 'no'} anchor)"
+                )
     policy = (
         [list(g) for g in generated]
         if generated is not None
@@ -159,14 +170,14 @@ def collect_groups(
             texts[p].append(anchor.text)
             trajectories[p].append(anchor.trajectory)
     policy_scores, timeouts = (
-        group_scores
+        ([list(scores) for scores in group_scores[0]], group_scores[1])  # the caller's lists stay as they are
         if group_scores is not None
         else _score(texts, rows, verifiers, settings.reward_workers, trajectories)
     )
     for p, scores in enumerate(policy_scores):
         if in_group[p]:  # the anchor's score in its group replaces the one it was accepted with
             anchor_scores[p] = scores.pop()
-    groups = assemble_anchor_groups(policy_scores, anchor_scores if anchors else None, G)
+    groups = assemble_anchor_groups(policy_scores, anchor_scores if anchor_results is not None else None, G)
     samples: list[Sample] = groups.gather(policy, anchor_samples)
     accuracy = groups.rewards
     lengths = torch.tensor([s.model_tokens for s in samples], dtype=torch.float32).view_as(accuracy)
@@ -364,13 +375,44 @@ def _accuracy_by_domain(accuracy: torch.Tensor, is_anchor: torch.Tensor, verifie
     return out
 
 
-def score_group(row: PromptRow, samples: Sequence[Sample], settings: RolloutSettings) -> tuple[list[float], int]:
-    """One row's G on-policy responses scored by its verifier: (scores, timed-out calls), as `collect_groups` scores them."""
+def kept_anchor(result: AnchorResult | None, settings: RolloutSettings) -> AnchorResult | None:
+    """The anchor a group trains with: ``result`` when found with a reward reaching ``anchor_success_reward``, else None.
+
+    A group without one takes G on-policy samples (the anchor slot gets one more).
+    """
+    if result is None or not result.found or result.reward is None or result.reward < settings.anchor_success_reward:
+        return None
+    return result
+
+
+def score_group(
+    row: PromptRow, samples: Sequence[Sample], settings: RolloutSettings, anchor: AnchorResult | None = None
+) -> tuple[list[float], int]:
+    """One row's on-policy responses scored by its verifier: (scores, timed-out calls), as `collect_groups` scores them.
+
+    ``anchor``: the group's kept anchor (`kept_anchor`); a group verifier sees it last, in the same
+    call, and its score comes last in the scores.
+    """
     verifier = row.verifier or settings.verifier
-    [scores], timeouts = _score(
-        [[s.text for s in samples]], [row], [verifier], settings.reward_workers, [[s.trajectory for s in samples]]
-    )
+    texts, trajectories = [s.text for s in samples], [s.trajectory for s in samples]
+    if anchor is not None and anchor.anchor is not None and _scores_groups(verifier):
+        texts.append(anchor.anchor.text)
+        trajectories.append(anchor.anchor.trajectory)
+    [scores], timeouts = _score([texts], [row], [verifier], settings.reward_workers, [trajectories])
     return scores, timeouts
+
+
+def group_accuracy(
+    row: PromptRow, scores: Sequence[float], anchor: AnchorResult | None, settings: RolloutSettings
+) -> list[float]:
+    """The accuracies of a whole group (G), anchor last, from `score_group`'s ``scores`` and its kept ``anchor``.
+
+    The anchor's is its score in the group under a group verifier, else the reward it was verified with.
+    """
+    if anchor is None or _scores_groups(row.verifier or settings.verifier):
+        return list(scores)
+    assert anchor.reward is not None  # a kept anchor carries its reward
+    return [*scores, anchor.reward]
 
 
 def check_spans(spans_per_response: Sequence[Sequence[Span]], trainer_step: int, max_versions: int) -> dict[str, float]:

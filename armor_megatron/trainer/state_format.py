@@ -13,6 +13,10 @@ Versions:
 2. ``format_version``, and every key present (None where there is nothing to restore).
 3. ``partial_rollouts``: ``rollout.partial``'s generator state (buffered responses, groups in
    progress), the rows drawn and not yet requested, the groups named so far; None when off.
+4. partial rollouts with anchors: each group in progress holds its anchor lookup, the
+   reference version it was made under and the generator call that started it (``anchor``,
+   ``reference``, ``started``; the generator counts its ``calls``), and ``partial_rollouts``
+   holds the lookups made for rows drawn and not yet requested (``anchors``).
 
 A change to the state's keys or their meaning is a new version here and a migration from the one
 before, with a checkpoint of the previous version under ``tests/trainer/data/`` that a test resumes.
@@ -25,7 +29,7 @@ from typing import Any
 
 from armor_megatron.errors import UserInputError
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 KEY = "format_version"
 
 
@@ -44,8 +48,20 @@ def _v2_to_v3(state: dict[str, Any]) -> dict[str, Any]:
     return {"partial_rollouts": None, **state}
 
 
+def _v3_to_v4(state: dict[str, Any]) -> dict[str, Any]:
+    """Version 3 -> 4: partial rollouts ran without anchors (anchors were refused with them)."""
+    partial = state.get("partial_rollouts")
+    if partial is None:
+        return state
+    generator = partial["generator"]
+    if generator is not None:
+        groups = [{**g, "anchor": None, "reference": None, "started": 0} for g in generator["groups"]]
+        generator = {**generator, "calls": 0, "groups": groups}  # its groups count as started one step ago
+    return {**state, "partial_rollouts": {**partial, "generator": generator, "anchors": []}}
+
+
 # version n -> the function that turns a version-n state into a version n+1 state
-MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3}
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2, 2: _v2_to_v3, 3: _v3_to_v4}
 
 
 def versioned(state: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""``rollout.partial``: off by default, its checks, and one-line refusals of what it does not support yet."""
+"""``rollout.partial``: off by default, its checks, one-line refusals of what it does not support yet, anchors allowed."""
 
 import os
 
@@ -43,10 +43,24 @@ def test_bad_values_name_the_key(override, message):
             ["rollout.overlap=one_step", "algorithm.tis.enabled=true", "rollout.sglang.placement=disaggregated"],
             "not supported with rollout.overlap .one_step.",
         ),
-        (["anchor.enabled=true"], "not supported with anchor.enabled"),
+        (
+            [
+                "anchor.enabled=true",
+                "anchor.pregenerate=true",
+                "anchor.reference_urls=[http://127.0.0.1:2]",
+                "rollout.sglang.placement=disaggregated",
+            ],
+            "not supported with anchor.pregenerate",
+        ),
     ],
 )
 def test_unsupported_combinations_are_refused_in_one_line(overrides, why):
     with pytest.raises(ConfigError, match=f"^rollout.partial.enabled: {why}") as err:
         load_config(TINY, [*ON, "rollout.partial.enabled=true", *overrides])
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("source", ["separate", "swap"])
+def test_anchors_are_generated_with_partial_rollouts_from_either_source(source):
+    cfg = load_config(TINY, [*ON, "rollout.partial.enabled=true", "anchor.enabled=true", f"anchor.source={source}"])
+    assert cfg.rollout.partial.enabled and cfg.anchor.enabled and cfg.anchor.source == source

@@ -5,7 +5,8 @@ import time
 
 import pytest
 
-from armor_megatron.rollout.engine import SamplingParams
+from armor_megatron.rollout.anchor.sampler import AnchorResult
+from armor_megatron.rollout.engine import Sample, SamplingParams
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.partial import PartialBuffer, Span
 from armor_megatron.rollout.partial_generation import (
@@ -18,6 +19,7 @@ from armor_megatron.rollout.partial_generation import (
 from armor_megatron.rollout.sglang.client import SGLangClient
 from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
+from armor_megatron.trainer.partial_anchors import NONE_FOUND
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -179,10 +181,60 @@ def test_a_stop_aborts_everything_in_flight_and_keeps_every_token(server, tiny_c
     state = gen.state_dict()
     groups = {g["key"]: g for g in state["groups"]}
     assert sorted(groups) == ["a", "b", "done"]  # the complete group was not handed out: kept
+    assert state["calls"] == 0 and {g["started"] for g in groups.values()} == {1}  # the step runs again, as new
     buffered = {p["key"]: p for p in state["buffer"]["items"]}
     assert sorted(buffered) == ["a/0", "a/1", "b/0"] and sorted(groups["b"]["done"]) == ["1"]
     assert all(0 < len(p["token_ids"]) < 30 for p in buffered.values())  # cut where decoding was, kept
     stop.clear()
     done, metrics = gen.generate(iter(()), target=3, version="step-0")  # the next call continues them
     assert sorted(r.key for r, _ in done) == ["a", "b", "done"] and metrics["partial/continued"] == 3
+    gen.close()
+
+
+def test_a_group_whose_anchor_a_reset_made_stale_is_reanchored_or_grown_by_one_response(server, tiny_ckpt):
+    """A group in progress holds its anchor's reference; after a reset the caller replaces a stale anchor
+    (counted as discarded): by a fresh one, or by none and one more on-policy response, generated in full
+    in that step, which the group trains in (its first responses would be too old for the next)."""
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "7+7="))
+    old = AnchorResult(0, Sample(0, (3, 4), "ab", (-0.5, -0.25), "stop", "ref-0"), 2, 4, reward=1.0)
+    supply = iter([GroupRequest("short", p, (2,) * 3, old, "ref-0"), GroupRequest("long", p, (16,) * 3, old, "ref-0")])
+    gen = _generator(server)
+    done, metrics = gen.generate(supply, target=1, version="step-0")
+    assert [r.key for r, _ in done] == ["short"] and done[0][0].anchor == old  # the anchor travels with its group
+    assert metrics["partial/anchors_discarded"] == 0  # "long" is in progress: aborted, or complete after the target
+    state = gen.state_dict()
+    resumed = _generator(server)
+    resumed.load_state_dict(state)
+    assert resumed.state_dict() == state and resumed.stale_anchors("ref-1")[0].anchor == old  # kept exactly
+    resumed.close()
+
+    assert gen.stale_anchors("ref-0") == [] and [g.key for g in gen.stale_anchors("ref-1")] == ["long"]
+    with pytest.raises(ValueError, match="keeps its 3 responses"):
+        gen.reanchor("long", NONE_FOUND, "ref-1", (16, 16))
+    gen.reanchor("long", NONE_FOUND, "ref-1", (16, 16, 16, 16))  # none found under ref-1: a 4th response
+    server.engine.weight_version = "step-1"
+    new = iter([GroupRequest("new", p, (2,) * 4)])
+    done, metrics = gen.generate(new, target=1, version="step-1")
+    [(request, members)] = done  # "long" started a step ago: due now (max_versions 2), so it takes the one place
+    assert gen.groups_in_progress == 1  # before "new", complete first and kept for the next step
+    assert (request.anchor, request.reference, len(members)) == (NONE_FOUND, "ref-1", 4)
+    assert metrics["partial/anchors_discarded"] == 1
+    [[whole]] = server.engine.generate([list(p)], 1, _greedy(16))
+    assert [m.sample.token_ids for m in members] == [whole.token_ids] * 4
+    assert members[3].spans == (Span("step-1", 0, 16),)  # the new response, generated in this step
+    gen.close()
+
+
+def test_a_due_group_that_the_filter_drops_gives_its_kept_place_to_a_group_complete_meanwhile(server, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    p = tuple(encode(tok, "9+9="))
+    gen = _generator(server)
+    done, _ = gen.generate(iter([GroupRequest("a", p, (2, 2)), GroupRequest("due", p, (16, 16))]), 1, "step-0")
+    assert [r.key for r, _ in done] == ["a"] and gen.groups_in_progress == 1
+    server.engine.weight_version = "step-1"
+    # "b" completes first but the one place is kept for "due" (started a step ago); "due" is filtered
+    done, metrics = gen.generate(iter([GroupRequest("b", p, (2, 2))]), 1, "step-1", accept=lambda r, m: r.key != "due")
+    assert [r.key for r, _ in done] == ["b"] and metrics["partial/filtered_groups"] == 1
+    assert gen.groups_in_progress == 0
     gen.close()

@@ -1,8 +1,9 @@
 """Partial rollouts in the whole loop: ``armor-train`` with ``rollout.partial`` on, attached to an
-SGLang test double that decodes one token per 50 ms (so groups finish at different times), on-policy
-groups only (anchors are refused with partial rollouts). Each step keeps twice the groups it needs in
-flight, trains on the first ones complete, and hands the rest (aborted with their tokens, or complete
-after the target) to the next step first."""
+SGLang test double that decodes one token per 50 ms (so groups finish at different times). Each step
+keeps twice the groups it needs in flight, trains on the first ones complete, and hands the rest
+(aborted with their tokens, or complete after the target) to the next step first; with anchors, each
+group's anchor is looked up when the group starts, and a reference reset discards the anchors of the
+groups still in progress."""
 
 import json
 import urllib.request
@@ -37,15 +38,13 @@ def server(tiny, tmp_path):
         launcher.stop()
 
 
-def test_partial_rollouts_train_abort_the_surplus_and_continue_it(tiny, tmp_path, server):
-    metrics = _train(
-        tiny,
-        tmp_path,
+def _partial_run(url):
+    """Three steps of 4 groups of 4 on the double at ``url``, twice the groups needed in flight."""
+    return [
         "rollout.engine=sglang",
-        f"rollout.sglang.urls=[{server}]",
+        f"rollout.sglang.urls=[{url}]",
         "rollout.sglang.weight_sync=disk",
         "rollout.sglang.placement=colocated",
-        "anchor.enabled=false",
         "rollout.partial.enabled=true",
         "rollout.partial.over_provision=2",
         "rollout.partial.max_versions=2",
@@ -58,6 +57,15 @@ def test_partial_rollouts_train_abort_the_surplus_and_continue_it(tiny, tmp_path
         "train.mini_batches_per_step=1",
         "eval.every_steps=0",
         "checkpoint.every_steps=0",
+    ]
+
+
+def test_partial_rollouts_train_abort_the_surplus_and_continue_it(tiny, tmp_path, server):
+    metrics = _train(
+        tiny,
+        tmp_path,
+        "anchor.enabled=false",
+        *_partial_run(server),
     )
     steps = (1, 2, 3)
     for step in steps:
@@ -75,3 +83,32 @@ def test_partial_rollouts_train_abort_the_surplus_and_continue_it(tiny, tmp_path
     assert metrics[1]["partial/continued"] == 0.0  # nothing was carried into the first step
     with urllib.request.urlopen(server + "/model_info", timeout=5) as response:
         assert json.loads(response.read())["weight_version"] == "step-3"  # one push per step
+
+
+def test_partial_rollouts_with_anchors_train_only_anchors_of_the_current_reference(tiny, tmp_path, server):
+    """ARMOR's groups under partial rollouts: anchors from π_ref swapped into the one policy server (only
+    while no on-policy request decodes there), a reset after every step, so the groups a step leaves in
+    progress hold anchors of a reference the next step no longer has: they are discarded and looked up
+    again, and every anchor that trains is of the current reference (``rollout/anchor_reference``)."""
+    metrics = _train(
+        tiny,
+        tmp_path,
+        "anchor.enabled=true",
+        "anchor.source=swap",
+        "anchor.max_tries=16",  # most prompts get an anchor, so groups in progress hold some at each reset
+        "anchor.tries_per_request=16",
+        "reference.reset=every",
+        "reference.tau=1",
+        "logging.sample_metrics=tests.trainer.test_loop_in_process:anchor_reference",
+        *_partial_run(server),
+    )
+    steps = (1, 2, 3)
+    for step in steps:
+        m = metrics[step]
+        assert m["reference/reset"] == 1.0 and m["train/num_tokens"] > 0
+        if m["anchor/found_rate"] > 0:  # the step trained anchors, all sampled by the reference of its start
+            assert m["rollout/anchor_reference"] == step - 1, (step, m)
+    assert max(metrics[step]["anchor/found_rate"] for step in steps) > 0
+    assert metrics[1]["partial/anchors_discarded"] == 0.0  # nothing was in progress before the first step
+    # the groups each step left in progress held anchors of the reference the reset after it replaced
+    assert sum(metrics[step]["partial/anchors_discarded"] for step in (2, 3)) > 0

@@ -22,7 +22,15 @@ from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
-from armor_megatron.trainer.rollout_phase import RolloutSettings, _to_batch, collect_groups, rows_as_samples
+from armor_megatron.trainer.rollout_phase import (
+    RolloutSettings,
+    _to_batch,
+    collect_groups,
+    group_accuracy,
+    kept_anchor,
+    rows_as_samples,
+    score_group,
+)
 from tests.registered_verifiers import registered
 
 SAMPLING = SamplingParams(max_new_tokens=4, ignore_eos=True, seed=3)
@@ -305,6 +313,64 @@ def test_a_group_verifier_scores_each_whole_group_anchor_included(setup):
     for p in range(len(rows)):  # every row trains with its score in the group, the anchor's included
         assert accuracy[p].tolist() == _first_solver(texts[p * G : (p + 1) * G], rows[p].answer, rows[p].prompt)
     assert accuracy[:3, -1].tolist() == [0.75] * 3  # accepted alone (1); trains with its score in the group
+
+
+class RecordedLookups:
+    """An anchor cache whose lookups are kept, so a second assembly can be handed the same anchors."""
+
+    def __init__(self, cache):
+        self.cache, self.results = cache, []
+
+    def get(self, *args, **kwargs):
+        self.results = self.cache.get(*args, **kwargs)
+        return self.results
+
+
+@pytest.mark.parametrize(
+    ("verifier", "prescored"),
+    [("test_starts_with", False), ("test_first_solver", True)],
+    ids=["scored_here", "group_verifier_scored_by_the_filter"],
+)
+def test_pre_generated_groups_with_their_anchors_assemble_exactly_as_sampled_ones(setup, verifier, prescored):
+    """The partial-rollout path (on-policy responses generated earlier, anchors looked up when each group
+    started, scores from dynamic sampling's filter or not) builds the same batch and metrics as
+    `collect_groups` sampling the same responses and anchors itself."""
+    tok, policy, sampler, rows = setup
+    with registered(test_first_solver=_first_solver):
+        settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier=verifier)
+        lookups = RecordedLookups(AnchorCache(sampler))
+        expected, expected_metrics = _collect(setup, lookups, verifier=verifier)
+        _, samples = rows_as_samples(expected)
+        anchor = expected["is_anchor"].tolist()
+        generated = [[samples[i] for i in range(p * G, (p + 1) * G) if not anchor[i]] for p in range(len(rows))]
+        kept = [kept_anchor(a, settings) for a in lookups.results]
+        assert [len(g) for g in generated] == [G - (a is not None) for a in kept] == [G - 1] * 3 + [G] * 2
+        scored = [score_group(r, g, settings, a) for r, g, a in zip(rows, generated, kept)]
+        batch, metrics = collect_groups(
+            rows,
+            lambda p: encode(tok, p),
+            policy,
+            settings,
+            pad_id=tok.pad_token_id,
+            generated=generated,
+            resolved=lookups.results,
+            group_scores=([s for s, _ in scored], sum(t for _, t in scored)) if prescored else None,
+        )
+        accuracy = [group_accuracy(r, s, a, settings) for r, (s, _), a in zip(rows, scored, kept)]
+    assert batch["accuracy"].view(len(rows), G).tolist() == accuracy  # what dynamic sampling's filter judged
+    assert batch.tensors.keys() == expected.tensors.keys()
+    for name, tensor in expected.tensors.items():
+        assert torch.equal(batch[name], tensor), name
+    assert batch.objects == expected.objects and metrics == expected_metrics
+    with pytest.raises(ValueError, match="row 0 has 4 pre-generated responses, 3 expected"):
+        collect_groups(
+            rows,
+            lambda p: encode(tok, p),
+            policy,
+            settings,
+            generated=[[*generated[0], samples[0]], *generated[1:]],
+            resolved=lookups.results,
+        )
 
 
 class OneToolCall:

@@ -31,6 +31,16 @@ def test_a_version_1_state_gains_its_version_and_the_keys_it_may_lack():
     v2 = {**V1_REQUIRED, "format_version": 2, "reset_schedule": None, "anchor_cache": None}
     v2 |= {"pending_batch": None, "step_record": None}
     assert migrated(v2) == {**v2, "format_version": FORMAT_VERSION, "partial_rollouts": None}  # version 2 -> 3
+    group = {"key": "3:1", "prompt_ids": [1], "max_new_tokens": [4, 4], "done": {}, "must_finish": False}
+    v3 = {**v2, "format_version": 3, "partial_rollouts": {"generator": {"buffer": {}, "groups": [group]}}}
+    v3["partial_rollouts"] |= {"queue": [5], "draws": 1}
+    assert migrated(v3)["partial_rollouts"] == {  # version 3 -> 4: partial rollouts ran without anchors
+        "generator": {"buffer": {}, "calls": 0, "groups": [{**group, "anchor": None, "reference": None, "started": 0}]},
+        "queue": [5],
+        "draws": 1,
+        "anchors": [],
+    }
+    assert migrated({**v3, "partial_rollouts": None})["partial_rollouts"] is None
     kept = {**V1_REQUIRED, "step_record": {"step": 3, "metrics": {}}}
     assert migrated(kept)["step_record"] == {"step": 3, "metrics": {}}
     current = migrated(kept)

@@ -26,7 +26,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any, cast
 
 from armor_megatron.rewards.isolated import CallsInterrupted
-from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample
+from armor_megatron.rollout.anchor.sampler import AnchorResult, AnchorSampler, VerifiedSample, sample_from_state
 from armor_megatron.rollout.engine import Sample
 
 
@@ -217,18 +217,12 @@ class AnchorCache:
         def key(k: Any) -> Hashable:
             return tuple(k) if isinstance(k, list) else k
 
-        def sample(d: dict[str, Any]) -> Sample:
-            d = dict(
-                d, token_ids=tuple(d["token_ids"]), logprobs=None if d["logprobs"] is None else tuple(d["logprobs"])
-            )
-            return Sample(**d)  # Sample makes a multi-turn anchor's loss_mask and trajectory tuples again
-
         with self._lock:
             self.version = state["version"]
             # entries saved before rewards were kept passed the sampler's success reward
             success = self.sampler.config.success_reward
             self._pools = {
-                key(k): [_Entry(sample(e[0]), e[2] if len(e) > 2 else success, e[1]) for e in p]
+                key(k): [_Entry(sample_from_state(e[0]), e[2] if len(e) > 2 else success, e[1]) for e in p]
                 for k, p in state["pools"]
             }
             self._failures = {key(k): n for k, n in state["failures"]}

@@ -111,6 +111,32 @@ class AnchorResult:
         """Whether an anchor was found."""
         return self.anchor is not None
 
+    def to_state(self) -> dict[str, Any]:
+        """Plain data for a checkpoint; ``extra`` is left out (an anchor cache pooled it when it was sampled)."""
+        state = dataclasses.asdict(self)
+        del state["extra"]
+        return state
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> AnchorResult:
+        """The inverse of :meth:`to_state` (``extra`` empty)."""
+        anchor = state["anchor"]
+        return cls(
+            int(state["prompt_index"]),
+            None if anchor is None else sample_from_state(anchor),
+            int(state["tries"]),
+            int(state["generated_tokens"]),
+            cached=bool(state["cached"]),
+            reward=None if state["reward"] is None else float(state["reward"]),
+        )
+
+
+def sample_from_state(state: dict[str, Any]) -> Sample:
+    """A `Sample` from its ``dataclasses.asdict`` (token ids and log-probs as lists)."""
+    lps = state["logprobs"]
+    state = dict(state, token_ids=tuple(state["token_ids"]), logprobs=None if lps is None else tuple(lps))
+    return Sample(**state)  # Sample makes a multi-turn anchor's loss_mask and trajectory tuples again
+
 
 @dataclasses.dataclass
 class AnchorStats:
