@@ -64,7 +64,9 @@ class PartialResponse:
     generated so far and the engine's log-prob of each (length T); ``spans``: the versions
     that generated them, consecutive, covering ``[0, T)``; ``max_new_tokens``: the limit of the
     whole response; ``reference``: π_ref's version for an anchor (None: an on-policy response);
-    ``continuations``: how many times it was continued and stopped again.
+    ``continuations``: how many times it was continued and stopped again; ``text``: the engine's
+    text of ``token_ids``, piece by piece (each request's ``text`` joined: the whole response's
+    text is what a verifier scores).
     """
 
     key: str
@@ -76,6 +78,7 @@ class PartialResponse:
     max_new_tokens: int
     reference: str | None = None
     continuations: int = 0
+    text: str = ""
 
     def __post_init__(self) -> None:
         if len(self.logprobs) != len(self.token_ids):
@@ -100,7 +103,18 @@ class PartialResponse:
         if sample.logprobs is None:
             raise ValueError("a partial response needs the engine's log-probs of its tokens")
         spans = (Span(sample.weight_version, 0, sample.num_tokens),) if sample.num_tokens else ()
-        return cls(key, group, tuple(prompt_ids), sample.token_ids, sample.logprobs, spans, max_new_tokens, reference)
+        return cls(
+            key,
+            group,
+            tuple(prompt_ids),
+            sample.token_ids,
+            sample.logprobs,
+            spans,
+            max_new_tokens,
+            reference,
+            0,
+            sample.text,
+        )
 
     @property
     def versions(self) -> tuple[str, ...]:
@@ -128,7 +142,10 @@ class PartialResponse:
         """This response continued by ``more`` (the continuation's new tokens, from ``more.weight_version``).
 
         Returns a :class:`PartialResponse` when ``more`` was aborted again before the limit,
-        else the :class:`Finished` whole response.
+        else the :class:`Finished` whole response; its text is the pieces' texts joined (SGLang
+        detokenizes each request's output alone: with a tokenizer whose tokens decode differently
+        at the start of a text, e.g. SentencePiece's leading space, the join can differ from the
+        text of one uninterrupted request at the abort point).
         """
         if more.logprobs is None:
             raise ValueError("a continuation needs the engine's log-probs of its tokens")
@@ -144,10 +161,16 @@ class PartialResponse:
         ids, lps = self.token_ids + more.token_ids, self.logprobs + more.logprobs
         if more.finish_reason == "abort" and len(ids) < self.max_new_tokens:
             return dataclasses.replace(
-                self, token_ids=ids, logprobs=lps, spans=tuple(spans), continuations=self.continuations + 1
+                self,
+                token_ids=ids,
+                logprobs=lps,
+                spans=tuple(spans),
+                continuations=self.continuations + 1,
+                text=self.text + more.text,
             )
         reason = "length" if more.finish_reason == "abort" else more.finish_reason
-        return Finished(Sample(more.prompt_index, ids, more.text, lps, reason, more.weight_version), tuple(spans))
+        text = self.text + more.text
+        return Finished(Sample(more.prompt_index, ids, text, lps, reason, more.weight_version), tuple(spans))
 
     def to_state(self) -> dict[str, Any]:
         """Plain data (lists, strings, floats) for a checkpoint."""
@@ -170,7 +193,18 @@ class PartialResponse:
             max_new_tokens=int(state["max_new_tokens"]),
             reference=state["reference"],
             continuations=int(state.get("continuations", 0)),  # absent from buffers saved before it was kept
+            text=_saved_text(state),
         )
+
+
+def _saved_text(state: dict[str, Any]) -> str:
+    """A saved partial response's text; a buffer saved before it was kept held none, and is refused."""
+    if "text" not in state and state["token_ids"]:
+        raise PartialStateError(
+            f"partial response {state['key']} was saved without its text (an older buffer): resume from a "
+            "checkpoint without responses in progress, or continue that run with the version that wrote it"
+        )
+    return str(state.get("text", ""))
 
 
 @dataclasses.dataclass(frozen=True)

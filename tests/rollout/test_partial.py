@@ -57,6 +57,7 @@ def test_continuation_from_token_ids_equals_one_uninterrupted_generation(engine,
     done = continue_with(engine, partial)
     assert isinstance(done, Finished)
     assert done.sample.token_ids == whole.token_ids and done.sample.finish_reason == whole.finish_reason == "length"
+    assert done.sample.text == whole.text != first.text  # the verifier scores the whole response's text
     torch.testing.assert_close(torch.tensor(done.sample.logprobs), torch.tensor(whole.logprobs), atol=1e-5, rtol=0)
     assert done.token_versions() == ["step-0"] * N and done.spans == (Span("step-0", 0, N),)
 
@@ -178,3 +179,12 @@ def test_a_buffer_saved_under_another_rule_is_refused():
 def test_versions_spanned_metrics():
     spans = [_partial("a", ["step-0", "step-1"]).spans, _partial("b", ["step-1"]).spans, ()]
     assert versions_spanned(spans) == {"rollout/versions_spanned_max": 2.0, "rollout/versions_spanned_mean": 4 / 3}
+
+
+def test_a_response_saved_without_its_text_is_refused_in_one_line():
+    sample = Sample(0, (3, 4), "ab", (-0.5, -0.25), "abort", "step-0")
+    state = PartialResponse.from_sample(sample, "g/0", "g", (1, 2), max_new_tokens=8).to_state()
+    assert PartialResponse.from_state(state).text == "ab"
+    del state["text"]
+    with pytest.raises(PartialStateError, match="saved without its text"):
+        PartialResponse.from_state(state)
