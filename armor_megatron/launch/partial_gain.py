@@ -18,8 +18,8 @@ on average the tokens it trains on, n·E[L], at B per decode step::
 
     ratio = E[T_partial] / E[T_off] = (n/B) · E[L] / E[max of n lengths];   B = n: E[L] / E[M_n]
 
-It holds for any over_provision ≥ 1 + (B − n)/n, i.e. for B = n as soon as anything is over-provisioned,
-(enough sequences to keep the batch full until the target is met). Left out: the batch is not full
+It needs more sequences in flight than B (over_provision · n > B; for B = n any over_provision > 1),
+so that the batch stays full until the target is met. Left out: the batch is not full
 in the few decode steps after a step's abort and before the next starts; the first step starts
 with nothing carried over, and a short run ends with tokens carried over that it paid for and never
 trained on (both make a short measurement read higher); prefill; dynamic sampling (both modes decode
