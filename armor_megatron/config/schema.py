@@ -844,6 +844,13 @@ class StepTimeConfig:
         help="mean response length / rollout.max_response_len; 1: the worst case, every response at the limit "
         "(a run's rollout/response_len over max_response_len plans from measured lengths)",
     )
+    response_len_sigma: float = checked(
+        0.47,
+        check=in_range(0, 5),
+        help="shape σ of the lognormal response lengths (truncated at rollout.max_response_len, mean from "
+        "response_len_fraction) behind the partial-rollout gain --plan shows with rollout.partial on; 0.47: "
+        "p99/p50 = 3 before truncation, bench/partial_rollouts.py's lengths",
+    )
 
 
 @dataclasses.dataclass

@@ -72,6 +72,11 @@ scaled by the weights a token goes through (at a full batch decoding is bound by
 and the weight reads per token, both ∝ W). H100s decode faster; measured rates replace it
 (launch.step_time.decode_tokens_per_s_per_gpu).
 
+**Partial rollouts** (rollout.partial on): the plan adds the expected generation time of partial
+rollouts over that of waiting for the step's longest response, E[L] / E[max of P·G lengths] for
+lognormal lengths of shape launch.step_time.response_len_sigma truncated at max_response_len with
+mean L (derivation and limits: :mod:`armor_megatron.launch.partial_gain`).
+
 Left out: prefill of the prompts; the long tail (a step waits for its longest response, which a
 mean rate hides; long responses also decode slower as their KV cache grows); DAPO's refill rounds
 and anchors retried after a failed first request; colocated engines' memory release and resume;
@@ -90,6 +95,7 @@ from armor_megatron.config.schema import RunConfig, needs_reference_logprobs
 from armor_megatron.config.typed import ConfigError
 from armor_megatron.config.validate import launched_reference_engines, validate_run_config
 from armor_megatron.launch.memory import plan_memory, total_params
+from armor_megatron.launch.partial_gain import lognormal_lengths, partial_generation_ratio
 from armor_megatron.launch.plan import LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.models.flops import train_flops_per_token
@@ -328,6 +334,7 @@ class StepTimePlan:
     balance: Balance
     note: str
     overrides: str = ""  # the suggested split as ``key=value`` overrides of the run config ("": as configured)
+    partial: str = ""  # with rollout.partial on: the expected generation time against waiting for the longest
 
     def table(self) -> str:
         """The plan as a text table, one row per layout."""
@@ -369,7 +376,8 @@ class StepTimePlan:
             f"generation = train = {b.one_step - b.sync:.1f} s: one_step {b.one_step:.1f} s; off is least with "
             f"{b.off_engine_gpus:.1f} engine GPUs: {b.off:.1f} s"
         )
-        return "\n".join(["step-time model: " + self.note, "", *lines, "", balance, self.verdict()])
+        partial = [self.partial] if self.partial else []
+        return "\n".join(["step-time model: " + self.note, "", *lines, "", balance, *partial, self.verdict()])
 
     def verdict(self) -> str:
         """One line suggesting the engine/trainer split."""
@@ -425,6 +433,23 @@ def plan_step_time(cfg: RunConfig, arch: ModelArch) -> StepTimePlan | None:
         balance=Balance(total, generation_gpu_seconds(work, r), train_gpu_seconds(work, r), sync_seconds(work, r)),
         note=note,
         overrides="" if by_one_step is None else split_overrides(cfg, by_one_step.split),
+        partial=partial_gain_line(cfg) if cfg.rollout.partial.enabled else "",
+    )
+
+
+def partial_gain_line(cfg: RunConfig) -> str:
+    """The generation-time ratio of partial rollouts vs waiting for the step's longest response, in words."""
+    ro, st = cfg.rollout, cfg.launch.step_time
+    n = ro.prompts_per_step * ro.group_size
+    lengths = lognormal_lengths(
+        st.response_len_fraction * ro.max_response_len, st.response_len_sigma, ro.max_response_len
+    )
+    ratio = partial_generation_ratio(lengths, n)
+    return (
+        f"partial rollouts: generation {ratio:.2f} x the time of waiting for the longest of the step's {n} "
+        f"responses (lognormal lengths, σ {st.response_len_sigma:g}, mean {lengths.mean():.0f} of at most "
+        f"{ro.max_response_len} tokens, the {n} running at once; the t_gen above, a mean rate, leaves that tail "
+        "out: armor_megatron/launch/partial_gain.py)"
     )
 
 

@@ -52,12 +52,22 @@ Behaviour copied from SGLang 0.5.x (see docs/design.md §7):
   ``finish_reason`` {type: abort, message: "Aborted", status_code: null, err_type: null}
   (``FINISH_ABORT.to_json``, schedule_batch.py:332-345); a request aborted before it ran
   gets ``message`` "Abort in waiting queue" and no tokens (tokenizer_manager.py:3596);
-* decoding takes time: with ``seconds_per_token`` > 0 every sequence of a request decodes one
-  token per ``seconds_per_token`` from the request's arrival (the double's own sampling time
-  counts toward it), all of a request's sequences at once (continuous batching), so a longer response answers later and an abort cuts it where decoding
-  is. The double samples the whole response first and reveals its prefix with time, which gives
-  the same tokens and log-probs as decoding one token at a time. A continuation is an ordinary
-  request whose ``input_ids`` are the prompt followed by the partial output;
+* decoding takes time: with ``seconds_per_token`` > 0 every running sequence decodes one
+  token per ``seconds_per_token`` from the moment it runs (the double's own sampling time
+  counts toward it), all running sequences at once (continuous batching: a decode step advances
+  every running request by one token; the step's time does not grow with the batch here), so a
+  longer response answers later and an abort cuts it where decoding is. The double samples the
+  whole response first and reveals its prefix with time, which gives the same tokens and
+  log-probs as decoding one token at a time. A continuation is an ordinary request whose
+  ``input_ids`` are the prompt followed by the partial output;
+* ``--max-running-requests`` (``max_running_requests``; default unbounded): at most that many
+  sequences run at once (each of a request's n samples is one; SGLang's ``get_num_allocatable_reqs``,
+  scheduler.py:4027); the others wait in the waiting queue, first come first served (the default
+  ``--schedule-policy fcfs``, arg_groups/fields/schedule.py:102), and run as running ones finish or
+  are aborted. An abort of a waiting sequence pops it from the queue (``Scheduler.abort_request``,
+  scheduler.py:5685-5700): it answers no tokens and ``finish_reason`` {type: abort, message:
+  "Abort in waiting queue"} (tokenizer_manager.py:3596). The KV-cache token budget, which bounds
+  the batch too, is not modelled;
 * ``/pause_generation`` {mode}: ``abort`` (SGLang's default) aborts the requests in flight,
   ``retract`` and ``in_place`` keep them; new requests wait until ``/continue_generation``;
   ``/health_generate`` answers 503 while paused (SGLang: its probe generation cannot run and
@@ -117,6 +127,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import signal
 import socket
@@ -174,6 +185,7 @@ DEFAULT_SAMPLING_SEED = 42  # sampling_batch_info.py:163: the seed of a request 
 INT_SAMPLING_KEYS = ("max_new_tokens", "top_k", "n", "min_new_tokens")
 
 
+WAITED = -1  # a sequence aborted in the waiting queue: it never ran
 JSON_NULL = object()  # a handler's answer of JSON ``null`` (None answers an empty 200)
 
 
@@ -245,6 +257,7 @@ class SGLangTestServer:
         health_generation: bool | None = None,
         seconds_per_token: float = 0.0,
         lora: LoRAServing | None = None,
+        max_running_requests: int | None = None,
     ):
         """A server double in front of ``engine`` (not started: see :meth:`start`).
 
@@ -254,11 +267,15 @@ class SGLangTestServer:
         ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION`` (on unless "0"/"false");
         ``seconds_per_token``: decode time of one token of a sequence (0: answers at once);
         ``lora``: the LoRA serving of ``--enable-lora`` (None: LoRA not enabled).
+        ``max_running_requests``: sequences decoding at once, the rest queue (None: unbounded).
         """
         if seconds_per_token < 0:
             raise ValueError(f"seconds_per_token must be >= 0, got {seconds_per_token}")
+        if max_running_requests is not None and max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         self.seconds_per_token = seconds_per_token
         self.lora = lora
+        self.max_running_requests = max_running_requests
         if original_logprobs is None:
             original_logprobs = os.environ.get(ORIGINAL_LOGPROB_ENV, "false").lower() in ("1", "true")
         if health_generation is None:
@@ -291,7 +308,12 @@ class SGLangTestServer:
         self._ckpt_names: set[str] | None = None
         self._failures: dict[str, list[int]] = {}  # path -> [remaining, status]
         self._aborts = 0
-        self._rids: dict[str, float | None] = {}  # rid of every sequence decoding -> when it was aborted
+        self._rids: dict[str, float | None] = {}  # rid of every sequence not answered yet -> when it was aborted
+        self._waiting: list[str] = []  # rids in the waiting queue, first come first
+        self._arrived: dict[str, float] = {}  # rid -> when its request arrived
+        self._ran: dict[str, float] = {}  # rid -> when it started running (left the waiting queue)
+        self._running_rids: dict[str, None] = {}  # rids holding a running slot
+        self._lengths: dict[str, int] = {}  # rid -> its sampled length (unknown while sampling)
         self._httpd: ThreadingHTTPServer | None = None
         self._thread: threading.Thread | None = None
         self._connections: set[socket.socket] = set()
@@ -364,9 +386,16 @@ class SGLangTestServer:
             self._failures[path] = [count, status]
 
     def decoding(self) -> list[str]:
-        """The rids of the sequences decoding now (not aborted)."""
+        """The rids of the sequences decoding now (running, not aborted)."""
         with self._cond:
-            return [r for r, at in self._rids.items() if at is None]
+            self._schedule(time.monotonic())
+            return [r for r in self._running_rids if self._rids.get(r, 0.0) is None]
+
+    def waiting(self) -> list[str]:
+        """The rids in the waiting queue, first come first (``max_running_requests`` reached)."""
+        with self._cond:
+            self._schedule(time.monotonic())
+            return list(self._waiting)
 
     def inject_aborts(self, count: int) -> None:
         """The next ``count`` generations come back with finish_reason ``abort``."""
@@ -436,15 +465,17 @@ class SGLangTestServer:
             self._fail_if_released("/generate")
             self._running += 1
             epoch = self._abort_epoch
-            self._rids.update(dict.fromkeys(rids))
-            start = time.monotonic()  # the decode clock: the double's own sampling time counts toward it
+            self._arrive(rids, time.monotonic())
         try:
+            # a queued request costs SGLang nothing; it runs (and the double samples it) once all its sequences
+            # hold a slot; the decode clock starts there, the double's own sampling time counts toward it
+            ran = self._wait_while(rids, lambda: any(r in self._waiting for r in rids))
             sampled = [
                 (s, len(p), sp)
                 for p, (n, sp), engine in zip(prompts, checked, engines)
-                for s in self._sample(p, n, sp, return_logprob, engine)
+                for s in (self._sample(p, n, sp, return_logprob, engine) if ran else self._nothing(n, return_logprob))
             ]
-            cut = self._decode_in_time(start, rids, [len(s.token_ids) for s, _, _ in sampled])
+            cut = self._decode_in_time(rids, [len(s.token_ids) for s, _, _ in sampled])
             outputs = []
             for rid, keep, (sample, prompt_len, sampling) in zip(rids, cut, sampled):
                 out = self._output(sample, prompt_len, sampling, return_logprob, rid=rid, keep=keep)
@@ -453,8 +484,7 @@ class SGLangTestServer:
             with self._cond:
                 self._running -= 1
                 aborted = epoch != self._abort_epoch
-                for rid in rids:
-                    self._rids.pop(rid, None)
+                self._leave(rids)
         if aborted:  # an "abort" pause arrived while this request ran
             for out in outputs:
                 out["meta_info"]["finish_reason"] = {"type": "abort", "message": "Abort in waiting queue"}
@@ -474,26 +504,98 @@ class SGLangTestServer:
             raise _bad_value("The specified rids length mismatch with the batch_size for batch processing.")
         return base if per == 1 else [f"{b}_{k}" for b in base for k in range(per)]
 
-    def _decode_in_time(self, start: float, rids: list[str], lengths: list[int]) -> list[int | None]:
-        """Wait while the sequences decode, ``seconds_per_token`` per token.
+    # -- the running batch: continuous batching with at most max_running_requests sequences
 
-        ``start``: when the request arrived. Returns, per sequence, None when it decoded to its end, else the number of tokens decoded
-        when its abort arrived.
+    def _arrive(self, rids: list[str], now: float) -> None:
+        """Sequences arrive: they run if a slot is free, else join the waiting queue (caller holds ``_cond``)."""
+        self._schedule(now)
+        for rid in rids:
+            self._rids[rid], self._arrived[rid] = None, now
+            if self._waiting or not self._slot_free():
+                self._waiting.append(rid)
+            else:
+                self._run(rid, now)
+
+    def _slot_free(self) -> bool:
+        cap = self.max_running_requests
+        return cap is None or len(self._running_rids) < cap
+
+    def _run(self, rid: str, at: float) -> None:
+        self._running_rids[rid], self._ran[rid] = None, at
+
+    def _release_time(self, rid: str) -> float:
+        """When ``rid`` gives its slot back: at its last token or its abort (never while its length is unknown)."""
+        n, aborted = self._lengths.get(rid), self._rids.get(rid)
+        end = math.inf if n is None else self._ran[rid] + n * self.seconds_per_token
+        return min(end, math.inf if aborted is None else aborted)
+
+    def _schedule(self, now: float) -> None:
+        """Replay the batch up to ``now``: slots freed in time order, each taken by the queue's head at that time.
+
+        Caller holds ``_cond``. A sequence that runs at ``t`` decodes from ``t``, not from when
+        the double noticed, so the timing does not depend on when threads wake.
         """
-        ends = dict(zip(rids, (start + n * self.seconds_per_token for n in lengths)))
+        while self._running_rids:
+            at, rid = min((self._release_time(r), r) for r in self._running_rids)
+            if at > now:
+                return
+            del self._running_rids[rid]
+            if self._waiting:
+                head = self._waiting.pop(0)
+                self._run(head, max(at, self._arrived[head]))
+            self._cond.notify_all()
+
+    def _leave(self, rids: list[str]) -> None:
+        """Forget answered sequences (caller holds ``_cond``); their slots, if still held, free now."""
+        for rid in rids:
+            if rid in self._running_rids:
+                self._rids[rid] = min(self._rids.get(rid) or math.inf, time.monotonic())
+        self._schedule(time.monotonic())
+        gone = set(rids)
+        self._waiting = [r for r in self._waiting if r not in gone]
+        for rid in rids:
+            self._rids.pop(rid, None)
+            self._arrived.pop(rid, None)
+            self._ran.pop(rid, None)
+            self._lengths.pop(rid, None)
+
+    def _wait_while(self, rids: list[str], pending: Callable[[], bool]) -> bool:
+        """Replay the batch as time passes while ``pending()``; True when any of ``rids`` got to run."""
         with self._cond:
-            while True:
+            while self._httpd is not None:
                 now = time.monotonic()
-                pending = [r for r in rids if self._rids.get(r) is None and ends[r] > now]
-                if not pending or self._httpd is None:
+                self._schedule(now)
+                if not pending():
                     break
-                self._cond.wait(timeout=min(ends[r] for r in pending) - now)
-            aborted = {r: self._rids.get(r) for r in rids}
+                wake = min((self._release_time(r) for r in self._running_rids), default=math.inf)
+                self._cond.wait(timeout=min(max(wake - now, 0.0), 1.0))
+            return any(r in self._ran for r in rids)
+
+    def _nothing(self, n: int, return_logprob: bool) -> list[Sample]:
+        """The n samples of a request aborted in the waiting queue: never run, nothing generated."""
+        return [Sample(0, (), "", () if return_logprob else None, "abort", self.engine.weight_version)] * n
+
+    def _decode_in_time(self, rids: list[str], lengths: list[int]) -> list[int | None]:
+        """Wait while the sequences wait for a slot and decode, ``seconds_per_token`` per token.
+
+        Returns, per sequence, None when it decoded to its end, else the number of tokens decoded
+        when its abort arrived (:data:`WAITED` for one aborted in the waiting queue).
+        """
         spt = self.seconds_per_token
-        return [
-            None if at is None or at >= ends[r] else (int((at - start) / spt) if spt > 0 else 0)
-            for r, at in aborted.items()
-        ]
+        with self._cond:
+            self._lengths.update(zip(rids, lengths))
+        self._wait_while(rids, lambda: any(r in self._running_rids or r in self._waiting for r in rids))
+        with self._cond:
+            cut: list[int | None] = []
+            for rid, n in zip(rids, lengths):
+                aborted, ran = self._rids.get(rid), self._ran.get(rid)
+                if ran is None:  # aborted in the waiting queue (or the server went down first)
+                    cut.append(WAITED)
+                elif aborted is None or aborted >= ran + n * spt:
+                    cut.append(None)
+                else:
+                    cut.append(int((aborted - ran) / spt) if spt > 0 else 0)
+            return cut
 
     def abort_request(self, body: Any) -> None:
         """``POST /abort_request`` {rid, abort_all}: abort the sequences decoding whose rid starts with ``rid``."""
@@ -504,9 +606,12 @@ class SGLangTestServer:
             return None
         with self._cond:
             now = time.monotonic()
+            self._schedule(now)
             for r, at in self._rids.items():
                 if at is None and (abort_all or r.startswith(rid)):
                     self._rids[r] = now
+            self._waiting = [r for r in self._waiting if self._rids[r] is None]  # popped from the queue
+            self._schedule(now)
             self._cond.notify_all()
         return None
 
@@ -614,17 +719,21 @@ class SGLangTestServer:
         rid: str | None = None,
         keep: int | None = None,
     ) -> dict[str, Any]:
-        """SGLang's output dict of ``sample``; ``keep``: aborted after that many tokens (None: not aborted)."""
+        """SGLang's output dict of ``sample``; ``keep``: aborted after that many tokens (None: not aborted; WAITED: in the queue)."""
         with self._cond:
             aborted = self._aborts > 0
             self._aborts -= aborted
         reason: dict[str, Any]
-        if keep is not None:
+        if keep == WAITED:  # popped from the waiting queue: the tokenizer manager's generic abort
+            sample = dataclasses.replace(
+                sample, token_ids=(), logprobs=None if sample.logprobs is None else (), text=""
+            )
+            reason = {"type": "abort", "message": "Abort in waiting queue"}
+        elif keep is not None:
             lps = None if sample.logprobs is None else sample.logprobs[:keep]
             ids = sample.token_ids[:keep]
             sample = dataclasses.replace(sample, token_ids=ids, logprobs=lps, text=self.engine._decode(ids))
-            message = "Aborted" if keep else "Abort in waiting queue"
-            reason = {"type": "abort", "message": message, "status_code": None, "err_type": None}
+            reason = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
         elif aborted:
             reason = {"type": "abort", "message": "injected abort"}
         elif sample.finish_reason == "length":
@@ -1109,6 +1218,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--enable-lora", action="store_true")
     parser.add_argument("--max-lora-rank", type=int, default=0)
     parser.add_argument("--lora-target-modules", nargs="*", default=[])
+    parser.add_argument("--max-running-requests", type=int, default=None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:
         logger.warning("test server ignores SGLang flags %s", unknown)
@@ -1123,6 +1233,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         deterministic=args.enable_deterministic_inference,
         seconds_per_token=args.seconds_per_token,
         lora=LoRAServing(args.max_lora_rank, args.lora_target_modules) if args.enable_lora else None,
+        max_running_requests=args.max_running_requests,
     ).start()
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *a: stop.set())

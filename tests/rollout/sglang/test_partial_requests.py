@@ -5,7 +5,9 @@ import time
 
 import pytest
 
+from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.sglang.client import SGLangClient, parse_output
+from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.rollout.testing.tiny_models import encode
 
 from .conftest import FAST_RETRY
@@ -88,3 +90,58 @@ def test_abort_needs_a_rid_and_a_continuation_must_leave_room(slow_server):
         client.abort("")
     with pytest.raises(ValueError, match="nothing of max_new_tokens"):
         client.generate_continuation([1], [2] * 12, GREEDY)
+
+
+@pytest.fixture
+def one_slot(tiny_ckpt):
+    """A double that runs one sequence at a time (``--max-running-requests 1``), 50 ms per token."""
+    path, _, _ = tiny_ckpt
+    engine = LocalEngine.from_pretrained(path, weight_version="step-0")
+    with SGLangTestServer(engine, model_path=path, seconds_per_token=0.05, max_running_requests=1) as server:
+        yield server
+
+
+def _wait_queued(server, rid):
+    deadline = time.monotonic() + 30
+    while rid not in server.waiting():
+        assert time.monotonic() < deadline, f"{rid} never reached the waiting queue"
+        time.sleep(0.005)
+
+
+def test_requests_beyond_max_running_requests_wait_for_a_slot(one_slot, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(one_slot.url, retry=FAST_RETRY, request_timeout=60)
+    eight = {**GREEDY, "max_new_tokens": 8}  # 0.4 s of decoding each
+    begin = time.monotonic()
+    first, first_box = _in_thread(client.generate, encode(tok, "1+2="), eight, rid="first")
+    _wait_decoding(one_slot, "first", 1)
+    second, second_box = _in_thread(client.generate, encode(tok, "1+2="), eight, rid="second")
+    _wait_queued(one_slot, "second")
+    assert one_slot.decoding() == ["first"]
+    first.join(30)
+    second.join(30)
+    assert time.monotonic() - begin >= 0.8  # the second decoded after the first, not beside it
+    [a], [b] = first_box["out"], second_box["out"]
+    assert a["output_ids"] == b["output_ids"] and len(b["output_ids"]) == 8
+    assert b["meta_info"]["finish_reason"]["type"] == "length"
+
+
+def test_abort_in_the_waiting_queue_returns_no_tokens(one_slot, tiny_ckpt):
+    _, _, tok = tiny_ckpt
+    client = SGLangClient(one_slot.url, retry=FAST_RETRY, request_timeout=60)
+    running, running_box = _in_thread(client.generate, encode(tok, "7"), GREEDY, rid="running")
+    _wait_decoding(one_slot, "running", 1)
+    queued, queued_box = _in_thread(client.generate, encode(tok, "7"), GREEDY, rid="queued")
+    _wait_queued(one_slot, "queued")
+    client.abort("queued")
+    queued.join(30)
+    assert running.is_alive()  # answered while the running request still decodes
+    [out] = queued_box["out"]
+    assert out["meta_info"]["id"] == "queued"
+    assert out["meta_info"]["finish_reason"] == {"type": "abort", "message": "Abort in waiting queue"}
+    assert out["output_ids"] == [] and out["meta_info"]["completion_tokens"] == 0
+    assert out["meta_info"]["output_token_logprobs"] == []
+    running.join(30)
+    [out] = running_box["out"]
+    assert out["meta_info"]["finish_reason"]["type"] == "length" and len(out["output_ids"]) == 12
+    assert one_slot.waiting() == [] and one_slot.decoding() == []
