@@ -40,7 +40,9 @@ def _stub_trainer(steps: int, signal_at_step: int, signum):
         _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
         _park_trainer=lambda: None,
         _generation_beside_update=False,  # no overlap: the signal stops the reward calls at once
+        _partial=None,  # no partial rollouts
     )
+    trainer._partial_generator_closed = lambda: ArmorTrainer._partial_generator_closed(trainer)
     trainer._stop_reward_calls = lambda: ArmorTrainer._stop_reward_calls(trainer)
     return trainer
 
