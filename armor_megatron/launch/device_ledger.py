@@ -203,7 +203,12 @@ KV_AND_GRAPHS = ("kv_cache", "cuda_graph")
 
 
 def replay_colocated_step(
-    ledger: DeviceLedger, *, offload: bool = True, ref_logprobs: bool = True, reset_and_checkpoint: bool = True
+    ledger: DeviceLedger,
+    *,
+    offload: bool = True,
+    ref_logprobs: bool = True,
+    reset_and_checkpoint: bool = True,
+    policy_keeps_weights: bool = False,
 ) -> DeviceLedger:
     """Replay one colocated step's memory events on a GPU's ledger.
 
@@ -213,10 +218,12 @@ def replay_colocated_step(
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and
     graphs resumed; a reference reset and a checkpoint bring the trainer back while the engines
     keep only their weights. ``offload=False``: the trainer stays on the device throughout;
-    ``ref_logprobs``: the reference computes log-probs too (after the actor).
+    ``ref_logprobs``: the reference computes log-probs too (after the actor);
+    ``policy_keeps_weights``: the policy engines keep their weights through the update, as a
+    reference engine does (``lora.sync: adapter``: they hold the base and take new adapters only).
     """
     ledger.start("rollout")
-    ledger.engine_released("policy", POLICY_RELEASE)
+    ledger.engine_released("policy", REFERENCE_RELEASE if policy_keeps_weights else POLICY_RELEASE)
     ledger.engine_released("reference", REFERENCE_RELEASE)
     if offload:
         ledger.trainer_to_device()
@@ -225,7 +232,8 @@ def replay_colocated_step(
     ledger.compute("update")
     if offload:
         ledger.trainer_to_host(emptied_cache=True)
-    ledger.engine_resumed("policy", ("weights",))
+    if not policy_keeps_weights:
+        ledger.engine_resumed("policy", ("weights",))
     ledger.weights_pushed("policy")
     ledger.engine_resumed("policy", KV_AND_GRAPHS)
     ledger.engine_resumed("reference", KV_AND_GRAPHS)

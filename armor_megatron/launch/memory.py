@@ -511,7 +511,12 @@ def plan_memory(cfg: RunConfig, arch: ModelArch) -> MemoryPlan:
         start: list[Phase] = []
         if colocated:
             ledger = DeviceLedger(sizes, trainer_on_device=not offloads)
-            replay_colocated_step(ledger, offload=offloads, ref_logprobs=ref_logprobs)
+            replay_colocated_step(
+                ledger,
+                offload=offloads,
+                ref_logprobs=ref_logprobs,
+                policy_keeps_weights=cfg.lora.enabled and cfg.lora.sync == "adapter",
+            )
             start = replay_colocated_start(
                 DeviceLedger(sizes, trainer_on_device=False), offload=offloads, reference_engine="reference" in engines
             ).phases

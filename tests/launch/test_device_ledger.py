@@ -66,6 +66,16 @@ def test_a_gpu_hosts_the_heavier_role_and_problem_names_the_first_phase_over():
     )
 
 
+def test_policy_engines_that_keep_their_weights_hold_them_through_the_update():
+    released = replay_colocated_step(DeviceLedger(sizes(gpu=50), trainer_on_device=False))
+    kept = replay_colocated_step(DeviceLedger(sizes(gpu=50), trainer_on_device=False), policy_keeps_weights=True)
+    [update_released] = [p for p in released.phases if p.label == "update"]
+    [update_kept] = [p for p in kept.phases if p.label == "update"]
+    assert "policy engine weights" not in update_released.holdings
+    assert update_kept.total - update_released.total == update_kept.holdings["policy engine weights"] > 0
+    assert not any(p.label == "policy engine resumed weights" for p in kept.phases)  # nothing was released
+
+
 def test_an_unknown_tag_is_refused():
     with pytest.raises(ValueError, match="unknown engine memory tag 'kv'"):
         DeviceLedger(sizes()).engine_released("policy", ("kv",))
