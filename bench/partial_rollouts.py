@@ -219,6 +219,8 @@ def train_rewards(args, tmp, seed, partial):
 def reward_curves(args):
     """Per mode, per seed: the reward per step of the tiny task's training runs."""
     curves = {"off": {}, "partial": {}}
+    if args.train_dir:
+        os.makedirs(args.train_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=args.train_dir) as tmp:
         data = os.path.join(args.train_dir or tmp, "tiny")  # the warmed-up model is kept there, reused
         paths = [
