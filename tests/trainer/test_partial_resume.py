@@ -10,7 +10,6 @@ import threading
 import time
 
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from armor_megatron.config import load_config
@@ -19,6 +18,7 @@ from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
 from armor_megatron.trainer.loop import Preempted
 from armor_megatron.trainer.metrics_log import read_metrics
+from tests.trainer.test_loop_in_process import _train as train_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIG = os.path.join(ROOT, "configs", "tiny_cpu.yaml")
@@ -49,8 +49,6 @@ def double(tiny, world_of_one):
 
 def _train(tiny, run_dir, server, *overrides, resume=None):
     """``train`` of the partial run in ``run_dir`` (one thread): {step: metrics} as logged, and the trained responses of each step."""
-    from armor_megatron.trainer.run import train
-
     cfg = load_config(
         CONFIG,
         [
@@ -81,20 +79,13 @@ def _train(tiny, run_dir, server, *overrides, resume=None):
         ],
     )
     RESPONSES.clear()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     try:
-        train(cfg, resume)
+        metrics = train_here(cfg, resume)
     finally:
-        torch.set_num_threads(threads)
         assert not [
             t.name for t in threading.enumerate() if t.name.startswith("partial-rollout")
         ]  # closed with the run
-    return _metrics(cfg.logging.dir), list(RESPONSES)
-
-
-def _metrics(log_dir):
-    return {r["step"]: r for r in read_metrics(os.path.join(log_dir, "run", "metrics.jsonl"))}
+    return metrics, list(RESPONSES)
 
 
 def _partial_state(run_dir, step):
