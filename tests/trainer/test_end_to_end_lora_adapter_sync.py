@@ -10,9 +10,8 @@ import os
 import pytest
 
 from armor_megatron.config.schema import lora_peft_modules
-from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
 from tests.trainer.test_end_to_end import _train
-from tests.trainer.test_end_to_end_sglang import _get
+from tests.trainer.test_end_to_end_sglang import _get, launched_doubles, tiny_model_path
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -23,24 +22,8 @@ TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 @pytest.fixture
 def server(tiny, tmp_path):
     """One test-double SGLang server on the tiny model, serving LoRA adapters as SGLang 0.5.23 does."""
-    model = next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
-    launcher = SGLangLauncher(
-        LauncherConfig(
-            model_path=model,
-            num_engines=1,
-            colocated=True,
-            lora_rank=RANK,
-            lora_target_modules=lora_peft_modules(TARGETS),
-            server_module="armor_megatron.rollout.testing.sglang_test_server",
-            log_dir=str(tmp_path / "engines"),
-            startup_timeout=120,
-        )
-    )
-    try:
-        launcher.start()
-        yield model, launcher.worker_urls[0]
-    finally:
-        launcher.stop()
+    with launched_doubles(tiny, tmp_path, lora_rank=RANK, lora_target_modules=lora_peft_modules(TARGETS)) as launcher:
+        yield tiny_model_path(tiny), launcher.worker_urls[0]
 
 
 def _adapter_bytes(model_path):

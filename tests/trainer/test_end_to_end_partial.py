@@ -10,8 +10,8 @@ import urllib.request
 
 import pytest
 
-from armor_megatron.rollout.sglang.launcher import LauncherConfig, SGLangLauncher
 from tests.trainer.test_end_to_end import _train
+from tests.trainer.test_end_to_end_sglang import launched_doubles
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -19,23 +19,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 @pytest.fixture
 def server(tiny, tmp_path):
     """One slow-decoding test-double SGLang server on the tiny model; yields its URL."""
-    model = next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
-    launcher = SGLangLauncher(
-        LauncherConfig(
-            model_path=model,
-            num_engines=1,
-            colocated=True,
-            server_module="armor_megatron.rollout.testing.sglang_test_server",
-            extra_args=["--seconds-per-token", "0.05"],
-            log_dir=str(tmp_path / "engines"),
-            startup_timeout=120,
-        )
-    )
-    try:
-        launcher.start()
+    with launched_doubles(tiny, tmp_path, extra_args=["--seconds-per-token", "0.05"]) as launcher:
         yield launcher.worker_urls[0]
-    finally:
-        launcher.stop()
 
 
 def _partial_run(url):

@@ -5,8 +5,10 @@ started by :class:`~armor_megatron.rollout.sglang.launcher.SGLangLauncher`, weig
 T = 0.7 with truncated importance sampling on, seeded (deterministic inference), so the run
 samples the same under any load."""
 
+import contextlib
 import json
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -21,23 +23,19 @@ def _get(url: str):
         return json.loads(response.read() or b"null")
 
 
-@pytest.fixture
-def servers(tiny, tmp_path, monkeypatch):
-    """Two test-double SGLang servers on the tiny model, started by the launcher; yields their URLs."""
-    model = next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
-    # A user's environment may carry it; the launcher must not hand it to the servers, whose
-    # log-probs would then be temperature-1 values while the trainer computes them at T.
-    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+def tiny_model_path(tiny) -> str:
+    """The tiny fixture's HF model directory (its ``model.path=`` override)."""
+    return next(o.split("=", 1)[1] for o in tiny if o.startswith("model.path="))
+
+
+@contextlib.contextmanager
+def launched_doubles(tiny, tmp_path, **config) -> Iterator[SGLangLauncher]:
+    """SGLang test-double processes on the tiny model, started by the launcher (``config``: more
+    `LauncherConfig` fields; one colocated engine unless said), stopped after the block."""
     launcher = SGLangLauncher(
         LauncherConfig(
-            model_path=model,
-            num_engines=2,
-            colocated=True,
-            # seeded sampling: the client sends its requests concurrently, and an unseeded server's
-            # samples depend on the order they arrive in, which the machine's load decides; the
-            # checks on anchors below then held for most orders, not all
-            deterministic=True,
-            mem_fraction_static=0.4,  # real SGLang flags, ignored by the double
+            **{"num_engines": 1, "colocated": True, **config},
+            model_path=tiny_model_path(tiny),
             server_module="armor_megatron.rollout.testing.sglang_test_server",
             log_dir=str(tmp_path / "engines"),
             startup_timeout=120,
@@ -45,9 +43,28 @@ def servers(tiny, tmp_path, monkeypatch):
     )
     try:
         launcher.start()
-        yield launcher.worker_urls
+        yield launcher
     finally:
         launcher.stop()
+
+
+@pytest.fixture
+def servers(tiny, tmp_path, monkeypatch):
+    """Two test-double SGLang servers on the tiny model, started by the launcher; yields their URLs."""
+    # A user's environment may carry it; the launcher must not hand it to the servers, whose
+    # log-probs would then be temperature-1 values while the trainer computes them at T.
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    with launched_doubles(
+        tiny,
+        tmp_path,
+        num_engines=2,
+        # seeded sampling: the client sends its requests concurrently, and an unseeded server's
+        # samples depend on the order they arrive in, which the machine's load decides; the
+        # checks on anchors below then held for most orders, not all
+        deterministic=True,
+        mem_fraction_static=0.4,  # real SGLang flags, ignored by the double
+    ) as launcher:
+        yield launcher.worker_urls
 
 
 def test_training_through_sglang_servers(tiny, tmp_path, servers):
