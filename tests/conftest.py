@@ -12,6 +12,12 @@ on an idle machine exceeds both. A shared (module-, class- or session-scoped) fi
 on its own, whichever test sets it up first: over the limit, the unmarked test that set it up
 fails, naming it. ``0`` turns the check off. A test that failed or was skipped is left as it is.
 
+**The suite's clock.** The run ends with one line, ``suite clock: N tests in W s wall, C s CPU;
+not marked slow: n tests, c s CPU`` (CPU: the pytest process and every process below it, as above;
+a test's own figure covers its set-up, call and tear-down, and a shared fixture counts in the test
+that set it up). CI prints it for the whole suite and for the fast subset, whose budget is judged
+on CPU seconds so that a loaded machine does not move it.
+
 **Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
 still alive after a grace period (``ARMOR_LEFTOVER_GRACE_SECONDS``, default 10) fails the run,
@@ -147,6 +153,42 @@ _shared_depth = 0  # shared fixtures being set up (one may request another)
 
 def pytest_configure(config):
     config.stash[_LIMIT] = slow_limit_s()
+
+
+_SUITE_START = pytest.StashKey[tuple[float, tuple[float, dict[tuple[int, float], float]]]]()
+_TEST_CPU_S = pytest.StashKey[dict[bool, list[float]]]()  # slow or not: each finished test's CPU seconds
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_SUITE_START] = (time.perf_counter(), cpu_snapshot())
+    session.config.stash[_TEST_CPU_S] = {True: [], False: []}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    start = cpu_snapshot()
+    yield
+    slow = item.get_closest_marker("slow") is not None
+    item.config.stash[_TEST_CPU_S][slow].append(cpu_seconds_since(start))
+
+
+def suite_clock_line(wall_s: float, cpu_s: float, tests_cpu_s: dict[bool, list[float]]) -> str:
+    """The run's closing line: all tests with the run's wall and CPU time, then the unmarked ones' CPU."""
+    fast = tests_cpu_s[False]
+    return (
+        f"suite clock: {len(fast) + len(tests_cpu_s[True])} tests in {wall_s:.1f} s wall, {cpu_s:.1f} s CPU; "
+        f"not marked slow: {len(fast)} tests, {sum(fast):.1f} s CPU"
+    )
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    start = config.stash.get(_SUITE_START, None)
+    if start is None:
+        return
+    wall_s = time.perf_counter() - start[0]
+    line = suite_clock_line(wall_s, cpu_seconds_since(start[1]), config.stash[_TEST_CPU_S])
+    terminalreporter.ensure_newline()
+    terminalreporter.write_line(line)
 
 
 def _judged(item) -> bool:

@@ -3,6 +3,7 @@ a test not marked slow that works past ``ARMOR_SLOW_TEST_SECONDS`` fails and is 
 one that only waited for a busy machine passes."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -99,6 +100,7 @@ def _run(pytester, monkeypatch, limit, *args):
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", "-q", *args)
 
 
+@pytest.mark.slow  # a pytest process of its own
 @pytest.mark.timeout(120)
 def test_a_test_over_the_limit_fails_unless_marked_slow(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, "0.5")
@@ -112,6 +114,12 @@ def test_a_test_over_the_limit_fails_unless_marked_slow(pytester, monkeypatch):
     assert "over the 0.5 s limit of a test not marked slow (ARMOR_SLOW_TEST_SECONDS): mark it @pytest.mark.slow" in out
     assert "its own assertion" in out and "test_failing_slowly_keeps_its_own_failure took" not in out
     assert "test_marked_slow_may_take_long took" not in out and "test_waiting_is_not_work took" not in out
+    # the closing clock: the unmarked tests burn 4.65 s of CPU (the shared slow fixture counts in the test that
+    # set it up), the marked one 0.8 s more; sleeping counts as wall time only
+    clock = re.search(r"suite clock: 10 tests in (\S+) s wall, (\S+) s CPU; not marked slow: 9 tests, (\S+) s CPU", out)
+    assert clock, out[-2000:]
+    wall, cpu, unmarked = (float(x) for x in clock.groups())
+    assert 4.6 <= unmarked <= cpu - 0.75 and wall >= 0.8
 
 
 def _spin_on(core: int) -> int:
@@ -125,6 +133,7 @@ def _spin_on(core: int) -> int:
     return int(out.stdout.split()[0])
 
 
+@pytest.mark.slow  # a pytest process of its own
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs CPU affinity (Linux)")
 def test_a_busy_core_fails_no_test(pytester, monkeypatch):
@@ -146,6 +155,7 @@ def test_a_busy_core_fails_no_test(pytester, monkeypatch):
     assert proc.returncode == 0 and "4 passed" in proc.stdout, proc.stdout[-2000:]
 
 
+@pytest.mark.slow  # a pytest process of its own
 @pytest.mark.timeout(120)
 def test_the_limit_is_set_by_the_environment(pytester, monkeypatch):
     result = _run(pytester, monkeypatch, "0", "-k", "past_the_limit or slow_shared_fixture")  # 0: no limit
