@@ -1,6 +1,11 @@
 """Prepare a virtual environment holding SGLang 0.5.23's pure-Python request code on a CPU machine.
 
-    python tools/sglang_cpu_env.py .venv-sglang-cpu    # prints the interpreter's path last
+    python tools/sglang_cpu_env.py [DEST]    # prints the interpreter's path last
+
+DEST defaults to :func:`default_dest`: ``$ARMOR_SGLANG_CPU_ENV``, else a folder of the user's cache
+(``$XDG_CACHE_HOME``, else ``~/.cache``) named by the requirements' digest, so every clone on a
+machine (a CI run's fresh one included) shares one build of it and a change of requirements builds
+a new one beside it.
 
 SGLang's wheel declares CUDA kernels, flashinfer and torch 2.14.1 (a CUDA build of several GB).
 None of that is needed to import what a client's requests meet first: ``SamplingParams``
@@ -70,6 +75,15 @@ def stamp_text() -> str:
     """What a finished environment's stamp holds: a digest of the requirements and the Python."""
     digest = hashlib.sha256("\n".join([sys.version, *REQUIREMENTS]).encode()).hexdigest()
     return f"{digest}\n"
+
+
+def default_dest() -> str:
+    """Where the environment lives unless told: ``$ARMOR_SGLANG_CPU_ENV``, else the user's cache."""
+    explicit = os.environ.get("ARMOR_SGLANG_CPU_ENV", "").strip()
+    if explicit:
+        return explicit
+    cache = os.environ.get("XDG_CACHE_HOME", "").strip() or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "armor_megatron", f"sglang-cpu-env-{stamp_text()[:12]}")
 
 
 def interpreter(dest: str) -> str:
@@ -146,8 +160,14 @@ def ensure(dest: str) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("dest", help="folder of the virtual environment (created or reused)")
+    parser.add_argument(
+        "dest",
+        nargs="?",
+        default=None,
+        help="folder of the virtual environment, created or reused (default: the cache)",
+    )
     args = parser.parse_args(argv)
+    args.dest = args.dest or default_dest()
     start = time.monotonic()
     ready = is_ready(args.dest)
     try:

@@ -5,8 +5,9 @@ from the double while the real client code runs) go through the code SGLang runs
 the ``/generate`` contract gate, ``GenerateReqInput`` parsing and normalisation,
 ``SamplingParams.normalize``/``verify``, the weight-update request classes, and
 ``SafeUnpickler`` + ``FlattenedTensorBucket`` for tensor payloads (tests/rollout/sglang/
-real_sglang_runner.py, run in the environment of tools/sglang_cpu_env.py, built on first use
-into ``.venv-sglang-cpu/``). Negative twins: what the double refuses, SGLang refuses too.
+real_sglang_runner.py, run in the environment of tools/sglang_cpu_env.py, built on first use into
+the user's cache and reused by every later run and clone). Negative twins: what the double refuses,
+SGLang refuses too.
 """
 
 import copy
@@ -33,7 +34,6 @@ from .conftest import FAST_RETRY
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-ENV_DIR = os.path.join(REPO, ".venv-sglang-cpu")
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "real_sglang_runner.py")
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 
@@ -42,7 +42,7 @@ TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k
 def sglang_python():
     """The interpreter of the SGLang CPU environment (built by tools/sglang_cpu_env.py when absent)."""
     tool = os.path.join(REPO, "tools", "sglang_cpu_env.py")
-    proc = subprocess.run([sys.executable, tool, ENV_DIR], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, tool], capture_output=True, text=True, timeout=900)
     if proc.returncode == 75:
         pytest.skip(f"SGLang CPU environment not built, package index unreachable: {proc.stderr.strip()}")
     assert proc.returncode == 0, f"tools/sglang_cpu_env.py failed:\n{proc.stderr[-3000:]}"
