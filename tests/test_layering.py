@@ -3,6 +3,9 @@ back through others (no cycle between files). Every import counts, also those in
 and under ``TYPE_CHECKING``: a lazy import is still a dependency."""
 
 import ast
+import functools
+from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from pathlib import Path
 
 import pytest
@@ -59,9 +62,10 @@ def imported_modules(path: Path, modules: set[str], root: Path = ROOT) -> set[st
     return found
 
 
-def import_graph() -> dict[str, set[str]]:
+@functools.cache  # the package's files do not change during a run; read-only for its callers
+def import_graph() -> dict[str, frozenset[str]]:
     files = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    return {name: imported_modules(path, set(files)) for name, path in files.items()}
+    return {name: frozenset(imported_modules(path, set(files))) for name, path in files.items()}
 
 
 def subpackage(module: str) -> str | None:
@@ -101,7 +105,7 @@ def test_root_modules_import_no_subpackage():
     assert not upward, "root modules importing subpackages:\n" + "\n".join(sorted(upward))
 
 
-def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+def find_cycles(graph: Mapping[str, AbstractSet[str]]) -> list[list[str]]:
     """Strongly connected components with more than one module (Tarjan, iterative)."""
     index, low, on_stack, stack, cycles = {}, {}, set(), [], []
     counter = 0
