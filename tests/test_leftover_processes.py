@@ -7,6 +7,7 @@ import psutil
 import pytest
 
 pytest_plugins = ["pytester"]
+pytestmark = pytest.mark.slow  # each runs a pytest process of its own (the pooled one starts ranks importing torch)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -10,6 +10,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow  # a fresh interpreter
 @pytest.mark.timeout(60)
 def test_algo_and_data_import_nothing_heavy():
     code = (

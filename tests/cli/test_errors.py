@@ -40,6 +40,7 @@ def _train_raising(body: str, tmp_path) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow  # armor-train processes (each starts an interpreter importing torch)
 @pytest.mark.timeout(150)
 def test_a_config_error_is_one_line_and_an_internal_value_error_keeps_its_traceback(tmp_path):
     # bad input found while training: a checkpoint of another model layout, a dataset row

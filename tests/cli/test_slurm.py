@@ -110,6 +110,7 @@ def test_submit_runs_sbatch_and_creates_the_log_directory(capsys, monkeypatch, t
     assert (tmp_path / "runs" / "slurm").is_dir()  # SLURM does not create the directory of --output
 
 
+@pytest.mark.slow  # a fresh interpreter importing the package
 def test_module_runs_as_a_program():
     out = subprocess.run(
         [sys.executable, "-m", "armor_megatron.cli.slurm", "--config", TINY, "--dry-run"],

@@ -37,6 +37,7 @@ def test_command_line_prints_one_host_a_line(capsys):
     assert len(err) == 1 and "runs backwards" in err[0]
 
 
+@pytest.mark.slow  # bash and a fresh interpreter importing the package
 def test_the_batch_scripts_fallback_runs_without_warnings():
     """armor.sbatch expands the node list itself where scontrol is absent: stderr stays empty."""
     import os

@@ -203,6 +203,7 @@ def _timed(verify, response, gold):
     return result, time.monotonic() - start
 
 
+@pytest.mark.slow  # a worker process killed at its budget and replaced
 @pytest.mark.timeout(120)
 def test_pathological_answer_times_out_with_score_zero():
     verify = make_math_verifier(timeout_s=2.0)
@@ -237,6 +238,7 @@ def test_timeout_works_off_the_main_thread():
     assert results["normal"].score == 1.0
 
 
+@pytest.mark.slow  # a worker process killed and replaced
 def test_worker_death_scores_zero_but_worker_errors_raise(monkeypatch):
     from armor_megatron.rewards import math_answer
     from armor_megatron.rewards.isolated import IsolatedCallError
@@ -325,6 +327,7 @@ def test_adversarial_responses_score_within_the_timeout_end_to_end():
         assert elapsed < 60.0, (response[:20], elapsed)
 
 
+@pytest.mark.slow  # a worker process killed at its budget and replaced
 @pytest.mark.timeout(120)
 def test_acceptable_answers_share_one_timeout(monkeypatch):
     from armor_megatron.rewards import math_answer

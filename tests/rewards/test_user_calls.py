@@ -27,6 +27,7 @@ def timeouts():
     configure_user_verifiers(before, 8)
 
 
+@pytest.mark.slow  # reward worker processes, killed and replaced
 def test_a_call_that_hangs_scores_0_and_counts_as_a_timeout(timeouts):
     timeouts(0.5, 3)
     assert compute_score("hang", "1", HANGS) == RewardResult(0.0, {"timed_out": 1.0})
@@ -40,6 +41,7 @@ def test_a_call_that_hangs_scores_0_and_counts_as_a_timeout(timeouts):
     assert "reward.max_consecutive_timeouts=3" in line and "\n" not in line
 
 
+@pytest.mark.slow  # reward worker processes, killed and replaced
 def test_a_batch_stops_at_the_limit_without_scoring_the_rest(timeouts):
     timeouts(0.3, 2)
     with pytest.raises(VerifierTimeouts, match="on 2 responses in a row"):
@@ -58,6 +60,7 @@ def test_what_a_user_verifier_raises_or_returns_is_named_in_one_line():
     )
 
 
+@pytest.mark.slow  # reward worker processes, killed and replaced
 def test_a_reply_over_the_output_cap_kills_the_worker_and_scores_0(monkeypatch, timeouts):
     timeouts(30, 8)
     monkeypatch.setattr(isolated, "MAX_REPLY_BYTES", 1000)
