@@ -1,7 +1,8 @@
 """``armor-train --config FILE [section.key=value ...] [--check] [--print-config] [--plan] [--no-plan] [--no-files] [--resume auto|none|force|PATH]``.
 
-``--check`` validates what needs no GPU and prints one line (what the job's machines need, then
-``config OK``); ``--print-config`` also prints the resolved config as YAML on stdout.
+Flags and overrides go in any order (the last override of a key wins). ``--check`` validates what
+needs no GPU and prints one line (what the job's machines need, then ``config OK``);
+``--print-config`` also prints the resolved config as YAML on stdout.
 
 ``armor-train --explain KEY`` prints one config key's entry of the reference (``docs/config.md``):
 its type, default, accepted values and meaning; a config error names its key the same way.
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``armor-train``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_with_overrides(argv)
     if args.explain is not None:
         return explain(args.explain)
     if args.config is None:
