@@ -46,13 +46,13 @@ from armor_megatron.algo import (
     assemble_anchor_groups,
 )
 from armor_megatron.data.batch import RolloutBatch
-from armor_megatron.data.prompts import PromptRow
+from armor_megatron.data.prompts import PromptRow, row_mapping
 from armor_megatron.rewards import load_verifier, score_batch
 from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorResult
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
-from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping, truncation_metrics
+from armor_megatron.rollout.multiturn import MultiTurnRollout, truncation_metrics
 from armor_megatron.rollout.partial import Span, versions_spanned
 from armor_megatron.trainer.overlap import LaggingBatchError, step_of_version
 
@@ -81,7 +81,7 @@ def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[
 
     So an anchor passes exactly the check its group is scored with
     (`rollout.anchor.build.anchor_reward`); with an environment a fourth item, the row that builds
-    π_ref's environments (`rollout.multiturn.row_mapping`).
+    π_ref's environments (`data.prompts.row_mapping`).
     """
     truths = [(r.verifier or settings.verifier, r.answer, r.reward_fields()) for r in rows]
     if settings.environment is None:
