@@ -124,9 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         # the config's own problems first (the memory plan is one), then what it names on this machine
         problem = None if args.no_plan or not args.check else plan_problem(cfg)
         if problem is None and not (args.no_files or args.plan):
-            warnings = check_files(
-                cfg
-            )  # before any process starts: a missing file fails in a second, not after the build
+            # before any process starts: a missing file fails in a second, not after the build
+            warnings = check_files(cfg)
     except ConfigError as err:
         return fail(PROG, f"config: {err}{_explain_hint(err.key)}")
     for warning in warnings if _says_warnings() else []:

@@ -160,7 +160,7 @@ def _check_dataset(
     from armor_megatron.rewards.remote import NAME as REMOTE_JUDGE
 
     data = cfg.data
-    peeked: list[PromptRow] = []
+    checked: list[PromptRow] = []
     unrewarded: list[tuple[PromptRow, str, float]] = []  # rows whose stated ground truth scored no more than none
     try:
         rows = peek_rows(path, PEEK_ROWS)
@@ -188,26 +188,25 @@ def _check_dataset(
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
-        spec, peek = verifier or cfg.reward.verifier, prompt_row(i, row, prompt[0], truth, data.type_key)
-        fields = peek.reward_fields()
+        spec, parsed = verifier or cfg.reward.verifier, prompt_row(i, row, prompt[0], truth, data.type_key)
+        fields = parsed.reward_fields()
         try:
-            check_ground_truth(spec, peek.answer)
-            stated = probe_verifier(spec, peek.answer, fields=fields)  # with the row's real fields
-            unanswered = probe_verifier(
-                spec, peek.answer, NO_ANSWER, fields
-            )  # early responses state none: a reward too
+            check_ground_truth(spec, parsed.answer)
+            stated = probe_verifier(spec, parsed.answer, fields=fields)  # with the row's real fields
+            # early responses state none: a reward too, which a stated ground truth should beat
+            unanswered = probe_verifier(spec, parsed.answer, NO_ANSWER, fields)
         except ValueError as err:
             if spec == REMOTE_JUDGE:  # the judge, its address or its key: reward.remote's to fix
                 raise ConfigError("reward.remote", f"{err} ({path} row {i})") from None
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
-        if stated is not None and unanswered is not None and stated <= unanswered and stating_response(peek.answer):
-            unrewarded.append((peek, spec, stated))
-        peeked.append(peek)
+        if stated is not None and unanswered is not None and stated <= unanswered and stating_response(parsed.answer):
+            unrewarded.append((parsed, spec, stated))
+        checked.append(parsed)
     if len(rows) == PEEK_ROWS:  # the rest of the file: every row's type, before any step
         for i, row in enumerate(read_rows(path)[PEEK_ROWS:], PEEK_ROWS):
             if isinstance(row, dict) and has_field(row, data.type_key):
                 _check_row_type(key, path, i, field_of(row, data.type_key), cfg)
-    return peeked, [_unrewarded_warning(key, path, answer, unrewarded, len(rows))] if unrewarded else []
+    return checked, [_unrewarded_warning(key, path, answer, unrewarded, len(rows))] if unrewarded else []
 
 
 def _unrewarded_warning(
