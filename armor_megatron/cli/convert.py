@@ -3,6 +3,8 @@
     armor-convert hf-to-mcore HF_DIR OUT_DIR [--tp N --pp N --ep N] [--overwrite]
     armor-convert mcore-to-hf MCORE_DIR OUT_DIR [--hf-config DIR] [--max-shard-size 5GB] [--overwrite]
     armor-convert verify HF_DIR MCORE_DIR [--no-logits] [--atol 1e-4]
+    armor-convert lora-to-peft CHECKPOINT OUT_DIR [--overwrite]
+    armor-convert tiny-model OUT_DIR [--family qwen2|llama] [--hidden-size 64] [--layers 2] [--context 2048] [--overwrite]
 
 Exit status: 0 success, 2 bad input (one line on stderr, nothing written), 1 failed
 verification, 130 interrupted (Ctrl-C or SIGTERM; the partial output is removed). Conversions print progress on long runs and a summary line at the end.
@@ -40,7 +42,7 @@ def parse_size(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``armor-convert`` argument parser (subcommands hf-to-mcore, mcore-to-hf, verify)."""
+    """The ``armor-convert`` argument parser (hf-to-mcore, mcore-to-hf, verify, lora-to-peft, tiny-model)."""
     parser = OneLineArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -74,6 +76,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("mcore_dir")
     p.add_argument("--no-logits", action="store_true", help="only the round trip (no model forward)")
     p.add_argument("--atol", type=float, default=1e-4, help="largest allowed logit difference (fp32)")
+
+    p = sub.add_parser(
+        "lora-to-peft",
+        help="a LoRA training checkpoint's adapters -> HF PEFT adapter directory (peft.PeftModel.from_pretrained)",
+    )
+    p.add_argument("checkpoint", help="a checkpoint (<checkpoint.dir>/iter_N) or a run's checkpoint directory")
+    p.add_argument("out_dir")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
+
+    p = sub.add_parser(
+        "tiny-model",
+        help="a random tiny HF model with a chat-template tokenizer (printable ASCII), to try a dataset on a CPU",
+    )
+    p.add_argument("out_dir")
+    p.add_argument("--family", choices=("qwen2", "llama"), default="qwen2")
+    p.add_argument("--hidden-size", type=int, default=64, help="hidden size (4 heads of hidden/4; default 64)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    p.add_argument("--context", type=int, default=2048, help="max_position_embeddings (default 2048)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing OUT_DIR")
     return parser
 
 
@@ -106,7 +128,43 @@ def _run(args: argparse.Namespace) -> int:
         )
         print(summary.line())
         return 0
+    if args.command == "lora-to-peft":
+        from armor_megatron.megatron.lora_peft import lora_checkpoint_to_peft
+
+        print(lora_checkpoint_to_peft(args.checkpoint, args.out_dir, overwrite=args.overwrite).line())
+        return 0
+    if args.command == "tiny-model":
+        return _tiny_model(args)
     return _verify(args)
+
+
+def _tiny_model(args: argparse.Namespace) -> int:
+    import os
+
+    from armor_megatron.rollout.testing.tiny_models import make_tiny_chat_model
+
+    if args.hidden_size < 4 or args.hidden_size % 4:
+        raise UserInputError(f"--hidden-size {args.hidden_size}: must be a positive multiple of 4 (4 attention heads)")
+    for name, value, least in (("--layers", args.layers, 1), ("--context", args.context, 2)):
+        if value < least:
+            raise UserInputError(f"{name} {value}: must be >= {least}")
+    if os.path.exists(args.out_dir) and os.listdir(args.out_dir) and not args.overwrite:
+        raise UserInputError(f"{args.out_dir} exists and is not empty; pass --overwrite to replace it")
+    cfg = make_tiny_chat_model(
+        args.out_dir,
+        family=args.family,
+        hidden_size=args.hidden_size,
+        num_layers=args.layers,
+        context=args.context,
+        seed=args.seed,
+    )
+    print(
+        f"wrote {args.out_dir}: a random tiny {args.family} (hidden {cfg['hidden_size']}, {cfg['num_hidden_layers']} "
+        f"layers, context {cfg['max_position_embeddings']}, vocabulary {cfg['vocab_size']}: printable ASCII and "
+        "ChatML's markers, with a chat template); try it: armor-train --config configs/tiny_cpu.yaml "
+        f"model.path={args.out_dir} data.train_path=YOUR.jsonl data.apply_chat_template=true eval.datasets=[] --check"
+    )
+    return 0
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     args_in = list(sys.argv[1:] if argv is None else argv)
     if args_in and args_in[0] not in COMMANDS and args_in[0] not in ("-h", "--help"):
         args_in.insert(0, "plan")  # `slurm --config X --dry-run` is `slurm plan --config X --dry-run`
-    args = build_parser().parse_args(args_in)
+    args = build_parser().parse_with_overrides(args_in)
     env = os.environ if environ is None else environ
     try:
         if args.command == "plan":

@@ -57,7 +57,7 @@ def build_parser() -> OneLineArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``armor-sweep``; returns the exit code."""
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_with_overrides(argv)
     try:
         grid = read_grid_file(args.grid_file) if args.grid_file else {}
         for key, values in parse_grid(args.grid).items():

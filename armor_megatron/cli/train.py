@@ -1,7 +1,8 @@
 """``armor-train --config FILE [section.key=value ...] [--check] [--print-config] [--plan] [--no-plan] [--no-files] [--resume auto|none|force|PATH]``.
 
-``--check`` validates what needs no GPU and prints one line (what the job's machines need, then
-``config OK``); ``--print-config`` also prints the resolved config as YAML on stdout.
+Flags and overrides go in any order (the last override of a key wins). ``--check`` validates what
+needs no GPU and prints one line (what the job's machines need, then ``config OK``);
+``--print-config`` also prints the resolved config as YAML on stdout.
 
 ``armor-train --explain KEY`` prints one config key's entry of the reference (``docs/config.md``):
 its type, default, accepted values and meaning; a config error names its key the same way.
@@ -109,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``armor-train``; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_with_overrides(argv)
     if args.explain is not None:
         return explain(args.explain)
     if args.config is None:
         parser.error("the following arguments are required: --config")
     args.check = args.check or args.print_config
+    warnings: list[str] = []
     try:
         cfg = load_config(args.config, args.overrides)
         if args.resume:
@@ -122,9 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         # the config's own problems first (the memory plan is one), then what it names on this machine
         problem = None if args.no_plan or not args.check else plan_problem(cfg)
         if problem is None and not (args.no_files or args.plan):
-            check_files(cfg)  # before any process starts: a missing file fails in a second, not after the build
+            # before any process starts: a missing file fails in a second, not after the build
+            warnings = check_files(cfg)
     except ConfigError as err:
         return fail(PROG, f"config: {err}{_explain_hint(err.key)}")
+    for warning in warnings if _says_warnings() else []:
+        print(f"{PROG}: warning: {warning}", file=sys.stderr)
     if args.plan:
         return plan(cfg)
     if problem is not None:
@@ -196,6 +201,15 @@ def plan(cfg) -> int:
         print("\n" + steps.table())
     problem = memory.problem()
     return EXIT_OK if problem is None else fail(PROG, f"plan: {problem}")
+
+
+def _says_warnings() -> bool:
+    """Whether this process prints the checks' warnings: the first rank of a launcher, once per job.
+
+    Not a rank this command re-launched (its parent said them) nor any rank but the first.
+    """
+    first = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0"
+    return first and relaunch.RankReport.from_env() is None
 
 
 def _inside_one_slurm_task() -> bool:

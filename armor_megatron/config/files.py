@@ -1,7 +1,9 @@
 """Checks of what a run config names on this machine.
 
-Paths, the first rows of each dataset, optional packages it turns on, what its settings need
-(`config.needs`), and the run that owns its checkpoint directory.
+Paths, the first rows of each dataset (a user verifier called on them), ``rollout.environment``
+built from the first training rows and stepped once (`config.environment_probe`), optional
+packages it turns on, what its settings need (`config.needs`), and the run that owns its
+checkpoint directory.
 
 ``armor-train --check`` runs them after the config's own checks (``validate``); a run started
 on a machine without the files (a laptop preparing a cluster recipe) skips them with
@@ -14,6 +16,7 @@ import importlib.util
 import os
 
 from armor_megatron.config import needs
+from armor_megatron.config.environment_probe import probe_environment
 from armor_megatron.config.identity import check_run_identity, checkpoint_dir
 from armor_megatron.config.schema import RunConfig
 from armor_megatron.config.typed import ConfigError
@@ -24,10 +27,12 @@ from armor_megatron.data.prompts import (
     ground_truth_column,
     has_field,
     peek_rows,
+    prompt_row,
     read_rows,
 )
 
 PEEK_ROWS = 8  # rows of each dataset parsed at check time
+ENVIRONMENT_PROBE_ROWS = 2  # of them, the training rows rollout.environment is built from and stepped once
 RESUME_WORDS = ("auto", "none", "force")
 SAFETENSORS_WEIGHTS = ("model.safetensors", "model.safetensors.index.json")  # what a run without mcore_path loads
 # a fast tokenizer's file, or a slow one's vocabulary (SentencePiece, BPE, WordPiece): AutoTokenizer needs one
@@ -35,17 +40,22 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt
 LATEST = "latest"  # the file in a run's checkpoint directory naming its newest checkpoint (megatron.model_state)
 
 
-def check_files(cfg: RunConfig) -> None:
-    """Check the files and datasets ``cfg`` names, the packages it needs and its run identity."""
+def check_files(cfg: RunConfig) -> list[str]:
+    """Check the files and datasets ``cfg`` names, the packages it needs and its run identity.
+
+    Raises a ConfigError for the first problem; returns the warnings, one line each: what runs but
+    looks wrong (a response stating a row's ground truth scores no more than one stating none).
+    """
     _check_model(cfg)
     data = cfg.data
-    _check_dataset(
+    rows, warnings = _check_dataset(
         "data.train_path",
         data.train_path,
         cfg,
         (data.prompt_key, "data.prompt_key"),
         (data.answer_key, "data.answer_key"),
     )
+    warnings += probe_environment(cfg, rows[:ENVIRONMENT_PROBE_ROWS])
     for i, ds in enumerate(cfg.eval.datasets):
         own = f"eval.datasets[{i}]"
         prompt = (
@@ -58,7 +68,7 @@ def check_files(cfg: RunConfig) -> None:
             if ds.answer_key
             else (data.answer_key, f"data.answer_key or {own}.answer_key")
         )
-        _check_dataset(f"{own}.path", ds.path, cfg, prompt, answer)
+        warnings += _check_dataset(f"{own}.path", ds.path, cfg, prompt, answer)[1]
     resume = cfg.checkpoint.resume
     if resume not in RESUME_WORDS:
         _check_resume_path(resume)
@@ -69,6 +79,7 @@ def check_files(cfg: RunConfig) -> None:
     _check_packages(cfg)
     needs.check(cfg)
     check_run_identity(cfg, resume)
+    return warnings
 
 
 def _check_writable_dir(key: str, path: str) -> None:
@@ -127,17 +138,30 @@ def _check_model(cfg: RunConfig) -> None:
         )
 
 
-def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]) -> None:
-    """Check one dataset file's first rows against the config.
+def _check_dataset(
+    key: str, path: str, cfg: RunConfig, prompt: tuple[str, str], answer: tuple[str, str]
+) -> tuple[list[PromptRow], list[str]]:
+    """Check one dataset file's first rows against the config; those rows, and the warnings.
 
     The file exists, its first rows parse and carry the prompt/answer columns (``prompt`` and
     ``answer``: the field and the setting that names it), a row's
     ``type`` column names a verifier that loads, that verifier can score the row's ground truth,
-    and a user verifier called on it returns a reward (``probe_verifier``).
+    and a user verifier called on it returns a reward (``probe_verifier``). The remote judge's
+    failures name ``reward.remote``. A warning when the response stating a row's ground truth
+    scores no more than the one stating no answer (a wrong answer column, most often).
     """
-    from armor_megatron.rewards.registry import NO_ANSWER, check_ground_truth, load_verifier, probe_verifier
+    from armor_megatron.rewards.registry import (
+        NO_ANSWER,
+        check_ground_truth,
+        load_verifier,
+        probe_verifier,
+        stating_response,
+    )
+    from armor_megatron.rewards.remote import NAME as REMOTE_JUDGE
 
     data = cfg.data
+    checked: list[PromptRow] = []
+    unrewarded: list[tuple[PromptRow, str, float]] = []  # rows whose stated ground truth scored no more than none
     try:
         rows = peek_rows(path, PEEK_ROWS)
     except FileNotFoundError:
@@ -164,18 +188,38 @@ def _check_dataset(key: str, path: str, cfg: RunConfig, prompt: tuple[str, str],
                 load_verifier(verifier)
             except ValueError as err:
                 raise ConfigError(key, f"{path}: row {i} {data.type_key}: {str(err).splitlines()[0]}") from None
-        spec, ground_truth = verifier or cfg.reward.verifier, field_of(row, truth)
-        fields = PromptRow(i, field_of(row, prompt[0]), ground_truth, verifier, columns=row).reward_fields()
+        spec, parsed = verifier or cfg.reward.verifier, prompt_row(i, row, prompt[0], truth, data.type_key)
+        fields = parsed.reward_fields()
         try:
-            check_ground_truth(spec, ground_truth)
-            probe_verifier(spec, ground_truth, fields=fields)  # with the row's real fields
-            probe_verifier(spec, ground_truth, NO_ANSWER, fields)  # early responses state none: a reward (0) too
+            check_ground_truth(spec, parsed.answer)
+            stated = probe_verifier(spec, parsed.answer, fields=fields)  # with the row's real fields
+            # early responses state none: a reward too, which a stated ground truth should beat
+            unanswered = probe_verifier(spec, parsed.answer, NO_ANSWER, fields)
         except ValueError as err:
+            if spec == REMOTE_JUDGE:  # the judge, its address or its key: reward.remote's to fix
+                raise ConfigError("reward.remote", f"{err} ({path} row {i})") from None
             raise ConfigError(key, f"{path}: row {i}: {err}") from None
+        if stated is not None and unanswered is not None and stated <= unanswered and stating_response(parsed.answer):
+            unrewarded.append((parsed, spec, stated))
+        checked.append(parsed)
     if len(rows) == PEEK_ROWS:  # the rest of the file: every row's type, before any step
         for i, row in enumerate(read_rows(path)[PEEK_ROWS:], PEEK_ROWS):
             if isinstance(row, dict) and has_field(row, data.type_key):
                 _check_row_type(key, path, i, field_of(row, data.type_key), cfg)
+    return checked, [_unrewarded_warning(key, path, answer, unrewarded, len(rows))] if unrewarded else []
+
+
+def _unrewarded_warning(
+    key: str, path: str, answer: tuple[str, str], unrewarded: list[tuple[PromptRow, str, float]], peeked: int
+) -> str:
+    """The warning of rows whose ground truth, stated in a response, scored no more than no answer."""
+    row, spec, score = unrewarded[0]
+    return (
+        f"{key}: {path}: a response stating the ground truth scored no more than one stating no answer on "
+        f"{len(unrewarded)} of the first {peeked} rows (row {row.index}: {score:g} for ground truth "
+        f"{row.answer!r:.60}, verifier {spec!r}); is {answer[0]!r} ({answer[1]}) the answer column? The probe "
+        "states it as \\boxed{...}, '#### ...' and 'Answer: ...'"
+    )
 
 
 def _check_row_type(key: str, path: str, index: int, verifier: object, cfg: RunConfig) -> None:

@@ -735,7 +735,12 @@ class EvalConfig:
     )
     temperature: float = checked(0.6, check=in_range(0, None), help="sampling temperature of evaluation; 0: greedy")
     top_p: float = checked(1.0, check=in_range(0, 1, lo_open=True), help="nucleus-sampling mass of evaluation")
-    max_response_len: int = checked(8192, check=at_least(1), help="tokens generated per evaluation response at most")
+    max_response_len: int = checked(
+        8192,
+        check=at_least(1),
+        help="tokens generated per evaluation response at most (checked against the model's context only with "
+        "eval.datasets)",
+    )
     pass_k: list[int] = checked(
         factory=lambda: [1],
         check=described("each >= 1", lambda ks: next((f"{k!r} must be >= 1" for k in ks if k < 1), None)),

@@ -23,11 +23,11 @@ def validate_run_config(cfg: RunConfig) -> None:
     """Check the settings of ``cfg`` against each other; one-line ConfigError naming the key otherwise."""
     _check_parallelism(cfg)
     _check_model_fits_parallelism(cfg)
+    _check_partial(cfg)  # an unsupported combination first, before what one of its parts needs
     _check_lengths_fit_context(cfg)
     _check_token_budget(cfg)
     _check_rollout(cfg)
     _check_overlap(cfg)
-    _check_partial(cfg)
     _check_reference(cfg)
     _check_eval(cfg)
     _check_critic(cfg)
@@ -188,8 +188,8 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
     An engine refuses a longer request (SGLang 0.5.x answers HTTP 400 when prompt +
     ``max_new_tokens`` exceeds the context length), so every rollout, anchor and eval request
     would fail. Rollouts and anchors sample ``rollout.max_response_len`` tokens after a prompt of
-    up to ``rollout.max_prompt_len``; evaluation samples ``eval.max_response_len`` after the same.
-    The context is read from the model's config.json (or ``model.arch``); without one, or
+    up to ``rollout.max_prompt_len``; evaluation samples ``eval.max_response_len`` after the same
+    (checked only with ``eval.datasets`` to sample). The context is read from the model's config.json (or ``model.arch``); without one, or
     without the key there, nothing is checked (ModelArch's 4096 is a default, not a fact).
     """
     source = hf_config_of(cfg)
@@ -197,10 +197,10 @@ def _check_lengths_fit_context(cfg: RunConfig) -> None:
     if not hf_config.get("max_position_embeddings"):
         return
     context, prompt = int(hf_config["max_position_embeddings"]), cfg.rollout.max_prompt_len
-    for key, response in (
-        ("rollout.max_response_len", cfg.rollout.max_response_len),  # on-policy rollouts and anchors
-        ("eval.max_response_len", cfg.eval.max_response_len),
-    ):
+    lengths = [("rollout.max_response_len", cfg.rollout.max_response_len)]  # on-policy rollouts and anchors
+    if cfg.eval.datasets:  # without one nothing samples eval.max_response_len tokens
+        lengths.append(("eval.max_response_len", cfg.eval.max_response_len))
+    for key, response in lengths:
         if prompt + response > context:
             raise ConfigError(
                 key,

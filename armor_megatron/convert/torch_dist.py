@@ -367,6 +367,33 @@ class TorchDistReader:
         self.close()
 
 
+def read_whole_tensors(ckpt_dir: str, keys: Sequence[str]) -> dict[str, torch.Tensor]:
+    """The tensors ``keys`` of a torch_dist checkpoint at their global shapes, assembled from whatever pieces it stores.
+
+    Reads no model and needs no process group; the checkpoint's metadata is read safely
+    (`dcp_safety`). A truncated or corrupt file is a one-line CheckpointError.
+    """
+    from torch.distributed.checkpoint import load as dcp_load
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    storage = safe_reader_class()(ckpt_dir)
+    stored = storage.read_metadata().state_dict_metadata
+    targets = {}
+    for key in keys:
+        meta = stored.get(key)
+        if not isinstance(meta, TensorStorageMetadata):
+            raise CheckpointError(f"{ckpt_dir}: tensor {key} is missing")
+        targets[(key, (0,) * len(meta.size))] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    try:
+        dcp_load({}, storage_reader=storage, planner=_chunk_load_planner_class()(targets), no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - a short or corrupt file, however DCP says it
+        raise CheckpointError(f"{ckpt_dir}: a data file is truncated or corrupt ({_root_cause(e)})") from None
+    return {key: tensor for (key, _), tensor in targets.items()}
+
+
 def _root_cause(error: BaseException) -> str:
     """The first line of the underlying error (DCP's CheckpointException wraps each rank's)."""
     failures = getattr(error, "failures", None)

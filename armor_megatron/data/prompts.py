@@ -93,6 +93,22 @@ class PromptRow:
         }
 
 
+def prompt_row(index: int, row: dict[str, Any], prompt_key: str, truth_column: str, type_key: str) -> PromptRow:
+    """Row ``index`` of a file as a `PromptRow`: its prompt, the ground truth of ``truth_column``, its verifier, the rest.
+
+    ``truth_column``: the column `ground_truth_column` found for the answer key; the other columns
+    (all but prompt, ground truth and type) are ``extra``.
+    """
+    verifier = field_of(row, type_key) if has_field(row, type_key) else None
+    extra = {k: v for k, v in row.items() if k not in (prompt_key, truth_column, type_key)}
+    return PromptRow(index, field_of(row, prompt_key), field_of(row, truth_column), verifier, extra, row)
+
+
+def row_mapping(row: PromptRow) -> dict[str, Any]:
+    """What an environment is built from (``rollout.environment``): a row's other columns, ``prompt``, ``answer``, ``index``."""
+    return {**row.extra, "prompt": row.prompt, "answer": row.answer, "index": row.index}
+
+
 def read_rows(path: str) -> list[dict[str, Any]]:
     """All rows of a ``.jsonl``/``.json`` or ``.parquet`` file as dicts; one-line errors on bad input."""
     return _rows(path, None)
@@ -174,9 +190,7 @@ class PromptDataset:
                 raise DatasetError(
                     f"{path}: row {i} {prompt_key!r} is {type(prompt).__name__}, not a string or a list of chat messages"
                 )
-            verifier = field_of(row, type_key) if has_field(row, type_key) else None
-            extra = {k: v for k, v in row.items() if k not in (prompt_key, truth, type_key)}
-            self.rows.append(PromptRow(i, prompt, field_of(row, truth), verifier, extra, row))
+            self.rows.append(prompt_row(i, row, prompt_key, truth, type_key))
 
     def keep(self, predicate: Callable[[PromptRow], bool]) -> int:
         """Keep the rows ``predicate(row)`` accepts (their ``index`` stays the file's row number).

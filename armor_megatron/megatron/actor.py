@@ -71,7 +71,7 @@ from armor_megatron.config.schema import OptimizerConfig, StabilityConfig
 from armor_megatron.errors import UserInputError
 from armor_megatron.megatron.base_source import LORA_BASE, BaseSource, on_rank_0
 from armor_megatron.megatron.logprobs import LogProbs, compute_logprobs, token_logprobs
-from armor_megatron.megatron.lora import LoRASettings, adapter_sharded_state_dict, attach_adapters
+from armor_megatron.megatron.lora import LORA_SETTINGS, LoRASettings, adapter_sharded_state_dict, attach_adapters
 from armor_megatron.megatron.microbatch import to_device
 from armor_megatron.megatron.trained_model import ModelSettings, TrainedModel, TrainMicroBatch, checked_rows
 
@@ -129,8 +129,14 @@ class MegatronActor(TrainedModel):
         return state
 
     def sharded_state_dict(self) -> dict[str, Any]:
-        """What a checkpoint saves (`TrainedModel.sharded_state_dict`); ``lora_base``: the source of a base left out."""
+        """What a checkpoint saves (`TrainedModel.sharded_state_dict`), and what LoRA records beside it.
+
+        ``lora_settings``: the adapters' rank, alpha, dropout and targets; ``lora_base``: the source
+        of a base left out.
+        """
         state = super().sharded_state_dict()
+        if self.lora is not None:
+            state[LORA_SETTINGS] = self.lora.to_state()  # what `armor-convert lora-to-peft` writes as the PEFT config
         if self.lora is not None and self.base_source is not None:
             state[LORA_BASE] = self.base_source.to_state()
         return state

@@ -67,6 +67,7 @@ TARGETS = LORA_TARGETS
 _OWNER = {"linear_qkv": "self_attention", "linear_proj": "self_attention", "linear_fc1": "mlp", "linear_fc2": "mlp"}
 PROJECTIONS = LORA_PEFT_MODULES  # HF PEFT's names of each target's logical projections (one adapter each)
 CHECKPOINT_KEY = "lora"  # the adapter module's attribute on its linear, and its key segment
+LORA_SETTINGS = "lora_settings"  # the key of a checkpoint's common state recording `LoRASettings.to_state`
 
 
 class LoRAError(UserInputError):
@@ -94,6 +95,10 @@ class LoRASettings:
     def scale(self) -> float:
         """The scale s = alpha / rank."""
         return self.alpha / self.rank
+
+    def to_state(self) -> dict[str, Any]:
+        """What a checkpoint's common state records of the adapters (``LORA_SETTINGS``): rank, alpha, dropout, targets."""
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout, "targets": list(self.targets)}
 
     @classmethod
     def of(cls, lora: Any, seed: int) -> LoRASettings | None:
@@ -474,10 +479,21 @@ def save_peft_adapter(
 ) -> None:
     """Write the adapters as an HF PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``).
 
-    Every rank calls it; rank 0 writes, through a temporary directory renamed into place. The
-    adapters apply to the actor's current base (``base``: where that base is, for
-    ``base_model_name_or_path``): after a reference reset that is the merged base, which the
-    reference's export writes, not the model the run started from.
+    Every rank calls it; rank 0 writes (`write_peft_adapter`). The adapters apply to the actor's
+    current base (``base``: where that base is, for ``base_model_name_or_path``): after a
+    reference reset that is the merged base, which the reference's export writes, not the model
+    the run started from.
+    """
+    tensors = peft_adapter_tensors(model_chunks)
+    if tensors is not None:
+        write_peft_adapter(tensors, peft_adapter_config(settings, base), out_dir)
+
+
+def write_peft_adapter(tensors: dict[str, torch.Tensor], config: dict[str, Any], out_dir: str) -> None:
+    """Write an HF PEFT adapter directory: ``adapter_model.safetensors`` (``tensors``) and ``adapter_config.json``.
+
+    Through a temporary directory beside ``out_dir``, renamed into place (an existing ``out_dir``
+    is replaced); a failure leaves nothing behind.
     """
     import json
     import os
@@ -486,10 +502,6 @@ def save_peft_adapter(
 
     from safetensors.torch import save_file
 
-    tensors = peft_adapter_tensors(model_chunks)
-    if tensors is None:
-        return
-    config = peft_adapter_config(settings, base)
     tmp = f"{out_dir.rstrip(os.sep)}.tmp-{uuid.uuid4().hex[:12]}"
     os.makedirs(tmp)
     try:

@@ -140,33 +140,46 @@ def check_ground_truth(verifier: str, ground_truth: Any) -> None:
 NO_ANSWER = "I cannot solve this."  # a response stating no answer: a verifier scores it too (0, not None)
 
 
+def stating_response(ground_truth: Any) -> str:
+    r"""A response stating ``ground_truth`` in each usual final-answer form, for probes of a verifier.
+
+    ``The answer is \boxed{X}.``, GSM8K's ``#### X`` and DAPO's ``Answer: X`` lines, so verl's
+    gsm8k and math_dapo scorers read it as they read a model's answer; empty for a ground truth
+    that is neither a string nor a number (nothing to state).
+    """
+    if not isinstance(ground_truth, (str, numbers.Real)):
+        return ""
+    return f"The answer is \\boxed{{{ground_truth}}}.\n#### {ground_truth}\nAnswer: {ground_truth}"
+
+
 def probe_verifier(
     spec: str, ground_truth: Any, response: str | None = None, fields: Mapping[str, Any] | None = None
-) -> None:
-    r"""Check a user verifier on one response to a row whose ground truth is ``ground_truth``.
+) -> float | None:
+    r"""Check a user verifier on one response to a row whose ground truth is ``ground_truth``; its score.
 
     Call a user verifier (``module:function``, a name registered outside this package, or the
-    remote judge) once, on ``response`` (default: one stating ``ground_truth`` in ``\boxed{}``;
-    :data:`NO_ANSWER` for the responses early in a run, which state none) with the row's
-    ``fields`` (:data:`~armor_megatron.rewards.fields.ROW_FIELDS`; a group or batch verifier gets
+    remote judge) once, on ``response`` (default: `stating_response`, the ground truth as a
+    ``\boxed{}``, ``####`` and ``Answer:`` line; :data:`NO_ANSWER` for the responses early in a
+    run, which state none) with the row's ``fields``
+    (:data:`~armor_megatron.rewards.fields.ROW_FIELDS`; a group or batch verifier gets
     a group of this one response), and raise VerifierSpecError in one line if it raises, outlasts
     ``reward.timeout_s``, or returns what :func:`as_reward_result` refuses (a string, None, a dict
     without ``score``, a non-finite score, a list of another length than its responses). Built-in
-    verifiers are not called: they always return a RewardResult, and the math one starts worker
-    processes.
+    verifiers are not called (None is returned): they always return a RewardResult, and the math
+    one starts worker processes.
     """
     verifier = load_verifier(spec)
     if not verifier.probed:
-        return
+        return None
     if response is None:
-        response = f"The answer is \\boxed{{{ground_truth}}}." if isinstance(ground_truth, (str, numbers.Real)) else ""
+        response = stating_response(ground_truth)
         on = f"on a response stating the ground truth {ground_truth!r:.60}"
     elif response == NO_ANSWER:
         on = f"on the response {response!r}, which states no answer (a verifier returns a reward, e.g. 0, for every response)"
     else:
         on = f"on the response {response!r:.60} (ground truth {ground_truth!r:.40})"
     try:
-        verifier.score([response], [ground_truth], [fields or {}], probe=on)
+        return verifier.score([response], [ground_truth], [fields or {}], probe=on)[0].score
     except VerifierTimeouts as err:
         raise VerifierSpecError(str(err)) from None
     except VerifierFailed as err:

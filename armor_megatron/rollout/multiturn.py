@@ -51,14 +51,11 @@ import dataclasses
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from armor_megatron.errors import UserInputError
 from armor_megatron.rewards.spec import VerifierSpecError, import_callable
 from armor_megatron.rollout.engine import RolloutError, Sample, SamplingParams
-
-if TYPE_CHECKING:
-    from armor_megatron.data.prompts import PromptRow
 
 TRUNCATIONS = ("max_turns", "max_total_tokens", "tool_timeout")
 
@@ -98,11 +95,6 @@ def load_environment(spec: str) -> Callable[[Mapping[str, Any]], Environment]:
         return import_callable(spec)
     except VerifierSpecError as err:
         raise EnvironmentSpecError(str(err).replace("verifier spec", "rollout.environment.spec", 1)) from None
-
-
-def row_mapping(row: PromptRow) -> dict[str, Any]:
-    """What an environment is built from: a `PromptRow`'s other columns, ``prompt``, ``answer``, ``index``."""
-    return {**row.extra, "prompt": row.prompt, "answer": row.answer, "index": row.index}
 
 
 @dataclasses.dataclass
@@ -255,7 +247,13 @@ class MultiTurnRollout:
         return self.generate(generate, prompts_token_ids, [truth[3] for truth in ground_truths], n, sampling, timeout)
 
     def _build(self, row: Mapping[str, Any]) -> Environment:
-        env = self.environment(row)
+        try:
+            env = self.environment(row)
+        except Exception as err:  # the user's constructor: a bug to fix, named, its traceback chained
+            raise EnvironmentStepError(
+                f"rollout.environment.spec {self.settings.spec!r} raised {type(err).__name__}: {err} building the "
+                f"environment of {_label(row)} (its keys: {', '.join(sorted(map(str, row)))})"
+            ) from err
         if not callable(getattr(env, "step", None)):
             raise EnvironmentSpecError(
                 f"rollout.environment.spec {self.settings.spec!r} built a {type(env).__name__} without a "

@@ -10,10 +10,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from armor_megatron.data.prompts import PromptDataset, PromptRow
+from armor_megatron.data.prompts import PromptDataset, PromptRow, row_mapping
 from armor_megatron.rewards import metrics_by_dataset, score_batch
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
-from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping
+from armor_megatron.rollout.multiturn import MultiTurnRollout
 
 
 @dataclasses.dataclass

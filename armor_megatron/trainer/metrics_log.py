@@ -192,6 +192,9 @@ LINE_FIELDS = (
     ("val", "eval/mean/pass@1"),
 )
 PHASES = ("rollout", "logprobs", "values", "update", "weight_sync", "eval", "reference_reset", "checkpoint")
+SKIPPED = "train/skipped_no_signal"  # the loop's mark of a step that trained nothing: every group scored alike
+SKIPPED_NOTE = "skipped: every group scored alike"
+SKIPPED_IN_A_ROW_WARNING = 5  # this many skipped steps in a row print one warning (again after a step trains)
 BAR_KEYS = ("rollout/on_policy_accuracy", "eval/mean/pass@1", "anchor/found_rate", "train/grad_norm")
 
 
@@ -200,15 +203,20 @@ def step_line(step: int, total: int, metrics: Mapping[str, Any]) -> str:
 
     One plain line: ``step 3/20 | reward 0.500 | acc 0.500 | len 6.2 | len_max 8 | val 0.438 |
     rollout 1.20s update 0.80s ... | 123 tok/s | 2.40 s/step`` (fields the step lacks are left out).
+    A step that trained nothing says ``skipped: every group scored alike`` in place of its
+    throughput (no advantage anywhere: each group's responses got equal rewards).
     """
     parts = [f"step {step}/{total}"]
     for short, key in LINE_FIELDS:
         if key in metrics:
             parts.append(f"{short} {_fmt(metrics[key])}")
+    skipped = bool(metrics.get(SKIPPED))
+    if skipped:
+        parts.append(SKIPPED_NOTE)
     phases = [f"{p} {float(metrics[f'time/{p}']):.2f}s" for p in PHASES if f"time/{p}" in metrics]
     if phases:
         parts.append(" ".join(phases))
-    if "perf/tokens_per_s" in metrics:
+    if "perf/tokens_per_s" in metrics and not skipped:
         parts.append(f"{float(metrics['perf/tokens_per_s']):.0f} tok/s")
     if "time/step" in metrics:
         parts.append(f"{float(metrics['time/step']):.2f} s/step")
@@ -228,6 +236,10 @@ class StepReporter:
 
     Logging policy: a step is logged when ``step % every_steps == 0`` or when it carries an
     evaluation (``eval/`` keys): evaluations are never dropped.
+
+    After `SKIPPED_IN_A_ROW_WARNING` steps in a row that trained nothing (every group scored alike),
+    one warning line on ``stream`` says so and what to look at; a step that trains starts the count
+    again.
     """
 
     def __init__(
@@ -244,6 +256,7 @@ class StepReporter:
         self.logger, self.every_steps, self.total_steps = logger, every_steps, total_steps
         self.prefix = f"[{name or 'armor'}]"  # the run's name starts each text line
         self.stream = sys.stdout if stream is None else stream
+        self.skipped_in_a_row = 0
         self.bar = None
         if progress_bar and _is_tty(self.stream):
             from tqdm import tqdm
@@ -266,7 +279,26 @@ class StepReporter:
             self.bar.set_postfix({k.split("/")[-1]: f"{float(metrics[k]):.3f}" for k in BAR_KEYS if k in metrics})
         else:
             print(f"{self.prefix} {step_line(step, self.total_steps, metrics)}", file=self.stream, flush=True)
+        self._count_skipped(metrics)
         return metrics
+
+    def _count_skipped(self, metrics: Mapping[str, Any]) -> None:
+        """Count the skipped steps in a row; warn once when the count reaches `SKIPPED_IN_A_ROW_WARNING`."""
+        self.skipped_in_a_row = self.skipped_in_a_row + 1 if metrics.get(SKIPPED) else 0
+        if self.skipped_in_a_row != SKIPPED_IN_A_ROW_WARNING:
+            return
+        accuracy = metrics.get("rollout/accuracy")
+        share = "" if accuracy is None else f" (rollout/accuracy {float(accuracy):.3f})"
+        line = (
+            f"{self.prefix} warning: {self.skipped_in_a_row} steps in a row skipped, every group scored alike"
+            f"{share}, so nothing trains. Accuracy near 0: the prompts are too hard for the model, or the "
+            "verifier misreads the answers (data.answer_key; armor-train --check probes it); near 1: too easy; "
+            "more refill rounds: algorithm.dynamic_sampling.max_oversample_rounds"
+        )
+        if self.bar is not None:
+            self.bar.write(line, file=self.stream)
+        else:
+            print(line, file=self.stream, flush=True)
 
     def close(self) -> None:
         """Close the progress bar, if any."""

@@ -46,13 +46,13 @@ from armor_megatron.algo import (
     assemble_anchor_groups,
 )
 from armor_megatron.data.batch import RolloutBatch
-from armor_megatron.data.prompts import PromptRow
+from armor_megatron.data.prompts import PromptRow, row_mapping
 from armor_megatron.rewards import load_verifier, score_batch
 from armor_megatron.rewards.metrics import CORRECT_THRESHOLD
 from armor_megatron.rollout.anchor.cache import AnchorCache
 from armor_megatron.rollout.anchor.sampler import AnchorResult
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams, check_sample
-from armor_megatron.rollout.multiturn import MultiTurnRollout, row_mapping, truncation_metrics
+from armor_megatron.rollout.multiturn import MultiTurnRollout, truncation_metrics
 from armor_megatron.rollout.partial import Span, versions_spanned
 from armor_megatron.trainer.overlap import LaggingBatchError, step_of_version
 
@@ -81,7 +81,7 @@ def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[
 
     So an anchor passes exactly the check its group is scored with
     (`rollout.anchor.build.anchor_reward`); with an environment a fourth item, the row that builds
-    π_ref's environments (`rollout.multiturn.row_mapping`).
+    π_ref's environments (`data.prompts.row_mapping`).
     """
     truths = [(r.verifier or settings.verifier, r.answer, r.reward_fields()) for r in rows]
     if settings.environment is None:
@@ -169,8 +169,8 @@ def collect_groups(
         if in_group[p] and anchor is not None:
             texts[p].append(anchor.text)
             trajectories[p].append(anchor.trajectory)
-    policy_scores, timeouts = (
-        ([list(scores) for scores in group_scores[0]], group_scores[1])  # the caller's lists stay as they are
+    policy_scores, timeouts, breakdown = (
+        ([list(scores) for scores in group_scores[0]], group_scores[1], {})  # the caller's lists stay as they are
         if group_scores is not None
         else _score(texts, rows, verifiers, settings.reward_workers, trajectories)
     )
@@ -207,6 +207,7 @@ def collect_groups(
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.model_tokens for group in policy for s in group)),
         "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
+        **{f"reward/breakdown/{k}": v for k, v in breakdown.items()},  # the verifiers' own criteria (e.g. acc)
         **truncation_metrics(samples),  # multi-turn: turns, environment tokens, limits hit
     }
     on_policy = accuracy[~groups.is_anchor]  # anchors reach the success reward by construction
@@ -286,7 +287,7 @@ def replace_stale_anchors(
         extra = generate_responses(
             engine, [prompts[stale[j]] for j in missing], [rows[j] for j in missing], 1, settings
         )
-        scores, _ = _score(
+        scores, _, _ = _score(
             [[g[0].text] for g in extra],
             [rows[j] for j in missing],
             [verifiers[j] for j in missing],
@@ -299,7 +300,7 @@ def replace_stale_anchors(
     G = settings.group_size
     regroup = [(i - i % G, j) for j, i in enumerate(stale) if _scores_groups(verifiers[j])]
     if regroup:  # a group verifier's scores depend on the whole group: score each changed group again
-        scores, _ = _score(
+        scores, _, _ = _score(
             [[samples[k].text for k in range(first, first + G)] for first, _ in regroup],
             [rows[j] for _, j in regroup],
             [verifiers[j] for _, j in regroup],
@@ -398,7 +399,7 @@ def score_group(
     if anchor is not None and anchor.anchor is not None and _scores_groups(verifier):
         texts.append(anchor.anchor.text)
         trajectories.append(anchor.anchor.trajectory)
-    [scores], timeouts = _score([texts], [row], [verifier], settings.reward_workers, [trajectories])
+    [scores], timeouts, _ = _score([texts], [row], [verifier], settings.reward_workers, [trajectories])
     return scores, timeouts
 
 
@@ -467,15 +468,18 @@ def _score(
     verifiers: Sequence[str],
     workers: int | None,
     trajectories: Sequence[Sequence[Any]] | None = None,
-) -> tuple[list[list[float]], int]:
-    """Per-prompt score lists, scoring all responses of one verifier in one batch, and the timed-out calls.
+) -> tuple[list[list[float]], int, dict[str, float]]:
+    """Per-prompt score lists, scoring all responses of one verifier in one batch; the timed-out calls; the breakdown.
 
     ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]`` (a group verifier gets
     them in one call); ``trajectories[p][j]``: response ``j``'s turns (multi-turn; None: single-turn
-    responses); an error names the row.
+    responses); an error names the row. The breakdown: each entry a verifier returned beside its
+    score (``RewardResult.breakdown``, e.g. math_dapo's ``acc``), its mean over the responses that
+    carry it.
     """
     flat = [(p, j, t) for p, group in enumerate(texts) for j, t in enumerate(group)]
     scores: list[list[float]] = [[] for _ in texts]
+    parts: dict[str, list[float]] = {}
     timeouts = 0
     for name in dict.fromkeys(verifiers):
         todo = [(p, j, t) for p, j, t in flat if verifiers[p] == name]
@@ -492,9 +496,11 @@ def _score(
         )
         for (p, _, _), result in zip(todo, results):
             scores[p].append(result.score)
+            for key, value in result.breakdown.items():
+                parts.setdefault(key, []).append(value)
         # a group or batch call that timed out gives each of its responses the same result: one call
         timeouts += len({id(r) for r in results if r.breakdown.get("timed_out")})
-    return scores, timeouts
+    return scores, timeouts, {key: sum(values) / len(values) for key, values in parts.items()}
 
 
 def _to_batch(

@@ -16,8 +16,8 @@ HF_CONFIG.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads
 
 
 @pytest.fixture
-def run(tmp_path):
-    """A tiny run whose model directory and datasets exist; ``run(*overrides)`` -> RunConfig."""
+def paths(tmp_path):
+    """The overrides of a tiny run whose model directory and datasets exist."""
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "config.json").write_text(json.dumps(HF_CONFIG))
     (tmp_path / "hf" / "model.safetensors").write_text("")  # existence is what --check looks at
@@ -31,6 +31,12 @@ def run(tmp_path):
         f"eval.datasets=[{{name: val, path: {tmp_path / 'val.jsonl'}, k: 1}}]",
         f"checkpoint.dir={tmp_path / 'ckpt'}",
     ]
+    return paths
+
+
+@pytest.fixture
+def run(paths):
+    """``run(*overrides)`` -> the RunConfig of the tiny run of `paths`."""
     return lambda *overrides: load_config(TINY, [*paths, *overrides])
 
 
@@ -200,9 +206,9 @@ def test_check_calls_the_remote_judge_on_the_first_rows(run):
         url = f"http://127.0.0.1:{closed.getsockname()[1]}/"
     try:
         cfg = run("reward.verifier=remote", f"reward.remote.url={url}", "reward.remote.retries=0")
-        line = _refused(cfg, "data.train_path: ")
-        assert f"row 0: remote judge {url} failed 1 attempt (reward.remote.retries=0): " in line, line
-        assert "on a response stating the ground truth '1'" in line, line
+        line = _refused(cfg, "reward.remote: ")  # the judge's section to fix, not the dataset
+        assert line.startswith(f"reward.remote: remote judge {url} failed 1 attempt (reward.remote.retries=0): "), line
+        assert "on a response stating the ground truth '1'" in line and "train.jsonl row 0)" in line, line
     finally:
         configure_remote_judge(None)
 
@@ -285,3 +291,46 @@ def test_an_eval_set_may_name_its_own_columns(run, tmp_path):
     )
     own = f"eval.datasets=[{{name: m, path: {tmp_path / 'math500.jsonl'}, prompt_key: problem, answer_key: answer}}]"
     check_files(run(*common, own))
+
+
+def test_a_ground_truth_its_verifier_never_rewards_is_a_warning(paths, run, tmp_path, capsys):
+    """gsm8k's own ``answer`` column holds the whole solution (``... #### 2``); verl's gsm8k scorer
+    compares the number after ``####`` with the ground truth, so with that column every response
+    scores 0: --check says so (and still passes); with verl's ``reward_model.ground_truth`` the
+    probe stating it scores 1."""
+    from armor_megatron.cli.train import main
+
+    row = {"data_source": "openai/gsm8k", "prompt": "1+1=", "answer": "1+1 is 2.\n#### 2"}
+    row["reward_model"] = {"ground_truth": "2"}
+    (tmp_path / "gsm8k.jsonl").write_text((json.dumps(row) + "\n") * 3)
+    verl = [
+        "reward.verifier=tests.rewards.row_verifiers:compute_score",
+        f"data.train_path={tmp_path / 'gsm8k.jsonl'}",
+        "eval.datasets=[]",
+    ]
+    assert check_files(run(*verl, "data.answer_key=reward_model.ground_truth")) == []
+    [warning] = check_files(run(*verl))
+    assert warning.startswith(f"data.train_path: {tmp_path / 'gsm8k.jsonl'}: a response stating the ground truth ")
+    assert "on 3 of the first 3 rows (row 0: 0 for ground truth '1+1 is 2.\\n#### 2'" in warning, warning
+    assert "is 'answer' (data.answer_key) the answer column?" in warning, warning
+    assert main(["--config", TINY, *paths, *verl, "--check"]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == f"armor-train: warning: {warning}" and err[-1].startswith("armor-train: config OK"), err
+
+
+ENVIRONMENTS = "tests.config.user_environments"
+
+
+def test_the_environment_is_built_from_the_first_rows_and_stepped_once(run, tmp_path):
+    assert check_files(run(f"rollout.environment.spec={ENVIRONMENTS}:Calculator")) == []
+    where = f"{tmp_path / 'train.jsonl'} row 0"
+    line = _refused(run(f"rollout.environment.spec={ENVIRONMENTS}:NeedsExpression"), "rollout.environment.spec: ")
+    assert line == (
+        f"rollout.environment.spec: {ENVIRONMENTS}:NeedsExpression: building it from {where} raised KeyError: "
+        "'expression' (its keys: answer, index, prompt)"
+    )
+    line = _refused(run(f"rollout.environment.spec={ENVIRONMENTS}:StepRaises"), "rollout.environment.spec: ")
+    assert line.startswith(
+        f"rollout.environment.spec: {ENVIRONMENTS}:StepRaises: step() on {where} raised ValueError: could not "
+        "convert string to float"
+    ), line

@@ -60,6 +60,20 @@ def test_unsupported_combinations_are_refused_in_one_line(overrides, why):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        (["rollout.overlap=one_step"], "not supported with rollout.overlap .one_step."),
+        (["anchor.enabled=true", "anchor.pregenerate=true"], "not supported with anchor.pregenerate"),
+    ],
+)
+def test_the_unsupported_combination_is_said_before_what_its_other_half_needs(overrides, why):
+    """one_step alone would first ask for TIS and disaggregated engines, pregenerate for a separate
+    reference: a user who set those would then learn that partial rollouts refuse the combination."""
+    with pytest.raises(ConfigError, match=f"^rollout.partial.enabled: {why}"):
+        load_config(TINY, [*ON, "rollout.partial.enabled=true", *overrides])
+
+
 @pytest.mark.parametrize("source", ["separate", "swap"])
 def test_anchors_are_generated_with_partial_rollouts_from_either_source(source):
     cfg = load_config(TINY, [*ON, "rollout.partial.enabled=true", "anchor.enabled=true", f"anchor.source={source}"])

@@ -18,6 +18,7 @@ checkpoint exactly; ``armor-convert`` refuses a LoRA training checkpoint in one 
 """
 
 import dataclasses
+import json
 import zlib
 
 import pytest
@@ -398,6 +399,24 @@ def test_merged_and_peft_exports_give_the_policys_logprobs_and_the_reference_exp
     assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err, err
     assert not (tmp_path / "converted").exists()
 
+    # armor-convert lora-to-peft: the checkpoint's adapters as the same PEFT directory, from its files alone
+    from safetensors.torch import load_file
+
+    assert convert(["lora-to-peft", str(tmp_path / "ckpt"), str(tmp_path / "from_ckpt")]) == 0
+    assert "for the base " + hf_dir in capsys.readouterr().out
+    written, ours_dir = load_file(str(tmp_path / "from_ckpt" / "adapter_model.safetensors")), tmp_path / "adapter"
+    assert_exact(list(written.items()), load_file(str(ours_dir / "adapter_model.safetensors")))
+    config = json.loads((tmp_path / "from_ckpt" / "adapter_config.json").read_text())
+    assert config == json.loads((ours_dir / "adapter_config.json").read_text())
+    with torch.no_grad():
+        base_model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+        loaded = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "from_ckpt")).eval()
+        loaded_logits = loaded(input_ids=ids).logits
+    loaded_lp = torch.log_softmax(loaded_logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+    torch.testing.assert_close(loaded_lp, ours, rtol=0, atol=1e-4)
+    assert convert(["lora-to-peft", str(tmp_path / "ckpt"), str(tmp_path / "from_ckpt")]) == 2  # no overwrite
+    assert "from_ckpt exists; pass --overwrite" in capsys.readouterr().err
+
 
 # ----------------------------------------------------------------------------- checkpoints
 def _stored_tensor_keys(path) -> set:
@@ -484,6 +503,11 @@ def test_a_checkpoint_holds_the_base_only_once_a_reset_merged_into_it(world_of_o
         code = convert(["mcore-to-hf", path, str(tmp_path / "converted"), "--hf-config", hf_dir])
         err = capsys.readouterr().err
         assert code == 2 and err.count("\n") == 1 and "holds LoRA adapters" in err and says in err, err
+    # and an adapter of the merged base, which no HF directory holds
+    assert convert(["lora-to-peft", with_base, str(tmp_path / "peft")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "holds the base a reference reset merged" in err and "save_hf" in err, err
+    assert not (tmp_path / "peft").exists()
 
     # as starting weights (model.mcore_path) it has no base to give
     with pytest.raises(UserInputError, match="holds LoRA adapters without their base"):

@@ -57,6 +57,12 @@ class NotText(Lookup):
         return 42
 
 
+class NeedsExpression(Lookup):
+    def __init__(self, row):
+        super().__init__(row)
+        self.expression = row["expression"]
+
+
 @pytest.fixture(scope="module")
 def engine(tiny_ckpt):
     path, _, _ = tiny_ckpt
@@ -173,6 +179,8 @@ def test_environment_errors_name_the_row_and_keep_the_cause(engine, tiny_ckpt):
     with pytest.raises(EnvironmentStepError, match=r"raised on row 7, turn 1: KeyError") as info:
         _rollout(tok, Broken).generate(engine.generate, [encode(tok, "1")], [{"answer": "1", "index": 7}], 1, SAMPLING)
     assert isinstance(info.value.__cause__, KeyError)
+    with pytest.raises(EnvironmentStepError, match="raised KeyError: 'expression' building the environment of row 7 "):
+        _rollout(tok, NeedsExpression).generate(engine.generate, [[1]], [{"answer": "1", "index": 7}], 1, SAMPLING)
     with pytest.raises(EnvironmentStepError, match="returned a int on row 7, turn 1"):
         _rollout(tok, NotText).generate(engine.generate, [encode(tok, "1")], [{"answer": "1", "index": 7}], 1, SAMPLING)
     settings = EnvironmentSettings(spec="tests.rollout.test_multiturn:Missing")

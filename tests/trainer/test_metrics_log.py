@@ -159,3 +159,38 @@ def test_a_fresh_start_moves_an_earlier_runs_metrics_aside(tmp_path):
     assert [r["reward"] for r in read_metrics(str(tmp_path / "metrics.jsonl"))] == [0.9]
     assert [r["reward"] for r in read_metrics(log.set_aside)] == [0.5]  # nothing lost
     assert MetricsLogger(str(tmp_path / "new"), fresh_start=True).set_aside is None
+
+
+def _skipped(accuracy: float) -> dict:
+    """A step that trained nothing, as the loop reports it: no tokens, so 0 tok/s."""
+    return {
+        "rollout/reward": accuracy,
+        "rollout/accuracy": accuracy,
+        "train/skipped_no_signal": 1.0,
+        "time/rollout": 1.0,
+        "perf/tokens_per_s": 0.0,
+        "time/step": 1.5,
+    }
+
+
+def test_a_skipped_step_says_so_on_its_line_instead_of_0_tokens_per_s():
+    assert step_line(4, 20, _skipped(0.0)) == (
+        "step 4/20 | reward 0.000 | acc 0.000 | skipped: every group scored alike | rollout 1.00s | 1.50 s/step"
+    )
+
+
+def test_skipped_steps_in_a_row_warn_once_and_again_after_a_step_trains():
+    from armor_megatron.trainer.metrics_log import SKIPPED_IN_A_ROW_WARNING as N
+
+    out = io.StringIO()
+    reporter = StepReporter(None, every_steps=1, total_steps=40, progress_bar=False, stream=out)
+    trained = {"rollout/reward": 0.5, "time/step": 1.0}
+    steps = [_skipped(0.0)] * (N - 1) + [trained] + [_skipped(0.0)] * (2 * N)  # N-1 in a row say nothing
+    steps += [trained] + [_skipped(1.0)] * N
+    for step, m in enumerate(steps, 1):
+        reporter.report(step, m)
+    warnings = [line for line in out.getvalue().splitlines() if " warning: " in line]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"[armor] warning: {N} steps in a row skipped, every group scored alike")
+    assert "(rollout/accuracy 0.000)" in warnings[0] and "(rollout/accuracy 1.000)" in warnings[1]
+    assert "data.answer_key" in warnings[0] and "max_oversample_rounds" in warnings[0]

@@ -251,6 +251,29 @@ def test_mean_score_and_accuracy_are_logged_apart_under_partial_credit(setup):
     assert metrics["rollout/accuracy"] < metrics["rollout/score"]
 
 
+def _dapo_style(response, ground_truth):
+    """Shaped as verl's math_dapo returns: a dict with its score, a bool ``acc`` and the text it read
+    (``pred``); "correct" here is a first character of even code, which the random policy meets about half the time."""
+    correct = bool(response) and ord(response[0]) % 2 == 0
+    return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": response[:1]}
+
+
+def test_the_verifiers_breakdown_reaches_the_metrics_log_as_its_mean(setup, tmp_path):
+    """Each numeric entry a verifier returns beside its score (math_dapo's ``acc``) is logged as
+    ``reward/breakdown/<entry>``: its mean over the scored responses; text entries are not metrics."""
+    from armor_megatron.trainer.metrics_log import MetricsLogger, read_metrics
+
+    with registered(test_dapo_style=_dapo_style):
+        batch, metrics = _collect(setup, None, verifier="test_dapo_style")
+    expected = (batch["accuracy"] == 1.0).float().mean().item()  # no anchors: every response was scored
+    assert 0 < expected < 1 and metrics["reward/breakdown/acc"] == pytest.approx(expected)
+    assert not any(k.startswith("reward/breakdown/pred") for k in metrics)
+    log = MetricsLogger(str(tmp_path))
+    log.log(1, metrics)
+    log.close()
+    assert read_metrics(str(tmp_path / "metrics.jsonl"))[0]["reward/breakdown/acc"] == pytest.approx(expected)
+
+
 def test_sample_metrics_hook_sees_every_scored_sample_with_its_anchor_flag(setup):
     """``logging.sample_metrics`` gets each sample's prompt, response, score and anchor flag; its
     values come back as ``rollout/<name>``."""
@@ -480,5 +503,5 @@ def test_a_timed_out_group_call_counts_one_timeout_not_one_per_response(setup):
 
     _, _, _, rows = setup
     with registered(test_timed_out_group=_timed_out_group):
-        scores, timeouts = _score([["a", "b", "c"], ["d", "e"]], rows[:2], ["test_timed_out_group"] * 2, None)
+        scores, timeouts, _ = _score([["a", "b", "c"], ["d", "e"]], rows[:2], ["test_timed_out_group"] * 2, None)
     assert scores == [[0.0, 0.0, 0.0], [0.0, 0.0]] and timeouts == 2

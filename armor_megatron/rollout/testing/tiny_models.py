@@ -9,12 +9,19 @@ property in anchor tests.
 
 from __future__ import annotations
 
+import string
 from collections.abc import Sequence
 from typing import Any
 
 from armor_megatron.tasks import tokenizer as _char_tokenizer
 
 ALPHABET = "0123456789+-=? abcdefghijklmnopqrstuvwxyz"
+CHAT_ALPHABET = "".join(c for c in string.printable if c not in "\r\x0b\x0c")  # printable ASCII, tab, newline
+CHAT_MARKERS = ("<|im_start|>", "<|im_end|>")  # ChatML's, each one token; <|im_end|> is the end of sequence
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def build_char_tokenizer(alphabet: str = ALPHABET) -> Any:
@@ -71,6 +78,48 @@ def make_tiny_checkpoint(
     write_hf_checkpoint(directory, tiny_weights(cfg, seed=seed, sharpen=sharpen), cfg)
     tokenizer.save_pretrained(directory)
     return cfg, tokenizer
+
+
+def build_chat_tokenizer() -> Any:
+    """A character tokenizer over printable ASCII with ChatML's markers and chat template; ``<|im_end|>`` ends a turn.
+
+    Ids 0..2 are <pad>, <eos>, <unk>, then the two markers, then one id per character; other
+    characters (beyond ASCII) become <unk>.
+    """
+    tokenizer = _char_tokenizer.build_char_tokenizer(CHAT_ALPHABET, CHAT_MARKERS)
+    tokenizer.eos_token = CHAT_MARKERS[1]
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def make_tiny_chat_model(
+    directory: str,
+    *,
+    family: str = "qwen2",
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    context: int = 2048,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Write a randomly initialised tiny HF model with `build_chat_tokenizer`'s tokenizer to ``directory``; its config.
+
+    A model to try a dataset, a verifier or an environment end to end on a CPU: it reads chat
+    prompts (``data.apply_chat_template``) and any printable ASCII, and has learnt nothing.
+    ``context``: ``max_position_embeddings``.
+    """
+    from armor_megatron.rollout.hf_checkpoint import write_hf_checkpoint
+
+    tokenizer = build_chat_tokenizer()
+    cfg = tiny_config(len(tokenizer), family=family, hidden_size=hidden_size, num_layers=num_layers)
+    cfg.update(
+        max_position_embeddings=context,
+        bos_token_id=tokenizer.eos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    write_hf_checkpoint(directory, tiny_weights(cfg, seed=seed), cfg)
+    tokenizer.save_pretrained(directory)
+    return cfg
 
 
 def encode(tokenizer: Any, text: str) -> list[int]:
