@@ -10,9 +10,9 @@ trainer is built, and the first push resumes them as a step does (`ArmorTrainer.
 A reference reset or a checkpoint brings the trainer back while the engines keep only their weights.
 
 `ColocatedMemory` makes these moves on every rank; only the driver talks to the engines, and the
-barriers keep every rank from allocating before they have let go. Without colocated engines the
-engine calls and barriers' waits are no-ops, and the trainer moves only when
-``train.offload_during_rollout`` says so.
+barriers keep every rank from allocating before they have let go. Without colocated engines there
+is no engine call (the barriers stay: every rank makes the same collectives), and the trainer
+moves only when ``train.offload_during_rollout`` says so.
 """
 
 from __future__ import annotations
