@@ -76,7 +76,7 @@ from armor_megatron.trainer.checkpoint_record import CheckpointRecord
 from armor_megatron.trainer.collaborators import Actor, Critic, EngineFactory, Reference, Tokenizer, WeightExporter
 from armor_megatron.trainer.collectives import any_rank, broadcast_object, broadcast_tensors, collective
 from armor_megatron.trainer.device_memory import ColocatedMemory, offloads_during_rollout
-from armor_megatron.trainer.driver_rollout import STOPPED, DriverRollout, driver_only
+from armor_megatron.trainer.driver_rollout import DriverRollout, driver_only
 from armor_megatron.trainer.evaluation import EvalSet, evaluate_during_training
 from armor_megatron.trainer.hf_save import save_hf_due
 from armor_megatron.trainer.metrics_log import MetricsLogger
@@ -87,8 +87,6 @@ from armor_megatron.trainer.run_report import RunReport
 from armor_megatron.trainer.state_format import FORMAT_VERSION, migrated
 from armor_megatron.trainer.step_report import StepReport, StepTimer
 from armor_megatron.trainer.update_phase import update_on_batch
-
-__all__ = ["BATCH_TENSORS", "STOPPED", "ArmorTrainer", "Preempted"]
 
 BATCH_TENSORS = ("input_ids", "lengths", "response_mask", "advantages", "rewards", "engine_logprobs", "is_anchor")
 
@@ -340,7 +338,7 @@ class ArmorTrainer:
         # 1. the driver's groups: on-policy responses, anchors, rewards, advantages; to every rank
         batch, metrics = self.driver.step_batch(self.step, report) if self.driver is not None else (None, {})
         tensors = broadcast_tensors(batch, BATCH_TENSORS)
-        if isinstance(tensors, str):  # STOPPED
+        if isinstance(tensors, str):  # STOPPED (`trainer.driver_rollout`)
             return None
         # 2. lp_old, lp_ref and the mixed-ratio DAPO update, the trainer on the device
         with report.update_window(), self._trainer_on_device(self._policy_release, REFERENCE_RELEASE, resume=False):
