@@ -234,7 +234,7 @@ def _train_ranks(cfg, resume) -> int:
     relaunch.die_with_launcher()
     quiet_third_party_warnings()
     preemption.record_early_signals()
-    from armor_megatron.trainer.loop import Preempted
+    from armor_megatron.trainer.preemption import Preempted
     from armor_megatron.trainer.run import train
 
     try:

@@ -212,7 +212,7 @@ def replay_colocated_step(
 ) -> DeviceLedger:
     """Replay one colocated step's memory events on a GPU's ledger.
 
-    ``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/loop.py; a
+    ``ArmorTrainer._step``'s memory order with colocated SGLang engines (trainer/device_memory.py; a
     test checks the loop records these very phases): rollout with the trainer on the host →
     engines released → trainer to the device → log-probs, update → trainer to the host and
     ``empty_cache`` → policy weights resumed → weights pushed from the host copy → KV cache and

@@ -84,7 +84,7 @@ with gradients and optimizer; it trains after the actor, so its activations do n
 **Phases** (`armor_megatron.launch.device_ledger`): a step holds different things at different
 moments, so the plan replays the step's memory order through a `DeviceLedger` per pipeline stage
 and a layout fits when every phase fits ``launch.gpu_memory_gib``. With colocated SGLang engines
-(``rollout.sglang.placement: colocated``) the order is the trainer's (trainer/loop.py): rollout
+(``rollout.sglang.placement: colocated``) the order is the trainer's (trainer/device_memory.py): rollout
 (engines hold ``mem_fraction_static`` of the GPU, weights + KV cache, and their CUDA graphs; the
 trainer is on the host when it offloads, ``train.offload_during_rollout``, default when colocated)
 → engines released (the policy group every tag; a frozen-reference group its KV cache and graphs:

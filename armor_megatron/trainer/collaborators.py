@@ -77,7 +77,7 @@ class Actor(ModelChunks, Protocol):
 
         ``batch``: ``input_ids``, ``lengths``, ``response_mask`` [B, T], ``advantages`` [B, T],
         ``old_logprobs`` [B, T], and where the algorithm uses them ``ref_logprobs`` and
-        ``tis_weights`` [B, T] (`trainer.loop.TRAIN_KEYS`).
+        ``tis_weights`` [B, T] (`trainer.update_phase.TRAIN_KEYS`).
         """
         ...
 
@@ -106,7 +106,7 @@ class Critic(ModelChunks, Protocol):
         ...
 
     def train_step(self, batch: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """One optimizer step of the clipped value loss (`trainer.loop.CRITIC_KEYS`); its scalar metrics."""
+        """One optimizer step of the clipped value loss (`trainer.update_phase.CRITIC_KEYS`); its scalar metrics."""
         ...
 
 

@@ -177,7 +177,7 @@ def broadcast_tensors(
 ) -> dict[str, torch.Tensor] | str | None:
     """Rank 0's ``{key: host tensor}`` (only ``keys``) on every rank.
 
-    None when rank 0 has none; a string (a marker such as the loop's ``STOPPED``) as it is.
+    None when rank 0 has none; a string (a marker such as the driver's ``STOPPED``, `trainer.driver_rollout`) as it is.
     """
     sent: dict[str, torch.Tensor] | str | None = (
         tensors if tensors is None or isinstance(tensors, str) else {k: tensors[k] for k in keys}

@@ -1,13 +1,14 @@
 """Turn a RunConfig into the pieces the loop uses.
 
-Losses, reset schedule, sampling, rollout settings and the rollout engine factories (the anchor
-side: `armor_megatron.rollout.anchor.build`). Nothing here runs a step.
+Losses, reset schedule, sampling, rollout settings, the training and evaluation prompts and the
+rollout engine factories (the anchor side: `armor_megatron.rollout.anchor.build`). Nothing here
+runs a step.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from armor_megatron.algo import ADVANTAGE_ESTIMATORS, RESET_SCHEDULES, PolicyLossConfig, ResetSchedule, ValueLossConfig
@@ -16,12 +17,16 @@ from armor_megatron.algo.reset import load_callable
 from armor_megatron.config.identity import checkpoint_dir
 from armor_megatron.config.schema import ROLLOUT_ENGINES, RunConfig
 from armor_megatron.config.validate import hf_config_of
+from armor_megatron.data.prompts import PromptDataset
+from armor_megatron.errors import DatasetError
+from armor_megatron.rewards import scorable
 from armor_megatron.rewards.isolated import calls_interrupted
 from armor_megatron.rollout.engine import RolloutEngine, SamplingParams, WeightSource
 from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollout
 from armor_megatron.rollout.partial import PartialBuffer
 from armor_megatron.rollout.partial_generation import PartialGenerator
 from armor_megatron.trainer.collaborators import EngineFactory
+from armor_megatron.trainer.evaluation import EvalSet
 from armor_megatron.trainer.rollout_phase import RolloutSettings
 
 
@@ -113,6 +118,50 @@ def rollout_settings(
         sample_metrics=load_callable(cfg.logging.sample_metrics) if cfg.logging.sample_metrics else None,
         environment=multi_turn_rollout(cfg, tokenizer),
     )
+
+
+def training_prompts(cfg: RunConfig, encode: Callable[[Any], list[int]]) -> PromptDataset:
+    """The training set without the prompts longer than ``rollout.max_prompt_len`` tokens.
+
+    Lengths count the tokens as ``encode`` gives them to the engine (chat and prompt templates
+    applied). The long prompts are left out once, up front, with a count in the log.
+    """
+    data, limit = cfg.data, cfg.rollout.max_prompt_len
+    dataset = scorable(
+        PromptDataset(data.train_path, data.prompt_key, data.answer_key, data.type_key),
+        cfg.reward.verifier,
+        cfg.reward.verifiers,
+    )
+    total = len(dataset)
+    dropped = dataset.keep(lambda row: len(encode(row.prompt)) <= limit)
+    if not len(dataset):
+        raise DatasetError(
+            f"{data.train_path}: all {total} prompts are longer than rollout.max_prompt_len={limit} tokens"
+        )
+    if dropped:
+        print(
+            f"[{cfg.name}] {data.train_path}: {dropped} of {total} prompts are longer than "
+            f"rollout.max_prompt_len={limit} tokens; left out",
+            flush=True,
+        )
+    return dataset
+
+
+def eval_sets(cfg: RunConfig) -> list[EvalSet]:
+    """The evaluation sets of ``eval.datasets``, each with its k (keys a dataset leaves out: ``data``'s)."""
+    data = cfg.data
+    return [
+        EvalSet(
+            d.name,
+            scorable(
+                PromptDataset(d.path, d.prompt_key or data.prompt_key, d.answer_key or data.answer_key, data.type_key),
+                cfg.reward.verifier,
+                cfg.reward.verifiers,
+            ),
+            d.k,
+        )
+        for d in cfg.eval.datasets
+    ]
 
 
 def multi_turn_rollout(cfg: RunConfig, tokenizer: Any) -> MultiTurnRollout | None:

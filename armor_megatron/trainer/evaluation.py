@@ -1,7 +1,7 @@
 """Evaluation: sample k responses per prompt, verify them, report avg@k and unbiased pass@k.
 
-Used periodically by the trainer and by ``armor-eval``. Every dataset row may name its own
-verifier (``type`` column); otherwise the default verifier scores it.
+Used periodically by the trainer (`evaluate_during_training`) and by ``armor-eval``. Every dataset
+row may name its own verifier (``type`` column); otherwise the default verifier scores it.
 """
 
 from __future__ import annotations
@@ -10,8 +10,10 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.prompts import PromptDataset, PromptRow, row_mapping
-from armor_megatron.rewards import metrics_by_dataset, score_batch
+from armor_megatron.rewards import flatten_metrics, metrics_by_dataset, score_batch
+from armor_megatron.rewards.isolated import CallsInterrupted, calls_interrupted
 from armor_megatron.rollout.engine import RolloutEngine, Sample, SamplingParams
 from armor_megatron.rollout.multiturn import MultiTurnRollout
 
@@ -91,6 +93,46 @@ def evaluate(
             metrics[es.name].update({k: float(v) for k, v in sample_metrics(mine).items()})
         records.extend(mine)
     return EvalResult(metrics, records)
+
+
+def evaluate_during_training(
+    engine: RolloutEngine,
+    encode: Callable[[object], list[int]],
+    eval_sets: Sequence[EvalSet],
+    sampling: SamplingParams,
+    cfg: RunConfig,
+    step: int,
+    *,
+    sample_metrics: Callable[[list[dict[str, Any]]], dict[str, float]] | None = None,
+    environment: MultiTurnRollout | None = None,
+) -> dict[str, Any]:
+    """The trainer's evaluation of the policy of ``step``: flat ``eval/<set>/<metric>``, and ``eval/mean/pass@1``.
+
+    {} when a preemption signal arrived before it (generating for an evaluation it cannot score is
+    waste) or stopped it (the checkpoint matters, this evaluation does not); a line says which.
+    """
+    if calls_interrupted():
+        print(f"[{cfg.name}] evaluation at step {step} skipped: a preemption signal arrived", flush=True)
+        return {}
+    try:
+        result = evaluate(
+            engine,
+            encode,
+            eval_sets,
+            sampling,
+            verifier=cfg.reward.verifier,
+            pass_k=cfg.eval.pass_k,
+            sample_metrics=sample_metrics,
+            environment=environment,
+        )
+    except CallsInterrupted:
+        print(f"[{cfg.name}] evaluation at step {step} stopped by a preemption signal", flush=True)
+        return {}
+    metrics = flatten_metrics(result.metrics)
+    pass1 = [v["pass@1"] for v in result.metrics.values() if "pass@1" in v]
+    if pass1:
+        metrics["eval/mean/pass@1"] = sum(pass1) / len(pass1)
+    return metrics
 
 
 def _score_by_verifier(

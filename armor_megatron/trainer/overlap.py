@@ -21,20 +21,25 @@ collective, so every rank's collective sequence is that of ``overlap: off``. A c
 the pending batch itself (`pending_state`), joined before the save, so resume is exact. A
 preemption signal does not stop the generation's reward calls (its weights are gone after the
 update, so a regenerated batch would differ): the join grants it ``reward.timeout_s`` after the
-signal, then stops them (`ArmorTrainer._join_pending`).
+signal, then stops them (`OneStepOverlap.join`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
+from armor_megatron.config.schema import RunConfig
 from armor_megatron.data.batch import RolloutBatch
+from armor_megatron.data.prompts import PromptLoader
+from armor_megatron.rewards.isolated import CallsInterrupted, interrupt_calls
 from armor_megatron.rollout.engine import StaleWeightsError
+from armor_megatron.trainer.preemption import PreemptionHandler
 
 MAX_LAG = 1
 _STEP_VERSION = re.compile(r"^step-(\d+)$")
@@ -126,6 +131,90 @@ class BackgroundRollout:
             raise err
         result, self._result = self._result, None
         return result
+
+
+class OneStepOverlap:
+    """The driver's pending batch: generated in the background beside an update, joined before the weight sync.
+
+    Args:
+        background: the thread the generation runs in (its guard keeps the driver off the loader,
+            engines and anchor cache meanwhile).
+        rollout: the rollout for the update of a step (its index).
+        loader: the prompt loader the generation draws from.
+        cfg: the run's config (its name, and ``reward.timeout_s``: the grace after a preemption signal).
+    """
+
+    def __init__(
+        self,
+        background: BackgroundRollout,
+        rollout: Callable[[int], tuple[RolloutBatch | None, dict[str, Any]]],
+        loader: PromptLoader,
+        cfg: RunConfig,
+    ) -> None:
+        self.background, self._rollout, self._loader, self._cfg = background, rollout, loader, cfg
+        self.pending: PendingBatch | None = None  # generated for the next step; a checkpoint holds it
+        self.beside_update = False  # the next step's batch is generating while this step trains
+        self._loader_before: dict[str, Any] | None = None  # the loader before the background generation drew
+
+    def start(self, for_step: int) -> None:
+        """Generate the batch of ``for_step`` in the background (the loader's state kept first)."""
+        self._loader_before = self._loader.state_dict()
+        self.background.start(functools.partial(generate_pending, functools.partial(self._rollout, for_step), for_step))
+
+    def stop_reward_calls(self) -> None:
+        """The preemption signal's handler: stop the reward calls in flight, unless they are the next batch's.
+
+        The rollout a step waits for is stopped at once (`interrupt_calls`): the step trains nothing,
+        and the resumed run generates the same batch from the same weights. The next step's batch,
+        generated beside this step's update, comes from weights the checkpoint no longer holds; it
+        is left to finish, so the checkpoint holds it and the resume stays exact (`join` bounds the
+        wait).
+        """
+        if not self.beside_update:
+            interrupt_calls()
+
+    def join(self, step: int, preemption: PreemptionHandler | None) -> PendingBatch | None:
+        """The background generation's batch, ``step`` the updates done.
+
+        After a preemption signal the generation gets ``reward.timeout_s`` (the bound of one
+        verifier call) to finish, counted from the signal or from the join, whichever is later;
+        then its reward calls are stopped (an engine request in flight still ends within its own
+        timeout). Once the batch is in hand the reward calls are stopped too, so the step's
+        evaluation is skipped as it is without overlap. None when they were: the loader goes back to where it
+        was before that generation drew its prompts, so a resumed run draws them again, from the
+        updated weights (lag 0 where the uninterrupted run had 1; logged).
+        """
+        grace_ends = None
+        while self.background.running and not self.background.finished(timeout=0.05):
+            if preemption is None or not preemption.requested():
+                continue
+            grace_ends = grace_ends or time.monotonic() + self._cfg.reward.timeout_s
+            if time.monotonic() >= grace_ends:
+                print(
+                    f"[{self._cfg.name}] warning: the next step's generation did not finish within "
+                    f"reward.timeout_s={self._cfg.reward.timeout_s:g}s of the preemption signal: its reward calls "
+                    f"are stopped, and the resumed run regenerates its batch from the updated weights (not "
+                    f"bit-exact from step {step + 1})",
+                    flush=True,
+                )
+                interrupt_calls()
+                break
+        self.beside_update = False
+        try:
+            pending = self.background.join()
+        except CallsInterrupted:
+            if self._loader_before is not None:
+                self._loader.load_state_dict(self._loader_before)
+            return None
+        if preemption is not None and preemption.requested():
+            interrupt_calls()  # the batch is in hand: what the step does after this (an evaluation) is skipped
+        return pending
+
+    def settled(self, step: int, preemption: PreemptionHandler | None) -> PendingBatch | None:
+        """The pending batch, once no generation runs (a checkpoint holds it)."""
+        if self.background.running:
+            self.pending = self.join(step, preemption)
+        return self.pending
 
 
 def generate_pending(rollout: Callable[[], tuple[RolloutBatch | None, dict[str, Any]]], for_step: int) -> PendingBatch:

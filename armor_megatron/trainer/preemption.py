@@ -83,3 +83,17 @@ class PreemptionHandler:
 
     def __exit__(self, *exc: object) -> None:
         self.uninstall()
+
+
+class Preempted(Exception):
+    """Raised after the preemption checkpoint is written; the CLI exits with the requeue code."""
+
+
+def signal_name(signum: int | None) -> str:
+    """``SIGUSR1``; a number that names no signal (on this rank: another rank got it) as is."""
+    if signum is None:
+        return "a preemption signal"
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"

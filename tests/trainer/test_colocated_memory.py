@@ -167,8 +167,8 @@ def colocated_trainer(tmp_path, monkeypatch):
         trainer.trainer_memory.ledger = ledger
         trainer.start_engines()
         yield trainer, ledger, planned, planned_start, servers
-        trainer.policy_engine.shutdown()
-        trainer.reference_engine.shutdown()
+        trainer.driver.policy_engine.shutdown()
+        trainer.driver.reference_engine.shutdown()
     finally:
         for server in servers:
             server.stop()

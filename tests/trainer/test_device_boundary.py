@@ -84,9 +84,9 @@ def test_update_brings_every_model_result_to_the_host(with_critic):
 def test_a_trainer_that_keeps_model_results_on_the_device_fails_here(with_critic, monkeypatch):
     """The test above can fail: with ``to_host`` a no-op (results left on the device, as the trainer
     once did), update() mixes them with the host batch and the harness raises CUDA's error."""
-    from armor_megatron.trainer import loop
+    from armor_megatron.trainer import update_phase
 
-    monkeypatch.setattr(loop, "to_host", lambda t: t.detach())
+    monkeypatch.setattr(update_phase, "to_host", lambda t: t.detach())
     with pytest.raises(RuntimeError, match="same device"):
         test_update_brings_every_model_result_to_the_host(with_critic)
 

@@ -1,4 +1,4 @@
-"""Pure helpers of the loop (trainer/loop.py)."""
+"""Pure helpers of the loop (trainer/loop.py, trainer/driver_rollout.py)."""
 
 import contextlib
 import os
@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from armor_megatron.trainer.loop import ArmorTrainer, Preempted, _merge_rounds
+from armor_megatron.trainer.driver_rollout import merge_rounds
+from armor_megatron.trainer.loop import ArmorTrainer
+from armor_megatron.trainer.preemption import Preempted
 
 
 def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
@@ -15,7 +17,7 @@ def test_rollout_rounds_merge_anchor_rates_and_sum_generation_costs():
         {"rollout/accuracy": 0.5, "rollout/generated_tokens": 100.0, "anchor/found_rate": 0.0, "anchor/tries": 8.0},
         {"rollout/accuracy": 0.9, "rollout/generated_tokens": 60.0, "anchor/found_rate": 1.0, "anchor/tries": 4.0},
     ]
-    merged = _merge_rounds(rounds)
+    merged = merge_rounds(rounds)
     assert merged["rollout/accuracy"] == 0.5  # the first round describes the policy
     assert merged["anchor/found_rate"] == 0.5 and merged["anchor/tries"] == 12.0
     assert merged["rollout/generated_tokens"] == 160.0
@@ -35,15 +37,12 @@ def _stub_trainer(steps: int, signal_at_step: int, signum):
         cfg=cfg,
         step=0,
         is_driver=False,
+        driver=None,  # no driver: the signal stops the reward calls at once, no partial rollouts
         _step=step,
-        _progress_bar=lambda logger: None,
         _trainer_on_device=contextlib.nullcontext,  # no engines, no offload
-        _park_trainer=lambda: None,
-        _generation_beside_update=False,  # no overlap: the signal stops the reward calls at once
-        _partial=None,  # no partial rollouts
+        memory=SimpleNamespace(park_trainer=lambda: None),
+        checkpoints=SimpleNamespace(step=None),
     )
-    trainer._partial_generator_closed = lambda: ArmorTrainer._partial_generator_closed(trainer)
-    trainer._stop_reward_calls = lambda: ArmorTrainer._stop_reward_calls(trainer)
     return trainer
 
 

@@ -17,10 +17,11 @@ from armor_megatron.rollout.engine import SamplingParams, StaleWeightsError
 from armor_megatron.rollout.hf_checkpoint import build_causal_lm
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
-from armor_megatron.trainer.loop import ArmorTrainer
+from armor_megatron.trainer.driver_rollout import DriverRollout
 from armor_megatron.trainer.overlap import (
     BackgroundRollout,
     LaggingBatchError,
+    OneStepOverlap,
     PendingBatch,
     check_lag,
     generate_pending,
@@ -139,19 +140,19 @@ def test_the_driver_touching_the_generations_state_before_the_join_fails():
 
 
 def test_the_trainer_guards_its_loader_engine_and_anchors_while_a_generation_runs():
-    # the trainer's accessors of the state a generation uses, on a trainer holding only that state
-    trainer = ArmorTrainer.__new__(ArmorTrainer)
-    trainer._background, trainer.loader, trainer.policy_engine, trainer.anchors = BackgroundRollout(), [], [], []
+    # the driver's accessors of the state a generation uses, on a driver holding only that state
+    driver = DriverRollout.__new__(DriverRollout)
+    driver.background, driver.loader, driver.policy_engine, driver.anchors = BackgroundRollout(), [], [], []
     release = threading.Event()
-    trainer._background.start(lambda: release.wait(timeout=30) and None)
+    driver.background.start(lambda: release.wait(timeout=30) and None)
     try:
-        for accessor in ("_prompts", "_engine", "_anchor_cache"):
+        for accessor in ("prompts", "engine", "anchor_cache"):
             with pytest.raises(RuntimeError, match="in use by the background rollout"):
-                getattr(trainer, accessor)
+                getattr(driver, accessor)
     finally:
         release.set()
-        trainer._background.join()
-    assert trainer._prompts == [] and trainer._engine == [] and trainer._anchor_cache == []
+        driver.background.join()
+    assert driver.prompts == [] and driver.engine == [] and driver.anchor_cache == []
 
 
 def test_timing_metrics_count_the_hidden_generation():
@@ -298,24 +299,20 @@ class _Loader:
         self.state = dict(state)
 
 
-def _joining_trainer(generate, timeout_s):
-    """What `ArmorTrainer._join_pending` reads: a background generation begun beside the update, and a preemption signal."""
+def _joining_overlap(generate, timeout_s):
+    """What `OneStepOverlap.join` reads: a background generation begun beside the update, and a preemption signal."""
     from types import SimpleNamespace
 
     from armor_megatron.trainer.preemption import PreemptionHandler
 
-    trainer = SimpleNamespace(
-        cfg=SimpleNamespace(name="run", reward=SimpleNamespace(timeout_s=timeout_s)),
-        step=1,
-        _background=BackgroundRollout(),
-        _prompts=_Loader(),
-        _loader_before_pending={"drawn": 0},
-        _generation_beside_update=True,
-        _preemption=PreemptionHandler(),
-    )
-    trainer._background.start(generate)
-    trainer._preemption.received = 15  # SIGTERM, as the handler records it
-    return trainer
+    cfg = SimpleNamespace(name="run", reward=SimpleNamespace(timeout_s=timeout_s))
+    overlap = OneStepOverlap(BackgroundRollout(), rollout=None, loader=_Loader(), cfg=cfg)
+    overlap._loader_before = {"drawn": 0}
+    overlap.beside_update = True
+    overlap.background.start(generate)
+    preemption = PreemptionHandler()
+    preemption.received = 15  # SIGTERM, as the handler records it
+    return overlap, preemption
 
 
 def _scoring(seconds):
@@ -334,34 +331,34 @@ def _scoring(seconds):
 
 
 def test_after_a_preemption_signal_the_next_batch_finishes_within_the_grace_and_is_kept():
-    """The signal leaves the generation beside the update alone (`ArmorTrainer._stop_reward_calls`);
+    """The signal leaves the generation beside the update alone (`OneStepOverlap.stop_reward_calls`);
     the join waits for it, so the preemption checkpoint holds its batch; with the batch in hand the
     reward calls are stopped, so the step's evaluation is skipped as without overlap."""
     from armor_megatron.rewards.isolated import allow_calls, calls_interrupted
 
-    trainer = _joining_trainer(_scoring(0.3), timeout_s=30.0)
-    ArmorTrainer._stop_reward_calls(trainer)
+    overlap, preemption = _joining_overlap(_scoring(0.3), timeout_s=30.0)
+    overlap.stop_reward_calls()
     assert not calls_interrupted()
     try:
-        pending = ArmorTrainer._join_pending(trainer)
+        pending = overlap.join(1, preemption)
         assert calls_interrupted()
     finally:
         allow_calls()
     assert pending is not None and pending.metrics == {"rollout/reward": 0.5}
-    assert trainer._prompts.state == {"drawn": 1} and not trainer._generation_beside_update
+    assert overlap._loader.state == {"drawn": 1} and not overlap.beside_update
 
 
 def test_a_next_batch_stuck_past_the_grace_is_stopped_and_its_prompts_go_back(capsys):
     from armor_megatron.rewards.isolated import allow_calls
 
-    trainer = _joining_trainer(_scoring(3600.0), timeout_s=0.3)
+    overlap, preemption = _joining_overlap(_scoring(3600.0), timeout_s=0.3)
     begin = time.monotonic()
     try:
-        pending = ArmorTrainer._join_pending(trainer)
+        pending = overlap.join(1, preemption)
     finally:
         allow_calls()
     assert pending is None and time.monotonic() - begin < 30
-    assert trainer._prompts.state == {"drawn": 0}  # drawn again by the resumed run
+    assert overlap._loader.state == {"drawn": 0}  # drawn again by the resumed run
     assert "did not finish within reward.timeout_s=0.3s of the preemption signal" in capsys.readouterr().out
 
 
@@ -371,7 +368,7 @@ def test_a_signal_outside_the_overlap_stops_the_reward_calls_at_once():
     from armor_megatron.rewards.isolated import allow_calls, calls_interrupted
 
     try:
-        ArmorTrainer._stop_reward_calls(SimpleNamespace(_generation_beside_update=False))
+        OneStepOverlap.stop_reward_calls(SimpleNamespace(beside_update=False))
         assert calls_interrupted()
     finally:
         allow_calls()

@@ -16,8 +16,8 @@ from armor_megatron.config import load_config
 from armor_megatron.megatron.checkpoint import load_trainer_state
 from armor_megatron.rollout.local import LocalEngine
 from armor_megatron.rollout.testing.sglang_test_server import SGLangTestServer
-from armor_megatron.trainer.loop import Preempted
 from armor_megatron.trainer.metrics_log import read_metrics
+from armor_megatron.trainer.preemption import Preempted
 from tests.trainer.test_loop_in_process import _train as train_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

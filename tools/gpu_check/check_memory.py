@@ -3,7 +3,7 @@
     python tools/gpu_check/check_memory.py [--device cuda|cpu] [--shape qwen2.5-0.5b|tiny]
         [--seq-len 2048] [--batch 4] [--json PATH]
 
-The trainer side of the colocated memory order (trainer/loop.py), on a randomly initialised model
+The trainer side of the colocated memory order (trainer/device_memory.py), on a randomly initialised model
 of ``--shape`` (bf16 actor with its Adam state after one update, and a bf16 reference): trainer
 on the device → the actor's and the reference's log-probs → an update → trainer to the host and
 ``empty_cache`` (`HostOffload`) → the weight export streamed from the host copy, bucket by bucket

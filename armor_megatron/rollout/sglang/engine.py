@@ -33,7 +33,7 @@ Log-probs: SGLang 0.5.23 reports ``log_softmax(logits / temperature)`` of the sa
 set: they would report temperature-1 values instead (the launcher refuses it).
 
 Colocated mode (engines share the trainer's GPUs; servers run with ``--enable-memory-saver``), a
-step's memory order (``trainer/loop.py``), so that no GPU holds the trainer and an engine's
+step's memory order (``trainer/device_memory.py``), so that no GPU holds the trainer and an engine's
 static region at once: rollout → :meth:`release_memory` (:data:`MEMORY_TAGS`: weights, KV cache,
 CUDA graphs) → trainer to the device → log-probs and update → trainer to the host and
 ``empty_cache`` → ``resume_memory(tags=("weights",))`` → push the weights (streamed from the
@@ -408,7 +408,7 @@ class SGLangEngine(RolloutEngine):
         if self._released:
             raise RuntimeError(
                 f"cannot {what} while the engines' memory {sorted(self._released)} is released; "
-                "resume it first (the colocated order in trainer/loop.py)"
+                "resume it first (the colocated order in trainer/device_memory.py)"
             )
 
     @contextlib.contextmanager
