@@ -17,6 +17,7 @@ anchors held for the head of that queue.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Iterator
@@ -36,6 +37,7 @@ from armor_megatron.rollout.partial_generation import GenerationStopped, GroupRe
 from armor_megatron.trainer import components
 from armor_megatron.trainer.partial_anchors import NONE_FOUND, HeldAnchors, holds_anchors
 from armor_megatron.trainer.rollout_phase import (
+    GroupScores,
     RolloutSettings,
     check_spans,
     collect_groups,
@@ -74,7 +76,7 @@ class PartialRollouts:
         self.queue: list[int] = []  # rows drawn from the loader and not yet requested
         self.draws = 0  # a running count naming each group
         self.held = HeldAnchors()  # anchors looked up for the head of that queue (with anchors)
-        self._scored: dict[str, tuple[list[float], int]] = {}  # a step's group scores by key (dynamic sampling)
+        self._scored: dict[str, GroupScores] = {}  # a step's group scores by key (dynamic sampling)
 
     def _row_of(self, request: GroupRequest) -> PromptRow:
         return self.rows_by_index[int(request.key.split(":")[0])]
@@ -124,7 +126,7 @@ class PartialRollouts:
         def accept(request: GroupRequest, members: list[Finished]) -> bool:
             row, anchor = self._row_of(request), kept_anchor(request.anchor, self.settings)
             self._scored[request.key] = score_group(row, [m.sample for m in members], self.settings, anchor)
-            accuracy = group_accuracy(row, self._scored[request.key][0], anchor, self.settings)
+            accuracy = group_accuracy(row, self._scored[request.key].scores[0], anchor, self.settings)
             return bool(dynamic_sampling_keep(torch.tensor([accuracy]))[0])
 
         try:
@@ -148,8 +150,13 @@ class PartialRollouts:
         """The kept groups as the step's batch (None when none was kept), scored once, their spans checked."""
         if not accepted:
             return None, metrics
-        ds, scored = self.cfg.algorithm.dynamic_sampling, self._scored
         accepted.sort(key=lambda group: int(group[0].key.split(":")[1]))  # by draw: no row order decided by time
+        scored = None  # without dynamic sampling, collect_groups scores the groups
+        if self.cfg.algorithm.dynamic_sampling.enabled:  # the filter's scores of the kept groups, breakdown included
+            scored = dataclasses.replace(
+                GroupScores.merge([self._scored[r.key] for r, _ in accepted]),
+                timeouts=sum(s.timeouts for s in self._scored.values()),  # of every group it scored
+            )
         metrics.update(
             check_spans([m.spans for _, ms in accepted for m in ms], step, self.cfg.rollout.partial.max_versions)
         )
@@ -161,9 +168,7 @@ class PartialRollouts:
                 self.settings,
                 pad_id=self.pad_id,
                 generated=[[m.sample for m in ms] for _, ms in accepted],
-                group_scores=([scored[r.key][0] for r, _ in accepted], sum(t for _, t in scored.values()))
-                if ds.enabled
-                else None,
+                group_scores=scored,
                 resolved=None if anchors is None else [r.anchor or NONE_FOUND for r, _ in accepted],
             )
         except CallsInterrupted:  # the signal stopped their scoring: the groups stay with the generator

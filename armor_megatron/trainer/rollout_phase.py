@@ -76,6 +76,38 @@ class RolloutSettings:
     environment: MultiTurnRollout | None = None  # rollout.environment: multi-turn rollouts with tools
 
 
+@dataclasses.dataclass(frozen=True)
+class GroupScores:
+    """Some groups' verifier scores, as `_score` makes them, so a caller that scored them first hands them on whole.
+
+    ``scores[p]``: group ``p``'s scores, in order; ``timeouts``: the verifier calls stopped at their
+    timeout (scored 0); ``parts``: each breakdown entry a verifier returned beside a score
+    (``RewardResult.breakdown``, e.g. math_dapo's ``acc``), its values over the responses carrying it.
+    """
+
+    scores: list[list[float]]
+    timeouts: int = 0
+    parts: dict[str, list[float]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def breakdown(self) -> dict[str, float]:
+        """Each breakdown entry's mean over the responses that carry it (``reward/breakdown/<entry>``)."""
+        return {key: sum(values) / len(values) for key, values in self.parts.items()}
+
+    @staticmethod
+    def merge(groups: Sequence[GroupScores]) -> GroupScores:
+        """``groups``' scores in order, their timeouts summed, their breakdown values pooled (one mean over all)."""
+        parts: dict[str, list[float]] = {}
+        for group in groups:
+            for key, values in group.parts.items():
+                parts.setdefault(key, []).extend(values)
+        return GroupScores(
+            [list(scores) for group in groups for scores in group.scores],
+            sum(group.timeouts for group in groups),
+            parts,
+        )
+
+
 def anchor_truths(rows: Sequence[PromptRow], settings: RolloutSettings) -> list[tuple[Any, ...]]:
     """What an anchor candidate of each row is verified against: ``(verifier, answer, row fields)``.
 
@@ -112,7 +144,7 @@ def collect_groups(
     anchors: AnchorCache | None = None,
     pad_id: int = 0,
     generated: Sequence[Sequence[Sample]] | None = None,
-    group_scores: tuple[list[list[float]], int] | None = None,
+    group_scores: GroupScores | None = None,
     resolved: Sequence[AnchorResult] | None = None,
 ) -> tuple[RolloutBatch, dict[str, float]]:
     """Sample, verify and group one batch of prompts; returns (batch of P·G rows, metrics).
@@ -123,8 +155,9 @@ def collect_groups(
     ``generated``: the on-policy responses of each row, already sampled (partial rollouts,
     `rollout.partial_generation`): G−1 for a row whose anchor is kept, G otherwise; ``resolved``:
     the anchors of those rows, already looked up (one `AnchorResult` per row, in place of
-    ``anchors``); ``group_scores``: their verifier scores and timed-out calls when already computed
-    (by dynamic sampling's filter, `score_group`), as `_score` returns them.
+    ``anchors``); ``group_scores``: their verifier scores, timed-out calls and breakdown when
+    already computed (by dynamic sampling's filter: `score_group` per group, `GroupScores.merge`d),
+    as `_score` makes them, so the metrics are those of scoring the groups here.
     """
     G = settings.group_size
     prompt_ids = [encode(r.prompt) for r in rows]
@@ -169,11 +202,12 @@ def collect_groups(
         if in_group[p] and anchor is not None:
             texts[p].append(anchor.text)
             trajectories[p].append(anchor.trajectory)
-    policy_scores, timeouts, breakdown = (
-        ([list(scores) for scores in group_scores[0]], group_scores[1], {})  # the caller's lists stay as they are
+    verified = (
+        group_scores
         if group_scores is not None
         else _score(texts, rows, verifiers, settings.reward_workers, trajectories)
     )
+    policy_scores = [list(scores) for scores in verified.scores]  # the caller's lists stay as they are
     for p, scores in enumerate(policy_scores):
         if in_group[p]:  # the anchor's score in its group replaces the one it was accepted with
             anchor_scores[p] = scores.pop()
@@ -206,8 +240,8 @@ def collect_groups(
         "rollout/reward_std": rewards.std(unbiased=False).item(),
         "rollout/truncated_rate": sum(s.finish_reason == "length" for s in samples) / len(samples),
         "rollout/generated_tokens": float(sum(s.model_tokens for group in policy for s in group)),
-        "reward/timeouts": float(timeouts),  # verifier calls stopped at their timeout (scored 0)
-        **{f"reward/breakdown/{k}": v for k, v in breakdown.items()},  # the verifiers' own criteria (e.g. acc)
+        "reward/timeouts": float(verified.timeouts),  # verifier calls stopped at their timeout (scored 0)
+        **{f"reward/breakdown/{k}": v for k, v in verified.breakdown.items()},  # the verifiers' own criteria (e.g. acc)
         **truncation_metrics(samples),  # multi-turn: turns, environment tokens, limits hit
     }
     on_policy = accuracy[~groups.is_anchor]  # anchors reach the success reward by construction
@@ -287,26 +321,26 @@ def replace_stale_anchors(
         extra = generate_responses(
             engine, [prompts[stale[j]] for j in missing], [rows[j] for j in missing], 1, settings
         )
-        scores, _, _ = _score(
+        scores = _score(
             [[g[0].text] for g in extra],
             [rows[j] for j in missing],
             [verifiers[j] for j in missing],
             settings.reward_workers,
             [[g[0].trajectory] for g in extra],
-        )
+        ).scores
         for j, group, score in zip(missing, extra, scores):
             i = stale[j]
             samples[i], accuracy[i], is_anchor[i] = dataclasses.replace(group[0], prompt_index=i), score[0], False
     G = settings.group_size
     regroup = [(i - i % G, j) for j, i in enumerate(stale) if _scores_groups(verifiers[j])]
     if regroup:  # a group verifier's scores depend on the whole group: score each changed group again
-        scores, _, _ = _score(
+        scores = _score(
             [[samples[k].text for k in range(first, first + G)] for first, _ in regroup],
             [rows[j] for _, j in regroup],
             [verifiers[j] for _, j in regroup],
             settings.reward_workers,
             [[samples[k].trajectory for k in range(first, first + G)] for first, _ in regroup],
-        )
+        ).scores
         for (first, _), group_scores in zip(regroup, scores):
             accuracy[first : first + G] = torch.tensor(group_scores)
     out = _to_batch(samples, prompts, pad_id, settings.vocab_size)
@@ -388,19 +422,18 @@ def kept_anchor(result: AnchorResult | None, settings: RolloutSettings) -> Ancho
 
 def score_group(
     row: PromptRow, samples: Sequence[Sample], settings: RolloutSettings, anchor: AnchorResult | None = None
-) -> tuple[list[float], int]:
-    """One row's on-policy responses scored by its verifier: (scores, timed-out calls), as `collect_groups` scores them.
+) -> GroupScores:
+    """One row's on-policy responses scored by its verifier, as `collect_groups` scores them: a group of one.
 
     ``anchor``: the group's kept anchor (`kept_anchor`); a group verifier sees it last, in the same
-    call, and its score comes last in the scores.
+    call, its score comes last in the scores and its breakdown counts, as in `collect_groups`.
     """
     verifier = row.verifier or settings.verifier
     texts, trajectories = [s.text for s in samples], [s.trajectory for s in samples]
     if anchor is not None and anchor.anchor is not None and _scores_groups(verifier):
         texts.append(anchor.anchor.text)
         trajectories.append(anchor.anchor.trajectory)
-    [scores], timeouts, _ = _score([texts], [row], [verifier], settings.reward_workers, [trajectories])
-    return scores, timeouts
+    return _score([texts], [row], [verifier], settings.reward_workers, [trajectories])
 
 
 def group_accuracy(
@@ -468,14 +501,14 @@ def _score(
     verifiers: Sequence[str],
     workers: int | None,
     trajectories: Sequence[Sequence[Any]] | None = None,
-) -> tuple[list[list[float]], int, dict[str, float]]:
+) -> GroupScores:
     """Per-prompt score lists, scoring all responses of one verifier in one batch; the timed-out calls; the breakdown.
 
     ``texts[p]``: the responses to ``rows[p]``, scored by ``verifiers[p]`` (a group verifier gets
     them in one call); ``trajectories[p][j]``: response ``j``'s turns (multi-turn; None: single-turn
     responses); an error names the row. The breakdown: each entry a verifier returned beside its
-    score (``RewardResult.breakdown``, e.g. math_dapo's ``acc``), its mean over the responses that
-    carry it.
+    score (``RewardResult.breakdown``, e.g. math_dapo's ``acc``), its values over the responses that
+    carry it (`GroupScores.breakdown`: their mean).
     """
     flat = [(p, j, t) for p, group in enumerate(texts) for j, t in enumerate(group)]
     scores: list[list[float]] = [[] for _ in texts]
@@ -500,7 +533,7 @@ def _score(
                 parts.setdefault(key, []).append(value)
         # a group or batch call that timed out gives each of its responses the same result: one call
         timeouts += len({id(r) for r in results if r.breakdown.get("timed_out")})
-    return scores, timeouts, {key: sum(values) / len(values) for key, values in parts.items()}
+    return GroupScores(scores, timeouts, parts)
 
 
 def _to_batch(

@@ -23,6 +23,7 @@ from armor_megatron.rollout.multiturn import EnvironmentSettings, MultiTurnRollo
 from armor_megatron.rollout.testing.tiny_models import build_char_tokenizer, encode, tiny_config, tiny_weights
 from armor_megatron.trainer.advantages import group_advantages
 from armor_megatron.trainer.rollout_phase import (
+    GroupScores,
     RolloutSettings,
     _to_batch,
     collect_groups,
@@ -349,17 +350,26 @@ class RecordedLookups:
         return self.results
 
 
+def _first_solver_dapo(responses, ground_truth, prompt):
+    """A group verifier shaped as math_dapo: `_first_solver`'s scores, with ``acc`` (scored above 0) beside them."""
+    return [
+        {"score": s, "acc": s > 0, "pred": r[:1]}
+        for s, r in zip(_first_solver(responses, ground_truth, prompt), responses)
+    ]
+
+
 @pytest.mark.parametrize(
     ("verifier", "prescored"),
-    [("test_starts_with", False), ("test_first_solver", True)],
-    ids=["scored_here", "group_verifier_scored_by_the_filter"],
+    [("test_starts_with", False), ("test_first_solver_dapo", True)],
+    ids=["scored_here", "group_verifier_with_breakdown_scored_by_the_filter"],
 )
 def test_pre_generated_groups_with_their_anchors_assemble_exactly_as_sampled_ones(setup, verifier, prescored):
     """The partial-rollout path (on-policy responses generated earlier, anchors looked up when each group
     started, scores from dynamic sampling's filter or not) builds the same batch and metrics as
-    `collect_groups` sampling the same responses and anchors itself."""
+    `collect_groups` sampling the same responses and anchors itself: the verifier's breakdown included,
+    its mean over the same responses (under a group verifier, the anchors' too)."""
     tok, policy, sampler, rows = setup
-    with registered(test_first_solver=_first_solver):
+    with registered(test_first_solver_dapo=_first_solver_dapo):
         settings = RolloutSettings(group_size=G, sampling=SAMPLING, verifier=verifier)
         lookups = RecordedLookups(AnchorCache(sampler))
         expected, expected_metrics = _collect(setup, lookups, verifier=verifier)
@@ -377,14 +387,16 @@ def test_pre_generated_groups_with_their_anchors_assemble_exactly_as_sampled_one
             pad_id=tok.pad_token_id,
             generated=generated,
             resolved=lookups.results,
-            group_scores=([s for s, _ in scored], sum(t for _, t in scored)) if prescored else None,
+            group_scores=GroupScores.merge(scored) if prescored else None,
         )
-        accuracy = [group_accuracy(r, s, a, settings) for r, (s, _), a in zip(rows, scored, kept)]
+        accuracy = [group_accuracy(r, s.scores[0], a, settings) for r, s, a in zip(rows, scored, kept)]
     assert batch["accuracy"].view(len(rows), G).tolist() == accuracy  # what dynamic sampling's filter judged
     assert batch.tensors.keys() == expected.tensors.keys()
     for name, tensor in expected.tensors.items():
         assert torch.equal(batch[name], tensor), name
     assert batch.objects == expected.objects and metrics == expected_metrics
+    if prescored:  # the filter's breakdown, each group's values pooled: one mean over the batch, anchors included
+        assert 0 < metrics["reward/breakdown/acc"] < 1
     with pytest.raises(ValueError, match="row 0 has 4 pre-generated responses, 3 expected"):
         collect_groups(
             rows,
@@ -503,5 +515,15 @@ def test_a_timed_out_group_call_counts_one_timeout_not_one_per_response(setup):
 
     _, _, _, rows = setup
     with registered(test_timed_out_group=_timed_out_group):
-        scores, timeouts, _ = _score([["a", "b", "c"], ["d", "e"]], rows[:2], ["test_timed_out_group"] * 2, None)
-    assert scores == [[0.0, 0.0, 0.0], [0.0, 0.0]] and timeouts == 2
+        scored = _score([["a", "b", "c"], ["d", "e"]], rows[:2], ["test_timed_out_group"] * 2, None)
+    assert scored.scores == [[0.0, 0.0, 0.0], [0.0, 0.0]] and scored.timeouts == 2
+
+
+def test_merged_group_scores_pool_the_breakdown_over_responses_not_groups():
+    one = GroupScores([[1.0, 0.0]], timeouts=1, parts={"acc": [1.0, 0.0], "timed_out": [0.0, 1.0]})
+    other = GroupScores([[1.0]], parts={"acc": [1.0]})
+    merged = GroupScores.merge([one, other])
+    assert merged.scores == [[1.0, 0.0], [1.0]] and merged.timeouts == 1
+    assert merged.breakdown == {"acc": pytest.approx(2 / 3), "timed_out": 0.5}  # each entry over its carriers
+    merged.scores[0].append(9.0)
+    assert one.scores == [[1.0, 0.0]]  # the groups' own lists are not shared
