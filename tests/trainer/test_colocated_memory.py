@@ -197,6 +197,7 @@ def test_the_start_before_issue_31_does_not_fit():
     assert problem is not None and problem.startswith("start, phase 'trainer built'")
 
 
+@pytest.mark.slow  # two SGLang test doubles and a colocated trainer's whole step: near the 10 s limit on a busy machine
 def test_a_colocated_step_never_holds_trainer_and_engines_at_once(colocated_trainer):
     trainer, ledger, planned, _, servers = colocated_trainer
     saves = []
