@@ -5,16 +5,18 @@ Setup: the tiny arithmetic task (``configs/tiny_cpu.yaml``, its model warmed up 
 transformers engine behind SGLang's API, not SGLang) in their own processes pinned to core 0, the
 policy group's and the frozen reference's; the trainer (Megatron actor and reference, one process,
 one thread) is pinned to core 1; weights reach the engines by ``disk`` sync. Generation and update
-are balanced by the model's size (the update's FLOPs), the response length (the engine's decode
-steps) and the batch; dynamic sampling is off so that every step generates one round. Both runs train the
+are balanced from a measured ``off`` run: a short calibration run with one epoch per step times
+generation, the trainer's log-probs and one epoch of the update on this machine, and
+``train.epochs_per_step`` is set so that log-probs plus the update take as long as generation
+(``--epochs`` fixes it instead); dynamic sampling is off so that every step generates one round. Both runs train the
 same steps from the same start with TIS on (one_step requires it); the first step of each run
 (start-up, nothing to overlap with yet) and the last (the final checkpoint) are left out of the times.
 
-Printed: per run, the mean seconds per step, of generation (``time/generation``), of the
+Printed: the calibration's phases and the epochs chosen; per run, the mean seconds per step, of generation (``time/generation``), of the
 trainer's log-probs and update, the idle fractions, and the training reward at the end (mean of
 the last quarter of the steps). The last line is
 ``step_time_ratio_overlap_vs_off= trainer_idle_frac_off= trainer_idle_frac_overlap= reward_end_off= reward_end_overlap=``.
-The target ratio, with generation and update balanced and idle cores, is <= 0.65.
+The target ratio, with generation and update balanced and idle cores, is <= 0.55.
 """
 
 from __future__ import annotations
@@ -133,6 +135,13 @@ def train(work: str, name: str, paths: list[str], urls: tuple[str, str], overlap
     return sorted(read_metrics(os.path.join(work, "runs", name, "metrics.jsonl")), key=lambda r: r["step"])
 
 
+def balanced_epochs(calibration: dict) -> int:
+    """Epochs per step that make the trainer's side as long as generation, from a one-epoch ``off`` run:
+    ``logprobs + e * update_per_epoch ~= generation``, at least one."""
+    per_epoch = max(calibration["update_s"], 1e-9)
+    return max(1, round((calibration["generation_s"] - calibration["logprobs_s"]) / per_epoch))
+
+
 def summary(records: list[dict]) -> dict:
     last = max(r["step"] for r in records)
     # step 1: start-up, nothing to overlap with yet; the last step: the final checkpoint
@@ -147,6 +156,8 @@ def summary(records: list[dict]) -> dict:
         "step_s": mean("time/step"),
         "generation_s": mean("time/generation"),
         "trainer_s": mean("time/logprobs") + mean("time/update"),
+        "logprobs_s": mean("time/logprobs"),
+        "update_s": mean("time/update"),
         "wait_s": mean("time/rollout"),
         "trainer_idle_frac": mean("time/trainer_idle_frac"),
         "engine_idle_frac": mean("time/engine_idle_frac"),
@@ -163,11 +174,17 @@ def main(argv=None) -> None:
     p.add_argument(
         "--hidden",
         type=int,
-        default=384,
-        help="hidden size of the tiny model: the update side's weight (384: balanced)",
+        default=256,
+        help="hidden size of the tiny model (the update's FLOPs per epoch)",
     )
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--epochs", type=int, default=8, help="train.epochs_per_step")
+    p.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help="train.epochs_per_step (default: chosen by a calibration run so that the update takes as long as generation)",
+    )
+    p.add_argument("--calibration-steps", type=int, default=4, help="steps of the one-epoch calibration run")
     p.add_argument("--lr", type=float, default=2e-4)
     p.add_argument("--warmup-steps", type=int, default=150)
     p.add_argument("--work", default=None, help="working directory (default: a temporary one)")
@@ -189,6 +206,16 @@ def main(argv=None) -> None:
             for role in ("policy", "reference"):
                 engines.append(start_engine(f"{work}/hf", engine_core, f"{work}/engine-{role}.log"))
             urls = (engines[0][1], engines[1][1])
+            if args.epochs is None:
+                calibration_args = argparse.Namespace(**{**vars(args), "epochs": 1, "steps": args.calibration_steps})
+                calibration = summary(train(work, "calibration", paths, urls, "off", calibration_args, trainer_core))
+                args.epochs = balanced_epochs(calibration)
+                print(
+                    f"calibration (off, 1 epoch, {args.calibration_steps} steps): "
+                    f"generation {calibration['generation_s']:.3f} s, log-probs {calibration['logprobs_s']:.3f} s, "
+                    f"update {calibration['update_s']:.3f} s an epoch -> train.epochs_per_step={args.epochs}",
+                    flush=True,
+                )
             results = {}
             for overlap in ("off", "one_step"):
                 started = time.perf_counter()
@@ -200,6 +227,11 @@ def main(argv=None) -> None:
                 proc.terminate()
                 proc.wait(timeout=30)
     off, one = results["off"], results["one_step"]
+    for overlap, r in results.items():
+        print(
+            f"phases {overlap}: generation {r['generation_s']:.3f} s, trainer {r['trainer_s']:.3f} s "
+            f"(log-probs {r['logprobs_s']:.3f} + update {r['update_s']:.3f}), step {r['step_s']:.3f} s"
+        )
     serial = max(off["step_s"] - off["generation_s"] - off["trainer_s"], 0.0)  # sync, rewards, metrics
     predicted = overlap_ratio(off["generation_s"], off["trainer_s"], serial)
     print(f"--plan's step-time model, from the off run's phases: one_step/off = {predicted:.3f}")
