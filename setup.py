@@ -51,6 +51,7 @@ setup(
         "test": [
             "pytest>=8",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # `pytest -n 2`: the suite on two workers (docs/contributing.md, Tests)
             "pytest-random-order==1.2.0",  # off unless asked: `pytest --random-order` (docs/contributing.md, Tests)
             "matplotlib>=3.7",
             "ruff==0.17.6",

@@ -159,17 +159,32 @@ _SUITE_START = pytest.StashKey[tuple[float, tuple[float, dict[tuple[int, float],
 _TEST_CPU_S = pytest.StashKey[dict[bool, list[float]]]()  # slow or not: each finished test's CPU seconds
 
 
+_CLOCK_CONFIG: list[pytest.Config] = []  # the run's config, for pytest_runtest_logreport (no config argument)
+
+
 def pytest_sessionstart(session):
     session.config.stash[_SUITE_START] = (time.perf_counter(), cpu_snapshot())
     session.config.stash[_TEST_CPU_S] = {True: [], False: []}
+    _CLOCK_CONFIG[:] = [session.config]
+
+
+_TEST_START = pytest.StashKey[tuple[float, dict[tuple[int, float], float]]]()
+_CPU_PROPERTY = "suite_clock_cpu_s"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    start = cpu_snapshot()
+    item.stash[_TEST_START] = cpu_snapshot()
     yield
-    slow = item.get_closest_marker("slow") is not None
-    item.config.stash[_TEST_CPU_S][slow].append(cpu_seconds_since(start))
+
+
+def pytest_runtest_logreport(report):
+    """Counts a finished test's CPU seconds, carried on its tear-down report: under pytest-xdist
+    (``-n 2``) the report reaches the controlling process, which prints the clock."""
+    for name, value in report.user_properties if report.when == "teardown" else ():
+        if name == _CPU_PROPERTY:
+            slow, cpu_s = value
+            _CLOCK_CONFIG[0].stash[_TEST_CPU_S][slow].append(cpu_s)
 
 
 def suite_clock_line(wall_s: float, cpu_s: float, tests_cpu_s: dict[bool, list[float]]) -> str:
@@ -232,6 +247,9 @@ def pytest_fixture_setup(fixturedef, request):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
+    if report.when == "teardown" and _TEST_START in item.stash:
+        slow = item.get_closest_marker("slow") is not None
+        report.user_properties.append((_CPU_PROPERTY, (slow, cpu_seconds_since(item.stash[_TEST_START]))))
     limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
     if report.when != "call" or not report.passed or not _judged(item):
         return

@@ -101,8 +101,11 @@ def _run(pytester, monkeypatch, limit, *args):
 
 @pytest.mark.slow  # a pytest process of its own
 @pytest.mark.timeout(120)
-def test_a_test_over_the_limit_fails_unless_marked_slow(pytester, monkeypatch):
-    result = _run(pytester, monkeypatch, "0.5")
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one-process", "xdist"])
+def test_a_test_over_the_limit_fails_unless_marked_slow(pytester, monkeypatch, workers):
+    """The rule and the clock hold in one process and under pytest-xdist (the clock is printed by the
+    controlling process, from the tests' reports)."""
+    result = _run(pytester, monkeypatch, "0.5", *workers)
     result.assert_outcomes(passed=5, failed=5)
     out = result.stdout.str()
     for name in ("test_works_past_the_limit", "test_works_past_the_limit_in_a_child_process"):

@@ -106,6 +106,7 @@ def armor_run(random_tiny, tmp_path_factory):
     return run, _train(_config(random_tiny, run, *ARMOR_RUN))
 
 
+@pytest.mark.slow  # armor_run: three steps, a Megatron checkpoint each and an HF copy (~13 s of CPU)
 def test_armor_steps_train_on_verified_anchors_with_tis_and_dynamic_sampling(armor_run):
     _, metrics = armor_run
     assert sorted(metrics) == [0, 1, 2, 3]
@@ -125,6 +126,7 @@ def test_armor_steps_train_on_verified_anchors_with_tis_and_dynamic_sampling(arm
     assert max(metrics[s]["anchor/found_rate"] for s in (1, 2, 3)) > 0
 
 
+@pytest.mark.slow  # armor_run: three steps, a Megatron checkpoint each and an HF copy (~13 s of CPU)
 def test_the_reset_sets_the_reference_to_the_policy(armor_run):
     _, metrics = armor_run
     assert metrics[2]["reference/reset"] == 1.0 and "reference/reset" not in metrics[1] | metrics[3]
@@ -135,6 +137,7 @@ def test_the_reset_sets_the_reference_to_the_policy(armor_run):
     assert [metrics[step]["rollout/anchor_reference"] for step in (1, 2, 3)] == [0.0, 0.0, 1.0]
 
 
+@pytest.mark.slow  # armor_run: three steps, a Megatron checkpoint each and an HF copy (~13 s of CPU)
 def test_evaluation_at_the_start_and_when_due(armor_run):
     _, metrics = armor_run
     for step in (0, 3):
@@ -144,6 +147,7 @@ def test_evaluation_at_the_start_and_when_due(armor_run):
     assert "overopt/train_val_gap" in metrics[3]  # the monitor compares training and validation accuracy
 
 
+@pytest.mark.slow  # armor_run: three steps, a Megatron checkpoint each and an HF copy (~13 s of CPU)
 def test_checkpoints_and_hf_copies_of_the_policy(armor_run, random_tiny):
     run, _ = armor_run
     ckpt = run / "ckpt"
@@ -161,6 +165,7 @@ def test_checkpoints_and_hf_copies_of_the_policy(armor_run, random_tiny):
         assert (hf / "config.json").exists() and (hf / "tokenizer.json").exists()
 
 
+@pytest.mark.slow  # armor_run: three steps, a Megatron checkpoint each and an HF copy (~13 s of CPU)
 def test_resuming_a_checkpoint_repeats_the_next_step_bit_for_bit(armor_run, random_tiny):
     run, metrics = armor_run
     # the trainer's memory goes to the host around rollouts and evaluation (bit-exact round trip)
