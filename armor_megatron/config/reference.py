@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import types
 import typing
 from typing import Any, Literal
@@ -18,7 +19,7 @@ from typing import Any, Literal
 import yaml
 
 from armor_megatron.config.schema import RunConfig
-from armor_megatron.config.typed import ConfigError
+from armor_megatron.config.typed import ConfigError, field_types
 
 DOC_PATH = "docs/config.md"
 REGENERATE = "python tools/config_docs.py"
@@ -44,9 +45,19 @@ class KeyDoc:
 
 def key_docs(cls: type = RunConfig) -> dict[str, KeyDoc]:
     """Every key of ``cls`` and its sections, in schema order; a section precedes its keys."""
+    return dict(_built_key_docs(cls))
+
+
+@functools.cache
+def _built_key_docs(cls: type) -> types.MappingProxyType[str, KeyDoc]:
+    """`key_docs`, built once per schema class.
+
+    The schema and its checks' descriptions are fixed when it is imported, and every refused config
+    (``--check``, a sweep's runs) explains its key.
+    """
     out: dict[str, KeyDoc] = {}
     _walk(cls, "", out)
-    return out
+    return types.MappingProxyType(out)
 
 
 def missing_docs(cls: type = RunConfig) -> list[str]:
@@ -65,7 +76,7 @@ def explain(key: str) -> str:
 
     An unknown key raises ConfigError with the closest known one.
     """
-    docs = key_docs()
+    docs = _built_key_docs(RunConfig)
     name = _normalise(key)
     if name not in docs:
         close = difflib.get_close_matches(name, list(docs), n=1, cutoff=0.6)
@@ -90,7 +101,7 @@ def schema_key(key: str) -> str | None:
     ``eval.datasets[].k``).
     """
     name = _normalise(key)
-    return name if name in key_docs() else None
+    return name if name in _built_key_docs(RunConfig) else None
 
 
 def render_markdown() -> str:
@@ -130,7 +141,7 @@ _UNDESCRIBED = "<undescribed check>"
 
 
 def _walk(cls: type, prefix: str, out: dict[str, KeyDoc]) -> None:
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     own = []
     section = KeyDoc(prefix, "section", "", "", _docstring(cls))
     out[prefix] = section

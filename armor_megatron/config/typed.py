@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
 import re
 import types
@@ -138,11 +139,21 @@ described("a plain name (no '/', not '.' or '..')", path_component)
 # ---------------------------------------------------------------------------- building
 
 
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """``typing.get_type_hints(cls)``, resolved once per class.
+
+    The schema's annotations are strings (``from __future__ import annotations``), and evaluating
+    them was most of a config's load time. Callers must not mutate the returned dict.
+    """
+    return typing.get_type_hints(cls)
+
+
 def from_dict(cls: type[T], data: Any, key: str = "") -> T:
     """Instantiate dataclass ``cls`` from ``data``, recursively, type- and range-checked."""
     if not isinstance(data, dict):
         raise ConfigError(key, f"expected a mapping (section), got {_type_name(data)}")
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for name in data:
         if name not in fields:
