@@ -24,6 +24,15 @@ from armor_megatron.rewards.remote import RemoteJudgeError, RemoteJudgeSettings,
 from armor_megatron.rewards.spec import add_search_paths
 from armor_megatron.rewards.user_calls import configure_user_verifiers
 
+# libyaml's loader where PyYAML was built with it (the wheels are): the same documents and errors as
+# yaml.SafeLoader, several times faster, which a sweep or a `--check` of many configs feels
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+def safe_load_yaml(text: str) -> Any:
+    """``yaml.safe_load(text)``, with libyaml's loader where it is available."""
+    return yaml.load(text, Loader=_SAFE_LOADER)
+
 DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
 
@@ -82,7 +91,7 @@ def read_yaml_tree(path: str, _seen: tuple[str, ...] = ()) -> dict[str, Any]:
         line = raw[: err.start].count(b"\n") + 1
         raise ConfigError("", f"{path} line {line}: not UTF-8 text (byte 0x{raw[err.start]:02x})") from None
     try:
-        data = yaml.safe_load(text)
+        data = safe_load_yaml(text)
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
@@ -107,7 +116,7 @@ def parse_override(item: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(item, "override must look like section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = safe_load_yaml(raw) if raw.strip() else ""
     except yaml.YAMLError:
         raise ConfigError(key, f"cannot parse override value {raw!r}") from None
     return key, value

@@ -33,7 +33,7 @@ from typing import Any
 import yaml
 
 from armor_megatron.config import ConfigError, RunConfig, load_config, to_dict
-from armor_megatron.config.load import config_tree, parse_override
+from armor_megatron.config.load import config_tree, parse_override, safe_load_yaml
 from armor_megatron.errors import UserInputError
 from armor_megatron.launch.plan import Launcher, LaunchOptions, LaunchPlanError, plan_job, preview_allocation
 from armor_megatron.launch.sbatch import DEFAULT_LOG_DIR, TEMPLATE, sbatch_command
@@ -90,7 +90,7 @@ def read_grid_file(path: str) -> dict[str, list]:
     """The grid of a YAML file (``{dotted key: [values]}``); one-line SweepError when it is unreadable."""
     try:
         with open(path) as f:
-            data = yaml.safe_load(f)
+            data = safe_load_yaml(f.read())
     except (OSError, yaml.YAMLError) as err:
         raise SweepError(f"--grid-file {path}: {err}") from None
     if not isinstance(data, dict):
