@@ -139,15 +139,16 @@ class _Clock:
     def __init__(self):
         self.wall, self.cpu = time.perf_counter(), cpu_snapshot()
 
-    def seconds(self) -> float:
-        return min(time.perf_counter() - self.wall, cpu_seconds_since(self.cpu))
+    def since(self) -> tuple[float, float]:
+        """(wall, CPU) seconds since the clock was made."""
+        return time.perf_counter() - self.wall, cpu_seconds_since(self.cpu)
 
 
 _LIMIT = pytest.StashKey[float]()
-_OWN_SETUP_S = pytest.StashKey[float]()
-_CALL_S = pytest.StashKey[float]()
+_TOOK_S = pytest.StashKey[float]()
 _SHARED_SETUPS = pytest.StashKey[list]()
-_shared_setups: list[tuple[str, float]] = []  # (fixture, seconds) of the shared fixtures set up for this test
+# (fixture, wall seconds, CPU seconds) of the shared fixtures set up for the running test
+_shared_setups: list[tuple[str, float, float]] = []
 _shared_depth = 0  # shared fixtures being set up (one may request another)
 
 
@@ -168,13 +169,16 @@ def pytest_sessionstart(session):
     _CLOCK_CONFIG[:] = [session.config]
 
 
-_TEST_START = pytest.StashKey[tuple[float, dict[tuple[int, float], float]]]()
+_TEST_START = pytest.StashKey[_Clock]()
 _CPU_PROPERTY = "suite_clock_cpu_s"
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    item.stash[_TEST_START] = cpu_snapshot()
+    """One clock per test, started before its set-up: its judged time (set-up and call) and its
+    CPU figure for the suite clock (up to the end of its tear-down) are both read off it. Reading
+    the CPU clock walks the process tree, so it is read only where a figure needs it."""
+    item.stash[_TEST_START] = _Clock()
     yield
 
 
@@ -211,22 +215,26 @@ def _judged(item) -> bool:
     return limit > 0 and item.get_closest_marker("slow") is None
 
 
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
     _shared_setups.clear()
-    clock = _Clock() if _judged(item) else None
-    yield
-    if clock is not None:
-        item.stash[_OWN_SETUP_S] = clock.seconds() - sum(s for _, s in _shared_setups)
-        item.stash[_SHARED_SETUPS] = list(_shared_setups)
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_call(item):
-    clock = _Clock() if _judged(item) else None
+    """Measures set-up and call together, less the shared fixtures that set-up started (judged on
+    their own): its wall time, and its CPU time only where the wall time is over the limit (the
+    lesser of the two is under the limit whenever the wall time is)."""
     yield
-    if clock is not None:
-        item.stash[_CALL_S] = clock.seconds()
+    clock = item.stash.get(_TEST_START, None)
+    if clock is None or not _judged(item):
+        return
+    limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
+    wall_s = time.perf_counter() - clock.wall - sum(wall for _, wall, _ in _shared_setups)
+    took = wall_s
+    if wall_s > limit:
+        took = min(wall_s, cpu_seconds_since(clock.cpu) - sum(cpu for _, _, cpu in _shared_setups))
+    item.stash[_TOOK_S] = took
+    item.stash[_SHARED_SETUPS] = list(_shared_setups)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -240,7 +248,7 @@ def pytest_fixture_setup(fixturedef, request):
     yield
     _shared_depth -= shared
     if clock is not None:
-        _shared_setups.append((fixturedef.argname, clock.seconds()))
+        _shared_setups.append((fixturedef.argname, *clock.since()))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -249,25 +257,24 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.when == "teardown" and _TEST_START in item.stash:
         slow = item.get_closest_marker("slow") is not None
-        report.user_properties.append((_CPU_PROPERTY, (slow, cpu_seconds_since(item.stash[_TEST_START]))))
+        report.user_properties.append((_CPU_PROPERTY, (slow, cpu_seconds_since(item.stash[_TEST_START].cpu))))
     limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
-    if report.when != "call" or not report.passed or not _judged(item):
+    if report.when != "call" or not report.passed or not _judged(item) or _TOOK_S not in item.stash:
         return
-    own_setup = max(0.0, item.stash.get(_OWN_SETUP_S, 0.0))
-    took = own_setup + item.stash.get(_CALL_S, report.duration)
+    took = item.stash[_TOOK_S]
     over = f"over the {limit:g} s limit of a test not marked slow ({SLOW_ENV})"
     if took > limit:
         report.outcome = "failed"
         report.longrepr = (
-            f"{item.nodeid} took {took:.1f} s (wall or CPU time, the lesser; setup {own_setup:.1f} s), {over}: "
+            f"{item.nodeid} took {took:.1f} s (its set-up and call; wall or CPU time, the lesser), {over}: "
             "mark it @pytest.mark.slow or make it faster"
         )
         return
-    for fixture, seconds in item.stash.get(_SHARED_SETUPS, []):
-        if seconds > limit:
+    for fixture, wall_s, cpu_s in item.stash.get(_SHARED_SETUPS, []):
+        if min(wall_s, cpu_s) > limit:
             report.outcome = "failed"
             report.longrepr = (
-                f"{item.nodeid}: its shared fixture {fixture!r} took {seconds:.1f} s to set up, {over}: "
+                f"{item.nodeid}: its shared fixture {fixture!r} took {min(wall_s, cpu_s):.1f} s to set up, {over}: "
                 "mark the tests that use it @pytest.mark.slow or make it faster"
             )
             return
