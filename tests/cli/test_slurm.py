@@ -128,16 +128,18 @@ def test_module_runs_as_a_program():
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
-    """An engine that answers 503 to its first health check, then 200 (with the key). Each test
-    serves its own subclass (`_health_server`), so no count leaks from one test into another."""
+    """An engine that answers 503 to its health checks before call ``healthy_from_call``, then 200
+    (with the key). Each test serves its own subclass (`_health_server`), so no count leaks from one
+    test into another."""
 
     calls = 0
+    healthy_from_call = 2
 
     def do_GET(self):
         type(self).calls += 1
         ok = (
             self.path == "/health_generate"
-            and type(self).calls >= 2
+            and type(self).calls >= type(self).healthy_from_call
             and self.headers.get("Authorization") == "Bearer k"
         )
         self.send_response(200 if ok else 503)
@@ -147,10 +149,11 @@ class _Health(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def _health_server() -> http.server.HTTPServer:
+def _health_server(healthy_from_call: int = 2) -> http.server.HTTPServer:
     """A running `_Health` server of a fresh handler class (its own call count, from 0)."""
-    server = http.server.HTTPServer(("127.0.0.1", 0), type("Health", (_Health,), {"calls": 0}))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    handler = type("Health", (_Health,), {"calls": 0, "healthy_from_call": healthy_from_call})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()  # shutdown() waits <= 0.05 s
     return server
 
 
@@ -187,7 +190,7 @@ def test_plan_dry_run_never_prints_the_api_key(capsys):
 
 @pytest.mark.timeout(30)
 def test_wait_engines_takes_the_key_from_the_environment(capsys):
-    server = _health_server()
+    server = _health_server(healthy_from_call=1)  # healthy at once: `armor-slurm` polls every 2 s
     try:
         url = f"http://127.0.0.1:{server.server_port}"
         assert main(["wait-engines", "--timeout", "20", url], environ={"ARMOR_ENGINE_API_KEY": "k"}) == 0
