@@ -16,7 +16,8 @@ fails, naming it. ``0`` turns the check off. A test that failed or was skipped i
 not marked slow: n tests, c s CPU`` (CPU: the pytest process and every process below it, as above;
 a test's own figure covers its set-up, call and tear-down, and a shared fixture counts in the test
 that set it up). CI prints it for the whole suite and for the fast subset, whose budget is judged
-on CPU seconds so that a loaded machine does not move it.
+on CPU seconds so that a loaded machine does not move it. ``ARMOR_CPU_DURATIONS=<n>`` lists the
+n tests that took the most CPU above it, as ``--durations`` does for wall time.
 
 **Processes.** Every process a test starts is stopped by that test (a ``finally`` or a
 fixture: `tests.processes.stopped_after`). At the end of the run, a child of the pytest process
@@ -158,6 +159,8 @@ def pytest_configure(config):
 
 _SUITE_START = pytest.StashKey[tuple[float, tuple[float, dict[tuple[int, float], float]]]]()
 _TEST_CPU_S = pytest.StashKey[dict[bool, list[float]]]()  # slow or not: each finished test's CPU seconds
+_HEAVIEST: list[tuple[float, str]] = []  # (CPU seconds, test id) of every finished test
+HEAVIEST_ENV = "ARMOR_CPU_DURATIONS"  # <n>: the suite clock is followed by the n tests that took the most CPU
 
 
 _CLOCK_CONFIG: list[pytest.Config] = []  # the run's config, for pytest_runtest_logreport (no config argument)
@@ -189,6 +192,7 @@ def pytest_runtest_logreport(report):
         if name == _CPU_PROPERTY:
             slow, cpu_s = value
             _CLOCK_CONFIG[0].stash[_TEST_CPU_S][slow].append(cpu_s)
+            _HEAVIEST.append((cpu_s, report.nodeid))
 
 
 def suite_clock_line(wall_s: float, cpu_s: float, tests_cpu_s: dict[bool, list[float]]) -> str:
@@ -207,6 +211,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall_s = time.perf_counter() - start[0]
     line = suite_clock_line(wall_s, cpu_seconds_since(start[1]), config.stash[_TEST_CPU_S])
     terminalreporter.ensure_newline()
+    heaviest = int(_seconds(HEAVIEST_ENV, 0))
+    for cpu_s, nodeid in sorted(_HEAVIEST, reverse=True)[:heaviest]:
+        terminalreporter.write_line(f"{cpu_s:8.1f} s CPU  {nodeid}")
     terminalreporter.write_line(line)
 
 
