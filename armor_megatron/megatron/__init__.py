@@ -17,9 +17,14 @@ The only subpackage that imports ``megatron.core`` (lazily, inside functions, so
 * `stability`   - `StabilityGuard`: skip non-finite or spiking steps (pure Python)
 * `checkpoint`  - atomic torch_dist training checkpoints, `latest`, pruning, resharding loads
 * `mcore_version` - the supported megatron-core release; importing this package refuses another minor
+* `jit_fusions` - megatron's ``jit_fuser`` functions compiled at first call, only when compiling is on
+  (installed when this package is imported: megatron-core then imports without dynamo and Inductor)
 """
 
+from armor_megatron.megatron import jit_fusions as _jit_fusions
 from armor_megatron.megatron import mcore_version as _mcore_version
+
+_jit_fusions.install()
 
 if (_installed := _mcore_version.installed_version()) is not None:
     _mcore_version.check(_installed)

@@ -88,6 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from armor_megatron.config.schema import TrainConfig
+from armor_megatron.megatron import jit_fusions
 from armor_megatron.megatron.dist import ParallelConfig
 from armor_megatron.models.arch import ModelArch
 from armor_megatron.models.family import family_of
@@ -111,9 +112,9 @@ def set_compile_stance(compile: bool) -> None:
     """Whether megatron's ``jit_fuser`` functions compile or run eagerly, process-wide.
 
     Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
-    (False), for this whole process; see `Throughput` (``throughput.torch_compile``).
+    (False), for this whole process; see `Throughput` (``throughput.torch_compile``) and `jit_fusions`.
     """
-    torch.compiler.set_stance("default" if compile else "force_eager")
+    jit_fusions.set_compiling(compile)
 
 
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:

@@ -66,9 +66,10 @@ class Throughput:
       and dispatcher helpers. Compiled, they need Triton and a C compiler on every node (Inductor
       and Triton build their launchers at run time), compile on every rank at the first step, and
       compile again when micro-batch token counts change (until dynamo marks the length dynamic)
-      and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes
-      (``torch.compiler.set_stance("force_eager")``): the same values and memory, a few more
-      elementwise kernels. True restores megatron's compiled kernels.
+      and for the no-grad log-prob passes. False runs them eagerly in the trainer's processes, as
+      written (`armor_megatron.megatron.jit_fusions` defers their compilation to their first call,
+      so no process imports dynamo for them): the same values and memory, a few more elementwise
+      kernels. True compiles them: megatron's compiled kernels.
 
     Always off, not keys: ``masked_softmax_fusion`` (only megatron's local attention reads it; its
     kernels come from an APEX-style source build, and TE's attention has its own),
