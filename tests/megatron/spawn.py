@@ -8,7 +8,7 @@ Ranks are kept for the session: starting one (a Python process importing torch, 
 the test module) costs several seconds, more than most calls run, so a call hands its function to
 ranks 0..N-1 of a pool of idle spawned processes and later calls reuse them. Each call still sees
 what a fresh process would: the caller's environment and working directory, torch's start-up seed,
-no process group (the one a call leaves is destroyed after it, megatron-core's model-parallel
+torch's intra-op threads as torchrun sets them (one per rank for several ranks), no process group (the one a call leaves is destroyed after it, megatron-core's model-parallel
 groups too) and deterministic algorithms off. A call in which a rank raised, died or timed out
 retires the whole pool (the next call starts new processes), so nothing a failed call left half done
 reaches another. ``fresh=True`` runs the call in processes of its own, for tests that measure
@@ -37,6 +37,7 @@ import torch.distributed
 import torch.multiprocessing as mp
 
 HOST = "127.0.0.1"
+_DEFAULT_THREADS = torch.get_num_threads()  # in a rank: before any call set it
 STOP_S = 60.0  # a pooled rank asked to stop exits within this (it writes its coverage data on exit)
 
 
@@ -63,6 +64,10 @@ def _rank_environ(rank, world_size, port):
 
 def _entry(fn, rank, world_size, port, out_dir, args):
     os.environ.update(_rank_environ(rank, world_size, port))
+    # intra-op threads as a fresh process gets them: torchrun sets OMP_NUM_THREADS=1 for more than one
+    # rank (N ranks of 2 threads each on 2 cores spin on each other), one process (srun's task) keeps
+    # torch's default; torch read the variable when this process imported it, before the line above
+    torch.set_num_threads(1 if world_size > 1 else _DEFAULT_THREADS)
     try:
         result = ("ok", fn(rank, *args))
     except BaseException:  # noqa: BLE001 - report everything to the parent
