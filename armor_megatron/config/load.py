@@ -33,6 +33,7 @@ def safe_load_yaml(text: str) -> Any:
     """``yaml.safe_load(text)``, with libyaml's loader where it is available."""
     return yaml.load(text, Loader=_SAFE_LOADER)
 
+
 DEFAULT_CHECKPOINT_ROOT = "checkpoints"
 
 
