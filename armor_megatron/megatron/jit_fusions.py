@@ -12,9 +12,10 @@ then replaces its ``jit_fuser`` with `compiled_on_first_call`, before any module
 A decorated function then runs as it is written while compiling is off (what
 ``torch.compiler.set_stance("force_eager")`` did to the compiled one: the same values, the same
 saved tensors), and is compiled by ``torch.compile`` at its first call once `set_compiling` has
-turned compiling on. This module imports nothing itself (torch comes with megatron-core). Where
-megatron-core was imported before `install` (its functions are compiled
-already), `set_compiling` sets torch's compile stance instead, as it always did.
+turned compiling on (`Throughput.torch_compile`, when a model config is built). Where megatron-core
+was imported before `install`, its functions are compiled already, and `set_compiling` sets torch's
+compile stance too ("force_eager" when off), as it always did. This module imports nothing itself:
+torch comes with megatron-core.
 """
 
 from __future__ import annotations

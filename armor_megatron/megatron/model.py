@@ -108,15 +108,6 @@ def te_available() -> bool:
     return True
 
 
-def set_compile_stance(compile: bool) -> None:
-    """Whether megatron's ``jit_fuser`` functions compile or run eagerly, process-wide.
-
-    Whether megatron's ``jit_fuser`` functions (``torch.compile``) compile (True) or run eagerly
-    (False), for this whole process; see `Throughput` (``throughput.torch_compile``) and `jit_fusions`.
-    """
-    jit_fusions.set_compiling(compile)
-
-
 def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
     """The torch dtype named by ``dtype`` (fp32 or bf16); others raise ValueError."""
     if isinstance(dtype, torch.dtype):
@@ -204,7 +195,7 @@ def transformer_config_from_arch(
     declared = family_of(arch).megatron(arch)
     dtype = resolve_dtype(dtype)
     throughput = throughput or Throughput()
-    set_compile_stance(throughput.torch_compile)
+    jit_fusions.set_compiling(throughput.torch_compile)
     use_te = te_available() if use_te is None else use_te
     if sequence_parallel is None:
         sequence_parallel = parallel.sp if parallel.sp is not None else use_te and parallel.tp > 1

@@ -14,11 +14,11 @@ import armor_megatron.megatron.actor  # the trainer's import of megatron-core
 import megatron.core.jit
 from megatron.core.fusions.fused_bias_swiglu import bias_swiglu_impl
 import torch
-from armor_megatron.megatron.model import set_compile_stance
+from armor_megatron.megatron.jit_fusions import set_compiling
 
 assert megatron.core.jit.jit_fuser.__name__ == "compiled_on_first_call", megatron.core.jit.jit_fuser
 assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules
-set_compile_stance(False)
+set_compiling(False)
 y = torch.randn(6, 16)
 a, b = y.chunk(2, -1)
 assert torch.equal(bias_swiglu_impl(y, None), torch.nn.functional.silu(a) * b)
