@@ -53,12 +53,12 @@ SLOW_ENV = "ARMOR_SLOW_TEST_SECONDS"
 SLOW_DEFAULT_S = 10.0
 
 
-def _seconds(env: str, default: float) -> float:
+def _env_number(env: str, default: float, parse: type = float, meaning: str = "a number of seconds") -> float:
     raw = os.environ.get(env, "")
     try:
-        return float(raw) if raw.strip() else default
+        return parse(raw) if raw.strip() else default
     except ValueError:
-        raise pytest.UsageError(f"{env}={raw!r} is not a number of seconds") from None
+        raise pytest.UsageError(f"{env}={raw!r} is not {meaning}") from None
 
 
 def slow_limit_s() -> float:
@@ -67,7 +67,7 @@ def slow_limit_s() -> float:
     The default is set for 2 cores; with one core usable (``taskset -c 0``) it doubles.
     """
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2
-    return _seconds(SLOW_ENV, SLOW_DEFAULT_S * (2.0 if cores < 2 else 1.0))
+    return _env_number(SLOW_ENV, SLOW_DEFAULT_S * (2.0 if cores < 2 else 1.0))
 
 
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 0.01
@@ -155,11 +155,13 @@ _shared_depth = 0  # shared fixtures being set up (one may request another)
 
 def pytest_configure(config):
     config.stash[_LIMIT] = slow_limit_s()
+    config.stash[_HEAVIEST_N] = int(_env_number(HEAVIEST_ENV, 0, int, "a number of tests"))
 
 
 _SUITE_START = pytest.StashKey[tuple[float, tuple[float, dict[tuple[int, float], float]]]]()
 _TEST_CPU_S = pytest.StashKey[dict[bool, list[float]]]()  # slow or not: each finished test's CPU seconds
 _HEAVIEST: list[tuple[float, str]] = []  # (CPU seconds, test id) of every finished test
+_HEAVIEST_N = pytest.StashKey[int]()
 HEAVIEST_ENV = "ARMOR_CPU_DURATIONS"  # <n>: the suite clock is followed by the n tests that took the most CPU
 
 
@@ -172,7 +174,7 @@ def pytest_sessionstart(session):
     _CLOCK_CONFIG[:] = [session.config]
 
 
-_TEST_START = pytest.StashKey[_Clock]()
+_TEST_CLOCK = pytest.StashKey[_Clock]()
 _CPU_PROPERTY = "suite_clock_cpu_s"
 
 
@@ -181,7 +183,7 @@ def pytest_runtest_protocol(item, nextitem):
     """One clock per test, started before its set-up: its judged time (set-up and call) and its
     CPU figure for the suite clock (up to the end of its tear-down) are both read off it. Reading
     the CPU clock walks the process tree, so it is read only where a figure needs it."""
-    item.stash[_TEST_START] = _Clock()
+    item.stash[_TEST_CLOCK] = _Clock()
     yield
 
 
@@ -211,8 +213,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     wall_s = time.perf_counter() - start[0]
     line = suite_clock_line(wall_s, cpu_seconds_since(start[1]), config.stash[_TEST_CPU_S])
     terminalreporter.ensure_newline()
-    heaviest = int(_seconds(HEAVIEST_ENV, 0))
-    for cpu_s, nodeid in sorted(_HEAVIEST, reverse=True)[:heaviest]:
+    for cpu_s, nodeid in sorted(_HEAVIEST, reverse=True)[: config.stash[_HEAVIEST_N]]:
         terminalreporter.write_line(f"{cpu_s:8.1f} s CPU  {nodeid}")
     terminalreporter.write_line(line)
 
@@ -232,7 +233,7 @@ def pytest_runtest_call(item):
     their own): its wall time, and its CPU time only where the wall time is over the limit (the
     lesser of the two is under the limit whenever the wall time is)."""
     yield
-    clock = item.stash.get(_TEST_START, None)
+    clock = item.stash.get(_TEST_CLOCK, None)
     if clock is None or not _judged(item):
         return
     limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
@@ -262,9 +263,9 @@ def pytest_fixture_setup(fixturedef, request):
 def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
-    if report.when == "teardown" and _TEST_START in item.stash:
+    if report.when == "teardown" and _TEST_CLOCK in item.stash:
         slow = item.get_closest_marker("slow") is not None
-        report.user_properties.append((_CPU_PROPERTY, (slow, cpu_seconds_since(item.stash[_TEST_START].cpu))))
+        report.user_properties.append((_CPU_PROPERTY, (slow, cpu_seconds_since(item.stash[_TEST_CLOCK].cpu))))
     limit = item.config.stash.get(_LIMIT, SLOW_DEFAULT_S)
     if report.when != "call" or not report.passed or not _judged(item) or _TOOK_S not in item.stash:
         return
@@ -346,7 +347,7 @@ def _describe(p: psutil.Process) -> str:
 def pytest_sessionfinish(session, exitstatus):
     _stop_lifetime_helpers()
     children = psutil.Process().children(recursive=True)
-    grace_s = _seconds(GRACE_ENV, GRACE_DEFAULT_S)
+    grace_s = _env_number(GRACE_ENV, GRACE_DEFAULT_S)
     _, alive = psutil.wait_procs(children, timeout=grace_s)
     alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     if not alive:

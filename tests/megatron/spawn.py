@@ -8,8 +8,9 @@ Ranks are kept for the session: starting one (a Python process importing torch, 
 the test module) costs several seconds, more than most calls run, so a call hands its function to
 ranks 0..N-1 of a pool of idle spawned processes and later calls reuse them. Each call still sees
 what a fresh process would: the caller's environment and working directory, torch's start-up seed,
-torch's intra-op threads as torchrun sets them (one per rank for several ranks), no process group (the one a call leaves is destroyed after it, megatron-core's model-parallel
-groups too) and deterministic algorithms off. A call in which a rank raised, died or timed out
+torch's intra-op threads as torchrun sets them (one per rank for several ranks), no process group
+(the one a call leaves is destroyed after it, megatron-core's model-parallel groups too) and
+deterministic algorithms off. A call in which a rank raised, died or timed out
 retires the whole pool (the next call starts new processes), so nothing a failed call left half done
 reaches another. ``fresh=True`` runs the call in processes of its own, for tests that measure
 process-wide state (peak RSS) or change what they cannot restore. `stop_pool` ends the pool:
